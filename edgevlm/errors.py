@@ -1,0 +1,93 @@
+"""Typed errors shared by the runtime, the daemon, the SDK and the CLI.
+
+Every error that crosses the wire carries a stable :class:`ErrorCode`; the SDK raises the
+matching subclass of :class:`EdgeVLMError`, and the CLI prints its one-line message and exits 2.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ErrorCode(str, Enum):
+    """Stable error codes of the wire protocol (``error.code`` in a response)."""
+
+    INVALID_REQUEST = "INVALID_REQUEST"
+    INVALID_IMAGE = "INVALID_IMAGE"
+    UNKNOWN_SOURCE = "UNKNOWN_SOURCE"
+    BUSY = "BUSY"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    INTERNAL = "INTERNAL"
+
+
+class EdgeVLMError(Exception):
+    """Base class of edgevlm's typed errors. ``code`` is the wire error code."""
+
+    code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init__(self, message: str, *, details: dict | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details or {}
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidRequestError(EdgeVLMError, ValueError):
+    code = ErrorCode.INVALID_REQUEST
+
+
+class InvalidImageError(EdgeVLMError, ValueError):
+    code = ErrorCode.INVALID_IMAGE
+
+
+class UnknownSourceError(EdgeVLMError, KeyError):
+    code = ErrorCode.UNKNOWN_SOURCE
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.message
+
+
+class BusyError(EdgeVLMError):
+    code = ErrorCode.BUSY
+
+
+class DeadlineExceededError(EdgeVLMError, TimeoutError):
+    code = ErrorCode.DEADLINE_EXCEEDED
+
+
+class InternalError(EdgeVLMError):
+    code = ErrorCode.INTERNAL
+
+
+class ModelLoadError(EdgeVLMError):
+    """A model folder or bundle cannot be loaded (missing file, bad config, hash mismatch)."""
+
+    code = ErrorCode.INTERNAL
+
+
+class ConfigError(EdgeVLMError, ValueError):
+    """A config or profile file does not validate; the message names the key path."""
+
+    code = ErrorCode.INVALID_REQUEST
+
+
+_BY_CODE: dict[ErrorCode, type[EdgeVLMError]] = {
+    ErrorCode.INVALID_REQUEST: InvalidRequestError,
+    ErrorCode.INVALID_IMAGE: InvalidImageError,
+    ErrorCode.UNKNOWN_SOURCE: UnknownSourceError,
+    ErrorCode.BUSY: BusyError,
+    ErrorCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    ErrorCode.INTERNAL: InternalError,
+}
+
+
+def error_for_code(code: ErrorCode | str, message: str, details: dict | None = None) -> EdgeVLMError:
+    """Build the typed exception for a wire error code (unknown codes map to ``InternalError``)."""
+    try:
+        cls = _BY_CODE[ErrorCode(code)]
+    except ValueError:
+        cls = InternalError
+        message = f"[{code}] {message}"
+    return cls(message, details=details)

@@ -1,0 +1,76 @@
+"""Result and knob types shared by the runtime, the daemon and the SDK (torch-free).
+
+``Answer`` and ``Stats`` are what :meth:`edgevlm.runtime.Engine.ask` returns and what the daemon
+puts on the wire; ``OperatingPoint`` is the set of knobs one inference call runs with.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class OperatingPoint(BaseModel):
+    """The knobs of one inference call. ``None`` means "the engine's default".
+
+    Later work (early exit, token pruning) adds fields here; every inference entry point takes one.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field("default", description="Name of the operating point, echoed in the stats.")
+    resolution_px: int | None = Field(
+        None,
+        gt=0,
+        description="Target input resolution: the longer image side after resizing, in pixels, "
+        "rounded to the vision encoder's patch size. None = the model's native image size.",
+    )
+    max_new_tokens: int | None = Field(
+        None, gt=0, description="Cap on generated tokens for this operating point."
+    )
+    exit_layer: int | None = Field(
+        None, ge=1, description="Vision encoder block after which to exit early (None = full depth)."
+    )
+    exit_threshold: float | None = Field(
+        None, ge=0.0, le=1.0, description="Confidence an exit head needs to stop the encoder there."
+    )
+    keep_ratio: float | None = Field(
+        None, gt=0.0, le=1.0, description="Fraction of vision tokens kept before the projector."
+    )
+
+
+class Stats(BaseModel):
+    """Per-request measurements. Times in milliseconds, measured on the host clock
+    (``time.perf_counter``) around synchronised device work."""
+
+    model_config = ConfigDict(extra="allow")
+
+    preprocess_ms: float = Field(0.0, description="Image decode/resize/normalise time.")
+    vision_ms: float = Field(0.0, description="Vision encoder + projector time.")
+    prefill_ms: float = Field(0.0, description="Decoder prefill time (prompt + vision tokens).")
+    ttft_ms: float = Field(0.0, description="Time to first token, from the start of the call.")
+    tpot_ms: float = Field(0.0, description="Mean time per output token after the first.")
+    decode_ms: float = Field(0.0, description="Total decode time after the first token.")
+    e2e_ms: float = Field(0.0, description="End-to-end time of the call.")
+    queue_ms: float = Field(0.0, description="Time spent waiting in the daemon's queue.")
+    prompt_tokens: int = Field(0, description="Text tokens in the prompt (without vision tokens).")
+    vision_tokens: int = Field(0, description="Vision tokens fed to the decoder.")
+    new_tokens: int = Field(0, description="Generated tokens (including a final stop token).")
+    input_width_px: int = Field(0, description="Width of the image fed to the vision encoder.")
+    input_height_px: int = Field(0, description="Height of the image fed to the vision encoder.")
+    operating_point: str = Field("default", description="Name of the operating point used.")
+    exit_layer: int | None = Field(None, description="Vision block the encoder stopped after.")
+    backend: str = Field("", description="Inference backend that ran the request.")
+    finish_reason: str = Field("", description="'stop' (EOS or a stop string) or 'length'.")
+
+
+class Answer(BaseModel):
+    """A generated answer with its measurements."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: str = Field(description="The generated text, stripped of the stop token/string.")
+    stats: Stats = Field(default_factory=Stats)
+    frame_ts: float | None = Field(
+        None, description="Capture timestamp (UNIX seconds) of the camera frame used, if any."
+    )
+    source: str | None = Field(None, description="Name of the source the frame came from, if any.")
