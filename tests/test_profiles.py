@@ -1,0 +1,78 @@
+"""Every shipped profile validates; bad profiles are rejected with the key path named."""
+
+from __future__ import annotations
+
+import pytest
+
+from edgevlm.errors import ConfigError
+from edgevlm.profile import load_profile, profiles_dir
+
+SHIPPED = sorted(p.stem for p in profiles_dir().glob("*.yaml"))
+
+
+def test_expected_profiles_are_shipped():
+    assert {"jetson-agx-orin-64gb", "jetson-agx-orin-32gb", "jetson-orin-nx-16gb", "a100", "h100", "cpu"} <= set(
+        SHIPPED
+    )
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_profile_validates(name):
+    profile = load_profile(name)
+    assert profile.name == name
+    assert profile.resolution_ladder_px == sorted(profile.resolution_ladder_px, reverse=True)
+    if profile.device_class == "jetson":
+        assert profile.kv_cache_dtype != "fp8_e4m3"
+        assert profile.weights.scheme == "W4A16"
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    return path
+
+
+BASE = (
+    "name: bad\ndevice_class: cpu\ndevice: cpu\ndtype: float32\nbackends: [torch]\nmemory_mb: 1\n"
+    "memory_bandwidth_gbps: 1\nresolution_ladder_px: [384, 256]\ndefault_budget_ms: 100\n"
+)
+
+
+def test_valid_base_profile(tmp_path):
+    assert load_profile(_write(tmp_path, BASE)).resolution_ladder_px == [384, 256]
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ("weights: {scheme: W4A16, group_sz: 128}\n", "weights.group_sz: unknown key"),
+        ("weights: {group_size: 100}\n", "weights.group_size"),
+        ("kv_cache_dtype: int3\n", "kv_cache_dtype"),
+        ("colour: red\n", "colour: unknown key"),
+    ],
+)
+def test_bad_profile_names_the_key(tmp_path, extra, needle):
+    with pytest.raises(ConfigError) as exc:
+        load_profile(_write(tmp_path, BASE + extra))
+    assert needle in str(exc.value)
+
+
+def test_ladder_must_descend(tmp_path):
+    with pytest.raises(ConfigError, match="descending"):
+        load_profile(_write(tmp_path, BASE.replace("[384, 256]", "[256, 384]")))
+
+
+def test_fp8_refused_on_jetson(tmp_path):
+    text = BASE.replace("device_class: cpu", "device_class: jetson") + "kv_cache_dtype: fp8_e4m3\n"
+    with pytest.raises(ConfigError, match="FP8"):
+        load_profile(_write(tmp_path, text))
+
+
+def test_unknown_profile_lists_known():
+    with pytest.raises(ConfigError, match="jetson-agx-orin-64gb"):
+        load_profile("no-such-device")
+
+
+def test_not_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_profile(_write(tmp_path, "name: [unclosed\n"))
