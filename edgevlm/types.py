@@ -74,3 +74,6 @@ class Answer(BaseModel):
         None, description="Capture timestamp (UNIX seconds) of the camera frame used, if any."
     )
     source: str | None = Field(None, description="Name of the source the frame came from, if any.")
+    frame_pos_ms: float | None = Field(
+        None, description="Media position (ms) of the frame used when the source is a video file."
+    )

@@ -1,0 +1,306 @@
+"""The inference scheduler: a bounded request queue and ONE worker thread that owns the engine.
+
+paho's network thread only validates requests and calls :meth:`Scheduler.submit`, which never
+blocks: a full queue answers ``BUSY`` at once, an unknown source answers ``UNKNOWN_SOURCE`` at
+once. The worker thread loads (or adopts) the :class:`edgevlm.runtime.Engine`, dequeues requests
+in FIFO order, answers ``DEADLINE_EXCEEDED`` for a request whose deadline passed while it waited,
+decodes inline images (``edgevlm.runtime.image.decode_image``), takes the newest frame of a
+source, runs ``engine.ask`` and hands a :class:`~edgevlm.protocol.Response` to the job's reply
+callback. Every exception becomes a typed wire error (unexpected ones ``INTERNAL``); the worker
+never dies on a bad request.
+
+Deadlines are measured on the monotonic clock from the moment the daemon received the request
+(``timeout_ms``; :data:`~edgevlm.protocol.NO_DEADLINE_MS` = none). A request already running when
+its deadline passes is finished and answered (the work is done; the client decides).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from edgevlm.config import DefaultsConfig
+from edgevlm.daemon.sources import CapturedFrame, SourceManager
+from edgevlm.errors import (
+    BusyError,
+    DeadlineExceededError,
+    EdgeVLMError,
+    InternalError,
+    ModelLoadError,
+)
+from edgevlm.protocol import NO_DEADLINE_MS, Frame, Request, Response
+
+logger = logging.getLogger(__name__)
+
+ReplyFn = Callable[[Response], None]
+
+HEARTBEAT_S = 1.0
+"""Period of the idle worker's heartbeat (s)."""
+
+FRAME_WAIT_S = 5.0
+"""How long a request waits for a source's first frame (bounded by its deadline)."""
+
+
+class Counters:
+    """Thread-safe named event counters (requests, errors by code, dropped requests...)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: collections.Counter[str] = collections.Counter()
+
+    def inc(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._values[name] += n
+
+    def get(self, name: str) -> int:
+        with self._lock:
+            return self._values[name]
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
+
+
+@dataclass
+class Job:
+    """One accepted request waiting for the worker."""
+
+    request: Request
+    reply: ReplyFn
+    received_monotonic: float = field(default_factory=time.monotonic)
+    timeout_ms: int = NO_DEADLINE_MS
+
+    @property
+    def deadline_monotonic(self) -> float | None:
+        """Monotonic time (s) by which the request must be dequeued; None = no deadline."""
+        if self.timeout_ms >= NO_DEADLINE_MS:
+            return None
+        return self.received_monotonic + self.timeout_ms / 1000.0
+
+
+class Scheduler:
+    """Bounded FIFO + one inference worker.
+
+    Args:
+        engine_loader: called ONCE on the worker thread to load the engine (``Engine.load(...)``).
+        sources: the configured camera sources.
+        queue_max_size: waiting requests beyond this are answered ``BUSY``.
+        defaults: ``max_new_tokens`` / ``timeout_ms`` of requests that leave them out.
+        counters: shared event counters.
+        engine: an already loaded engine, adopted by the worker instead of calling ``engine_loader``.
+        heartbeat: liveness of the worker loop (``edgevlm.daemon.sdnotify.Heartbeat``): beaten
+            every ``HEARTBEAT_S`` while idle, ``busy()`` around each request.
+    """
+
+    def __init__(
+        self,
+        engine_loader: Callable[[], Any] | None,
+        sources: SourceManager,
+        *,
+        queue_max_size: int = 4,
+        defaults: DefaultsConfig | None = None,
+        counters: Counters | None = None,
+        engine: Any = None,
+        heartbeat: Any = None,
+    ) -> None:
+        if engine_loader is None and engine is None:
+            raise ValueError("give engine_loader or engine")
+        self._engine_loader = engine_loader
+        self._engine = engine
+        self.sources = sources
+        self.queue_max_size = queue_max_size
+        self.defaults = defaults or DefaultsConfig()
+        self.counters = counters or Counters()
+        self._cond = threading.Condition()
+        self._queue: collections.deque[Job] = collections.deque()
+        self._paused = 0
+        self._stopping = False
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._heartbeat = heartbeat
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, load_timeout_s: float | None = None) -> None:
+        """Start the worker and wait until it has loaded the engine.
+
+        Raises:
+            ModelLoadError: the engine could not be loaded (or did not load in time).
+        """
+        self._thread = threading.Thread(target=self._run, name="edgevlm-inference", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(load_timeout_s):
+            raise ModelLoadError(f"the model did not load within {load_timeout_s} s")
+        if self._load_error is not None:
+            err = self._load_error
+            if isinstance(err, ModelLoadError):
+                raise err
+            raise ModelLoadError(f"cannot load the model: {type(err).__name__}: {err}") from err
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop taking requests, answer the queued ones ``BUSY`` ("shutting down"), let the
+        running one finish (up to ``timeout_s``) and stop the worker."""
+        with self._cond:
+            self._stopping = True
+            dropped = list(self._queue)
+            self._queue.clear()
+            self._cond.notify_all()
+        for job in dropped:
+            self._reply(
+                job, Response.failure(BusyError("the daemon is shutting down"), job.request.correlation_id)
+            )
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                logger.warning("inference worker still running after %.1f s; leaving it", timeout_s)
+            self._thread = None
+
+    @property
+    def engine(self) -> Any:
+        return self._engine
+
+    def queue_size(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    def queued(self) -> list[Job]:
+        """A snapshot of the waiting jobs, oldest first."""
+        with self._cond:
+            return list(self._queue)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hold the worker: while inside, it takes no new request off the queue (a running one
+        finishes). Requests keep queueing and overflow as ``BUSY``. For maintenance and tests."""
+        with self._cond:
+            self._paused += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._paused -= 1
+                self._cond.notify_all()
+
+    # ------------------------------------------------------------------ network side
+    def submit(self, job: Job) -> bool:
+        """Enqueue a job without blocking. Answers at once (via ``job.reply``) and returns False
+        for an unknown source (``UNKNOWN_SOURCE``), a full queue (``BUSY``) or a stopping daemon."""
+        self.counters.inc("requests_received")
+        req = job.request
+        try:
+            if req.source is not None:
+                self.sources.get(req.source)
+        except EdgeVLMError as err:
+            self._fail(job, err)
+            return False
+        with self._cond:
+            if self._stopping:
+                full: BusyError | None = BusyError("the daemon is shutting down")
+            elif len(self._queue) >= self.queue_max_size:
+                full = BusyError(
+                    f"queue full ({self.queue_max_size} waiting); retry later",
+                    details={"queue_max_size": self.queue_max_size},
+                )
+            else:
+                full = None
+                self._queue.append(job)
+                self._cond.notify_all()
+        if full is not None:
+            self._fail(job, full)
+            return False
+        return True
+
+    # ------------------------------------------------------------------ worker side
+    def _run(self) -> None:
+        if self._engine is None:
+            try:
+                self._engine = self._engine_loader()  # type: ignore[misc]  # checked in __init__
+            except BaseException as exc:  # noqa: BLE001 - reported to start()
+                self._load_error = exc
+                self._ready.set()
+                return
+        self._ready.set()
+        while True:
+            with self._cond:
+                while not self._stopping and (self._paused or not self._queue):
+                    if self._heartbeat is not None:
+                        self._heartbeat.beat()
+                    self._cond.wait(HEARTBEAT_S)
+                if self._stopping:
+                    return
+                job = self._queue.popleft()
+            if self._heartbeat is not None:
+                with self._heartbeat.busy():
+                    self._process(job)
+            else:
+                self._process(job)
+
+    def _process(self, job: Job) -> None:
+        dequeued = time.monotonic()
+        queue_ms = (dequeued - job.received_monotonic) * 1000.0
+        deadline = job.deadline_monotonic
+        req = job.request
+        if deadline is not None and dequeued > deadline:
+            self._fail(
+                job,
+                DeadlineExceededError(
+                    f"deadline of {job.timeout_ms} ms passed after {queue_ms:.0f} ms in the queue",
+                    details={"timeout_ms": job.timeout_ms, "queue_ms": round(queue_ms, 3)},
+                ),
+            )
+            return
+        try:
+            image, frame = self._resolve_image(req, deadline)
+            max_new_tokens = req.max_new_tokens or self.defaults.max_new_tokens
+            answer = self._engine.ask(image, req.prompt, max_new_tokens=max_new_tokens)
+            answer.stats.queue_ms = queue_ms
+            wire_frame = None
+            if frame is not None:
+                wire_frame = Frame(source=frame.source, ts=frame.ts, pos_ms=frame.pos_ms, index=frame.index)
+            response = Response.success(answer, wire_frame, req.correlation_id)
+        except EdgeVLMError as err:
+            self._fail(job, err)
+            return
+        except Exception as exc:  # noqa: BLE001 - never a dead daemon
+            logger.exception("inference failed with an unexpected error")
+            self._fail(job, InternalError(f"internal error: {type(exc).__name__}: {exc}"))
+            return
+        self.counters.inc("responses_ok")
+        self._reply(job, response)
+
+    def _resolve_image(self, req: Request, deadline: float | None) -> tuple[Any, CapturedFrame | None]:
+        if req.image_bytes is not None:
+            from edgevlm.runtime.image import decode_image
+
+            return decode_image(req.image_bytes), None
+        assert req.source is not None  # guaranteed by Request validation
+        src = self.sources.get(req.source)
+        frame = src.latest()
+        if frame is None:
+            wait_s = (
+                FRAME_WAIT_S if deadline is None else max(0.0, min(FRAME_WAIT_S, deadline - time.monotonic()))
+            )
+            frame = src.wait_for_frame(wait_s)
+        if frame is None:
+            raise InternalError(
+                f"source {req.source!r} has not delivered a frame ({src.last_error or 'no frame yet'})",
+                details={"source": req.source, "reason": "no_frame"},
+            )
+        return frame.image, frame
+
+    def _fail(self, job: Job, err: EdgeVLMError) -> None:
+        self.counters.inc(f"errors_{err.code.value}")
+        logger.info("request failed: %s: %s", err.code.value, err.message)
+        self._reply(job, Response.failure(err, job.request.correlation_id))
+
+    def _reply(self, job: Job, response: Response) -> None:
+        try:
+            job.reply(response)
+        except Exception:  # noqa: BLE001 - a failed publish must not kill the worker
+            logger.exception("could not send a response")

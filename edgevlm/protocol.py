@@ -1,0 +1,405 @@
+"""The MQTT wire protocol: topics and JSON payloads (torch-free, cv2-free).
+
+Request/response follows MQTT v5's request/response pattern (OASIS MQTT Version 5.0, section
+4.10): the requester publishes a :class:`Request` on ``<prefix>/<device_id>/request`` with a
+*Response Topic* and *Correlation Data* property; the daemon publishes one :class:`Response` on that
+Response Topic with the Correlation Data echoed byte for byte.
+
+MQTT 3.1.1 clients have no properties, so a request may carry the documented fallback fields
+``reply_to`` (the response topic) and ``correlation_id`` (a string echoed in the response's
+``correlation_id`` field). A Response Topic property wins over ``reply_to``.
+
+Topics (``prefix`` defaults to ``edgevlm``)::
+
+    <prefix>/<device_id>/request            requests (the daemon subscribes)
+    <prefix>/<device_id>/status             retained StatusMessage, "online" / "offline" (last will)
+    <prefix>/<device_id>/events/<monitor>   monitor events (later issues)
+    <prefix>/<device_id>/telemetry          periodic telemetry (later issues)
+    <prefix>/<device_id>/response/<token>   the SDK's per-client response topic
+
+Every payload is a UTF-8 JSON object with ``schema_version`` (:data:`SCHEMA_VERSION`). Parse errors
+become :class:`~edgevlm.errors.InvalidRequestError` whose message starts with the JSON field path
+(``$`` for the payload itself) and whose ``details`` hold ``{"path": ..., "errors": [...]}``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+import time
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
+
+from edgevlm.errors import EdgeVLMError, ErrorCode, InvalidRequestError, error_for_code
+from edgevlm.types import Answer, Stats
+
+SCHEMA_VERSION = 1
+"""Version of the JSON payloads. Bumped on an incompatible change; requests naming another
+version are refused with ``INVALID_REQUEST``."""
+
+INT64_MAX = 9223372036854775807
+NO_DEADLINE_MS = INT64_MAX
+"""``timeout_ms`` value meaning "no deadline" (the largest signed 64-bit integer)."""
+
+DEFAULT_PREFIX = "edgevlm"
+MAX_PROMPT_CHARS = 8192
+MAX_NEW_TOKENS_LIMIT = 4096
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+# --------------------------------------------------------------------------------------- topics
+
+
+def _check_level(value: str, what: str) -> str:
+    if not value or not _NAME_RE.match(value):
+        raise ValueError(f"{what} must be a non-empty topic level of [A-Za-z0-9_.-], got {value!r}")
+    return value
+
+
+def check_prefix(prefix: str) -> str:
+    """Validate a topic prefix: one or more levels of ``[A-Za-z0-9_.-]`` joined by ``/``
+    (no wildcards, no empty level). Returns it; raises ``ValueError``."""
+    if not prefix:
+        raise ValueError("prefix must not be empty")
+    for level in prefix.split("/"):
+        _check_level(level, "every prefix level")
+    return prefix
+
+
+def check_device_id(device_id: str) -> str:
+    """Validate a device id (one topic level of ``[A-Za-z0-9_.-]``). Raises ``ValueError``."""
+    return _check_level(device_id, "device_id")
+
+
+def request_topic(prefix: str, device_id: str) -> str:
+    """``<prefix>/<device_id>/request``: where requests are published."""
+    return f"{check_prefix(prefix)}/{check_device_id(device_id)}/request"
+
+
+def status_topic(prefix: str, device_id: str) -> str:
+    """``<prefix>/<device_id>/status``: the retained online/offline status."""
+    return f"{check_prefix(prefix)}/{check_device_id(device_id)}/status"
+
+
+def events_topic(prefix: str, device_id: str, monitor: str) -> str:
+    """``<prefix>/<device_id>/events/<monitor>``: events of one monitor."""
+    return f"{check_prefix(prefix)}/{check_device_id(device_id)}/events/{_check_level(monitor, 'monitor')}"
+
+
+def telemetry_topic(prefix: str, device_id: str) -> str:
+    """``<prefix>/<device_id>/telemetry``: periodic telemetry."""
+    return f"{check_prefix(prefix)}/{check_device_id(device_id)}/telemetry"
+
+
+def response_topic(prefix: str, device_id: str, token: str) -> str:
+    """``<prefix>/<device_id>/response/<token>``: a per-client response topic (the SDK's)."""
+    return f"{check_prefix(prefix)}/{check_device_id(device_id)}/response/{_check_level(token, 'token')}"
+
+
+def is_valid_publish_topic(topic: str) -> bool:
+    """True if ``topic`` may be published to: non-empty, no wildcard (``+``/``#``), no NUL,
+    at most 65535 UTF-8 bytes (MQTT v5 sections 4.7.1 and 1.5.4)."""
+    return bool(topic) and not any(c in topic for c in "+#\x00") and len(topic.encode()) <= 65535
+
+
+# ------------------------------------------------------------------------------------- payloads
+
+
+class Request(BaseModel):
+    """A question about a camera frame or an inline image.
+
+    Exactly one of ``source`` (a configured camera name) and ``image_b64`` (a base64-encoded
+    JPEG/PNG/BMP/WebP file) must be given. Integers are strict: ``1.0``, ``"1"`` and ``true`` are
+    refused rather than coerced.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: Literal[1] = Field(SCHEMA_VERSION, description="Payload schema version.")
+    prompt: StrictStr = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="The question.")
+    source: StrictStr | None = Field(
+        None, min_length=1, max_length=128, description="Name of a configured camera source."
+    )
+    image_b64: StrictStr | None = Field(
+        None, description="Inline image file (JPEG/PNG/BMP/WebP), standard base64 with padding."
+    )
+    max_new_tokens: StrictInt | None = Field(
+        None, gt=0, le=MAX_NEW_TOKENS_LIMIT, description="Cap on generated tokens (None = daemon default)."
+    )
+    timeout_ms: StrictInt | None = Field(
+        None,
+        gt=0,
+        le=INT64_MAX,
+        description="Deadline in milliseconds from receipt, a signed 64-bit integer; "
+        f"{NO_DEADLINE_MS} means no deadline; None = the daemon's default.",
+    )
+    budget_ms: StrictInt | None = Field(
+        None,
+        gt=0,
+        le=INT64_MAX,
+        description="Latency budget (ms) for operating-point selection; accepted and validated, "
+        "not yet acted on by this daemon version.",
+    )
+    reply_to: StrictStr | None = Field(
+        None,
+        min_length=1,
+        description="MQTT 3.1.1 fallback: topic to publish the response on when the request has "
+        "no Response Topic property.",
+    )
+    correlation_id: StrictStr | None = Field(
+        None,
+        max_length=1024,
+        description="MQTT 3.1.1 fallback: echoed in the response's correlation_id field.",
+    )
+
+    _image_bytes: bytes | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _check(self) -> Request:
+        if (self.source is None) == (self.image_b64 is None):
+            raise ValueError("source: give exactly one of 'source' and 'image_b64'")
+        if self.image_b64 is not None:
+            try:
+                self._image_bytes = base64.b64decode(self.image_b64, validate=True)
+            except (binascii.Error, ValueError):
+                raise ValueError("image_b64: not valid base64") from None
+            if not self._image_bytes:
+                raise ValueError("image_b64: empty image")
+        if self.reply_to is not None and not is_valid_publish_topic(self.reply_to):
+            raise ValueError("reply_to: not a valid topic to publish to (wildcard or NUL)")
+        return self
+
+    @property
+    def image_bytes(self) -> bytes | None:
+        """The decoded inline image file, or None for a source request."""
+        return self._image_bytes
+
+    @property
+    def has_deadline(self) -> bool:
+        """False for ``timeout_ms == NO_DEADLINE_MS`` (and for an unset timeout)."""
+        return self.timeout_ms is not None and self.timeout_ms != NO_DEADLINE_MS
+
+
+class Frame(BaseModel):
+    """The camera frame an answer is about."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str = Field(description="Source name.")
+    ts: float = Field(description="Capture timestamp, UNIX seconds.")
+    pos_ms: float | None = Field(None, description="Media position in a video file (ms), else None.")
+    index: int | None = Field(None, description="Frame index within the video file's current loop.")
+
+
+class ErrorBody(BaseModel):
+    """A typed error on the wire."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    code: ErrorCode = Field(description="Stable error code.")
+    message: str = Field(description="One-line human-readable message.")
+    details: dict[str, Any] = Field(default_factory=dict, description="Machine-readable details.")
+
+
+class Response(BaseModel):
+    """The daemon's answer to one :class:`Request` (``ok`` with text and stats, or an error)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: int = Field(SCHEMA_VERSION, description="Payload schema version.")
+    ok: bool = Field(description="True for an answer, False for an error.")
+    text: str | None = Field(None, description="The answer text (ok responses).")
+    stats: Stats | None = Field(None, description="Per-request measurements (ok responses).")
+    frame: Frame | None = Field(None, description="The frame used, for source requests.")
+    error: ErrorBody | None = Field(None, description="The error (failed responses).")
+    correlation_id: str | None = Field(None, description="Echo of the request's correlation_id.")
+    ts: float = Field(default_factory=time.time, description="When the response was made (UNIX s).")
+
+    @classmethod
+    def success(
+        cls, answer: Answer, frame: Frame | None = None, correlation_id: str | None = None
+    ) -> Response:
+        return cls(ok=True, text=answer.text, stats=answer.stats, frame=frame, correlation_id=correlation_id)
+
+    @classmethod
+    def failure(cls, err: EdgeVLMError, correlation_id: str | None = None) -> Response:
+        body = ErrorBody(code=err.code, message=err.message, details=_jsonable(err.details))
+        return cls(ok=False, error=body, correlation_id=correlation_id)
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json(exclude_none=True).encode()
+
+    def to_answer(self) -> Answer:
+        """The :class:`Answer` of an ok response; raises the typed error of a failed one
+        (:func:`edgevlm.errors.error_for_code`)."""
+        if not self.ok or self.error is not None:
+            err = self.error or ErrorBody(code=ErrorCode.INTERNAL, message="failed response without error")
+            raise error_for_code(err.code, err.message, err.details)
+        return Answer(
+            text=self.text or "",
+            stats=self.stats or Stats(),
+            frame_ts=self.frame.ts if self.frame else None,
+            source=self.frame.source if self.frame else None,
+            frame_pos_ms=self.frame.pos_ms if self.frame else None,
+        )
+
+
+class StatusMessage(BaseModel):
+    """The retained status of a daemon (``<prefix>/<device_id>/status``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    schema_version: int = Field(SCHEMA_VERSION, description="Payload schema version.")
+    state: Literal["online", "offline"] = Field(description="Daemon state.")
+    device_id: str = Field(description="Device id.")
+    ts: float | None = Field(None, description="When the state was published (UNIX s); None in the will.")
+    version: str | None = Field(None, description="edgevlm version.")
+    sources: list[str] = Field(default_factory=list, description="Configured source names.")
+    model: str | None = Field(None, description="Model folder served.")
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json(exclude_none=True).encode()
+
+
+# -------------------------------------------------------------------------------------- parsing
+
+
+def format_loc(loc: tuple[Any, ...] | list[Any]) -> str:
+    """A pydantic error location as a field path: ``("sources", 0, "uri")`` -> ``sources[0].uri``;
+    the empty location is ``$`` (the payload itself)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "$"
+
+
+def _error_message(err: dict[str, Any]) -> str:
+    if err["type"] == "extra_forbidden":
+        return "unknown field"
+    if err["type"] == "missing":
+        return "field required"
+    msg = str(err["msg"])
+    return msg.removeprefix("Value error, ")
+
+
+def _validation_error(exc: ValidationError, what: str) -> InvalidRequestError:
+    errors = []
+    for e in exc.errors(include_url=False):
+        path = format_loc(e["loc"])
+        msg = _error_message(e)
+        # Model-level checks name their field as "field: ..." in the message.
+        if path == "$" and ": " in msg and _NAME_RE.match(msg.split(": ", 1)[0]):
+            path, msg = msg.split(": ", 1)
+        errors.append({"path": path, "message": msg})
+    first = errors[0]
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return InvalidRequestError(
+        f"{first['path']}: {first['message']}{more}",
+        details={"path": first["path"], "errors": errors, "what": what},
+    )
+
+
+def parse_json_object(payload: bytes | str) -> dict[str, Any]:
+    """Decode a UTF-8 JSON object. Raises :class:`InvalidRequestError` (path ``$``) for non-UTF-8,
+    malformed JSON or a non-object top level. Integers keep full precision (Python ints)."""
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        try:
+            text = bytes(payload).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidRequestError(
+                f"$: payload is not UTF-8 ({exc.reason} at byte {exc.start})",
+                details={"path": "$", "errors": [{"path": "$", "message": "not UTF-8"}]},
+            ) from None
+    else:
+        text = payload
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        msg = f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        raise InvalidRequestError(
+            f"$: {msg}", details={"path": "$", "errors": [{"path": "$", "message": msg}], "pos": exc.pos}
+        ) from None
+    except (ValueError, RecursionError) as exc:  # e.g. an integer with more than 4300 digits
+        msg = f"malformed JSON: {exc}"
+        raise InvalidRequestError(
+            f"$: {msg}", details={"path": "$", "errors": [{"path": "$", "message": msg}]}
+        ) from None
+    if not isinstance(data, dict):
+        msg = f"expected a JSON object, got {type(data).__name__}"
+        raise InvalidRequestError(
+            f"$: {msg}", details={"path": "$", "errors": [{"path": "$", "message": msg}]}
+        )
+    return data
+
+
+def parse_request(payload: bytes | str | dict[str, Any]) -> Request:
+    """Parse and validate a request payload.
+
+    Raises:
+        InvalidRequestError: malformed JSON, wrong shape, bad values; the message starts with the
+            field path (``timeout_ms: ...``, ``$: malformed JSON ...``) and ``details["path"]``
+            holds it.
+    """
+    data = payload if isinstance(payload, dict) else parse_json_object(payload)
+    if "schema_version" in data and data["schema_version"] != SCHEMA_VERSION:
+        raise InvalidRequestError(
+            f"schema_version: unsupported version {data['schema_version']!r} (this daemon speaks {SCHEMA_VERSION})",
+            details={
+                "path": "schema_version",
+                "errors": [{"path": "schema_version", "message": "unsupported"}],
+            },
+        )
+    try:
+        return Request.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_error(exc, "request") from None
+
+
+def fallback_reply_address(data: dict[str, Any]) -> tuple[str | None, str | None]:
+    """The MQTT 3.1.1 fallback ``(reply_to, correlation_id)`` of a raw request object, read
+    leniently so that even a request that fails validation can be answered. Invalid values
+    give None."""
+    reply_to = data.get("reply_to")
+    corr = data.get("correlation_id")
+    if not isinstance(reply_to, str) or not is_valid_publish_topic(reply_to):
+        reply_to = None
+    if not isinstance(corr, str) or len(corr) > 1024:
+        corr = None
+    return reply_to, corr
+
+
+def parse_response(payload: bytes | str) -> Response:
+    """Parse a response payload (the SDK side). Raises :class:`InvalidRequestError` if it is not
+    a valid response."""
+    data = parse_json_object(payload)
+    try:
+        return Response.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_error(exc, "response") from None
+
+
+def _jsonable(value: Any) -> Any:
+    """Details made JSON-safe (unknown objects become their str)."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)

@@ -1,0 +1,107 @@
+"""The inference-backend boundary of the runtime.
+
+:class:`~edgevlm.runtime.engine.Engine` does everything that does not depend on how tensors are
+computed (tokenising, preprocessing, sampling, stop strings, streaming, stats) and talks to a
+:class:`Backend` for the three model calls of LLaVA generation: vision encoding, prefill, decode.
+
+A backend lives in ``edgevlm.runtime.backends.<module>`` and is registered in :data:`BACKENDS`;
+the module is imported only when that backend is asked for, so optional dependencies (onnxruntime,
+TensorRT) are needed only by whoever uses them. Each module defines::
+
+    def load(files: ModelFiles, *, device: torch.device, dtype: torch.dtype,
+             max_seq_len: int) -> Backend
+
+Tensors crossing the boundary are torch tensors on the backend's ``device``; logits come back as
+``(1, V)`` in any float dtype (the engine samples in float32). Batch size is 1.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+from edgevlm.errors import InvalidRequestError, ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
+
+    from edgevlm.runtime.loader import ModelFiles
+    from edgevlm.types import OperatingPoint
+
+logger = logging.getLogger(__name__)
+
+#: backend name -> (module, pip extra that provides its dependencies)
+BACKENDS: dict[str, tuple[str, str]] = {
+    "torch": ("edgevlm.runtime.backends.torch_backend", "runtime"),
+    "onnx": ("edgevlm.runtime.backends.onnx_backend", "onnx"),
+    "tensorrt": ("edgevlm.runtime.backends.tensorrt_backend", "tensorrt"),
+}
+
+
+class Backend(ABC):
+    """One loaded model on one device, with a static KV cache of :attr:`max_seq_len` positions.
+
+    Calls are not thread-safe: one request at a time (the daemon's single inference worker).
+    """
+
+    name: str = ""
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    @abstractmethod
+    def max_seq_len(self) -> int:
+        """KV cache capacity in positions (prompt + vision tokens + generated tokens)."""
+
+    @abstractmethod
+    def encode_image(
+        self, pixel_values: torch.Tensor, *, operating_point: OperatingPoint | None = None
+    ) -> torch.Tensor:
+        """Vision encoder + projector: ``(1, 3, H, W)`` float32 normalised pixels (H, W multiples of
+        the patch size) -> ``(1, N, D_text)`` vision tokens."""
+
+    @abstractmethod
+    def embed(self, input_ids: torch.Tensor, image_features: torch.Tensor | None) -> torch.Tensor:
+        """``(1, T)`` int64 token ids -> ``(1, T, D_text)`` embeddings, the image placeholder tokens
+        replaced in order by ``image_features`` ``(1, N, D_text)``."""
+
+    @abstractmethod
+    def prefill(self, embeds: torch.Tensor, *, operating_point: OperatingPoint | None = None) -> torch.Tensor:
+        """Run ``embeds`` ``(1, T, D_text)`` at positions ``0..T-1`` into the KV cache (T <=
+        :attr:`max_seq_len`); returns the logits of the last position ``(1, V)``."""
+
+    @abstractmethod
+    def decode(self, token_id: int, pos: int, *, operating_point: OperatingPoint | None = None) -> torch.Tensor:
+        """Feed one token at position ``pos`` (< :attr:`max_seq_len`); returns logits ``(1, V)``."""
+
+    def reset(self) -> None:  # noqa: B027 - optional hook
+        """Forget the cached sequence (static caches need nothing: positions past the new prompt
+        are masked)."""
+
+    def synchronize(self) -> None:  # noqa: B027 - optional hook
+        """Block until queued device work is done (called before reading clocks)."""
+
+
+def load_backend(name: str, files: ModelFiles, *, device, dtype, max_seq_len: int) -> Backend:
+    """Import backend ``name`` lazily and load ``files`` with it.
+
+    Raises:
+        InvalidRequestError: unknown backend name.
+        ModelLoadError: the backend's optional dependencies are not installed (the message names
+            the extra to install), or loading fails.
+    """
+    if name not in BACKENDS:
+        raise InvalidRequestError(f"unknown backend {name!r} (one of: {', '.join(BACKENDS)})")
+    module_name, extra = BACKENDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        if getattr(exc, "name", None) == module_name:
+            raise ModelLoadError(f"backend {name!r} is not part of this edgevlm build") from exc
+        raise ModelLoadError(
+            f"backend {name!r} needs optional dependencies that are not installed ({exc}); "
+            f"install them with: pip install 'edgevlm[{extra}]'"
+        ) from exc
+    return module.load(files, device=device, dtype=dtype, max_seq_len=max_seq_len)

@@ -1,0 +1,289 @@
+"""The backend-agnostic VLM engine: image + question in, :class:`~edgevlm.types.Answer` out.
+
+Pipeline of one request: validate -> preprocess the image to a resolution-ladder rung
+(:func:`edgevlm.runtime.preprocess.preprocess`) -> render and tokenise the prompt, expanding the
+image token to one placeholder per vision token -> backend ``encode_image`` -> ``embed`` +
+``prefill`` -> sample -> ``decode`` one token at a time into the static KV cache until EOS, a stop
+string or the token budget. Every stage is timed on the host clock after synchronising the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Generator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from edgevlm.errors import InvalidImageError, InvalidRequestError, ModelLoadError
+from edgevlm.runtime.backends import Backend, load_backend
+from edgevlm.runtime.loader import parse_dtype, read_model_files
+from edgevlm.runtime.preprocess import CLIP_MEAN, CLIP_STD, preprocess, target_size
+from edgevlm.runtime.sampling import SamplingParams, TextAssembler, make_generator, select_token
+from edgevlm.runtime.tokenizer import IncrementalDecoder, VLMTokenizer
+from edgevlm.types import Answer, OperatingPoint, Stats
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_SEQ_LEN = 4096
+
+
+def _ms(t0: float, t1: float) -> float:
+    return (t1 - t0) * 1e3
+
+
+class Stream:
+    """Iterator over the text deltas of one generation; :attr:`answer` once it is exhausted."""
+
+    def __init__(self, gen: Generator[str, None, Answer]) -> None:
+        self._gen = gen
+        self._answer: Answer | None = None
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> str:
+        try:
+            return next(self._gen)
+        except StopIteration as done:
+            if self._answer is None:
+                self._answer = done.value
+            raise
+
+    def close(self) -> None:
+        """Stop generating early (releases the engine)."""
+        self._gen.close()
+
+    @property
+    def answer(self) -> Answer:
+        """The complete :class:`Answer` (RuntimeError before the stream is exhausted)."""
+        if self._answer is None:
+            raise RuntimeError("the stream has not finished yet")
+        return self._answer
+
+
+class Engine:
+    """A loaded VLM. Use :meth:`load`; calls are serialised by an internal lock.
+
+    Attributes:
+        resolution_ladder: input resolutions (longer side, px) the model is meant to run at,
+            from ``config.json``'s ``edgevlm.resolution_ladder`` (default ``[vision image_size]``).
+        patch_size_px: the vision encoder's patch size; input sides are multiples of it.
+        device, dtype, backend_name, model_dir: where and how the model runs.
+        max_seq_len: KV cache capacity (vision + prompt + generated tokens).
+    """
+
+    def __init__(self, backend: Backend, tokenizer: VLMTokenizer, files, eos_token_ids: list[int]) -> None:
+        cfg = files.config
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.config = cfg
+        self.model_dir: Path = files.model_dir
+        self.backend_name: str = backend.name
+        self.device: str = str(backend.device)
+        self.dtype: torch.dtype = backend.dtype
+        self.patch_size_px: int = cfg.vision.patch_size
+        self.image_size_px: int = cfg.vision.image_size
+        self.resolution_ladder: list[int] = list(cfg.resolution_ladder)
+        self.image_mean = files.image_mean or CLIP_MEAN
+        self.image_std = files.image_std or CLIP_STD
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._lock = threading.Lock()
+        self._owner: int | None = None  # thread id of the request holding the engine
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.backend.max_seq_len
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, *, device: str = "cpu", dtype=None, backend: str = "torch",
+             max_seq_len: int | None = None) -> Engine:
+        """Load a LLaVA checkpoint folder (None = the shipped demo model).
+
+        Args:
+            device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+            dtype: torch dtype or name; None = float32 on CPU, bfloat16 on CUDA.
+            backend: inference backend name (see :data:`edgevlm.runtime.backends.BACKENDS`).
+            max_seq_len: KV cache positions; None = ``min(max_position_embeddings, 4096)``.
+        Raises:
+            ModelLoadError: bad folder/files, device unavailable, backend dependencies missing.
+            InvalidRequestError: bad ``device``/``dtype``/``backend``/``max_seq_len`` argument.
+        """
+        if path is None:
+            from edgevlm.runtime.demo import model_dir
+
+            path = model_dir()
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise InvalidRequestError(f"bad device {device!r}: {exc}") from exc
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
+        if dev.type not in ("cpu", "cuda"):
+            raise InvalidRequestError(f"unsupported device {device!r} (cpu or cuda)")
+        try:
+            torch_dtype = parse_dtype(dtype, dev)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+        files = read_model_files(path)
+        tokenizer = VLMTokenizer.from_dir(files.model_dir, files.config.image_token_id)
+        if max_seq_len is None:
+            max_seq_len = min(files.config.text.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
+            raise InvalidRequestError(f"max_seq_len must be an integer >= 2, got {max_seq_len!r}")
+        eos = list(files.eos_token_ids)
+        eos_from_tokenizer = tokenizer.token_id(tokenizer.eos_token)
+        if eos_from_tokenizer is not None and eos_from_tokenizer not in eos:
+            eos.append(eos_from_tokenizer)
+        be = load_backend(backend, files, device=dev, dtype=torch_dtype, max_seq_len=max_seq_len)
+        return cls(be, tokenizer, files, eos)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def ask(self, image: np.ndarray, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0,
+            top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None,
+            operating_point: OperatingPoint | None = None) -> Answer:
+        """Answer ``prompt`` about ``image`` (``(H, W, 3)`` uint8 RGB).
+
+        Raises:
+            InvalidImageError: ``image`` is not an ``(H, W, 3)`` uint8 array.
+            InvalidRequestError: bad prompt/knobs, or prompt + vision tokens do not fit the KV cache.
+        """
+        stream = self.stream(image, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                             top_p=top_p, stop=stop, seed=seed, operating_point=operating_point)
+        for _ in stream:
+            pass
+        return stream.answer
+
+    def stream(self, image: np.ndarray, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0,
+               top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None,
+               operating_point: OperatingPoint | None = None) -> Stream:
+        """Like :meth:`ask`, but returns a :class:`Stream` of text deltas. Arguments are validated
+        here, before the first delta; the deltas concatenate to ``stream.answer.text``. The engine
+        is held from the first ``next()`` until the stream is exhausted or closed (its timings
+        include the consumer's time between deltas); a second request from the same thread while
+        a stream is open raises InvalidRequestError."""
+        t_start = time.perf_counter()
+        op = self._check_operating_point(operating_point)
+        self._check_image(image)
+        if not isinstance(prompt, str):
+            raise InvalidRequestError(f"prompt must be a string, got {type(prompt).__name__}")
+        if op.max_new_tokens is not None and isinstance(max_new_tokens, int):
+            max_new_tokens = min(max_new_tokens, op.max_new_tokens)
+        params = SamplingParams.validate(max_new_tokens, temperature, top_p, stop, seed)
+        resolution_px = op.resolution_px or self.image_size_px
+        h, w = image.shape[:2]
+        tw, th = target_size(w, h, resolution_px, self.patch_size_px)
+        n_vision = self.num_vision_tokens(th, tw)
+        ids = self.tokenizer.encode_prompt(prompt, n_vision)
+        if len(ids) >= self.max_seq_len:
+            raise InvalidRequestError(
+                f"prompt is {len(ids)} tokens ({len(ids) - n_vision} text + {n_vision} vision at {tw}x{th} px); "
+                f"the KV cache holds {self.max_seq_len} positions"
+            )
+        return Stream(self._generate(image, ids, n_vision, resolution_px, op, params, t_start))
+
+    def warmup(self, resolutions: list[int] | None = None) -> None:
+        """Run one 2-token request per rung (default: the resolution ladder), so that the first real
+        request does not pay one-time kernel/allocator set-up."""
+        image = np.full((self.image_size_px, self.image_size_px, 3), 128, np.uint8)
+        for r in resolutions or self.resolution_ladder:
+            self.ask(image, "describe", max_new_tokens=2,
+                     operating_point=OperatingPoint(name="warmup", resolution_px=r))
+
+    def num_vision_tokens(self, height_px: int, width_px: int) -> int:
+        """Vision tokens for an encoder input of ``height_px x width_px`` (after select strategy)."""
+        p = self.patch_size_px
+        n = (height_px // p) * (width_px // p)
+        return n + (1 if self.config.vision_feature_select_strategy == "full" else 0)
+
+    @staticmethod
+    def _check_image(image) -> None:
+        if not isinstance(image, np.ndarray):
+            raise InvalidImageError(f"image must be a numpy array, got {type(image).__name__}")
+        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3 or 0 in image.shape:
+            raise InvalidImageError(f"image must be an (H, W, 3) uint8 RGB array, got {image.shape} {image.dtype}")
+
+    @staticmethod
+    def _check_operating_point(op) -> OperatingPoint:
+        if op is None:
+            return OperatingPoint()
+        if not isinstance(op, OperatingPoint):
+            raise InvalidRequestError(f"operating_point must be an OperatingPoint, got {type(op).__name__}")
+        return op
+
+    def _generate(self, image: np.ndarray, ids: list[int], n_vision: int, resolution_px: int,
+                  op: OperatingPoint, params: SamplingParams, t_start: float) -> Generator[str, None, Answer]:
+        if self._owner == threading.get_ident():
+            raise InvalidRequestError(
+                "another stream of this engine is still open in this thread: exhaust or close() it first"
+            )
+        t_wait = time.perf_counter()
+        with self._lock:
+            self._owner = threading.get_ident()
+            t_start += time.perf_counter() - t_wait  # time waiting for another request is not ours
+            try:
+                return (yield from self._run(image, ids, n_vision, resolution_px, op, params, t_start))
+            finally:
+                self._owner = None
+
+    def _run(self, image: np.ndarray, ids: list[int], n_vision: int, resolution_px: int,
+             op: OperatingPoint, params: SamplingParams, t_start: float) -> Generator[str, None, Answer]:
+        be = self.backend
+        stats = Stats(operating_point=op.name, backend=self.backend_name, vision_tokens=n_vision,
+                      prompt_tokens=len(ids) - n_vision)
+        t0 = time.perf_counter()
+        pixels = preprocess(image, resolution_px, self.patch_size_px, self.image_mean, self.image_std)
+        stats.input_height_px, stats.input_width_px = pixels.shape[1:]
+        pixel_values = torch.from_numpy(pixels)[None]  # (1, 3, H, W) float32
+        t1 = time.perf_counter()
+        stats.preprocess_ms = _ms(t0, t1)
+        feats = be.encode_image(pixel_values, operating_point=op)  # (1, N, D)
+        be.synchronize()
+        t2 = time.perf_counter()
+        stats.vision_ms = _ms(t1, t2)
+        input_ids = torch.tensor([ids], dtype=torch.long, device=be.device)  # (1, T)
+        logits = be.prefill(be.embed(input_ids, feats), operating_point=op)  # (1, V)
+        be.synchronize()
+        t3 = time.perf_counter()
+        stats.prefill_ms = _ms(t2, t3)
+
+        generator = make_generator(params.seed, logits.device)
+        budget = min(params.max_new_tokens, self.max_seq_len - len(ids) + 1)
+        decoder = IncrementalDecoder(self.tokenizer)
+        text = TextAssembler(params.stop)
+        pos, n_new, finish = len(ids), 0, "length"
+        t_first = t3
+        while True:
+            token = select_token(logits[0], params, generator)
+            n_new += 1
+            if n_new == 1:
+                t_first = time.perf_counter()
+                stats.ttft_ms = _ms(t_start, t_first)
+            if token in self.eos_token_ids:
+                finish = "stop"
+                break
+            delta = text.add(decoder.push(token))
+            if delta:
+                yield delta
+            if text.stopped:
+                finish = "stop"
+                break
+            if n_new >= budget:
+                break
+            logits = be.decode(token, pos, operating_point=op)
+            pos += 1
+        tail = text.finish()
+        if tail:
+            yield tail
+        be.synchronize()
+        t_end = time.perf_counter()
+        stats.new_tokens = n_new
+        stats.decode_ms = _ms(t_first, t_end)
+        stats.tpot_ms = stats.decode_ms / (n_new - 1) if n_new > 1 else 0.0
+        stats.e2e_ms = _ms(t_start, t_end)
+        stats.finish_reason = finish
+        logger.debug("answer %r: %s", text.final_text, stats)
+        return Answer(text=text.final_text, stats=stats)

@@ -1,0 +1,224 @@
+"""The SDK client: PNG encoding, argument checks, typed errors, concurrency, clean-up; against a
+real daemon (tiny real engine) on a real mosquitto broker."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+import edgevlm
+from edgevlm.client import Client, encode_png, image_to_bytes
+from edgevlm.errors import (
+    BusyError,
+    DeadlineExceededError,
+    InvalidImageError,
+    InvalidRequestError,
+    UnknownSourceError,
+)
+
+PROMPT = "how many red circles ?"
+
+
+def _image(seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, size=(40, 56, 3), dtype=np.uint8)
+
+
+# ------------------------------------------------------------------------------- PNG, offline
+
+
+@pytest.mark.parametrize(
+    "shape_dtype",
+    [((5, 7, 3), np.uint8), ((5, 7), np.uint8), ((5, 7, 4), np.uint8), ((4, 3, 3), np.uint16), ((6, 2, 1), np.uint8)],
+)
+def test_encode_png_roundtrips_through_opencv(shape_dtype) -> None:
+    import cv2
+
+    shape, dtype = shape_dtype
+    rng = np.random.default_rng(1)
+    img = rng.integers(0, np.iinfo(dtype).max, size=shape, dtype=dtype, endpoint=True)
+    back = cv2.imdecode(np.frombuffer(encode_png(img), np.uint8), cv2.IMREAD_UNCHANGED)
+    assert back.dtype == dtype
+    if img.ndim == 3 and img.shape[2] == 3:
+        back = back[:, :, ::-1]  # OpenCV decodes to BGR
+    elif img.ndim == 3 and img.shape[2] == 4:
+        back = back[:, :, [2, 1, 0, 3]]
+    np.testing.assert_array_equal(back.reshape(img.shape), img)
+
+
+@pytest.mark.parametrize(
+    "bad", [np.zeros((4, 4, 3), np.float32), np.zeros((4, 4, 5), np.uint8), np.zeros((0, 4, 3), np.uint8)]
+)
+def test_encode_png_rejects_bad_arrays(bad) -> None:
+    with pytest.raises(InvalidImageError):
+        encode_png(bad)
+
+
+def test_image_to_bytes(tmp_path) -> None:
+    path = tmp_path / "x.png"
+    path.write_bytes(b"\x89PNG fake")
+    assert image_to_bytes(path) == b"\x89PNG fake"
+    assert image_to_bytes(str(path)) == b"\x89PNG fake"
+    assert image_to_bytes(bytearray(b"abc")) == b"abc"
+    with pytest.raises(InvalidImageError, match="cannot read image file"):
+        image_to_bytes(tmp_path / "missing.jpg")
+    with pytest.raises(InvalidImageError, match="empty"):
+        image_to_bytes(b"")
+    with pytest.raises(InvalidImageError, match="numpy array, encoded image bytes or a file path"):
+        image_to_bytes(42)  # type: ignore[arg-type]
+
+
+def test_connection_refused_is_connection_error() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}"):
+        Client("127.0.0.1", port, "dev1", connect_timeout_s=2)
+
+
+def test_client_is_exported_lazily() -> None:
+    assert edgevlm.Client is Client
+
+
+# ---------------------------------------------------------------------------- against daemon
+
+
+def test_ask_with_array_bytes_and_path(start_daemon, mosquitto, tiny_engine, tmp_path) -> None:
+    start_daemon()
+    img = _image(0)
+    expected = tiny_engine.ask(img, PROMPT, max_new_tokens=5).text
+    png = encode_png(img)
+    path = tmp_path / "img.png"
+    path.write_bytes(png)
+    with Client(mosquitto.host, mosquitto.port, "dev1") as client:
+        assert client.wait_online(10)
+        assert client.device_status is not None and client.device_status.device_id == "dev1"
+        for image in (img, png, path, str(path)):
+            answer = client.ask(PROMPT, image=image, timeout_s=30, max_new_tokens=5)
+            assert isinstance(answer, edgevlm.Answer)
+            assert answer.text == expected
+            assert answer.stats.new_tokens >= 1 and answer.stats.e2e_ms > 0
+            assert answer.source is None and answer.frame_ts is None
+
+
+def test_ask_source_returns_frame_info(start_daemon, mosquitto, tmp_path) -> None:
+    import cv2
+
+    video = tmp_path / "v.mp4"
+    writer = cv2.VideoWriter(str(video), cv2.VideoWriter_fourcc(*"mp4v"), 10.0, (32, 32))
+    for i in range(4):
+        writer.write(np.full((32, 32, 3), 60 * i, np.uint8))
+    writer.release()
+    daemon = start_daemon(sources=[{"name": "front", "uri": str(video), "fps": 40}])
+    assert daemon.sources.get("front").wait_for_frame(10) is not None
+    with Client(mosquitto.host, mosquitto.port, "dev1") as client:
+        answer = client.ask(PROMPT, source="front", timeout_s=None)
+    assert answer.source == "front"
+    assert answer.frame_ts is not None and answer.frame_pos_ms is not None
+    assert answer.frame_pos_ms in (0.0, 100.0, 200.0, 300.0)
+
+
+def test_local_argument_checks(start_daemon, mosquitto) -> None:
+    start_daemon()
+    with Client(mosquitto.host, mosquitto.port, "dev1") as client:
+        with pytest.raises(InvalidRequestError, match="exactly one of"):
+            client.ask(PROMPT)
+        with pytest.raises(InvalidRequestError, match="exactly one of"):
+            client.ask(PROMPT, source="a", image=b"x")
+        with pytest.raises(InvalidRequestError, match="timeout_s"):
+            client.ask(PROMPT, source="a", timeout_s=-1)
+        with pytest.raises(InvalidRequestError, match="^prompt: "):
+            client.ask("", source="a")
+        with pytest.raises(InvalidRequestError, match="^max_new_tokens: "):
+            client.ask(PROMPT, source="a", max_new_tokens=0)
+
+
+def test_wire_errors_are_typed_exceptions(start_daemon, mosquitto) -> None:
+    start_daemon()
+    with Client(mosquitto.host, mosquitto.port, "dev1") as client:
+        with pytest.raises(UnknownSourceError) as info:
+            client.ask(PROMPT, source="nowhere", timeout_s=10)
+        assert info.value.details["source"] == "nowhere"
+        with pytest.raises(InvalidImageError):
+            client.ask(PROMPT, image=b"\xff\xd8\xff\xe0 truncated jpeg", timeout_s=10)
+
+
+def test_busy_and_local_deadline(start_daemon, mosquitto, tiny_engine) -> None:
+    daemon = start_daemon(queue_max_size=1)
+    img = _image(3)
+    results: list[object] = []
+    with Client(mosquitto.host, mosquitto.port, "dev1") as client:
+        with daemon.scheduler.paused():
+            waiter = threading.Thread(target=lambda: results.append(client.ask(PROMPT, image=img, timeout_s=None)))
+            waiter.start()
+            while daemon.scheduler.queue_size() < 1:
+                assert waiter.is_alive()
+                waiter.join(0.005)
+            with pytest.raises(BusyError, match="queue full"):
+                client.ask(PROMPT, image=img, timeout_s=10)
+        waiter.join(30)
+        assert [getattr(r, "text", r) for r in results] == [tiny_engine.ask(img, PROMPT, max_new_tokens=4).text]
+        # No answer at all within timeout_s (worker held): the client gives up by itself.
+        with daemon.scheduler.paused():
+            with pytest.raises(DeadlineExceededError) as info:
+                client.ask(PROMPT, image=img, timeout_s=0.2)
+            assert info.value.details["local"] is True
+        # ...and the daemon, once released, answers DEADLINE_EXCEEDED to nobody; still serving.
+        assert client.ask(PROMPT, image=img, timeout_s=30).text == results[0].text  # type: ignore[attr-defined]
+
+
+def test_concurrent_asks_are_matched_by_correlation_data(start_daemon, mosquitto, tiny_engine) -> None:
+    start_daemon(queue_max_size=16)
+    images = [_image(10 + i) for i in range(6)]
+    expected = [tiny_engine.ask(im, PROMPT, max_new_tokens=4).text for im in images]
+    assert len(set(expected)) > 1  # different images give different answers, so a mix-up shows
+    got: dict[int, str] = {}
+    errors: list[BaseException] = []
+    with Client(mosquitto.host, mosquitto.port, "dev1") as client:
+
+        def worker(i: int) -> None:
+            try:
+                got[i] = client.ask(PROMPT, image=images[i], timeout_s=60).text
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(images))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert not errors, errors
+    assert [got[i] for i in range(len(images))] == expected
+
+
+def test_context_manager_closes_the_connection(start_daemon, mosquitto) -> None:
+    start_daemon()
+    with Client(mosquitto.host, mosquitto.port, "dev1", client_id="sdk-cm-test") as client:
+        assert client.connected
+        paho = client._client
+    assert not paho.is_connected()
+    assert paho._thread is None  # network thread stopped
+    with pytest.raises(ConnectionError, match="closed"):
+        client.ask(PROMPT, source="x")
+    client.close()  # idempotent
+    assert "Client sdk-cm-test disconnected" in mosquitto.log()
+
+
+def test_client_survives_broker_restart(start_daemon, mosquitto, tiny_engine, wait_until) -> None:
+    daemon = start_daemon()
+    img = _image(5)
+    with Client(mosquitto.host, mosquitto.port, "dev1") as client:
+        first = client.ask(PROMPT, image=img, timeout_s=30).text
+        mosquitto.restart()
+        # The daemon's second connection is subscribed (its flag is cleared on the drop, set on
+        # SUBACK). A request the client publishes before it noticed the drop is re-sent by paho after
+        # its reconnect, behind its own re-subscription.
+        wait_until(
+            lambda: daemon.counters.get("mqtt_connects") == 2 and daemon.bridge.wait_ready(0) and client.connected,
+            timeout_s=30,
+            what="both to reconnect",
+        )
+        assert client.ask(PROMPT, image=img, timeout_s=30).text == first

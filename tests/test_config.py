@@ -1,0 +1,141 @@
+"""Daemon config: YAML loading, defaults, and errors that name the key path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from edgevlm.config import DaemonConfig, load_daemon_config, source_kind
+from edgevlm.errors import ConfigError
+
+
+def _load(tmp_path: Path, text: str) -> DaemonConfig:
+    path = tmp_path / "edgevlm.yaml"
+    path.write_text(text)
+    return load_daemon_config(path)
+
+
+def _error(tmp_path: Path, text: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        _load(tmp_path, text)
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert info.value.details["file"].endswith("edgevlm.yaml")
+    return msg
+
+
+def test_full_config(tmp_path: Path) -> None:
+    (tmp_path / "clips").mkdir()
+    (tmp_path / "clips" / "scene.mp4").write_bytes(b"x")
+    cfg = _load(
+        tmp_path,
+        """
+mqtt:
+  host: broker.local
+  port: 8883
+  prefix: fleet/edgevlm
+  device_id: robot-7
+  keepalive_s: 20
+  qos: 2
+  username: robot
+  password: secret
+  reconnect_min_delay_s: 0.5
+  reconnect_max_delay_s: 10
+model:
+  path: models/demo
+  device: cuda:0
+  dtype: bfloat16
+sources:
+  - {name: front, uri: 0}
+  - {name: rear, uri: /dev/video2}
+  - {name: dock, uri: "rtsp://10.0.0.5:8554/dock"}
+  - {name: sim, uri: clips/scene.mp4, fps: 12.5}
+  - {name: csi, uri: "nvarguscamerasrc ! nvvidconv ! videoconvert ! appsink"}
+queue_max_size: 8
+defaults: {max_new_tokens: 16, timeout_ms: 9223372036854775807}
+log_level: debug
+""",
+    )
+    assert cfg.mqtt.port == 8883 and cfg.mqtt.qos == 2 and cfg.mqtt.prefix == "fleet/edgevlm"
+    assert cfg.mqtt.effective_client_id == "edgevlm-daemon-robot-7"
+    assert cfg.model.path == (tmp_path / "models" / "demo").resolve()
+    assert cfg.model.device == "cuda:0" and cfg.model.dtype == "bfloat16"
+    assert [s.kind for s in cfg.sources] == ["v4l2", "v4l2", "stream", "file", "gstreamer"]
+    assert cfg.sources[0].uri == 0
+    assert cfg.sources[3].uri == str((tmp_path / "clips" / "scene.mp4").resolve())
+    assert cfg.sources[3].fps == 12.5
+    assert cfg.queue_max_size == 8
+    assert cfg.defaults.timeout_ms == 9223372036854775807
+    assert cfg.log_level == "DEBUG"
+
+
+def test_defaults(tmp_path: Path) -> None:
+    cfg = _load(tmp_path, "mqtt: {device_id: r1}\n")
+    assert (cfg.mqtt.host, cfg.mqtt.port, cfg.mqtt.prefix, cfg.mqtt.qos) == ("localhost", 1883, "edgevlm", 1)
+    assert cfg.model.path is None and cfg.model.backend == "torch" and cfg.model.device == "cpu"
+    assert cfg.sources == [] and cfg.queue_max_size == 4 and cfg.log_level == "INFO"
+    # an empty file is a valid all-defaults config
+    assert _load(tmp_path, "").mqtt.port == 1883
+
+
+def test_client_id_unique_per_device(tmp_path: Path) -> None:
+    a = _load(tmp_path, "mqtt: {device_id: r1}\n").mqtt.effective_client_id
+    b = _load(tmp_path, "mqtt: {device_id: r2}\n").mqtt.effective_client_id
+    assert a != b
+    assert _load(tmp_path, "mqtt: {device_id: r1, client_id: custom}\n").mqtt.effective_client_id == "custom"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("mqtt:\n  prot: 1884\n", "mqtt.prot: unknown key"),
+        ("mqtts: {}\n", "mqtts: unknown key"),
+        ("mqtt: {port: 70000}\n", "mqtt.port: Input should be less than or equal to 65535"),
+        ("mqtt: {port: eighty}\n", "mqtt.port: Input should be a valid integer"),
+        ("mqtt: {qos: 3}\n", "mqtt.qos: "),
+        ("mqtt: {device_id: a/b}\n", "mqtt.device_id: "),
+        ("mqtt: {prefix: 'a/#'}\n", "mqtt.prefix: "),
+        ("mqtt: {password: x}\n", "mqtt.password: needs a username"),
+        ("mqtt: {reconnect_min_delay_s: 5, reconnect_max_delay_s: 1}\n", "mqtt.reconnect_max_delay_s: "),
+        ("model: {device: gpu}\n", "model.device: "),
+        ("model: {dtype: int3}\n", "model.dtype: "),
+        ("model: {pth: x}\n", "model.pth: unknown key"),
+        ("sources:\n  - {name: a, uri: 0}\n  - {name: b}\n", "sources[1].uri: required key missing"),
+        ("sources:\n  - {name: a, uri: 0, fpss: 3}\n", "sources[0].fpss: unknown key"),
+        ("sources:\n  - {name: 'a b', uri: 0}\n", "sources[0].name: "),
+        ("sources:\n  - {name: a, uri: -1}\n", "sources[0].uri: "),
+        ("sources:\n  - {name: a, uri: 0}\n  - {name: a, uri: 1}\n", "sources[1].name: duplicate source name 'a'"),
+        ("sources:\n  - {name: a, uri: missing.mp4}\n", "sources[0].uri: video file not found: "),
+        ("sources: {name: a}\n", "sources: Input should be a valid list"),
+        ("queue_max_size: 0\n", "queue_max_size: "),
+        ("defaults: {timeout_ms: -1}\n", "defaults.timeout_ms: "),
+        ("log_level: loud\n", "log_level: "),
+        ("- 1\n- 2\n", "$: expected a mapping at the top level"),
+        ("mqtt: [1\n", "$: YAML syntax error at line 2 column 1"),
+    ],
+)
+def test_errors_name_the_key_path(tmp_path: Path, text: str, expected: str) -> None:
+    assert _error(tmp_path, text).startswith(expected)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_daemon_config(tmp_path / "nope.yaml")
+
+
+def test_source_kind() -> None:
+    assert source_kind(3) == "v4l2"
+    assert source_kind("/dev/video10") == "v4l2"
+    assert source_kind("rtsp://cam/stream") == "stream"
+    assert source_kind("videotestsrc ! videoconvert ! appsink") == "gstreamer"
+    assert source_kind("/data/clip.mp4") == "file"
+
+
+def test_every_field_has_a_description() -> None:
+    from edgevlm.config import DefaultsConfig, ModelConfig, MqttConfig, SourceConfig, TlsConfig
+
+    for model in (DaemonConfig, MqttConfig, ModelConfig, SourceConfig, DefaultsConfig, TlsConfig):
+        for name, info in model.model_fields.items():
+            assert info.description, f"{model.__name__}.{name} has no description"
+        assert model.model_config.get("extra") == "forbid"
