@@ -1,0 +1,570 @@
+"""Prometheus metrics of the daemon and the JSON telemetry summary published over MQTT.
+
+Everything lives in a private :class:`prometheus_client.CollectorRegistry` (never the global
+one, so two daemons or tests in one process do not collide) served by prometheus-client's HTTP
+server on a configurable address. Names follow the Prometheus conventions (base units in the name:
+``_seconds``, ``_bytes``, ``_celsius``, ``_watts``, ``_hertz``; ``_total`` for counters):
+
+==========================================  ==========  ========================================
+metric                                      type        labels / notes
+==========================================  ==========  ========================================
+edgevlm_requests_total                      counter     ``code``: OK or a wire error code
+edgevlm_ttft_seconds                        histogram   buckets 10 ms × 1.5^k, k = 0..11
+edgevlm_e2e_seconds                         histogram   buckets 10 ms × 1.5^k, k = 0..17
+edgevlm_queue_wait_seconds                  histogram   time in the daemon's queue
+edgevlm_vision_encode_seconds               histogram   ``_count`` = vision encodes run
+edgevlm_decode_tokens_per_second            gauge       last request's decode rate
+edgevlm_decode_tokens_total / _seconds_total counter    rate() of both = mean decode rate
+edgevlm_queue_depth                         gauge       requests waiting
+edgevlm_deadline_misses_total               counter     DEADLINE_EXCEEDED or answered late
+edgevlm_early_exits_total                   counter     ``layer``: vision block exited after
+edgevlm_operating_point                     gauge       ``name``: 1 for the point in use
+edgevlm_operating_point_requests_total      counter     ``name``
+edgevlm_source_fps / _state / _frame_age_seconds gauge  ``source`` (and ``state``: 1 = current)
+edgevlm_source_reconnects_total             counter     ``source``
+edgevlm_jetson_*                            gauge       from the newest tegrastats sample
+==========================================  ==========  ========================================
+
+prometheus-client is imported when :class:`Metrics` is built; without it the constructor raises
+``ImportError`` naming the extra (``pip install 'edgevlm[metrics]'``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from edgevlm.errors import ErrorCode
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "E2E_BUCKETS_S",
+    "RESULT_CODES",
+    "TTFT_BUCKETS_S",
+    "Metrics",
+    "TelemetryPublisher",
+    "parse_listen_address",
+    "telemetry_topic",
+]
+
+TTFT_BUCKETS_S: tuple[float, ...] = tuple(round(0.010 * 1.5**k, 9) for k in range(12))  # 10 ms .. 865 ms
+E2E_BUCKETS_S: tuple[float, ...] = tuple(round(0.010 * 1.5**k, 9) for k in range(18))  # 10 ms .. 9.85 s
+RESULT_OK = "OK"
+RESULT_CODES: tuple[str, ...] = (RESULT_OK, *(c.value for c in ErrorCode))
+_OTHER = "OTHER"
+SUMMARY_SCHEMA_VERSION = 1
+
+
+def parse_listen_address(address: str) -> tuple[str, int]:
+    """``"127.0.0.1:9108"``, ``"[::1]:9108"``, ``":9108"`` (all interfaces) or ``"9108"`` ->
+    ``(host, port)``. Port 0 asks the kernel for a free port.
+
+    Raises:
+        ValueError: not of these forms, or the port is outside 0..65535.
+    """
+    text = str(address).strip()
+    m = re.fullmatch(r"(?:\[([0-9A-Fa-f:.]+)\]|([^:\[\]\s]*)):(\d{1,5})|(\d{1,5})", text)
+    if m is None:
+        raise ValueError(f"metrics listen address {address!r}: expected HOST:PORT, [IPV6]:PORT or PORT")
+    host = m.group(1) or m.group(2) or "0.0.0.0"
+    port = int(m.group(3) or m.group(4))
+    if port > 65535:
+        raise ValueError(f"metrics listen address {address!r}: port {port} is not in 0..65535")
+    return host, port
+
+
+def telemetry_topic(prefix: str, device_id: str) -> str:
+    """The topic the telemetry summary is published on: ``<prefix>/<device_id>/telemetry``."""
+    return f"{prefix}/{device_id}/telemetry"
+
+
+def _field(stats: Any, name: str) -> Any:
+    if stats is None:
+        return None
+    if isinstance(stats, dict):
+        return stats.get(name)
+    return getattr(stats, name, None)
+
+
+def _number(value: Any) -> float | None:
+    """A finite, non-negative number, else None (metrics must not take garbage)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    v = float(value)
+    return v if math.isfinite(v) and v >= 0 else None
+
+
+def _percentiles(values: deque[float]) -> dict[str, float | int]:
+    if not values:
+        return {"count": 0}
+    s = sorted(values)
+
+    def rank(q: float) -> float:  # nearest-rank percentile
+        return round(s[max(0, math.ceil(q * len(s)) - 1)], 3)
+
+    return {
+        "count": len(s),
+        "mean": round(sum(s) / len(s), 3),
+        "p50": rank(0.5),
+        "p90": rank(0.9),
+        "p99": rank(0.99),
+    }
+
+
+class Metrics:
+    """The daemon's metrics (thread-safe; every method may be called from any thread).
+
+    Args:
+        device_id: this device's id (in ``edgevlm_build_info`` and the summary).
+        window: how many recent requests the summary's percentiles cover.
+        version: software version for ``edgevlm_build_info``.
+
+    The ``observe_*``/``set_*`` methods never raise on bad input: a metric must not fail a request.
+    """
+
+    def __init__(self, *, device_id: str = "", window: int = 512, version: str = "") -> None:
+        try:
+            import prometheus_client as prom
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "Prometheus metrics need prometheus-client: pip install 'edgevlm[metrics]'"
+            ) from exc
+        self.device_id = device_id
+        self.registry = prom.CollectorRegistry(auto_describe=True)
+        self._server: Any = None
+        self._server_thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._started_s = time.time()
+        r, ns = self.registry, "edgevlm"
+        self.requests = prom.Counter(
+            "requests", "Requests answered, by result code.", ["code"], namespace=ns, registry=r
+        )
+        for code in RESULT_CODES:
+            self.requests.labels(code)
+        self.ttft = prom.Histogram(
+            "ttft_seconds", "Time to first token.", namespace=ns, registry=r, buckets=TTFT_BUCKETS_S
+        )
+        self.e2e = prom.Histogram(
+            "e2e_seconds", "End-to-end inference time.", namespace=ns, registry=r, buckets=E2E_BUCKETS_S
+        )
+        self.queue_wait = prom.Histogram(
+            "queue_wait_seconds",
+            "Time requests waited in the queue.",
+            namespace=ns,
+            registry=r,
+            buckets=E2E_BUCKETS_S,
+        )
+        self.vision = prom.Histogram(
+            "vision_encode_seconds", "Vision encoder + projector time per encode (_count = encodes).",
+            namespace=ns, registry=r, buckets=TTFT_BUCKETS_S,
+        )  # fmt: skip
+        self.decode_rate = prom.Gauge(
+            "decode_tokens_per_second", "Decode rate of the last request.", namespace=ns, registry=r
+        )
+        self.decode_tokens = prom.Counter(
+            "decode_tokens", "Tokens decoded after the first.", namespace=ns, registry=r
+        )
+        self.decode_seconds = prom.Counter(
+            "decode_seconds", "Time spent decoding after the first token.", namespace=ns, registry=r
+        )
+        self.queue_depth = prom.Gauge(
+            "queue_depth", "Requests waiting for the inference worker.", namespace=ns, registry=r
+        )
+        self.deadline_misses = prom.Counter(
+            "deadline_misses", "Requests that missed their deadline.", namespace=ns, registry=r
+        )
+        self.early_exits = prom.Counter(
+            "early_exits",
+            "Vision encodes that exited early, by exit layer.",
+            ["layer"],
+            namespace=ns,
+            registry=r,
+        )
+        self.operating_point = prom.Gauge(
+            "operating_point", "Operating point in use (1) or not (0).", ["name"], namespace=ns, registry=r
+        )
+        self.op_requests = prom.Counter(
+            "operating_point_requests",
+            "Requests run per operating point.",
+            ["name"],
+            namespace=ns,
+            registry=r,
+        )
+        self.source_fps = prom.Gauge(
+            "source_fps", "Frames per second delivered.", ["source"], namespace=ns, registry=r
+        )
+        self.source_state = prom.Gauge(
+            "source_state", "Source state (1 = current).", ["source", "state"], namespace=ns, registry=r
+        )
+        self.source_frame_age = prom.Gauge(
+            "source_frame_age_seconds", "Age of the newest frame.", ["source"], namespace=ns, registry=r
+        )
+        self.source_reconnects = prom.Counter(
+            "source_reconnects", "Source reconnect attempts.", ["source"], namespace=ns, registry=r
+        )
+        build = prom.Gauge(
+            "build_info",
+            "Software version and device id.",
+            ["version", "device_id"],
+            namespace=ns,
+            registry=r,
+        )
+        build.labels(version or "unknown", device_id).set(1)
+        prom.Gauge("start_time_seconds", "UNIX time the daemon started.", namespace=ns, registry=r).set(
+            self._started_s
+        )
+        self._prom = prom
+        self.registry.register(_JetsonCollector(self))
+        # state for the JSON summary
+        self._codes: dict[str, int] = dict.fromkeys(RESULT_CODES, 0)
+        self._deadline_misses = 0
+        self._early_exits: dict[str, int] = {}
+        self._ttft_ms: deque[float] = deque(maxlen=window)
+        self._e2e_ms: deque[float] = deque(maxlen=window)
+        self._tps: deque[float] = deque(maxlen=window)
+        self._vision_count, self._vision_s = 0, 0.0
+        self._queue_depth = 0
+        self._op_name: str | None = None
+        self._sources: dict[str, dict[str, Any]] = {}
+        self.tegra_sample: Any = None
+        self.thermal: Any = None
+
+    # -- daemon API ---------------------------------------------------------------------------------
+    def observe_answer(
+        self, stats: Any = None, code: ErrorCode | str = RESULT_OK, *, deadline_missed: bool = False
+    ) -> None:
+        """Count one finished request.
+
+        Args:
+            stats: the answer's :class:`edgevlm.types.Stats` (or its dict; ``None`` for a request
+                that failed before inference). Times in ms, as the runtime reports them.
+            code: ``"OK"`` or the wire :class:`ErrorCode` the request was answered with.
+            deadline_missed: the answer went out after the request's deadline (also implied by
+                ``DEADLINE_EXCEEDED``).
+        """
+        try:
+            self._observe(stats, code, deadline_missed)
+        except Exception:  # noqa: BLE001 - metrics must never fail a request
+            logger.exception("metrics: cannot record an answer")
+
+    def _observe(self, stats: Any, code: ErrorCode | str, deadline_missed: bool) -> None:
+        label = code.value if isinstance(code, ErrorCode) else str(code)
+        if label not in self._codes:
+            label = _OTHER
+        missed = deadline_missed or label == ErrorCode.DEADLINE_EXCEEDED.value
+        self.requests.labels(label).inc()
+        if missed:
+            self.deadline_misses.inc()
+        ttft, e2e = _number(_field(stats, "ttft_ms")), _number(_field(stats, "e2e_ms"))
+        queue, vision = _number(_field(stats, "queue_ms")), _number(_field(stats, "vision_ms"))
+        decode, new_tokens = _number(_field(stats, "decode_ms")), _number(_field(stats, "new_tokens"))
+        exit_layer, op = _field(stats, "exit_layer"), _field(stats, "operating_point")
+        tps = None
+        if ttft:
+            self.ttft.observe(ttft / 1000)
+        if e2e:
+            self.e2e.observe(e2e / 1000)
+        if queue is not None and stats is not None:
+            self.queue_wait.observe(queue / 1000)
+        if vision:
+            self.vision.observe(vision / 1000)
+        if decode and new_tokens and new_tokens > 1:
+            tokens = int(new_tokens) - 1
+            tps = tokens / (decode / 1000)
+            self.decode_rate.set(tps)
+            self.decode_tokens.inc(tokens)
+            self.decode_seconds.inc(decode / 1000)
+        if isinstance(exit_layer, int) and not isinstance(exit_layer, bool):
+            self.early_exits.labels(str(exit_layer)).inc()
+        if isinstance(op, str) and op:
+            self.op_requests.labels(op).inc()
+        with self._lock:
+            self._codes[label] = self._codes.get(label, 0) + 1
+            self._deadline_misses += missed
+            if ttft:
+                self._ttft_ms.append(ttft)
+            if e2e:
+                self._e2e_ms.append(e2e)
+            if tps is not None:
+                self._tps.append(tps)
+            if vision:
+                self._vision_count += 1
+                self._vision_s += vision / 1000
+            if isinstance(exit_layer, int) and not isinstance(exit_layer, bool):
+                self._early_exits[str(exit_layer)] = self._early_exits.get(str(exit_layer), 0) + 1
+
+    def set_queue_depth(self, depth: int) -> None:
+        """Requests currently waiting for the worker."""
+        if _number(depth) is None:
+            return
+        self.queue_depth.set(depth)
+        with self._lock:
+            self._queue_depth = int(depth)
+
+    def set_operating_point(self, point: Any) -> None:
+        """The operating point now in use (an :class:`~edgevlm.types.OperatingPoint` or its name)."""
+        name = getattr(point, "name", point)
+        if not isinstance(name, str) or not name:
+            return
+        with self._lock:
+            previous, self._op_name = self._op_name, name
+        if previous is not None and previous != name:
+            self.operating_point.labels(previous).set(0)
+        self.operating_point.labels(name).set(1)
+
+    def observe_source(
+        self,
+        name: str,
+        *,
+        fps: float | None = None,
+        state: str | None = None,
+        frame_age_s: float | None = None,
+    ) -> None:
+        """A camera/microphone source's delivered rate, state (e.g. ``streaming``, ``reconnecting``)
+        and newest-frame age; ``None`` leaves a value unchanged."""
+        with self._lock:
+            entry = self._sources.setdefault(name, {})
+            previous = entry.get("state")
+            if _number(fps) is not None:
+                entry["fps"] = round(float(fps), 3)
+                self.source_fps.labels(name).set(fps)
+            if _number(frame_age_s) is not None:
+                entry["frame_age_s"] = round(float(frame_age_s), 3)
+                self.source_frame_age.labels(name).set(frame_age_s)
+            if isinstance(state, str) and state:
+                entry["state"] = state
+        if isinstance(state, str) and state:
+            if previous is not None and previous != state:
+                self.source_state.labels(name, previous).set(0)
+            self.source_state.labels(name, state).set(1)
+
+    def source_reconnect(self, name: str) -> None:
+        """Count one reconnect attempt of a source."""
+        self.source_reconnects.labels(name).inc()
+        with self._lock:
+            entry = self._sources.setdefault(name, {})
+            entry["reconnects"] = entry.get("reconnects", 0) + 1
+
+    def observe_tegrastats(self, sample: Any, thermal: Any = None) -> None:
+        """The newest :class:`~edgevlm.daemon.tegrastats.TegraSample` (and its
+        :class:`~edgevlm.daemon.tegrastats.ThermalState`); exported at scrape time."""
+        with self._lock:
+            self.tegra_sample, self.thermal = sample, thermal
+
+    # -- HTTP endpoint --------------------------------------------------------------------------------
+    def start(self, address: str = "127.0.0.1:9108") -> tuple[str, int] | None:
+        """Serve ``/metrics`` on ``address`` (see :func:`parse_listen_address`) in a daemon thread.
+
+        Returns the bound ``(host, port)``, or ``None`` when the address cannot be bound (logged:
+        the daemon keeps serving without an endpoint).
+
+        Raises:
+            ValueError: a malformed address.
+        """
+        host, port = parse_listen_address(address)
+        if self._server is not None:
+            return self.address
+        try:
+            self._server, self._server_thread = self._prom.start_http_server(
+                port, addr=host, registry=self.registry
+            )
+        except OSError as exc:
+            logger.error("metrics: cannot listen on %s: %s; Prometheus endpoint disabled", address, exc)
+            return None
+        logger.info("metrics: serving Prometheus metrics on http://%s:%d/metrics", *self.address)
+        return self.address
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        if self._server is None:
+            return None
+        host, port = self._server.server_address[:2]
+        return host, port
+
+    def stop(self) -> None:
+        """Stop the HTTP endpoint (idempotent)."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if self._server_thread is not None:
+            self._server_thread.join(5)
+            self._server_thread = None
+
+    def exposition(self) -> bytes:
+        """The text exposition format of the registry (what ``/metrics`` returns)."""
+        return self._prom.generate_latest(self.registry)
+
+    # -- telemetry summary ----------------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        """A JSON-serialisable summary for ``<prefix>/<device_id>/telemetry``: totals since start,
+        latency percentiles (ms) over the last ``window`` requests, sources, and Jetson state."""
+        with self._lock:
+            out: dict[str, Any] = {
+                "schema_version": SUMMARY_SCHEMA_VERSION,
+                "device_id": self.device_id,
+                "ts": round(time.time(), 3),
+                "uptime_s": round(time.time() - self._started_s, 3),
+                "requests": {k: v for k, v in self._codes.items() if v or k in RESULT_CODES},
+                "requests_total": sum(self._codes.values()),
+                "deadline_misses": self._deadline_misses,
+                "queue_depth": self._queue_depth,
+                "operating_point": self._op_name,
+                "ttft_ms": _percentiles(self._ttft_ms),
+                "e2e_ms": _percentiles(self._e2e_ms),
+                "decode_tokens_per_s": _percentiles(self._tps),
+                "vision_encodes": self._vision_count,
+                "vision_encode_s": round(self._vision_s, 6),
+                "early_exits": dict(sorted(self._early_exits.items(), key=lambda kv: int(kv[0]))),
+                "sources": {k: dict(v) for k, v in sorted(self._sources.items())},
+            }
+            sample, thermal = self.tegra_sample, self.thermal
+        if sample is not None:
+            jetson = {
+                "max_temp_c": sample.max_temp_c,
+                "gpu_freq_mhz": sample.gpu_freq_mhz,
+                "gpu_load_pct": sample.gpu_load_pct,
+                "cpu_load_pct": None if sample.cpu_load_pct is None else round(sample.cpu_load_pct, 2),
+                "ram_used_mb": sample.ram_used_mb,
+                "ram_total_mb": sample.ram_total_mb,
+                "total_power_mw": sample.total_power_mw,
+                "sample_age_s": round(max(0.0, time.time() - sample.received_s), 3),
+            }
+            if thermal is not None:
+                jetson["throttled"] = thermal.throttled
+                jetson["throttle_reasons"] = list(thermal.reasons)
+            out["jetson"] = {k: v for k, v in jetson.items() if v is not None}
+        return out
+
+    def summary_json(self) -> bytes:
+        """:meth:`summary` as compact UTF-8 JSON (the MQTT payload)."""
+        return json.dumps(self.summary(), separators=(",", ":"), allow_nan=False).encode()
+
+
+class _JetsonCollector:
+    """Exports the newest tegrastats sample at scrape time; absent fields are simply not exported."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+
+    def describe(self) -> Iterator[Any]:
+        return iter(())  # dynamic: nothing to check at registration
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        sample, thermal = self.m.tegra_sample, self.m.thermal
+        if sample is None:
+            return
+        p = "edgevlm_jetson_"
+
+        def gauge(name: str, doc: str, value: float | None, scale: float = 1.0) -> Iterator[Any]:
+            if value is not None:
+                yield GaugeMetricFamily(p + name, doc, value=value * scale)
+
+        mb = 1024 * 1024
+        yield from gauge("ram_used_bytes", "RAM in use.", sample.ram_used_mb, mb)
+        yield from gauge("ram_total_bytes", "RAM available to applications.", sample.ram_total_mb, mb)
+        yield from gauge("swap_used_bytes", "Swap in use.", sample.swap_used_mb, mb)
+        yield from gauge("swap_total_bytes", "Swap size.", sample.swap_total_mb, mb)
+        yield from gauge("gpu_load_ratio", "iGPU (GR3D) load.", sample.gpu_load_pct, 0.01)
+        yield from gauge("gpu_freq_hertz", "iGPU clock.", sample.gpu_freq_mhz, 1e6)
+        yield from gauge("emc_load_ratio", "Memory controller load.", sample.emc_load_pct, 0.01)
+        yield from gauge("emc_freq_hertz", "Memory controller clock.", sample.emc_freq_mhz, 1e6)
+        yield from gauge("max_temperature_celsius", "Hottest sensor.", sample.max_temp_c)
+        yield from gauge("total_power_watts", "Module input power.", sample.total_power_mw, 1e-3)
+        yield from gauge(
+            "sample_age_seconds", "Age of the tegrastats sample.", max(0.0, time.time() - sample.received_s)
+        )
+        if sample.cpu:
+            load = GaugeMetricFamily(p + "cpu_load_ratio", "CPU core load (online cores).", labels=["core"])
+            freq = GaugeMetricFamily(p + "cpu_freq_hertz", "CPU core clock (online cores).", labels=["core"])
+            online = GaugeMetricFamily(p + "cpu_online", "CPU core online (1) or off (0).", labels=["core"])
+            for c in sample.cpu:
+                online.add_metric([str(c.index)], 1.0 if c.online else 0.0)
+                if c.load_pct is not None:
+                    load.add_metric([str(c.index)], c.load_pct / 100)
+                if c.freq_mhz is not None:
+                    freq.add_metric([str(c.index)], c.freq_mhz * 1e6)
+            yield from (load, freq, online)
+        if sample.temps_c:
+            temps = GaugeMetricFamily(p + "temperature_celsius", "Thermal sensor.", labels=["sensor"])
+            for name, value in sorted(sample.temps_c.items()):
+                temps.add_metric([name], value)
+            yield temps
+        if sample.rails:
+            now = GaugeMetricFamily(p + "power_watts", "Power rail, instantaneous.", labels=["rail"])
+            avg = GaugeMetricFamily(p + "power_avg_watts", "Power rail, average.", labels=["rail"])
+            for rail in sample.rails.values():
+                now.add_metric([rail.name], rail.power_mw / 1000)
+                avg.add_metric([rail.name], rail.avg_power_mw / 1000)
+            yield from (now, avg)
+        if thermal is not None:
+            yield from gauge("throttled", "1 while throttling is detected.", float(thermal.throttled))
+            yield from gauge("gpu_clock_ratio", "GPU clock / reference clock.", thermal.gpu_clock_ratio)
+
+
+class TelemetryPublisher:
+    """Calls ``publish(payload_bytes)`` with :meth:`Metrics.summary_json` every ``interval_s`` in a
+    daemon thread (the MQTT bridge publishes it on :func:`telemetry_topic`). ``refresh()``, when
+    given, runs first on each turn (e.g. to copy the sources' fps/state and the queue depth into
+    the metrics). A failing refresh or publish is logged and retried at the next interval.
+
+    Raises:
+        ValueError: ``interval_s`` <= 0.
+    """
+
+    def __init__(
+        self,
+        metrics: Metrics,
+        publish: Callable[[bytes], Any],
+        interval_s: float = 10.0,
+        *,
+        refresh: Callable[[], Any] | None = None,
+    ) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self.metrics, self.publish, self.interval_s, self.refresh = metrics, publish, interval_s, refresh
+        self.published = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def publish_now(self) -> bool:
+        """Refresh and publish one summary now. Returns whether the publish succeeded."""
+        if self.refresh is not None:
+            try:
+                self.refresh()
+            except Exception:  # noqa: BLE001 - stale values are better than no telemetry
+                logger.warning("telemetry refresh failed", exc_info=True)
+        try:
+            self.publish(self.metrics.summary_json())
+        except Exception:  # noqa: BLE001 - the broker may be down; try again next time
+            logger.warning("telemetry publish failed", exc_info=True)
+            return False
+        self.published += 1
+        return True
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="telemetry", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.publish_now()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout_s)
