@@ -1,0 +1,276 @@
+"""The ``edgevlm`` command line.
+
+Subcommands::
+
+    edgevlm ask --image PATH [--model DIR] [--resolution PX] [--max-new-tokens N] "question"
+    edgevlm serve --config FILE          # run the MQTT daemon (blocks until SIGTERM/SIGINT)
+    edgevlm serve --check-config FILE    # validate a daemon config and exit
+    edgevlm demo                         # private broker + daemon + questions, prints a table
+
+Every failure the user can cause (bad arguments, a missing or corrupt image, a bad config, a model
+that does not load) prints exactly one line, ``edgevlm: error: ...``, on stderr and exits with
+status 2; tracebacks are only logged with ``-vv``. Subsystems (torch, OpenCV, the daemon) are
+imported inside the subcommand that needs them, so ``import edgevlm.cli`` stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import NoReturn
+
+from edgevlm import __version__
+from edgevlm.errors import EdgeVLMError
+
+logger = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class _UsageError(Exception):
+    """A bad argument found after parsing (reported like an argparse error: one line, exit 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """ArgumentParser whose errors are one line (``edgevlm: error: ...``), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        hint = f" (see '{self.prog} --help')"
+        self.exit(EXIT_USAGE, f"edgevlm: error: {_one_line(message)}{hint}\n")
+
+
+def _one_line(message: str) -> str:
+    return " ".join(str(message).split())
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0.0:  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``edgevlm`` command (exposed for docs and tests)."""
+    parser = _Parser(
+        prog="edgevlm",
+        description="Edge deployment SDK and daemon for vision-language models.",
+    )
+    parser.add_argument("--version", action="version", version=f"edgevlm {__version__}")
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug with tracebacks)"
+    )
+    # -v also works after the subcommand (edgevlm ask -v ...).
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    ask = sub.add_parser("ask", parents=[common], help="answer a question about an image file")
+    ask.add_argument("question", nargs="+", help="the question (several words are joined with spaces)")
+    ask.add_argument("--image", required=True, metavar="PATH", help="JPEG, PNG, BMP or WebP file")
+    ask.add_argument(
+        "--model",
+        metavar="DIR",
+        default=None,
+        help="model folder (Hugging Face LLaVA format); default: the demo model",
+    )
+    ask.add_argument(
+        "--resolution",
+        type=_positive_int,
+        metavar="PX",
+        default=None,
+        help="input resolution (longer side, px): picks a rung of the model's resolution ladder",
+    )
+    ask.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N", help="default: 64")
+    ask.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    ask.add_argument(
+        "--dtype", choices=_DTYPES, default=None, help="default: float32 on CPU, bfloat16 on CUDA"
+    )
+    ask.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy (default)")
+    ask.add_argument("--seed", type=int, default=None, help="sampling seed")
+    ask.add_argument("--stream", action="store_true", help="print the answer while it is generated")
+    ask.add_argument("--json", action="store_true", help="print one JSON object (answer, stats, model)")
+    ask.set_defaults(func=_cmd_ask)
+
+    serve = sub.add_parser("serve", parents=[common], help="run the MQTT daemon")
+    mode = serve.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--config", metavar="FILE", help="daemon config YAML; runs until SIGTERM/SIGINT")
+    mode.add_argument("--check-config", metavar="FILE", help="validate the config file and exit")
+    serve.set_defaults(func=_cmd_serve)
+
+    demo = sub.add_parser(
+        "demo",
+        parents=[common],
+        help="start a private broker and the daemon on the bundled video, ask questions, print a table",
+    )
+    demo.add_argument("--model", metavar="DIR", default=None, help="model folder; default: the demo model")
+    demo.add_argument(
+        "--timeout-s", type=_non_negative_float, default=180.0, help="give up after this long (default: 180)"
+    )
+    demo.add_argument("--json", action="store_true", help="also print the results as one JSON line")
+    demo.set_defaults(func=_cmd_demo)
+    return parser
+
+
+# ----------------------------------------------------------------------------------- commands
+
+
+def _cmd_ask(args: argparse.Namespace) -> int:
+    question = " ".join(args.question).strip()
+    if not question:
+        raise _UsageError("the question is empty")
+
+    from edgevlm.runtime.image import load_image  # needs OpenCV (the runtime extra)
+
+    image = load_image(args.image)  # fail on a bad file before loading the model
+
+    from edgevlm.runtime import Engine  # torch: the runtime extra (ImportError names it)
+    from edgevlm.types import OperatingPoint
+
+    t0 = time.perf_counter()
+    engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
+    load_ms = (time.perf_counter() - t0) * 1000.0
+    logger.info("loaded %s in %.0f ms", engine.model_dir, load_ms)
+
+    op = OperatingPoint(name="cli", resolution_px=args.resolution) if args.resolution else None
+    kwargs = dict(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, operating_point=op
+    )
+    if args.stream and not args.json:
+        stream = engine.stream(image, question, **kwargs)
+        for delta in stream:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        answer = stream.answer
+    else:
+        answer = engine.ask(image, question, **kwargs)
+
+    model = {
+        "model_dir": str(engine.model_dir),
+        "backend": engine.backend_name,
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "resolution_ladder": list(engine.resolution_ladder),
+        "load_ms": round(load_ms, 1),
+    }
+    if args.json:
+        print(json.dumps({"answer": answer.model_dump(mode="json"), "model": model}))
+        return EXIT_OK
+    if not args.stream:
+        print(answer.text)
+    print(_format_stats(answer.stats, model))
+    return EXIT_OK
+
+
+def _format_stats(stats, model: dict) -> str:
+    s = stats
+    return "\n".join(
+        [
+            f"  model    {model['model_dir']} ({model['backend']}, {model['device']}, {model['dtype']}; "
+            f"loaded in {model['load_ms']:.0f} ms)",
+            f"  input    {s.input_width_px}x{s.input_height_px} px, {s.vision_tokens} vision tokens, "
+            f"{s.prompt_tokens} prompt tokens",
+            f"  output   {s.new_tokens} new tokens, finish_reason={s.finish_reason or '-'}",
+            f"  latency  preprocess {s.preprocess_ms:.1f} ms | vision {s.vision_ms:.1f} ms | "
+            f"prefill {s.prefill_ms:.1f} ms | ttft {s.ttft_ms:.1f} ms | tpot {s.tpot_ms:.1f} ms | "
+            f"e2e {s.e2e_ms:.1f} ms",
+        ]
+    )
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from edgevlm.config import load_daemon_config
+
+    if args.check_config is not None:
+        cfg = load_daemon_config(args.check_config)
+        names = ", ".join(s.name for s in cfg.sources) or "none"
+        print(
+            f"{args.check_config}: OK (broker {cfg.mqtt.host}:{cfg.mqtt.port}, device_id {cfg.mqtt.device_id}, "
+            f"sources: {names})"
+        )
+        return EXIT_OK
+    cfg = load_daemon_config(args.config)
+    if args.verbose == 0:
+        logging.getLogger().setLevel(cfg.log_level)
+    from edgevlm.daemon.app import run
+
+    return int(run(cfg))
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from edgevlm.daemon.demo import run_demo
+
+    return int(run_demo(model_dir=args.model, timeout_s=args.timeout_s, json_out=args.json))
+
+
+# --------------------------------------------------------------------------------------- main
+
+
+def _setup_logging(verbose: int, command: str | None) -> None:
+    if verbose >= 2:
+        level = logging.DEBUG
+    elif verbose == 1 or command == "serve":
+        level = logging.INFO
+    else:
+        level = logging.WARNING
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+
+
+def _fail(message: str, code: int = EXIT_USAGE) -> int:
+    sys.stderr.write(f"edgevlm: error: {_one_line(message)}\n")
+    sys.stderr.flush()
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``edgevlm`` console script. Returns the process exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.verbose, args.command)
+    try:
+        return args.func(args)
+    except _UsageError as exc:
+        return _fail(str(exc))
+    except EdgeVLMError as exc:
+        logger.debug("failed", exc_info=True)
+        return _fail(exc.message or exc.__class__.__name__)
+    except (OSError, ImportError) as exc:
+        logger.debug("failed", exc_info=True)
+        return _fail(str(exc) or exc.__class__.__name__)
+    except KeyboardInterrupt:
+        sys.stderr.write("edgevlm: interrupted\n")
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # a bug: still one line, the traceback only with -vv
+        logger.debug("unexpected error", exc_info=True)
+        return _fail(
+            f"internal error: {exc.__class__.__name__}: {exc} (run with -vv for the traceback)", EXIT_FAILURE
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

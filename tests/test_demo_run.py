@@ -1,0 +1,192 @@
+"""The demo end to end: real mosquitto, the real daemon in a subprocess, the SDK and mosquitto_rr.
+
+``test_demo_with_shipped_model`` is ``make demo`` itself (``edgevlm demo``) on the bundled scene
+video and the shipped demo model; it skips only while those files are absent.
+``test_demo_pipeline_with_tiny_model`` runs the same code path on a tiny random checkpoint and a
+still video whose ground truth is that engine's own answer on the decoded frame, so the whole
+pipeline (broker, daemon, camera, SDK, mosquitto_rr, grading) is checked even without the demo
+weights.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+cv2 = pytest.importorskip("cv2")
+pytest.importorskip("torch")
+
+from edgevlm.daemon import demo  # noqa: E402
+
+pytestmark = pytest.mark.mqtt
+
+QUESTIONS = {
+    "how many shapes are there?": "count_total",
+    "what color is the circle?": "colour",
+    "is the red circle on the left or the right?": "position_lr",
+    "describe the scene.": "describe",
+}
+
+
+def _require_mosquitto() -> None:
+    broker, rr = demo.find_mosquitto()
+    if not (broker and rr):
+        pytest.fail(f"mosquitto/mosquitto_rr not found: {demo.INSTALL_COMMAND}", pytrace=False)
+
+
+def _demo_assets_present() -> tuple[bool, str]:
+    from edgevlm.runtime import demo as assets
+
+    for path in (assets.model_dir() / "config.json", assets.video_path(), assets.scenes_json_path()):
+        if not path.is_file():
+            return False, f"demo assets not shipped yet: {path} is missing"
+    if not any(assets.model_dir().glob("*.safetensors")):
+        return False, f"demo model weights not shipped yet: no *.safetensors in {assets.model_dir()}"
+    return True, ""
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory) -> dict[str, Path]:
+    """Tiny checkpoint, a 3 s still MJPG video, and a sidecar with that engine's own answers."""
+    from edgevlm.runtime import Engine
+    from edgevlm.runtime.testing import write_tiny_checkpoint
+
+    d = tmp_path_factory.mktemp("demo")
+    model = write_tiny_checkpoint(d / "model", seed=5)
+    bgr = np.full((48, 64, 3), 60, np.uint8)
+    cv2.circle(bgr, (18, 20), 9, (0, 0, 230), -1)
+    video = d / "cam.avi"
+    writer = cv2.VideoWriter(str(video), cv2.VideoWriter_fourcc(*"MJPG"), 10, (64, 48))
+    for _ in range(30):
+        writer.write(bgr)
+    writer.release()
+    cap = cv2.VideoCapture(str(video))
+    ok, frame = cap.read()
+    cap.release()
+    assert ok
+    engine = Engine.load(model)
+    rgb = np.ascontiguousarray(frame[:, :, ::-1])
+    qas = [
+        {"question": q, "kind": k, "answer": engine.ask(rgb, q, max_new_tokens=32).text}
+        for q, k in QUESTIONS.items()
+    ]
+    sidecar = d / "cam.json"
+    sidecar.write_text(json.dumps({"segments": [{"start_ms": 0, "end_ms": 3000, "questions": qas}]}))
+    return {"model": model, "video": video, "sidecar": sidecar}
+
+
+def test_demo_pipeline_with_tiny_model(tiny_setup: dict[str, Path], capsys) -> None:
+    _require_mosquitto()
+    code = demo.run_demo(
+        model_dir=tiny_setup["model"], video=tiny_setup["video"], ground_truth=tiny_setup["sidecar"],
+        timeout_s=240, json_out=True,
+    )  # fmt: skip
+    out = capsys.readouterr()
+    assert code == 0, out.out + out.err
+    assert "demo: OK" in out.out
+    result = json.loads(out.out.strip().splitlines()[-1])
+    rows = result["rows"]
+    assert result["ok"] is True and result["problems"] == []
+    assert [r["via"] for r in rows].count("mosquitto_rr") == 1
+    assert [r["question"] for r in rows] == [
+        "how many shapes are there?",  # the probe
+        "what color is the circle?",  # follow-ups by kind, from the segment on screen
+        "is the red circle on the left or the right?",
+        "describe the scene.",
+        "how many shapes are there?",  # mosquitto_rr
+    ]
+    expected = {
+        qa["question"]: qa["answer"]
+        for qa in json.loads(tiny_setup["sidecar"].read_text())["segments"][0]["questions"]
+    }
+    for r in rows:
+        assert r["error"] is None
+        assert r["answer"] == expected[r["question"]] and r["correct"] is True
+        assert 0.0 <= r["frame_pos_ms"] < 3000.0
+        assert r["e2e_ms"] > 0 and r["rtt_ms"] >= r["e2e_ms"]
+    assert result["right"] == result["checked"] == len(rows)
+    # The table has a header, a rule and one line per question.
+    table = [
+        line
+        for line in out.out.splitlines()
+        if line.startswith(("#", "-  ", *(f"{i} " for i in range(1, 10))))
+    ]
+    assert len(table) == 2 + len(rows)
+
+
+def test_demo_fails_when_the_daemon_cannot_load_the_model(
+    tiny_setup: dict[str, Path], tmp_path: Path, capsys
+) -> None:
+    _require_mosquitto()
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    code = demo.run_demo(
+        model_dir=broken, video=tiny_setup["video"], ground_truth=tiny_setup["sidecar"], timeout_s=120
+    )
+    out = capsys.readouterr()
+    assert code == 1
+    assert "demo: FAILED" in out.out
+    assert "the daemon exited with status" in out.err
+
+
+def test_demo_missing_video(tmp_path: Path, tiny_setup: dict[str, Path], capsys) -> None:
+    code = demo.run_demo(
+        model_dir=tiny_setup["model"], video=tmp_path / "none.mp4", ground_truth=tiny_setup["sidecar"]
+    )
+    assert code == 1
+    assert "camera video not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"segments": [{"start_ms": 0}]}', "[]", '{"segments": 3}'])
+def test_bad_ground_truth(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "gt.json"
+    path.write_text(text)
+    with pytest.raises(demo.DemoError, match="ground truth"):
+        demo.load_ground_truth(path)
+
+
+def test_segment_lookup_wraps_around_the_loop() -> None:
+    segs = [demo.Segment(0, 2000, {"q": "a"}), demo.Segment(2000, 5000, {"q": "b"})]
+    assert demo.segment_at(segs, 1999.0).answers["q"] == "a"
+    assert demo.segment_at(segs, 2000.0).answers["q"] == "b"
+    assert demo.segment_at(segs, 5000.0 + 10.0).answers["q"] == "a"  # second loop
+    assert demo.segment_at(segs, None) is None
+
+
+def test_missing_mosquitto_prints_the_install_command(tmp_path: Path) -> None:
+    with pytest.raises(demo.DemoError) as info:
+        demo.ensure_mosquitto(path=str(tmp_path), extra_dirs=(), may_install=False)
+    msg = str(info.value)
+    assert "mosquitto and mosquitto-clients not installed" in msg
+    assert demo.INSTALL_COMMAND in msg
+
+
+def test_demo_with_shipped_model() -> None:
+    """``make demo``'s command on the bundled video: exits 0 and prints right answers."""
+    present, reason = _demo_assets_present()
+    if not present:
+        pytest.skip(reason)
+    _require_mosquitto()
+    res = subprocess.run(
+        [sys.executable, "-m", "edgevlm.cli", "demo", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+    )
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert "demo: OK" in res.stdout and "Traceback" not in res.stderr
+    result = json.loads(res.stdout.strip().splitlines()[-1])
+    rows = result["rows"]
+    assert len(rows) >= 4 and any(r["via"] == "mosquitto_rr" for r in rows)
+    assert all(r["error"] is None and r["answer"] for r in rows)
+    assert result["checked"] >= len(rows) - 1  # at most one question lands on a scene change
+    assert result["right"] >= 0.75 * result["checked"]
+    count = [r for r in rows if r["question"] == "how many shapes are there?" and r["correct"] is not None]
+    assert count and all(r["answer"].strip() in {"1", "2", "3", "4"} for r in count)
