@@ -47,7 +47,8 @@ APT_PACKAGES = ("mosquitto", "mosquitto-clients")
 INSTALL_COMMAND = "sudo apt-get update && sudo apt-get install -y mosquitto mosquitto-clients"
 _SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin", "/sbin", "/opt/homebrew/sbin", "/usr/local/opt/mosquitto/sbin")
 # Question kinds asked about the segment on screen (after a first count question).
-_SEGMENT_KINDS = ("colour", "shape", "position_lr", "position_tb", "count_colour", "presence")
+# Any question is graded on the frame the daemon actually used (Segment.expected).
+_SEGMENT_KINDS = ("colour", "shape", "position_lr", "position_tb", "count_colour", "presence", "describe")
 
 
 class DemoError(Exception):
@@ -230,6 +231,46 @@ class Segment:
     end_ms: float
     answers: dict[str, str]
     kinds: dict[str, str] = field(default_factory=dict)
+    objects: list[dict] = field(default_factory=list)
+    size_px: tuple[int, int] = (0, 0)
+
+    def expected(self, question: str) -> str | None:
+        """The exact answer to ``question`` for this scene: the sidecar's own, else computed by the
+        scene generator from the segment's objects for any canonical question (None when the
+        question has no exact answer here, e.g. "what color is the triangle?" without a triangle)."""
+        if question in self.answers:
+            return self.answers[question]
+        if not self.objects or not self.size_px[0]:
+            return None
+        from edgevlm.runtime.demo import scenes
+
+        parsed = _canonical_questions().get(_norm(question))
+        if parsed is None:
+            return None
+        objs = tuple(
+            scenes.SceneObject(
+                o["shape"], o["colour"], o["size"], float(o["cx_px"]), float(o["cy_px"]), 0.0, 0.0, (0, 0, 0)
+            )
+            for o in self.objects
+        )
+        scene = scenes.Scene(self.size_px[0], self.size_px[1], None, objs)  # type: ignore[arg-type]
+        kind, colour, shape = parsed
+        try:
+            return scenes.answer(scene, kind, colour=colour, shape=shape)
+        except ValueError:
+            return None
+
+
+def _canonical_questions() -> dict[str, tuple[str, str, str]]:
+    """Every canonical question text of the scene generator -> (kind, colour, shape)."""
+    from edgevlm.runtime.demo import scenes
+
+    table = {}
+    for kind in scenes.KINDS:
+        for colour in scenes.COLOURS:
+            for shape in scenes.SHAPES:
+                table[_norm(scenes.question_text(kind, colour=colour, shape=shape))] = (kind, colour, shape)
+    return table
 
 
 def load_ground_truth(path: Path) -> list[Segment]:
@@ -246,7 +287,21 @@ def load_ground_truth(path: Path) -> list[Segment]:
                 answers[qa["question"]] = str(qa["answer"])
                 if "kind" in qa:
                     kinds[qa["question"]] = qa["kind"]
-            segments.append(Segment(float(item["start_ms"]), float(item["end_ms"]), answers, kinds))
+            size = (
+                (int(data.get("width_px", 0)), int(data.get("height_px", 0)))
+                if isinstance(data, dict)
+                else (0, 0)
+            )
+            segments.append(
+                Segment(
+                    float(item["start_ms"]),
+                    float(item["end_ms"]),
+                    answers,
+                    kinds,
+                    list(item.get("objects", [])),
+                    size,
+                )
+            )
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise DemoError(
             f"cannot read the video's ground truth {path}: {exc.__class__.__name__}: {exc}"
@@ -291,7 +346,7 @@ class Row:
 
     def grade(self, segments: Sequence[Segment]) -> None:
         seg = segment_at(segments, self.frame_pos_ms)
-        self.expected = seg.answers.get(self.question) if seg else None
+        self.expected = seg.expected(self.question) if seg else None
         if self.expected is not None and self.answer is not None:
             self.correct = _norm(self.answer) == _norm(self.expected)
 

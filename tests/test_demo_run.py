@@ -190,3 +190,18 @@ def test_demo_with_shipped_model() -> None:
     assert result["right"] >= 0.75 * result["checked"]
     count = [r for r in rows if r["question"] == "how many shapes are there?" and r["correct"] is not None]
     assert count and all(r["answer"].strip() in {"1", "2", "3", "4"} for r in count)
+
+
+def test_segment_grades_any_canonical_question_from_its_objects():
+    """A question asked about one segment but answered on a frame of another is graded against
+    the scene actually used, computed from the sidecar's objects."""
+    from edgevlm.runtime.demo import scenes_json_path
+
+    seg = demo.load_ground_truth(scenes_json_path())[0]  # one large yellow triangle, upper left
+    assert [o["shape"] for o in seg.objects] == ["triangle"]
+    assert seg.expected("how many red shapes are there?") == "0"
+    assert seg.expected("is the yellow triangle on the left or the right?") == "left"
+    assert seg.expected("is the yellow triangle at the top or the bottom?") == "top"
+    assert seg.expected("describe the scene.") == "large yellow triangle"
+    assert seg.expected("what color is the circle?") is None  # no circle: no exact answer
+    assert seg.expected("what is the meaning of life?") is None
