@@ -48,7 +48,7 @@ INSTALL_COMMAND = "sudo apt-get update && sudo apt-get install -y mosquitto mosq
 _SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin", "/sbin", "/opt/homebrew/sbin", "/usr/local/opt/mosquitto/sbin")
 # Question kinds asked about the segment on screen (after a first count question).
 # Any question is graded on the frame the daemon actually used (Segment.expected).
-_SEGMENT_KINDS = ("colour", "shape", "position_lr", "position_tb", "count_colour", "presence", "describe")
+_SEGMENT_KINDS = ("colour", "shape", "position_lr", "position_tb", "count_colour", "presence")
 
 
 class DemoError(Exception):
@@ -337,6 +337,7 @@ class Row:
     expected: str | None = None
     correct: bool | None = None
     frame_pos_ms: float | None = None
+    frame_ts: float | None = None
     rtt_ms: float | None = None
     e2e_ms: float | None = None
     vision_ms: float | None = None
@@ -353,6 +354,7 @@ class Row:
     def fill(self, answer: Any, rtt_ms: float) -> None:
         self.answer = answer.text
         self.frame_pos_ms = answer.frame_pos_ms
+        self.frame_ts = answer.frame_ts
         self.rtt_ms = rtt_ms
         s = answer.stats
         self.e2e_ms, self.vision_ms, self.prefill_ms, self.ttft_ms = (
@@ -361,6 +363,16 @@ class Row:
             s.prefill_ms,
             s.ttft_ms,
         )
+
+
+def _position_now_ms(row: Row) -> float | None:
+    """Predicted media position (ms) of the camera now, from an answer's frame position and its
+    capture time (the file source plays at its native rate)."""
+    if row.frame_pos_ms is None:
+        return None
+    if row.frame_ts is None:
+        return row.frame_pos_ms
+    return row.frame_pos_ms + max(0.0, time.time() - row.frame_ts) * 1000.0
 
 
 def _question_of_kind(seg: Segment | None, kind: str) -> str | None:
@@ -570,10 +582,10 @@ def _ask_all(
         )
 
         rows.append(ask_sdk(client, "how many shapes are there?", min(60.0, remaining())))
-        # Follow-ups about the scene on screen: each question is picked from the segment of the
-        # frame the previous answer used (the video moves on while we ask).
+        # Follow-ups about the scene on screen: the video plays in real time, so the frame the
+        # daemon will use is about the previous answer's frame plus the time since it was captured.
         for kind in _SEGMENT_KINDS:
-            question = _question_of_kind(segment_at(segments, rows[-1].frame_pos_ms), kind)
+            question = _question_of_kind(segment_at(segments, _position_now_ms(rows[-1])), kind)
             if question is not None:
                 daemon.check_alive()
                 rows.append(ask_sdk(client, question, min(60.0, remaining())))
