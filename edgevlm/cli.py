@@ -131,7 +131,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     demo.set_defaults(func=_cmd_demo)
+
+    # Subsystems with parsers of their own: the rest of the command line is theirs.
+    for name, target, summary in _DELEGATED:
+        p = sub.add_parser(name, help=summary, add_help=False, prefix_chars="\0")
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(func=_cmd_delegate, target=target)
     return parser
+
+
+# (subcommand, "module:function" taking argv and returning an exit status, help)
+_DELEGATED = (
+    ("quantize", "edgevlm.quantize.cli:main", "quantize a Hugging Face VLM folder into an INT4 engine bundle"),
+    ("calibrate", "edgevlm.runtime.calibrate:main", "train early-exit heads and measure operating points"),
+    ("bench", "edgevlm.runtime.benchmark:main", "benchmark edgevlm against Hugging Face transformers"),
+    ("doctor", "edgevlm.daemon.doctor:main", "check CUDA, TensorRT, cameras, microphones, the broker"),
+)
 
 
 # ----------------------------------------------------------------------------------- commands
@@ -218,6 +233,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from edgevlm.daemon.app import run
 
     return int(run(cfg))
+
+
+def _cmd_delegate(args: argparse.Namespace) -> int:
+    import importlib
+
+    module, func = args.target.split(":")
+    return int(getattr(importlib.import_module(module), func)(list(args.rest)))
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
