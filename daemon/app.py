@@ -2,16 +2,28 @@
 
 ``edgevlm serve --config FILE`` calls :func:`run`, which blocks until SIGTERM/SIGINT. Start-up
 order: sources (capture threads), the inference worker (loads the model; a failure exits 1),
-then MQTT (the retained status says "online" only once requests can be served). Shutdown runs in
-reverse: queued requests are answered ``BUSY`` ("shutting down"), the running one finishes, the
-status says "offline", the broker connection closes, cameras are released.
+then MQTT (the retained status says "online" only once requests can be served), then metrics,
+telemetry and Jetson telemetry. Shutdown runs in reverse: new requests are answered ``BUSY``,
+queued ones ``BUSY`` ("shutting down"), the running one may finish within
+``service.shutdown_timeout_s`` (else it is answered ``BUSY`` too), the status says "offline", the
+broker connection closes, cameras are released, and :func:`run` returns 0.
 
-Under systemd (``Type=notify``) the daemon sends ``READY=1`` once serving and ``STOPPING=1`` on
-shutdown, and pings the watchdog while the inference worker is alive (``edgevlm.daemon.sdnotify``).
+Under systemd (``Type=notify``, :mod:`edgevlm.daemon.sdnotify`): ``STATUS=`` lines for each phase,
+``READY=1`` once the engine is loaded *and* the request topic is subscribed on the broker,
+``WATCHDOG=1`` at half of ``WatchdogSec=`` while the inference worker's heartbeat is alive (a
+request running longer than ``service.worker_busy_timeout_s`` stops the pings, so systemd
+restarts a hung daemon), ``RELOADING=1`` on SIGHUP, ``STOPPING=1`` on shutdown.
+
+Telemetry: Prometheus metrics on ``metrics.listen``; the JSON summary on
+``<prefix>/<device_id>/telemetry`` every ``telemetry.interval_s``; tegrastats samples feed the
+metrics and, through :class:`~edgevlm.daemon.tegrastats.ThrottleDetector`, a slowdown hint for
+the latency controller (``hint_slowdown``) when the scheduler has one. Each camera's state is
+published retained on ``<prefix>/<device_id>/sources/<name>``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import threading
@@ -22,9 +34,9 @@ from typing import Any
 from edgevlm.config import DaemonConfig
 from edgevlm.daemon.mqtt_bridge import MqttBridge
 from edgevlm.daemon.scheduler import Counters, Scheduler
-from edgevlm.daemon.sources import SourceManager
-from edgevlm.errors import EdgeVLMError
-from edgevlm.protocol import StatusMessage
+from edgevlm.daemon.sources import FrameSource, SourceManager
+from edgevlm.errors import BusyError, EdgeVLMError
+from edgevlm.protocol import NO_DEADLINE_MS, StatusMessage, telemetry_topic
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +45,7 @@ EXIT_STARTUP_FAILED = 1
 
 MODEL_LOAD_TIMEOUT_S = 600.0
 MQTT_STOP_TIMEOUT_S = 5.0
+MAX_BUSY_TIMEOUT_S = 3600.0
 
 
 def engine_loader(config: DaemonConfig) -> Callable[[], Any]:
@@ -48,6 +61,17 @@ def engine_loader(config: DaemonConfig) -> Callable[[], Any]:
     return load
 
 
+def worker_busy_timeout_s(config: DaemonConfig) -> float:
+    """How long one request may run before the worker counts as hung: the configured value, else
+    twice the default request deadline plus 60 s, at most an hour."""
+    if config.service.worker_busy_timeout_s is not None:
+        return config.service.worker_busy_timeout_s
+    timeout_ms = config.defaults.timeout_ms
+    if timeout_ms >= NO_DEADLINE_MS:
+        return MAX_BUSY_TIMEOUT_S
+    return min(MAX_BUSY_TIMEOUT_S, 2 * timeout_ms / 1000.0 + 60.0)
+
+
 class Daemon:
     """The daemon's parts wired together; :meth:`start` / :meth:`stop` (see the module doc).
 
@@ -55,16 +79,22 @@ class Daemon:
         config: the validated configuration.
         engine: an already loaded :class:`edgevlm.runtime.Engine` handed to the inference worker
             (default: the worker loads ``config.model``).
+        notify_socket: systemd notify socket (default ``$NOTIFY_SOCKET``; ``""`` = off).
     """
 
-    def __init__(self, config: DaemonConfig, *, engine: Any = None) -> None:
+    def __init__(self, config: DaemonConfig, *, engine: Any = None, notify_socket: str | None = None) -> None:
         from edgevlm import __version__
         from edgevlm.daemon.sdnotify import Heartbeat, SystemdNotifier, Watchdog
 
         self.config = config
+        self.version = __version__
         self.counters = Counters()
-        self.sources = SourceManager(config.sources)
-        self.heartbeat = Heartbeat()
+        self.notifier = SystemdNotifier(notify_socket)
+        self.heartbeat = Heartbeat(
+            idle_timeout_s=config.service.worker_idle_timeout_s, busy_timeout_s=worker_busy_timeout_s(config)
+        )
+        self.metrics = self._make_metrics()
+        self.sources = SourceManager(config.sources, listener=self._on_source_state)
         self.scheduler = Scheduler(
             None if engine is not None else engine_loader(config),
             self.sources,
@@ -73,6 +103,8 @@ class Daemon:
             counters=self.counters,
             engine=engine,
             heartbeat=self.heartbeat,
+            controller_factory=self._make_controller,
+            monitors=self._make_monitors(),
         )
         online = StatusMessage(
             state="online",
@@ -80,45 +112,234 @@ class Daemon:
             version=__version__,
             sources=self.sources.names,
             model=_model_name(config, engine),
+            **({"audio": [a.name for a in config.audio]} if config.audio else {}),
         )
-        self.bridge = MqttBridge(config.mqtt, self.scheduler, online, self.counters)
-        self.notifier = SystemdNotifier()
+        self.bridge = MqttBridge(
+            config.mqtt,
+            self.scheduler,
+            online,
+            self.counters,
+            limits=config.limits,
+            metrics=self.metrics,
+            on_ready=self._on_broker_ready,
+            on_connection=self._on_connection,
+        )
+        self.telemetry_topic = telemetry_topic(config.mqtt.prefix, config.mqtt.device_id)
+        self.telemetry = self._make_telemetry()
+        self.throttle, self.tegrastats = self._make_tegrastats()
+        self.audio = self._make_audio()
+        self.reload = self._make_reload(engine)
         self.watchdog = Watchdog(self.notifier, self.heartbeat)
+        self.thermal: Any = None
+        self.ready_sent = threading.Event()
         self._started = False
 
+    # ------------------------------------------------------------------ parts
+    def _make_controller(self, engine: Any) -> Any:
+        """The latency controller for the loaded engine (``edgevlm.daemon.budget``); on the worker."""
+        from edgevlm.daemon.budget import build_controller
+
+        return build_controller(self.config, engine)
+
+    def _make_monitors(self) -> Any:
+        """The label monitors (``edgevlm.daemon.monitors``), publishing through the bridge."""
+        if not self.config.monitors:
+            return None
+        from edgevlm.daemon.monitors import MonitorRunner
+
+        return MonitorRunner(self.config.monitors, self.sources, lambda t, p: self.bridge.publish_safe(t, p),
+                             prefix=self.config.mqtt.prefix, device_id=self.config.mqtt.device_id)
+
+    def _make_audio(self) -> Any:
+        """Microphones and WAV sources (``edgevlm.daemon.audio``) with their MQTT topics."""
+        if not self.config.audio:
+            return None
+        from edgevlm.daemon.audio import AudioManager, make_features_handler
+
+        manager = AudioManager(self.config.audio, listener=self._on_audio_event)
+        self.bridge.add_handler(f"{self.bridge.topic_base}/audio/request", make_features_handler(manager, self.bridge))
+        return manager
+
+    def _make_reload(self, engine: Any) -> Any:
+        """Hot reload (SIGHUP or ``reload.watch_dir``), publishing on ``<prefix>/<device_id>/reload``."""
+        from pathlib import Path
+
+        from edgevlm.daemon.reload import ReloadManager
+
+        current = getattr(engine, "model_dir", None) if engine is not None else self.config.model.path
+        return ReloadManager(
+            self.config,
+            self.scheduler,
+            current_path=Path(current) if current is not None else None,
+            publish=self._on_reload,
+            controller_factory=self._make_controller,
+            notifier=self.notifier,
+        )
+
+    def _on_reload(self, result: Any) -> None:
+        payload = json.dumps(result.as_dict(), separators=(",", ":")).encode()
+        self.bridge.publish_safe(f"{self.bridge.topic_base}/reload", payload, retain=True)
+        if result.ok:
+            self.bridge.update_online(model=result.path)
+
+    def _on_audio_event(self, src: Any, event: dict[str, Any]) -> None:
+        base = f"{self.bridge.topic_base}/audio/{src.name}"
+        payload = json.dumps({"schema_version": 1, "source": src.name, **event}, separators=(",", ":")).encode()
+        if event.get("type") == "state":
+            self.bridge.publish_safe(f"{base}/state", payload, retain=True)
+        else:
+            try:
+                self.bridge.publish(f"{base}/events", payload, qos=0)
+            except EdgeVLMError as err:
+                logger.debug("audio event not published: %s", err.message)
+
+    def _make_metrics(self) -> Any:
+        try:
+            from edgevlm.daemon.metrics import Metrics
+
+            return Metrics(device_id=self.config.mqtt.device_id, version=self.version)
+        except ImportError as exc:
+            logger.warning("metrics disabled: %s", exc)
+            return None
+
+    def _make_telemetry(self) -> Any:
+        interval = self.config.telemetry.interval_s
+        if self.metrics is None or interval is None:
+            return None
+        from edgevlm.daemon.metrics import TelemetryPublisher
+
+        return TelemetryPublisher(
+            self.metrics,
+            lambda payload: self.bridge.publish(self.telemetry_topic, payload, qos=0),
+            interval,
+            refresh=self.refresh_metrics,
+        )
+
+    def _make_tegrastats(self) -> tuple[Any, Any]:
+        cfg = self.config.tegrastats
+        if not cfg.enabled:
+            return None, None
+        from edgevlm.daemon.tegrastats import TegrastatsReader, ThrottleDetector
+
+        detector = ThrottleDetector(temp_limit_c=cfg.temp_limit_c, reference_gpu_freq_mhz=cfg.reference_gpu_freq_mhz)
+        reader = TegrastatsReader(
+            interval_ms=cfg.interval_ms, binary=cfg.binary, log_path=cfg.log_path, on_sample=self._on_tegra_sample
+        )
+        return detector, reader
+
+    @property
+    def source_topic_prefix(self) -> str:
+        return f"{self.bridge.topic_base}/sources"
+
+    # ------------------------------------------------------------------ callbacks
+    def _on_broker_ready(self) -> None:
+        status = f"serving {self.bridge.request_topic} on {self.config.mqtt.host}:{self.config.mqtt.port}"
+        if not self.ready_sent.is_set():
+            self.ready_sent.set()
+            self.notifier.ready(status)
+            logger.info("ready: %s", status)
+        else:
+            self.notifier.status(status)
+
+    def _on_connection(self, up: bool, reason: str) -> None:
+        if not up:
+            self.notifier.status(f"broker connection lost ({reason}); reconnecting")
+
+    def _on_source_state(self, src: FrameSource, info: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_source(src.name, fps=info.get("fps"), state=info["state"],
+                                        frame_age_s=info.get("frame_age_s"))  # fmt: skip
+            if info.get("event") == "reconnecting":
+                self.metrics.source_reconnect(src.name)
+        payload = json.dumps({"schema_version": 1, **info}, separators=(",", ":")).encode()
+        self.bridge.publish_safe(f"{self.source_topic_prefix}/{src.name}", payload, retain=True)
+
+    def _on_tegra_sample(self, sample: Any) -> None:
+        thermal = self.throttle.update(sample)
+        previous, self.thermal = self.thermal, thermal
+        if self.metrics is not None:
+            self.metrics.observe_tegrastats(sample, thermal)
+        if thermal.throttled and (previous is None or not previous.throttled):
+            logger.warning("thermal throttling: %s", "; ".join(thermal.reasons))
+        elif previous is not None and previous.throttled and not thermal.throttled:
+            logger.info("thermal throttling over")
+        controller = getattr(self.scheduler, "controller", None)
+        hint = getattr(controller, "hint_slowdown", None)
+        if hint is not None:
+            hint(thermal.slowdown_hint)
+
+    def refresh_metrics(self) -> None:
+        """Copy the queue depth and every source's fps/state/frame age into the metrics."""
+        if self.metrics is None:
+            return
+        self.metrics.set_queue_depth(self.scheduler.queue_size())
+        for name, info in self.sources.infos().items():
+            self.metrics.observe_source(name, fps=info["fps"], state=info["state"], frame_age_s=info["frame_age_s"])
+
+    # ------------------------------------------------------------------ lifecycle
     def start(self, *, load_timeout_s: float | None = MODEL_LOAD_TIMEOUT_S) -> None:
         """Start sources, load the model, connect to the broker (returns without waiting for the
-        connection: paho retries until the broker is reachable).
+        connection: paho retries until the broker is reachable; ``READY=1`` follows it).
 
         Raises:
             ModelLoadError: the model could not be loaded (everything started is stopped again).
         """
+        self.notifier.status("starting camera sources")
         self.sources.start()
+        if self.audio is not None:
+            self.audio.start()
+        self.notifier.status(f"loading model {_model_name(self.config, self.scheduler.engine)}")
         try:
             self.scheduler.start(load_timeout_s)
         except BaseException:
             self.scheduler.stop(timeout_s=1.0)
             self.sources.stop()
+            if self.audio is not None:
+                self.audio.stop()
             raise
+        self.heartbeat.beat()
+        self.notifier.status(f"model loaded; connecting to the broker at {self.config.mqtt.host}:{self.config.mqtt.port}")
         self.bridge.start()
         self._started = True
-        self.notifier.ready(f"serving {self.bridge.request_topic}")
         self.watchdog.start()
+        if self.metrics is not None and self.config.metrics.listen is not None:
+            self.metrics.start(self.config.metrics.listen)
+        if self.telemetry is not None:
+            self.telemetry.start()
+        if self.tegrastats is not None:
+            self.tegrastats.start()
+        self.reload.start()
 
     def wait_ready(self, timeout_s: float | None) -> bool:
         """Wait until the broker connection is up and the request topic subscribed."""
         return self.bridge.wait_ready(timeout_s)
 
     def stop(self) -> None:
-        """Shut down cleanly (idempotent)."""
+        """Shut down cleanly within ``service.shutdown_timeout_s`` (+ the MQTT goodbye); idempotent."""
         if not self._started:
             return
         self._started = False
+        bound_s = self.config.service.shutdown_timeout_s
         self.notifier.stopping("shutting down")
+        self.bridge.stop_accepting()
+        self.reload.stop()
+        if self.tegrastats is not None:
+            self.tegrastats.stop()
+        if self.telemetry is not None:
+            self.telemetry.stop()
         self.watchdog.stop()
-        self.scheduler.stop()
+        self.scheduler.stop(timeout_s=bound_s)
+        failed = self.bridge.fail_outstanding(
+            BusyError(f"the daemon is shutting down; the request did not finish within {bound_s} s")
+        )
+        if failed:
+            logger.warning("shutdown: %d request(s) in flight answered BUSY", failed)
         self.bridge.stop(MQTT_STOP_TIMEOUT_S)
         self.sources.stop()
+        if self.audio is not None:
+            self.audio.stop()
+        if self.metrics is not None:
+            self.metrics.stop()
         self.notifier.close()
         logger.info("stopped; counters: %s", self.counters.snapshot())
 
@@ -159,10 +380,18 @@ def run(config: DaemonConfig, *, stop_event: threading.Event | None = None) -> i
             previous[sig] = signal.signal(sig, _on_signal)
     try:
         daemon = Daemon(config)
+        if threading.current_thread() is threading.main_thread():
+
+            def _on_hup(signum: int, frame: FrameType | None) -> None:
+                logger.info("received SIGHUP; reloading the engine")
+                daemon.reload.request("SIGHUP")
+
+            previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, _on_hup)
         try:
             daemon.start()
         except EdgeVLMError as err:
             logger.error("start-up failed: %s", err.message)
+            daemon.notifier.status(f"start-up failed: {err.message}")
             return EXIT_STARTUP_FAILED
         logger.info(
             "serving %s (sources: %s)", daemon.bridge.request_topic, ", ".join(daemon.sources.names) or "none"

@@ -324,6 +324,21 @@ def _check_source(h: _Host, src: Any) -> CheckResult:
         return (
             _ok(check, f"video file {uri}") if Path(str(uri)).is_file() else _fail(check, f"{uri} not found")
         )
+    if kind in ("gstreamer", "csi"):
+        from edgevlm.daemon.capture import capture_path, subprocess_pipeline
+
+        path = capture_path(src)
+        if path == "opencv-gstreamer":
+            return _ok(check, f"{kind} source read through OpenCV's GStreamer backend")
+        exe = shutil.which(src.gst_launch)
+        if exe is None:
+            return _fail(check, f"{kind} source needs {src.gst_launch} (OpenCV lacks GStreamer): "
+                                "apt-get install gstreamer1.0-tools")  # fmt: skip
+        try:
+            _, w, h = subprocess_pipeline(src)
+        except ValueError as exc:
+            return _fail(check, str(exc))
+        return _ok(check, f"{kind} source read as {w}x{h} BGR from a {exe} subprocess (OpenCV lacks GStreamer)")
     return _ok(check, f"{kind} source (not probed)")
 
 

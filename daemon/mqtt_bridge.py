@@ -7,18 +7,31 @@ with its *Correlation Data* (MQTT v5 section 4.10, request/response).
 - Request topic ``<prefix>/<device_id>/request``, subscribed with *Retain Handling* 2 ("do not
   send retained messages at subscribe", MQTT v5 section 3.8.3.1), so a retained request left on the
   topic is never executed; a message that still arrives with the retain flag is dropped too.
-- The reply echoes Correlation Data byte for byte (binary, non-UTF-8, NUL bytes are fine: it is
-  an opaque binary property). Without a Response Topic the JSON fallback ``reply_to`` /
-  ``correlation_id`` is used (MQTT 3.1.1 clients); with neither, the request is counted
-  (``no_reply_address``), logged, and dropped.
+- The reply echoes Correlation Data byte for byte. Without a Response Topic the JSON fallback
+  ``reply_to`` / ``correlation_id`` is used (MQTT 3.1.1 clients); with neither, the request is
+  counted (``no_reply_address``), logged, and dropped.
 - Status: ``<prefix>/<device_id>/status`` is a retained :class:`~edgevlm.protocol.StatusMessage`,
   "online" after every (re)connect, "offline" on a clean stop, and "offline" as the last will.
-- paho's network thread only parses/validates and calls :meth:`Scheduler.submit` (non-blocking);
-  inference runs on the scheduler's worker, which publishes the response (paho's publish is
-  thread-safe).
+  Other retained state (camera sources, reload results) is re-published after a reconnect.
+- Limits: a payload over ``mqtt.max_payload_bytes`` is ``INVALID_REQUEST``; an inline image over
+  ``limits.max_image_bytes`` or whose header claims more than ``limits.max_image_pixels`` is
+  ``INVALID_IMAGE`` before anything is decoded (a decompression bomb never reaches the decoder).
+- The broker's *Maximum Packet Size* (CONNACK property, MQTT v5 section 3.2.2.3.6) is honoured:
+  a publish that would exceed it raises :class:`PacketTooLargeError` instead of being sent (the
+  broker would drop the connection); a response that is too large is replaced by a small error
+  response saying so.
 - Reconnect: paho's loop thread reconnects with exponential backoff between
-  ``reconnect_min_delay_s`` and ``reconnect_max_delay_s``; ``on_connect`` re-subscribes and
-  re-publishes the status. Sessions start clean (nothing is replayed from a previous session).
+  ``reconnect_min_delay_s`` and ``reconnect_max_delay_s``, but resets it after every successful
+  CONNACK, so two daemons with one client id would kick each other off in a tight loop. A
+  session *taken over* (DISCONNECT reason 0x8E; mosquitto before 2.0.12 just closes the old
+  connection, so a connection closed less than ``FLAP_S`` after it was made counts too) is logged
+  as an error and the delay keeps doubling across such disconnects up to the cap; a connection
+  that lasts ``FLAP_S`` resets it.
+- ``session_expiry_s > 0`` keeps the session (subscription and queued QoS>=1 requests) across
+  reconnects; 0 starts clean each time.
+- Shutdown: :meth:`stop_accepting` answers new requests ``BUSY``; :meth:`fail_outstanding`
+  answers every request still without a response (bounded shutdown), a late worker reply to such
+  a request is dropped.
 """
 
 from __future__ import annotations
@@ -26,12 +39,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
-from edgevlm.config import MqttConfig
+from edgevlm.config import LimitsConfig, MqttConfig
 from edgevlm.daemon.scheduler import Counters, Job, Scheduler
-from edgevlm.errors import EdgeVLMError, InvalidRequestError
+from edgevlm.errors import BusyError, EdgeVLMError, InternalError, InvalidImageError, InvalidRequestError
 from edgevlm.protocol import (
+    NO_DEADLINE_MS,
+    Request,
     Response,
     StatusMessage,
     fallback_reply_address,
@@ -44,11 +60,35 @@ from edgevlm.protocol import (
 
 logger = logging.getLogger(__name__)
 
+SESSION_TAKEN_OVER = 0x8E  # DISCONNECT reason code, MQTT v5 section 3.14.2.1
+FLAP_S = 10.0  # a connection closed sooner than this after CONNACK counts as flapping
+
+MessageHandler = Callable[[Any], None]
+
 
 def _paho() -> Any:
     import paho.mqtt.client as mqtt
 
     return mqtt
+
+
+class PacketTooLargeError(InternalError):
+    """A publish would exceed the broker's Maximum Packet Size (``details``: sizes)."""
+
+
+def _varint_len(n: int) -> int:
+    size = 1
+    while n >= 128:
+        n //= 128
+        size += 1
+    return size
+
+
+def publish_packet_size(topic: str, payload: bytes, qos: int, properties: Any = None) -> int:
+    """Size in bytes of the MQTT v5 PUBLISH packet (fixed header included, MQTT v5 section 3.3)."""
+    props = properties.pack() if properties is not None else b"\x00"
+    remaining = 2 + len(topic.encode()) + (2 if qos else 0) + len(props) + len(payload)
+    return 1 + _varint_len(remaining) + remaining
 
 
 class MqttBridge:
@@ -60,6 +100,11 @@ class MqttBridge:
         online_status: the retained "online" status payload (its ``ts`` is refreshed on each
             connect).
         counters: shared event counters (defaults to the scheduler's).
+        limits: inline image limits (default :class:`~edgevlm.config.LimitsConfig`).
+        metrics: an :class:`edgevlm.daemon.metrics.Metrics` counting every answered request.
+        on_ready: called (on paho's thread) after every successful (re)subscription.
+        on_connection: called with ``True``/``False`` and a reason when the connection comes up
+            or is lost.
     """
 
     def __init__(
@@ -68,17 +113,38 @@ class MqttBridge:
         scheduler: Scheduler,
         online_status: StatusMessage,
         counters: Counters | None = None,
+        *,
+        limits: LimitsConfig | None = None,
+        metrics: Any = None,
+        on_ready: Callable[[], None] | None = None,
+        on_connection: Callable[[bool, str], None] | None = None,
     ) -> None:
         self.config = config
         self.scheduler = scheduler
         self.counters = counters or scheduler.counters
+        self.limits = limits or LimitsConfig()
+        self.metrics = metrics
+        self.on_ready = on_ready
+        self.on_connection = on_connection
         self.request_topic = request_topic(config.prefix, config.device_id)
         self.status_topic = status_topic(config.prefix, config.device_id)
+        self.topic_base = f"{config.prefix}/{config.device_id}"
         self._online = online_status
         self._connected = threading.Event()
         self._subscribed = threading.Event()
         self._client: Any = None
         self._stopping = False
+        self._accepting = True
+        self._lock = threading.Lock()
+        self._outstanding: dict[int, Callable[[Response], None]] = {}
+        self._next_id = 0
+        self._retained: dict[str, bytes] = {}
+        self._handlers: dict[str, MessageHandler] = {}
+        self.max_packet_bytes: int | None = None
+        self.takeovers = 0
+        self.takeover_delays_s: list[float] = []
+        self._connected_at = 0.0
+        self._sub_mids: set[int] = set()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -107,23 +173,30 @@ class MqttBridge:
             client.tls_insecure_set(cfg.tls.insecure)
         will = StatusMessage(state="offline", device_id=cfg.device_id).to_bytes()
         client.will_set(self.status_topic, will, qos=cfg.qos, retain=True)
-        client.reconnect_delay_set(
-            min_delay=cfg.reconnect_min_delay_s,  # type: ignore[arg-type]  # paho accepts float seconds
-            max_delay=cfg.reconnect_max_delay_s,  # type: ignore[arg-type]
-        )
+        self._set_delays(cfg.reconnect_min_delay_s, cfg.reconnect_max_delay_s, client)
         client.on_connect = self._on_connect
         client.on_connect_fail = self._on_connect_fail
         client.on_disconnect = self._on_disconnect
         client.on_subscribe = self._on_subscribe
         client.on_message = self._on_message
         connect_props = Properties(PacketTypes.CONNECT)
-        connect_props.SessionExpiryInterval = 0
+        connect_props.SessionExpiryInterval = cfg.session_expiry_s
         self._client = client
         client.connect_async(
-            cfg.host, cfg.port, keepalive=cfg.keepalive_s, clean_start=True, properties=connect_props
+            cfg.host,
+            cfg.port,
+            keepalive=cfg.keepalive_s,
+            # a kept session is resumed on reconnects, never from a previous run of the daemon
+            clean_start=True if cfg.session_expiry_s == 0 else mqtt.MQTT_CLEAN_START_FIRST_ONLY,
+            properties=connect_props,
         )
         client.loop_start()
-        logger.info("MQTT: connecting to %s:%d as %s", cfg.host, cfg.port, cfg.effective_client_id)
+        logger.info("MQTT: connecting to %s:%d as %s%s", cfg.host, cfg.port, cfg.effective_client_id,
+                    " (TLS)" if cfg.tls is not None else "")  # fmt: skip
+
+    @staticmethod
+    def _set_delays(min_s: float, max_s: float, client: Any) -> None:
+        client.reconnect_delay_set(min_delay=min_s, max_delay=max_s)  # paho accepts float seconds
 
     def wait_ready(self, timeout_s: float | None) -> bool:
         """Wait until connected and subscribed to the request topic."""
@@ -132,6 +205,23 @@ class MqttBridge:
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
+
+    def stop_accepting(self) -> None:
+        """From now on, new requests are answered ``BUSY`` ("shutting down")."""
+        self._accepting = False
+
+    def outstanding(self) -> int:
+        """Accepted requests that have not been answered yet."""
+        with self._lock:
+            return len(self._outstanding)
+
+    def fail_outstanding(self, err: EdgeVLMError) -> int:
+        """Answer every request still without a response with ``err``; returns how many."""
+        with self._lock:
+            pending = list(self._outstanding.values())
+        for reply in pending:
+            reply(Response.failure(err))
+        return len(pending)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Publish the retained "offline" status, disconnect and stop paho's thread."""
@@ -153,20 +243,86 @@ class MqttBridge:
         self._subscribed.clear()
         logger.info("MQTT: disconnected")
 
+    # ------------------------------------------------------------------ publishing
+    def publish(self, topic: str, payload: bytes, *, retain: bool = False, properties: Any = None,
+                qos: int | None = None) -> Any:  # fmt: skip
+        """Publish (queued by paho while disconnected). Retained payloads are remembered and sent
+        again after a reconnect.
+
+        Raises:
+            PacketTooLargeError: the packet exceeds the broker's Maximum Packet Size.
+            InternalError: the bridge is stopped.
+        """
+        qos = self.config.qos if qos is None else qos
+        limit = self.max_packet_bytes
+        if limit is not None:
+            size = publish_packet_size(topic, payload, qos, properties)
+            if size > limit:
+                self.counters.inc("publish_too_large")
+                raise PacketTooLargeError(
+                    f"a {size}-byte message on {topic} exceeds the broker's maximum packet size of {limit} bytes",
+                    details={"packet_bytes": size, "max_packet_bytes": limit, "topic": topic},
+                )
+        if retain:
+            self._retained[topic] = payload
+        client = self._client
+        if client is None:
+            if retain:  # not started yet: sent on connect
+                return None
+            raise InternalError("MQTT bridge is stopped")
+        return client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
+
+    def publish_safe(self, topic: str, payload: bytes, *, retain: bool = False) -> bool:
+        """:meth:`publish`, logging instead of raising (telemetry, events, source state)."""
+        try:
+            self.publish(topic, payload, retain=retain)
+        except EdgeVLMError as err:
+            logger.warning("MQTT: not published on %s: %s", topic, err.message)
+            return False
+        return True
+
+    def update_online(self, **fields: Any) -> None:
+        """Change fields of the "online" status (e.g. ``model`` after a reload) and re-publish it."""
+        self._online = self._online.model_copy(update=fields)
+        if self._connected.is_set():
+            online = self._online.model_copy(update={"ts": time.time()})
+            self.publish_safe(self.status_topic, online.to_bytes(), retain=True)
+
+    def add_handler(self, topic: str, handler: MessageHandler) -> None:
+        """Also subscribe to ``topic`` (on every connect) and pass its messages to ``handler``
+        (on paho's thread: keep it short). Call before :meth:`start`."""
+        self._handlers[topic] = handler
+
     # ------------------------------------------------------------------ paho callbacks
     def _on_connect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
         if reason_code.is_failure:
-            logger.error("MQTT: connection refused: %s", reason_code)
+            self.counters.inc("mqtt_connect_refused")
+            logger.error("MQTT: connection refused by %s:%d: %s", self.config.host, self.config.port, reason_code)
             return
         from paho.mqtt.subscribeoptions import SubscribeOptions
 
+        self.max_packet_bytes = getattr(properties, "MaximumPacketSize", None) if properties else None
         self._connected.set()
+        self._connected_at = time.monotonic()
+        if self.takeover_delays_s and self.takeover_delays_s[-1] != self.config.reconnect_min_delay_s:
+            # back to the normal backoff; a further takeover raises it again (see _on_disconnect)
+            self._set_delays(self.config.reconnect_min_delay_s, self.config.reconnect_max_delay_s, client)
         self.counters.inc("mqtt_connects")
-        logger.info("MQTT: connected; subscribing to %s", self.request_topic)
+        logger.info("MQTT: connected%s; subscribing to %s",
+                    f" (broker max packet {self.max_packet_bytes} B)" if self.max_packet_bytes else "",
+                    self.request_topic)  # fmt: skip
         options = SubscribeOptions(qos=self.config.qos, retainHandling=SubscribeOptions.RETAIN_DO_NOT_SEND)
-        client.subscribe(self.request_topic, options=options)
+        topics = [(self.request_topic, options)]
+        topics += [(t, SubscribeOptions(qos=self.config.qos, retainHandling=2)) for t in self._handlers]
+        _, mid = client.subscribe(topics)
+        self._sub_mids.add(mid)
         online = self._online.model_copy(update={"ts": time.time()})
-        client.publish(self.status_topic, online.to_bytes(), qos=self.config.qos, retain=True)
+        self.publish_safe(self.status_topic, online.to_bytes(), retain=True)
+        for topic, payload in list(self._retained.items()):
+            if topic != self.status_topic:
+                self.publish_safe(topic, payload, retain=True)
+        if self.on_connection is not None:
+            self.on_connection(True, "connected")
 
     def _on_connect_fail(self, client: Any, userdata: Any) -> None:
         self.counters.inc("mqtt_connect_failures")
@@ -177,25 +333,63 @@ class MqttBridge:
     ) -> None:
         self._connected.clear()
         self._subscribed.clear()
-        if not self._stopping:
-            self.counters.inc("mqtt_disconnects")
+        if self._stopping:
+            return
+        self.counters.inc("mqtt_disconnects")
+        cfg = self.config
+        lived_s = time.monotonic() - self._connected_at
+        taken_over = getattr(reason_code, "value", None) == SESSION_TAKEN_OVER
+        if taken_over or lived_s < FLAP_S:
+            self.takeovers += 1
+            self.counters.inc("mqtt_session_taken_over")
+            delay = min(cfg.reconnect_max_delay_s, cfg.reconnect_min_delay_s * 2 ** (self.takeovers - 1))
+            self.takeover_delays_s.append(delay)
+            self._set_delays(delay, max(delay, cfg.reconnect_max_delay_s), client)
+            why = ("session taken over by another client" if taken_over else
+                   f"connection closed {lived_s:.1f} s after it was made ({reason_code}); taken over by another client?")  # fmt: skip
+            logger.error(
+                "MQTT: %s with the same client id %r (another daemon with device_id %r?); reconnecting in "
+                "%.1f s (%d in a row)", why, cfg.effective_client_id, cfg.device_id, delay, self.takeovers,
+            )  # fmt: skip
+        else:
+            self.takeovers = 0
             logger.warning("MQTT: connection lost (%s); reconnecting", reason_code)
+        if self.on_connection is not None:
+            self.on_connection(False, str(reason_code))
 
     def _on_subscribe(self, client: Any, userdata: Any, mid: int, reason_codes: Any, properties: Any) -> None:
         failed = [rc for rc in reason_codes if rc.is_failure]
         if failed:
-            logger.error("MQTT: subscription to %s refused: %s", self.request_topic, failed[0])
-            return
+            self.counters.inc("mqtt_subscribe_refused")
+            logger.error("MQTT: subscription refused: %s (check the broker's ACL)", failed[0])
+            if reason_codes[0].is_failure:
+                return
         self._subscribed.set()
+        if self.on_ready is not None:
+            self.on_ready()
 
     def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
         try:
-            self._handle(msg)
+            handler = self._handlers.get(msg.topic)
+            if handler is not None:
+                handler(msg)
+            else:
+                self._handle(msg)
         except Exception:  # noqa: BLE001 - an exception here would stop paho's network loop
             self.counters.inc("handler_errors")
-            logger.exception("MQTT: unexpected error while handling a request")
+            logger.exception("MQTT: unexpected error while handling a message on %s", msg.topic)
 
     # ------------------------------------------------------------------ requests
+    @staticmethod
+    def reply_address(msg: Any, data: dict[str, Any] | None) -> tuple[str | None, bytes | None, str | None]:
+        """``(topic, correlation_data, correlation_id)`` to answer a message on: the Response Topic
+        property, else the JSON fallback ``reply_to``."""
+        props = getattr(msg, "properties", None)
+        response_topic = getattr(props, "ResponseTopic", None) if props is not None else None
+        correlation_data = getattr(props, "CorrelationData", None) if props is not None else None
+        reply_to, correlation_id = fallback_reply_address(data) if data is not None else (None, None)
+        return response_topic or reply_to, correlation_data, correlation_id
+
     def _handle(self, msg: Any) -> None:
         self.counters.inc("messages_received")
         if msg.retain:
@@ -204,7 +398,6 @@ class MqttBridge:
             return
         props = getattr(msg, "properties", None)
         response_topic = getattr(props, "ResponseTopic", None) if props is not None else None
-        correlation_data = getattr(props, "CorrelationData", None) if props is not None else None
         if response_topic is not None and not is_valid_publish_topic(response_topic):
             self.counters.inc("invalid_response_topic")
             logger.warning(
@@ -226,8 +419,7 @@ class MqttBridge:
             except InvalidRequestError as err:
                 error = err
 
-        reply_to, correlation_id = fallback_reply_address(data) if data is not None else (None, None)
-        topic = response_topic or reply_to
+        topic, correlation_data, correlation_id = self.reply_address(msg, data)
         if topic is None:
             self.counters.inc("no_reply_address")
             logger.warning(
@@ -236,39 +428,115 @@ class MqttBridge:
             )
             return
 
-        def reply(response: Response) -> None:
-            self._publish_reply(topic, correlation_data, response)
-
+        request: Request | None = None
         if error is None and data is not None:
             try:
                 request = parse_request(data)
-            except InvalidRequestError as err:
+                self._check_image(request)
+            except (InvalidRequestError, InvalidImageError) as err:
                 error = err
+        timeout_ms = NO_DEADLINE_MS
+        if request is not None and error is None:
+            timeout_ms = request.timeout_ms if request.timeout_ms is not None else self.scheduler.defaults.timeout_ms
+        reply = self._make_reply(topic, correlation_data, correlation_id, timeout_ms)
+        if error is None and not self._accepting:
+            error = BusyError("the daemon is shutting down")
         if error is not None:
             self.counters.inc("requests_received")
             self.counters.inc(f"errors_{error.code.value}")
-            logger.info("MQTT: invalid request: %s", error.message)
+            logger.info("MQTT: request refused: %s", error.message)
             reply(Response.failure(error, correlation_id))
             return
-        timeout_ms = (
-            request.timeout_ms if request.timeout_ms is not None else self.scheduler.defaults.timeout_ms
-        )
+        assert request is not None
         self.scheduler.submit(Job(request=request, reply=reply, timeout_ms=timeout_ms))
+        if self.metrics is not None:
+            self.metrics.set_queue_depth(self.scheduler.queue_size())
+
+    def _check_image(self, request: Request) -> None:
+        data = request.image_bytes
+        if data is None:
+            return
+        limits = self.limits
+        if len(data) > limits.max_image_bytes:
+            raise InvalidImageError(
+                f"inline image of {len(data)} bytes exceeds limits.max_image_bytes={limits.max_image_bytes}",
+                details={"image_bytes": len(data), "max_image_bytes": limits.max_image_bytes},
+            )
+        from edgevlm.runtime.image import image_info  # header parse only: no pixel is decoded
+
+        fmt, width, height = image_info(data)
+        if width * height > limits.max_image_pixels:
+            raise InvalidImageError(
+                f"{fmt.upper()} image is {width} x {height} = {width * height} pixels, over "
+                f"limits.max_image_pixels={limits.max_image_pixels} (not decoded)",
+                details={"width_px": width, "height_px": height, "max_image_pixels": limits.max_image_pixels},
+            )
+
+    def _make_reply(
+        self, topic: str, correlation_data: bytes | None, correlation_id: str | None, timeout_ms: int
+    ) -> Callable[[Response], None]:
+        """A once-only reply function for one request (tracked until answered)."""
+        received = time.monotonic()
+        with self._lock:
+            self._next_id += 1
+            key = self._next_id
+        done = threading.Event()
+
+        def reply(response: Response) -> None:
+            with self._lock:
+                if done.is_set():
+                    self.counters.inc("late_replies_dropped")
+                    return
+                done.set()
+                self._outstanding.pop(key, None)
+            if response.correlation_id is None and correlation_id is not None:
+                response = response.model_copy(update={"correlation_id": correlation_id})
+            self._observe(response, received, timeout_ms)
+            self._publish_reply(topic, correlation_data, response)
+
+        with self._lock:
+            self._outstanding[key] = reply
+        return reply
+
+    def _observe(self, response: Response, received: float, timeout_ms: int) -> None:
+        if self.metrics is None:
+            return
+        code = "OK" if response.ok else (response.error.code if response.error else "INTERNAL")
+        late = timeout_ms < NO_DEADLINE_MS and time.monotonic() > received + timeout_ms / 1000.0
+        self.metrics.observe_answer(response.stats, code, deadline_missed=late and response.ok)
+        if response.stats is not None and response.stats.operating_point:
+            self.metrics.set_operating_point(response.stats.operating_point)
+        self.metrics.set_queue_depth(self.scheduler.queue_size())
 
     def _publish_reply(self, topic: str, correlation_data: bytes | None, response: Response) -> None:
         from paho.mqtt.packettypes import PacketTypes
         from paho.mqtt.properties import Properties
 
-        client = self._client
-        if client is None:
-            self.counters.inc("responses_dropped")
-            logger.warning("MQTT: stopped; response to %s dropped", topic)
-            return
         props = Properties(PacketTypes.PUBLISH)
         props.ContentType = "application/json"
         if correlation_data is not None:
             props.CorrelationData = bytes(correlation_data)
-        info = client.publish(topic, response.to_bytes(), qos=self.config.qos, retain=False, properties=props)
+        payload = response.to_bytes()
+        try:
+            info = self.publish(topic, payload, properties=props)
+        except PacketTooLargeError as err:
+            logger.warning("MQTT: response too large: %s; sending an error instead", err.message)
+            small = Response.failure(
+                InternalError(f"the response ({len(payload)} bytes) exceeds the broker's maximum packet size "
+                              f"({err.details['max_packet_bytes']} bytes); ask for fewer tokens",
+                              details={**err.details, "reason": "response_too_large"}),
+                response.correlation_id,
+            )  # fmt: skip
+            try:
+                info = self.publish(topic, small.to_bytes(), properties=props)
+            except EdgeVLMError as err2:
+                self.counters.inc("responses_dropped")
+                logger.error("MQTT: response to %s dropped: %s", topic, err2.message)
+                return
+        except InternalError:
+            self.counters.inc("responses_dropped")
+            logger.warning("MQTT: stopped; response to %s dropped", topic)
+            return
         self.counters.inc("responses_sent")
         if info.rc != 0:
             logger.warning("MQTT: response to %s queued while disconnected (rc=%s)", topic, info.rc)

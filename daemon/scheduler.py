@@ -9,6 +9,15 @@ source, runs ``engine.ask`` and hands a :class:`~edgevlm.protocol.Response` to t
 callback. Every exception becomes a typed wire error (unexpected ones ``INTERNAL``); the worker
 never dies on a bad request.
 
+With a latency controller (:mod:`edgevlm.daemon.budget`), :meth:`Scheduler.submit` also picks the
+request's operating point: the queue wait is predicted as the remaining predicted time of what
+runs now plus the predicted service time of every queued request, and a request that even the
+cheapest point cannot serve within its budget (``budget_ms``, else the profile's default) is
+answered ``DEADLINE_EXCEEDED`` at once with ``details.cheapest_predicted_ms``. The worker re-fits
+the point to the budget left when it dequeues the request, runs it, feeds the measured stats back
+and reports ``operating_point``, ``budget_ms`` and ``predicted_ms`` in the response stats. Monitors
+(:mod:`edgevlm.daemon.monitors`) run on the same worker, only while no request waits.
+
 Deadlines are measured on the monotonic clock from the moment the daemon received the request
 (``timeout_ms``; :data:`~edgevlm.protocol.NO_DEADLINE_MS` = none). A request already running when
 its deadline passes is finished and answered (the work is done; the client decides).
@@ -75,6 +84,7 @@ class Job:
     reply: ReplyFn
     received_monotonic: float = field(default_factory=time.monotonic)
     timeout_ms: int = NO_DEADLINE_MS
+    choice: Any = None  # edgevlm.daemon.budget.Choice made at submit time (controller on)
 
     @property
     def deadline_monotonic(self) -> float | None:
@@ -96,6 +106,14 @@ class Scheduler:
         engine: an already loaded engine, adopted by the worker instead of calling ``engine_loader``.
         heartbeat: liveness of the worker loop (``edgevlm.daemon.sdnotify.Heartbeat``): beaten
             every ``HEARTBEAT_S`` while idle, ``busy()`` around each request.
+        controller_factory: called once on the worker thread with the loaded engine; returns the
+            :class:`~edgevlm.daemon.budget.BudgetController` (or None = no operating-point
+            choice). With a controller, :meth:`submit` predicts the queue wait, picks the operating
+            point within the request's budget and refuses at once (``DEADLINE_EXCEEDED`` with
+            ``cheapest_predicted_ms``) what cannot fit; the worker runs the point and feeds back
+            the measured stats.
+        monitors: a :class:`~edgevlm.daemon.monitors.MonitorRunner` run by the worker whenever
+            no request is waiting (requests always go first).
     """
 
     def __init__(
@@ -108,6 +126,8 @@ class Scheduler:
         counters: Counters | None = None,
         engine: Any = None,
         heartbeat: Any = None,
+        controller_factory: Callable[[Any], Any] | None = None,
+        monitors: Any = None,
     ) -> None:
         if engine_loader is None and engine is None:
             raise ValueError("give engine_loader or engine")
@@ -125,6 +145,10 @@ class Scheduler:
         self._load_error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._heartbeat = heartbeat
+        self._controller_factory = controller_factory
+        self.controller: Any = None  # BudgetController once the engine is loaded
+        self.monitors = monitors
+        self._running: tuple[float, float] | None = None  # (start monotonic, predicted service ms)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, load_timeout_s: float | None = None) -> None:
@@ -187,6 +211,39 @@ class Scheduler:
                 self._paused -= 1
                 self._cond.notify_all()
 
+    def wait_idle(self, timeout_s: float | None) -> bool:
+        """Inside :meth:`paused`: wait until the request (or monitor tick) in progress, if any, has
+        finished. Returns False on timeout."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            with self._cond:
+                if self._running is None:
+                    return True
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+
+    def replace_engine(self, engine: Any, controller: Any = None) -> Any:
+        """Hot reload: make ``engine`` (and its latency ``controller``) the one the worker uses from
+        the next request on; call inside :meth:`paused` after :meth:`wait_idle`. Queued requests
+        keep their place (their operating point is refitted against the new controller when they
+        run). Returns the previous engine.
+
+        Raises:
+            ConfigError: the configured monitors do not fit the new model (nothing is swapped).
+        """
+        if self.monitors is not None and engine is not None:
+            try:
+                self.monitors.attach(engine)
+            except BaseException:
+                if self._engine is not None:
+                    self.monitors.attach(self._engine)  # back to the model still serving
+                raise
+        with self._cond:
+            old, self._engine = self._engine, engine
+            self.controller = controller
+        return old
+
     # ------------------------------------------------------------------ network side
     def submit(self, job: Job) -> bool:
         """Enqueue a job without blocking. Answers at once (via ``job.reply``) and returns False
@@ -208,13 +265,47 @@ class Scheduler:
                     details={"queue_max_size": self.queue_max_size},
                 )
             else:
-                full = None
-                self._queue.append(job)
-                self._cond.notify_all()
+                full = self._choose(job)  # DeadlineExceededError when no point fits, else None
+                if full is None:
+                    self._queue.append(job)
+                    self._cond.notify_all()
         if full is not None:
             self._fail(job, full)
             return False
         return True
+
+    def predicted_wait_ms(self) -> float:
+        """Predicted wait of a request submitted now: the remaining predicted time of the running
+        request (or monitor tick) plus the predicted service time of every queued request."""
+        with self._cond:
+            return self._predicted_wait_locked(time.monotonic())
+
+    def _predicted_wait_locked(self, now: float) -> float:
+        wait = 0.0
+        if self._running is not None:
+            started, service_ms = self._running
+            wait += max(0.0, service_ms - (now - started) * 1000.0)
+        for queued in self._queue:
+            if queued.choice is not None:
+                wait += queued.choice.service_ms
+        return wait
+
+    def _choose(self, job: Job) -> DeadlineExceededError | None:
+        """Pick the job's operating point (``_cond`` held). Returns the refusal, or None."""
+        ctl = self.controller
+        if ctl is None:
+            return None
+        req = job.request
+        now = time.monotonic()
+        budget = ctl.budget_for(req.budget_ms)  # timeout_ms stays the hard deadline, checked at dequeue
+        max_new_tokens = req.max_new_tokens or self.defaults.max_new_tokens
+        try:
+            job.choice = ctl.choose(budget, max_new_tokens=max_new_tokens,
+                                    queue_wait_ms=self._predicted_wait_locked(now))
+        except DeadlineExceededError as err:
+            self.counters.inc("deadline_refused")
+            return err
+        return None
 
     # ------------------------------------------------------------------ worker side
     def _run(self) -> None:
@@ -225,21 +316,50 @@ class Scheduler:
                 self._load_error = exc
                 self._ready.set()
                 return
+        try:
+            if self._controller_factory is not None:
+                self.controller = self._controller_factory(self._engine)
+            if self.monitors is not None:
+                self.monitors.attach(self._engine)
+        except BaseException as exc:  # noqa: BLE001 - reported to start()
+            self._load_error = exc
+            self._ready.set()
+            return
         self._ready.set()
         while True:
             with self._cond:
                 while not self._stopping and (self._paused or not self._queue):
                     if self._heartbeat is not None:
                         self._heartbeat.beat()
-                    self._cond.wait(HEARTBEAT_S)
+                    due = self.monitors.next_due() if self.monitors is not None and not self._paused else None
+                    now = time.monotonic()
+                    if due is not None and due <= now:
+                        break
+                    self._cond.wait(HEARTBEAT_S if due is None else min(HEARTBEAT_S, due - now))
                 if self._stopping:
                     return
-                job = self._queue.popleft()
-            if self._heartbeat is not None:
-                with self._heartbeat.busy():
+                if self._paused or not self._queue:
+                    self._running = (time.monotonic(), self.monitors.tick_ms())
+                    job = None
+                else:
+                    job = self._queue.popleft()
+                    self._running = (time.monotonic(), job.choice.service_ms if job.choice is not None else 0.0)
+            if job is None:  # a monitor is due and no request waits: monitors yield to requests
+                try:
+                    self.monitors.run_due(self._engine)
+                finally:
+                    with self._cond:
+                        self._running = None
+                continue
+            try:
+                if self._heartbeat is not None:
+                    with self._heartbeat.busy():
+                        self._process(job)
+                else:
                     self._process(job)
-            else:
-                self._process(job)
+            finally:
+                with self._cond:
+                    self._running = None
 
     def _process(self, job: Job) -> None:
         dequeued = time.monotonic()
@@ -258,8 +378,20 @@ class Scheduler:
         try:
             image, frame = self._resolve_image(req, deadline)
             max_new_tokens = req.max_new_tokens or self.defaults.max_new_tokens
-            answer = self._engine.ask(image, req.prompt, max_new_tokens=max_new_tokens)
+            point, predicted_ms = None, None
+            if job.choice is not None and self.controller is not None:
+                # the wait may differ from the prediction: refit the point to the budget left
+                elapsed_ms = (time.monotonic() - job.received_monotonic) * 1000.0
+                point, service_ms = self.controller.refit(
+                    job.choice, job.choice.budget_ms - elapsed_ms, max_new_tokens=max_new_tokens)
+                # the prediction the point was chosen on: at submit, or now if the refit changed it
+                predicted_ms = job.choice.predicted_ms if point == job.choice.point else elapsed_ms + service_ms
+            answer = self._engine.ask(image, req.prompt, max_new_tokens=max_new_tokens, operating_point=point)
             answer.stats.queue_ms = queue_ms
+            if point is not None:
+                self.controller.observe(point, answer.stats)
+                answer.stats.budget_ms = round(job.choice.budget_ms, 3)
+                answer.stats.predicted_ms = round(predicted_ms, 3)
             wire_frame = None
             if frame is not None:
                 wire_frame = Frame(source=frame.source, ts=frame.ts, pos_ms=frame.pos_ms, index=frame.index)
@@ -273,6 +405,8 @@ class Scheduler:
             return
         self.counters.inc("responses_ok")
         self._reply(job, response)
+        if point is not None:  # the worker's time around the engine call: decode, frame, reply
+            self.controller.observe_overhead((time.monotonic() - dequeued) * 1000.0 - answer.stats.e2e_ms)
 
     def _resolve_image(self, req: Request, deadline: float | None) -> tuple[Any, CapturedFrame | None]:
         if req.image_bytes is not None:
@@ -281,17 +415,9 @@ class Scheduler:
             return decode_image(req.image_bytes), None
         assert req.source is not None  # guaranteed by Request validation
         src = self.sources.get(req.source)
-        frame = src.latest()
-        if frame is None:
-            wait_s = (
-                FRAME_WAIT_S if deadline is None else max(0.0, min(FRAME_WAIT_S, deadline - time.monotonic()))
-            )
-            frame = src.wait_for_frame(wait_s)
-        if frame is None:
-            raise InternalError(
-                f"source {req.source!r} has not delivered a frame ({src.last_error or 'no frame yet'})",
-                details={"source": req.source, "reason": "no_frame"},
-            )
+        wait_s = FRAME_WAIT_S if deadline is None else max(0.0, min(FRAME_WAIT_S, deadline - time.monotonic()))
+        # a fresh frame (max_frame_age_s), else InternalError with reason no_frame / stale_frame
+        frame = src.frame_for_request(wait_s)
         return frame.image, frame
 
     def _fail(self, job: Job, err: EdgeVLMError) -> None:

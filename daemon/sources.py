@@ -1,47 +1,62 @@
-"""Camera sources: one capture thread per configured source, keeping only the newest frame.
+"""Camera sources: one supervised capture per configured camera, keeping only the newest frame.
 
-Each :class:`FrameSource` runs an OpenCV ``VideoCapture`` in its own thread and overwrites a
-single *newest-frame slot* with every frame it reads, so a request always gets the most recent
-frame and old frames never queue up (a slow consumer cannot make the camera fall behind).
+Each :class:`FrameSource` overwrites a single *newest-frame slot* with every frame it reads, so a
+request always gets the most recent frame and old frames never queue up. Capture backends
+(:mod:`edgevlm.daemon.capture`: OpenCV for V4L2/files/RTSP/GStreamer, or a ``gst-launch-1.0``
+subprocess) may block inside native code, so:
 
-- V4L2 (an index or ``/dev/videoN``): ``CAP_V4L2`` with a one-frame driver buffer.
-- GStreamer pipeline: ``CAP_GSTREAMER`` (needs an OpenCV built with GStreamer, as on JetPack; the
-  PyPI wheels are not).
-- RTSP/HTTP URL: ``CAP_FFMPEG``.
-- Video file: ``CAP_FFMPEG``, played in a loop and paced at its native fps (or ``fps`` from the
-  config) so it behaves like a camera; each frame carries its media position ``pos_ms``.
+- A *reader thread* per attempt runs the backend's open and read calls; the source's *supervisor
+  thread* watches it. No first frame within ``open_timeout_s``, or no frame for
+  ``read_timeout_s``, and the supervisor abandons that attempt (aborting what can be aborted: a
+  subprocess is killed; a stuck OpenCV call is left to return on its own and its thread then
+  releases the device) and reconnects. A dead RTSP stream therefore never blocks for minutes.
+- Reconnects back off exponentially from ``reopen_delay_s`` to ``reconnect_max_delay_s``; the
+  backoff resets once a stream has delivered for a while. Video files loop: their end reopens at
+  once.
+- State (``starting``, ``streaming``, ``stalled``, ``reconnecting``, ``stopped``) changes are
+  reported to a listener (the daemon publishes them retained on ``<prefix>/<device_id>/sources/
+  <name>`` and counts them in the metrics).
+- :meth:`FrameSource.frame_for_request` refuses a frame older than ``max_frame_age_s``: the
+  request is answered with a typed error whose details say ``stale_frame`` and the frame's age.
 
-A source that fails to open or stops delivering is reopened after ``reopen_delay_s``; the daemon
-keeps running. Frames are converted to RGB uint8 ``(H, W, 3)``.
+Frames are converted to RGB uint8 ``(H, W, 3)``; timestamps are UNIX seconds (``ts``) plus the
+monotonic clock for age checks.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
-import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from edgevlm.config import SourceConfig
-from edgevlm.errors import UnknownSourceError
+from edgevlm.daemon.capture import CaptureBackend, GstSubprocessCapture, capture_path, make_backend
+from edgevlm.errors import InternalError, UnknownSourceError
 
 logger = logging.getLogger(__name__)
 
 _DEFAULT_FILE_FPS = 25.0
 _MAX_LAG_S = 1.0  # a paced file that falls further behind than this re-anchors its clock
+_STABLE_S = 10.0  # a stream that delivered this long resets the reconnect backoff
+_FPS_WINDOW = 30
+
+STARTING, STREAMING, STALLED, RECONNECTING, STOPPED = "starting", "streaming", "stalled", "reconnecting", "stopped"
+SOURCE_STATES = (STARTING, STREAMING, STALLED, RECONNECTING, STOPPED)
+
+StateListener = Callable[["FrameSource", dict[str, Any]], None]
 
 
 def _cv2() -> Any:
-    try:
-        import cv2
-    except ImportError as exc:  # pragma: no cover - depends on the installation
-        raise ImportError("camera sources need OpenCV: pip install 'edgevlm[runtime]'") from exc
-    return cv2
+    from edgevlm.daemon.capture import _cv2 as load
+
+    return load()
 
 
 @dataclass(frozen=True)
@@ -55,6 +70,7 @@ class CapturedFrame:
         pos_ms: media position in a video file (ms), None for live sources.
         index: frame index within the current loop of a video file, None for live sources.
         seq: frames delivered by this source so far (1 for the first), increasing.
+        monotonic_s: ``time.monotonic()`` when the frame was read (for age checks).
     """
 
     source: str
@@ -63,6 +79,10 @@ class CapturedFrame:
     pos_ms: float | None
     index: int | None
     seq: int
+    monotonic_s: float = 0.0
+
+    def age_s(self) -> float:
+        return max(0.0, time.monotonic() - self.monotonic_s)
 
 
 def to_rgb(frame: np.ndarray) -> np.ndarray:
@@ -77,48 +97,79 @@ def to_rgb(frame: np.ndarray) -> np.ndarray:
     return cv2.cvtColor(frame, cv2.COLOR_BGR2RGB)
 
 
-class FrameSource:
-    """A capture thread for one :class:`~edgevlm.config.SourceConfig` with a newest-frame slot.
+class _Attempt:
+    """One open+read attempt run by a reader thread."""
 
-    Thread-safe: :meth:`latest` and :meth:`wait_for_frame` may be called from any thread.
+    def __init__(self, backend: CaptureBackend) -> None:
+        self.backend = backend
+        self.opened = threading.Event()
+        self.done = threading.Event()
+        self.abandoned = False
+        self.eof = False
+        self.frames = 0
+        self.error: str | None = None
+        self.thread: threading.Thread | None = None
+
+
+class FrameSource:
+    """A supervised capture for one :class:`~edgevlm.config.SourceConfig` (see the module doc).
+
+    Thread-safe: :meth:`latest`, :meth:`wait_for_frame`, :meth:`frame_for_request` and
+    :meth:`info` may be called from any thread.
     """
 
-    def __init__(self, config: SourceConfig) -> None:
+    def __init__(self, config: SourceConfig, *, listener: StateListener | None = None) -> None:
         self.config = config
         self.name = config.name
         self.kind = config.kind
+        self.listener = listener
         self._cond = threading.Condition()
         self._latest: CapturedFrame | None = None
         self._seq = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._attempt: _Attempt | None = None
+        self._frame_times: collections.deque[float] = collections.deque(maxlen=_FPS_WINDOW)
+        self._state_lock = threading.RLock()
+        self.state = STOPPED
+        self.state_since = time.time()
         self.opens = 0
         self.open_failures = 0
+        self.reconnects = 0
+        self.stalls = 0
         self.loops = 0
+        self.abandoned_threads = 0
         self.last_error: str | None = None
+        self.negotiated: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ public
     def start(self) -> None:
-        """Start the capture thread (returns at once; frames arrive asynchronously)."""
+        """Start the supervisor (returns at once; frames arrive asynchronously)."""
         if self._thread is not None:
             return
         self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name=f"edgevlm-source-{self.name}", daemon=True)
+        self._set_state(STARTING)
+        self._thread = threading.Thread(target=self._supervise, name=f"edgevlm-source-{self.name}", daemon=True)
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop the capture thread and release the device."""
+        """Stop capturing and release the device."""
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
+        attempt = self._attempt
+        if attempt is not None:
+            attempt.abandoned = True
+            attempt.backend.abort()
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 logger.warning("source %s: capture thread did not stop within %.1f s", self.name, timeout_s)
             self._thread = None
+        self._set_state(STOPPED)
 
     def latest(self) -> CapturedFrame | None:
-        """The newest frame, or None if none was captured yet."""
+        """The newest frame (any age), or None if none was captured yet."""
         with self._cond:
             return self._latest
 
@@ -130,90 +181,249 @@ class FrameSource:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return None
-                self._cond.wait(remaining if remaining is None else min(remaining, 1.0))
+                self._cond.wait(1.0 if remaining is None else min(remaining, 1.0))
             return self._latest if self._latest is not None and self._latest.seq > after_seq else None
 
-    # --------------------------------------------------------------- capture
+    def frame_for_request(self, wait_s: float) -> CapturedFrame:
+        """The newest frame if it is fresh (``max_frame_age_s``), else wait up to ``wait_s`` for a
+        fresh one (not at all while the camera is ``reconnecting`` or ``stalled``: the single
+        inference worker must not wait on a camera that is down).
+
+        Raises:
+            InternalError: no frame yet (details ``reason: no_frame``) or only a frame that is too
+                old (``reason: stale_frame``, with ``frame_age_s``, ``max_frame_age_s`` and the
+                source ``state``); the message says which.
+        """
+        max_age = self.config.max_frame_age_s
+        if self.state in (RECONNECTING, STALLED):
+            wait_s = 0.0  # the camera is down: answer now rather than hold the worker
+        deadline = time.monotonic() + max(0.0, wait_s)
+        frame = self.latest()
+        while True:
+            if frame is not None and (max_age is None or frame.age_s() <= max_age):
+                return frame
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            frame = self.wait_for_frame(remaining, after_seq=frame.seq if frame is not None else 0)
+            if frame is None:
+                break
+        frame = self.latest()
+        details: dict[str, Any] = {"source": self.name, "state": self.state}
+        if frame is None:
+            details["reason"] = "no_frame"
+            raise InternalError(
+                f"source {self.name!r} has not delivered a frame ({self.last_error or 'no frame yet'})",
+                details=details,
+            )
+        age = frame.age_s()
+        details.update(reason="stale_frame", frame_age_s=round(age, 3), max_frame_age_s=max_age)
+        raise InternalError(
+            f"source {self.name!r}: newest frame is {age:.1f} s old (max_frame_age_s={max_age}); "
+            f"camera {self.state}" + (f": {self.last_error}" if self.last_error else ""),
+            details=details,
+        )
+
+    def fps(self) -> float | None:
+        """Frames per second delivered over the last few frames (None before two frames)."""
+        with self._cond:
+            times = list(self._frame_times)
+        if len(times) < 2 or times[-1] <= times[0]:
+            return None
+        if time.monotonic() - times[-1] > self.config.read_timeout_s:
+            return 0.0
+        return (len(times) - 1) / (times[-1] - times[0])
+
+    def info(self) -> dict[str, Any]:
+        """The source's published state (JSON-safe)."""
+        frame = self.latest()
+        fps = self.fps()
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "capture": capture_path(self.config),
+            "state": self.state,
+            "since": round(self.state_since, 3),
+            "fps": None if fps is None else round(fps, 3),
+            "frame_age_s": None if frame is None else round(frame.age_s(), 3),
+            "frames": self._seq,
+            "reconnects": self.reconnects,
+            "stalls": self.stalls,
+            "open_failures": self.open_failures,
+            "last_error": self.last_error,
+            "negotiated": dict(self.negotiated),
+        }
+
+    # --------------------------------------------------------------- state
+    def _set_state(self, state: str, *, event: str | None = None) -> None:
+        with self._state_lock:  # reader and supervisor threads both report
+            if state == self.state and event is None:
+                return
+            self.state, self.state_since = state, time.time()
+            if self.listener is not None:
+                try:
+                    self.listener(self, {**self.info(), "event": event or state})
+                except Exception:  # noqa: BLE001 - a publishing problem must not stop capture
+                    logger.exception("source %s: state listener failed", self.name)
+
     def _publish(self, bgr: np.ndarray, ts: float, pos_ms: float | None, index: int | None) -> None:
         rgb = to_rgb(bgr)
+        now = time.monotonic()
         with self._cond:
             self._seq += 1
-            self._latest = CapturedFrame(self.name, rgb, ts, pos_ms, index, self._seq)
+            self._latest = CapturedFrame(self.name, rgb, ts, pos_ms, index, self._seq, now)
+            self._frame_times.append(now)
             self._cond.notify_all()
 
-    def _open(self) -> Any:
-        cv2 = _cv2()
-        uri = self.config.uri
-        if self.kind == "v4l2":
-            api = cv2.CAP_V4L2 if sys.platform.startswith("linux") else cv2.CAP_ANY
-            cap = cv2.VideoCapture(uri, api)
-            if cap.isOpened():
-                cap.set(cv2.CAP_PROP_BUFFERSIZE, 1)
-        elif self.kind == "gstreamer":
-            cap = cv2.VideoCapture(str(uri), cv2.CAP_GSTREAMER)
-        else:
-            cap = cv2.VideoCapture(str(uri), cv2.CAP_FFMPEG)
-        return cap
-
-    def _run(self) -> None:
-        delay_s = self.config.reopen_delay_s
-        file_clock: float | None = None  # monotonic time at which the next loop's frame 0 is due
+    # --------------------------------------------------------------- supervisor
+    def _supervise(self) -> None:
+        failures = 0  # consecutive failed attempts (backoff exponent)
+        file_clock: list[float | None] = [None]
         while not self._stop.is_set():
             try:
-                cap = self._open()
-            except Exception as exc:  # noqa: BLE001 - a bad source must not kill the daemon
-                cap = None
+                backend = make_backend(self.config)
+            except Exception as exc:  # noqa: BLE001 - e.g. unknown frame size: keep retrying, logged
+                attempt = None
                 self.last_error = f"{type(exc).__name__}: {exc}"
-            if cap is None or not cap.isOpened():
+            else:
+                attempt = _Attempt(backend)
+                self._attempt = attempt
+                attempt.thread = threading.Thread(
+                    target=self._reader, args=(attempt, file_clock), name=f"edgevlm-reader-{self.name}", daemon=True
+                )
+                attempt.thread.start()
+                streamed_s = self._watch(attempt)
+                if self._stop.is_set():
+                    self._retire(attempt)
+                    break
+                if attempt.eof and self.kind == "file" and attempt.frames > 0:
+                    self._retire(attempt)
+                    self.loops += 1
+                    failures = 0
+                    continue  # end of the video file: loop at once
+                if streamed_s >= _STABLE_S:
+                    failures = 0
+                self._retire(attempt)
+            if attempt is None or attempt.frames == 0:
                 self.open_failures += 1
-                if cap is not None:
-                    cap.release()
-                    self.last_error = f"cannot open {self.config.uri!r}"
-                hint = " (is OpenCV built with GStreamer?)" if self.kind == "gstreamer" else ""
-                log = logger.warning if self.open_failures == 1 else logger.debug
-                log("source %s: %s%s; retrying every %.1f s", self.name, self.last_error, hint, delay_s)
-                self._stop.wait(delay_s)
-                continue
-            self.opens += 1
-            logger.info("source %s: opened %s (%s)", self.name, self.config.uri, self.kind)
-            try:
-                if self.kind == "file":
-                    file_clock = self._play_file(cap, file_clock)
-                    continue  # end of file: reopen at once and loop
-                self._read_live(cap)
-            except Exception as exc:  # noqa: BLE001
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                logger.warning("source %s: capture error: %s", self.name, self.last_error)
-            finally:
-                cap.release()
-            if not self._stop.is_set():
-                logger.warning("source %s: stopped delivering; reopening in %.1f s", self.name, delay_s)
-                self._stop.wait(delay_s)
+            failures += 1
+            delay = min(self.config.reconnect_max_delay_s, self.config.reopen_delay_s * 2 ** (failures - 1))
+            log = logger.warning if failures == 1 else logger.debug
+            hint = ""
+            if self.kind in ("gstreamer", "csi") and capture_path(self.config) == "gst-launch-subprocess":
+                hint = " (read through gst-launch-1.0: OpenCV lacks GStreamer)"
+            log("source %s: %s%s; reconnecting in %.2f s", self.name, self.last_error, hint, delay)
+            self._set_state(RECONNECTING, event="reconnecting")
+            if self._stop.wait(delay):
+                break
+            self.reconnects += 1
+        self._attempt = None
 
-    def _read_live(self, cap: Any) -> None:
+    def _watch(self, attempt: _Attempt) -> float:
+        """Supervise one attempt until it ends, stalls or times out; returns how long it streamed."""
+        cfg = self.config
+        started = time.monotonic()
+        first_frame_at: float | None = None
+        seen = 0
+        last_progress = started
         while not self._stop.is_set():
-            ok, frame = cap.read()
-            if not ok or frame is None:
-                self.last_error = "read failed"
-                return
-            self._publish(frame, time.time(), None, None)
+            if attempt.done.wait(0.05):
+                break
+            now = time.monotonic()
+            if attempt.frames != seen:
+                seen, last_progress = attempt.frames, now
+                if first_frame_at is None:
+                    first_frame_at = now
+            if first_frame_at is None and now - started > cfg.open_timeout_s:
+                self.last_error = f"no frame within open_timeout_s={cfg.open_timeout_s} s"
+                self._abandon(attempt)
+                break
+            if first_frame_at is not None and now - last_progress > cfg.read_timeout_s:
+                self.stalls += 1
+                self.last_error = f"no frame for read_timeout_s={cfg.read_timeout_s} s"
+                self._set_state(STALLED, event="stalled")
+                self._abandon(attempt)
+                break
+        if attempt.done.is_set() and not attempt.abandoned and not self._stop.is_set() and attempt.error:
+            self.last_error = attempt.error
+        return 0.0 if first_frame_at is None else time.monotonic() - first_frame_at
 
-    def _play_file(self, cap: Any, clock: float | None) -> float | None:
-        """Play one pass of the file paced at its fps; returns when it ends (or on stop) the
-        monotonic time frame 0 of the next pass is due, so loops keep a steady cadence."""
-        cv2 = _cv2()
-        fps = self.config.fps or cap.get(cv2.CAP_PROP_FPS)
+    def _abandon(self, attempt: _Attempt) -> None:
+        attempt.abandoned = True
+        attempt.backend.abort()
+        logger.warning("source %s: %s; abandoning the capture", self.name, self.last_error)
+
+    def _retire(self, attempt: _Attempt) -> None:
+        attempt.abandoned = True
+        attempt.backend.abort()
+        if attempt.thread is not None:
+            attempt.thread.join(1.0)
+            if attempt.thread.is_alive():  # stuck in native code: it releases the device when it returns
+                self.abandoned_threads += 1
+                logger.warning("source %s: a capture call is still blocked (%d so far); leaving it",
+                               self.name, self.abandoned_threads)  # fmt: skip
+
+    # --------------------------------------------------------------- reader thread
+    def _reader(self, attempt: _Attempt, file_clock: list[float | None]) -> None:
+        backend = attempt.backend
+        try:
+            self.negotiated = backend.open()
+            attempt.opened.set()
+            if attempt.abandoned:
+                return
+            logger.info("source %s: opened %s (%s)", self.name, self.config.uri or "csi", backend.path)
+            if self.kind == "file":
+                file_clock[0] = self._play_file(attempt, file_clock[0])
+            else:
+                while not attempt.abandoned and not self._stop.is_set():
+                    frame = backend.read()
+                    if frame is None:
+                        attempt.eof = True
+                        break
+                    if attempt.abandoned:
+                        break
+                    self._publish(frame, time.time(), None, None)
+                    self._delivered(attempt)
+            if attempt.eof and attempt.frames == 0 and self.kind == "file":
+                attempt.error = "video file has no frames"
+            elif attempt.eof and self.kind != "file":
+                attempt.error = "read failed (end of stream)"
+                if isinstance(backend, GstSubprocessCapture) and backend.error_text():
+                    attempt.error += f": {backend.error_text()}"
+        except Exception as exc:  # noqa: BLE001 - a bad source must not kill the daemon
+            if isinstance(exc, OSError) and str(exc).startswith("cannot open"):
+                attempt.error = str(exc)
+            else:
+                attempt.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            try:
+                backend.close()
+            except Exception:  # noqa: BLE001
+                logger.debug("source %s: close failed", self.name, exc_info=True)
+            attempt.done.set()
+
+    def _delivered(self, attempt: _Attempt) -> None:
+        attempt.frames += 1
+        if attempt.frames == 1:
+            self.opens += 1
+            self._set_state(STREAMING)
+
+    def _play_file(self, attempt: _Attempt, clock: float | None) -> float | None:
+        """Play one pass of the file paced at its fps; returns the monotonic time frame 0 of the
+        next pass is due, so loops keep a steady cadence."""
+        backend = attempt.backend
+        fps = self.config.fps or backend.fps_hint()
         if not fps or not math.isfinite(fps) or fps <= 0 or fps > 1000:
             fps = _DEFAULT_FILE_FPS
         period_s = 1.0 / fps
         t0 = time.monotonic() if clock is None else clock
         index = 0
-        while not self._stop.is_set():
-            ok, frame = cap.read()
-            if not ok or frame is None:
+        while not self._stop.is_set() and not attempt.abandoned:
+            frame = backend.read()
+            if frame is None:
                 break
-            pos_ms = cap.get(cv2.CAP_PROP_POS_MSEC)
-            if not math.isfinite(pos_ms) or pos_ms < 0 or (pos_ms == 0 and index > 0):
+            pos_ms = backend.position_ms()
+            if pos_ms is None or not math.isfinite(pos_ms) or pos_ms < 0 or (pos_ms == 0 and index > 0):
                 pos_ms = index * 1000.0 * period_s
             due = t0 + index * period_s
             now = time.monotonic()
@@ -221,24 +431,26 @@ class FrameSource:
                 t0 = now - index * period_s
             elif due > now and self._stop.wait(due - now):
                 return None
-            self._publish(frame, time.time(), float(pos_ms), index)
+            self._publish(frame, time.time(), round(float(pos_ms), 3), index)  # ms, 1 us resolution
+            self._delivered(attempt)
             index += 1
-        if index == 0:
-            self.last_error = "video file has no frames"
-            raise RuntimeError(f"no frame could be read from {self.config.uri!r}")
-        self.loops += 1
-        return t0 + index * period_s
+        attempt.eof = True
+        return t0 + index * period_s if index else None
 
 
 class SourceManager:
-    """All configured sources by name."""
+    """All configured sources by name; ``listener`` gets every source's state changes."""
 
-    def __init__(self, configs: list[SourceConfig]) -> None:
-        self.sources: dict[str, FrameSource] = {c.name: FrameSource(c) for c in configs}
+    def __init__(self, configs: list[SourceConfig], *, listener: StateListener | None = None) -> None:
+        self.sources: dict[str, FrameSource] = {c.name: FrameSource(c, listener=listener) for c in configs}
 
     @property
     def names(self) -> list[str]:
         return list(self.sources)
+
+    def set_listener(self, listener: StateListener | None) -> None:
+        for src in self.sources.values():
+            src.listener = listener
 
     def get(self, name: str) -> FrameSource:
         """The source called ``name``; raises :class:`UnknownSourceError` naming the known ones."""
@@ -258,3 +470,6 @@ class SourceManager:
     def stop(self, timeout_s: float = 5.0) -> None:
         for src in self.sources.values():
             src.stop(timeout_s)
+
+    def infos(self) -> dict[str, dict[str, Any]]:
+        return {name: src.info() for name, src in self.sources.items()}

@@ -45,7 +45,7 @@ from edgevlm.protocol import (
 )
 from edgevlm.protocol import format_loc as _format_loc
 
-SourceKind = Literal["v4l2", "gstreamer", "stream", "file"]
+SourceKind = Literal["v4l2", "gstreamer", "stream", "file", "csi"]
 
 _V4L2_DEV_RE = re.compile(r"^/dev/video\d+$")
 _STREAM_SCHEMES = ("rtsp://", "rtsps://", "rtmp://", "http://", "https://", "udp://", "tcp://")
@@ -99,6 +99,15 @@ class MqttConfig(BaseModel):
     max_payload_bytes: int = Field(
         16 * 1024 * 1024, gt=0, description="Larger request payloads are refused with INVALID_REQUEST."
     )
+    session_expiry_s: int = Field(
+        0,
+        ge=0,
+        le=4294967295,
+        description="MQTT v5 Session Expiry Interval (s). 0 = a clean session on every connect; > 0 keeps "
+        "the request subscription and queued QoS>=1 requests across reconnects and (with a persistent "
+        "broker) broker restarts, so requests published during an outage are answered afterwards; each "
+        "start of the daemon still begins a clean session.",
+    )
 
     @field_validator("prefix")
     @classmethod
@@ -145,28 +154,82 @@ class ModelConfig(BaseModel):
         return v
 
 
+class CsiConfig(BaseModel):
+    """A CSI camera on a Jetson, read through ``nvarguscamerasrc`` (the GStreamer pipeline is built
+    from these fields and the source's ``width``/``height``/``fps``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sensor_id: int = Field(0, ge=0, le=15, description="nvarguscamerasrc sensor-id (CSI port).")
+    sensor_mode: int | None = Field(
+        None, ge=0, le=31, description="nvarguscamerasrc sensor-mode; None = chosen from size and fps."
+    )
+    flip_method: int = Field(
+        0,
+        ge=0,
+        le=7,
+        description="nvvidconv flip-method: 0 none, 1 rotate 90 counter-clockwise, 2 rotate 180, 3 rotate 90 "
+        "clockwise, 4 horizontal flip, 5 upper-right diagonal, 6 vertical flip, 7 upper-left diagonal.",
+    )
+
+
 class SourceConfig(BaseModel):
     """One camera: a V4L2 index or /dev/videoN, a GStreamer pipeline (contains ' ! '), an RTSP/HTTP
-    URL, or a video file (played in a loop at its native fps)."""
+    URL, a video file (played in a loop at its native fps), or a Jetson CSI camera (``csi:``)."""
 
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(
         min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$", description="Name requests use."
     )
-    uri: int | str = Field(
-        description="V4L2 index, /dev/videoN, GStreamer pipeline, URL, or video file path."
+    uri: int | str | None = Field(
+        None, description="V4L2 index, /dev/videoN, GStreamer pipeline, URL, or video file path (not with csi)."
+    )
+    csi: CsiConfig | None = Field(None, description="A Jetson CSI camera (instead of uri).")
+    width: int | None = Field(
+        None, gt=0, le=16384, description="Frame width requested from a V4L2/CSI camera (px); None = device "
+        "default (CSI: 1280). Also the raw frame width of a GStreamer subprocess pipeline."
+    )
+    height: int | None = Field(
+        None, gt=0, le=16384, description="Frame height requested from a V4L2/CSI camera (px); None = device "
+        "default (CSI: 720)."
     )
     fps: float | None = Field(
-        None, gt=0, le=1000, description="Pace for video files (None = the file's native fps)."
+        None, gt=0, le=1000, description="Pace of a video file (None = the file's native fps), or the frame "
+        "rate requested from a V4L2/CSI camera (None = device default; CSI: 30)."
+    )
+    pixel_format: str = Field(
+        "auto", description="V4L2 FOURCC to request (e.g. MJPG, YUYV); 'auto' = chosen from the device's "
+        "capabilities (MJPG when YUYV cannot deliver the size and rate)."
+    )
+    capture: Literal["auto", "opencv", "subprocess"] = Field(
+        "auto", description="How GStreamer/CSI pipelines are read: 'opencv' (OpenCV's GStreamer backend), "
+        "'subprocess' (raw BGR frames from a gst-launch-1.0 ... ! fdsink process), 'auto' = opencv when "
+        "OpenCV has GStreamer, else subprocess."
+    )
+    gst_launch: str = Field("gst-launch-1.0", min_length=1, description="gst-launch-1.0 executable (name or path).")
+    open_timeout_s: float = Field(
+        10.0, gt=0, le=600, description="Longest wait for a camera/stream to open (s); then it is retried."
+    )
+    read_timeout_s: float = Field(
+        5.0, gt=0, le=600, description="Longest wait for one frame (s); a stream silent for longer is reopened."
+    )
+    max_frame_age_s: float | None = Field(
+        2.0, gt=0, description="A request is not answered from a frame older than this (s); None = any age."
     )
     reopen_delay_s: float = Field(
-        2.0, gt=0, le=3600, description="Delay before reopening a camera that stopped delivering (s)."
+        2.0, gt=0, le=3600, description="First delay before reopening a camera that failed or stopped (s); "
+        "doubles on each failure up to reconnect_max_delay_s."
+    )
+    reconnect_max_delay_s: float = Field(
+        30.0, gt=0, le=3600, description="Cap of the reopen backoff (s)."
     )
 
     @field_validator("uri")
     @classmethod
-    def _uri(cls, v: int | str) -> int | str:
+    def _uri(cls, v: int | str | None) -> int | str | None:
+        if v is None:
+            return v
         if isinstance(v, int):
             if v < 0:
                 raise ValueError("a V4L2 index must be >= 0")
@@ -178,9 +241,31 @@ class SourceConfig(BaseModel):
             return int(v)
         return v
 
+    @field_validator("pixel_format")
+    @classmethod
+    def _fourcc(cls, v: str) -> str:
+        if v.lower() == "auto":
+            return "auto"
+        if not re.fullmatch(r"[A-Za-z0-9 ]{4}", v):
+            raise ValueError(f"expected 'auto' or a four-character code such as MJPG or YUYV, got {v!r}")
+        return v.upper()
+
+    @model_validator(mode="after")
+    def _one_of(self) -> SourceConfig:
+        if self.uri is None and self.csi is None:
+            raise ValueError("uri: required key missing")
+        if self.uri is not None and self.csi is not None:
+            raise ValueError("csi: give either uri or csi, not both")
+        if self.reconnect_max_delay_s < self.reopen_delay_s:
+            raise ValueError("reconnect_max_delay_s: must be >= reopen_delay_s")
+        return self
+
     @property
     def kind(self) -> SourceKind:
-        """What the uri names: ``v4l2``, ``gstreamer``, ``stream`` (URL) or ``file``."""
+        """What the source is: ``v4l2``, ``gstreamer``, ``stream`` (URL), ``file`` or ``csi``."""
+        if self.csi is not None:
+            return "csi"
+        assert self.uri is not None  # checked by _one_of
         return source_kind(self.uri)
 
 
@@ -206,6 +291,216 @@ class DefaultsConfig(BaseModel):
     )
 
 
+class LimitsConfig(BaseModel):
+    """Limits on what a request may make the daemon decode (``mqtt.max_payload_bytes`` caps the
+    whole payload)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_image_bytes: int = Field(
+        10 * 1024 * 1024, gt=0, description="Largest inline image file (bytes after base64); more is INVALID_IMAGE."
+    )
+    max_image_pixels: int = Field(
+        4096 * 4096,
+        gt=0,
+        description="Largest inline image width x height, read from the file header before decoding "
+        "(a decompression bomb is INVALID_IMAGE, never decoded).",
+    )
+
+
+class MetricsConfig(BaseModel):
+    """The Prometheus endpoint (``edgevlm.daemon.metrics``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    listen: str | None = Field(
+        "127.0.0.1:9108",
+        description="HOST:PORT, [IPV6]:PORT or PORT (all interfaces) to serve /metrics on; None = no endpoint.",
+    )
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        from edgevlm.daemon.metrics import parse_listen_address  # pure function; no prometheus import
+
+        parse_listen_address(v)
+        return v
+
+
+class TelemetryConfig(BaseModel):
+    """The JSON summary published on ``<prefix>/<device_id>/telemetry``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    interval_s: float | None = Field(10.0, gt=0, le=86400, description="Publish period (s); None = off.")
+
+
+class TegrastatsConfig(BaseModel):
+    """Jetson telemetry from ``tegrastats`` (absent binary = off, logged once)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(True, description="Read tegrastats when it is available.")
+    interval_ms: int = Field(1000, gt=0, le=60000, description="tegrastats --interval (ms).")
+    binary: str = Field("tegrastats", min_length=1, description="tegrastats executable (name or path).")
+    log_path: Path | None = Field(
+        None, description="Tail this tegrastats --logfile instead of running the binary."
+    )
+    temp_limit_c: float = Field(
+        95.0, gt=0, le=150, description="A sensor at/above this counts as thermal throttling (deg C)."
+    )
+    reference_gpu_freq_mhz: int | None = Field(
+        None, gt=0, description="Full GPU clock of the power mode (MHz); None = the highest clock seen."
+    )
+
+
+class ServiceConfig(BaseModel):
+    """systemd integration and shutdown."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    shutdown_timeout_s: float = Field(
+        10.0, gt=0, le=3600, description="On SIGTERM, how long the request in flight may run before it is "
+        "answered BUSY and the daemon exits (keep below the unit's TimeoutStopSec=)."
+    )
+    worker_idle_timeout_s: float = Field(
+        10.0, gt=0, le=3600, description="An idle inference worker silent for longer counts as hung (s)."
+    )
+    worker_busy_timeout_s: float | None = Field(
+        None, gt=0, le=86400, description="A single request running longer counts as a hung worker (s): the "
+        "systemd watchdog pings stop. None = 2 x defaults.timeout_ms + 60 s (at most 1 h)."
+    )
+
+
+class VadConfig(BaseModel):
+    """Energy voice-activity detection on an audio source."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(True, description="Publish voice_start/voice_end events.")
+    frame_ms: int = Field(30, ge=10, le=100, description="Analysis frame (ms).")
+    threshold_db: float = Field(
+        12.0, gt=0, le=60, description="Speech: frame level this many dB above the tracked noise floor."
+    )
+    min_level_dbfs: float = Field(
+        -50.0, ge=-120, le=0, description="Frames quieter than this (dBFS) are never speech."
+    )
+    start_ms: int = Field(90, ge=0, le=5000, description="Loud frames needed in a row to start a segment (ms).")
+    hangover_ms: int = Field(300, ge=0, le=10000, description="Quiet time that ends a segment (ms).")
+
+
+class AudioSourceConfig(BaseModel):
+    """A microphone (PortAudio via sounddevice) or a WAV file played like one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(
+        min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$", description="Name requests and topics use."
+    )
+    device: int | str | None = Field(
+        None, description="PortAudio input device index or name (substring); None = the default input."
+    )
+    file: Path | None = Field(None, description="A WAV file to play in real time instead of a microphone.")
+    loop: bool = Field(True, description="Play the WAV file in a loop.")
+    sample_rate_hz: int = Field(16000, ge=4000, le=192000, description="Rate of the buffered audio (Hz).")
+    device_rate_hz: int | None = Field(
+        None, ge=4000, le=384000, description="Rate to open the device at; None = its native (default) rate."
+    )
+    device_channels: int | None = Field(
+        None, ge=1, le=64, description="Channels to open; None = the device's own count (2 for virtual "
+        "devices reporting more than 8). Audio is downmixed to mono."
+    )
+    block_ms: int = Field(20, ge=5, le=500, description="Capture block (ms).")
+    buffer_s: float = Field(30.0, gt=0, le=3600, description="Length of the ring buffer of recent audio (s).")
+    level_interval_s: float | None = Field(
+        1.0, gt=0, le=3600, description="Period of level events (s); None = none."
+    )
+    vad: VadConfig = Field(default_factory=VadConfig, description="Voice-activity detection.")
+    reopen_delay_s: float = Field(2.0, gt=0, le=3600, description="First delay before reopening a failed device (s).")
+    reconnect_max_delay_s: float = Field(30.0, gt=0, le=3600, description="Cap of the reopen backoff (s).")
+
+    @model_validator(mode="after")
+    def _check(self) -> AudioSourceConfig:
+        if self.file is not None and self.device is not None:
+            raise ValueError("file: give either device or file, not both")
+        return self
+
+
+class ReloadConfig(BaseModel):
+    """Hot reload of the engine (SIGHUP, or a new bundle in ``watch_dir``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    watch_dir: Path | None = Field(
+        None, description="Folder of engine bundles / model folders; a new complete one is loaded."
+    )
+    poll_interval_s: float = Field(2.0, gt=0, le=3600, description="How often watch_dir is scanned (s).")
+    settle_s: float = Field(
+        2.0, ge=0, le=3600, description="A new folder must be unchanged this long before it is loaded (s)."
+    )
+    strategy: Literal["auto", "side_by_side", "drain_and_swap"] = Field(
+        "auto", description="side_by_side: load the new engine while the old one serves; drain_and_swap: "
+        "stop serving, free the old one, load the new one; auto = side_by_side when memory allows."
+    )
+    memory_factor: float = Field(
+        1.5, ge=1.0, le=10, description="auto: a new engine needs this x its weight bytes of free memory."
+    )
+    load_test: bool = Field(True, description="Answer one test question with the new engine before switching.")
+
+
+class ControllerConfig(BaseModel):
+    """The latency controller (``edgevlm.runtime.policy``): per request, the most accurate operating
+    point predicted to finish within the request's budget."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(
+        True, description="Choose an operating point per request; false = every request runs the model's default."
+    )
+    default_budget_ms: int | None = Field(
+        None, gt=0, description="Budget of a request without budget_ms (ms); None = the profile's default_budget_ms."
+    )
+    frontier: Path | None = Field(
+        None,
+        description="frontier.json to use; None = the model's frontier.json, else the profile's frontier, else "
+        "one point per resolution rung measured at start-up.",
+    )
+    alpha: float = Field(0.3, gt=0, le=1, description="EWMA weight of a new latency measurement.")
+    headroom: float = Field(0.9, gt=0, le=1, description="Fraction of the budget a prediction may use.")
+    step_up_after: int = Field(
+        3, ge=1, le=1000, description="Requests in a row with room to spare before stepping up one point."
+    )
+    step_up_margin: float = Field(
+        0.8, gt=0, le=1, description="Extra headroom the point above must show to count towards a step up."
+    )
+
+
+class MonitorConfig(BaseModel):
+    """A continuous check of a camera: the vision encoder up to an exit classifier at a target rate,
+    publishing ``<prefix>/<device_id>/events/<name>`` when the set of present labels changes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$", description="Monitor name (topic level).")
+    source: str = Field(min_length=1, description="Name of the camera source to watch.")
+    labels: list[str] = Field(
+        min_length=1, description="Exit-classifier labels to watch (e.g. 'red', 'large bottom'); see exits.json."
+    )
+    fps: float = Field(2.0, gt=0, le=60, description="Target frames per second (requests take priority).")
+    threshold: float = Field(0.5, gt=0, lt=1, description="Label probability at which a label counts as present.")
+    debounce_frames: int = Field(
+        3, ge=1, le=1000, description="Frames in a row that must show a new state before it is published."
+    )
+    resolution_px: int | None = Field(
+        None, gt=0, description="Input resolution (longer side, px); None = the lowest rung of the model's ladder."
+    )
+    exit_layer: int | None = Field(
+        None, ge=1, description="Vision block whose classifier to use; None = the earliest classifier."
+    )
+
+
 class DaemonConfig(BaseModel):
     """The whole daemon configuration."""
 
@@ -219,6 +514,18 @@ class DaemonConfig(BaseModel):
     )
     defaults: DefaultsConfig = Field(default_factory=DefaultsConfig, description="Request defaults.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Logging level.")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request decoding limits.")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus endpoint.")
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig, description="MQTT telemetry summary.")
+    tegrastats: TegrastatsConfig = Field(default_factory=TegrastatsConfig, description="Jetson telemetry.")
+    service: ServiceConfig = Field(default_factory=ServiceConfig, description="systemd watchdog and shutdown.")
+    audio: list[AudioSourceConfig] = Field(default_factory=list, description="Microphones and WAV sources.")
+    reload: ReloadConfig = Field(default_factory=ReloadConfig, description="Hot reload of the engine.")
+    profile: str | None = Field(
+        None, description="Device profile name (profiles/<name>.yaml) or YAML path; None = 'cpu' for a CPU model."
+    )
+    controller: ControllerConfig = Field(default_factory=ControllerConfig, description="Latency controller.")
+    monitors: list[MonitorConfig] = Field(default_factory=list, description="Continuous label monitors.")
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -232,6 +539,18 @@ class DaemonConfig(BaseModel):
             if src.name in seen:
                 raise ValueError(f"sources[{i}].name: duplicate source name {src.name!r}")
             seen.add(src.name)
+        names: set[str] = set()
+        for i, mic in enumerate(self.audio):
+            if mic.name in names:
+                raise ValueError(f"audio[{i}].name: duplicate audio source name {mic.name!r}")
+            names.add(mic.name)
+        monitors: set[str] = set()
+        for i, mon in enumerate(self.monitors):
+            if mon.name in monitors:
+                raise ValueError(f"monitors[{i}].name: duplicate monitor name {mon.name!r}")
+            monitors.add(mon.name)
+            if mon.source not in seen:
+                raise ValueError(f"monitors[{i}].source: unknown source {mon.source!r} (sources: {sorted(seen)})")
         return self
 
 
@@ -282,6 +601,43 @@ def parse_daemon_config(data: Any, *, base_dir: Path | None = None) -> DaemonCon
         if not path.is_file():
             raise ConfigError(f"sources[{i}].uri: video file not found: {path}")
         src.uri = str(path)
+    if cfg.controller.frontier is not None:
+        fr = cfg.controller.frontier.expanduser()
+        cfg.controller.frontier = fr if fr.is_absolute() else (base / fr).resolve()
+        if not cfg.controller.frontier.is_file():
+            raise ConfigError(f"controller.frontier: file not found: {cfg.controller.frontier}")
+    if cfg.profile is not None:
+        from edgevlm.profile import load_profile
+
+        prof = Path(cfg.profile).expanduser()
+        if prof.suffix in (".yaml", ".yml") and not prof.is_absolute():
+            cfg.profile = str((base / prof).resolve())
+        try:
+            load_profile(cfg.profile)
+        except ConfigError as exc:
+            raise ConfigError(f"profile: {exc.message}") from None
+    for i, mic in enumerate(cfg.audio):
+        if mic.file is None:
+            continue
+        path = mic.file.expanduser()
+        path = path if path.is_absolute() else (base / path).resolve()
+        if not path.is_file():
+            raise ConfigError(f"audio[{i}].file: WAV file not found: {path}")
+        mic.file = path
+    if cfg.reload.watch_dir is not None:
+        wd = cfg.reload.watch_dir.expanduser()
+        cfg.reload.watch_dir = wd if wd.is_absolute() else (base / wd).resolve()
+    tls = cfg.mqtt.tls
+    if tls is not None:
+        for key in ("ca_certs", "certfile", "keyfile"):
+            value = getattr(tls, key)
+            if value is None:
+                continue
+            value = value.expanduser()
+            value = value if value.is_absolute() else (base / value).resolve()
+            if not value.is_file():
+                raise ConfigError(f"mqtt.tls.{key}: file not found: {value}")
+            setattr(tls, key, value)
     return cfg
 
 

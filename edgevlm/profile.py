@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from edgevlm.errors import ConfigError
+from edgevlm.types import OperatingPoint
 
 PROFILES_DIR_ENV = "EDGEVLM_PROFILES_DIR"
 
@@ -34,6 +35,133 @@ class WeightsConfig(BaseModel):
     )
 
 
+class FrontierPoint(BaseModel):
+    """One measured operating point: its knobs, its accuracy on the demo evaluation set and its
+    per-stage latency on the device that measured it (``edgevlm calibrate`` /
+    :mod:`edgevlm.runtime.frontier`). The latency controller (``edgevlm.runtime.policy``) starts
+    from these figures and then learns the live ones."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64, description="Unique name, e.g. 'r256-x0.8-k0.5'.")
+    resolution_px: int | None = Field(None, gt=0, description="Resolution-ladder rung (longer side, px).")
+    exit_layer: int | None = Field(None, ge=1, description="Deepest vision block an exit may happen after.")
+    exit_threshold: float | None = Field(None, ge=0.0, le=1.0, description="Exit-head confidence threshold.")
+    keep_ratio: float | None = Field(None, gt=0.0, le=1.0, description="Fraction of vision tokens kept.")
+    max_new_tokens: int | None = Field(None, gt=0, description="Cap on generated tokens at this point.")
+    accuracy: float = Field(ge=0.0, le=1.0, description="Exact-match accuracy on the evaluation set (0..1).")
+    vision_ms: float = Field(ge=0.0, description="Median vision encoder + projector time (ms).")
+    prefill_ms: float = Field(ge=0.0, description="Median decoder prefill time (ms).")
+    tpot_ms: float = Field(ge=0.0, description="Median time per output token after the first (ms).")
+    e2e_ms: float | None = Field(None, ge=0.0, description="Mean end-to-end time over the evaluation set (ms).")
+    exit_rate: float | None = Field(None, ge=0.0, le=1.0, description="Fraction of inputs that exited early.")
+
+    def operating_point(self) -> OperatingPoint:
+        """The knobs as an :class:`~edgevlm.types.OperatingPoint`."""
+        return OperatingPoint(
+            name=self.name, resolution_px=self.resolution_px, exit_layer=self.exit_layer,
+            exit_threshold=self.exit_threshold, keep_ratio=self.keep_ratio, max_new_tokens=self.max_new_tokens,
+        )
+
+
+def _check_frontier(points: list[FrontierPoint], where: str) -> None:
+    names = [p.name for p in points]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"{where}: duplicate operating point names {dup}")
+
+
+class OperatingPointsConfig(BaseModel):
+    """The latency/accuracy knobs measured for this device and the frontier the controller uses."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    exit_blocks: list[int] = Field(
+        default_factory=list,
+        description="Vision blocks that get exit heads (`edgevlm calibrate --exit-blocks`); empty = "
+        "calibrate's default (about 1/3 and 1/2 of the encoder depth).",
+    )
+    exit_thresholds: list[float] = Field(
+        default_factory=lambda: [0.9, 0.75, 0.5],
+        description="Exit-head confidence thresholds measured in the operating-point grid.",
+    )
+    keep_ratios: list[float] = Field(
+        default_factory=lambda: [1.0, 0.5, 0.25],
+        description="Vision-token keep ratios measured in the grid (1.0 = no pruning).",
+    )
+    max_new_tokens_caps: list[int] = Field(
+        default_factory=lambda: [16],
+        description="Token caps measured in the grid, besides no cap.",
+    )
+    frontier: list[FrontierPoint] = Field(
+        default_factory=list,
+        description="Pareto frontier measured on this device; empty = the model's or bundle's frontier.json.",
+    )
+    frontier_source: str = Field("", description="How and on what the frontier was measured.")
+
+    @model_validator(mode="after")
+    def _check(self) -> OperatingPointsConfig:
+        if self.exit_blocks != sorted(set(self.exit_blocks)) or any(b < 1 for b in self.exit_blocks):
+            raise ValueError("exit_blocks: must be ascending, distinct and >= 1")
+        if any(not 0.0 <= t <= 1.0 for t in self.exit_thresholds):
+            raise ValueError("exit_thresholds: must be in [0, 1]")
+        if any(not 0.0 < r <= 1.0 for r in self.keep_ratios):
+            raise ValueError("keep_ratios: must be in (0, 1]")
+        if any(c <= 0 for c in self.max_new_tokens_caps):
+            raise ValueError("max_new_tokens_caps: must be positive")
+        _check_frontier(self.frontier, "frontier")
+        return self
+
+
+class FrontierFile(BaseModel):
+    """``frontier.json`` beside a model or in a bundle, written by :mod:`edgevlm.runtime.frontier`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["edgevlm-frontier"] = Field("edgevlm-frontier", description="Magic string.")
+    format_version: Literal[1] = Field(1, description="Format version.")
+    created_utc: str = Field(description="ISO 8601 time of the measurement (UTC).")
+    model: str = Field(description="Model folder measured.")
+    device: str = Field(description="torch device, dtype and backend, e.g. 'cpu float32 torch'.")
+    host: str = Field("", description="Machine description (platform, CPU threads, GPU name).")
+    weights_fingerprint: str = Field(
+        "", description="Fingerprint of the weights measured (edgevlm.runtime.exits.weights_fingerprint)."
+    )
+    eval_items: int = Field(gt=0, description="Evaluation items per grid point.")
+    eval_seed: int = Field(description="Seed of the demo evaluation set.")
+    grid: dict[str, list] = Field(default_factory=dict, description="The knob values measured.")
+    points: list[FrontierPoint] = Field(description="Every measured grid point.")
+    frontier: list[FrontierPoint] = Field(description="The Pareto frontier (accuracy vs e2e latency).")
+
+    @model_validator(mode="after")
+    def _check(self) -> FrontierFile:
+        if not self.frontier:
+            raise ValueError("frontier: needs at least one point")
+        _check_frontier(self.frontier, "frontier")
+        return self
+
+
+def load_frontier(path: str | Path) -> FrontierFile:
+    """Read and validate a ``frontier.json``.
+
+    Raises:
+        ConfigError: missing file, not JSON, or invalid (the message names the key).
+    """
+    import json
+
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"frontier file not found: {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+    try:
+        return FrontierFile.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: {_error_path(exc)}") from None
+
+
 class Profile(BaseModel):
     """One device profile (``profiles/<name>.yaml``)."""
 
@@ -44,8 +172,8 @@ class Profile(BaseModel):
     device_class: Literal["jetson", "cloud", "cpu"] = Field(description="Kind of machine.")
     device: Literal["cpu", "cuda"] = Field(description="torch device the runtime uses.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(description="Activation dtype.")
-    backends: list[Literal["torch", "onnxruntime", "tensorrt"]] = Field(
-        description="Backends in order of preference; the first one available is used."
+    backends: list[Literal["torch", "onnx", "tensorrt"]] = Field(
+        description="Backends suited to this device, best first (torch, onnx = ONNX Runtime, tensorrt); the daemon runs the one its model.backend names."
     )
     memory_mb: int = Field(gt=0, description="Device memory available to the model (MB).")
     memory_bandwidth_gbps: float = Field(gt=0, description="Peak memory bandwidth (GB/s), datasheet.")
@@ -58,6 +186,10 @@ class Profile(BaseModel):
     )
     default_budget_ms: int = Field(gt=0, description="Latency budget of a request that names none (ms).")
     max_new_tokens: int = Field(32, gt=0, description="Default cap on generated tokens.")
+    operating_points: OperatingPointsConfig = Field(
+        default_factory=OperatingPointsConfig,
+        description="Early-exit / pruning / token-cap knobs to measure, and the frontier to use.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Profile:
@@ -70,6 +202,10 @@ class Profile(BaseModel):
             raise ValueError("kv_cache_dtype: fp8_e4m3 needs Hopper-class GPUs; Orin has no FP8")
         if not self.backends:
             raise ValueError("backends: name at least one backend")
+        if ladder:
+            off = [p.name for p in self.operating_points.frontier if p.resolution_px not in (None, *ladder)]
+            if off:
+                raise ValueError(f"operating_points.frontier: points {off} use a rung outside resolution_ladder_px")
         return self
 
 

@@ -150,8 +150,9 @@ class Request(BaseModel):
         None,
         gt=0,
         le=INT64_MAX,
-        description="Latency budget (ms) for operating-point selection; accepted and validated, "
-        "not yet acted on by this daemon version.",
+        description="Latency budget (ms), queue wait included: the daemon runs the most accurate operating "
+        "point predicted to fit it, or answers DEADLINE_EXCEEDED at once when even the cheapest does not; "
+        "None = the profile's default budget.",
     )
     reply_to: StrictStr | None = Field(
         None,

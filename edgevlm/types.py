@@ -59,6 +59,13 @@ class Stats(BaseModel):
     input_height_px: int = Field(0, description="Height of the image fed to the vision encoder.")
     operating_point: str = Field("default", description="Name of the operating point used.")
     exit_layer: int | None = Field(None, description="Vision block the encoder stopped after.")
+    exit_confidence: float | None = Field(
+        None, description="Confidence of the last exit head consulted (0..1); None if none was."
+    )
+    budget_ms: float | None = Field(None, description="Latency budget the daemon's controller worked to.")
+    predicted_ms: float | None = Field(
+        None, description="The controller's predicted e2e latency (queue wait included) for the chosen point."
+    )
     backend: str = Field("", description="Inference backend that ran the request.")
     finish_reason: str = Field("", description="'stop' (EOS or a stop string) or 'length'.")
 

@@ -18,11 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgevlm.runtime.config import TextConfig
-from edgevlm.runtime.kv_cache import KVCache, decode_mask
+from edgevlm.runtime.kv_cache import DEFAULT_INT4_GROUP_SIZE, KVCache, decode_mask, make_kv_cache
 from edgevlm.runtime.vision import activation
 
 logger = logging.getLogger(__name__)
 
+_HAS_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
 
 
 @functools.cache
@@ -44,6 +45,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dtype == self.weight.dtype and _HAS_RMS_NORM:
+            # one fused kernel on CUDA (aten::_fused_rms_norm, fp32 statistics) instead of eight
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -67,6 +71,63 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` ``(..., Dh)`` with its first half negated: for :func:`apply_rope_rolled`."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+def apply_rope_rolled(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rope` in three kernels: ``rotate_half(x) * sin == roll(x, Dh/2) * signed_sin``."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
+
+
+def fuse_linears(mods: list[nn.Module]) -> nn.Module | None:
+    """One module computing ``cat([m(x) for m in mods], -1)`` in a single matmul, or None when the
+    modules cannot be fused (mixed types, biases, group sizes or unfolded AWQ scales).
+
+    The output rows of a linear layer are independent, so concatenating the weights (dense, or the
+    canonical INT4 tensors of :mod:`edgevlm.runtime.int4`) is exact. No memory is added: afterwards
+    each original module's weights are views into the fused ones (they keep working)."""
+    from edgevlm.runtime.int4 import Int4Linear, Int4Weight
+
+    if all(type(m) is nn.Linear for m in mods):
+        if len({m.bias is None for m in mods}) != 1:
+            return None
+        w = torch.cat([m.weight.detach() for m in mods])
+        fused = nn.Linear(w.shape[1], w.shape[0], bias=mods[0].bias is not None, device="meta")
+        fused.weight = nn.Parameter(w, requires_grad=False)
+        if mods[0].bias is not None:
+            fused.bias = nn.Parameter(torch.cat([m.bias.detach() for m in mods]), requires_grad=False)
+        names = ("weight", "bias") if mods[0].bias is not None else ("weight",)
+        tensors = {n: getattr(fused, n) for n in names}
+    elif all(isinstance(m, Int4Linear) for m in mods):
+        if len({m.group_size for m in mods}) != 1 or any(m.input_scale is not None for m in mods) \
+                or len({m.bias is None for m in mods}) != 1 or len({m.kernel for m in mods}) != 1:
+            return None
+        cat = {n: torch.cat([getattr(m, n) for m in mods]) for n in ("qweight", "scales", "zeros")}
+        bias = torch.cat([m.bias for m in mods]) if mods[0].bias is not None else None
+        fused = Int4Linear.from_int4(Int4Weight(cat["qweight"], cat["scales"], cat["zeros"], mods[0].group_size), bias)
+        fused.kernel = mods[0].kernel
+        names = ("qweight", "scales", "zeros") + (("bias",) if bias is not None else ())
+        tensors = {n: getattr(fused, n) for n in names}
+    else:
+        return None
+    start = 0
+    for m in mods:
+        n_out = m.out_features
+        for name, t in tensors.items():
+            view = t[start : start + n_out]
+            if isinstance(t, nn.Parameter):
+                setattr(m, name, nn.Parameter(view, requires_grad=False))
+            else:
+                setattr(m, name, view)
+        if hasattr(m, "_kernel_cache"):
+            m._kernel_cache = None
+        start += n_out
+    return fused
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention over a static KV cache."""
 
@@ -81,6 +142,13 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=cfg.attention_bias)
         self.kv_cache: KVCache | None = None
+        self.qkv_proj: nn.Module | None = None  # set by fuse(): q, k, v in one matmul
+
+    def fuse(self) -> bool:
+        """Compute q, k and v with one matmul (see :func:`fuse_linears`); returns whether it did."""
+        if self.qkv_proj is None:
+            self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        return self.qkv_proj is not None
 
     def _sdpa(self, q, k, v, mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
         if self.n_kv_heads != self.n_heads:
@@ -90,6 +158,22 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
 
+    def _masked_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Attention of ``q (B, H, T, Dh)`` over ``k``/``v`` ``(B, Hkv, S, Dh)`` with a boolean
+        ``mask (B|1, 1, T, S)``. Grouped-query attention without copying the cache: the ``H / Hkv``
+        query heads sharing a KV head are folded into the query axis, ``(B, Hkv, rep * T, Dh)``,
+        which every SDPA backend (mem-efficient included) accepts with a mask."""
+        b, h, t, dh = q.shape
+        rep = h // self.n_kv_heads
+        if rep == 1:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        qg = q.reshape(b, self.n_kv_heads, rep * t, dh)  # (B, Hkv, rep*T, Dh)
+        if t > 1:
+            mb, s = mask.shape[0], mask.shape[-1]
+            mask = mask[:, :, None].expand(mb, 1, rep, t, s).reshape(mb, 1, rep * t, s)
+        y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)  # (B, Hkv, rep*T, Dh)
+        return y.reshape(b, h, t, dh)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -97,24 +181,38 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         input_pos: torch.Tensor,
         mask: torch.Tensor | None,
+        rows: torch.Tensor | None = None,
+        sin_signed: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``x`` ``(B, T, D)`` at positions ``input_pos`` ``(T,)`` -> ``(B, T, D)``.
+        """``x`` ``(B, T, D)`` at positions ``input_pos`` (``(T,)``, or ``(B, T)`` per row) -> ``(B, T, D)``.
 
-        ``mask`` None means "prefill from position 0": causal attention over the first T cache
-        slots; otherwise a boolean ``(1, 1, T, max_seq_len)`` mask over the whole cache (decode).
+        ``mask`` None means "prefill from position 0": keys/values go to the cache and attention is
+        causal over the T fresh ones; otherwise a boolean ``(B|1, 1, T, kv_len)`` mask over the first
+        ``kv_len`` cache positions (decode); boolean or additive (0 / -inf in ``x.dtype``). ``rows``
+        ``(B,)``: cache rows to write (None = ``0..B-1``; decode always uses rows ``0..B-1``).
+        ``sin_signed``: :func:`signed_sin` of ``sin`` (used by the fused-projection path).
         """
         if self.kv_cache is None:
             raise RuntimeError("KV cache not set up: call setup_caches() first")
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, Dh)
-        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, Dh)
-        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_all, v_all = self.kv_cache.update(input_pos, k, v)  # (B, Hkv, S, Dh)
-        if mask is None:
-            y = self._sdpa(q, k_all[:, :, :t], v_all[:, :, :t], None, is_causal=True)
+        h, hkv, dh = self.n_heads, self.n_kv_heads, self.head_dim
+        if self.qkv_proj is not None:  # one matmul, one RoPE pass over q and k together
+            qkv = self.qkv_proj(x)  # (B, T, (H + 2 Hkv) Dh)
+            qk = qkv[..., : (h + hkv) * dh].view(b, t, h + hkv, dh).transpose(1, 2)  # (B, H + Hkv, T, Dh)
+            qk = apply_rope_rolled(qk, cos, sin_signed if sin_signed is not None else signed_sin(sin))
+            q, k = qk[:, :h], qk[:, h:]
+            v = qkv[..., (h + hkv) * dh :].view(b, t, hkv, dh).transpose(1, 2)  # (B, Hkv, T, Dh)
         else:
-            y = self._sdpa(q, k_all, v_all, mask, is_causal=False)
+            q = self.q_proj(x).view(b, t, h, dh).transpose(1, 2)  # (B, H, T, Dh)
+            k = self.k_proj(x).view(b, t, hkv, dh).transpose(1, 2)  # (B, Hkv, T, Dh)
+            v = self.v_proj(x).view(b, t, hkv, dh).transpose(1, 2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        self.kv_cache.write(input_pos, k, v, rows)
+        if mask is None:
+            y = self._sdpa(q, k, v, None, is_causal=True)
+        else:
+            k_all, v_all = self.kv_cache.read(b, mask.shape[-1], q.dtype)  # (B, Hkv, kv_len, Dh)
+            y = self._masked_sdpa(q, k_all, v_all, mask)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, D)
 
 
@@ -127,8 +225,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj: nn.Module | None = None  # set by fuse()
+
+    def fuse(self) -> bool:
+        """Compute gate and up with one matmul (see :func:`fuse_linears`); returns whether it did."""
+        if self.gate_up_proj is None:
+            self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
+        return self.gate_up_proj is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (..., I) each
+            return self.down_proj(activation(self.act, gate) * up)
         return self.down_proj(activation(self.act, self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -140,8 +248,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, input_pos, mask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, mask)
+    def forward(self, x, cos, sin, input_pos, mask, rows=None, sin_signed=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, mask, rows, sin_signed)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -159,38 +267,92 @@ class Decoder(nn.Module):
         if tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.max_seq_len = 0
+        self.kv_cache_dtype: str | None = None
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
+        self.rope_sin_signed: torch.Tensor | None = None
 
-    def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
-        """Allocate the static KV caches ``(B, n_kv_heads, max_seq_len, head_dim)`` per layer and the
-        RoPE tables, on the device/dtype of the weights."""
+    def setup_caches(self, max_batch_size: int, max_seq_len: int, kv_cache_dtype: str | None = None,
+                     int4_group_size: int = DEFAULT_INT4_GROUP_SIZE) -> None:
+        """Allocate the static KV caches (``max_batch_size`` rows of ``max_seq_len`` positions per
+        layer, precision ``kv_cache_dtype``, see :func:`edgevlm.runtime.kv_cache.make_kv_cache`;
+        None = the weights' dtype) and the RoPE tables, on the weights' device.
+
+        Raises ``ValueError`` for an unknown ``kv_cache_dtype``."""
         w = self.embed_tokens.weight
         self.max_seq_len = max_seq_len
+        self.kv_cache_dtype = kv_cache_dtype
         for layer in self.layers:
-            layer.self_attn.kv_cache = KVCache(
-                max_batch_size, self.cfg.num_key_value_heads, max_seq_len, self.cfg.head_dim,
-                dtype=w.dtype, device=w.device,
+            layer.self_attn.kv_cache = None  # free the old cache before allocating the new one
+        for layer in self.layers:
+            layer.self_attn.kv_cache = make_kv_cache(
+                kv_cache_dtype, max_batch_size, self.cfg.num_key_value_heads, max_seq_len, self.cfg.head_dim,
+                dtype=w.dtype, device=w.device, int4_group_size=int4_group_size,
             )
-        self.rope_cos, self.rope_sin = rope_tables(self.cfg.head_dim, max_seq_len, self.cfg.rope_theta, w.device)
+        cos, sin = rope_tables(self.cfg.head_dim, max_seq_len, self.cfg.rope_theta, w.device)  # float32
+        # stored in the activation dtype, as transformers casts them (one cast at set-up, not per step)
+        self.rope_cos, self.rope_sin = cos.to(w.dtype), sin.to(w.dtype)
+        self.rope_sin_signed = signed_sin(sin).to(w.dtype)
+
+    def fuse_projections(self) -> int:
+        """Fuse q/k/v and gate/up of every layer into single matmuls (fewer kernels per decode
+        step; exact, no extra memory, see :func:`fuse_linears`). Returns the number fused."""
+        return sum(int(layer.self_attn.fuse()) + int(layer.mlp.fuse()) for layer in self.layers)
+
+    @property
+    def max_batch_size(self) -> int:
+        cache = self.layers[0].self_attn.kv_cache if len(self.layers) else None
+        return cache.max_batch_size if cache is not None else 0
 
     def forward(self, embeds: torch.Tensor, input_pos: torch.Tensor, *, prefill: bool,
-                all_logits: bool = False) -> torch.Tensor:
-        """Run the decoder on ``embeds`` ``(B, T, D)`` at positions ``input_pos`` ``(T,)`` int64.
+                all_logits: bool = False, kv_len: int | None = None, rows: torch.Tensor | None = None,
+                last_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the decoder on ``embeds`` ``(B, T, D)`` at positions ``input_pos``: ``(T,)`` int64
+        shared by all rows, or ``(B, T)`` per row.
 
-        ``prefill=True`` requires ``input_pos == arange(T)`` (causal attention over the first T
-        slots); ``prefill=False`` attends over the whole static cache with a mask (decode, or a
-        continuation prefill). Returns logits ``(B, V)`` of the last position, or ``(B, T, V)``
-        with ``all_logits``, in the weights' dtype.
+        ``prefill=True`` requires positions ``0..T-1`` (causal attention over the T fresh tokens;
+        ``rows`` ``(B,)`` picks the cache rows to fill, None = ``0..B-1``); ``prefill=False`` attends
+        over the first ``kv_len`` cache positions (None = all) of rows ``0..B-1`` with a mask
+        (decode, or a continuation prefill). Returns logits ``(B, V)`` of the last position — or of
+        position ``last_index[b]`` per row (right-padded batched prefill) — or ``(B, T, V)`` with
+        ``all_logits``, in the weights' dtype.
         """
         if self.rope_cos is None:
             raise RuntimeError("caches not set up: call setup_caches() first")
-        cos = self.rope_cos[input_pos].to(embeds.dtype)  # (T, Dh)
-        sin = self.rope_sin[input_pos].to(embeds.dtype)
-        mask = None if prefill else decode_mask(input_pos, self.max_seq_len)
+        dt = embeds.dtype
+        cos = self.rope_cos[input_pos].to(dt)  # (T, Dh) or (B, T, Dh)
+        sin = self.rope_sin[input_pos].to(dt)
+        sin_signed = self.rope_sin_signed[input_pos].to(dt)
+        if input_pos.dim() == 2:  # (B, 1, T, Dh): broadcast over heads
+            cos, sin, sin_signed = cos[:, None], sin[:, None], sin_signed[:, None]
+        mask = None
+        if not prefill:  # additive 0 / -inf, built once per step rather than converted in every layer
+            allowed = decode_mask(input_pos, kv_len or self.max_seq_len)
+            mask = torch.full(allowed.shape, float("-inf"), dtype=dt, device=embeds.device)
+            mask.masked_fill_(allowed, 0.0)
         x = embeds
         for layer in self.layers:
-            x = layer(x, cos, sin, input_pos, mask)
-        x = self.norm(x if all_logits else x[:, -1:])
-        logits = self.lm_head(x)  # (B, T|1, V)
+            x = layer(x, cos, sin, input_pos, mask, rows, sin_signed)
+        if not all_logits and last_index is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), last_index][:, None]  # (B, 1, D)
+        elif not all_logits:
+            x = x[:, -1:]
+        logits = self.lm_head(self.norm(x))  # (B, T|1, V)
         return logits if all_logits else logits[:, -1]
+
+    def decode_step(self, token_ids: torch.Tensor, input_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """One batched decode step over cache rows ``0..B-1``: ``token_ids`` ``(B, 1)`` int64 at
+        per-row positions ``input_pos`` ``(B,)`` int64, attending over the first ``kv_len`` positions
+        (a static int: one CUDA graph per value) -> logits ``(B, V)``."""
+        embeds = self.embed_tokens(token_ids)  # (B, 1, D)
+        rows = torch.arange(token_ids.shape[0], device=token_ids.device)  # once per step, not per layer
+        return self(embeds, input_pos[:, None], prefill=False, kv_len=kv_len, rows=rows)
+
+    def prefill_batch(self, embeds: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Prefill several right-padded prompts at once: ``embeds`` ``(B, T, D)``, row ``b`` real for
+        its first ``lengths[b]`` positions (padding after them only reaches cache positions that
+        decode overwrites before it attends to them), written into cache rows ``rows`` ``(B,)``.
+        Returns the logits ``(B, V)`` at position ``lengths[b] - 1`` of each row."""
+        t = embeds.shape[1]
+        input_pos = torch.arange(t, device=embeds.device)
+        return self(embeds, input_pos, prefill=True, rows=rows, last_index=lengths - 1)

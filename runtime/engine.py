@@ -100,7 +100,7 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | Path | None = None, *, device: str = "cpu", dtype=None, backend: str = "torch",
-             max_seq_len: int | None = None) -> Engine:
+             max_seq_len: int | None = None, backend_options: dict | None = None) -> Engine:
         """Load a LLaVA checkpoint folder (None = the shipped demo model).
 
         Args:
@@ -108,6 +108,9 @@ class Engine:
             dtype: torch dtype or name; None = float32 on CPU, bfloat16 on CUDA.
             backend: inference backend name (see :data:`edgevlm.runtime.backends.BACKENDS`).
             max_seq_len: KV cache positions; None = ``min(max_position_embeddings, 4096)``.
+            backend_options: backend-specific keyword arguments (torch: ``cuda_graphs``,
+                ``kv_cache_dtype``, ``max_batch_size``, ``fused_vision_stem``; see
+                :mod:`edgevlm.runtime.backends.torch_backend`).
         Raises:
             ModelLoadError: bad folder/files, device unavailable, backend dependencies missing.
             InvalidRequestError: bad ``device``/``dtype``/``backend``/``max_seq_len`` argument.
@@ -138,7 +141,8 @@ class Engine:
         eos_from_tokenizer = tokenizer.token_id(tokenizer.eos_token)
         if eos_from_tokenizer is not None and eos_from_tokenizer not in eos:
             eos.append(eos_from_tokenizer)
-        be = load_backend(backend, files, device=dev, dtype=torch_dtype, max_seq_len=max_seq_len)
+        be = load_backend(backend, files, device=dev, dtype=torch_dtype, max_seq_len=max_seq_len,
+                          **(backend_options or {}))
         return cls(be, tokenizer, files, eos)
 
     # ---- requests ----------------------------------------------------------------------------
@@ -176,7 +180,7 @@ class Engine:
         resolution_px = op.resolution_px or self.image_size_px
         h, w = image.shape[:2]
         tw, th = target_size(w, h, resolution_px, self.patch_size_px)
-        n_vision = self.num_vision_tokens(th, tw)
+        n_vision = self._adaptive_vision_tokens(self.num_vision_tokens(th, tw), op)
         ids = self.tokenizer.encode_prompt(prompt, n_vision)
         if len(ids) >= self.max_seq_len:
             raise InvalidRequestError(
@@ -192,6 +196,60 @@ class Engine:
         for r in resolutions or self.resolution_ladder:
             self.ask(image, "describe", max_new_tokens=2,
                      operating_point=OperatingPoint(name="warmup", resolution_px=r))
+
+    # ---- early exit, token pruning, exit classifier (edgevlm.runtime.exits / .pruning) ------------
+    @property
+    def exit_points(self) -> list[int]:
+        """Vision blocks after which this model can exit early ([] without exit heads)."""
+        heads = getattr(self.backend, "exit_heads", None)
+        return heads.exit_blocks if heads is not None else []
+
+    @property
+    def labels(self) -> list[str]:
+        """Closed-set labels of the exit classifier ([] without one)."""
+        heads = getattr(self.backend, "exit_heads", None)
+        return heads.labels if heads is not None else []
+
+    def _adaptive_vision_tokens(self, n_vision: int, op: OperatingPoint) -> int:
+        """Vision tokens after ``op.keep_ratio`` pruning; checks ``op``'s exit fields against the
+        model's exit points. Raises InvalidRequestError for knobs this model/backend cannot run."""
+        from edgevlm.runtime.pruning import pruned_count
+        from edgevlm.runtime.vision import exit_plan
+
+        if op.exit_layer is not None or op.exit_threshold is not None:
+            try:
+                exit_plan(self.exit_points, self.config.vision_blocks_needed, op.exit_layer, op.exit_threshold)
+            except ValueError as exc:
+                if not hasattr(self.backend, "exit_heads"):
+                    raise InvalidRequestError(f"backend {self.backend_name!r} does not support early exit") from None
+                raise InvalidRequestError(f"operating point {op.name!r}: {exc}") from None
+        if op.keep_ratio is None or op.keep_ratio >= 1.0:
+            return n_vision
+        if not getattr(self.backend, "supports_pruning", False):
+            raise InvalidRequestError(f"backend {self.backend_name!r} does not support token pruning (keep_ratio)")
+        has_cls = self.config.vision_feature_select_strategy == "full"
+        return pruned_count(n_vision - has_cls, op.keep_ratio) + has_cls
+
+    def classify(self, image: np.ndarray, *, resolution_px: int | None = None,
+                 block: int | None = None) -> dict[str, float]:
+        """Closed-set label probabilities of the exit classifier for ``image`` (``(H, W, 3)`` uint8
+        RGB), running the vision encoder only up to ``block`` (None = the earliest classifier).
+
+        Returns ``{label: probability}``. Raises InvalidImageError for a bad array and
+        InvalidRequestError when the model has no classifier at ``block``.
+        """
+        self._check_image(image)
+        classify = getattr(self.backend, "classify_image", None)
+        if classify is None or not self.labels:
+            raise InvalidRequestError("this model has no exit classifier (run `edgevlm calibrate` on it)")
+        pixels = preprocess(image, resolution_px or self.image_size_px, self.patch_size_px,
+                            self.image_mean, self.image_std)
+        with self._lock:
+            try:
+                probs = classify(torch.from_numpy(pixels)[None], block)  # (1, L)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc)) from None
+        return dict(zip(self.labels, probs[0].tolist(), strict=True))
 
     def num_vision_tokens(self, height_px: int, width_px: int) -> int:
         """Vision tokens for an encoder input of ``height_px x width_px`` (after select strategy)."""
@@ -244,6 +302,11 @@ class Engine:
         be.synchronize()
         t2 = time.perf_counter()
         stats.vision_ms = _ms(t1, t2)
+        info = getattr(be, "last_vision_info", None)  # set by backends that ran early exit / pruning
+        if info is not None:
+            stats.exit_layer = info.exit_layers[0]
+            stats.exit_confidence = info.exit_confidences[0]
+            stats.vision_tokens = info.tokens_kept
         input_ids = torch.tensor([ids], dtype=torch.long, device=be.device)  # (1, T)
         logits = be.prefill(be.embed(input_ids, feats), operating_point=op)  # (1, V)
         be.synchronize()

@@ -16,7 +16,9 @@ from torch import nn
 
 from edgevlm.runtime.config import LlavaConfig
 from edgevlm.runtime.decoder import Decoder
-from edgevlm.runtime.vision import VisionTower
+from edgevlm.runtime.exits import ExitHeads
+from edgevlm.runtime.vision import VisionInfo, VisionTower, encode_adaptive
+from edgevlm.types import OperatingPoint
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,13 @@ class LlavaModel(nn.Module):
         self.cfg = cfg
         self.vision_tower = VisionTower(cfg)
         self.language_model = Decoder(cfg.text, cfg.tie_word_embeddings)
+        self.exit_heads: ExitHeads | None = None  # set by attach_exit_heads (edgevlm calibrate output)
+        self.prune_score = "cls_attention"  # token-pruning score, see edgevlm.runtime.pruning
+        # "original": pruned vision tokens keep their unpruned RoPE distances (see prefill);
+        # "compact": they take consecutive positions like any prompt
+        self.prune_positions = "original"
+        self._pruned: tuple[list[int], int, int] | None = None  # (kept patches, N patches, CLS kept)
+        self._rope_positions: torch.Tensor | None = None  # (T,) positions for the next prefill
 
     @property
     def dtype(self) -> torch.dtype:
@@ -50,7 +59,55 @@ class LlavaModel(nn.Module):
 
     def encode_image(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``(B, 3, H, W)`` normalised pixels -> ``(B, N, D_text)`` vision tokens (model dtype)."""
+        self._pruned = self._rope_positions = None
         return self.vision_tower(pixel_values.to(self.device, self.dtype))
+
+    def attach_exit_heads(self, heads: ExitHeads | None) -> None:
+        """Use ``heads`` (:func:`edgevlm.runtime.exits.load_exit_heads`) for early exit and labels;
+        moved to the model's device and dtype. None detaches them."""
+        self.exit_heads = heads.to(self.device, self.dtype).eval() if heads is not None else None
+
+    def encode_image_adaptive(
+        self, pixel_values: torch.Tensor, operating_point: OperatingPoint | None = None
+    ) -> tuple[torch.Tensor, VisionInfo]:
+        """Like :meth:`encode_image` with the operating point's early exit (``exit_layer``,
+        ``exit_threshold``) and token pruning (``keep_ratio``); see
+        :func:`edgevlm.runtime.vision.encode_adaptive`. Returns ``(B, N', D_text)`` vision tokens
+        and what was done. Raises ValueError for an exit the heads cannot serve."""
+        op = operating_point
+        feats, info = encode_adaptive(
+            self.vision_tower,
+            pixel_values.to(self.device, self.dtype),
+            exit_heads=self.exit_heads,
+            exit_layer=op.exit_layer if op is not None else None,
+            exit_threshold=op.exit_threshold if op is not None else None,
+            keep_ratio=op.keep_ratio if op is not None else None,
+            prune_score=self.prune_score,
+        )
+        has_cls = int(self.cfg.vision_feature_select_strategy == "full")
+        self._rope_positions = None
+        self._pruned = None
+        if info.kept_index is not None and len(info.kept_index) == 1 and self.prune_positions == "original":
+            self._pruned = (info.kept_index[0], info.tokens_total - has_cls, has_cls)
+        return feats, info
+
+    def classify_image(self, pixel_values: torch.Tensor, block: int | None = None) -> torch.Tensor:
+        """Closed-set label probabilities ``(B, L)`` float32 from the exit classifier at ``block``
+        (None = the earliest classifier), running the encoder only up to that block.
+        Raises ValueError without exit heads/labels or for a block without a classifier."""
+        heads = self.exit_heads
+        if heads is None or not heads.labels:
+            raise ValueError("this model has no exit classifier (run `edgevlm calibrate` on it)")
+        blocks = heads.spec.classifier_blocks
+        block = blocks[0] if block is None else block
+        if block not in blocks:
+            raise ValueError(f"no classifier after block {block} (classifier blocks: {blocks})")
+        enc = self.vision_tower.encoder
+        x = enc.stem(pixel_values.to(self.device, self.dtype))  # (B, 1 + N, D)
+        for layer in enc.layers[:block]:
+            x = layer(x)
+        p = self.cfg.vision.patch_size
+        return heads.classify(block, x, (pixel_values.shape[-2] // p, pixel_values.shape[-1] // p))  # (B, L)
 
     def embed(self, input_ids: torch.Tensor, image_features: torch.Tensor | None = None) -> torch.Tensor:
         """Token embeddings ``(B, T, D)`` for ``input_ids`` ``(B, T)``, with the image placeholder
@@ -66,14 +123,56 @@ class LlavaModel(nn.Module):
                 f"{n_slots} image placeholder tokens but {image_features.shape[:-1].numel()} vision tokens"
             )
         feats = image_features.to(embeds.device, embeds.dtype)
+        if self._pruned is not None and input_ids.shape[0] == 1:
+            self._rope_positions = self._pruned_positions(is_image[0])
+        self._pruned = None
         return embeds.masked_scatter(is_image[..., None], feats)
+
+    def _pruned_positions(self, is_image: torch.Tensor) -> torch.Tensor | None:
+        """RoPE positions ``(T,)`` for a prompt whose vision tokens were pruned: every token keeps
+        its slot as position except the vision tokens, which get ``slot_of_first + original index -
+        pruned`` — so the distance from each text token (and every generated token) to each vision
+        token is exactly what it would be without pruning, which is how a decoder trained on full
+        grids reads rows (top/bottom) off the image. Vision tokens may get positions below the
+        prefix (even negative): RoPE only sees differences."""
+        kept, n_patches, has_cls = self._pruned  # type: ignore[misc]
+        slots = is_image.nonzero()[:, 0]
+        if len(slots) != len(kept) + has_cls:
+            return None
+        start = int(slots[0])
+        pruned = n_patches - len(kept)
+        pos = torch.arange(is_image.shape[0], device=is_image.device)
+        original = torch.tensor([0] * has_cls + [i + has_cls for i in kept], device=is_image.device)
+        pos[slots] = start + original - pruned
+        return pos
+
+    def _rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE ``cos``/``sin`` ``(T, Dh)`` float32 at arbitrary integer ``positions`` ``(T,)`` — the
+        formula of :func:`edgevlm.runtime.decoder.rope_tables` evaluated per position."""
+        tc = self.cfg.text
+        inv_freq = 1.0 / (tc.rope_theta ** (torch.arange(0, tc.head_dim, 2, dtype=torch.float) / tc.head_dim))
+        freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # (T, Dh/2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (T, Dh)
+        return emb.cos(), emb.sin()
 
     def prefill(self, embeds: torch.Tensor, *, all_logits: bool = False) -> torch.Tensor:
         """Run the prompt ``embeds`` ``(B, T, D)`` from position 0 into the KV cache; returns the
         last logits ``(B, V)`` (or ``(B, T, V)`` with ``all_logits``)."""
         t = embeds.shape[1]
         input_pos = torch.arange(t, device=embeds.device)
-        return self.language_model(embeds, input_pos, prefill=True, all_logits=all_logits)
+        positions, self._rope_positions = self._rope_positions, None
+        if positions is None or positions.shape[0] != t:
+            return self.language_model(embeds, input_pos, prefill=True, all_logits=all_logits)
+        # pruned vision tokens: the prefill reads RoPE tables at the slots 0..T-1, so tables
+        # holding the chosen positions at those slots give them their unpruned distances; keys
+        # are cached already rotated, and decoding resumes at slot T with the normal tables.
+        dec = self.language_model
+        saved = dec.rope_cos, dec.rope_sin
+        dec.rope_cos, dec.rope_sin = self._rope_at(positions)
+        try:
+            return dec(embeds, input_pos, prefill=True, all_logits=all_logits)
+        finally:
+            dec.rope_cos, dec.rope_sin = saved
 
     def decode(self, token_ids: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         """One decode step: ``token_ids`` ``(B, 1)`` int64 at ``input_pos`` ``(1,)`` -> logits ``(B, V)``."""

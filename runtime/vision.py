@@ -15,6 +15,7 @@ including its shortcut that uses the embeddings unchanged for the native square 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +98,19 @@ class VisionAttention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v)  # (B, H, T, Dh)
         return self.out_proj(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, D)
 
+    def forward_with_cls_attention(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like :meth:`forward`, plus the CLS token's attention over all tokens, averaged over
+        heads: ``(B, T)`` float32, rows summing to 1 (token pruning scores, see
+        :mod:`edgevlm.runtime.pruning`). Costs one ``(1 x T)`` score row per head on top of SDPA."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, Dh)
+        k = self.k_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v)  # (B, H, T, Dh)
+        logits = (q[:, :, :1].float() @ k.float().transpose(-1, -2)) * self.head_dim**-0.5  # (B, H, 1, T)
+        cls_attn = logits.softmax(dim=-1).mean(dim=1)[:, 0]  # (B, T)
+        return self.out_proj(y.transpose(1, 2).reshape(b, t, -1)), cls_attn
+
 
 class VisionMLP(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
@@ -123,6 +137,12 @@ class VisionBlock(nn.Module):
         x = x + self.self_attn(self.layer_norm1(x))
         return x + self.mlp(self.layer_norm2(x))
 
+    def forward_with_cls_attention(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` plus this block's CLS attention ``(B, T)`` float32 (head mean)."""
+        h, cls_attn = self.self_attn.forward_with_cls_attention(self.layer_norm1(x))
+        x = x + h
+        return x + self.mlp(self.layer_norm2(x)), cls_attn
+
 
 class VisionEncoder(nn.Module):
     """The CLIP ViT up to the deepest block LLaVA reads features from.
@@ -137,6 +157,14 @@ class VisionEncoder(nn.Module):
         self.embeddings = VisionEmbeddings(cfg)
         self.pre_layrnorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.layers = nn.ModuleList([VisionBlock(cfg) for _ in range(num_blocks)])
+        # optional fused Triton stem set by the torch backend (edgevlm.runtime.kernels.patch_embed_ln)
+        self.fused_stem: nn.Module | None = None
+
+    def stem(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``pre_layrnorm(embeddings(pixel_values))``: ``(B, C, H, W)`` -> ``(B, 1 + N, D)``."""
+        if self.fused_stem is not None:
+            return self.fused_stem(pixel_values)
+        return self.pre_layrnorm(self.embeddings(pixel_values))
 
     def forward(self, pixel_values: torch.Tensor, feature_indices: tuple[int, ...]) -> list[torch.Tensor]:
         """Hidden states at ``feature_indices`` (0 = embeddings after pre-LN, i = after block i).
@@ -146,7 +174,7 @@ class VisionEncoder(nn.Module):
         Returns:
             one ``(B, 1 + N, D_vision)`` tensor per index, in the order given.
         """
-        x = self.pre_layrnorm(self.embeddings(pixel_values))  # (B, 1 + N, D)
+        x = self.stem(pixel_values)  # (B, 1 + N, D)
         states = {0: x}
         for i, block in enumerate(self.layers, start=1):
             x = block(x)
@@ -191,3 +219,160 @@ class VisionTower(nn.Module):
             feats = [f[:, 1:] for f in feats]  # drop CLS
         x = feats[0] if len(feats) == 1 else torch.cat(feats, dim=-1)  # (B, N, D_vision * k)
         return self.projector(x)  # (B, N, D_text)
+
+
+# ---- adaptive path: early exit + token pruning ------------------------------------------------
+
+
+@dataclass
+class VisionInfo:
+    """What :func:`encode_adaptive` did for one batch.
+
+    Attributes:
+        exit_layers: per sample, the block it exited after (None = full depth).
+        exit_confidences: per sample, the confidence of the last exit head consulted (None if none).
+        blocks_run: encoder blocks run (the deepest sample).
+        tokens_total: patch tokens per sample before pruning (plus CLS with the 'full' strategy).
+        tokens_kept: vision tokens per sample fed to the decoder.
+        kept_index: per sample, the kept patch indices (ascending, raster order) when tokens were
+            pruned; None otherwise.
+    """
+
+    exit_layers: list[int | None] = field(default_factory=list)
+    exit_confidences: list[float | None] = field(default_factory=list)
+    blocks_run: int = 0
+    tokens_total: int = 0
+    tokens_kept: int = 0
+    kept_index: list[list[int]] | None = None
+
+
+def exit_plan(exit_blocks: list[int], n_blocks: int, exit_layer: int | None,
+              exit_threshold: float | None) -> list[tuple[int, float | None]]:
+    """The exit points to consult, as ``(block, threshold)``; threshold None = exit unconditionally.
+
+    - no ``exit_layer`` and no ``exit_threshold``: ``[]`` (full depth);
+    - ``exit_layer`` k only: ``[(k, None)]`` (k must be an exit point; ``k >= n_blocks`` = full depth);
+    - ``exit_threshold`` t: every exit point ``<= exit_layer`` (all if None), each gated by t.
+
+    Raises:
+        ValueError: an exit is asked for but the model has no exit heads, or ``exit_layer`` is
+            not one of its exit points.
+    """
+    if exit_layer is None and exit_threshold is None:
+        return []
+    if exit_layer is not None and exit_layer >= n_blocks and exit_threshold is None:
+        return []
+    if not exit_blocks:
+        raise ValueError("this model has no exit heads (run `edgevlm calibrate` on it)")
+    if exit_threshold is None:
+        if exit_layer not in exit_blocks:
+            raise ValueError(f"exit_layer {exit_layer} is not an exit point of this model (exit points: {exit_blocks})")
+        return [(exit_layer, None)]
+    limit = n_blocks if exit_layer is None else exit_layer
+    return [(b, exit_threshold) for b in exit_blocks if b <= limit]
+
+
+def _select(cfg: LlavaConfig, feats: torch.Tensor) -> torch.Tensor:
+    return feats[:, 1:] if cfg.vision_feature_select_strategy == "default" else feats
+
+
+def encode_adaptive(
+    tower: VisionTower,
+    pixel_values: torch.Tensor,
+    *,
+    exit_heads=None,
+    exit_layer: int | None = None,
+    exit_threshold: float | None = None,
+    keep_ratio: float | None = None,
+    prune_score: str = "cls_attention",
+) -> tuple[torch.Tensor, VisionInfo]:
+    """Pixels -> vision tokens with early exit and token pruning (see :mod:`edgevlm.runtime.exits`
+    and :mod:`edgevlm.runtime.pruning`).
+
+    The encoder runs block by block; at each exit point of :func:`exit_plan` the samples whose
+    exit confidence reaches the threshold leave the batch with ``adapter(hidden)`` as their
+    features, the rest continue. Before the projector, ``keep_ratio`` keeps the best patch tokens
+    by the CLS attention of the last block each sample ran (or by feature norm), in raster order.
+    With no exit and no pruning the result equals :meth:`VisionTower.forward` exactly.
+
+    Args:
+        pixel_values: ``(B, C, H, W)`` normalised image.
+        exit_heads: an :class:`~edgevlm.runtime.exits.ExitHeads` or None.
+    Returns:
+        ``(B, N', D_text)`` vision tokens and a :class:`VisionInfo`.
+    Raises:
+        ValueError: a bad exit request (:func:`exit_plan`), ``keep_ratio`` or ``prune_score``.
+    """
+    from edgevlm.runtime.pruning import SCORES, feature_norm_scores, select_tokens
+
+    cfg = tower.cfg
+    enc = tower.encoder
+    n_blocks = cfg.vision_blocks_needed
+    feature_idx = cfg.vision_feature_indices
+    plan = dict(exit_plan(exit_heads.exit_blocks if exit_heads is not None else [], n_blocks,
+                          exit_layer, exit_threshold))
+    if prune_score not in SCORES:
+        raise ValueError(f"prune_score must be one of {SCORES}, got {prune_score!r}")
+    prune = keep_ratio is not None and keep_ratio < 1.0
+    want_attn = prune and prune_score == "cls_attention"
+
+    x = enc.stem(pixel_values)  # (B, 1 + N, D)
+    p = cfg.vision.patch_size
+    grid_hw = (pixel_values.shape[-2] // p, pixel_values.shape[-1] // p)
+    b = x.shape[0]
+    info = VisionInfo(exit_layers=[None] * b, exit_confidences=[None] * b)
+    out: list[torch.Tensor | None] = [None] * b  # per sample: (1 + N, F) features
+    scores: list[torch.Tensor | None] = [None] * b  # per sample: (1 + N,) CLS attention
+    active = list(range(b))  # batch rows still in x, as original sample indices
+    states = {0: x} if 0 in feature_idx else {}
+    attn = None
+    for i, block in enumerate(enc.layers, start=1):
+        if want_attn and (i in plan or i == n_blocks):
+            x, attn = block.forward_with_cls_attention(x)  # attn (B_active, 1 + N)
+        else:
+            x = block(x)
+        info.blocks_run = i
+        if i in feature_idx:
+            states[i] = x
+        if i not in plan:
+            continue
+        threshold = plan[i]
+        conf = exit_heads.confidence_at(i, x, grid_hw)  # (B_active,)
+        leave = torch.ones_like(conf, dtype=torch.bool) if threshold is None else conf >= threshold
+        for row, sample in enumerate(active):
+            info.exit_confidences[sample] = float(conf[row])
+        if not bool(leave.any()):
+            continue
+        rows = leave.nonzero()[:, 0]
+        adapted = exit_heads.adapt(i, x[rows])  # (b_exit, 1 + N, F)
+        for j, row in enumerate(rows.tolist()):
+            sample = active[row]
+            out[sample], info.exit_layers[sample] = adapted[j], i
+            scores[sample] = attn[row] if attn is not None else None
+        stay = (~leave).nonzero()[:, 0]
+        active = [active[r] for r in stay.tolist()]
+        if not active:
+            break
+        x = x[stay]
+        states = {k: v[stay] for k, v in states.items()}
+        attn = attn[stay] if attn is not None else None
+    if active:
+        full = torch.cat([states[k] for k in feature_idx], dim=-1) if len(feature_idx) > 1 else states[feature_idx[0]]
+        for row, sample in enumerate(active):
+            out[sample] = full[row]
+            scores[sample] = attn[row] if attn is not None else None
+
+    feats = _select(cfg, torch.stack(out))  # (B, N or 1 + N, F)
+    has_cls = cfg.vision_feature_select_strategy == "full"
+    patches = feats[:, 1:] if has_cls else feats  # (B, N, F)
+    info.tokens_total = feats.shape[1]
+    if prune:
+        if want_attn:
+            s = torch.stack(scores)[:, 1:]  # (B, N): CLS attention to each patch
+        else:
+            s = feature_norm_scores(patches)
+        patches, index = select_tokens(patches, s, keep_ratio)
+        info.kept_index = index.tolist()
+        feats = torch.cat([feats[:, :1], patches], dim=1) if has_cls else patches
+    info.tokens_kept = feats.shape[1]
+    return tower.projector(feats), info  # (B, N', D_text)

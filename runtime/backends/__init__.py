@@ -84,8 +84,10 @@ class Backend(ABC):
         """Block until queued device work is done (called before reading clocks)."""
 
 
-def load_backend(name: str, files: ModelFiles, *, device, dtype, max_seq_len: int) -> Backend:
-    """Import backend ``name`` lazily and load ``files`` with it.
+def load_backend(name: str, files: ModelFiles, *, device, dtype, max_seq_len: int, **options) -> Backend:
+    """Import backend ``name`` lazily and load ``files`` with it. ``options`` (backend-specific
+    keyword arguments, e.g. the torch backend's ``cuda_graphs``/``kv_cache_dtype``) are passed to
+    the backend's ``load`` only when given.
 
     Raises:
         InvalidRequestError: unknown backend name.
@@ -104,4 +106,4 @@ def load_backend(name: str, files: ModelFiles, *, device, dtype, max_seq_len: in
             f"backend {name!r} needs optional dependencies that are not installed ({exc}); "
             f"install them with: pip install 'edgevlm[{extra}]'"
         ) from exc
-    return module.load(files, device=device, dtype=dtype, max_seq_len=max_seq_len)
+    return module.load(files, device=device, dtype=dtype, max_seq_len=max_seq_len, **options)

@@ -1,0 +1,275 @@
+"""The daemon side of the latency controller: budgets, queue-wait prediction and slowdown hints.
+
+:class:`BudgetController` wraps :class:`edgevlm.runtime.policy.Controller` (which learns each
+operating point's live latency) with what only the daemon knows:
+
+- the **budget** of a request: its ``budget_ms``, else ``controller.default_budget_ms``, else the
+  profile's ``default_budget_ms`` (its ``timeout_ms`` stays the separate hard deadline);
+- the **queue wait** the scheduler predicts (the running request's remaining predicted time plus
+  the predicted service time of every request ahead), handed to ``Controller.choose``;
+- the **slowdown hint** ``h >= 1`` of hardware telemetry (thermal throttling from ``tegrastats``:
+  the inverse GPU clock ratio): predictions are multiplied by ``h`` and the stats fed back are
+  divided by it, so the controller steps down as soon as the clocks drop (before slow requests are
+  observed), its learned model stays in unthrottled units, and a slowdown the hint explains is not
+  counted twice (``choose(budget / h, wait / h)`` is exactly ``choose`` with every prediction
+  scaled by ``h``); when the hint returns to 1 the predictions do too;
+- the daemon's own **per-request overhead** (image decode, frame fetch, response encoding: the
+  worker's time around the engine call), tracked as an EWMA and added to every predicted service
+  time, so the prediction covers what the budget covers — receipt to response;
+- a **refit** when the request leaves the queue: if the point chosen at arrival no longer fits the
+  budget left, the most accurate cheaper point that does is run instead (never a refusal then: the
+  request was accepted; its hard deadline stays ``timeout_ms``).
+
+:func:`build_controller` makes one for a loaded engine: the frontier comes from
+``controller.frontier``, else the model's (or bundle's) ``frontier.json`` (measured for exactly this
+model by ``edgevlm calibrate``; ignored, with a warning, when the weights changed since), else the profile's ``operating_points.frontier`` (the shipped
+figures for the demo model on that device), else one point per resolution rung measured at
+start-up (accuracy then only ranks rungs, highest resolution first). Points the engine cannot run (exit thresholds without exit
+heads) are dropped with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edgevlm.errors import ConfigError, DeadlineExceededError
+from edgevlm.profile import FrontierPoint, Profile, load_frontier, load_profile
+from edgevlm.runtime.policy import Controller, Decision, PointProfile
+from edgevlm.types import OperatingPoint, Stats
+
+logger = logging.getLogger(__name__)
+
+FALLBACK_BUDGET_MS = 1000.0
+MAX_HINT = 50.0
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What the scheduler runs a request with."""
+
+    point: OperatingPoint
+    predicted_ms: float  # e2e including the predicted queue wait
+    service_ms: float  # predicted time on the worker (queue wait excluded)
+    budget_ms: float
+    decision: Decision
+
+
+class BudgetController:
+    """Thread-safe; see the module doc.
+
+    Args:
+        controller: the runtime controller over the frontier.
+        default_budget_ms: budget of requests that name none.
+        source: where the frontier came from (logged and reported).
+    """
+
+    def __init__(self, controller: Controller, *, default_budget_ms: float, source: str = "") -> None:
+        self.controller = controller
+        self.default_budget_ms = float(default_budget_ms)
+        self.source = source
+        self._hint = 1.0
+        self._overhead_ms = 0.0
+        self._lock = threading.Lock()
+
+    @property
+    def points(self) -> list[PointProfile]:
+        return self.controller.points
+
+    @property
+    def slowdown_hint(self) -> float:
+        return self._hint
+
+    @property
+    def overhead_ms(self) -> float:
+        """EWMA of the worker's time per request outside the engine call (ms)."""
+        return self._overhead_ms
+
+    def observe_overhead(self, ms: float) -> None:
+        """Feed the worker's time around one engine call (decode image, fetch frame, reply)."""
+        if ms >= 0:
+            with self._lock:
+                self._overhead_ms += self.controller.alpha * (ms - self._overhead_ms)
+
+    def hint_slowdown(self, factor: float) -> None:
+        """The device is ``factor`` times slower than nominal (1.0 = not throttled) until the next
+        hint: predictions are scaled by it (see the module doc).
+
+        Called by the daemon with ``ThermalState.slowdown_hint`` on every tegrastats sample.
+        Non-finite or non-positive values are ignored (logged); values below 1 count as 1."""
+        try:
+            f = float(factor)
+        except (TypeError, ValueError):
+            f = float("nan")
+        if not f > 0 or f == float("inf"):
+            logger.warning("controller: ignoring slowdown hint %r", factor)
+            return
+        f = min(max(f, 1.0), MAX_HINT)
+        with self._lock:
+            if abs(f - self._hint) > 1e-3:
+                logger.info("controller: slowdown hint %.2f -> %.2f", self._hint, f)
+            self._hint = f
+
+    def budget_for(self, budget_ms: int | None) -> float:
+        """The budget of a request: its own ``budget_ms``, else the default. (``timeout_ms`` is a
+        separate hard deadline: a request still queued when it passes is answered
+        ``DEADLINE_EXCEEDED`` by the scheduler.)"""
+        return float(budget_ms) if budget_ms is not None else self.default_budget_ms
+
+    def choose(self, budget_ms: float, *, max_new_tokens: int, queue_wait_ms: float) -> Choice:
+        """The controller's choice, predictions scaled by the slowdown hint.
+
+        Raises:
+            DeadlineExceededError: even the cheapest point is predicted to miss the budget;
+                ``details`` has ``cheapest_predicted_ms``, ``budget_ms``, ``queue_wait_ms``.
+        """
+        h, extra = self._hint, self._overhead_ms
+        try:
+            d = self.controller.choose((budget_ms - extra) / h, max_new_tokens=max_new_tokens,
+                                       queue_wait_ms=queue_wait_ms / h)
+        except DeadlineExceededError as err:
+            cheapest = float(err.details.get("cheapest_predicted_ms", 0.0)) * h + extra
+            raise DeadlineExceededError(
+                f"budget {budget_ms:.0f} ms cannot be met: the cheapest operating point is predicted to take "
+                f"{cheapest:.0f} ms (queue wait {queue_wait_ms:.0f} ms included)",
+                details={"cheapest_predicted_ms": round(cheapest, 2), "budget_ms": budget_ms,
+                         "queue_wait_ms": round(queue_wait_ms, 2), "slowdown_hint": round(self._hint, 3),
+                         "slowdown": round(self.controller.slowdown, 3)},
+            ) from None
+        predicted = d.predicted_ms * h + extra
+        return Choice(point=d.point, predicted_ms=predicted, service_ms=max(0.0, predicted - queue_wait_ms),
+                      budget_ms=budget_ms, decision=d)
+
+    def service_ms(self, point: OperatingPoint, max_new_tokens: int) -> float:
+        """Predicted worker time of ``point`` (slowdown hint and overhead included)."""
+        n = min(max_new_tokens, point.max_new_tokens or max_new_tokens)
+        return self.controller.predict_ms(point.name, n) * self._hint + self._overhead_ms
+
+    def refit(self, choice: Choice, remaining_ms: float, *, max_new_tokens: int) -> tuple[OperatingPoint, float]:
+        """At dequeue: keep the chosen point if it still fits ``remaining_ms`` (with the controller's
+        headroom), else the most accurate cheaper point that does, else the cheapest. Returns the
+        point and its predicted service time. Does not move the controller's hysteresis state."""
+        limit = remaining_ms * self.controller.headroom
+        names = [p.name for p in self.points]
+        start = names.index(choice.point.name) if choice.point.name in names else 0
+        best: tuple[OperatingPoint, float] | None = None
+        for p in self.points[start:]:
+            ms = self.service_ms(p.point, max_new_tokens)
+            if ms <= limit:
+                return p.point, ms
+            if best is None or ms < best[1]:
+                best = (p.point, ms)
+        assert best is not None  # the frontier is never empty
+        return best
+
+    def observe(self, point: OperatingPoint, stats: Stats) -> None:
+        """Feed back the engine's measurements of a request run at ``point`` (divided by the hint)."""
+        h = self._hint
+        scaled = stats if h == 1.0 else stats.model_copy(update={
+            "vision_ms": stats.vision_ms / h, "prefill_ms": stats.prefill_ms / h, "tpot_ms": stats.tpot_ms / h})
+        self.controller.observe(point.name, scaled)
+
+    def describe(self) -> dict[str, Any]:
+        """Frontier, ceiling, learned slowdown and hint (for logs and status)."""
+        return {
+            "source": self.source,
+            "points": [p.name for p in self.points],
+            "ceiling": self.controller.ceiling.name,
+            "slowdown": round(self.controller.slowdown, 3),
+            "slowdown_hint": round(self._hint, 3),
+            "overhead_ms": round(self._overhead_ms, 2),
+            "default_budget_ms": self.default_budget_ms,
+        }
+
+
+# ------------------------------------------------------------------------------ construction
+
+
+def resolve_profile(config: Any) -> Profile | None:
+    """The daemon's profile: ``config.profile``, else ``cpu`` for a CPU model, else None."""
+    name = config.profile
+    if name is None and str(config.model.device) == "cpu":
+        name = "cpu"
+    return load_profile(name) if name is not None else None
+
+
+def runnable(engine: Any, p: FrontierPoint) -> bool:
+    """Whether ``engine`` can run point ``p`` (exits need exit heads at the asked layer)."""
+    if p.exit_threshold is None and p.exit_layer is None:
+        return True
+    exits = list(getattr(engine, "exit_points", []) or [])
+    if not exits:
+        return False
+    return p.exit_layer is None or p.exit_threshold is not None or p.exit_layer in exits
+
+
+def ladder_points(engine: Any) -> list[PointProfile]:
+    """One point per resolution rung, latencies measured now with a 2-token request on a grey
+    frame, accuracy = rank (highest rung best): a starting point when no frontier was measured."""
+    import numpy as np
+
+    rungs = sorted(getattr(engine, "resolution_ladder", None) or [engine.image_size_px], reverse=True)
+    image = np.full((engine.image_size_px * 3 // 4, engine.image_size_px, 3), 128, np.uint8)
+    out = []
+    for i, r in enumerate(rungs):
+        op = OperatingPoint(name=f"r{r}", resolution_px=r)
+        engine.ask(image, "describe", max_new_tokens=2, operating_point=op)  # warm-up
+        s = engine.ask(image, "describe", max_new_tokens=2, operating_point=op).stats
+        out.append(PointProfile(op, 1.0 - i / (10 * len(rungs)), s.vision_ms, s.prefill_ms, max(s.tpot_ms, 0.01)))
+    return out
+
+
+def _same_weights(record: Any, model_dir: Any) -> bool:
+    """Whether a model's frontier.json was measured on its current weights (unknown = yes)."""
+    if not record.weights_fingerprint:
+        return True
+    from edgevlm.runtime.exits import weights_fingerprint
+
+    if record.weights_fingerprint == weights_fingerprint(model_dir):
+        return True
+    logger.warning("controller: %s/frontier.json was measured on other weights: not used", model_dir)
+    return False
+
+
+def build_controller(config: Any, engine: Any) -> BudgetController | None:
+    """A :class:`BudgetController` for ``engine`` under daemon ``config`` (None when
+    ``controller.enabled`` is false). See the module doc for where the frontier comes from.
+
+    Raises:
+        ConfigError: the profile or frontier file is invalid, or no frontier point is runnable.
+    """
+    cc = config.controller
+    if not cc.enabled:
+        return None
+    profile = resolve_profile(config)
+    points: list[FrontierPoint] = []
+    source = ""
+    model_dir = getattr(engine, "model_dir", None)
+    model_frontier = Path(model_dir) / "frontier.json" if model_dir is not None else None
+    if cc.frontier is not None:
+        points, source = load_frontier(cc.frontier).frontier, str(cc.frontier)
+    elif model_frontier is not None and model_frontier.is_file() and _same_weights(load_frontier(model_frontier),
+                                                                                      model_dir):
+        points, source = load_frontier(model_frontier).frontier, str(model_frontier)
+    elif profile is not None and profile.operating_points.frontier:
+        points, source = profile.operating_points.frontier, f"profile {profile.name}"
+    profiles: list[PointProfile]
+    if points:
+        ok = [p for p in points if runnable(engine, p)]
+        dropped = [p.name for p in points if p not in ok]
+        if dropped:
+            logger.warning("controller: dropping points the model cannot run (no exit heads): %s", ", ".join(dropped))
+        if not ok:
+            raise ConfigError(f"controller: no operating point of {source} can run on this model")
+        profiles = [PointProfile(p.operating_point(), p.accuracy, p.vision_ms, p.prefill_ms, p.tpot_ms) for p in ok]
+    else:
+        profiles, source = ladder_points(engine), "resolution ladder measured at start-up"
+    default = cc.default_budget_ms or (profile.default_budget_ms if profile is not None else FALLBACK_BUDGET_MS)
+    controller = Controller(profiles, alpha=cc.alpha, headroom=cc.headroom, step_up_after=cc.step_up_after,
+                            step_up_margin=cc.step_up_margin)
+    bc = BudgetController(controller, default_budget_ms=default, source=source)
+    logger.info("controller: %d operating points from %s, default budget %.0f ms", len(profiles), source, default)
+    return bc

@@ -1,0 +1,446 @@
+"""Build an INT4 engine bundle from a Hugging Face-format LLaVA checkpoint, one block at a time.
+
+Pipeline (:func:`build_bundle`):
+
+1. read ``config.json`` and the safetensors index (nothing loaded), plan every linear layer
+   (:mod:`edgevlm.quantize.plan`) and hand the plan to ``on_plan`` before any quantization;
+2. AWQ only: run the 16-bit vision tower + token embeddings on the calibration samples (images
+   resized to the rungs of the resolution ladder in turn) to get the decoder's input embeddings,
+   and the vision encoder's block inputs when it is quantized too;
+3. for every vision block (``--vision int4``) and every decoder block: read just that block's
+   tensors from the memory-mapped safetensors, build the runtime's own block module
+   (:class:`~edgevlm.runtime.vision.VisionBlock`, :class:`~edgevlm.runtime.decoder.DecoderLayer`),
+   run the calibration activations through it with AWQ observers (the block's float outputs are
+   the next block's inputs, as in AutoAWQ), search/fold/quantize, write its tensors, free it;
+4. copy the remaining tensors (embeddings, norms, projector, ``lm_head``) as 16-bit, the
+   tokenizer and generation files, and ``config.json`` with the bundle's resolution ladder;
+5. export the ONNX artifacts and (where ``tensorrt`` imports) the TensorRT engines;
+6. hash every file into ``manifest.json``.
+
+Peak RAM is one block in float32, the calibration activations, the vision tower (AWQ) and one
+output shard (``max_shard_mb``), not the model. Everything is written into ``<out>.partial`` and
+renamed at the end, so a failed build never leaves a half-written bundle behind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import resource
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from edgevlm.errors import ConfigError, ModelLoadError
+from edgevlm.quantize import awq
+from edgevlm.quantize.api import apply_awq
+from edgevlm.quantize.plan import LayerDecision, LinearInfo, format_plan, plan_layers
+from edgevlm.quantize.shards import CheckpointReader, ShardWriter
+from edgevlm.runtime.bundle import (
+    BundleManifest,
+    CalibrationInfo,
+    SourceInfo,
+    file_entries,
+    is_bundle,
+    sha256_file,
+)
+from edgevlm.runtime.int4 import Int4Linear, _malloc_trim, quantize_int4
+from edgevlm.runtime.loader import ModelFiles, read_model_files
+
+logger = logging.getLogger(__name__)
+
+_WEIGHT_FILES = ("model.safetensors.index.json", "config.json")
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class BuildOptions:
+    """Knobs of :func:`build_bundle` (the CLI flags of ``edgevlm quantize``)."""
+
+    method: str = "awq"  # "awq" | "rtn"
+    group_size: int = 128
+    vision: str = "fp16"  # "int4" | "fp16"
+    lm_head: bool = False  # quantize lm_head (RTN) too
+    keep_dtype: str = "bfloat16"  # dtype of tensors kept 16-bit: "bfloat16" | "float16"
+    calib: str | None = "demo"  # "demo" or a folder (AWQ only)
+    calib_samples: int = 32
+    profile: str | None = None
+    resolution_ladder: list[int] | None = None  # None: the profile's, else the model's own
+    awq_grid: int = 20
+    awq_max_tokens: int = 2048
+    onnx: bool = True
+    tensorrt: bool = True
+    max_shard_mb: float = 64.0  # tensors held in memory before a shard is written (bounds peak RAM)
+    overwrite: bool = False
+
+
+@dataclass
+class BuildResult:
+    bundle_dir: Path
+    manifest: BundleManifest
+    plan_text: str
+    notes: list[str] = field(default_factory=list)
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far, in MB: ``VmHWM`` of ``/proc/self/status`` on
+    Linux (``ru_maxrss`` would include the parent's RSS at fork time, kept across ``exec``), else
+    ``ru_maxrss`` (KiB on Linux, bytes on macOS)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 1024.0 / (1024.0 if sys.platform == "darwin" else 1.0)
+
+
+def list_linears(files: ModelFiles, source: CheckpointReader) -> list[LinearInfo]:
+    """Every ``nn.Linear`` of the runtime's LlavaModel present in the checkpoint, in module order."""
+    from edgevlm.runtime.llava import LlavaModel
+
+    with torch.device("meta"):
+        model = LlavaModel(files.config)
+    out = []
+    for name, m in model.named_modules():
+        key = name + ".weight"
+        if type(m) is nn.Linear and key in source.src_of:
+            out.append(LinearInfo(name, source.src_of[key][: -len(".weight")], m.in_features, m.out_features))
+    return out
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for dist in ("edgevlm", "safetensors", "numpy", "onnx", "onnxruntime", "tensorrt", "tokenizers"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            continue
+    return out
+
+
+def _resolve_ladder(files: ModelFiles, opts: BuildOptions) -> list[int]:
+    if opts.resolution_ladder:
+        return sorted(set(opts.resolution_ladder), reverse=True)
+    if opts.profile:
+        from edgevlm.profile import load_profile
+
+        ladder = load_profile(opts.profile).resolution_ladder_px
+        if ladder:
+            return list(ladder)
+    return sorted(files.config.resolution_ladder, reverse=True)
+
+
+def _check_options(opts: BuildOptions) -> None:
+    if opts.method not in ("awq", "rtn"):
+        raise ConfigError(f"method must be 'awq' or 'rtn', got {opts.method!r}")
+    if opts.group_size not in (32, 64, 128):
+        raise ConfigError(f"group size must be 32, 64 or 128, got {opts.group_size}")
+    if opts.vision not in ("int4", "fp16"):
+        raise ConfigError(f"vision must be 'int4' or 'fp16', got {opts.vision!r}")
+    if opts.keep_dtype not in ("bfloat16", "float16"):
+        raise ConfigError(f"keep dtype must be 'bfloat16' or 'float16', got {opts.keep_dtype!r}")
+    if opts.method == "awq" and not opts.calib:
+        raise ConfigError("AWQ needs calibration data: --calib demo or --calib DIR (images + prompts.txt)")
+    if opts.calib_samples < 1:
+        raise ConfigError(f"calibration samples must be >= 1, got {opts.calib_samples}")
+    if opts.method == "awq" and str(opts.calib) != "demo":
+        from edgevlm.quantize.calib import check_folder
+
+        check_folder(opts.calib)
+
+
+# ------------------------------------------------------------------------------ calibration
+def _calibration_inputs(files: ModelFiles, source: CheckpointReader, opts: BuildOptions, ladder: list[int],
+                        want_vision: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], CalibrationInfo]:
+    """Decoder input embeddings ``[(1, T_i, D)]`` and vision block-0 inputs ``[(1, 1 + N_i, Dv)]``."""
+    from edgevlm.quantize.calib import load_samples
+    from edgevlm.runtime.llava import LlavaModel
+    from edgevlm.runtime.preprocess import CLIP_MEAN, CLIP_STD, preprocess
+    from edgevlm.runtime.tokenizer import VLMTokenizer
+
+    cfg = files.config
+    samples = load_samples(opts.calib, opts.calib_samples)
+    tok = VLMTokenizer.from_dir(files.model_dir, cfg.image_token_id)
+    with torch.device("meta"):
+        model = LlavaModel(cfg)
+    needed = source.names_under("vision_tower.") + ["language_model.embed_tokens.weight"]
+    state = {n: t.float() for n, t in source.read(needed).items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    del state
+    mean, std = files.image_mean or CLIP_MEAN, files.image_std or CLIP_STD
+    dec_inputs, vis_inputs, tokens = [], [], 0
+    with torch.no_grad():
+        for i, s in enumerate(samples):
+            pixels = torch.from_numpy(preprocess(s.image, ladder[i % len(ladder)], cfg.vision.patch_size,
+                                                 mean, std))[None]  # (1, 3, H, W)
+            enc = model.vision_tower.encoder
+            if want_vision:
+                vis_inputs.append(enc.pre_layrnorm(enc.embeddings(pixels)))  # (1, 1 + N, Dv)
+            feats = model.vision_tower(pixels)  # (1, N, D)
+            ids = tok.encode_prompt(s.prompt, feats.shape[1])
+            if s.answer:
+                ids += tok.tok.encode(" " + s.answer, add_special_tokens=False).ids
+            input_ids = torch.tensor([ids])
+            embeds = model.language_model.embed_tokens(input_ids)
+            mask = (input_ids == cfg.image_token_id)[..., None]
+            dec_inputs.append(embeds.masked_scatter(mask, feats))  # (1, T, D)
+            tokens += len(ids)
+    info = CalibrationInfo(source=str(opts.calib), samples=len(samples), tokens=tokens)
+    return dec_inputs, vis_inputs, info
+
+
+# ------------------------------------------------------------------------------ blocks
+def _decoder_runner(files: ModelFiles, max_len: int):
+    from edgevlm.runtime.decoder import rope_tables
+    from edgevlm.runtime.kv_cache import KVCache
+
+    tc = files.config.text
+    cos, sin = rope_tables(tc.head_dim, max_len, tc.rope_theta, "cpu")
+
+    def run(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        block.self_attn.kv_cache = KVCache(1, tc.num_key_value_heads, t, tc.head_dim, dtype=x.dtype, device="cpu")
+        return block(x, cos[:t], sin[:t], torch.arange(t), None)
+
+    return run
+
+
+def _on_meta(cls, cfg) -> nn.Module:
+    with torch.device("meta"):
+        return cls(cfg)
+
+
+def _process_block(block: nn.Module, prefix: str, decisions: dict[str, LayerDecision], source: CheckpointReader,
+                   writer: ShardWriter, opts: BuildOptions, inputs: list[torch.Tensor] | None, run,
+                   keep_dtype: torch.dtype) -> list[torch.Tensor] | None:
+    """Load, (calibrate,) quantize and write one block; returns its float outputs for the next one."""
+    names = source.names_under(prefix)
+    source.written.update(names)
+    state = {n[len(prefix):]: t.float() for n, t in source.read(names).items()}
+    block.load_state_dict(state, strict=True, assign=True)  # block was built on "meta": no second copy
+    del state
+    if any(t.is_meta for t in [*block.parameters(), *block.buffers()]):
+        raise RuntimeError(f"{prefix}: the runtime's block module has state that is not in the checkpoint")
+    block.eval().requires_grad_(False)
+    sizes = {n[len(prefix):]: d.group_size for n, d in decisions.items() if n.startswith(prefix) and d.action == "int4"}
+    outputs = None
+    if opts.method == "awq" and sizes:
+        st = awq.prepare(block, sizes, fold=True, max_rows=opts.awq_max_tokens, seed=0)
+        with torch.no_grad():
+            outputs = [run(block, x) for x in inputs]
+        results = awq.search(block, st, opts.awq_grid)
+        st.remove_hooks()
+        apply_awq(block, st, results)
+        for rel, r in results.items():
+            d = decisions[prefix + rel]
+            where = "none" if r.alpha == 0.0 else ("folded" if r.fold_into else "input_scale")
+            decisions[prefix + rel] = d.model_copy(update=dict(
+                awq_scale=where, awq_alpha=r.alpha, rel_error=r.rel_error, rel_error_rtn=r.rel_error_rtn,
+                awq_fold_into=prefix + r.fold_into if where == "folded" else None))
+    else:
+        if inputs is not None:
+            with torch.no_grad():
+                outputs = [run(block, x) for x in inputs]
+        for rel, g in sizes.items():
+            parent, _, child = rel.rpartition(".")
+            setattr(block.get_submodule(parent), child, Int4Linear.from_linear(block.get_submodule(rel), g))
+    for rel, t in block.state_dict().items():
+        name = prefix + rel
+        is_int4 = rel.endswith((".qweight", ".scales", ".zeros", ".input_scale"))
+        writer.add(source.source_name(name), t if is_int4 or not t.is_floating_point() else t.to(keep_dtype))
+    return outputs
+
+
+def build_bundle(model_dir: str | Path, out_dir: str | Path, opts: BuildOptions | None = None, *,
+                 on_plan: Callable[[str], None] | None = None, progress: Progress | None = None) -> BuildResult:
+    """Quantize the checkpoint in ``model_dir`` into an engine bundle at ``out_dir``.
+
+    Args:
+        on_plan: called with the per-layer plan table before quantization starts.
+        progress: called as ``progress(stage, done, total)``.
+    Raises:
+        ModelLoadError: the model folder is missing, invalid, or already a bundle.
+        ConfigError: bad options, ``out_dir`` exists and is not empty (without ``overwrite``),
+            an unknown profile, or unusable calibration data.
+    """
+    opts = opts or BuildOptions()
+    _check_options(opts)
+    t0 = time.perf_counter()
+    model_dir, out_dir = Path(model_dir).expanduser().resolve(), Path(out_dir).expanduser().resolve()
+    if is_bundle(model_dir):
+        raise ModelLoadError(f"{model_dir} is already an engine bundle; quantize the 16-bit source model")
+    files = read_model_files(model_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not opts.overwrite:
+        raise ConfigError(f"output folder {out_dir} exists and is not empty (choose another --out)")
+    if out_dir == model_dir or model_dir in out_dir.parents:
+        raise ConfigError(f"output folder {out_dir} must not be inside the model folder")
+    cfg = files.config
+    ladder = _resolve_ladder(files, opts)
+    progress = progress or (lambda stage, done, total: None)
+    keep_dtype = getattr(torch, opts.keep_dtype)
+
+    source = CheckpointReader(files)
+    decisions = plan_layers(list_linears(files, source), group_size=opts.group_size, method=opts.method,
+                            vision=opts.vision, lm_head=opts.lm_head)
+    by_name = {d.name: d for d in decisions}
+    for d in decisions:  # lm_head is always round-to-nearest (AWQ is applied per block only)
+        if d.name == "language_model.lm_head" and d.action == "int4":
+            by_name[d.name] = d.model_copy(update=dict(method="rtn", reason=d.reason + "; RTN (no AWQ for lm_head)"))
+    plan_text = format_plan(list(by_name.values()))
+    if on_plan:
+        on_plan(plan_text)
+
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        writer = ShardWriter(partial, int(opts.max_shard_mb * 1024 * 1024))
+        vision_int4 = any(d.action == "int4" and d.name.startswith("vision_tower.encoder.") for d in by_name.values())
+        dec_in = vis_in = None
+        calib_info = CalibrationInfo()
+        if opts.method == "awq":
+            progress("calibrate", 0, 1)
+            dec_in, vis_in, calib_info = _calibration_inputs(files, source, opts, ladder, vision_int4)
+            progress("calibrate", 1, 1)
+        from edgevlm.runtime.decoder import DecoderLayer
+        from edgevlm.runtime.vision import VisionBlock
+
+        n_vis = cfg.vision_blocks_needed if vision_int4 else 0
+        n_dec = cfg.text.num_hidden_layers
+        total = n_vis + n_dec + 1
+        for i in range(n_vis):
+            vis_in = _process_block(_on_meta(VisionBlock, cfg.vision), f"vision_tower.encoder.layers.{i}.", by_name, source,
+                                    writer, opts, vis_in, lambda b, x: b(x), keep_dtype)
+            progress("quantize", i + 1, total)
+        vis_in = None
+        run = _decoder_runner(files, max((x.shape[1] for x in dec_in), default=1)) if dec_in else None
+        for i in range(n_dec):
+            dec_in = _process_block(_on_meta(DecoderLayer, cfg.text), f"language_model.layers.{i}.", by_name, source, writer,
+                                    opts, dec_in, run, keep_dtype)
+            progress("quantize", n_vis + i + 1, total)
+            _malloc_trim()  # hand the freed block buffers back: RSS tracks what is really held
+        dec_in = None
+        for name in [n for n in source.src_of if n not in source.written]:  # embeddings, norms, projector, head
+            t = source.read([name])[name]
+            d = by_name.get(name[: -len(".weight")])
+            if d is not None and d.action == "int4":
+                q = quantize_int4(t.float(), d.group_size)
+                for suffix, v in (("qweight", q.qweight), ("scales", q.scales), ("zeros", q.zeros)):
+                    writer.add(source.source_name(name[: -len("weight")] + suffix), v)
+            else:
+                writer.add(source.src_of[name], t.to(keep_dtype) if t.is_floating_point() else t)
+        weight_names = writer.close()
+        progress("quantize", total, total)
+        notes = _copy_side_files(files, partial, ladder)
+        notes += _build_artifacts(partial, opts, ladder)
+        manifest = _write_manifest(files, partial, opts, by_name, ladder, calib_info, writer, t0, notes, weight_names)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        partial.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return BuildResult(out_dir, manifest, plan_text, notes)
+
+
+# Measured on (and fingerprinted to) the 16-bit weights: not valid for the bundle.
+_NOT_COPIED = ("exits.json", "exits.safetensors", "frontier.json", "frontier.png")
+
+
+def _copy_side_files(files: ModelFiles, out: Path, ladder: list[int]) -> list[str]:
+    """config.json (with the bundle's ladder) and every other top-level file of the source except
+    its weights and :data:`_NOT_COPIED`; returns notes on what was left out."""
+    raw = json.loads(json.dumps(files.raw_config))
+    raw.setdefault("edgevlm", {})["resolution_ladder"] = ladder
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    weights = {p.name for p in files.weight_files}
+    skipped = []
+    for p in sorted(files.model_dir.iterdir()):
+        if not p.is_file() or p.name in _WEIGHT_FILES or p.name in weights or p.suffix in (".bin", ".pt", ".pth"):
+            continue
+        if p.name in _NOT_COPIED:
+            skipped.append(p.name)
+            continue
+        shutil.copy2(p, out / p.name)
+    if skipped:
+        return [f"calibration: {', '.join(skipped)} not copied (measured on the 16-bit weights; "
+                "run `edgevlm calibrate` on the bundle)"]
+    return []
+
+
+def _build_artifacts(out: Path, opts: BuildOptions, ladder: list[int]) -> list[str]:
+    """ONNX and TensorRT artifacts; returns one-line notes for what was not built."""
+    notes = []
+    if opts.onnx:
+        try:
+            from edgevlm.quantize.onnx_export import export_bundle_onnx
+        except ImportError as exc:
+            notes.append(f"onnx: not built ({exc.name} is not installed: pip install 'edgevlm[onnx]')")
+        else:
+            export_bundle_onnx(out, ladder)
+    if opts.tensorrt:
+        from edgevlm.quantize.tensorrt_build import build_tensorrt_engines
+
+        note = build_tensorrt_engines(out, ladder)
+        if note:
+            notes.append(note)
+    return notes
+
+
+def _write_manifest(files: ModelFiles, out: Path, opts: BuildOptions, decisions: dict[str, LayerDecision],
+                    ladder: list[int], calib: CalibrationInfo, writer: ShardWriter, t0: float,
+                    notes: list[str], weight_names: list[str]) -> BundleManifest:
+    src_paths = [files.model_dir / "config.json", *files.weight_files]
+    src_paths += [p for p in sorted(files.model_dir.iterdir()) if p.is_file() and p not in src_paths
+                  and p.suffix in (".json", ".jinja", ".txt", ".model")]
+    src_entries = []
+    for p in src_paths:
+        src_entries.append({"path": p.name, "sha256": sha256_file(p), "size_bytes": p.stat().st_size})
+    digest = "\n".join(f"{e['path']} {e['sha256']}" for e in sorted(src_entries, key=lambda e: e["path"]))
+    import hashlib
+
+    int4_bytes = f16_equiv = 0
+    for d in decisions.values():
+        if d.action == "int4" and d.name.startswith("language_model."):
+            int4_bytes += d.out_features * d.in_features // 2 + 3 * d.out_features * (d.in_features // d.group_size)
+            f16_equiv += 2 * d.out_features * d.in_features
+    dec_bytes = sum(b for n, b in writer.bytes_by_name.items() if "language_model" in n or n.startswith("lm_head"))
+    stats = {
+        "quantize_time_s": time.perf_counter() - t0,
+        "peak_rss_mb": peak_rss_mb(),
+        "decoder_linear_int4_bytes": float(int4_bytes),
+        "decoder_linear_16bit_bytes": float(f16_equiv),
+        "decoder_bytes": float(dec_bytes),
+        "weights_bytes": float(sum(writer.bytes_by_name.values())),
+    }
+    artifacts = {"safetensors": ", ".join(weight_names)}
+    if (out / "onnx").is_dir():
+        artifacts["onnx"] = "onnx/"
+    if (out / "tensorrt").is_dir():
+        artifacts["tensorrt"] = "tensorrt/"
+    for note in notes:
+        backend, _, text = note.partition(": ")
+        artifacts.setdefault(backend, text)
+    manifest = BundleManifest(
+        created_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        source=SourceInfo(path=str(files.model_dir), sha256=hashlib.sha256(digest.encode()).hexdigest(),
+                          files=src_entries),
+        method=opts.method, group_size=opts.group_size, vision=opts.vision, keep_dtype=opts.keep_dtype,
+        layers=list(decisions.values()), resolution_ladder=ladder, patch_size_px=files.config.vision.patch_size,
+        profile=opts.profile, calibration=calib, versions=_versions(), artifacts=artifacts, stats=stats,
+        files=file_entries(out),
+    )
+    (out / "manifest.json").write_text(manifest.model_dump_json(indent=2) + "\n")
+    return manifest

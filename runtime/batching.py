@@ -1,0 +1,267 @@
+"""Dynamic batching: token-budget prefill groups and continuous batching of decode steps.
+
+Several requests share one model and one KV cache with ``max_batch_size`` rows (see
+:class:`~edgevlm.runtime.backends.torch_backend.TorchBackend`). :class:`ContinuousBatcher` runs an
+iteration-level schedule in the style of Orca (Yu et al., "Orca: A Distributed Serving System for
+Transformer-Based Generative Models", OSDI 2022) and vLLM's scheduler:
+
+1. requests whose deadline passed while waiting are answered ``"deadline"`` (never started);
+2. **admission**: the most urgent waiting requests (earliest deadline, then arrival), as many as
+   there are free cache rows, are cut into prefill groups by :func:`plan_prefill_groups` — sorted by
+   total tokens (vision + text) and packed so that ``rows x longest prompt <= token_budget``
+   (1024 by default; a longer prompt runs alone) — and the group holding the most urgent request
+   is admitted: its images go through the vision encoder as one batch per input size, its prompts
+   are prefilled together (right-padded) into the lowest free rows, and its first tokens chosen;
+3. **decode**: one batched decode step for every running request (rows ``0..n-1``, CUDA-graph
+   replay on GPU); finished requests free their rows at once.
+
+Only one prefill group runs per iteration, so a running request's next token is delayed by at most
+one group's prefill (at most ``token_budget`` tokens), and a waiting request is admitted as soon
+as a row is free and it is the most urgent. Sampling is greedy or per-request
+(:class:`~edgevlm.runtime.sampling.SamplingParams`); results are token ids (detokenise with the
+engine's tokenizer).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from edgevlm.errors import InvalidRequestError
+from edgevlm.runtime.sampling import SamplingParams, make_generator, select_token
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TOKEN_BUDGET = 1024
+
+
+def plan_prefill_groups(total_tokens: list[int], token_budget: int = DEFAULT_TOKEN_BUDGET,
+                        max_group_size: int | None = None) -> list[list[int]]:
+    """Group requests for batched prefill.
+
+    Args:
+        total_tokens: prompt length (vision + text tokens) of each request.
+        token_budget: padded tokens per group, ``len(group) * max(lengths in group)``; a request
+            longer than the budget forms a group of its own.
+        max_group_size: cap on requests per group (free cache rows), None = no cap.
+    Returns:
+        groups of request indices, each sorted by total tokens; the groups in increasing length.
+    Raises:
+        ValueError: a non-positive budget, group size or token count.
+    """
+    if token_budget < 1 or (max_group_size is not None and max_group_size < 1):
+        raise ValueError(f"token_budget and max_group_size must be positive, got {token_budget}, {max_group_size}")
+    if any(t < 1 for t in total_tokens):
+        raise ValueError(f"every request needs at least one token, got {total_tokens}")
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    cur_max = 0
+    for i in sorted(range(len(total_tokens)), key=lambda j: (total_tokens[j], j)):
+        t = total_tokens[i]
+        full = max_group_size is not None and len(cur) >= max_group_size
+        if cur and (full or max(cur_max, t) * (len(cur) + 1) > token_budget):
+            groups.append(cur)
+            cur, cur_max = [], 0
+        cur.append(i)
+        cur_max = max(cur_max, t)
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+@dataclass
+class GenerationRequest:
+    """One tokenised request.
+
+    Attributes:
+        input_ids: prompt token ids, with one image placeholder per vision token.
+        pixel_values: ``(1, 3, H, W)`` float32 normalised image, or None (text only).
+        max_new_tokens: generation budget (capped by the KV cache).
+        eos_token_ids: tokens that end the generation (not included in the result).
+        params: sampling knobs; None = greedy.
+        deadline_s: ``clock()`` time after which a request still waiting is answered "deadline".
+        request_id: anything, echoed in the result.
+    """
+
+    input_ids: list[int]
+    pixel_values: torch.Tensor | None = None
+    max_new_tokens: int = 64
+    eos_token_ids: frozenset[int] = frozenset()
+    params: SamplingParams | None = None
+    deadline_s: float | None = None
+    request_id: Any = None
+
+
+@dataclass
+class GenerationResult:
+    """What a request produced. ``finish_reason``: "stop" (EOS), "length" or "deadline";
+    times are ``clock()`` differences in seconds from submission."""
+
+    request_id: Any
+    tokens: list[int]
+    finish_reason: str
+    queue_s: float = 0.0
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    key: int = field(default=0, repr=False)  # id() of the GenerationRequest
+
+
+@dataclass
+class _Running:
+    req: GenerationRequest
+    row: int
+    pos: int  # position the next fed token goes to
+    budget: int
+    submitted_s: float
+    admitted_s: float
+    first_s: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+
+class ContinuousBatcher:
+    """Iteration-level scheduler over a backend with batched entry points (``encode_images``,
+    ``embed``, ``prefill_batch``, ``decode_batch``, ``max_batch_size``, ``max_seq_len``).
+
+    Not thread-safe: one thread calls :meth:`submit`/:meth:`step` (the daemon's inference worker).
+    """
+
+    def __init__(self, backend, *, token_budget: int = DEFAULT_TOKEN_BUDGET,
+                 image_token_id: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        if token_budget < 1:
+            raise ValueError(f"token_budget must be positive, got {token_budget}")
+        self.backend = backend
+        self.token_budget = token_budget
+        self.image_token_id = image_token_id
+        self.clock = clock
+        self._waiting: list[tuple[float, GenerationRequest]] = []  # (submitted_s, request)
+        self._rows: list[_Running | None] = [None] * backend.max_batch_size
+        self.steps = 0
+
+    @property
+    def n_running(self) -> int:
+        return sum(r is not None for r in self._rows)
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self._waiting)
+
+    def submit(self, req: GenerationRequest) -> None:
+        """Queue a request. Raises InvalidRequestError when it cannot fit the KV cache or has no
+        tokens/budget."""
+        n = len(req.input_ids)
+        if n < 1 or n >= self.backend.max_seq_len:
+            raise InvalidRequestError(f"prompt of {n} tokens; the KV cache holds {self.backend.max_seq_len} positions")
+        if req.max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be positive, got {req.max_new_tokens}")
+        self._waiting.append((self.clock(), req))
+
+    def run(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Submit ``requests`` and step until all are done; results in the input order."""
+        for r in requests:
+            self.submit(r)
+        done: dict[int, GenerationResult] = {}
+        while self._waiting or self.n_running:
+            for res in self.step():
+                done[res.key] = res
+        return [done[id(r)] for r in requests]
+
+    # ---- one iteration -------------------------------------------------------------------------
+    def step(self) -> list[GenerationResult]:
+        """One scheduling iteration (expire, admit one prefill group, one decode step); returns
+        the requests that finished in it."""
+        self.steps += 1
+        now = self.clock()
+        finished = self._expire(now)
+        free = [i for i, r in enumerate(self._rows) if r is None]
+        if self._waiting and free:
+            finished += self._admit(free)
+        if self.n_running:
+            finished += self._decode()
+        return finished
+
+    def _expire(self, now: float) -> list[GenerationResult]:
+        out, keep = [], []
+        for sub, req in self._waiting:
+            if req.deadline_s is not None and now > req.deadline_s:
+                out.append(self._result(req, [], "deadline", sub, now, now, now))
+            else:
+                keep.append((sub, req))
+        self._waiting = keep
+        return out
+
+    def _admit(self, free: list[int]) -> list[GenerationResult]:
+        inf = float("inf")
+        urgent = sorted(self._waiting, key=lambda sr: (sr[1].deadline_s if sr[1].deadline_s is not None else inf, sr[0]))
+        cands = urgent[: len(free)]
+        groups = plan_prefill_groups([len(r.input_ids) for _, r in cands], self.token_budget)
+        group = next(g for g in groups if 0 in g)  # the group of the most urgent request
+        chosen = [cands[i] for i in group]
+        chosen_ids = {id(r) for _, r in chosen}
+        self._waiting = [sr for sr in self._waiting if id(sr[1]) not in chosen_ids]
+        be = self.backend
+        now = self.clock()
+        with_images = [i for i, (_, r) in enumerate(chosen) if r.pixel_values is not None]
+        feats = be.encode_images([chosen[i][1].pixel_values for i in with_images]) if with_images else []
+        feat_of = dict(zip(with_images, feats, strict=True))
+        embeds = []
+        for i, (_, r) in enumerate(chosen):
+            ids = torch.tensor([r.input_ids], dtype=torch.long, device=be.device)  # (1, T)
+            embeds.append(be.embed(ids, feat_of.get(i)))
+        rows = free[: len(chosen)]
+        logits = be.prefill_batch(embeds, rows)  # (n, V)
+        for (sub, r), row in zip(chosen, rows, strict=True):
+            n = len(r.input_ids)
+            run = _Running(req=r, row=row, pos=n, budget=min(r.max_new_tokens, be.max_seq_len - n + 1),
+                           submitted_s=sub, admitted_s=now)
+            if r.params is not None and not r.params.greedy:
+                run.generator = make_generator(r.params.seed, logits.device)
+            self._rows[row] = run
+        return self._consume(logits, [self._rows[row] for row in rows], first=True)
+
+    def _decode(self) -> list[GenerationResult]:
+        n = max(i for i, r in enumerate(self._rows) if r is not None) + 1
+        tokens, positions = [0] * n, [0] * n
+        for i in range(n):
+            run = self._rows[i]
+            if run is not None:
+                tokens[i], positions[i] = run.tokens[-1], run.pos
+        logits = self.backend.decode_batch(tokens, positions)  # (n, V)
+        running = [self._rows[i] for i in range(n)]
+        for run in running:
+            if run is not None:
+                run.pos += 1
+        return self._consume(logits, running, first=False)
+
+    def _consume(self, logits: torch.Tensor, runs: list[_Running | None], first: bool) -> list[GenerationResult]:
+        greedy = logits.argmax(dim=-1).tolist()  # one host sync for the whole batch
+        now = self.clock()
+        out = []
+        for i, run in enumerate(runs):
+            if run is None:
+                continue
+            p = run.req.params
+            token = greedy[i] if p is None or p.greedy else select_token(logits[i], p, run.generator)
+            if first:
+                run.first_s = now
+            if token in run.req.eos_token_ids:
+                out.append(self._finish(run, "stop", now))
+                continue
+            run.tokens.append(token)
+            if len(run.tokens) >= run.budget:
+                out.append(self._finish(run, "length", now))
+        return out
+
+    def _finish(self, run: _Running, reason: str, now: float) -> GenerationResult:
+        self._rows[run.row] = None
+        return self._result(run.req, run.tokens, reason, run.submitted_s, run.admitted_s, run.first_s, now)
+
+    @staticmethod
+    def _result(req, tokens, reason, sub, admitted, first, end) -> GenerationResult:
+        return GenerationResult(request_id=req.request_id, tokens=list(tokens), finish_reason=reason,
+                                queue_s=admitted - sub, ttft_s=first - sub, e2e_s=end - sub, key=id(req))

@@ -1,0 +1,291 @@
+"""INT4 engine bundles: the manifest schema, hash verification, and loading into the PyTorch runtime.
+
+A bundle is a directory written by ``edgevlm quantize`` (:mod:`edgevlm.quantize.build`)::
+
+    manifest.json            BundleManifest (this module), format_version 1
+    config.json              the source config, edgevlm.resolution_ladder set to the bundle's ladder
+    model.safetensors        (or model-0000i-of-0000n.safetensors + model.safetensors.index.json)
+                             source key names; INT4 layers as <prefix>.qweight/.scales/.zeros
+                             (+ .input_scale for unfolded AWQ scales) in the canonical layout of
+                             edgevlm.runtime.int4; every other tensor 16-bit
+    tokenizer.json, tokenizer_config.json, generation_config.json, ...   copied from the source
+    onnx/vision.onnx, onnx/decoder.onnx (+ .data)   ONNX artifacts (when built)
+    tensorrt/...             TensorRT engines (only where tensorrt was importable at build time)
+
+Every file except ``manifest.json`` is listed in the manifest with its SHA-256; :func:`verify_bundle`
+recomputes them and raises :class:`~edgevlm.errors.ModelLoadError` naming the first file that is
+missing or differs. :func:`load_bundle_model` is what ``Engine.load`` runs (through
+``edgevlm.runtime.loader.load_model``) when the folder holds a ``manifest.json``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from edgevlm.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
+
+    from edgevlm.runtime.llava import LlavaModel
+    from edgevlm.runtime.loader import ModelFiles
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = "manifest.json"
+BUNDLE_FORMAT = "edgevlm-bundle"
+BUNDLE_FORMAT_VERSION = 1
+INT4_LAYOUT = (
+    "canonical-v1: qweight uint8 (out, in/2), low nibble = even input channel; "
+    "scales float16 (out, in/group_size); zeros uint8 (out, in/group_size); w = (q - zero) * scale"
+)
+# Tensor-name suffixes of INT4 layers; their dtypes are part of the format and never converted.
+INT4_SUFFIXES = (".qweight", ".scales", ".zeros", ".input_scale")
+
+
+class FileEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(description="Path relative to the bundle root, '/'-separated.")
+    sha256: str = Field(description="Hex SHA-256 of the file's bytes.")
+    size_bytes: int = Field(ge=0, description="File size in bytes.")
+
+
+class LayerDecision(BaseModel):
+    """What the quantizer did with one linear layer (printed as the plan before quantizing)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="Module name in the runtime's LlavaModel, e.g. language_model.layers.0.mlp.up_proj.")
+    source_key: str = Field(description="Weight tensor prefix in the source checkpoint (without '.weight').")
+    in_features: int = Field(gt=0, description="Input channels (K).")
+    out_features: int = Field(gt=0, description="Output channels (N).")
+    action: Literal["int4", "keep"] = Field(description="int4 = W4A16 in the bundle; keep = 16-bit weights.")
+    group_size: int | None = Field(None, description="INT4 group size used (None when kept).")
+    method: Literal["rtn", "awq"] | None = Field(None, description="Quantization method (None when kept).")
+    reason: str = Field("", description="Why: requested group size, fallback rule applied, or why it stays 16-bit.")
+    awq_scale: Literal["folded", "input_scale", "none"] | None = Field(
+        None, description="Where the AWQ input-channel scales went: folded into the preceding op, kept as an "
+        "explicit input scale, or none (AWQ chose alpha = 0)."
+    )
+    awq_fold_into: str | None = Field(None, description="Module the AWQ scales were folded into.")
+    awq_alpha: float | None = Field(None, description="Chosen AWQ exponent alpha (s = mean|x|^alpha).")
+    rel_error_rtn: float | None = Field(None, description="Relative output MSE of RTN on calibration inputs.")
+    rel_error: float | None = Field(None, description="Relative output MSE of the stored layer on calibration inputs.")
+
+
+class SourceInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(description="Source model folder as given on the command line (absolute).")
+    sha256: str = Field(description="SHA-256 over the sorted 'path sha256' lines of the source files below.")
+    files: list[FileEntry] = Field(description="Source files read (config, weights, tokenizer files).")
+
+
+class CalibrationInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    source: str | None = Field(None, description="'demo', a folder path, or None (RTN needs no calibration).")
+    samples: int = Field(0, ge=0, description="Calibration (image, prompt) pairs run.")
+    tokens: int = Field(0, ge=0, description="Decoder tokens seen per layer (before subsampling).")
+
+
+class BundleManifest(BaseModel):
+    """``manifest.json`` of an engine bundle (format_version 1)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["edgevlm-bundle"] = Field(BUNDLE_FORMAT, description="Magic string.")
+    format_version: Literal[1] = Field(BUNDLE_FORMAT_VERSION, description="Bundle format version.")
+    created_utc: str = Field(description="ISO 8601 creation time (UTC).")
+    source: SourceInfo = Field(description="The 16-bit model the bundle was built from.")
+    scheme: Literal["W4A16"] = Field("W4A16", description="Weight/activation scheme.")
+    method: Literal["rtn", "awq"] = Field(description="Quantization method.")
+    group_size: Literal[32, 64, 128] = Field(description="Requested INT4 group size (per-layer fallbacks in layers).")
+    int4_layout: str = Field(INT4_LAYOUT, description="Storage layout of INT4 tensors.")
+    vision: Literal["int4", "fp16"] = Field(description="Whether the vision encoder's linears are INT4.")
+    keep_dtype: Literal["bfloat16", "float16"] = Field(description="dtype of the tensors kept 16-bit.")
+    layers: list[LayerDecision] = Field(description="Per-layer decisions, in module order.")
+    resolution_ladder: list[int] = Field(description="Resolution ladder (longer side, px), largest first.")
+    patch_size_px: int = Field(gt=0, description="Vision patch size; ladder rungs are rounded to it.")
+    profile: str | None = Field(None, description="Target device profile name (profiles/<name>.yaml).")
+    calibration: CalibrationInfo = Field(default_factory=CalibrationInfo, description="Calibration data used.")
+    versions: dict[str, str] = Field(description="Tool and library versions (edgevlm, torch, python, ...).")
+    artifacts: dict[str, str] = Field(
+        default_factory=dict, description="Backend -> artifact folder, or a one-line note why it was not built."
+    )
+    stats: dict[str, float] = Field(default_factory=dict, description="Build measurements (time, peak RAM, bytes).")
+    files: list[FileEntry] = Field(description="Every file of the bundle except manifest.json, with SHA-256.")
+
+
+def sha256_file(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
+    """Hex SHA-256 of a file, read in ``chunk_bytes`` chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk_bytes):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_entries(root: str | Path, *, exclude: tuple[str, ...] = (MANIFEST_NAME,)) -> list[FileEntry]:
+    """SHA-256 entries of every regular file under ``root`` (sorted, ``exclude`` left out)."""
+    root = Path(root)
+    out = []
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if p.is_file() and rel not in exclude:
+            out.append(FileEntry(path=rel, sha256=sha256_file(p), size_bytes=p.stat().st_size))
+    return out
+
+
+def is_bundle(model_dir: str | Path) -> bool:
+    """Whether ``model_dir`` is an engine bundle (holds ``manifest.json``)."""
+    return (Path(model_dir) / MANIFEST_NAME).is_file()
+
+
+def read_manifest(bundle_dir: str | Path) -> BundleManifest:
+    """Parse ``manifest.json`` (no hash check). Raises ModelLoadError if missing, not JSON, or invalid."""
+    path = Path(bundle_dir) / MANIFEST_NAME
+    if not path.is_file():
+        raise ModelLoadError(f"{bundle_dir} is not an engine bundle (no {MANIFEST_NAME})")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path}: not valid JSON ({exc})") from exc
+    if isinstance(raw, dict) and raw.get("format_version") not in (None, BUNDLE_FORMAT_VERSION):
+        raise ModelLoadError(
+            f"{path}: bundle format_version {raw.get('format_version')!r} is not supported by this edgevlm "
+            f"(supports {BUNDLE_FORMAT_VERSION}); rebuild the bundle with this version's `edgevlm quantize`"
+        )
+    try:
+        return BundleManifest.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"]) or "<root>"
+        raise ModelLoadError(f"{path}: {loc}: {first['msg']}") from None
+
+
+def verify_bundle(bundle_dir: str | Path) -> BundleManifest:
+    """Read the manifest and check every listed file's size and SHA-256.
+
+    Raises:
+        ModelLoadError: bad manifest, a listed file missing, or a size/hash mismatch; the message
+            names the file.
+    """
+    root = Path(bundle_dir)
+    manifest = read_manifest(root)
+    for entry in manifest.files:
+        path = root / entry.path
+        if ".." in Path(entry.path).parts or Path(entry.path).is_absolute():
+            raise ModelLoadError(f"{root / MANIFEST_NAME}: file path {entry.path!r} leaves the bundle")
+        if not path.is_file():
+            raise ModelLoadError(f"bundle {root}: file {entry.path} listed in {MANIFEST_NAME} is missing")
+        if path.stat().st_size != entry.size_bytes or sha256_file(path) != entry.sha256:
+            raise ModelLoadError(
+                f"bundle {root}: file {entry.path} does not match its SHA-256 in {MANIFEST_NAME} "
+                "(corrupted or modified; rebuild or re-copy the bundle)"
+            )
+    listed = {e.path for e in manifest.files} | {MANIFEST_NAME}
+    extra = [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()]
+    extra = [p for p in extra if p not in listed]
+    if extra:
+        logger.warning("bundle %s: files not listed in the manifest are ignored: %s", root, ", ".join(extra[:5]))
+    return manifest
+
+
+def swap_int4_layers(model: torch.nn.Module, manifest: BundleManifest, *, device=None, dtype=None) -> int:
+    """Replace every ``nn.Linear`` the manifest marks ``int4`` with an empty :class:`Int4Linear`
+    (on ``device``, bias in ``dtype``). Returns the number replaced.
+
+    Raises ModelLoadError when a layer named in the manifest is not an ``nn.Linear`` of that shape.
+    """
+    from torch import nn
+
+    from edgevlm.runtime.int4 import Int4Linear
+
+    count = 0
+    for d in manifest.layers:
+        if d.action != "int4":
+            continue
+        parent_name, _, child = d.name.rpartition(".")
+        try:
+            parent = model.get_submodule(parent_name) if parent_name else model
+            old = getattr(parent, child)
+        except AttributeError as exc:
+            raise ModelLoadError(f"{MANIFEST_NAME}: layer {d.name} does not exist in the model") from exc
+        if not isinstance(old, nn.Linear) or (old.in_features, old.out_features) != (d.in_features, d.out_features):
+            raise ModelLoadError(f"{MANIFEST_NAME}: layer {d.name} is not a Linear({d.in_features}, {d.out_features})")
+        new = Int4Linear(
+            d.in_features, d.out_features, old.bias is not None, d.group_size or manifest.group_size,
+            has_input_scale=d.awq_scale == "input_scale", device=device or old.weight.device,
+            dtype=dtype or old.weight.dtype,
+        )
+        setattr(parent, child, new)
+        count += 1
+    return count
+
+
+def load_bundle_model(files: ModelFiles, *, device: torch.device, dtype: torch.dtype, max_seq_len: int,
+                      max_batch_size: int = 1) -> LlavaModel:
+    """Verify a bundle and build its :class:`LlavaModel` with :class:`Int4Linear` layers.
+
+    INT4 tensors keep their stored dtypes (uint8 codes/zeros, fp16 scales, fp32 input scales);
+    other floating tensors are converted to ``dtype``.
+
+    Raises:
+        ModelLoadError: hash mismatch (names the file), bad manifest, or missing/unexpected tensors.
+    """
+    import torch
+    from safetensors import safe_open
+
+    from edgevlm.runtime.llava import LlavaModel
+    from edgevlm.runtime.loader import canonical_key
+
+    manifest = verify_bundle(files.model_dir)
+    cfg = files.config
+    with torch.device("meta"):
+        model = LlavaModel(cfg)
+    n_int4 = swap_int4_layers(model, manifest, device="meta", dtype=dtype)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        expected.pop("language_model.lm_head.weight", None)
+    state: dict[str, torch.Tensor] = {}
+    for path in files.weight_files:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    name = canonical_key(key, cfg)
+                    if name is None:
+                        continue
+                    if name not in expected:
+                        raise ModelLoadError(f"{path.name}: tensor {key} does not belong to the bundle's model")
+                    t = f.get_tensor(key)
+                    if tuple(t.shape) != expected[name]:
+                        raise ModelLoadError(f"{path.name}: tensor {key} has shape {tuple(t.shape)}, "
+                                             f"expected {expected[name]}")
+                    keep = name.endswith(INT4_SUFFIXES) or not t.is_floating_point()
+                    state[name] = t.to(device=device, dtype=t.dtype if keep else dtype)
+        except ModelLoadError:
+            raise
+        except Exception as exc:  # safetensors' own error types for corrupt files
+            raise ModelLoadError(f"{path}: cannot read safetensors file ({exc})") from exc
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ModelLoadError(f"bundle {files.model_dir} is missing tensor(s): {', '.join(missing[:5])}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.language_model.lm_head.weight = model.language_model.embed_tokens.weight
+    model.eval().requires_grad_(False)
+    model.setup_caches(max_batch_size, max_seq_len)
+    from edgevlm.runtime.int4 import prepare_int4_kernels
+
+    n_packed = prepare_int4_kernels(model)
+    logger.info("loaded bundle %s: %d INT4 layers (%s, group_size %d; %d with int4 kernels), %s on %s",
+                files.model_dir, n_int4, manifest.method, manifest.group_size, n_packed, dtype, device)
+    return model

@@ -1,0 +1,388 @@
+"""Exit heads of the vision encoder: early exit with a confidence estimate, and closed-set labels.
+
+At each exit point (after vision block ``k``) a calibrated model carries three small heads, trained
+offline by :mod:`edgevlm.runtime.calibrate` (distillation from the full encoder on calibration
+data, in the spirit of DeeBERT / BERxiT-style early exit — Xin et al., ACL 2020 / EACL 2021 — with
+the exit head mapping into the *frozen* projector's input space instead of a task output):
+
+- **adapter** ``(B, T, D) -> (B, T, F)``: maps block ``k``'s hidden states to the features the
+  projector expects (``F = D * len(vision_feature_layer)``). Optionally first one narrow pre-LN
+  self-attention layer ``x + o(attn(q, k, v of LN(x)))`` with ``attn_dim`` < D inner channels (the
+  cross-patch mixing the skipped blocks would have done, at a fraction of a block's cost), then
+  ``skip(x) + fc2(gelu(fc1(LN(x))))``; initialised to the identity (``o`` and ``fc2`` zero,
+  ``skip`` = I), so training starts from the residual stream at block ``k``.
+- **confidence** ``(B, T, D) -> (B,)`` in [0, 1]: the predicted probability that the decoder's
+  answer from the adapted features equals its answer from the full encoder (trained on
+  calibration pairs where both answers were compared). The encoder stops at the first exit point
+  whose confidence reaches the operating point's ``exit_threshold``.
+- **classifier** ``(B, T, D) -> (B, L)`` logits of L closed-set binary labels (for the demo
+  model: colours, shapes, sizes, halves and colour-shape pairs present), used by daemon monitors.
+  A classifier may also sit on the last block (``classifier_blocks`` lists where).
+
+Pooled heads (confidence, classifier) see ``[mean(LN(patches)), max(LN(patches)), LN(CLS),
+max(LN(patches)) of each image quadrant, s]`` where ``s = sqrt(N) / grid_side`` tells them the
+input resolution; the quadrant maxima keep where things are (left/right, top/bottom labels).
+
+Files (beside the model or inside an engine bundle; safetensors and JSON only)::
+
+    exits.safetensors   adapters.<k>.*, confidence.<k>.*, classifiers.<k>.*   (float16)
+    exits.json          ExitsSpec: format, dims, exit blocks, labels, calibration record, metrics
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from torch import nn
+
+from edgevlm.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+EXITS_WEIGHTS = "exits.safetensors"
+EXITS_JSON = "exits.json"
+EXITS_FORMAT = "edgevlm-exits"
+EXITS_FORMAT_VERSION = 1
+
+
+class ThresholdRow(BaseModel):
+    """Held-out behaviour of one exit point at one confidence threshold."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    threshold: float = Field(ge=0.0, le=1.0, description="Confidence threshold.")
+    exit_rate: float = Field(ge=0.0, le=1.0, description="Fraction of inputs that exit here.")
+    agreement: float = Field(
+        ge=0.0, le=1.0, description="Fraction of answers equal to the full encoder's (exited or not)."
+    )
+
+
+class ExitMetrics(BaseModel):
+    """Calibration measurements of one exit point (held-out calibration pairs)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    feature_cosine: float = Field(description="Mean cosine between adapted and full features.")
+    forced_agreement: float = Field(description="Answers unchanged when always exiting here.")
+    thresholds: list[ThresholdRow] = Field(default_factory=list, description="Threshold sweep.")
+
+
+class ExitsSpec(BaseModel):
+    """``exits.json``: what the heads expect and how they were made."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["edgevlm-exits"] = Field(EXITS_FORMAT, description="Magic string.")
+    format_version: Literal[1] = Field(EXITS_FORMAT_VERSION, description="Format version.")
+    vision_hidden_size: int = Field(gt=0, description="Hidden size D of the vision encoder.")
+    vision_blocks: int = Field(gt=0, description="Vision blocks the full encoder runs.")
+    grid_side: int = Field(gt=0, description="Patches per side of the trained position grid.")
+    feature_dim: int = Field(gt=0, description="Projector input size F (D x selected layers).")
+    layer_norm_eps: float = Field(1e-5, gt=0, description="LayerNorm epsilon of the heads.")
+    exit_blocks: list[int] = Field(description="Blocks after which an exit is possible, ascending.")
+    adapter_hidden: int = Field(gt=0, description="Hidden width of each adapter MLP.")
+    adapter_attn_dim: int = Field(0, ge=0, description="Inner width of the adapter's attention layer (0 = none).")
+    adapter_attn_heads: int = Field(4, gt=0, description="Heads of the adapter's attention layer.")
+    adapter_blocks: int = Field(
+        0, ge=0, description="Full ViT blocks at the start of each adapter (initialised from the encoder's last ones)."
+    )
+    head_hidden: int = Field(gt=0, description="Hidden width of the pooled heads.")
+    labels: list[str] = Field(default_factory=list, description="Closed-set label names of the classifiers.")
+    classifier_blocks: list[int] = Field(default_factory=list, description="Blocks carrying a classifier.")
+    weights_fingerprint: str = Field(
+        "", description="weights_fingerprint() of the model the heads were trained on ('' = not checked)."
+    )
+    calibration: dict[str, Any] = Field(default_factory=dict, description="Data, steps, seed, time, source.")
+    exit_metrics: dict[str, ExitMetrics] = Field(default_factory=dict, description="Per exit block.")
+    classifier_accuracy: dict[str, float] = Field(
+        default_factory=dict, description="Per classifier block: held-out mean per-label accuracy."
+    )
+    classifier_balanced_accuracy: dict[str, float] = Field(
+        default_factory=dict,
+        description="Per classifier block: held-out balanced accuracy ((TPR + TNR) / 2), mean over labels.",
+    )
+
+
+class Adapter(nn.Module):
+    """Exit-block hidden states -> projector input features (see the module doc)."""
+
+    def __init__(self, dim: int, hidden: int, out_dim: int, eps: float, attn_dim: int = 0,
+                 attn_heads: int = 4, vision_cfg=None, n_blocks: int = 0) -> None:
+        super().__init__()
+        self.attn_dim, self.attn_heads = attn_dim, attn_heads
+        if n_blocks:
+            from edgevlm.runtime.vision import VisionBlock
+
+            self.blocks = nn.ModuleList([VisionBlock(vision_cfg) for _ in range(n_blocks)])
+        if attn_dim:
+            self.attn_norm = nn.LayerNorm(dim, eps=eps)
+            self.qkv = nn.Linear(dim, 3 * attn_dim)
+            self.o = nn.Linear(attn_dim, dim)
+        self.norm = nn.LayerNorm(dim, eps=eps)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, out_dim)
+        self.skip = nn.Linear(dim, out_dim)
+
+    def reset_to_identity(self) -> None:
+        """``skip`` = identity (tiled when F is a multiple of D), ``fc2`` = ``o`` = 0: output starts as x."""
+        with torch.no_grad():
+            d, f = self.skip.in_features, self.skip.out_features
+            eye = torch.eye(d).repeat(math.ceil(f / d), 1)[:f]  # (F, D)
+            self.skip.weight.copy_(eye)
+            self.skip.bias.zero_()
+            self.fc2.weight.zero_()
+            self.fc2.bias.zero_()
+            if self.attn_dim:
+                self.o.weight.zero_()
+                self.o.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for blk in getattr(self, "blocks", ()):
+            x = blk(x)  # (B, T, D): full ViT blocks, initialised from the encoder's last blocks
+        if self.attn_dim:
+            b, t, _ = x.shape
+            hd = self.attn_dim // self.attn_heads
+            q, k, v = self.qkv(self.attn_norm(x)).view(b, t, 3, self.attn_heads, hd).permute(2, 0, 3, 1, 4)
+            y = F.scaled_dot_product_attention(q, k, v)  # (B, H, T, hd)
+            x = x + self.o(y.transpose(1, 2).reshape(b, t, self.attn_dim))  # (B, T, D)
+        return self.skip(x) + self.fc2(F.gelu(self.fc1(self.norm(x))))  # (B, T, F)
+
+
+class PooledHead(nn.Module):
+    """Token-pooled MLP: ``[mean, max over LN(patches), LN(CLS), quadrant maxima, sqrt(N)/grid_side]
+    -> n_out``."""
+
+    def __init__(self, dim: int, hidden: int, n_out: int, grid_side: int, eps: float) -> None:
+        super().__init__()
+        self.grid_side = grid_side
+        self.norm = nn.LayerNorm(dim, eps=eps)
+        self.fc1 = nn.Linear(7 * dim + 1, hidden)
+        self.fc2 = nn.Linear(hidden, n_out)
+
+    def pool(self, x: torch.Tensor, grid_hw: tuple[int, int]) -> torch.Tensor:
+        """``(B, 1 + h*w, D)`` (CLS first, patches in raster order of the ``grid_hw = (h, w)``
+        patch grid) -> ``(B, 7D + 1)``."""
+        b, n, d = x.shape[0], x.shape[1] - 1, x.shape[2]
+        gh, gw = grid_hw
+        if gh * gw != n:
+            raise ValueError(f"{n} patch tokens do not form a {gh}x{gw} grid")
+        h = self.norm(x)
+        patches = h[:, 1:]  # (B, N, D)
+        grid = patches.reshape(b, gh, gw, d)
+        rh, rw = max(1, (gh + 1) // 2), max(1, (gw + 1) // 2)
+        quads = [grid[:, r0:r1, c0:c1].amax(dim=(1, 2))  # (B, D) each: TL, TR, BL, BR
+                 for r0, r1 in ((0, rh), (gh - rh, gh)) for c0, c1 in ((0, rw), (gw - rw, gw))]
+        scale = math.sqrt(n) / self.grid_side
+        s = torch.full((b, 1), scale, dtype=h.dtype, device=h.device)
+        return torch.cat([patches.mean(dim=1), patches.amax(dim=1), h[:, 0], *quads, s], dim=-1)
+
+    def forward(self, x: torch.Tensor, grid_hw: tuple[int, int]) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(self.pool(x, grid_hw))))  # (B, n_out)
+
+
+class ExitHeads(nn.Module):
+    """All exit heads of one model (see the module doc). Build from an :class:`ExitsSpec`."""
+
+    def __init__(self, spec: ExitsSpec, vision_cfg=None) -> None:
+        super().__init__()
+        if spec.adapter_blocks and vision_cfg is None:
+            raise ValueError("adapters with ViT blocks need the model's vision config")
+        self.spec = spec
+        d, eps, g = spec.vision_hidden_size, spec.layer_norm_eps, spec.grid_side
+        self.adapters = nn.ModuleDict({
+            str(b): Adapter(d, spec.adapter_hidden, spec.feature_dim, eps, spec.adapter_attn_dim,
+                            spec.adapter_attn_heads, vision_cfg, spec.adapter_blocks)
+            for b in spec.exit_blocks
+        })
+        self.confidence = nn.ModuleDict({str(b): PooledHead(d, spec.head_hidden, 1, g, eps) for b in spec.exit_blocks})
+        n_labels = len(spec.labels)
+        self.classifiers = nn.ModuleDict(
+            {str(b): PooledHead(d, spec.head_hidden, n_labels, g, eps) for b in spec.classifier_blocks}
+            if n_labels
+            else {}
+        )
+
+    @property
+    def exit_blocks(self) -> list[int]:
+        return list(self.spec.exit_blocks)
+
+    @property
+    def labels(self) -> list[str]:
+        return list(self.spec.labels)
+
+    def adapt(self, block: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Block ``block``'s hidden states ``(B, T, D)`` -> projector input ``(B, T, F)``."""
+        return self.adapters[str(block)](hidden)
+
+    def confidence_at(self, block: int, hidden: torch.Tensor, grid_hw: tuple[int, int]) -> torch.Tensor:
+        """``(B, 1 + h*w, D)`` -> ``(B,)`` float32 probability that the answer stays the same."""
+        return torch.sigmoid(self.confidence[str(block)](hidden, grid_hw)[:, 0].float())
+
+    def classify(self, block: int, hidden: torch.Tensor, grid_hw: tuple[int, int]) -> torch.Tensor:
+        """``(B, 1 + h*w, D)`` -> ``(B, L)`` float32 label probabilities (independent sigmoids)."""
+        if str(block) not in self.classifiers:
+            raise KeyError(f"no classifier at block {block} (have {self.spec.classifier_blocks})")
+        return torch.sigmoid(self.classifiers[str(block)](hidden, grid_hw).float())
+
+
+def make_spec(cfg, *, exit_blocks: list[int], labels: list[str], adapter_hidden: int | None = None,
+              head_hidden: int = 128, classifier_blocks: list[int] | None = None, adapter_attn_dim: int = 0,
+              adapter_attn_heads: int = 4, adapter_blocks: int = 0) -> ExitsSpec:
+    """An :class:`ExitsSpec` for a :class:`~edgevlm.runtime.config.LlavaConfig`.
+
+    Raises:
+        ValueError: exit blocks not ascending, not in ``1..vision_blocks-1``; an attention width
+            that is not a multiple of the heads.
+    """
+    if adapter_attn_dim % adapter_attn_heads:
+        raise ValueError(f"adapter_attn_dim {adapter_attn_dim} is not a multiple of {adapter_attn_heads} heads")
+    n = cfg.vision_blocks_needed
+    blocks = sorted(set(exit_blocks))
+    if not blocks or blocks != list(exit_blocks) or blocks[0] < 1 or blocks[-1] >= n:
+        raise ValueError(f"exit blocks must be ascending, distinct, within 1..{n - 1}; got {exit_blocks}")
+    d = cfg.vision.hidden_size
+    if classifier_blocks is None:
+        classifier_blocks = blocks + [n]
+    return ExitsSpec(
+        vision_hidden_size=d,
+        vision_blocks=n,
+        grid_side=cfg.vision.grid_side,
+        feature_dim=d * len(cfg.vision_feature_layer),
+        layer_norm_eps=cfg.vision.layer_norm_eps,
+        exit_blocks=blocks,
+        adapter_hidden=adapter_hidden or d,
+        adapter_attn_dim=adapter_attn_dim,
+        adapter_attn_heads=adapter_attn_heads,
+        adapter_blocks=adapter_blocks,
+        head_hidden=head_hidden,
+        labels=list(labels),
+        classifier_blocks=sorted(set(classifier_blocks)) if labels else [],
+    )
+
+
+def weights_fingerprint(model_dir: str | Path) -> str:
+    """A cheap identity of a model's weights: SHA-256 over each safetensors file's size and its
+    first and last MiB (header and tensor data), so heads are never used with retrained weights.
+
+    Raises ModelLoadError when the folder has no weights."""
+    import hashlib
+
+    from edgevlm.runtime.loader import weight_files
+
+    h = hashlib.sha256()
+    for path in weight_files(Path(model_dir)):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}:".encode())
+        with open(path, "rb") as f:
+            h.update(f.read(1 << 20))
+            if size > 2 << 20:
+                f.seek(size - (1 << 20))
+                h.update(f.read())
+    return h.hexdigest()
+
+
+def has_exit_heads(model_dir: str | Path) -> bool:
+    """Whether ``model_dir`` holds ``exits.json``."""
+    return (Path(model_dir) / EXITS_JSON).is_file()
+
+
+def read_spec(model_dir: str | Path) -> ExitsSpec:
+    """Parse ``exits.json``. Raises ModelLoadError (missing, not JSON, invalid: names the key)."""
+    path = Path(model_dir) / EXITS_JSON
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path} not found (run `edgevlm calibrate` on the model)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path}: not valid JSON ({exc})") from None
+    try:
+        return ExitsSpec.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"]) or "<root>"
+        msg = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
+        raise ModelLoadError(f"{path}: {loc}: {msg}") from None
+
+
+def load_exit_heads(model_dir: str | Path, cfg, *, device: torch.device | str = "cpu",
+                    dtype: torch.dtype = torch.float32) -> ExitHeads | None:
+    """Load the exit heads of ``model_dir`` for a model with config ``cfg``; None without
+    ``exits.json``, and None (logged as an error) when they were calibrated for other weights
+    (``weights_fingerprint``), so a retrained model still loads, without early exit.
+
+    Raises:
+        ModelLoadError: invalid JSON/spec, heads made for another architecture (dims or block
+            counts differ), or missing/extra/misshapen tensors in ``exits.safetensors``.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    model_dir = Path(model_dir)
+    if not has_exit_heads(model_dir):
+        return None
+    spec = read_spec(model_dir)
+    want = {
+        "vision_hidden_size": cfg.vision.hidden_size,
+        "vision_blocks": cfg.vision_blocks_needed,
+        "feature_dim": cfg.vision.hidden_size * len(cfg.vision_feature_layer),
+        "grid_side": cfg.vision.grid_side,
+    }
+    for key, value in want.items():
+        if getattr(spec, key) != value:
+            raise ModelLoadError(
+                f"{model_dir / EXITS_JSON}: {key} is {getattr(spec, key)} but the model has {value} "
+                "(exit heads of another model; rerun `edgevlm calibrate`)"
+            )
+    if any(not 1 <= b < spec.vision_blocks for b in spec.exit_blocks) or spec.exit_blocks != sorted(
+        set(spec.exit_blocks)
+    ):
+        raise ModelLoadError(f"{model_dir / EXITS_JSON}: exit_blocks {spec.exit_blocks} out of range or unsorted")
+    if any(not 1 <= b <= spec.vision_blocks for b in spec.classifier_blocks):
+        raise ModelLoadError(f"{model_dir / EXITS_JSON}: classifier_blocks {spec.classifier_blocks} out of range")
+    if spec.weights_fingerprint and spec.weights_fingerprint != weights_fingerprint(model_dir):
+        logger.error("%s: the exit heads were calibrated for other weights than %s's (retrained or replaced): "
+                     "not used; rerun `edgevlm calibrate`", model_dir / EXITS_JSON, model_dir)
+        return None
+    heads = ExitHeads(spec, cfg.vision)
+    expected = {k: tuple(v.shape) for k, v in heads.state_dict().items()}
+    path = model_dir / EXITS_WEIGHTS
+    state: dict[str, torch.Tensor] = {}
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key not in expected:
+                    raise ModelLoadError(f"{path}: unexpected tensor {key}")
+                t = f.get_tensor(key)
+                if tuple(t.shape) != expected[key]:
+                    raise ModelLoadError(f"{path}: {key} has shape {tuple(t.shape)}, expected {expected[key]}")
+                state[key] = t
+    except (OSError, SafetensorError) as exc:
+        raise ModelLoadError(f"{path}: cannot read exit heads ({exc})") from None
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ModelLoadError(f"{path}: missing tensors {', '.join(missing[:4])}")
+    heads.load_state_dict(state)
+    heads.to(device=device, dtype=dtype).eval()
+    logger.info("exit heads: blocks %s, %d labels (%s)", spec.exit_blocks, len(spec.labels), model_dir)
+    return heads
+
+
+def save_exit_heads(heads: ExitHeads, out_dir: str | Path, *, dtype: torch.dtype = torch.float16) -> tuple[Path, Path]:
+    """Write ``exits.safetensors`` (``dtype``, float16 by default: half the bytes, and the heads
+    run in the model's dtype anyway) and ``exits.json`` into ``out_dir``; returns both paths."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in heads.state_dict().items()}
+    weights = out / EXITS_WEIGHTS
+    save_file(tensors, str(weights), metadata={"format": EXITS_FORMAT})
+    spec_path = out / EXITS_JSON
+    spec_path.write_text(heads.spec.model_dump_json(indent=2) + "\n")
+    return weights, spec_path

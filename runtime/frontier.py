@@ -1,0 +1,256 @@
+"""Operating points: measure a knob grid, keep the Pareto frontier, print it, plot it, store it.
+
+    python -m edgevlm.runtime.frontier MODEL [--n 90] [--profile cpu] [--rungs 384 256 ...]
+        [--thresholds 0.9 0.75] [--keep-ratios 1 0.5] [--caps 16] [--out DIR] [--device cpu]
+
+(``edgevlm calibrate`` runs it after training the exit heads.) For every grid point — resolution
+rung x exit threshold (None = full depth) x keep ratio — the engine answers the demo evaluation set
+(:func:`edgevlm.runtime.demo.scenes.eval_set`, greedy, exact match) and the per-stage times of
+:class:`~edgevlm.types.Stats` are recorded (medians). Token caps need no extra runs: under a cap
+``c`` an answer of ``m`` text tokens is unchanged if ``m <= c`` and truncated (wrong) otherwise,
+and decoding stops after ``min(n, c)`` tokens. A point's latency for the frontier is the mean
+e2e over the set: ``vision + prefill + (min(n, c) - 1) * tpot`` per item.
+
+The Pareto frontier keeps every point that no other point beats on both accuracy (higher) and
+latency (lower). Output: a table on stdout, ``frontier.json`` (:class:`edgevlm.profile.FrontierFile`,
+what :func:`point_profiles` turns into the controller's :class:`~edgevlm.runtime.policy.PointProfile`
+list) and ``frontier.png`` (accuracy against latency, every point grey, the frontier in blue).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import logging
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from edgevlm.profile import FrontierFile, FrontierPoint
+
+logger = logging.getLogger(__name__)
+
+FRONTIER_JSON = "frontier.json"
+FRONTIER_PNG = "frontier.png"
+EVAL_SEED = 1000
+MAX_NEW_TOKENS = 24
+
+
+def point_name(rung: int | None, threshold: float | None, keep: float | None, cap: int | None) -> str:
+    """``r256-x0.75-k0.5-t16``: rung, exit threshold, keep ratio, token cap (parts left out when off)."""
+    name = f"r{rung}" if rung else "native"
+    if threshold is not None:
+        name += f"-x{threshold:g}"
+    if keep is not None and keep < 1.0:
+        name += f"-k{keep:g}"
+    if cap is not None:
+        name += f"-t{cap}"
+    return name
+
+
+def measure_point(engine, items, *, rung: int | None, threshold: float | None, keep: float | None,
+                  caps: list[int | None]) -> list[FrontierPoint]:
+    """Run ``items`` at one (rung, threshold, keep) setting; one :class:`FrontierPoint` per cap."""
+    from edgevlm.types import OperatingPoint
+
+    op = OperatingPoint(name=point_name(rung, threshold, keep, None), resolution_px=rung,
+                        exit_threshold=threshold, keep_ratio=keep if keep is not None and keep < 1.0 else None)
+    rows = []
+    for it in items:
+        a = engine.ask(it.image, it.qa.question, max_new_tokens=MAX_NEW_TOKENS, operating_point=op)
+        s = a.stats
+        text_tokens = s.new_tokens - (1 if s.finish_reason == "stop" else 0)
+        rows.append((a.text.strip() == it.qa.answer, s.new_tokens, text_tokens, s.vision_ms, s.prefill_ms,
+                     s.tpot_ms, s.exit_layer is not None))
+    vision = statistics.median(r[3] for r in rows)
+    prefill = statistics.median(r[4] for r in rows)
+    tpots = [r[5] for r in rows if r[1] > 1]
+    tpot = statistics.median(tpots) if tpots else 0.0
+    exit_rate = sum(r[6] for r in rows) / len(rows)
+    out = []
+    for cap in caps:
+        correct = [ok and (cap is None or m <= cap) for ok, _, m, *_ in rows]
+        n_tok = [min(n, cap) if cap else n for _, n, *_ in rows]
+        e2e = statistics.fmean(vision + prefill + max(0, n - 1) * tpot for n in n_tok)
+        out.append(FrontierPoint(
+            name=point_name(rung, threshold, keep, cap), resolution_px=rung, exit_threshold=threshold,
+            keep_ratio=keep if keep is not None and keep < 1.0 else None, max_new_tokens=cap,
+            accuracy=round(sum(correct) / len(correct), 5), vision_ms=round(vision, 3),
+            prefill_ms=round(prefill, 3), tpot_ms=round(tpot, 3), e2e_ms=round(e2e, 3),
+            exit_rate=round(exit_rate, 5) if threshold is not None else None,
+        ))
+    return out
+
+
+def measure_grid(engine, items, *, rungs: list[int], thresholds: list[float | None], keep_ratios: list[float],
+                 caps: list[int], progress: Callable[[str], None] = logger.info) -> list[FrontierPoint]:
+    """Every grid point (see the module doc). ``thresholds`` may contain None (full depth)."""
+    grid = [(r, t, k) for r in rungs for t in thresholds for k in keep_ratios]
+    out: list[FrontierPoint] = []
+    t0 = time.perf_counter()
+    for i, (rung, threshold, keep) in enumerate(grid, start=1):
+        pts = measure_point(engine, items, rung=rung, threshold=threshold, keep=keep, caps=[None, *caps])
+        out += pts
+        progress(f"frontier: {i}/{len(grid)} {pts[0].name}: accuracy {100 * pts[0].accuracy:.1f}%, "
+                 f"e2e {pts[0].e2e_ms:.1f} ms ({time.perf_counter() - t0:.0f} s)")
+    return out
+
+
+def pareto(points: list[FrontierPoint]) -> list[FrontierPoint]:
+    """The points no other point dominates (accuracy >= and e2e <=, one of them strictly), sorted
+    by latency. Ties on both keep the first."""
+    def lat(p: FrontierPoint) -> float:
+        return p.e2e_ms if p.e2e_ms is not None else p.vision_ms + p.prefill_ms
+
+    ordered = sorted(points, key=lambda p: (lat(p), -p.accuracy))
+    out: list[FrontierPoint] = []
+    best = -1.0
+    for p in ordered:
+        if p.accuracy > best:
+            out.append(p)
+            best = p.accuracy
+    return out
+
+
+def point_profiles(points: list[FrontierPoint]):
+    """Frontier points as the controller's :class:`~edgevlm.runtime.policy.PointProfile` list."""
+    from edgevlm.runtime.policy import PointProfile
+
+    return [PointProfile(p.operating_point(), p.accuracy, p.vision_ms, p.prefill_ms, p.tpot_ms) for p in points]
+
+
+def format_table(points: list[FrontierPoint]) -> str:
+    """Markdown table of points: knobs, accuracy, stage medians, mean e2e."""
+    lines = ["| point | res px | exit thr | keep | cap | accuracy | exit rate | vision ms | prefill ms | "
+             "tpot ms | e2e ms |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in points:
+        def f(v, spec=""):
+            return "-" if v is None else format(v, spec)
+        lines.append(f"| {p.name} | {f(p.resolution_px)} | {f(p.exit_threshold, 'g')} | {f(p.keep_ratio, 'g')} | "
+                     f"{f(p.max_new_tokens)} | {100 * p.accuracy:.1f}% | "
+                     f"{'-' if p.exit_rate is None else f'{100 * p.exit_rate:.0f}%'} | {p.vision_ms:.1f} | "
+                     f"{p.prefill_ms:.1f} | {p.tpot_ms:.2f} | {f(p.e2e_ms, '.1f')} |")
+    return "\n".join(lines)
+
+
+def plot(points: list[FrontierPoint], frontier: list[FrontierPoint], path: str | Path, title: str = "") -> Path:
+    """PNG: accuracy (%) against mean e2e latency (ms); all points grey, the frontier blue and named."""
+    from edgevlm.runtime.plot import BLUE, GREY, Chart
+
+    xs = [p.e2e_ms or 0.0 for p in points]
+    ys = [100 * p.accuracy for p in points]
+    x_hi = max(xs) * 1.15 if xs and max(xs) > 0 else 1.0
+    y_lo = max(0.0, min(ys) - 5) if ys else 0.0
+    chart = Chart(title or "operating points: accuracy vs latency", "mean e2e latency (ms)",
+                  "exact-match accuracy (%)", xlim=(0.0, x_hi), ylim=(y_lo, 100.0))
+    chart.scatter(xs, ys, GREY, radius=3, label="grid point")
+    fx = [p.e2e_ms or 0.0 for p in frontier]
+    fy = [100 * p.accuracy for p in frontier]
+    chart.line(fx, fy, BLUE, label="Pareto frontier")
+    chart.scatter(fx, fy, BLUE, radius=5, names=[p.name for p in frontier])
+    return chart.save(path)
+
+
+def host_description(engine) -> str:
+    """``platform, CPU threads`` (+ GPU name on CUDA)."""
+    import torch
+
+    desc = f"{platform.platform()}, {platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}"
+    if engine.device.startswith("cuda"):
+        desc += f", {torch.cuda.get_device_name(torch.device(engine.device))}"
+    return desc
+
+
+def grid_from_profile(engine, profile: str | None) -> dict[str, list]:
+    """The knob grid: the profile's ``operating_points`` (default values without a profile), rungs
+    from the engine's resolution ladder; thresholds only if the model has exit heads."""
+    from edgevlm.profile import OperatingPointsConfig, load_profile
+
+    ops = load_profile(profile).operating_points if profile else OperatingPointsConfig()
+    thresholds: list[float | None] = [None]
+    if engine.exit_points:
+        thresholds += list(ops.exit_thresholds)
+    return {"rungs": sorted(engine.resolution_ladder, reverse=True), "thresholds": thresholds,
+            "keep_ratios": list(ops.keep_ratios), "caps": list(ops.max_new_tokens_caps)}
+
+
+def run(engine, out_dir: str | Path, *, n: int = 90, seed: int = EVAL_SEED, profile: str | None = None,
+        grid: dict[str, list] | None = None, progress: Callable[[str], None] = logger.info) -> list[str]:
+    """Measure the grid, print the frontier table (stdout), write ``frontier.json`` and
+    ``frontier.png`` into ``out_dir``. Returns the file names written."""
+    from edgevlm.runtime.demo import scenes
+    from edgevlm.runtime.exits import weights_fingerprint
+
+    grid = grid or grid_from_profile(engine, profile)
+    items = scenes.eval_set(n, seed)
+    points = measure_grid(engine, items, rungs=sorted(grid["rungs"], reverse=True), thresholds=grid["thresholds"],
+                          keep_ratios=grid["keep_ratios"], caps=grid["caps"], progress=progress)
+    front = pareto(points)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    record = FrontierFile(
+        created_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        model=str(engine.model_dir),
+        device=f"{engine.device} {str(engine.dtype).removeprefix('torch.')} {engine.backend_name}",
+        host=host_description(engine), eval_items=n, eval_seed=seed, grid=grid, points=points, frontier=front,
+        weights_fingerprint=weights_fingerprint(engine.model_dir),
+    )
+    (out / FRONTIER_JSON).write_text(record.model_dump_json(indent=2) + "\n")
+    plot(points, front, out / FRONTIER_PNG, title=f"operating points ({record.device}, n={n})")
+    print(f"Pareto frontier of {len(points)} grid points ({record.device}, {n} eval items):")
+    print(format_table(front))
+    return [FRONTIER_JSON, FRONTIER_PNG]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry. Returns 0, or 2 after a one-line error."""
+    ap = argparse.ArgumentParser(prog="python -m edgevlm.runtime.frontier", description=__doc__.split("\n")[0])
+    ap.add_argument("model", help="model folder or engine bundle")
+    ap.add_argument("--n", type=int, default=90, help="evaluation items per grid point")
+    ap.add_argument("--seed", type=int, default=EVAL_SEED)
+    ap.add_argument("--profile", default=None, help="device profile whose knob grid to measure")
+    ap.add_argument("--rungs", type=int, nargs="+", default=None)
+    ap.add_argument("--thresholds", type=float, nargs="+", default=None, help="exit thresholds (full depth always)")
+    ap.add_argument("--keep-ratios", type=float, nargs="+", default=None)
+    ap.add_argument("--caps", type=int, nargs="*", default=None, help="max_new_tokens caps")
+    ap.add_argument("--out", default=None, help="output folder (default: the model folder)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    from edgevlm.errors import EdgeVLMError
+
+    try:
+        if args.n < 1:
+            raise ValueError("--n must be >= 1")
+        import torch
+
+        from edgevlm.runtime import Engine
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
+        grid = grid_from_profile(engine, args.profile)
+        if args.rungs:
+            grid["rungs"] = args.rungs
+        if args.thresholds is not None:
+            grid["thresholds"] = [None, *args.thresholds]
+        if args.keep_ratios:
+            grid["keep_ratios"] = args.keep_ratios
+        if args.caps is not None:
+            grid["caps"] = args.caps
+        run(engine, args.out or engine.model_dir, n=args.n, seed=args.seed, grid=grid,
+            progress=lambda m: print(m, file=sys.stderr, flush=True))
+    except (EdgeVLMError, ValueError, OSError) as exc:
+        msg = exc.message if isinstance(exc, EdgeVLMError) else str(exc)
+        print(f"edgevlm frontier: error: {' '.join(msg.split())}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

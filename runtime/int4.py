@@ -1,0 +1,461 @@
+"""W4A16 group-wise asymmetric INT4 weights: quantize, pack, dequantize, and an ``nn.Linear`` drop-in.
+
+Scheme (the same one AWQ, GPTQ and onnxruntime's ``MatMulNBits`` use): every output row of a
+weight ``W (N, K)`` (``N = out_features``, ``K = in_features``) is cut into ``K / group_size``
+groups of ``group_size`` consecutive input channels; each group has an fp16 ``scale`` and an
+integer ``zero`` point in ``[0, 15]``, and every weight is stored as a 4-bit code ``q`` in
+``[0, 15]``::
+
+    W[n, k] ~= (q[n, k] - zeros[n, k // group_size]) * scales[n, k // group_size]
+
+The group's range is widened to include 0 (GPTQ's convention), so 0.0 is represented exactly and
+the zero point never needs clamping: ``scale = (max(w_max, 0) - min(w_min, 0)) / 15`` (rounded *up*
+to fp16, then clamped to fp16's smallest normal number), ``zero = round(-min(w_min, 0) / scale)``,
+``q = clamp(round(w / scale) + zero, 0, 15)``. Every weight is then within ``scale / 2`` of its
+dequantized value.
+
+Canonical storage layout (bundle format version 1, also the buffers of :class:`Int4Linear`):
+
+* ``qweight``: ``uint8 (N, K // 2)``; byte ``j`` of row ``n`` holds ``q[n, 2j]`` in its low
+  nibble (bits 0-3) and ``q[n, 2j + 1]`` in its high nibble (bits 4-7). This is byte for byte the
+  ``B`` input of ``com.microsoft::MatMulNBits`` (bits=4) reshaped to ``(N, K // block, block // 2)``.
+* ``scales``: ``float16 (N, K // group_size)``.
+* ``zeros``: ``uint8 (N, K // group_size)``, one integer zero point per group (unpacked).
+
+Kernels are private re-layouts derived from this at load time (see :class:`Int4Linear`):
+torch's tinygemm (``aten._weight_int4pack_mm`` on CUDA, ``aten._weight_int4pack_mm_for_cpu`` on
+CPU) dequantizes ``(q - 8) * scale + offset`` with a float offset per group, so the canonical
+zero point converts exactly as ``offset = (8 - zero) * scale``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
+"""Group sizes a bundle may use (largest first is the fallback order, see ``quantize.plan``)."""
+
+INT4_LAYOUT_VERSION = 1
+FP16_MIN_NORMAL = 2.0**-14
+
+# M (rows of the activation matrix) up to which the CPU int4 kernel is used; above it a dequantized
+# weight + dense matmul (prefill). bench/quantize_cpu_kernels.py on the 2-core dev machine: the
+# kernel costs ~0.06 ms per row of a 3456x1280 layer, dequantizing ~4 ms once, a dense bf16 row
+# ~0.02 ms, so dequantize + matmul wins from M ~ 128 (bf16) / ~ 256 (fp32); 64 stays on the safe side.
+CPU_KERNEL_MAX_M = 64
+# On CUDA tinygemm is used up to this M; larger prefills dequantize into a cuBLAS matmul.
+CUDA_KERNEL_MAX_M = 64
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """One linear layer's weight in the canonical INT4 layout (see the module docstring).
+
+    Attributes:
+        qweight: ``uint8 (N, K // 2)``, two 4-bit codes per byte, low nibble = even input channel.
+        scales: ``float16 (N, K // group_size)``.
+        zeros: ``uint8 (N, K // group_size)``, integer zero points in ``[0, 15]``.
+        group_size: input channels per group (32, 64 or 128).
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    group_size: int
+
+    @property
+    def out_features(self) -> int:
+        return int(self.qweight.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        return int(self.qweight.shape[1]) * 2
+
+    def nbytes(self) -> int:
+        """Storage bytes of the packed weight, scales and zeros."""
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros))
+
+
+def check_int4_shape(out_features: int, in_features: int, group_size: int) -> None:
+    """Raise ``ValueError`` unless the shape can be stored with ``group_size``."""
+    if group_size not in SUPPORTED_GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}")
+    if in_features <= 0 or out_features <= 0:
+        raise ValueError(f"bad weight shape ({out_features}, {in_features})")
+    if in_features % group_size:
+        raise ValueError(
+            f"in_features={in_features} is not divisible by group_size={group_size} "
+            "(quantize.plan picks a smaller group size or keeps the layer 16-bit)"
+        )
+
+
+def compute_qparams(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group ``scales (N, K/g) float16`` and ``zeros (N, K/g) uint8`` of a ``(N, K)`` weight.
+
+    Raises ``ValueError`` for a bad shape or non-finite weights/scales.
+    """
+    n, k = weight.shape
+    check_int4_shape(n, k, group_size)
+    w = weight.detach().to(torch.float32).reshape(n, k // group_size, group_size)
+    if not torch.isfinite(w).all():
+        raise ValueError("weight contains NaN or Inf")
+    w_max = w.amax(dim=-1).clamp(min=0.0)  # (N, G)
+    w_min = w.amin(dim=-1).clamp(max=0.0)
+    exact = (w_max - w_min) / 15.0
+    scales = exact.to(torch.float16)
+    # Round the scale *up* to fp16 so the range fits in 15 steps: then no code is clipped and every
+    # weight is within scale/2 of its dequantized value (rounding down could clip the group's max).
+    scales = torch.where(scales.float() < exact, torch.nextafter(scales, torch.full_like(scales, float("inf"))), scales)
+    if not torch.isfinite(scales).all():
+        raise ValueError("weight range overflows float16 scales")
+    scales = scales.clamp(min=FP16_MIN_NORMAL)
+    zeros = torch.round(-w_min / scales.float()).clamp(0, 15).to(torch.uint8)
+    return scales, zeros
+
+
+def quantize_codes(
+    weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """4-bit codes ``uint8 (N, K)`` in ``[0, 15]`` of ``weight (N, K)`` for given qparams."""
+    n, k = weight.shape
+    w = weight.detach().to(torch.float32).reshape(n, k // group_size, group_size)
+    q = torch.round(w / scales.float().unsqueeze(-1)) + zeros.float().unsqueeze(-1)
+    return q.clamp_(0, 15).to(torch.uint8).reshape(n, k)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Pack ``uint8 (N, K)`` codes in ``[0, 15]`` into ``uint8 (N, K // 2)`` (low nibble = even k)."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"in_features must be even to pack, got {codes.shape[-1]}")
+    c = codes.to(torch.uint8)
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: ``uint8 (N, K // 2)`` -> ``uint8 (N, K)``."""
+    if qweight.is_contiguous() and qweight.shape[-1] % 4 == 0 and qweight.storage_offset() % 4 == 0:
+        words = qweight.view(torch.int32)  # 4 bytes at a time: uint8 bit ops are not vectorised on CPU
+        lo = (words & 0x0F0F0F0F).view(torch.uint8)
+        hi = ((words >> 4) & 0x0F0F0F0F).view(torch.uint8)
+    else:
+        lo, hi = qweight & 0x0F, qweight >> 4
+    return torch.stack([lo, hi], dim=-1).reshape(*qweight.shape[:-1], -1)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = 128) -> Int4Weight:
+    """Round-to-nearest (RTN) group-wise asymmetric INT4 quantization of a ``(N, K)`` weight.
+
+    Raises ``ValueError`` when ``K`` is not divisible by ``group_size``, the group size is not
+    supported, or the weight is not finite.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"expected a 2-D weight, got shape {tuple(weight.shape)}")
+    scales, zeros = compute_qparams(weight, group_size)
+    codes = quantize_codes(weight, scales, zeros, group_size)
+    return Int4Weight(pack_int4(codes), scales, zeros, group_size)
+
+
+def dequantize_int4(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Dense ``(N, K)`` weight in ``dtype`` from the canonical layout, computed as ``(q - zero) * scale``
+    in float32 (float64 if asked): one rounding. In-place ops: a fresh large tensor costs page faults."""
+    n = qweight.shape[0]
+    k = qweight.shape[1] * 2
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    q = unpack_int4(qweight).reshape(n, k // group_size, group_size).to(compute)
+    q.sub_(zeros.unsqueeze(-1).to(compute)).mul_(scales.unsqueeze(-1).to(compute))
+    return q.reshape(n, k).to(dtype)
+
+
+def fake_quantize_int4(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Quantize-dequantize ``weight (N, K)`` (same dtype out); what the stored layer computes with.
+    Same arithmetic as :func:`quantize_int4` + :func:`dequantize_int4`, in place (AWQ's inner loop)."""
+    n, k = weight.shape
+    scales, zeros = compute_qparams(weight, group_size)
+    s = scales.float().unsqueeze(-1)  # (N, G, 1)
+    z = zeros.float().unsqueeze(-1)
+    q = torch.div(weight.detach().reshape(n, k // group_size, group_size).float(), s)
+    q.round_().add_(z).clamp_(0, 15).sub_(z).mul_(s)
+    return q.reshape(n, k).to(weight.dtype)
+
+
+# ----------------------------------------------------------------------------- kernel selection
+# torch's int4 ops changed signature across releases (2.1-2.4: int32 (N, K) input to
+# _convert_weight_to_int4pack; 2.5+: uint8 (N, K/2) with the even channel in the high nibble on
+# CUDA, and separate *_for_cpu ops). Rather than trusting version numbers (JetPack ships its own
+# builds), each convention is probed once per device type on a small matrix against the
+# dequantized reference, and the first one that matches is used. None matching -> dequantize path.
+
+_PROBE_LOCK = threading.Lock()
+_PROBED: dict[str, str | None] = {}
+
+
+def _tinygemm_scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(K/g, N, 2)`` tensor ``[scale, (8 - zero) * scale]`` tinygemm expects."""
+    s = scales.to(torch.float32)
+    offset = (8.0 - zeros.to(torch.float32)) * s
+    return torch.stack([s, offset], dim=-1).transpose(0, 1).contiguous().to(dtype)
+
+
+def _inner_k_tiles(k: int) -> int | None:
+    for tiles in (8, 4, 2):
+        if k % (tiles * 16) == 0:
+            return tiles
+    return None
+
+
+def _pack_for_kernel(convention: str, qweight: torch.Tensor) -> torch.Tensor:
+    """Re-layout canonical ``qweight (N, K/2)`` for one kernel convention (on qweight's device)."""
+    codes = unpack_int4(qweight)  # (N, K) uint8
+    k = codes.shape[1]
+    if convention == "cpu_for_cpu":
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
+    tiles = _inner_k_tiles(k)
+    if convention == "cuda_uint8_hi":  # torch >= 2.5
+        packed = (codes[:, 0::2] << 4) | codes[:, 1::2]
+        return torch.ops.aten._convert_weight_to_int4pack(packed.contiguous(), tiles)
+    if convention == "cuda_int32":  # torch 2.1 - 2.4
+        return torch.ops.aten._convert_weight_to_int4pack(codes.to(torch.int32).contiguous(), tiles)
+    raise ValueError(f"unknown int4 kernel convention {convention!r}")
+
+
+def _kernel_mm(convention: str, x: torch.Tensor, packed: torch.Tensor, group_size: int, sz: torch.Tensor):
+    if convention == "cpu_for_cpu":
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, sz)
+    return torch.ops.aten._weight_int4pack_mm(x, packed, group_size, sz)
+
+
+def _candidates(device_type: str) -> list[str]:
+    if device_type == "cpu":
+        return ["cpu_for_cpu"] if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") else []
+    if device_type == "cuda":
+        return ["cuda_uint8_hi", "cuda_int32"] if hasattr(torch.ops.aten, "_weight_int4pack_mm") else []
+    return []
+
+
+def kernel_convention(device: torch.device) -> str | None:
+    """The int4-kernel convention that works on ``device`` (probed once), or None (dequantize)."""
+    dev = torch.device(device)
+    if dev.type in _PROBED:  # fast path of every forward: no lock once probed
+        return _PROBED[dev.type]
+    with _PROBE_LOCK:
+        if dev.type in _PROBED:
+            return _PROBED[dev.type]
+        chosen = None
+        gen = torch.Generator().manual_seed(0)
+        n, k, g = 32, 256, 128
+        w = torch.randn(n, k, generator=gen)
+        qw = quantize_int4(w, g)
+        x = torch.randn(2, k, generator=gen)
+        ref = x.double() @ dequantize_int4(qw.qweight, qw.scales, qw.zeros, g, torch.float64).T
+        for conv in _candidates(dev.type):
+            try:
+                packed = _pack_for_kernel(conv, qw.qweight.to(dev))
+                sz = _tinygemm_scales_and_zeros(qw.scales, qw.zeros, torch.bfloat16).to(dev)
+                y = _kernel_mm(conv, x.to(dev, torch.bfloat16), packed, g, sz).double().cpu()
+            except (RuntimeError, TypeError, NotImplementedError) as exc:
+                logger.debug("int4 kernel convention %s unavailable on %s: %s", conv, dev.type, exc)
+                continue
+            if (y - ref).abs().max().item() <= 0.05 * ref.abs().max().item():
+                chosen = conv
+                break
+            logger.debug("int4 kernel convention %s gives wrong results on %s", conv, dev.type)
+        if chosen is None:
+            logger.info("no torch int4 kernel on %s (torch %s): using dequantize + matmul", dev, torch.__version__)
+        _PROBED[dev.type] = chosen
+        return chosen
+
+
+def _layer_fits_kernel(convention: str, out_features: int, in_features: int, group_size: int) -> bool:
+    if convention == "cpu_for_cpu":
+        return out_features % 16 == 0 and in_features % 2 == 0
+    return out_features % 8 == 0 and _inner_k_tiles(in_features) is not None
+
+
+class Int4Linear(nn.Module):
+    """Drop-in for ``nn.Linear`` with W4A16 group-wise INT4 weights (canonical layout buffers).
+
+    ``forward(x)``: ``x (..., in_features)`` float32/bfloat16/float16 -> ``(..., out_features)`` in
+    ``x.dtype``. If ``input_scale (in_features,)`` is set (AWQ scales that could not be folded into
+    a preceding op), the layer computes ``W_q @ (x * input_scale) + bias``.
+
+    Execution path, chosen per call:
+
+    * CUDA, ``M <= CUDA_KERNEL_MAX_M`` rows: tinygemm ``aten._weight_int4pack_mm`` (bf16 activations).
+    * CPU, ``M <= CPU_KERNEL_MAX_M`` rows (decode): ``aten._weight_int4pack_mm_for_cpu`` with the
+      activations cast to bf16 (the kernel is slow with fp32 activations).
+    * Otherwise (prefill, torch builds without the ops such as older JetPack wheels, layer shapes
+      the kernels reject, or ``kernel = "dequant"``): the weight is dequantized to ``x.dtype`` and a
+      dense matmul runs.
+
+    The kernel's private weight re-layout is derived on first use on a device and cached in the
+    module (not in ``state_dict``). ``module.to(dtype)`` keeps ``scales`` in float16 and
+    ``input_scale`` in float32 (only their device follows).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        group_size: int = 128,
+        *,
+        has_input_scale: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        check_int4_shape(out_features, in_features, group_size)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.group_size = group_size
+        self.kernel = "auto"  # "auto" | "dequant"
+        groups = in_features // group_size
+        self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.ones(out_features, groups, dtype=torch.float16, device=device))
+        self.register_buffer("zeros", torch.full((out_features, groups), 8, dtype=torch.uint8, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
+        self.register_buffer(
+            "input_scale", torch.ones(in_features, dtype=torch.float32, device=device) if has_input_scale else None
+        )
+        self._kernel_cache: tuple | None = None
+
+    @classmethod
+    def from_int4(
+        cls, weight: Int4Weight, bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None
+    ) -> Int4Linear:
+        """Wrap canonical INT4 tensors (and an optional bias/input scale) in a module."""
+        dtype = bias.dtype if bias is not None else torch.float32
+        mod = cls(
+            weight.in_features, weight.out_features, bias is not None, weight.group_size,
+            has_input_scale=input_scale is not None, device=weight.qweight.device, dtype=dtype,
+        )
+        mod.qweight.copy_(weight.qweight)
+        mod.scales.copy_(weight.scales)
+        mod.zeros.copy_(weight.zeros)
+        if bias is not None:
+            mod.bias.copy_(bias)
+        if input_scale is not None:
+            mod.input_scale.copy_(input_scale)
+        return mod
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = 128) -> Int4Linear:
+        """RTN-quantize an ``nn.Linear`` (raises ``ValueError`` for an unsupported shape)."""
+        bias = linear.bias.detach() if linear.bias is not None else None
+        return cls.from_int4(quantize_int4(linear.weight.detach(), group_size), bias)
+
+    def int4_weight(self) -> Int4Weight:
+        return Int4Weight(self.qweight, self.scales, self.zeros, self.group_size)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Dense ``(out_features, in_features)`` weight, ``input_scale`` not applied."""
+        return dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size, dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"group_size={self.group_size}, input_scale={self.input_scale is not None}, kernel={self.kernel}"
+        )
+
+    def _apply(self, fn, recurse=True):  # noqa: D401 - keep scales fp16 under module.to(dtype)
+        keep = {n: getattr(self, n) for n in ("scales", "input_scale") if getattr(self, n) is not None}
+        super()._apply(fn, recurse)
+        for name, t in keep.items():
+            dev = fn(torch.empty(0, dtype=t.dtype, device=t.device)).device
+            self._buffers[name] = t.to(dev)
+        self._kernel_cache = None
+        return self
+
+    def execution_path(self, m: int, device: torch.device) -> str:
+        """Name of the path :meth:`forward` takes for ``m`` activation rows on ``device``."""
+        if self.kernel == "dequant":
+            return "dequant"
+        conv = kernel_convention(device)
+        if conv is None or not _layer_fits_kernel(conv, self.out_features, self.in_features, self.group_size):
+            return "dequant"
+        max_m = CPU_KERNEL_MAX_M if conv == "cpu_for_cpu" else CUDA_KERNEL_MAX_M
+        return conv if m <= max_m else "dequant"
+
+    def _kernel_tensors(self, conv: str) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = self._kernel_cache
+        if cache is None or cache[0] != conv or cache[1] != self.qweight.device:
+            packed = _pack_for_kernel(conv, self.qweight)
+            sz = _tinygemm_scales_and_zeros(self.scales, self.zeros, torch.bfloat16)
+            cache = (conv, self.qweight.device, packed, sz)
+            self._kernel_cache = cache
+        return cache[2], cache[3]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected (..., {self.in_features}) input, got {tuple(x.shape)}")
+        if self.input_scale is not None:
+            x = x * self.input_scale.to(x.dtype)
+        x2 = x.reshape(-1, self.in_features)  # (M, K)
+        path = self.execution_path(x2.shape[0], x2.device)
+        if path == "dequant":
+            y = F.linear(x2, self.dequantized_weight(x.dtype))
+        else:
+            packed, sz = self._kernel_tensors(path)
+            y = _kernel_mm(path, x2.to(torch.bfloat16).contiguous(), packed, self.group_size, sz).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)  # (..., N)
+
+
+def set_int4_kernel(module: nn.Module, kernel: str) -> int:
+    """Set ``kernel`` ("auto" or "dequant") on every :class:`Int4Linear` in ``module``; returns the count."""
+    if kernel not in ("auto", "dequant"):
+        raise ValueError(f"kernel must be 'auto' or 'dequant', got {kernel!r}")
+    count = 0
+    for m in module.modules():
+        if isinstance(m, Int4Linear):
+            m.kernel = kernel
+            count += 1
+    return count
+
+
+def _malloc_trim() -> None:
+    """Give freed heap memory back to the OS (glibc only; a no-op elsewhere)."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # musl or another libc
+        pass
+
+
+def prepare_int4_kernels(module: nn.Module) -> int:
+    """Build the kernel weight layouts of every :class:`Int4Linear` in ``module`` now (where its
+    decode path uses a kernel) instead of on the first request; returns how many were packed.
+
+    Packing goes through a transient int32 ``(N, K)`` copy of the codes per layer; glibc keeps such
+    freed blocks in its heap (on the ~0.5B bench decoder: ~0.9 GB of RSS), so the heap is trimmed
+    afterwards.
+    """
+    count = 0
+    for m in module.modules():
+        if isinstance(m, Int4Linear):
+            path = m.execution_path(1, m.qweight.device)
+            if path != "dequant":
+                m._kernel_tensors(path)
+                count += 1
+    if count:
+        _malloc_trim()
+    return count

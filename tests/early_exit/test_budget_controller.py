@@ -1,0 +1,200 @@
+"""The daemon's BudgetController (edgevlm.daemon.budget): budgets, slowdown hints, refit, and the
+frontier sources of build_controller (profile, frontier.json, resolution ladder)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from edgevlm.config import parse_daemon_config
+from edgevlm.daemon.budget import BudgetController, build_controller, runnable
+from edgevlm.errors import ConfigError, DeadlineExceededError
+from edgevlm.profile import FrontierPoint
+from edgevlm.runtime.policy import Controller, PointProfile
+from edgevlm.types import OperatingPoint, Stats
+
+# accuracy, vision, prefill, tpot (ms); 5 tokens -> +4 tpot
+POINTS = [
+    PointProfile(OperatingPoint(name="r384", resolution_px=384), 0.97, 60.0, 40.0, 5.0),  # 120 ms
+    PointProfile(OperatingPoint(name="r256", resolution_px=256), 0.93, 25.0, 20.0, 5.0),  # 65 ms
+    PointProfile(OperatingPoint(name="r128", resolution_px=128), 0.70, 6.0, 8.0, 5.0),  # 34 ms
+]
+
+
+def make(default=500.0):
+    return BudgetController(Controller(POINTS), default_budget_ms=default, source="test")
+
+
+def test_budget_defaults():
+    bc = make(500)
+    assert bc.budget_for(None) == 500 and bc.budget_for(200) == 200
+
+
+def test_choose_includes_queue_wait():
+    bc = make()
+    c = bc.choose(200, max_new_tokens=5, queue_wait_ms=0)
+    assert c.point.name == "r384" and c.predicted_ms == pytest.approx(120) and c.service_ms == pytest.approx(120)
+    c = bc.choose(200, max_new_tokens=5, queue_wait_ms=80)  # 200 ms after 0.9 headroom: 180 >= 80 + 65
+    assert c.point.name == "r256" and c.predicted_ms == pytest.approx(145) and c.service_ms == pytest.approx(65)
+
+
+def test_refusal_reports_cheapest_with_queue():
+    bc = make()
+    with pytest.raises(DeadlineExceededError) as exc:
+        bc.choose(50, max_new_tokens=5, queue_wait_ms=30)
+    assert exc.value.details["cheapest_predicted_ms"] == pytest.approx(64.0)  # 30 + 34
+    assert exc.value.details["queue_wait_ms"] == 30
+
+
+def test_slowdown_hint_scales_predictions_and_refusals():
+    bc = make()
+    bc.hint_slowdown(2.0)
+    c = bc.choose(200, max_new_tokens=5, queue_wait_ms=0)  # r384 would be 240 ms now
+    assert c.point.name == "r256" and c.predicted_ms == pytest.approx(130)
+    assert bc.service_ms(POINTS[0].point, 5) == pytest.approx(240)
+    with pytest.raises(DeadlineExceededError) as exc:
+        bc.choose(60, max_new_tokens=5, queue_wait_ms=0)
+    assert exc.value.details["cheapest_predicted_ms"] == pytest.approx(68.0)
+    assert exc.value.details["slowdown_hint"] == 2.0
+    for bad in (0, -1, float("nan"), float("inf"), "x"):
+        bc.hint_slowdown(bad)  # ignored
+    assert bc.slowdown_hint == 2.0 and bc.service_ms(POINTS[0].point, 5) == pytest.approx(240)
+    bc.hint_slowdown(0.5)  # faster than nominal is not a throttling signal: counts as 1
+    assert bc.slowdown_hint == 1.0 and bc.service_ms(POINTS[0].point, 5) == pytest.approx(120)
+
+
+def test_hint_is_not_counted_twice():
+    bc = make()
+    bc.hint_slowdown(2.0)
+    for _ in range(15):  # the device is 2x slower, as the hint says
+        bc.observe(POINTS[0].point, Stats(vision_ms=120, prefill_ms=80, tpot_ms=10, new_tokens=5))
+    assert bc.service_ms(POINTS[0].point, 5) == pytest.approx(240, rel=1e-6)  # not 4x
+    assert bc.controller.slowdown == pytest.approx(1.0)  # the hint explained it all
+    bc.hint_slowdown(1.0)  # telemetry says the clocks are back
+    assert bc.service_ms(POINTS[0].point, 5) == pytest.approx(120, rel=1e-6)
+
+
+def test_overhead_is_added():
+    bc = make()
+    for _ in range(30):
+        bc.observe_overhead(10.0)
+    assert bc.overhead_ms == pytest.approx(10.0, rel=1e-3)
+    c = bc.choose(200, max_new_tokens=5, queue_wait_ms=0)
+    assert c.point.name == "r384" and c.predicted_ms == pytest.approx(130, rel=1e-3)
+    assert bc.service_ms(POINTS[1].point, 5) == pytest.approx(75, rel=1e-3)
+    with pytest.raises(DeadlineExceededError) as exc:
+        bc.choose(40, max_new_tokens=5, queue_wait_ms=0)
+    assert exc.value.details["cheapest_predicted_ms"] == pytest.approx(44.0, rel=1e-3)
+
+
+def test_refit_steps_down_to_what_still_fits():
+    bc = make()
+    c = bc.choose(1000, max_new_tokens=5, queue_wait_ms=0)
+    assert c.point.name == "r384"
+    assert bc.refit(c, 1000, max_new_tokens=5)[0].name == "r384"
+    p, ms = bc.refit(c, 100, max_new_tokens=5)  # 90 ms usable: r256 (65 ms)
+    assert p.name == "r256" and ms == pytest.approx(65)
+    p, ms = bc.refit(c, 10, max_new_tokens=5)  # nothing fits: the cheapest
+    assert p.name == "r128" and ms == pytest.approx(34)
+
+
+def test_runnable_needs_exit_heads():
+    class E:
+        exit_points: list[int] = []
+
+    full = FrontierPoint(name="a", accuracy=0.9, vision_ms=1, prefill_ms=1, tpot_ms=1)
+    ex = FrontierPoint(name="b", exit_threshold=0.8, accuracy=0.9, vision_ms=1, prefill_ms=1, tpot_ms=1)
+    assert runnable(E(), full) and not runnable(E(), ex)
+    E.exit_points = [2]
+    assert runnable(E(), ex)
+    assert not runnable(E(), FrontierPoint(name="c", exit_layer=3, accuracy=1, vision_ms=1, prefill_ms=1, tpot_ms=1))
+
+
+# ------------------------------------------------------------------------------ build_controller
+
+
+def _frontier_file(path, points):
+    data = {"created_utc": "2025-01-01T00:00:00+00:00", "model": "m", "device": "cpu float32 torch",
+            "eval_items": 10, "eval_seed": 1000, "points": points, "frontier": points}
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_build_from_frontier_file(tmp_path, plain_engine):
+    f = _frontier_file(tmp_path / "frontier.json", [
+        {"name": "big", "resolution_px": 64, "accuracy": 0.9, "vision_ms": 50, "prefill_ms": 50, "tpot_ms": 5},
+        {"name": "small", "resolution_px": 32, "accuracy": 0.5, "vision_ms": 5, "prefill_ms": 5, "tpot_ms": 5},
+        {"name": "exit", "exit_threshold": 0.5, "accuracy": 0.7, "vision_ms": 5, "prefill_ms": 5, "tpot_ms": 5},
+    ])
+    cfg = parse_daemon_config({"controller": {"frontier": str(f), "default_budget_ms": 777}})
+    bc = build_controller(cfg, plain_engine)
+    assert [p.name for p in bc.points] == ["big", "small"]  # 'exit' dropped: no exit heads
+    assert bc.default_budget_ms == 777 and bc.source == str(f)
+
+
+def test_build_all_points_unrunnable(tmp_path, plain_engine):
+    f = _frontier_file(tmp_path / "frontier.json", [
+        {"name": "exit", "exit_threshold": 0.5, "accuracy": 0.7, "vision_ms": 5, "prefill_ms": 5, "tpot_ms": 5},
+    ])
+    cfg = parse_daemon_config({"controller": {"frontier": str(f)}})
+    with pytest.raises(ConfigError, match="no operating point"):
+        build_controller(cfg, plain_engine)
+
+
+def test_build_from_ladder_and_profile_budget(plain_engine):
+    bc = build_controller(parse_daemon_config({}), plain_engine)  # cpu profile, no frontier anywhere
+    assert [p.name for p in bc.points] == ["r64", "r32"]
+    assert bc.default_budget_ms == 2000  # profiles/cpu.yaml
+    assert all(p.vision_ms > 0 and p.prefill_ms > 0 for p in bc.points)
+    assert build_controller(parse_daemon_config({"controller": {"enabled": False}}), plain_engine) is None
+
+
+def test_model_frontier_json_is_used(tmp_path, plain_model_dir):
+    import shutil
+
+    from edgevlm.runtime import Engine
+
+    d = tmp_path / "m"
+    shutil.copytree(plain_model_dir, d)
+    _frontier_file(d / "frontier.json", [
+        {"name": "only", "resolution_px": 32, "accuracy": 0.5, "vision_ms": 5, "prefill_ms": 5, "tpot_ms": 5}])
+    bc = build_controller(parse_daemon_config({}), Engine.load(d))
+    assert [p.name for p in bc.points] == ["only"] and bc.source.endswith("frontier.json")
+
+
+def test_bad_frontier_file(tmp_path, plain_engine):
+    f = tmp_path / "frontier.json"
+    f.write_text(json.dumps({"frontier": []}))
+    cfg = parse_daemon_config({"controller": {"frontier": str(f)}})
+    with pytest.raises(ConfigError, match="frontier.json: created_utc"):
+        build_controller(cfg, plain_engine)
+
+
+def test_profile_frontier_is_used(tmp_path, plain_engine):
+    prof = tmp_path / "dev.yaml"
+    prof.write_text(
+        "name: dev\ndevice_class: cpu\ndevice: cpu\ndtype: float32\nbackends: [torch]\nmemory_mb: 1\n"
+        "memory_bandwidth_gbps: 1\nresolution_ladder_px: [64, 32]\ndefault_budget_ms: 321\n"
+        "operating_points:\n  frontier:\n"
+        "    - {name: p64, resolution_px: 64, accuracy: 0.9, vision_ms: 9, prefill_ms: 9, tpot_ms: 1}\n"
+        "    - {name: p32, resolution_px: 32, accuracy: 0.6, vision_ms: 3, prefill_ms: 3, tpot_ms: 1}\n")
+    bc = build_controller(parse_daemon_config({"profile": str(prof)}), plain_engine)
+    assert [p.name for p in bc.points] == ["p64", "p32"] and bc.source == "profile dev"
+    assert bc.default_budget_ms == 321
+
+
+def test_stale_model_frontier_is_ignored(tmp_path, plain_model_dir):
+    import shutil
+
+    from edgevlm.runtime import Engine
+
+    d = tmp_path / "m"
+    shutil.copytree(plain_model_dir, d)
+    f = _frontier_file(d / "frontier.json", [
+        {"name": "only", "resolution_px": 32, "accuracy": 0.5, "vision_ms": 5, "prefill_ms": 5, "tpot_ms": 5}])
+    raw = json.loads(f.read_text())
+    raw["weights_fingerprint"] = "0" * 64  # measured on other weights
+    f.write_text(json.dumps(raw))
+    bc = build_controller(parse_daemon_config({}), Engine.load(d))
+    assert bc.source == "resolution ladder measured at start-up"

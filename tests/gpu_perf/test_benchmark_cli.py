@@ -1,0 +1,59 @@
+"""`edgevlm bench` on CPU with the tiny model: it runs, prints a table and a JSON line, saves it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+def test_bench_runs_on_cpu_and_saves_results(tmp_path, capsys):
+    from edgevlm.runtime.benchmark import VARIANTS, main
+
+    pytest.importorskip("transformers")
+    code = main(["--device", "cpu", "--models", "tiny", "--new-tokens", "2", "--batch-sizes", "1,2",
+                 "--vision-batch", "2", "--results-dir", str(tmp_path)])
+    assert code == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(out[-1])
+    assert "impl" in out[1] and "tiny" in out[2]  # the table precedes the JSON line
+    rows = {r["impl"]: r for r in summary["rows"]}
+    assert set(rows) == {"transformers", *VARIANTS}
+    for impl, r in rows.items():
+        assert "error" not in r, (impl, r.get("error"))
+        assert r["ttft_ms"] > 0 and r["vision_img_s"] > 0 and r["kv_bytes_per_token"] > 0
+        if impl != "transformers":  # its TPOT is a difference of two generate() timings: noisy on a busy CPU
+            assert r["tpot_ms"] > 0 and r["decode_tok_s"] > 0
+    assert rows["edgevlm"]["batch_tok_s"]["2"] > 0
+    assert rows["edgevlm-w4-kv4"]["kv_bytes_per_token"] * 3 < rows["edgevlm"]["kv_bytes_per_token"]
+    assert summary["copy_gbps"] > 0 and summary["versions"]["torch"] == torch.__version__
+    saved = list(tmp_path.glob("bench_cpu_*.json"))
+    assert len(saved) == 1 and json.loads(saved[0].read_text())["rows"] == summary["rows"]
+
+
+@pytest.mark.parametrize("argv", [["--models", "nope"], ["--batch-sizes", "0"], ["--variants", "x"]])
+def test_bench_bad_arguments_exit_2(argv):
+    from edgevlm.runtime.benchmark import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--device", "cpu", *argv])
+    assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("argv", [["--new-tokens", "1"], ["--prompt-tokens", "2"], ["--vision-batch", "0"]])
+def test_bench_bad_values_return_2(argv, capsys):
+    from edgevlm.runtime.benchmark import main
+
+    assert main(["--device", "cpu", *argv]) == 2
+    assert "edgevlm bench:" in capsys.readouterr().err
+
+
+def test_bench_cuda_without_cuda_returns_2(capsys):
+    from edgevlm.runtime.benchmark import main
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present")
+    assert main(["--device", "cuda"]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
