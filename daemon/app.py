@@ -56,6 +56,10 @@ def engine_loader(config: DaemonConfig) -> Callable[[], Any]:
 
         m = config.model
         logger.info("loading model %s on %s (backend %s)", m.path or "<demo model>", m.device, m.backend)
+        if m.cpu_threads is not None:
+            import torch
+
+            torch.set_num_threads(m.cpu_threads)
         return Engine.load(m.path, device=m.device, dtype=m.dtype, backend=m.backend)
 
     return load

@@ -183,7 +183,8 @@ def daemon_config(port: int, video: Path, model_dir: Path | None) -> dict[str, A
     """The daemon config (a :class:`edgevlm.config.DaemonConfig` mapping) the demo runs."""
     return {
         "mqtt": {"host": "127.0.0.1", "port": port, "device_id": DEVICE_ID},
-        "model": {"path": str(model_dir) if model_dir else None, "device": "cpu"},
+        # One intra-op thread: the camera's decoder thread and the broker share the CPU with it.
+        "model": {"path": str(model_dir) if model_dir else None, "device": "cpu", "cpu_threads": 1},
         "sources": [{"name": SOURCE, "uri": str(video)}],
         "defaults": {"max_new_tokens": 32, "timeout_ms": 120000},
         # The demo checks answers, not budgets: a generous default budget keeps the latency

@@ -201,9 +201,9 @@ def _check_onnxruntime(h: _Host) -> CheckResult:
         import onnxruntime
     except Exception as exc:  # noqa: BLE001
         why = f"not importable ({type(exc).__name__})"
-        if h.backend == "onnxruntime":
+        if h.backend == "onnx":
             return _fail(
-                "onnxruntime", f"{why} but config uses backend onnxruntime: pip install 'edgevlm[onnx]'"
+                "onnxruntime", f"{why} but config uses backend onnx: pip install 'edgevlm[onnx]'"
             )
         return _warn("onnxruntime", f"{why}: optional backend (pip install 'edgevlm[onnx]')")
     providers = onnxruntime.get_available_providers()

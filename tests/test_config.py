@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from edgevlm.config import DaemonConfig, load_daemon_config, source_kind
 from edgevlm.errors import ConfigError
@@ -139,3 +140,15 @@ def test_every_field_has_a_description() -> None:
         for name, info in model.model_fields.items():
             assert info.description, f"{model.__name__}.{name} has no description"
         assert model.model_config.get("extra") == "forbid"
+
+
+def test_model_cpu_threads_and_backend_names(tmp_path):
+    """cpu_threads is bounded; backend names are the runtime's own (torch, onnx, tensorrt)."""
+    from edgevlm.config import DaemonConfig
+
+    ok = DaemonConfig.model_validate({"model": {"cpu_threads": 2, "backend": "onnx"}})
+    assert ok.model.cpu_threads == 2 and ok.model.backend == "onnx"
+    with pytest.raises(ValidationError):
+        DaemonConfig.model_validate({"model": {"cpu_threads": 0}})
+    with pytest.raises(ValidationError):
+        DaemonConfig.model_validate({"model": {"backend": "onnxruntime"}})
