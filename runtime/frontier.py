@@ -51,20 +51,32 @@ def point_name(rung: int | None, threshold: float | None, keep: float | None, ca
     return name
 
 
+def _operating_point(rung: int | None, threshold: float | None, keep: float | None):
+    from edgevlm.types import OperatingPoint
+
+    return OperatingPoint(name=point_name(rung, threshold, keep, None), resolution_px=rung,
+                          exit_threshold=threshold, keep_ratio=keep if keep is not None and keep < 1.0 else None)
+
+
+def _row(engine, item, op) -> tuple:
+    a = engine.ask(item.image, item.qa.question, max_new_tokens=MAX_NEW_TOKENS, operating_point=op)
+    s = a.stats
+    text_tokens = s.new_tokens - (1 if s.finish_reason == "stop" else 0)
+    return (a.text.strip() == item.qa.answer, s.new_tokens, text_tokens, s.vision_ms, s.prefill_ms, s.tpot_ms,
+            s.exit_layer is not None)
+
+
 def measure_point(engine, items, *, rung: int | None, threshold: float | None, keep: float | None,
                   caps: list[int | None]) -> list[FrontierPoint]:
     """Run ``items`` at one (rung, threshold, keep) setting; one :class:`FrontierPoint` per cap."""
-    from edgevlm.types import OperatingPoint
+    op = _operating_point(rung, threshold, keep)
+    return summarise([_row(engine, it, op) for it in items], rung=rung, threshold=threshold, keep=keep, caps=caps)
 
-    op = OperatingPoint(name=point_name(rung, threshold, keep, None), resolution_px=rung,
-                        exit_threshold=threshold, keep_ratio=keep if keep is not None and keep < 1.0 else None)
-    rows = []
-    for it in items:
-        a = engine.ask(it.image, it.qa.question, max_new_tokens=MAX_NEW_TOKENS, operating_point=op)
-        s = a.stats
-        text_tokens = s.new_tokens - (1 if s.finish_reason == "stop" else 0)
-        rows.append((a.text.strip() == it.qa.answer, s.new_tokens, text_tokens, s.vision_ms, s.prefill_ms,
-                     s.tpot_ms, s.exit_layer is not None))
+
+def summarise(rows: list[tuple], *, rung: int | None, threshold: float | None, keep: float | None,
+              caps: list[int | None]) -> list[FrontierPoint]:
+    """Grid points (one per cap) from per-item rows ``(correct, new_tokens, text_tokens, vision_ms,
+    prefill_ms, tpot_ms, exited)``."""
     vision = statistics.median(r[3] for r in rows)
     prefill = statistics.median(r[4] for r in rows)
     tpots = [r[5] for r in rows if r[1] > 1]
@@ -87,15 +99,22 @@ def measure_point(engine, items, *, rung: int | None, threshold: float | None, k
 
 def measure_grid(engine, items, *, rungs: list[int], thresholds: list[float | None], keep_ratios: list[float],
                  caps: list[int], progress: Callable[[str], None] = logger.info) -> list[FrontierPoint]:
-    """Every grid point (see the module doc). ``thresholds`` may contain None (full depth)."""
+    """Every grid point (see the module doc). ``thresholds`` may contain None (full depth). Items
+    are the outer loop — each item runs at every setting back to back — so a slow spell of a
+    shared machine lands on all settings alike instead of inflating a few."""
     grid = [(r, t, k) for r in rungs for t in thresholds for k in keep_ratios]
-    out: list[FrontierPoint] = []
+    ops = [_operating_point(*g) for g in grid]
+    rows: list[list[tuple]] = [[] for _ in grid]
     t0 = time.perf_counter()
-    for i, (rung, threshold, keep) in enumerate(grid, start=1):
-        pts = measure_point(engine, items, rung=rung, threshold=threshold, keep=keep, caps=[None, *caps])
-        out += pts
-        progress(f"frontier: {i}/{len(grid)} {pts[0].name}: accuracy {100 * pts[0].accuracy:.1f}%, "
-                 f"e2e {pts[0].e2e_ms:.1f} ms ({time.perf_counter() - t0:.0f} s)")
+    step = max(1, len(items) // 10)
+    for i, it in enumerate(items, start=1):
+        for j, op in enumerate(ops):
+            rows[j].append(_row(engine, it, op))
+        if i % step == 0 or i == len(items):
+            progress(f"frontier: item {i}/{len(items)} x {len(grid)} settings ({time.perf_counter() - t0:.0f} s)")
+    out: list[FrontierPoint] = []
+    for (rung, threshold, keep), r in zip(grid, rows, strict=True):
+        out += summarise(r, rung=rung, threshold=threshold, keep=keep, caps=[None, *caps])
     return out
 
 
