@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         metavar="PX",
         default=None,
-        help="input resolution (longer side, px): picks a rung of the model's resolution ladder",
+        help="input resolution: the longer image side after resizing, px, rounded to the patch size "
+        "(the model is trained at its resolution-ladder rungs; default: its native size)",
     )
     ask.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N", help="default: 64")
     ask.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")

@@ -54,6 +54,10 @@ class FrontierPoint(BaseModel):
     prefill_ms: float = Field(ge=0.0, description="Median decoder prefill time (ms).")
     tpot_ms: float = Field(ge=0.0, description="Median time per output token after the first (ms).")
     e2e_ms: float | None = Field(None, ge=0.0, description="Mean end-to-end time over the evaluation set (ms).")
+    worst_case_ms: float | None = Field(
+        None, ge=0.0, description="vision + prefill + (min(24, max_new_tokens) - 1) x tpot: the controller's "
+        "prediction for a request allowing 24 tokens (ms); the frontier's latency axis.",
+    )
     exit_rate: float | None = Field(None, ge=0.0, le=1.0, description="Fraction of inputs that exited early.")
 
     def operating_point(self) -> OperatingPoint:

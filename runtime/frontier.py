@@ -8,11 +8,13 @@ rung x exit threshold (None = full depth) x keep ratio — the engine answers th
 (:func:`edgevlm.runtime.demo.scenes.eval_set`, greedy, exact match) and the per-stage times of
 :class:`~edgevlm.types.Stats` are recorded (medians). Token caps need no extra runs: under a cap
 ``c`` an answer of ``m`` text tokens is unchanged if ``m <= c`` and truncated (wrong) otherwise,
-and decoding stops after ``min(n, c)`` tokens. A point's latency for the frontier is the mean
-e2e over the set: ``vision + prefill + (min(n, c) - 1) * tpot`` per item.
+and decoding stops after ``min(n, c)`` tokens. Two latencies per point: the mean e2e over the set
+(``vision + prefill + (min(n, c) - 1) * tpot`` per item) and the worst case the latency controller
+plans with for a request allowing ``MAX_NEW_TOKENS`` tokens (``vision + prefill + (min(24, c) - 1) *
+tpot``) — the frontier's latency axis, so a token cap that costs no accuracy is preferred.
 
 The Pareto frontier keeps every point that no other point beats on both accuracy (higher) and
-latency (lower). Output: a table on stdout, ``frontier.json`` (:class:`edgevlm.profile.FrontierFile`,
+worst-case latency (lower). Output: a table on stdout, ``frontier.json`` (:class:`edgevlm.profile.FrontierFile`,
 what :func:`point_profiles` turns into the controller's :class:`~edgevlm.runtime.policy.PointProfile`
 list) and ``frontier.png`` (accuracy against latency, every point grey, the frontier in blue).
 """
@@ -87,11 +89,12 @@ def summarise(rows: list[tuple], *, rung: int | None, threshold: float | None, k
         correct = [ok and (cap is None or m <= cap) for ok, _, m, *_ in rows]
         n_tok = [min(n, cap) if cap else n for _, n, *_ in rows]
         e2e = statistics.fmean(vision + prefill + max(0, n - 1) * tpot for n in n_tok)
+        worst = vision + prefill + (min(MAX_NEW_TOKENS, cap or MAX_NEW_TOKENS) - 1) * tpot
         out.append(FrontierPoint(
             name=point_name(rung, threshold, keep, cap), resolution_px=rung, exit_threshold=threshold,
             keep_ratio=keep if keep is not None and keep < 1.0 else None, max_new_tokens=cap,
             accuracy=round(sum(correct) / len(correct), 5), vision_ms=round(vision, 3),
-            prefill_ms=round(prefill, 3), tpot_ms=round(tpot, 3), e2e_ms=round(e2e, 3),
+            prefill_ms=round(prefill, 3), tpot_ms=round(tpot, 3), e2e_ms=round(e2e, 3), worst_case_ms=round(worst, 3),
             exit_rate=round(exit_rate, 5) if threshold is not None else None,
         ))
     return out
@@ -119,10 +122,9 @@ def measure_grid(engine, items, *, rungs: list[int], thresholds: list[float | No
 
 
 def pareto(points: list[FrontierPoint]) -> list[FrontierPoint]:
-    """The points no other point dominates (accuracy >= and e2e <=, one of them strictly), sorted
-    by latency. Ties on both keep the first."""
-    def lat(p: FrontierPoint) -> float:
-        return p.e2e_ms if p.e2e_ms is not None else p.vision_ms + p.prefill_ms
+    """The points no other point dominates (accuracy >= and latency <=, one of them strictly),
+    sorted by latency (:func:`latency_ms`). Ties on both keep the first."""
+    lat = latency_ms
 
     ordered = sorted(points, key=lambda p: (lat(p), -p.accuracy))
     out: list[FrontierPoint] = []
@@ -132,6 +134,13 @@ def pareto(points: list[FrontierPoint]) -> list[FrontierPoint]:
             out.append(p)
             best = p.accuracy
     return out
+
+
+def latency_ms(p: FrontierPoint) -> float:
+    """The frontier's latency of a point: ``worst_case_ms``, else ``e2e_ms``, else vision + prefill."""
+    if p.worst_case_ms is not None:
+        return p.worst_case_ms
+    return p.e2e_ms if p.e2e_ms is not None else p.vision_ms + p.prefill_ms
 
 
 def point_profiles(points: list[FrontierPoint]):
@@ -144,29 +153,31 @@ def point_profiles(points: list[FrontierPoint]):
 def format_table(points: list[FrontierPoint]) -> str:
     """Markdown table of points: knobs, accuracy, stage medians, mean e2e."""
     lines = ["| point | res px | exit thr | keep | cap | accuracy | exit rate | vision ms | prefill ms | "
-             "tpot ms | e2e ms |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "tpot ms | e2e ms (mean) | worst case ms |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in points:
         def f(v, spec=""):
             return "-" if v is None else format(v, spec)
         lines.append(f"| {p.name} | {f(p.resolution_px)} | {f(p.exit_threshold, 'g')} | {f(p.keep_ratio, 'g')} | "
                      f"{f(p.max_new_tokens)} | {100 * p.accuracy:.1f}% | "
                      f"{'-' if p.exit_rate is None else f'{100 * p.exit_rate:.0f}%'} | {p.vision_ms:.1f} | "
-                     f"{p.prefill_ms:.1f} | {p.tpot_ms:.2f} | {f(p.e2e_ms, '.1f')} |")
+                     f"{p.prefill_ms:.1f} | {p.tpot_ms:.2f} | {f(p.e2e_ms, '.1f')} | {f(p.worst_case_ms, '.1f')} |")
     return "\n".join(lines)
 
 
 def plot(points: list[FrontierPoint], frontier: list[FrontierPoint], path: str | Path, title: str = "") -> Path:
-    """PNG: accuracy (%) against mean e2e latency (ms); all points grey, the frontier blue and named."""
+    """PNG: accuracy (%) against latency (ms, :func:`latency_ms`); all points grey, the frontier
+    blue and named."""
     from edgevlm.runtime.plot import BLUE, GREY, Chart
 
-    xs = [p.e2e_ms or 0.0 for p in points]
+    xs = [latency_ms(p) for p in points]
     ys = [100 * p.accuracy for p in points]
     x_hi = max(xs) * 1.15 if xs and max(xs) > 0 else 1.0
     y_lo = max(0.0, min(ys) - 5) if ys else 0.0
-    chart = Chart(title or "operating points: accuracy vs latency", "mean e2e latency (ms)",
+    chart = Chart(title or "operating points: accuracy vs latency", f"latency (ms): vision + prefill + "
+                  f"{MAX_NEW_TOKENS - 1} x TPOT (fewer under a token cap)",
                   "exact-match accuracy (%)", xlim=(0.0, x_hi), ylim=(y_lo, 100.0))
     chart.scatter(xs, ys, GREY, radius=3, label="grid point")
-    fx = [p.e2e_ms or 0.0 for p in frontier]
+    fx = [latency_ms(p) for p in frontier]
     fy = [100 * p.accuracy for p in frontier]
     chart.line(fx, fy, BLUE, label="Pareto frontier")
     chart.scatter(fx, fy, BLUE, radius=5, names=[p.name for p in frontier])

@@ -249,7 +249,6 @@ def train_loss(model, batch: dict, device, aux_head=None, aux_weight: float = 0.
     :func:`answer_logits`, but without boolean indexing, so no host-device sync per step.
     With ``aux_head`` (a ``Linear(Dv, N_AUX_CLASSES + 6)``), adds ``aux_weight`` × the dense
     per-patch loss of :func:`aux_labels` (coverage class, object centre, image half)."""
-    import torch
     import torch.nn.functional as F
 
     pixel_values = batch["pixel_values"].to(device, non_blocking=True)

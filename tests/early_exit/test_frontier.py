@@ -63,6 +63,9 @@ def test_run_on_tiny_engine(tmp_path, exit_engine, capsys):
     for p in record.points:
         if p.max_new_tokens == 1:  # one token: no decode step after the first
             assert p.e2e_ms == pytest.approx(p.vision_ms + p.prefill_ms, abs=1e-2)
+            assert p.worst_case_ms == pytest.approx(p.vision_ms + p.prefill_ms, abs=1e-2)
+        else:
+            assert p.worst_case_ms == pytest.approx(p.vision_ms + p.prefill_ms + 23 * p.tpot_ms, abs=1e-2)
             assert p.accuracy <= by[p.name.removesuffix("-t1")].accuracy
     assert by["r64-x0"].exit_rate == 1.0 and by["r64"].exit_rate is None
     assert [p.name for p in record.frontier] == [p.name for p in frontier.pareto(record.points)]
