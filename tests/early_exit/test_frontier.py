@@ -65,7 +65,8 @@ def test_run_on_tiny_engine(tmp_path, exit_engine, capsys):
             assert p.e2e_ms == pytest.approx(p.vision_ms + p.prefill_ms, abs=1e-2)
             assert p.worst_case_ms == pytest.approx(p.vision_ms + p.prefill_ms, abs=1e-2)
         else:
-            assert p.worst_case_ms == pytest.approx(p.vision_ms + p.prefill_ms + 23 * p.tpot_ms, abs=1e-2)
+            # each stored figure is rounded to 0.01 ms: 25 terms carry up to 0.005 ms each
+            assert p.worst_case_ms == pytest.approx(p.vision_ms + p.prefill_ms + 23 * p.tpot_ms, abs=0.13)
             assert p.accuracy <= by[p.name.removesuffix("-t1")].accuracy
     assert by["r64-x0"].exit_rate == 1.0 and by["r64"].exit_rate is None
     assert [p.name for p in record.frontier] == [p.name for p in frontier.pareto(record.points)]
