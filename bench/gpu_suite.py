@@ -145,10 +145,18 @@ def check_decode(ctx):
     ids, px = make_inputs(cfg, 24, seed=1)
     unfused = TorchBackend(model, cuda_graphs=False, fuse_projections=False)
     lu, tu = run_seq(unfused, ids, px, 24)
-    eager = TorchBackend(model, cuda_graphs=False, fuse_projections=True)  # fuses the model in place
+    eager = TorchBackend(model, cuda_graphs=False, fuse_projections=True, fused_decode=False)  # fuses in place
     le, te = run_seq(eager, ids, px, 24, forced=tu[:-1])
     check("fused_qkv_gateup_vs_unfused_rel", rel(le, lu), 2e-2)
-    graph = TorchBackend(model, cuda_graphs=True)
+    # the fused Triton decode kernels (add+RMSNorm, RoPE+KV write, SiLU*up) vs the plain layer loop
+    kernels = TorchBackend(model, cuda_graphs=True, fused_decode=True)
+    RESULTS["timings"]["fused_decode_on"] = model.language_model.fused_decode
+    lk, tk = run_seq(kernels, ids, px, 24, forced=tu[:-1])
+    check("fused_decode_kernels_vs_plain_rel", rel(lk, le), 2e-2)
+    pos_k = len(ids) + 24
+    fused_ms = event_ms(lambda: kernels.decode(tk[-1], pos_k), dev, warmup=3, iters=20)
+    kernels.graphs = None
+    graph = TorchBackend(model, cuda_graphs=True, fused_decode=False)
     lg, tg = run_seq(graph, ids, px, 24, forced=tu[:-1])
     check("graph_vs_eager_decode_rel", rel(lg, le), 1e-3)
     check("graph_vs_eager_argmax_agree", sum(a == b for a, b in zip(tg, te, strict=True)) / len(te), 1.0, ">=")
@@ -164,7 +172,7 @@ def check_decode(ctx):
     eager_ms = event_ms(lambda: eager.decode(te[-1], pos), dev, warmup=3, iters=20)
     graph_ms = event_ms(lambda: graph.decode(te[-1], pos), dev, warmup=3, iters=20)
     RESULTS["timings"]["decode_step_4layer"] = {"eager_ms": eager_ms, "graph_ms": graph_ms,
-                                                "speedup": eager_ms / graph_ms}
+                                                "speedup": eager_ms / graph_ms, "graph_fused_kernels_ms": fused_ms}
     ctx.update(ids=ids, px=px, logits_bf16=lg, tokens_bf16=tu)  # lg: graph logits with tu fed
 
 

@@ -352,6 +352,7 @@ def run_model(name: str, *, device, dtype, variants: list[str], with_hf: bool, n
     cuda = device.type == "cuda"
     if cuda:  # what TorchBackend does on CUDA, done here so that peak memory counts it once
         ours.language_model.fuse_projections()
+        ours.language_model.enable_fused_decode()
     for variant in variants:
         weights, kv = VARIANTS[variant]
         try:
@@ -360,6 +361,7 @@ def run_model(name: str, *, device, dtype, variants: list[str], with_hf: bool, n
                 quantize_decoder_w4(w4)
                 if cuda:
                     w4.language_model.fuse_projections()
+                    w4.language_model.enable_fused_decode()
             model = w4 if weights == "w4" else ours
             row = bench_edgevlm(model, cfg, kv_cache_dtype=kv, ids=ids, pixels=pixels, new_tokens=new_tokens,
                                 batch_sizes=batch_sizes, vision_batch=vision_batch, device=device, ceilings=ceilings,

@@ -271,6 +271,7 @@ class Decoder(nn.Module):
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
         self.rope_sin_signed: torch.Tensor | None = None
+        self.fused_decode = False  # see enable_fused_decode()
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int, kv_cache_dtype: str | None = None,
                      int4_group_size: int = DEFAULT_INT4_GROUP_SIZE) -> None:
@@ -330,6 +331,9 @@ class Decoder(nn.Module):
             allowed = decode_mask(input_pos, kv_len or self.max_seq_len)
             mask = torch.full(allowed.shape, float("-inf"), dtype=dt, device=embeds.device)
             mask.masked_fill_(allowed, 0.0)
+            if self.fused_decode and embeds.shape[1] == 1 and type(self.layers[0].self_attn.kv_cache) is KVCache and input_pos.dim() == 2 and not all_logits \
+                    and rows is not None:
+                return self._fused_decode(embeds, input_pos[:, 0], mask)
         x = embeds
         for layer in self.layers:
             x = layer(x, cos, sin, input_pos, mask, rows, sin_signed)
@@ -339,6 +343,44 @@ class Decoder(nn.Module):
             x = x[:, -1:]
         logits = self.lm_head(self.norm(x))  # (B, T|1, V)
         return logits if all_logits else logits[:, -1]
+
+    def enable_fused_decode(self, enabled: bool = True) -> bool:
+        """Use the fused Triton decode kernels (:mod:`edgevlm.runtime.kernels.decode_fused`) for
+        one-token steps where they apply: CUDA (or Triton's CPU interpreter), fused q/k/v and
+        gate/up projections (:meth:`fuse_projections`), SiLU MLP, 16-bit KV caches, power-of-two
+        head dim. Returns whether the fused path is now on."""
+        from edgevlm.runtime.kernels import kernels_usable
+
+        ok = enabled and len(self.layers) > 0 and kernels_usable(self.embed_tokens.weight.device) \
+            and self.cfg.hidden_act == "silu" and self.cfg.head_dim & (self.cfg.head_dim - 1) == 0 \
+            and all(layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
+                    and type(layer.self_attn.kv_cache) is KVCache for layer in self.layers)
+        self.fused_decode = bool(ok)
+        return self.fused_decode
+
+    def _fused_decode(self, embeds: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One-token decode step of rows ``0..B-1`` with the fused kernels: ``embeds (B, 1, D)``,
+        ``pos (B,)`` int64, additive ``mask (B, 1, 1, kv_len)`` -> logits ``(B, V)``. Same math as
+        the layer loop (residual adds rounded to the activation dtype, fp32 norm statistics)."""
+        from edgevlm.runtime.kernels.decode_fused import add_rms_norm, rope_kv_write, silu_mul
+
+        b, d = embeds.shape[0], embeds.shape[2]
+        x = embeds.reshape(b, d)  # (B, D) residual stream
+        first = self.layers[0].input_layernorm
+        h = F.rms_norm(x, (d,), first.weight, first.eps) if _HAS_RMS_NORM and x.is_cuda else first(x)
+        kv_len = mask.shape[-1]
+        n = len(self.layers)
+        for i, layer in enumerate(self.layers):
+            attn, cache = layer.self_attn, layer.self_attn.kv_cache
+            q = rope_kv_write(attn.qkv_proj(h), self.rope_cos, self.rope_sin, pos, cache.k, cache.v,
+                              attn.n_heads, attn.n_kv_heads)  # (B, H, 1, Dh); k, v stored at pos
+            k_all, v_all = cache.read(b, kv_len, q.dtype)  # (B, Hkv, kv_len, Dh) views
+            y = attn._masked_sdpa(q, k_all, v_all, mask)  # (B, H, 1, Dh)
+            x, h = add_rms_norm(x, attn.o_proj(y.reshape(b, -1)), layer.post_attention_layernorm.weight,
+                                layer.post_attention_layernorm.eps)
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < n else self.norm
+            x, h = add_rms_norm(x, layer.mlp.down_proj(silu_mul(layer.mlp.gate_up_proj(h))), nxt.weight, nxt.eps)
+        return self.lm_head(h)  # (B, V); h is the final norm's output
 
     def decode_step(self, token_ids: torch.Tensor, input_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
         """One batched decode step over cache rows ``0..B-1``: ``token_ids`` ``(B, 1)`` int64 at

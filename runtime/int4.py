@@ -53,6 +53,10 @@ FP16_MIN_NORMAL = 2.0**-14
 CPU_KERNEL_MAX_M = 64
 # On CUDA tinygemm is used up to this M; larger prefills dequantize into a cuBLAS matmul.
 CUDA_KERNEL_MAX_M = 64
+# ... and up to this M when the Triton dequantizer is there (bench/w4a16_tune.py, H200: tinygemm
+# 35 us at M = 8 on 12288x4096, the Triton dequantizer + cuBLAS 68 us at any M <= 64; at M = 32 on
+# 4096x4096 tinygemm takes 42 us, dequantize + cuBLAS ~20 us).
+CUDA_TRITON_KERNEL_MAX_M = 16
 
 
 @dataclass(frozen=True)
@@ -294,7 +298,12 @@ class Int4Linear(nn.Module):
 
     Execution path, chosen per call:
 
-    * CUDA, ``M <= CUDA_KERNEL_MAX_M`` rows: tinygemm ``aten._weight_int4pack_mm`` (bf16 activations).
+    * CUDA, ``M <= CUDA_TRITON_KERNEL_MAX_M`` rows (decode): tinygemm ``aten._weight_int4pack_mm``
+      (bf16 activations; 43 % of copy bandwidth on 7B shapes on an H200, ``bench/w4a16_tune.py``);
+      above it the Triton dequantizer + cuBLAS (:mod:`edgevlm.runtime.kernels.w4a16`; prefill).
+      Where tinygemm is missing, the Triton W4A16 GEMV serves decode (~2x slower than tinygemm,
+      ~25x faster than torch-op dequantization). Without triton: tinygemm up to
+      ``CUDA_KERNEL_MAX_M``, then torch-op dequantization; ``kernel = "tinygemm"`` forces that.
     * CPU, ``M <= CPU_KERNEL_MAX_M`` rows (decode): ``aten._weight_int4pack_mm_for_cpu`` with the
       activations cast to bf16 (the kernel is slow with fp32 activations).
     * Otherwise (prefill, torch builds without the ops such as older JetPack wheels, layer shapes
@@ -322,7 +331,7 @@ class Int4Linear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.group_size = group_size
-        self.kernel = "auto"  # "auto" | "dequant"
+        self.kernel = "auto"  # one of INT4_KERNELS (see set_int4_kernel)
         groups = in_features // group_size
         self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
         self.register_buffer("scales", torch.ones(out_features, groups, dtype=torch.float16, device=device))
@@ -384,11 +393,28 @@ class Int4Linear(nn.Module):
         """Name of the path :meth:`forward` takes for ``m`` activation rows on ``device``."""
         if self.kernel == "dequant":
             return "dequant"
-        conv = kernel_convention(device)
-        if conv is None or not _layer_fits_kernel(conv, self.out_features, self.in_features, self.group_size):
-            return "dequant"
-        max_m = CPU_KERNEL_MAX_M if conv == "cpu_for_cpu" else CUDA_KERNEL_MAX_M
-        return conv if m <= max_m else "dequant"
+        dev_type = torch.device(device).type
+        triton_ok = (self.kernel == "triton" or (self.kernel == "auto" and dev_type == "cuda")) \
+            and _triton_w4a16(device)
+        conv = None if self.kernel == "triton" else kernel_convention(device)
+        if conv is not None and not _layer_fits_kernel(conv, self.out_features, self.in_features, self.group_size):
+            conv = None
+        if conv == "cpu_for_cpu":
+            max_m = CPU_KERNEL_MAX_M
+        else:  # with the Triton dequantizer, dequantize + cuBLAS beats tinygemm from M ~ 32 (H200)
+            max_m = CUDA_TRITON_KERNEL_MAX_M if triton_ok else CUDA_KERNEL_MAX_M
+        if triton_ok and m == 1:
+            from edgevlm.runtime.kernels.w4a16 import prefer_gemv1
+
+            if conv is None or prefer_gemv1(self.out_features, self.in_features, self.group_size):
+                return "triton_gemv1"
+        if conv is not None and m <= max_m:
+            return conv
+        if triton_ok:
+            from edgevlm.runtime.kernels.w4a16 import GEMV_MAX_M
+
+            return "triton_gemv" if conv is None and m <= GEMV_MAX_M else "triton_dequant"
+        return "dequant"
 
     def _kernel_tensors(self, conv: str) -> tuple[torch.Tensor, torch.Tensor]:
         cache = self._kernel_cache
@@ -406,6 +432,22 @@ class Int4Linear(nn.Module):
             x = x * self.input_scale.to(x.dtype)
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         path = self.execution_path(x2.shape[0], x2.device)
+        if path == "triton_gemv1":
+            from edgevlm.runtime.kernels.w4a16 import w4a16_gemv1
+
+            y = w4a16_gemv1(x2, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
+            return y.reshape(*x.shape[:-1], self.out_features)  # (..., N)
+        if path == "triton_gemv":
+            from edgevlm.runtime.kernels.w4a16 import w4a16_gemv
+
+            y = w4a16_gemv(x2, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
+            return y.reshape(*x.shape[:-1], self.out_features)  # (..., N)
+        if path == "triton_dequant":
+            from edgevlm.runtime.kernels.w4a16 import dequantize_w4
+
+            w = dequantize_w4(self.qweight, self.scales, self.zeros, self.group_size, x2.dtype)
+            return F.linear(x2, w, self.bias.to(x2.dtype) if self.bias is not None else None).reshape(
+                *x.shape[:-1], self.out_features)
         if path == "dequant":
             y = F.linear(x2, self.dequantized_weight(x.dtype))
         else:
@@ -416,10 +458,28 @@ class Int4Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)  # (..., N)
 
 
+INT4_KERNELS = ("auto", "dequant", "tinygemm", "triton")
+
+
+def _triton_w4a16(device: torch.device) -> bool:
+    """Whether the Triton W4A16 kernels (:mod:`edgevlm.runtime.kernels.w4a16`) serve ``device``: CUDA
+    with triton importable (or the CPU interpreter, for tests), bf16/fp16 activations."""
+    from edgevlm.runtime.kernels import kernels_usable
+
+    return kernels_usable(device)
+
+
 def set_int4_kernel(module: nn.Module, kernel: str) -> int:
-    """Set ``kernel`` ("auto" or "dequant") on every :class:`Int4Linear` in ``module``; returns the count."""
-    if kernel not in ("auto", "dequant"):
-        raise ValueError(f"kernel must be 'auto' or 'dequant', got {kernel!r}")
+    """Set ``kernel`` on every :class:`Int4Linear` in ``module``; returns the count.
+
+    ``"auto"``: see :class:`Int4Linear` (tinygemm for decode, the Triton dequantizer + cuBLAS for
+    prefill on CUDA; torch's CPU int4 kernel for decode on CPU). ``"tinygemm"``: torch's int4 ops
+    and torch-op dequantization only. ``"triton"``: the Triton kernels only (GEMV for
+    ``M <= GEMV_MAX_M``; also on CPU under ``TRITON_INTERPRET=1``). ``"dequant"``: dequantize with
+    torch ops + dense matmul everywhere (the reference path).
+    Raises ``ValueError`` for another name."""
+    if kernel not in INT4_KERNELS:
+        raise ValueError(f"kernel must be one of {INT4_KERNELS}, got {kernel!r}")
     count = 0
     for m in module.modules():
         if isinstance(m, Int4Linear):
@@ -453,7 +513,7 @@ def prepare_int4_kernels(module: nn.Module) -> int:
     for m in module.modules():
         if isinstance(m, Int4Linear):
             path = m.execution_path(1, m.qweight.device)
-            if path != "dequant":
+            if path not in ("dequant", "triton_gemv", "triton_gemv1", "triton_dequant"):
                 m._kernel_tensors(path)
                 count += 1
     if count:

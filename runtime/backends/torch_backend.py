@@ -15,6 +15,9 @@ cloud profiles):
 * ``min_kv_bucket`` (default 256): smallest attended KV length on CUDA (see ``kv_bucket``).
 * ``fuse_projections`` (default: True on CUDA): q/k/v and gate/up of each decoder layer as single
   matmuls (``Decoder.fuse_projections``; exact, no extra memory).
+* ``fused_decode`` (default: True on CUDA with triton and fused projections): the fused Triton
+  decode-step kernels (``Decoder.enable_fused_decode``: residual add + RMSNorm, RoPE + KV write,
+  SiLU x up), for 16-bit KV caches.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ class TorchBackend(Backend):
 
     def __init__(self, model: LlavaModel, *, cuda_graphs: bool | None = None, kv_cache_dtype: str | None = None,
                  max_batch_size: int = 1, fused_vision_stem: bool = False, min_kv_bucket: int = 256,
-                 kv_int4_group_size: int = DEFAULT_INT4_GROUP_SIZE, fuse_projections: bool | None = None) -> None:
+                 kv_int4_group_size: int = DEFAULT_INT4_GROUP_SIZE, fuse_projections: bool | None = None,
+                 fused_decode: bool | None = None) -> None:
         self.model = model
         self.device = model.device
         self.dtype = model.dtype
@@ -69,6 +73,8 @@ class TorchBackend(Backend):
         self.min_kv_bucket = min_kv_bucket
         if self.device.type == "cuda" if fuse_projections is None else fuse_projections:
             dec.fuse_projections()
+        # the Triton decode kernels where they apply (stays off without triton or fused projections)
+        dec.enable_fused_decode(self.device.type == "cuda" if fused_decode is None else bool(fused_decode))
         want_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         if want_graphs and self.device.type != "cuda":
             logger.info("cuda_graphs requested on %s: decoding eagerly", self.device)
@@ -118,10 +124,13 @@ class TorchBackend(Backend):
 
     # ---- single request (the Backend interface) ------------------------------------------------
     @torch.inference_mode()
-    def encode_image(self, pixel_values: torch.Tensor, *, operating_point: OperatingPoint | None = None) -> torch.Tensor:
+    def encode_image(self, pixel_values: torch.Tensor, *, operating_point: OperatingPoint | None = None,
+                     prompt_ids: torch.Tensor | None = None) -> torch.Tensor:
         op = operating_point  # early exit / token pruning (edgevlm.runtime.exits, .pruning) when asked
         if op is not None and (op.exit_layer, op.exit_threshold, op.keep_ratio) != (None, None, None):
-            feats, self.last_vision_info = self.model.encode_image_adaptive(pixel_values.to(self.device), op)
+            # prompt_ids (1, T): read by question-conditioned exit confidence heads
+            feats, self.last_vision_info = self.model.encode_image_adaptive(pixel_values.to(self.device), op,
+                                                                            prompt_ids)
             return feats  # (1, N', D_text)
         self.last_vision_info = None
         return self.model.encode_image(pixel_values.to(self.device))  # (1, N, D_text)
@@ -233,7 +242,7 @@ def load(files: ModelFiles, *, device: torch.device, dtype: torch.dtype, max_seq
     if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise InvalidRequestError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
     unknown = set(options) - {"cuda_graphs", "kv_cache_dtype", "max_batch_size", "fused_vision_stem",
-                              "min_kv_bucket", "kv_int4_group_size", "fuse_projections"}
+                              "min_kv_bucket", "kv_int4_group_size", "fuse_projections", "fused_decode"}
     if unknown:
         raise InvalidRequestError(f"unknown torch backend option(s): {', '.join(sorted(unknown))}")
     model = load_model(files, device=device, dtype=dtype, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
