@@ -1,7 +1,8 @@
 """The edgevlm daemon: camera sources + one inference worker + the MQTT v5 front end.
 
 ``edgevlm serve --config FILE`` calls :func:`run`, which blocks until SIGTERM/SIGINT. Start-up
-order: sources (capture threads), the inference worker (loads the model; a failure exits 1),
+order: sources (capture threads), the inference worker (loads the model; a failure makes
+:func:`run` return 1, or raise for ``edgevlm serve``, which exits 2 with one error line),
 then MQTT (the retained status says "online" only once requests can be served), then metrics,
 telemetry and Jetson telemetry. Shutdown runs in reverse: new requests are answered ``BUSY``,
 queued ones ``BUSY`` ("shutting down"), the running one may finish within
@@ -307,12 +308,28 @@ class Daemon:
         self._started = True
         self.watchdog.start()
         if self.metrics is not None and self.config.metrics.listen is not None:
-            self.metrics.start(self.config.metrics.listen)
+            self._start_metrics(self.config.metrics.listen)
         if self.telemetry is not None:
             self.telemetry.start()
         if self.tegrastats is not None:
             self.tegrastats.start()
         self.reload.start()
+
+    def _start_metrics(self, listen: str) -> None:
+        """Serve ``/metrics`` on ``listen``; an address that cannot be bound (the port in use,
+        no permission) is one WARNING naming the config key and the port: the daemon serves
+        MQTT without the Prometheus endpoint."""
+        try:
+            self.metrics.start(listen, raise_errors=True)
+        except OSError as exc:
+            from edgevlm.daemon.metrics import parse_listen_address
+
+            host, port = parse_listen_address(listen)
+            logger.warning(
+                "metrics.listen: cannot listen on %s port %d (%s); the Prometheus endpoint is off, MQTT is "
+                "served as usual (set metrics.listen to a free port, or null)",
+                host, port, exc.strerror or exc,
+            )
 
     def wait_ready(self, timeout_s: float | None) -> bool:
         """Wait until the broker connection is up and the request topic subscribed."""
@@ -368,9 +385,24 @@ def _setup_logging(level: str) -> None:
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def run(config: DaemonConfig, *, stop_event: threading.Event | None = None) -> int:
-    """Run the daemon until SIGTERM/SIGINT (or ``stop_event``, for embedding). Returns the exit
-    status: 0 after a clean shutdown, 1 if start-up failed (e.g. the model does not load)."""
+def run(
+    config: DaemonConfig, *, stop_event: threading.Event | None = None, raise_startup_errors: bool = False
+) -> int:
+    """Run the daemon until SIGTERM/SIGINT (or ``stop_event``, for embedding).
+
+    Args:
+        config: the validated configuration.
+        stop_event: set it to stop the daemon (default: only the signals stop it).
+        raise_startup_errors: raise a start-up failure instead of logging it and returning 1
+            (``edgevlm serve`` does, to print it as its one-line error, exit status 2).
+
+    Returns:
+        The exit status: 0 after a clean shutdown, 1 if start-up failed (e.g. the model does not
+        load) and ``raise_startup_errors`` is false.
+
+    Raises:
+        EdgeVLMError: with ``raise_startup_errors``, the start-up failure (e.g. ModelLoadError).
+    """
     _setup_logging(config.log_level)
     stop = stop_event or threading.Event()
     previous: dict[int, Any] = {}
@@ -394,8 +426,10 @@ def run(config: DaemonConfig, *, stop_event: threading.Event | None = None) -> i
         try:
             daemon.start()
         except EdgeVLMError as err:
-            logger.error("start-up failed: %s", err.message)
             daemon.notifier.status(f"start-up failed: {err.message}")
+            if raise_startup_errors:
+                raise
+            logger.error("start-up failed: %s", err.message)
             return EXIT_STARTUP_FAILED
         logger.info(
             "serving %s (sources: %s)", daemon.bridge.request_topic, ", ".join(daemon.sources.names) or "none"

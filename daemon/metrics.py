@@ -360,14 +360,16 @@ class Metrics:
             self.tegra_sample, self.thermal = sample, thermal
 
     # -- HTTP endpoint --------------------------------------------------------------------------------
-    def start(self, address: str = "127.0.0.1:9108") -> tuple[str, int] | None:
+    def start(self, address: str = "127.0.0.1:9108", *, raise_errors: bool = False) -> tuple[str, int] | None:
         """Serve ``/metrics`` on ``address`` (see :func:`parse_listen_address`) in a daemon thread.
 
         Returns the bound ``(host, port)``, or ``None`` when the address cannot be bound (logged:
-        the daemon keeps serving without an endpoint).
+        the daemon keeps serving without an endpoint) and ``raise_errors`` is false.
 
         Raises:
             ValueError: a malformed address.
+            OSError: with ``raise_errors``, the address cannot be bound (nothing is logged; the
+                caller reports it).
         """
         host, port = parse_listen_address(address)
         if self._server is not None:
@@ -377,6 +379,8 @@ class Metrics:
                 port, addr=host, registry=self.registry
             )
         except OSError as exc:
+            if raise_errors:
+                raise
             logger.error("metrics: cannot listen on %s: %s; Prometheus endpoint disabled", address, exc)
             return None
         logger.info("metrics: serving Prometheus metrics on http://%s:%d/metrics", *self.address)

@@ -9,7 +9,11 @@ Subcommands::
 
 Every failure the user can cause (bad arguments, a missing or corrupt image, a bad config, a model
 that does not load) prints exactly one line, ``edgevlm: error: ...``, on stderr and exits with
-status 2; tracebacks are only logged with ``-vv``. Subsystems (torch, OpenCV, the daemon) are
+status 2; tracebacks are only logged with ``-vv``. Logging: warnings only by default, ``-v`` info,
+``-vv`` debug; ``serve`` logs at the config's ``log_level`` (default INFO, as a service should)
+unless ``-v``/``-vv`` is given. ``serve`` checks ``model.path`` (the folder, ``config.json``,
+the safetensors headers) before anything starts, and a model that then fails to load is also
+one ``edgevlm: error: ...`` line with status 2. Subsystems (torch, OpenCV, the daemon) are
 imported inside the subcommand that needs them, so ``import edgevlm.cli`` stays light.
 """
 
@@ -23,7 +27,7 @@ import time
 from typing import NoReturn
 
 from edgevlm import __version__
-from edgevlm.errors import EdgeVLMError
+from edgevlm.errors import ConfigError, EdgeVLMError, ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy (default)")
     ask.add_argument("--seed", type=int, default=None, help="sampling seed")
     ask.add_argument("--stream", action="store_true", help="print the answer while it is generated")
-    ask.add_argument("--json", action="store_true", help="print one JSON object (answer, stats, model)")
+    ask.add_argument(
+        "--json", action="store_true", help="print one JSON object: answer (the text), stats, model, question"
+    )
     ask.set_defaults(func=_cmd_ask)
 
     serve = sub.add_parser("serve", parents=[common], help="run the MQTT daemon")
@@ -158,9 +164,17 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     if not question:
         raise _UsageError("the question is empty")
 
-    from edgevlm.runtime.image import load_image  # needs OpenCV (the runtime extra)
+    from edgevlm.runtime.image import load_image, native_stderr_captured  # OpenCV: the runtime extra
 
-    image = load_image(args.image)  # fail on a bad file before loading the model
+    # Fail on a bad file before loading the model. The decoders' own stderr lines (libjpeg's
+    # "Corrupt JPEG data: ...") are kept off the terminal: the error, if any, is our one line.
+    decoder_lines: list[str] = []
+    try:
+        with native_stderr_captured() as decoder_lines:
+            image = load_image(args.image)
+    finally:
+        for line in decoder_lines:
+            logger.debug("image decoder: %s", line)
 
     from edgevlm.runtime import Engine  # torch: the runtime extra (ImportError names it)
     from edgevlm.types import OperatingPoint
@@ -193,12 +207,23 @@ def _cmd_ask(args: argparse.Namespace) -> int:
         "load_ms": round(load_ms, 1),
     }
     if args.json:
-        print(json.dumps({"answer": answer.model_dump(mode="json"), "model": model}))
+        print(json.dumps(_json_result(answer, question, model)))
         return EXIT_OK
     if not args.stream:
         print(answer.text)
     print(_format_stats(answer.stats, model))
     return EXIT_OK
+
+
+def _json_result(answer, question: str, model: dict) -> dict:
+    """What ``ask --json`` prints: ``answer`` (the text), ``stats`` (the per-stage latencies and
+    token counts of :class:`edgevlm.types.Stats`), ``model`` (folder, backend, device, dtype,
+    resolution ladder, load time), plus ``question`` and the answer's other fields (e.g.
+    ``frame_ts``) when set."""
+    data = answer.model_dump(mode="json")
+    out = {"answer": data.pop("text"), "stats": data.pop("stats"), "model": model, "question": question}
+    out.update((k, v) for k, v in data.items() if v is not None and k not in out)
+    return out
 
 
 def _format_stats(stats, model: dict) -> str:
@@ -220,20 +245,38 @@ def _format_stats(stats, model: dict) -> str:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from edgevlm.config import load_daemon_config
 
+    path = args.check_config if args.check_config is not None else args.config
+    cfg = load_daemon_config(path)
+    _check_model_path(cfg)
     if args.check_config is not None:
-        cfg = load_daemon_config(args.check_config)
         names = ", ".join(s.name for s in cfg.sources) or "none"
         print(
             f"{args.check_config}: OK (broker {cfg.mqtt.host}:{cfg.mqtt.port}, device_id {cfg.mqtt.device_id}, "
-            f"sources: {names})"
+            f"sources: {names}, model: {cfg.model.path or 'demo'})"
         )
         return EXIT_OK
-    cfg = load_daemon_config(args.config)
-    if args.verbose == 0:
+    if args.verbose == 0:  # the config's log_level (default INFO: a service logs its life to the journal)
         logging.getLogger().setLevel(cfg.log_level)
     from edgevlm.daemon.app import run
 
-    return int(run(cfg))
+    try:
+        return int(run(cfg, raise_startup_errors=True))
+    except ModelLoadError as exc:
+        where = cfg.model.path or "the demo model"
+        raise ConfigError(f"model: cannot load {where} on {cfg.model.device}: {exc.message}") from exc
+
+
+def _check_model_path(cfg) -> None:
+    """``model.path`` must name a folder that looks loadable (config.json, intact safetensors
+    headers); checked before anything starts. Raises ConfigError naming the key."""
+    if cfg.model.path is None:  # the shipped demo model
+        return
+    from edgevlm.model_folder import check_model_folder
+
+    try:
+        check_model_folder(cfg.model.path)
+    except ModelLoadError as exc:
+        raise ConfigError(f"model.path: {exc.message}") from None
 
 
 def _cmd_delegate(args: argparse.Namespace) -> int:

@@ -43,7 +43,7 @@ from edgevlm.protocol import (
     check_device_id,
     check_prefix,
 )
-from edgevlm.protocol import format_loc as _format_loc
+from edgevlm.validation import first_error_message
 
 SourceKind = Literal["v4l2", "gstreamer", "stream", "file", "csi"]
 
@@ -523,7 +523,12 @@ class DaemonConfig(BaseModel):
         4, ge=1, le=10000, description="Requests waiting for the worker; more are answered BUSY."
     )
     defaults: DefaultsConfig = Field(default_factory=DefaultsConfig, description="Request defaults.")
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Logging level.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO",
+        description="Logging level of `edgevlm serve`. INFO by default (unlike the other commands, which log "
+        "only warnings without -v): a service logs its start-up, broker connections and camera state to the "
+        "journal. -v / -vv on the command line override it with INFO / DEBUG.",
+    )
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request decoding limits.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus endpoint.")
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig, description="MQTT telemetry summary.")
@@ -564,25 +569,6 @@ class DaemonConfig(BaseModel):
         return self
 
 
-def _first_error(exc: ValidationError) -> str:
-    errors = exc.errors(include_url=False)
-    e = errors[0]
-    path = _format_loc(e["loc"])
-    if e["type"] == "extra_forbidden":
-        msg = "unknown key"
-    elif e["type"] == "missing":
-        msg = "required key missing"
-    else:
-        msg = str(e["msg"]).removeprefix("Value error, ")
-        # Model-level checks name the key themselves ("sources[1].name: ...").
-        head = msg.split(": ", 1)[0]
-        if ": " in msg and re.match(r"^[A-Za-z0-9_.\[\]]+$", head):
-            sub, msg = msg.split(": ", 1)
-            path = sub if path == "$" else f"{path}.{sub}"
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{path}: {msg}{more}"
-
-
 def parse_daemon_config(data: Any, *, base_dir: Path | None = None) -> DaemonConfig:
     """Validate a config mapping. Relative video-file paths and model paths resolve against
     ``base_dir`` (the config file's folder; default: the working directory); a video file that
@@ -598,7 +584,7 @@ def parse_daemon_config(data: Any, *, base_dir: Path | None = None) -> DaemonCon
     try:
         cfg = DaemonConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_first_error(exc)) from None
+        raise ConfigError(first_error_message(exc)) from None
     base = base_dir or Path.cwd()
     if cfg.model.path is not None and not cfg.model.path.is_absolute():
         cfg.model.path = (base / cfg.model.path).resolve()

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from edgevlm.errors import ConfigError
 from edgevlm.types import OperatingPoint
+from edgevlm.validation import first_error_message, read_json_model
 
 PROFILES_DIR_ENV = "EDGEVLM_PROFILES_DIR"
 
@@ -151,19 +152,7 @@ def load_frontier(path: str | Path) -> FrontierFile:
     Raises:
         ConfigError: missing file, not JSON, or invalid (the message names the key).
     """
-    import json
-
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"frontier file not found: {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
-    try:
-        return FrontierFile.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(f"{path}: {_error_path(exc)}") from None
+    return read_json_model(path, FrontierFile, error=ConfigError, not_found=f"frontier file not found: {path}")
 
 
 class Profile(BaseModel):
@@ -213,13 +202,6 @@ class Profile(BaseModel):
         return self
 
 
-def _error_path(err: ValidationError) -> str:
-    first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"]) or "<root>"
-    msg = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
-    return f"{loc}: {msg}"
-
-
 def profiles_dir() -> Path:
     """The folder holding the profiles: ``$EDGEVLM_PROFILES_DIR`` if set, else the shipped
     ``edgevlm.profiles`` package data (the repository's ``profiles/``)."""
@@ -256,7 +238,7 @@ def load_profile(name_or_path: str | Path) -> Profile:
     try:
         profile = Profile.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{path}: {_error_path(exc)}") from None
+        raise ConfigError(f"{path}: {first_error_message(exc)}") from None
     if profile.name != path.stem:
         raise ConfigError(f"{path}: name: {profile.name!r} must equal the file name {path.stem!r}")
     return profile

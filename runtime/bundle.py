@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from edgevlm.errors import ModelLoadError
+from edgevlm.validation import first_error_message
 
 if TYPE_CHECKING:
     import torch
@@ -166,9 +167,7 @@ def read_manifest(bundle_dir: str | Path) -> BundleManifest:
     try:
         return BundleManifest.model_validate(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"]) or "<root>"
-        raise ModelLoadError(f"{path}: {loc}: {first['msg']}") from None
+        raise ModelLoadError(f"{path}: {first_error_message(exc)}") from None
 
 
 def verify_bundle(bundle_dir: str | Path) -> BundleManifest:
@@ -242,46 +241,16 @@ def load_bundle_model(files: ModelFiles, *, device: torch.device, dtype: torch.d
         ModelLoadError: hash mismatch (names the file), bad manifest, or missing/unexpected tensors.
     """
     import torch
-    from safetensors import safe_open
 
     from edgevlm.runtime.llava import LlavaModel
-    from edgevlm.runtime.loader import canonical_key
+    from edgevlm.runtime.loader import load_weights
 
     manifest = verify_bundle(files.model_dir)
     cfg = files.config
     with torch.device("meta"):
         model = LlavaModel(cfg)
     n_int4 = swap_int4_layers(model, manifest, device="meta", dtype=dtype)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if cfg.tie_word_embeddings:
-        expected.pop("language_model.lm_head.weight", None)
-    state: dict[str, torch.Tensor] = {}
-    for path in files.weight_files:
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for key in f.keys():
-                    name = canonical_key(key, cfg)
-                    if name is None:
-                        continue
-                    if name not in expected:
-                        raise ModelLoadError(f"{path.name}: tensor {key} does not belong to the bundle's model")
-                    t = f.get_tensor(key)
-                    if tuple(t.shape) != expected[name]:
-                        raise ModelLoadError(f"{path.name}: tensor {key} has shape {tuple(t.shape)}, "
-                                             f"expected {expected[name]}")
-                    keep = name.endswith(INT4_SUFFIXES) or not t.is_floating_point()
-                    state[name] = t.to(device=device, dtype=t.dtype if keep else dtype)
-        except ModelLoadError:
-            raise
-        except Exception as exc:  # safetensors' own error types for corrupt files
-            raise ModelLoadError(f"{path}: cannot read safetensors file ({exc})") from exc
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise ModelLoadError(f"bundle {files.model_dir} is missing tensor(s): {', '.join(missing[:5])}")
-    model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        model.language_model.lm_head.weight = model.language_model.embed_tokens.weight
-    model.eval().requires_grad_(False)
+    load_weights(model, files, device=device, dtype=dtype, keep_suffixes=INT4_SUFFIXES, what="bundle")
     model.setup_caches(max_batch_size, max_seq_len)
     from edgevlm.runtime.int4 import prepare_int4_kernels
 

@@ -2,18 +2,25 @@
 
 ``decode_image(data)`` turns the bytes of a JPEG, PNG, BMP or WebP file into an ``(H, W, 3)`` uint8
 RGB array, the input :meth:`edgevlm.runtime.Engine.ask` takes. Before OpenCV sees the bytes, the
-container structure is checked here, in Python:
+container structure is checked in Python (:mod:`edgevlm.runtime.image_formats`):
 
-* the format is recognised by its magic bytes (anything else is rejected);
+* the format is recognised by its magic bytes (GIF, TIFF, HEIF/AVIF, JPEG 2000 and JPEG XL are
+  named as unsupported, anything else is unrecognised);
 * the image size is read from the header (JPEG SOFn segment, PNG IHDR, BMP info header, WebP
   VP8/VP8L/VP8X chunk) and checked against ``max_pixels`` *before* decoding, so a small file that
   claims a huge canvas (a decompression bomb) is never decoded;
-* truncation is detected: a JPEG must reach its EOI marker (segments are walked by length and
-  entropy-coded data scanned for the next marker, so an EOI inside an embedded EXIF thumbnail
-  does not count), a PNG must reach its IEND chunk, a RIFF/WebP file must hold the size its RIFF
-  header declares and an uncompressed BMP must hold all its pixel rows. Older OpenCV releases
-  decode a JPEG cut halfway into a partly grey image with only a warning on stderr; this check
-  rejects it on every OpenCV version.
+* truncation is told apart from corruption: a JPEG must reach its EOI marker (an EOI inside an
+  embedded EXIF thumbnail does not count), a PNG its IEND chunk, a RIFF/WebP file the size its
+  RIFF header declares, an uncompressed BMP all its pixel rows ("truncated ..."); a PNG chunk
+  whose CRC-32 does not match or a JPEG marker where none may stand is "corrupt ...". Older
+  OpenCV releases decode a JPEG cut halfway into a partly grey image with only a warning on
+  stderr; this check rejects it on every OpenCV version.
+
+The native decoders write their own complaints to file descriptor 2 (libpng: ``libpng error:
+...``; libjpeg: ``Corrupt JPEG data: ...`` for damage inside the entropy-coded data, which it
+decodes anyway). Structural damage is refused before they run; :func:`native_stderr_captured`
+keeps the rest off a terminal where one process decodes one image (the CLI). OpenCV's own log
+lines are always silenced.
 
 Pixel conversions:
 
@@ -27,22 +34,24 @@ Pixel conversions:
   usually unused padding and often zero), and JPEG EXIF orientation is applied by OpenCV.
   EXIF orientation in PNG/WebP is ignored.
 
-Format references: JPEG ITU-T T.81 Annex B (marker segments); PNG specification 3rd edition,
-chapters 5 and 11 (chunk layout, IHDR); BMP as documented for ``BITMAPINFOHEADER``; WebP container
-specification (RIFF, VP8/VP8L/VP8X headers) and RFC 6386 section 9.1 (VP8 frame header).
+Format references: see :mod:`edgevlm.runtime.image_formats`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import struct
+import sys
+import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from edgevlm.errors import InvalidImageError
+from edgevlm.runtime.image_formats import inspect_image
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +62,7 @@ __all__ = [
     "decode_image",
     "image_info",
     "load_image",
+    "native_stderr_captured",
 ]
 
 DEFAULT_MAX_PIXELS = 1 << 26
@@ -63,12 +73,6 @@ DEFAULT_MAX_FILE_BYTES = 256 * 1024 * 1024
 
 ALPHA_BACKGROUND_RGB = (255, 255, 255)
 """Background that images with an alpha channel are composited over (opaque white)."""
-
-_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-# JPEG start-of-frame markers carry the image size; C4 (DHT), C8 (JPG) and CC (DAC) share the range.
-_JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
-# Markers without a length field: TEM, RSTn, SOI, EOI.
-_JPEG_STANDALONE = {0x01, *range(0xD0, 0xDA)}
 
 _cv2_log_lock = threading.Lock()
 
@@ -83,147 +87,9 @@ def _cv2():
     return cv2
 
 
-def _truncated(fmt: str, detail: str) -> InvalidImageError:
-    return InvalidImageError(f"truncated {fmt} image: {detail}")
-
-
-def _jpeg_info(data: bytes) -> tuple[int, int]:
-    """Walk a JPEG's marker segments (T.81 B.1.1); return (width, height) from the SOFn segment.
-
-    Raises InvalidImageError when a segment runs past the end or no EOI marker follows the scan(s).
-    """
-    n = len(data)
-    pos = 2  # after SOI
-    size: tuple[int, int] | None = None
-    in_scan = False
-    while True:
-        if in_scan:
-            # Entropy-coded data: 0xFF is followed by a stuffed 0x00 or an RSTn marker; anything
-            # else (after optional 0xFF fill bytes) is the next marker.
-            while True:
-                pos = data.find(b"\xff", pos)
-                if pos < 0 or pos + 1 >= n:
-                    raise _truncated("JPEG", "the data ends inside the scan, before the EOI marker")
-                nxt = data[pos + 1]
-                if nxt == 0x00 or 0xD0 <= nxt <= 0xD7 or nxt == 0xFF:
-                    pos += 1 if nxt == 0xFF else 2
-                    continue
-                break
-            in_scan = False
-        if pos >= n:
-            raise _truncated("JPEG", "no EOI marker")
-        if data[pos] != 0xFF:
-            raise InvalidImageError(f"corrupt JPEG image: expected a marker at byte {pos}")
-        while pos < n and data[pos] == 0xFF:  # fill bytes before a marker
-            pos += 1
-        if pos >= n:
-            raise _truncated("JPEG", "no EOI marker")
-        marker = data[pos]
-        pos += 1
-        if marker == 0xD9:  # EOI
-            break
-        if marker in _JPEG_STANDALONE:
-            continue
-        if pos + 2 > n:
-            raise _truncated("JPEG", f"segment 0xFF{marker:02X} header cut off")
-        (length,) = struct.unpack_from(">H", data, pos)
-        if length < 2:
-            raise InvalidImageError(f"corrupt JPEG image: segment 0xFF{marker:02X} has length {length}")
-        if pos + length > n:
-            raise _truncated("JPEG", f"segment 0xFF{marker:02X} runs past the end of the data")
-        if marker in _JPEG_SOF and size is None:
-            if length < 8:
-                raise InvalidImageError("corrupt JPEG image: short start-of-frame segment")
-            height, width = struct.unpack_from(">HH", data, pos + 3)
-            size = (width, height)
-        if marker == 0xDA:  # SOS: entropy-coded data follows the header
-            if size is None:
-                raise InvalidImageError("corrupt JPEG image: scan before the start-of-frame segment")
-            in_scan = True
-        pos += length
-    if size is None:
-        raise InvalidImageError("corrupt JPEG image: no start-of-frame segment")
-    return size
-
-
-def _png_info(data: bytes) -> tuple[int, int]:
-    """Walk a PNG's chunks (PNG spec 5.3); return (width, height) from IHDR. Requires IEND."""
-    n = len(data)
-    pos = len(_PNG_SIGNATURE)
-    size: tuple[int, int] | None = None
-    while True:
-        if pos + 8 > n:
-            raise _truncated("PNG", "the data ends before the IEND chunk")
-        length, ctype = struct.unpack_from(">I4s", data, pos)
-        if size is None:
-            if ctype != b"IHDR" or length < 13:
-                raise InvalidImageError("corrupt PNG image: the first chunk is not IHDR")
-            if pos + 16 > n:
-                raise _truncated("PNG", "IHDR chunk cut off")
-            size = struct.unpack_from(">II", data, pos + 8)
-        end = pos + 12 + length  # length, type, data, CRC
-        if end > n:
-            raise _truncated("PNG", f"chunk {ctype.decode('latin-1')!r} runs past the end of the data")
-        if ctype == b"IEND":
-            break
-        pos = end
-    return size
-
-
-def _bmp_info(data: bytes) -> tuple[int, int]:
-    """Read a BMP's info header; return (width, height). Checks that uncompressed rows are all there."""
-    n = len(data)
-    if n < 26:
-        raise _truncated("BMP", "header cut off")
-    (pixel_offset,) = struct.unpack_from("<I", data, 10)
-    (header_size,) = struct.unpack_from("<I", data, 14)
-    if header_size == 12:  # BITMAPCOREHEADER
-        width, height, _planes, bpp = struct.unpack_from("<hhHH", data, 18)
-        compression = 0
-    elif header_size >= 40:
-        if n < 34:
-            raise _truncated("BMP", "header cut off")
-        width, height, _planes, bpp, compression = struct.unpack_from("<iiHHI", data, 18)
-    else:
-        raise InvalidImageError(f"corrupt BMP image: unknown info header size {header_size}")
-    height = abs(height)  # negative height = top-down rows
-    if width <= 0 or height <= 0:
-        raise InvalidImageError(f"corrupt BMP image: size {width} x {height}")
-    if compression in (0, 3, 6) and bpp in (1, 4, 8, 16, 24, 32):  # BI_RGB, BI_BITFIELDS
-        row_bytes = ((bpp * width + 31) // 32) * 4
-        if pixel_offset + row_bytes * height > n:
-            raise _truncated("BMP", f"{n} bytes, the pixel rows need {pixel_offset + row_bytes * height}")
-    return width, height
-
-
-def _webp_info(data: bytes) -> tuple[int, int]:
-    """Read a WebP's RIFF header and first image chunk; return (width, height)."""
-    n = len(data)
-    (riff_size,) = struct.unpack_from("<I", data, 4)
-    if 8 + riff_size > n:
-        raise _truncated("WebP", f"{n} bytes, the RIFF header declares {8 + riff_size}")
-    if n < 30:
-        raise _truncated("WebP", "header cut off")
-    chunk = data[12:16]
-    if chunk == b"VP8 ":  # lossy: RFC 6386 9.1, 3-byte frame tag then start code 9d 01 2a
-        if data[23:26] != b"\x9d\x01\x2a":
-            raise InvalidImageError("corrupt WebP image: bad VP8 start code")
-        w, h = struct.unpack_from("<HH", data, 26)
-        return w & 0x3FFF, h & 0x3FFF
-    if chunk == b"VP8L":  # lossless: signature 0x2f, then 14-bit width-1 and height-1
-        if data[20] != 0x2F:
-            raise InvalidImageError("corrupt WebP image: bad VP8L signature")
-        (bits,) = struct.unpack_from("<I", data, 21)
-        return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
-    if chunk == b"VP8X":  # extended: 24-bit canvas width-1 and height-1
-        w = int.from_bytes(data[24:27], "little") + 1
-        h = int.from_bytes(data[27:30], "little") + 1
-        return w, h
-    raise InvalidImageError(f"corrupt WebP image: unknown chunk {chunk!r}")
-
-
 def image_info(data: bytes) -> tuple[str, int, int]:
-    """Identify an encoded image and check that it is complete, without decoding pixels.
+    """Identify an encoded image and check that it is complete and intact, without decoding
+    pixels (:func:`edgevlm.runtime.image_formats.inspect_image`).
 
     Args:
         data: the file's bytes.
@@ -233,26 +99,40 @@ def image_info(data: bytes) -> tuple[str, int, int]:
         ``"webp"``.
 
     Raises:
-        InvalidImageError: unknown format, truncated or structurally corrupt file.
+        InvalidImageError: unknown or unsupported format, truncated or corrupt file; the message
+            starts with ``truncated``, ``corrupt``, ``unsupported`` or ``unrecognised``.
     """
-    if len(data) == 0:
-        raise InvalidImageError("empty image data")
-    if data[:3] == b"\xff\xd8\xff":
-        fmt, (w, h) = "jpeg", _jpeg_info(data)
-    elif data[:8] == _PNG_SIGNATURE:
-        fmt, (w, h) = "png", _png_info(data)
-    elif data[:2] == b"BM":
-        fmt, (w, h) = "bmp", _bmp_info(data)
-    elif data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        fmt, (w, h) = "webp", _webp_info(data)
-    else:
-        raise InvalidImageError(
-            f"unrecognised image data ({len(data)} bytes starting {data[:8].hex()}): "
-            "expected JPEG, PNG, BMP or WebP"
-        )
-    if w <= 0 or h <= 0:
-        raise InvalidImageError(f"corrupt {fmt.upper()} image: size {w} x {h}")
-    return fmt, w, h
+    header = inspect_image(data)
+    return header.fmt, header.width_px, header.height_px
+
+
+@contextlib.contextmanager
+def native_stderr_captured() -> Iterator[list[str]]:
+    """Redirect file descriptor 2 into a temporary file while the block runs, so that what the
+    native decoders write there (libpng's ``libpng error: ...``, libjpeg's ``Corrupt JPEG data:
+    ...``) does not reach the terminal. Yields a list that receives the captured lines when the
+    block ends (also when it raises).
+
+    The redirect is process-wide: use it only where no other thread writes to stderr meanwhile
+    (the ``edgevlm ask`` command decodes its image before anything else starts). Python's
+    ``sys.stderr`` is flushed before and after.
+    """
+    lines: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with tempfile.TemporaryFile() as tmp:
+            os.dup2(tmp.fileno(), 2)
+            try:
+                yield lines
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+                tmp.seek(0)
+                text = tmp.read().decode("utf-8", errors="replace")
+                lines.extend(line for line in text.splitlines() if line.strip())
+    finally:
+        os.close(saved)
 
 
 def _imdecode(data: bytes, flags: int) -> np.ndarray | None:
@@ -307,10 +187,11 @@ def decode_image(data: bytes | bytearray | memoryview, *, max_pixels: int = DEFA
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise InvalidImageError(f"image data must be bytes, not {type(data).__name__}")
     data = bytes(data)
-    fmt, width, height = image_info(data)
+    header = inspect_image(data)
+    fmt, width, height = header.fmt, header.width_px, header.height_px
     if width * height > max_pixels:
         raise InvalidImageError(
-            f"{fmt.upper()} image is {width} x {height} = {width * height} pixels, "
+            f"{header.name} image is {width} x {height} = {width * height} pixels, "
             f"over the limit of {max_pixels}"
         )
     cv2 = _cv2()
@@ -318,7 +199,9 @@ def decode_image(data: bytes | bytearray | memoryview, *, max_pixels: int = DEFA
     flags = cv2.IMREAD_COLOR if fmt in ("jpeg", "bmp") else cv2.IMREAD_UNCHANGED
     img = _imdecode(data, flags)
     if img is None or img.size == 0:
-        raise InvalidImageError(f"corrupt {fmt.upper()} image: OpenCV cannot decode it")
+        if header.variant:
+            raise InvalidImageError(f"unsupported {header.name} image: {header.variant} (OpenCV cannot decode it)")
+        raise InvalidImageError(f"corrupt {header.name} image: the pixel data does not decode")
     img = _to_uint8(img)
     if img.ndim == 3 and img.shape[2] == 1:
         img = img[:, :, 0]
@@ -332,7 +215,7 @@ def decode_image(data: bytes | bytearray | memoryview, *, max_pixels: int = DEFA
     elif img.shape[2] == 4:  # BGRA
         rgb = _composite(img[:, :, 2::-1], img[:, :, 3])
     else:
-        raise InvalidImageError(f"unsupported {fmt.upper()} image with {img.shape[2]} channels")
+        raise InvalidImageError(f"unsupported {header.name} image with {img.shape[2]} channels")
     return np.ascontiguousarray(rgb)
 
 

@@ -17,21 +17,19 @@ Weight layouts accepted (all mapped to :class:`~edgevlm.runtime.llava.LlavaModel
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from edgevlm.errors import ModelLoadError
+from edgevlm.model_folder import check_safetensors, read_json, weight_files
 from edgevlm.runtime.config import LlavaConfig, parse_config
 from edgevlm.runtime.llava import LlavaModel
 
 logger = logging.getLogger(__name__)
 
-_REFUSED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.gguf", "*.h5", "*.msgpack")
 _IGNORED_SUFFIXES = ("position_ids", "rotary_emb.inv_freq")
 
 
@@ -48,45 +46,6 @@ class ModelFiles:
     image_std: tuple[float, float, float] | None = None
 
 
-def read_json(path: Path, *, required: bool = True) -> Any:
-    """Parse a JSON file; ModelLoadError naming the file when it is missing (and required) or invalid."""
-    if not path.is_file():
-        if required:
-            raise ModelLoadError(f"model folder {path.parent} has no {path.name}")
-        return None
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"{path}: not valid JSON ({exc})") from exc
-
-
-def weight_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a checkpoint (sharded index first, then ``model.safetensors``, then
-    any ``*.safetensors``). Raises ModelLoadError for missing shards or non-safetensors weights."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = (read_json(index) or {}).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ModelLoadError(f"{index}: missing or empty 'weight_map'")
-        files = sorted({model_dir / str(name) for name in weight_map.values()})
-        for f in files:
-            if not f.is_file():
-                raise ModelLoadError(f"model folder {model_dir} has no {f.name} (listed in {index.name})")
-        return files
-    if (model_dir / "model.safetensors").is_file():
-        return [model_dir / "model.safetensors"]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if files:
-        return files
-    refused = sorted({p.name for pattern in _REFUSED_WEIGHTS for p in model_dir.glob(pattern)})
-    if refused:
-        raise ModelLoadError(
-            f"model folder {model_dir} holds {', '.join(refused)}: only safetensors weights are accepted "
-            "(convert the checkpoint with transformers' save_pretrained(safe_serialization=True))"
-        )
-    raise ModelLoadError(f"model folder {model_dir} has no model.safetensors")
-
-
 def read_model_files(model_dir: str | Path) -> ModelFiles:
     """Read and validate a checkpoint folder's metadata (no tensors are loaded).
 
@@ -99,6 +58,8 @@ def read_model_files(model_dir: str | Path) -> ModelFiles:
     raw = read_json(model_dir / "config.json")
     cfg = parse_config(raw)
     files = weight_files(model_dir)
+    for f in files:
+        check_safetensors(f)  # header vs file size: a truncated file is named before torch reads it
     eos: list[int] = []
     gen = read_json(model_dir / "generation_config.json", required=False)
     if isinstance(gen, dict):
@@ -171,19 +132,50 @@ def load_model(
     Raises:
         ModelLoadError: a required tensor is missing, has the wrong shape, or an unknown one is present.
     """
-    from safetensors import safe_open
-
     from edgevlm.runtime.bundle import is_bundle, load_bundle_model
 
     if is_bundle(files.model_dir):  # INT4 engine bundle from `edgevlm quantize` (see runtime/bundle.py)
         return load_bundle_model(files, device=device, dtype=dtype, max_seq_len=max_seq_len,
                                  max_batch_size=max_batch_size)
-    cfg = files.config
     with torch.device("meta"):
-        model = LlavaModel(cfg)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    if cfg.tie_word_embeddings:
-        expected.pop("language_model.lm_head.weight", None)
+        model = LlavaModel(files.config)
+    load_weights(model, files, device=device, dtype=dtype)
+    model.setup_caches(max_batch_size, max_seq_len)
+    logger.info(
+        "loaded %s: %.1fM parameters, %s on %s, KV cache %d positions",
+        files.model_dir, sum(p.numel() for p in model.parameters()) / 1e6, dtype, device, max_seq_len,
+    )
+    return model
+
+
+def load_weights(
+    model: LlavaModel,
+    files: ModelFiles,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    keep_suffixes: tuple[str, ...] = (),
+    what: str = "checkpoint",
+) -> None:
+    """Read every tensor of ``files.weight_files`` (memory-mapped by ``safe_open``) into ``model``,
+    a :class:`LlavaModel` built on the meta device, then tie the embeddings (when the config says
+    so) and put it in eval mode. Checkpoint names are mapped by :func:`canonical_key`.
+
+    Floating tensors are converted to ``dtype`` except those whose canonical name ends with one
+    of ``keep_suffixes`` (INT4 codes, scales and zeros keep their stored dtypes); integer tensors
+    keep theirs. A tied ``lm_head`` stored in the file is skipped.
+
+    Raises:
+        ModelLoadError: a file that safetensors cannot read, a tensor of the wrong shape, tensors
+            the model does not have, or tensors the model needs that no file holds; ``what``
+            ("checkpoint", "bundle") names the folder in the message.
+    """
+    from safetensors import safe_open
+
+    cfg = files.config
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    tied_head = "language_model.lm_head.weight" if cfg.tie_word_embeddings else None
+    expected.pop(tied_head, None)
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     for path in files.weight_files:
@@ -191,36 +183,32 @@ def load_model(
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for key in f.keys():
                     name = canonical_key(key, cfg)
-                    if name is None:
+                    if name is None or name == tied_head:
                         continue
                     if name not in expected:
                         unexpected.append(key)
                         continue
-                    if cfg.tie_word_embeddings and name == "language_model.lm_head.weight":
-                        continue
                     t = f.get_tensor(key)
-                    if tuple(t.shape) != tuple(expected[name]):
+                    if tuple(t.shape) != expected[name]:
                         raise ModelLoadError(
                             f"{path.name}: tensor {key} has shape {tuple(t.shape)}, "
-                            f"config.json implies {tuple(expected[name])}"
+                            f"config.json implies {expected[name]}"
                         )
-                    state[name] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+                    keep = name.endswith(keep_suffixes) if keep_suffixes else False
+                    keep = keep or not t.is_floating_point()
+                    state[name] = t.to(device=device, dtype=t.dtype if keep else dtype)
         except ModelLoadError:
             raise
         except Exception as exc:  # safetensors raises its own error types for corrupt files
             raise ModelLoadError(f"{path}: cannot read safetensors file ({exc})") from exc
     if unexpected:
-        raise ModelLoadError(f"checkpoint has tensors the LLaVA runtime does not know: {', '.join(unexpected[:5])}")
+        raise ModelLoadError(
+            f"{what} {files.model_dir} has tensors the LLaVA runtime does not know: {', '.join(unexpected[:5])}"
+        )
     missing = sorted(set(expected) - set(state))
     if missing:
-        raise ModelLoadError(f"checkpoint {files.model_dir} is missing tensor(s): {', '.join(missing[:5])}")
+        raise ModelLoadError(f"{what} {files.model_dir} is missing tensor(s): {', '.join(missing[:5])}")
     model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
+    if tied_head is not None:
         model.language_model.lm_head.weight = model.language_model.embed_tokens.weight
     model.eval().requires_grad_(False)
-    model.setup_caches(max_batch_size, max_seq_len)
-    logger.info(
-        "loaded %s: %.1fM parameters, %s on %s, KV cache %d positions",
-        files.model_dir, sum(p.numel() for p in model.parameters()) / 1e6, dtype, device, max_seq_len,
-    )
-    return model

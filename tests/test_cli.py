@@ -78,9 +78,21 @@ def image_files(tmp_path_factory) -> dict[str, Path]:
     (d / "truncated.jpg").write_bytes(jpg[: len(jpg) // 2])
     (d / "garbage.png").write_bytes(b"this is not an image at all\n" * 20)
     (d / "empty.jpg").write_bytes(b"")
-    for name in ("truncated.jpg", "garbage.png", "empty.jpg"):
+    png = files["scene.png"].read_bytes()
+    (d / "flipped.png").write_bytes(_flip_middle(png))
+    noise = (np.random.default_rng(0).random((64, 80, 3)) * 255).astype(np.uint8)
+    (d / "flipped.jpg").write_bytes(_flip_middle(cv2.imencode(".jpg", noise)[1].tobytes()))  # makes markers
+    for name in ("truncated.jpg", "garbage.png", "empty.jpg", "flipped.png", "flipped.jpg"):
         files[name] = d / name
     return files
+
+
+def _flip_middle(data: bytes, n: int = 40) -> bytes:
+    """Bytes XORed in the middle of a file: damaged, not truncated (a fresh-clone user's test)."""
+    out = bytearray(data)
+    for i in range(len(out) // 2, len(out) // 2 + n):
+        out[i] ^= 0x5A
+    return bytes(out)
 
 
 def _expected_text(model: Path, image_path: Path, question: str) -> str:
@@ -138,14 +150,19 @@ def test_ask_json(tiny_model: Path, image_files: dict[str, Path]) -> None:
         "--max-new-tokens", str(MAX_NEW_TOKENS), "what", "color", "is", "the", "circle?",
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
+    assert res.stdout.count("\n") == 1  # one JSON object on one line
     out = json.loads(res.stdout)
-    assert out["answer"]["text"] == expected
-    stats = out["answer"]["stats"]
+    # The README's shape: top-level answer (the text), stats, model (+ the question asked).
+    assert set(out) == {"answer", "stats", "model", "question"}
+    assert out["answer"] == expected and out["question"] == QUESTION
+    stats = out["stats"]
     assert (stats["input_width_px"], stats["input_height_px"]) == (64, 48)
     assert 1 <= stats["new_tokens"] <= MAX_NEW_TOKENS
     assert stats["e2e_ms"] >= stats["ttft_ms"] > 0
+    assert stats["vision_tokens"] == 12 and stats["backend"] == "torch"
     assert out["model"]["model_dir"] == str(tiny_model)
     assert out["model"]["backend"] == "torch" and out["model"]["device"] == "cpu"
+    assert out["model"]["dtype"] == "float32" and out["model"]["resolution_ladder"] == [64]
 
 
 @pytest.mark.parametrize("name", ["scene.jpg", "scene.bmp", "scene.webp", "scene16.png", "scene_rgba.png"])
@@ -191,7 +208,7 @@ def test_ask_demo_model_by_default(tmp_path: Path) -> None:
         question = "how many shapes are there?"
         code_out = run_cli("ask", "--json", "--image", str(path), question)
         assert code_out.returncode == 0, code_out.stderr
-        answer = json.loads(code_out.stdout)["answer"]["text"]
+        answer = json.loads(code_out.stdout)["answer"]
         total += 1
         right += answer.strip() == scenes.answer(scene, "count_total")
     assert right >= 2, f"{right}/{total} right"
@@ -206,11 +223,33 @@ def test_ask_demo_model_by_default(tmp_path: Path) -> None:
         ("truncated.jpg", "truncated JPEG"),
         ("garbage.png", "unrecognised image data"),
         ("empty.jpg", "empty image data"),
+        ("flipped.png", "corrupt PNG image: chunk 'IDAT' at byte"),  # and no "libpng error: ..." line
+        ("flipped.jpg", "corrupt JPEG image: "),
     ],
 )
 def test_bad_image_file_is_one_line_exit_2(name: str, needle: str, image_files: dict[str, Path]) -> None:
     res = run_cli("ask", "--image", str(image_files[name]), "what is this?")
-    assert_one_line_error(res, needle, name)
+    line = assert_one_line_error(res, needle, name)
+    assert "truncated" not in line or name == "truncated.jpg"
+
+
+def test_decoder_warnings_do_not_reach_the_terminal(tiny_model: Path, tmp_path: Path) -> None:
+    """Damage inside a JPEG's entropy-coded data decodes (libjpeg pads it) with a warning that
+    libjpeg prints on fd 2; ``ask`` keeps it off stderr (shown with -vv as a debug line)."""
+    y, x = np.mgrid[0:48, 0:64]
+    bgr = np.stack([x * 4, y * 5, np.full_like(x, 120)], axis=-1).astype(np.uint8)
+    ok, buf = cv2.imencode(".jpg", bgr, [cv2.IMWRITE_JPEG_QUALITY, 95])
+    data = buf.tobytes()
+    sos = data.index(b"\xff\xda")
+    start = sos + 2 + int.from_bytes(data[sos + 2 : sos + 4], "big")
+    body = data[start:-2]
+    path = tmp_path / "damaged.jpg"
+    path.write_bytes(data[:start] + body[: len(body) // 2] + data[-2:])  # scan cut short, EOI kept
+    res = run_cli("ask", "--image", str(path), "--model", str(tiny_model), "--max-new-tokens", "2", "q?")
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == ""
+    res = run_cli("-vv", "ask", "--image", str(path), "--model", str(tiny_model), "--max-new-tokens", "2", "q?")
+    assert res.returncode == 0 and "image decoder: Corrupt JPEG data" in res.stderr
 
 
 def test_missing_and_directory_image(tmp_path: Path) -> None:
@@ -280,7 +319,9 @@ def test_check_config_ok(tmp_path: Path) -> None:
     )
     res = run_cli("serve", "--check-config", str(cfg), timeout=60)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == f"{cfg}: OK (broker 127.0.0.1:18830, device_id robot-7, sources: front, usb)"
+    assert res.stdout.strip() == (
+        f"{cfg}: OK (broker 127.0.0.1:18830, device_id robot-7, sources: front, usb, model: demo)"
+    )
 
 
 @pytest.mark.parametrize(
@@ -310,3 +351,80 @@ def test_serve_with_bad_config_does_not_start(tmp_path: Path) -> None:
     cfg = tmp_path / "daemon.yaml"
     cfg.write_text("model:\n  dtype: float8\n")
     assert_one_line_error(run_cli("serve", "--config", str(cfg), timeout=60), "model.dtype")
+
+
+# ------------------------------------------------------------------------- serve: model.path
+
+
+def _serve_config(tmp_path: Path, model: Path) -> Path:
+    cfg = tmp_path / "daemon.yaml"
+    # Port 1: nothing listens; the model is checked (and loaded) before the broker is contacted.
+    cfg.write_text(f"mqtt:\n  host: 127.0.0.1\n  port: 1\nmodel:\n  path: {model}\nmetrics:\n  listen: null\n")
+    return cfg
+
+
+def _broken_models(tmp_path: Path, tiny_model: Path) -> dict[str, tuple[Path, str]]:
+    """Model folders a user gets wrong, with the exact one-line error each must give."""
+    import shutil
+
+    out: dict[str, tuple[Path, str]] = {}
+    missing = tmp_path / "no-such-model"
+    out["missing"] = (missing, f"model.path: model folder {missing} does not exist")
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    out["no config.json"] = (empty, f"model.path: model folder {empty} has no config.json")
+    garbage = tmp_path / "garbage-weights"
+    shutil.copytree(tiny_model, garbage)
+    junk = b"\x89PNG this is not a safetensors file" * 100
+    (garbage / "model.safetensors").write_bytes(junk)
+    out["garbage weights"] = (
+        garbage,
+        f"model.path: {garbage / 'model.safetensors'}: not a safetensors file (header size field "
+        f"{int.from_bytes(junk[:8], 'little')} is implausible)",
+    )
+    cut = tmp_path / "truncated-weights"
+    shutil.copytree(tiny_model, cut)
+    weights = cut / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    header_n = int.from_bytes(data[:8], "little")
+    declared = len(data) - 8 - header_n
+    out["truncated weights"] = (
+        cut,
+        f"model.path: {weights}: truncated safetensors file: the header declares {declared} bytes of tensor "
+        f"data, the file holds {len(data) // 2 - 8 - header_n}",
+    )
+    return out
+
+
+@pytest.mark.parametrize("case", ["missing", "no config.json", "garbage weights", "truncated weights"])
+@pytest.mark.parametrize("mode", ["--check-config", "--config"])
+def test_serve_model_that_cannot_load_is_one_line_exit_2(
+    tmp_path: Path, tiny_model: Path, case: str, mode: str
+) -> None:
+    model, message = _broken_models(tmp_path, tiny_model)[case]
+    res = run_cli("serve", mode, str(_serve_config(tmp_path, model)), timeout=120)
+    assert assert_one_line_error(res) == f"edgevlm: error: {message}"
+
+
+def test_serve_model_that_fails_while_loading_exits_2(tmp_path: Path, tiny_model: Path) -> None:
+    """Intact files whose tensors do not match config.json pass the folder check and fail in the
+    loader: still exit 2 and the error as the last line (after the daemon's start-up log lines)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    model = tmp_path / "missing-tensor"
+    shutil.copytree(tiny_model, model)
+    tensors = load_file(model / "model.safetensors")
+    dropped = sorted(k for k in tensors if k.endswith("post_attention_layernorm.weight"))[0]
+    del tensors[dropped]
+    save_file(tensors, model / "model.safetensors")
+    cfg = _serve_config(tmp_path, model)
+    assert run_cli("serve", "--check-config", str(cfg), timeout=60).returncode == 0  # looks loadable
+    res = run_cli("serve", "--config", str(cfg), timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr and res.stdout == ""
+    last = res.stderr.splitlines()[-1]
+    assert last.startswith(f"edgevlm: error: model: cannot load {model} on cpu: checkpoint {model} is missing tensor(s): ")
+    assert "start-up failed" not in res.stderr  # reported once, by the CLI

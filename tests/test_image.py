@@ -233,10 +233,119 @@ def test_truncated_png_webp_bmp_rejected() -> None:
 
 @pytest.mark.parametrize(
     "data",
-    [b"garbage bytes, not an image" * 10, b"\x00" * 64, b"GIF89a" + b"\x00" * 40, bytes(range(256))],
+    [b"garbage bytes, not an image" * 10, b"\x00" * 64, bytes(range(256))],
 )
 def test_garbage_rejected(data: bytes) -> None:
     _raises_one_line(data, "unrecognised image data")
+
+
+@pytest.mark.parametrize(
+    ("data", "name"),
+    [
+        (b"GIF89a" + b"\x00" * 40, "GIF"),
+        (b"GIF87a" + b"\x00" * 40, "GIF"),
+        (b"II*\x00" + b"\x00" * 40, "TIFF"),
+        (b"MM\x00*" + b"\x00" * 40, "TIFF"),
+        (b"\x00\x00\x00\x1cftypavif" + b"\x00" * 40, "AVIF"),
+        (b"\x00\x00\x00\x18ftypheic" + b"\x00" * 40, "HEIF"),
+        (b"\x00\x00\x00\x0cjP  \r\n\x87\n" + b"\x00" * 40, "JPEG 2000"),
+        (b"\xff\x0a" + b"\x00" * 40, "JPEG XL"),
+    ],
+)
+def test_known_unsupported_formats_are_named(data: bytes, name: str) -> None:
+    assert _raises_one_line(data, "unsupported") == f"unsupported image format {name}: expected JPEG, PNG, BMP or WebP"
+
+
+def _flip_middle(data: bytes, n: int = 40, mask: int = 0x5A) -> bytes:
+    """``n`` bytes XORed with ``mask`` in the middle of the file: nothing is missing, it is damaged."""
+    out = bytearray(data)
+    mid = len(out) // 2
+    for i in range(mid, mid + n):
+        out[i] ^= mask
+    return bytes(out)
+
+
+def test_png_with_flipped_bytes_is_corrupt_and_libpng_stays_quiet(capfd) -> None:
+    rng = np.random.default_rng(0)
+    data = _encode(".png", (rng.random((64, 80, 3)) * 255).astype(np.uint8))
+    bad = _flip_middle(data)
+    idat = data.index(b"IDAT") - 4  # the chunk starts at its length field
+    assert _raises_one_line(bad, "corrupt PNG") == (
+        f"corrupt PNG image: chunk 'IDAT' at byte {idat} fails its CRC check (damaged data)"
+    )
+    # Refused before libpng runs: nothing ("libpng error: bad adaptive filter value") on fd 2.
+    assert capfd.readouterr().err == ""
+
+
+def _jpeg_scan_start(data: bytes) -> int:
+    """Byte offset of the first entropy-coded byte (after the SOS segment) of a baseline JPEG."""
+    sos = data.index(b"\xff\xda")
+    return sos + 2 + struct.unpack_from(">H", data, sos + 2)[0]
+
+
+def test_jpeg_with_flipped_bytes_is_corrupt_not_truncated() -> None:
+    rng = np.random.default_rng(0)
+    data = _encode(".jpg", (rng.random((64, 80, 3)) * 255).astype(np.uint8))
+    msg = _raises_one_line(_flip_middle(data), "corrupt JPEG")  # the file still ends with EOI
+    assert "truncated" not in msg
+    # A reserved marker inside the scan data: named with its offset.
+    pos = _jpeg_scan_start(data) + 10
+    bad = data[:pos] + b"\xff\x02" + data[pos:]
+    assert _raises_one_line(bad, "corrupt JPEG") == (
+        f"corrupt JPEG image: marker 0xFF02 at byte {pos} cannot follow scan data"
+    )
+    # A damaged segment length that runs past the end, in a file that ends with its EOI marker.
+    dqt = data.index(b"\xff\xdb")
+    bad = data[: dqt + 2] + b"\xff\xf0" + data[dqt + 4 :]
+    assert _raises_one_line(bad, "corrupt JPEG") == (
+        "corrupt JPEG image: segment 0xFFDB runs past the end of the data, but the file ends with an "
+        "EOI marker (a damaged length)"
+    )
+    # The same file cut before its end is truncated, whatever the damage.
+    _raises_one_line(bad[: len(bad) // 2], "truncated JPEG")
+
+
+def test_jpeg_entropy_damage_decodes_and_the_cli_capture_keeps_stderr_clean(capfd) -> None:
+    """Damage inside the entropy-coded data has no structure to check: libjpeg decodes it with
+    a warning on fd 2; :func:`native_stderr_captured` takes that warning off the terminal."""
+    from edgevlm.runtime.image import native_stderr_captured
+
+    data = _encode(".jpg", _scene(120, 160)[:, :, ::-1].copy(), [cv2.IMWRITE_JPEG_QUALITY, 95])
+    start, end = _jpeg_scan_start(data), len(data) - 2
+    body = bytearray(data[start:end])
+    for i in range(len(body) // 3, len(body) // 2):  # no 0xFF made or unmade, stuffed 0xFF00 kept
+        if body[i] != 0xFF and body[i - 1] != 0xFF and body[i] ^ 0x33 != 0xFF:
+            body[i] ^= 0x33
+    bad = data[:start] + bytes(body[: len(body) // 2]) + data[end:]  # the scan also ends early
+    with native_stderr_captured() as lines:
+        img = decode_image(bad)
+    assert img.shape == (120, 160, 3)
+    assert any("Corrupt JPEG data" in line for line in lines), lines
+    assert capfd.readouterr().err == ""
+
+
+def test_native_stderr_captured_restores_fd_2(capfd) -> None:
+    import os
+
+    from edgevlm.runtime.image import native_stderr_captured
+
+    with pytest.raises(InvalidImageError):
+        with native_stderr_captured() as lines:
+            os.write(2, b"libfoo error: one\nlibfoo error: two\n")
+            decode_image(b"")
+    assert lines == ["libfoo error: one", "libfoo error: two"]
+    os.write(2, b"after\n")
+    assert capfd.readouterr().err == "after\n"
+
+
+def test_unsupported_jpeg_and_bmp_variants() -> None:
+    data = _encode(".jpg", _scene()[:, :, ::-1].copy())
+    sof = data.index(b"\xff\xc0")
+    hierarchical = data[: sof + 1] + b"\xc5" + data[sof + 2 :]
+    assert _raises_one_line(hierarchical, "unsupported") == "unsupported JPEG image: hierarchical coding (SOF5)"
+    bmp = bytearray(_encode(".bmp", _scene()[:, :, ::-1].copy()))
+    struct.pack_into("<I", bmp, 30, 4)  # biCompression = BI_JPEG
+    assert _raises_one_line(bytes(bmp), "unsupported") == "unsupported BMP image: embedded JPEG (BI_JPEG)"
 
 
 def test_empty_and_wrong_type_rejected() -> None:
@@ -250,7 +359,19 @@ def test_corrupt_png_body_rejected() -> None:
     data = _png(4, 4, 2, 8, [b"\x00" * 12] * 4)
     start = data.index(b"IDAT") + 4
     broken = data[:start] + b"\x13\x37" * 8 + data[start + 16 :]
-    _raises_one_line(broken, "corrupt PNG")
+    _raises_one_line(broken, "corrupt PNG image: chunk 'IDAT' .* fails its CRC check")
+
+
+def test_png_with_valid_crc_but_bad_pixel_data_is_corrupt() -> None:
+    """A CRC that matches garbage (a writer bug, not damage in transit): the decoder refuses it."""
+    rows = [b"\x09" + b"\x00" * 12] * 4  # filter type 9 does not exist (PNG spec 9.2)
+    data = _png(4, 4, 2, 8, [])
+    idat = zlib.compress(b"".join(rows))
+    chunk = struct.pack(">I", len(idat)) + b"IDAT" + idat + struct.pack(">I", zlib.crc32(b"IDAT" + idat))
+    start = data.index(b"IDAT") - 4
+    end = data.index(b"IEND") - 4
+    bad = data[:start] + chunk + data[end:]
+    assert _raises_one_line(bad, "corrupt PNG") == "corrupt PNG image: the pixel data does not decode"
 
 
 def test_decompression_bomb_rejected_before_decoding() -> None:

@@ -39,6 +39,10 @@ order that does not depend on position: large before small, then colours in the 
 Randomness is numpy's ``Generator`` (PCG64) seeded through ``SeedSequence`` entropy lists: the
 training stream uses ``[seed, 0, batch_index]``, :func:`eval_set` ``[seed, 1, item_index]`` and the
 bundled video ``[seed, 2, segment_index]``, so train and eval never share a stream. Torch-free.
+
+The vocabulary and records are in :mod:`edgevlm.runtime.demo.scene_types`, the questions and
+answers in :mod:`edgevlm.runtime.demo.questions`; this module generates and renders scenes and
+re-exports both.
 """
 
 from __future__ import annotations
@@ -46,119 +50,86 @@ from __future__ import annotations
 import functools
 import math
 import statistics
-from dataclasses import dataclass
 
 import numpy as np
 
-SCENE_WIDTH_PX = 384
-SCENE_HEIGHT_PX = 288
-
-SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "cross")
-SHAPE_PLURALS: dict[str, str] = {
-    "circle": "circles",
-    "square": "squares",
-    "triangle": "triangles",
-    "cross": "crosses",
-}
-#: Colour name -> nominal RGB. The order is the description order.
-COLOURS: dict[str, tuple[int, int, int]] = {
-    "red": (225, 40, 40),
-    "green": (40, 190, 65),
-    "blue": (55, 95, 240),
-    "yellow": (240, 215, 40),
-    "white": (240, 240, 240),
-}
-COLOUR_NAMES: tuple[str, ...] = tuple(COLOURS)
-SIZES: tuple[str, ...] = ("large", "small")
-#: Object extent (bounding-box side before rotation) in pixels at a 384 px wide scene.
-SMALL_EXTENT_PX = (10.0, 14.0)
-LARGE_EXTENT_PX = (36.0, 60.0)
-BACKGROUNDS: tuple[str, ...] = ("flat", "gradient", "noise", "stripes", "checker")
-KINDS: tuple[str, ...] = (
-    "count_total",
-    "count_colour",
-    "count_shape",
-    "colour",
-    "shape",
-    "presence",
-    "position_lr",
-    "position_tb",
-    "describe",
+from edgevlm.runtime.demo.questions import (
+    all_questions,
+    answer,
+    describe,
+    make_question,
+    question_text,
+    sample_questions,
+    valid_kinds,
 )
-MAX_OBJECTS = 4
-GAP_PX = 8.0  # between objects, and between an object and a centre line (at 384 px width)
-MARGIN_PX = 6.0  # between an object and the image border
-P_SMALL = 0.4
+from edgevlm.runtime.demo.scene_types import (
+    BACKGROUNDS,
+    COLOUR_NAMES,
+    COLOURS,
+    DOMAIN_EVAL,
+    DOMAIN_TRAIN,
+    DOMAIN_VIDEO,
+    GAP_PX,
+    KINDS,
+    LARGE_EXTENT_PX,
+    MARGIN_PX,
+    MAX_OBJECTS,
+    P_SMALL,
+    QA,
+    SCENE_HEIGHT_PX,
+    SCENE_WIDTH_PX,
+    SHAPE_PLURALS,
+    SHAPES,
+    SIZES,
+    SMALL_EXTENT_PX,
+    Background,
+    EvalItem,
+    Scene,
+    SceneObject,
+    rng_for,
+)
 
-# SeedSequence domains (second entropy word).
-DOMAIN_TRAIN = 0
-DOMAIN_EVAL = 1
-DOMAIN_VIDEO = 2
-
-
-@dataclass(frozen=True)
-class SceneObject:
-    """One drawn object. Coordinates in pixels of the scene image, ``(cx_px, cy_px)`` its centre."""
-
-    shape: str
-    colour: str
-    size: str
-    cx_px: float
-    cy_px: float
-    extent_px: float
-    angle_deg: float
-    rgb: tuple[int, int, int]
-
-    @property
-    def name(self) -> str:
-        """``"<size> <colour> <shape>"``, the unit of a description."""
-        return f"{self.size} {self.colour} {self.shape}"
-
-
-@dataclass(frozen=True)
-class Background:
-    """Background recipe: ``kind`` in :data:`BACKGROUNDS`, two RGB tones, a direction (degrees),
-    a period (pixels, stripes/checker) and the seed of its noise."""
-
-    kind: str
-    rgb0: tuple[int, int, int]
-    rgb1: tuple[int, int, int]
-    angle_deg: float
-    period_px: float
-    noise_seed: int
-
-
-@dataclass(frozen=True)
-class Scene:
-    """A scene: image size, background and objects. :func:`render` draws it deterministically."""
-
-    width_px: int
-    height_px: int
-    background: Background
-    objects: tuple[SceneObject, ...]
-
-
-@dataclass(frozen=True)
-class QA:
-    """A question about a scene and its exact answer."""
-
-    kind: str
-    question: str
-    answer: str
-
-
-@dataclass(frozen=True)
-class EvalItem:
-    """A held-out example: the rendered ``(H, W, 3)`` uint8 RGB image, its scene and one QA."""
-
-    image: np.ndarray
-    scene: Scene
-    qa: QA
+__all__ = [
+    "SCENE_WIDTH_PX",
+    "SCENE_HEIGHT_PX",
+    "SHAPES",
+    "SHAPE_PLURALS",
+    "COLOURS",
+    "COLOUR_NAMES",
+    "SIZES",
+    "SMALL_EXTENT_PX",
+    "LARGE_EXTENT_PX",
+    "BACKGROUNDS",
+    "KINDS",
+    "MAX_OBJECTS",
+    "GAP_PX",
+    "MARGIN_PX",
+    "P_SMALL",
+    "DOMAIN_TRAIN",
+    "DOMAIN_EVAL",
+    "DOMAIN_VIDEO",
+    "SceneObject",
+    "Background",
+    "Scene",
+    "QA",
+    "EvalItem",
+    "rng_for",
+    "describe",
+    "valid_kinds",
+    "question_text",
+    "answer",
+    "make_question",
+    "all_questions",
+    "sample_questions",
+    "object_bbox",
+    "generate_scene",
+    "render",
+    "eval_set_item",
+    "eval_set",
+    "vocabulary",
+]
 
 
-def rng_for(seed: int, domain: int, index: int) -> np.random.Generator:
-    """The numpy generator of item ``index`` of a stream (``domain``: train 0, eval 1, video 2)."""
-    return np.random.default_rng([int(seed), int(domain), int(index)])
 
 
 # ----------------------------------------------------------------------------- geometry
@@ -373,198 +344,6 @@ def render(
     return img
 
 
-# ----------------------------------------------------------------------------- questions
-
-
-def describe(scene: Scene) -> str:
-    """The canonical description: ``<size> <colour> <shape>`` items joined by ``and``, large
-    before small, then by :data:`COLOURS` order, then by :data:`SHAPES` order."""
-    key = [(SIZES.index(o.size), COLOUR_NAMES.index(o.colour), SHAPES.index(o.shape)) for o in scene.objects]
-    order = sorted(range(len(scene.objects)), key=lambda i: key[i])
-    return " and ".join(scene.objects[i].name for i in order)
-
-
-def _unique_pairs(scene: Scene) -> list[SceneObject]:
-    """Objects whose (colour, shape) pair occurs once in the scene."""
-    pairs = [(o.colour, o.shape) for o in scene.objects]
-    return [o for o in scene.objects if pairs.count((o.colour, o.shape)) == 1]
-
-
-def _unique_shapes(scene: Scene) -> list[str]:
-    shapes = [o.shape for o in scene.objects]
-    return [s for s in SHAPES if shapes.count(s) == 1]
-
-
-def _unique_colours(scene: Scene) -> list[str]:
-    colours = [o.colour for o in scene.objects]
-    return [c for c in COLOUR_NAMES if colours.count(c) == 1]
-
-
-def valid_kinds(scene: Scene) -> list[str]:
-    """Question kinds that have an exact answer for this scene (in :data:`KINDS` order)."""
-    kinds = []
-    for kind in KINDS:
-        if kind == "colour" and not _unique_shapes(scene):
-            continue
-        if kind == "shape" and not _unique_colours(scene):
-            continue
-        if kind in ("position_lr", "position_tb") and not _unique_pairs(scene):
-            continue
-        kinds.append(kind)
-    return kinds
-
-
-def question_text(kind: str, *, colour: str = "", shape: str = "") -> str:
-    """The canonical phrasing of a question kind (see the module docstring)."""
-    if kind == "count_total":
-        return "how many shapes are there?"
-    if kind == "count_colour":
-        return f"how many {colour} shapes are there?"
-    if kind == "count_shape":
-        return f"how many {SHAPE_PLURALS[shape]} are there?"
-    if kind == "colour":
-        return f"what color is the {shape}?"
-    if kind == "shape":
-        return f"what shape is the {colour} object?"
-    if kind == "presence":
-        return f"is there a {colour} {shape}?"
-    if kind == "position_lr":
-        return f"is the {colour} {shape} on the left or the right?"
-    if kind == "position_tb":
-        return f"is the {colour} {shape} at the top or the bottom?"
-    if kind == "describe":
-        return "describe the scene."
-    raise ValueError(f"unknown question kind {kind!r}")
-
-
-def answer(scene: Scene, kind: str, *, colour: str = "", shape: str = "") -> str:
-    """The exact answer to a question of ``kind`` about ``colour``/``shape``.
-
-    Raises:
-        ValueError: the question has no exact answer for this scene (e.g. two triangles for
-            ``colour``, or a non-unique object for a position question).
-    """
-    objs = scene.objects
-    if kind == "count_total":
-        return str(len(objs))
-    if kind == "count_colour":
-        return str(sum(o.colour == colour for o in objs))
-    if kind == "count_shape":
-        return str(sum(o.shape == shape for o in objs))
-    if kind == "colour":
-        hits = [o for o in objs if o.shape == shape]
-        if len(hits) != 1:
-            raise ValueError(f"{len(hits)} objects are {shape}s: no unique colour")
-        return hits[0].colour
-    if kind == "shape":
-        hits = [o for o in objs if o.colour == colour]
-        if len(hits) != 1:
-            raise ValueError(f"{len(hits)} objects are {colour}: no unique shape")
-        return hits[0].shape
-    if kind == "presence":
-        return "yes" if any(o.colour == colour and o.shape == shape for o in objs) else "no"
-    if kind in ("position_lr", "position_tb"):
-        hits = [o for o in objs if o.colour == colour and o.shape == shape]
-        if len(hits) != 1:
-            raise ValueError(f"{len(hits)} {colour} {shape}s: no unique object")
-        o = hits[0]
-        if kind == "position_lr":
-            return "left" if o.cx_px < scene.width_px / 2.0 else "right"
-        return "top" if o.cy_px < scene.height_px / 2.0 else "bottom"
-    if kind == "describe":
-        return describe(scene)
-    raise ValueError(f"unknown question kind {kind!r}")
-
-
-def _qa(scene: Scene, kind: str, colour: str = "", shape: str = "") -> QA:
-    return QA(
-        kind, question_text(kind, colour=colour, shape=shape), answer(scene, kind, colour=colour, shape=shape)
-    )
-
-
-def make_question(scene: Scene, kind: str, rng: np.random.Generator) -> QA:
-    """A random question of ``kind`` about ``scene`` with its exact answer.
-
-    Count questions ask about a present colour/shape 70% of the time (else any, so 0 occurs);
-    presence is yes half the time, and 70% of the negatives are hard (the colour or the shape is
-    present, not the pair). Raises ``ValueError`` if ``kind`` is not in :func:`valid_kinds`.
-    """
-    objs = scene.objects
-
-    def pick(seq):
-        return seq[int(rng.integers(len(seq)))]
-
-    if kind == "count_total" or kind == "describe":
-        return _qa(scene, kind)
-    if kind == "count_colour":
-        colour = pick([o.colour for o in objs]) if rng.random() < 0.7 else pick(COLOUR_NAMES)
-        return _qa(scene, kind, colour=colour)
-    if kind == "count_shape":
-        shape = pick([o.shape for o in objs]) if rng.random() < 0.7 else pick(SHAPES)
-        return _qa(scene, kind, shape=shape)
-    if kind == "colour":
-        shapes = _unique_shapes(scene)
-        if not shapes:
-            raise ValueError("no unique shape in this scene")
-        return _qa(scene, kind, shape=pick(shapes))
-    if kind == "shape":
-        colours = _unique_colours(scene)
-        if not colours:
-            raise ValueError("no unique colour in this scene")
-        return _qa(scene, kind, colour=pick(colours))
-    if kind == "presence":
-        present = {(o.colour, o.shape) for o in objs}
-        absent = [(c, s) for c in COLOUR_NAMES for s in SHAPES if (c, s) not in present]
-        if rng.random() < 0.5 or not absent:
-            colour, shape = pick(sorted(present))
-        else:
-            colours = {o.colour for o in objs}
-            shapes = {o.shape for o in objs}
-            hard = [(c, s) for c, s in absent if c in colours or s in shapes]
-            colour, shape = pick(hard) if hard and rng.random() < 0.7 else pick(absent)
-        return _qa(scene, kind, colour=colour, shape=shape)
-    if kind in ("position_lr", "position_tb"):
-        cands = _unique_pairs(scene)
-        if not cands:
-            raise ValueError("no object with a unique colour and shape in this scene")
-        o = pick(cands)
-        return _qa(scene, kind, colour=o.colour, shape=o.shape)
-    raise ValueError(f"unknown question kind {kind!r}")
-
-
-def all_questions(scene: Scene) -> list[QA]:
-    """Every distinct question with an exact answer for this scene (deterministic order)."""
-    out = [_qa(scene, "count_total")]
-    out += [_qa(scene, "count_colour", colour=c) for c in COLOUR_NAMES]
-    out += [_qa(scene, "count_shape", shape=s) for s in SHAPES]
-    out += [_qa(scene, "colour", shape=s) for s in _unique_shapes(scene)]
-    out += [_qa(scene, "shape", colour=c) for c in _unique_colours(scene)]
-    out += [_qa(scene, "presence", colour=c, shape=s) for c in COLOUR_NAMES for s in SHAPES]
-    for o in _unique_pairs(scene):
-        out.append(_qa(scene, "position_lr", colour=o.colour, shape=o.shape))
-        out.append(_qa(scene, "position_tb", colour=o.colour, shape=o.shape))
-    out.append(_qa(scene, "describe"))
-    return out
-
-
-def sample_questions(
-    scene: Scene, rng: np.random.Generator, n: int, *, kind_weights: dict[str, float] | None = None
-) -> list[QA]:
-    """Up to ``n`` distinct random questions about a scene, kinds drawn by ``kind_weights``
-    (default uniform) among :func:`valid_kinds`."""
-    kinds = valid_kinds(scene)
-    w = np.asarray([(kind_weights or {}).get(k, 1.0) for k in kinds], np.float64)
-    out: list[QA] = []
-    seen: set[str] = set()
-    for _ in range(4 * n):
-        if len(out) == n:
-            break
-        kind = kinds[int(rng.choice(len(kinds), p=w / w.sum()))]
-        qa = make_question(scene, kind, rng)
-        if qa.question not in seen:
-            seen.add(qa.question)
-            out.append(qa)
-    return out
 
 
 def eval_set_item(seed: int, index: int, *, noise_sigma: float = 2.0) -> EvalItem:

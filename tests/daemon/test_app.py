@@ -63,3 +63,74 @@ def test_model_that_does_not_load_exits_1(tmp_path, caplog) -> None:
     with caplog.at_level("ERROR"):
         assert run(cfg) == EXIT_STARTUP_FAILED
     assert "start-up failed" in caplog.text and str(empty) in caplog.text
+
+
+def test_startup_failure_can_be_raised_instead_of_logged(tmp_path, caplog) -> None:
+    """``edgevlm serve`` runs with ``raise_startup_errors``: it prints the failure as its own one
+    line, so the daemon must not log it too."""
+    from edgevlm.errors import ModelLoadError
+
+    empty = tmp_path / "no_model"
+    empty.mkdir()
+    cfg = DaemonConfig.model_validate({"model": {"path": str(empty)}, "mqtt": {"port": 1, "device_id": "x"}})
+    with caplog.at_level("INFO"):
+        try:
+            run(cfg, raise_startup_errors=True)
+        except ModelLoadError as exc:
+            assert exc.message == f"model folder {empty} has no config.json"
+        else:
+            raise AssertionError("run() returned instead of raising")
+    assert not [r for r in caplog.records if r.levelno >= 30]  # no WARNING/ERROR: the caller reports it
+
+
+def test_metrics_port_in_use_is_one_warning_and_mqtt_still_serves(
+    mosquitto, raw_client, tiny_engine, caplog
+) -> None:
+    """The Prometheus port is taken (another exporter on 9108, say): one WARNING naming the
+    config key and the port; the daemon still answers requests over MQTT."""
+    import base64
+    import socket
+
+    import cv2
+    import numpy as np
+
+    from edgevlm.daemon.app import Daemon
+
+    blocker = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen(1)
+    port = blocker.getsockname()[1]
+    cfg = DaemonConfig.model_validate({
+        "mqtt": {"host": mosquitto.host, "port": mosquitto.port, "device_id": "clash"},
+        "metrics": {"listen": f"127.0.0.1:{port}"},
+        "defaults": {"max_new_tokens": 2, "timeout_ms": 60000},
+    })
+    image = np.zeros((48, 64, 3), np.uint8)
+    image[10:30, 20:40] = (200, 30, 30)
+    try:
+        with caplog.at_level("INFO", logger="edgevlm"):
+            daemon = Daemon(cfg, engine=tiny_engine)
+            daemon.start()
+            try:
+                assert daemon.wait_ready(10.0)
+                assert daemon.metrics.address is None  # no endpoint
+                raw = raw_client()
+                raw.subscribe("clash/replies")
+                png = cv2.imencode(".png", image[:, :, ::-1])[1].tobytes()  # OpenCV encodes BGR
+                body = {"prompt": "what is it?", "image_b64": base64.b64encode(png).decode()}
+                raw.publish("edgevlm/clash/request", json.dumps(body).encode(), response_topic="clash/replies",
+                            correlation=b"c1")
+                response = json.loads(raw.wait_messages("clash/replies", 1, timeout_s=60)[0].payload)
+            finally:
+                daemon.stop()
+    finally:
+        blocker.close()
+    assert response["ok"] is True, response
+    assert response["text"] == tiny_engine.ask(image, "what is it?", max_new_tokens=2).text
+    # (Other parts may warn about unrelated things, e.g. the budget controller about the profile.)
+    problems = [r for r in caplog.records
+                if r.levelno >= 30 and r.name in ("edgevlm.daemon.app", "edgevlm.daemon.metrics")]
+    assert [r.getMessage() for r in problems] == [
+        f"metrics.listen: cannot listen on 127.0.0.1 port {port} (Address already in use); the Prometheus "
+        "endpoint is off, MQTT is served as usual (set metrics.listen to a free port, or null)"
+    ]

@@ -1,0 +1,74 @@
+"""What every camera capture backend shares: the interface, OpenCV's import and how a source is
+read (:func:`capture_path`). The backends: :mod:`edgevlm.daemon.capture_opencv`,
+:mod:`edgevlm.daemon.capture_gst`; :func:`edgevlm.daemon.capture.make_backend` picks one.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+import numpy as np
+
+from edgevlm.config import SourceConfig
+
+__all__ = ["CaptureBackend", "capture_path", "opencv_has_gstreamer"]
+
+
+def _cv2() -> Any:
+    try:
+        import cv2
+    except ImportError as exc:  # pragma: no cover - depends on the installation
+        raise ImportError("camera sources need OpenCV: pip install 'edgevlm[runtime]'") from exc
+    return cv2
+
+
+@functools.lru_cache(maxsize=1)
+def opencv_has_gstreamer() -> bool:
+    """Whether the installed OpenCV was built with the GStreamer video I/O backend."""
+    try:
+        info = _cv2().getBuildInformation()
+    except ImportError:
+        return False
+    m = re.search(r"GStreamer:\s*(\w+)", info)
+    return bool(m and m.group(1).upper() == "YES")
+
+
+def capture_path(cfg: SourceConfig) -> str:
+    """How a source is read: ``opencv-v4l2``, ``opencv-ffmpeg``, ``opencv-gstreamer`` or
+    ``gst-launch-subprocess`` (for ``edgevlm doctor`` and the source state)."""
+    kind = cfg.kind
+    if kind == "v4l2":
+        return "opencv-v4l2"
+    if kind in ("file", "stream"):
+        return "opencv-ffmpeg"
+    if cfg.capture == "opencv" or (cfg.capture == "auto" and opencv_has_gstreamer()):
+        return "opencv-gstreamer"
+    return "gst-launch-subprocess"
+
+
+class CaptureBackend:
+    """Interface of a capture backend (see the module doc)."""
+
+    path = "?"
+
+    def open(self) -> dict[str, Any]:
+        """Open the device; returns what was negotiated (logged and published). Raises on failure."""
+        raise NotImplementedError
+
+    def read(self) -> np.ndarray | None:
+        """The next frame (BGR/BGRA/grey ``uint8``), or None at the end of the stream."""
+        raise NotImplementedError
+
+    def position_ms(self) -> float | None:
+        return None
+
+    def fps_hint(self) -> float | None:
+        return None
+
+    def abort(self) -> None:
+        """Unblock a pending :meth:`open`/:meth:`read` from another thread where possible."""
+
+    def close(self) -> None:
+        raise NotImplementedError
