@@ -61,7 +61,13 @@ def engine_loader(config: DaemonConfig) -> Callable[[], Any]:
             import torch
 
             torch.set_num_threads(m.cpu_threads)
-        return Engine.load(m.path, device=m.device, dtype=m.dtype, backend=m.backend)
+        options = {}
+        if config.profile is not None and m.device.startswith("cuda"):
+            from edgevlm.profile import load_profile
+
+            options = load_profile(config.profile).backend_options(m.backend, m.device)
+            logger.info("profile %s: backend options %s", config.profile, options)
+        return Engine.load(m.path, device=m.device, dtype=m.dtype, backend=m.backend, backend_options=options)
 
     return load
 

@@ -76,3 +76,36 @@ def test_unknown_profile_lists_known():
 def test_not_yaml(tmp_path):
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_profile(_write(tmp_path, "name: [unclosed\n"))
+
+
+def test_cloud_and_jetson_profiles_choose_the_gpu_runtime():
+    from edgevlm.profile import load_profile
+
+    h100 = load_profile("h100").backend_options("torch", "cuda")
+    assert h100["cuda_graphs"] is True and h100["fused_decode"] is True
+    assert h100["max_batch_size"] == 32 and h100["kv_cache_dtype"] == "bf16" and h100["int4_kernel"] == "auto"
+    nx = load_profile("jetson-orin-nx-16gb").backend_options("torch", "cuda:0")
+    assert nx["kv_cache_dtype"] == "int4" and nx["max_batch_size"] == 1 and nx["fused_vision_stem"] is False
+    # CPU models, other backends and CPU profiles get no GPU options
+    assert load_profile("h100").backend_options("torch", "cpu") == {}
+    assert load_profile("h100").backend_options("onnx", "cuda") == {}
+    assert load_profile("cpu").backend_options("torch", "cuda") == {}
+
+
+def test_profile_runtime_section_rejects_unknown_keys_and_bad_values(tmp_path):
+    import yaml
+
+    from edgevlm.errors import ConfigError
+    from edgevlm.profile import load_profile, profiles_dir
+
+    data = yaml.safe_load((profiles_dir() / "h100.yaml").read_text())
+    data["runtime"]["int4_kernel"] = "marlin"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="runtime.int4_kernel"):
+        load_profile(bad)
+    data["runtime"]["int4_kernel"] = "auto"
+    data["runtime"]["cuda_graph"] = True
+    bad.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="runtime.cuda_graph"):
+        load_profile(bad)

@@ -15,6 +15,8 @@ cloud profiles):
 * ``min_kv_bucket`` (default 256): smallest attended KV length on CUDA (see ``kv_bucket``).
 * ``fuse_projections`` (default: True on CUDA): q/k/v and gate/up of each decoder layer as single
   matmuls (``Decoder.fuse_projections``; exact, no extra memory).
+* ``int4_kernel`` (default "auto"): the INT4 matmul kernels of W4A16 layers
+  (:func:`edgevlm.runtime.int4.set_int4_kernel`).
 * ``fused_decode`` (default: True on CUDA with triton and fused projections): the fused Triton
   decode-step kernels (``Decoder.enable_fused_decode``: residual add + RMSNorm, RoPE + KV write,
   SiLU x up), for 16-bit KV caches.
@@ -52,7 +54,7 @@ class TorchBackend(Backend):
     def __init__(self, model: LlavaModel, *, cuda_graphs: bool | None = None, kv_cache_dtype: str | None = None,
                  max_batch_size: int = 1, fused_vision_stem: bool = False, min_kv_bucket: int = 256,
                  kv_int4_group_size: int = DEFAULT_INT4_GROUP_SIZE, fuse_projections: bool | None = None,
-                 fused_decode: bool | None = None) -> None:
+                 fused_decode: bool | None = None, int4_kernel: str = "auto") -> None:
         self.model = model
         self.device = model.device
         self.dtype = model.dtype
@@ -73,6 +75,11 @@ class TorchBackend(Backend):
         self.min_kv_bucket = min_kv_bucket
         if self.device.type == "cuda" if fuse_projections is None else fuse_projections:
             dec.fuse_projections()
+        from edgevlm.runtime.int4 import INT4_KERNELS, set_int4_kernel
+
+        if int4_kernel not in INT4_KERNELS:
+            raise InvalidRequestError(f"int4_kernel must be one of {', '.join(INT4_KERNELS)}, got {int4_kernel!r}")
+        set_int4_kernel(model, int4_kernel)
         # the Triton decode kernels where they apply (stays off without triton or fused projections)
         dec.enable_fused_decode(self.device.type == "cuda" if fused_decode is None else bool(fused_decode))
         want_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
@@ -242,7 +249,8 @@ def load(files: ModelFiles, *, device: torch.device, dtype: torch.dtype, max_seq
     if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise InvalidRequestError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
     unknown = set(options) - {"cuda_graphs", "kv_cache_dtype", "max_batch_size", "fused_vision_stem",
-                              "min_kv_bucket", "kv_int4_group_size", "fuse_projections", "fused_decode"}
+                              "min_kv_bucket", "kv_int4_group_size", "fuse_projections", "fused_decode",
+                              "int4_kernel"}
     if unknown:
         raise InvalidRequestError(f"unknown torch backend option(s): {', '.join(sorted(unknown))}")
     model = load_model(files, device=device, dtype=dtype, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
