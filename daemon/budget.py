@@ -3,8 +3,25 @@
 :class:`BudgetController` wraps :class:`edgevlm.runtime.policy.Controller` (which learns each
 operating point's live latency) with what only the daemon knows:
 
-- the **budget** of a request: its ``budget_ms``, else ``controller.default_budget_ms``, else the
-  profile's ``default_budget_ms`` (its ``timeout_ms`` stays the separate hard deadline);
+- the **budget** of a request (:meth:`BudgetController.budget_for`), i.e. the latency target the
+  choice plans for, and the **deadline** past which it is refused at once:
+
+  ========================  ===========================================  ==========================
+  request                   budget (planned for)                         refused at once when the
+                                                                         cheapest point's predicted
+                                                                         latency exceeds
+  ========================  ===========================================  ==========================
+  ``budget_ms`` given       ``min(budget_ms, timeout_ms)``               the budget (an answer after
+                                                                         it is useless: issue 4)
+  no ``budget_ms``          ``min(default budget, timeout_ms)``          ``timeout_ms`` (never
+                                                                         refused while the cheapest
+                                                                         point can still answer in
+                                                                         time; no deadline = never)
+  ========================  ===========================================  ==========================
+
+  When no point fits the budget but the cheapest is predicted within the deadline, the cheapest
+  runs. The default budget is ``controller.default_budget_ms``, else the profile's
+  ``default_budget_ms``. ``timeout_ms`` stays the hard deadline at dequeue too (the scheduler);
 - the **queue wait** the scheduler predicts (the running request's remaining predicted time plus
   the predicted service time of every request ahead), handed to ``Controller.choose``;
 - the **slowdown hint** ``h >= 1`` of hardware telemetry (thermal throttling from ``tegrastats``:
@@ -16,20 +33,29 @@ operating point's live latency) with what only the daemon knows:
 - the daemon's own **per-request overhead** (image decode, frame fetch, response encoding: the
   worker's time around the engine call), tracked as an EWMA and added to every predicted service
   time, so the prediction covers what the budget covers — receipt to response;
+- the **answer length**: a prompt seen before is predicted to generate as many tokens as the most
+  it generated so far (robots ask recurring questions; "is the path blocked?" answers in 2 tokens,
+  "describe the scene." in 15); a new prompt as many as the most any prompt with the same first two
+  words generated ("how many ...", "is there ..."); anything else its full ``max_new_tokens`` —
+  predicting every request at its worst case would refuse or step down far more than needed;
+- a **warm-up** of every operating point at start (one unmeasured 2-token request each on a grey
+  frame), so torch's first-call set-up of each input size is not mistaken for a slow device;
 - a **refit** when the request leaves the queue: if the point chosen at arrival no longer fits the
   budget left, the most accurate cheaper point that does is run instead (never a refusal then: the
   request was accepted; its hard deadline stays ``timeout_ms``).
 
 :func:`build_controller` makes one for a loaded engine: the frontier comes from
 ``controller.frontier``, else the model's (or bundle's) ``frontier.json`` (measured for exactly this
-model by ``edgevlm calibrate``; ignored, with a warning, when the weights changed since), else the profile's ``operating_points.frontier`` (the shipped
-figures for the demo model on that device), else one point per resolution rung measured at
-start-up (accuracy then only ranks rungs, highest resolution first). Points the engine cannot run (exit thresholds without exit
-heads) are dropped with a warning.
+model by ``edgevlm calibrate``; ignored, with a warning, when the weights changed since), else the
+profile's ``operating_points.frontier`` (the shipped figures for the demo model on that device;
+only when every rung it names is on the model's ladder), else one point per resolution rung
+measured at start-up (accuracy then only ranks rungs, highest resolution first). Points the engine
+cannot run (exit thresholds without exit heads) are dropped with a warning.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from dataclasses import dataclass
@@ -44,6 +70,7 @@ from edgevlm.types import OperatingPoint, Stats
 logger = logging.getLogger(__name__)
 
 FALLBACK_BUDGET_MS = 1000.0
+MAX_PROMPTS = 1024  # answer lengths remembered (least recently seen forgotten first)
 MAX_HINT = 50.0
 
 
@@ -54,8 +81,9 @@ class Choice:
     point: OperatingPoint
     predicted_ms: float  # e2e including the predicted queue wait
     service_ms: float  # predicted time on the worker (queue wait excluded)
-    budget_ms: float
+    budget_ms: float  # the latency target planned for
     decision: Decision
+    deadline_ms: float | None = None  # refusal limit (None = the budget)
 
 
 class BudgetController:
@@ -73,6 +101,7 @@ class BudgetController:
         self.source = source
         self._hint = 1.0
         self._overhead_ms = 0.0
+        self._tokens: collections.OrderedDict[str, int] = collections.OrderedDict()  # prompt -> most tokens seen
         self._lock = threading.Lock()
 
     @property
@@ -87,6 +116,28 @@ class BudgetController:
     def overhead_ms(self) -> float:
         """EWMA of the worker's time per request outside the engine call (ms)."""
         return self._overhead_ms
+
+    @staticmethod
+    def _prompt_keys(prompt: str) -> tuple[str, str]:
+        words = prompt.lower().split()
+        return "=" + prompt, "~" + " ".join(words[:2])
+
+    def expected_tokens(self, prompt: str | None, max_new_tokens: int) -> int:
+        """Tokens to plan for: the most this prompt generated before, else the most a prompt with
+        the same first two words generated, else ``max_new_tokens`` (always capped by it)."""
+        if prompt is None:
+            return max_new_tokens
+        exact, family = self._prompt_keys(prompt)
+        with self._lock:
+            seen = self._tokens.get(exact, self._tokens.get(family))
+        return max_new_tokens if seen is None else max(1, min(max_new_tokens, seen))
+
+    def _remember_tokens(self, prompt: str, new_tokens: int) -> None:
+        with self._lock:
+            for key in self._prompt_keys(prompt):
+                self._tokens[key] = max(new_tokens, self._tokens.pop(key, 0))
+            while len(self._tokens) > MAX_PROMPTS:
+                self._tokens.popitem(last=False)
 
     def observe_overhead(self, ms: float) -> None:
         """Feed the worker's time around one engine call (decode image, fetch frame, reply)."""
@@ -113,40 +164,69 @@ class BudgetController:
                 logger.info("controller: slowdown hint %.2f -> %.2f", self._hint, f)
             self._hint = f
 
-    def budget_for(self, budget_ms: int | None) -> float:
-        """The budget of a request: its own ``budget_ms``, else the default. (``timeout_ms`` is a
-        separate hard deadline: a request still queued when it passes is answered
-        ``DEADLINE_EXCEEDED`` by the scheduler.)"""
-        return float(budget_ms) if budget_ms is not None else self.default_budget_ms
+    def budget_for(self, budget_ms: int | None, timeout_ms: int | None = None) -> tuple[float, float]:
+        """``(budget, deadline)`` of a request (ms from receipt), see the module doc's table:
+        ``budget_ms`` given: ``(min(budget_ms, timeout_ms),) * 2``; else ``(min(default,
+        timeout_ms), timeout_ms)``. ``timeout_ms`` None or :data:`~edgevlm.protocol.NO_DEADLINE_MS`
+        = no deadline (``inf``)."""
+        from edgevlm.protocol import NO_DEADLINE_MS
 
-    def choose(self, budget_ms: float, *, max_new_tokens: int, queue_wait_ms: float) -> Choice:
-        """The controller's choice, predictions scaled by the slowdown hint.
+        timeout = float("inf") if timeout_ms is None or timeout_ms >= NO_DEADLINE_MS else float(timeout_ms)
+        if budget_ms is not None:
+            b = min(float(budget_ms), timeout)
+            return b, b
+        return min(self.default_budget_ms, timeout), timeout
+
+    def choose(self, budget_ms: float, *, max_new_tokens: int, queue_wait_ms: float,
+               deadline_ms: float | None = None) -> Choice:
+        """The most accurate point predicted to finish within ``budget_ms`` (predictions scaled by
+        the slowdown hint, plus the overhead); when none does, the cheapest point as long as its
+        mean prediction is within ``deadline_ms`` (default: ``budget_ms``).
 
         Raises:
-            DeadlineExceededError: even the cheapest point is predicted to miss the budget;
-                ``details`` has ``cheapest_predicted_ms``, ``budget_ms``, ``queue_wait_ms``.
+            DeadlineExceededError: even the cheapest point is predicted to miss the deadline;
+                ``details`` has ``cheapest_predicted_ms``, ``budget_ms``, ``queue_wait_ms`` (and
+                ``timeout_ms`` when the deadline is the request's timeout).
         """
         h, extra = self._hint, self._overhead_ms
+        deadline = budget_ms if deadline_ms is None else deadline_ms
         try:
             d = self.controller.choose((budget_ms - extra) / h, max_new_tokens=max_new_tokens,
                                        queue_wait_ms=queue_wait_ms / h)
-        except DeadlineExceededError as err:
-            cheapest = float(err.details.get("cheapest_predicted_ms", 0.0)) * h + extra
+        except DeadlineExceededError:
+            point = min(self.points, key=lambda p: self.service_ms(p.point, max_new_tokens)).point
+            service = self.service_ms(point, max_new_tokens)
+            cheapest = service + queue_wait_ms
+            if cheapest <= deadline:
+                # no point fits the budget with the headroom, but the cheapest is predicted in time
+                # (refusing is for requests that cannot be answered in time at all)
+                d = Decision(point=point, predicted_ms=(cheapest - extra) / h, budget_ms=budget_ms,
+                             ceiling=self.controller.ceiling.name, slowdown=self.controller.slowdown)
+                return Choice(point=point, predicted_ms=cheapest, service_ms=service, budget_ms=budget_ms,
+                              decision=d, deadline_ms=deadline)
+            details: dict[str, Any] = {
+                "cheapest_predicted_ms": round(cheapest, 2), "budget_ms": budget_ms,
+                "queue_wait_ms": round(queue_wait_ms, 2), "slowdown_hint": round(self._hint, 3),
+                "slowdown": round(self.controller.slowdown, 3)}
+            if deadline != budget_ms:
+                details["timeout_ms"] = deadline
+                what = f"timeout_ms {deadline:.0f} ms"
+            else:
+                what = f"budget {budget_ms:.0f} ms"
             raise DeadlineExceededError(
-                f"budget {budget_ms:.0f} ms cannot be met: the cheapest operating point is predicted to take "
+                f"{what} cannot be met: the cheapest operating point is predicted to take "
                 f"{cheapest:.0f} ms (queue wait {queue_wait_ms:.0f} ms included)",
-                details={"cheapest_predicted_ms": round(cheapest, 2), "budget_ms": budget_ms,
-                         "queue_wait_ms": round(queue_wait_ms, 2), "slowdown_hint": round(self._hint, 3),
-                         "slowdown": round(self.controller.slowdown, 3)},
+                details=details,
             ) from None
         predicted = d.predicted_ms * h + extra
         return Choice(point=d.point, predicted_ms=predicted, service_ms=max(0.0, predicted - queue_wait_ms),
-                      budget_ms=budget_ms, decision=d)
+                      budget_ms=budget_ms, decision=d, deadline_ms=deadline)
 
-    def service_ms(self, point: OperatingPoint, max_new_tokens: int) -> float:
-        """Predicted worker time of ``point`` (slowdown hint and overhead included)."""
+    def service_ms(self, point: OperatingPoint, max_new_tokens: int, *, tail: bool = False) -> float:
+        """Predicted worker time of ``point`` (slowdown hint and overhead included): the mean, or
+        with ``tail`` what the controller plans with (times its tail factor)."""
         n = min(max_new_tokens, point.max_new_tokens or max_new_tokens)
-        return self.controller.predict_ms(point.name, n) * self._hint + self._overhead_ms
+        return self.controller.predict_ms(point.name, n, tail=tail) * self._hint + self._overhead_ms
 
     def refit(self, choice: Choice, remaining_ms: float, *, max_new_tokens: int) -> tuple[OperatingPoint, float]:
         """At dequeue: keep the chosen point if it still fits ``remaining_ms`` (with the controller's
@@ -157,7 +237,7 @@ class BudgetController:
         start = names.index(choice.point.name) if choice.point.name in names else 0
         best: tuple[OperatingPoint, float] | None = None
         for p in self.points[start:]:
-            ms = self.service_ms(p.point, max_new_tokens)
+            ms = self.service_ms(p.point, max_new_tokens, tail=True)
             if ms <= limit:
                 return p.point, ms
             if best is None or ms < best[1]:
@@ -165,8 +245,11 @@ class BudgetController:
         assert best is not None  # the frontier is never empty
         return best
 
-    def observe(self, point: OperatingPoint, stats: Stats) -> None:
-        """Feed back the engine's measurements of a request run at ``point`` (divided by the hint)."""
+    def observe(self, point: OperatingPoint, stats: Stats, *, prompt: str | None = None) -> None:
+        """Feed back the engine's measurements of a request run at ``point`` (divided by the hint),
+        and the answer length of ``prompt``."""
+        if prompt is not None and stats.new_tokens > 0:
+            self._remember_tokens(prompt, stats.new_tokens)
         h = self._hint
         scaled = stats if h == 1.0 else stats.model_copy(update={
             "vision_ms": stats.vision_ms / h, "prefill_ms": stats.prefill_ms / h, "tpot_ms": stats.tpot_ms / h})
@@ -180,6 +263,7 @@ class BudgetController:
             "ceiling": self.controller.ceiling.name,
             "slowdown": round(self.controller.slowdown, 3),
             "slowdown_hint": round(self._hint, 3),
+            "tail": round(self.controller.tail, 3),
             "overhead_ms": round(self._overhead_ms, 2),
             "default_budget_ms": self.default_budget_ms,
         }
@@ -222,6 +306,21 @@ def ladder_points(engine: Any) -> list[PointProfile]:
     return out
 
 
+def warm_up(engine: Any, points: list[PointProfile]) -> None:
+    """One unmeasured 2-token request per operating point on a grey frame: torch's one-time set-up
+    of each input size / exit / pruning path happens now, not in a user's first requests (where
+    the controller would read it as a slow device). Errors are logged, never raised."""
+    import numpy as np
+
+    size = int(getattr(engine, "image_size_px", 64))
+    image = np.full((size * 3 // 4, size, 3), 128, np.uint8)
+    for p in points:
+        try:
+            engine.ask(image, "describe", max_new_tokens=2, operating_point=p.point)
+        except Exception as exc:  # noqa: BLE001 - a point that fails here fails the same way on requests
+            logger.warning("controller: warm-up of %s failed: %s: %s", p.name, type(exc).__name__, exc)
+
+
 def _same_weights(record: Any, model_dir: Any) -> bool:
     """Whether a model's frontier.json was measured on its current weights (unknown = yes)."""
     if not record.weights_fingerprint:
@@ -232,6 +331,18 @@ def _same_weights(record: Any, model_dir: Any) -> bool:
         return True
     logger.warning("controller: %s/frontier.json was measured on other weights: not used", model_dir)
     return False
+
+
+def _fits_ladder(profile: Profile, engine: Any) -> bool:
+    """Whether a profile's frontier was made for a model like ``engine``: every rung it names is
+    on the engine's resolution ladder (a frontier of another model would run it at foreign sizes)."""
+    ladder = set(getattr(engine, "resolution_ladder", None) or [])
+    off = sorted({p.resolution_px for p in profile.operating_points.frontier
+                  if p.resolution_px is not None and p.resolution_px not in ladder})
+    if off:
+        logger.warning("controller: profile %s's frontier uses rungs %s that this model's ladder %s lacks: not used",
+                       profile.name, off, sorted(ladder))
+    return not off
 
 
 def build_controller(config: Any, engine: Any) -> BudgetController | None:
@@ -254,7 +365,7 @@ def build_controller(config: Any, engine: Any) -> BudgetController | None:
     elif model_frontier is not None and model_frontier.is_file() and _same_weights(load_frontier(model_frontier),
                                                                                       model_dir):
         points, source = load_frontier(model_frontier).frontier, str(model_frontier)
-    elif profile is not None and profile.operating_points.frontier:
+    elif profile is not None and profile.operating_points.frontier and _fits_ladder(profile, engine):
         points, source = profile.operating_points.frontier, f"profile {profile.name}"
     profiles: list[PointProfile]
     if points:
@@ -265,6 +376,7 @@ def build_controller(config: Any, engine: Any) -> BudgetController | None:
         if not ok:
             raise ConfigError(f"controller: no operating point of {source} can run on this model")
         profiles = [PointProfile(p.operating_point(), p.accuracy, p.vision_ms, p.prefill_ms, p.tpot_ms) for p in ok]
+        warm_up(engine, profiles)
     else:
         profiles, source = ladder_points(engine), "resolution ladder measured at start-up"
     default = cc.default_budget_ms or (profile.default_budget_ms if profile is not None else FALLBACK_BUDGET_MS)

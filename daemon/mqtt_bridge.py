@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from edgevlm.client import set_tcp_nodelay
 from edgevlm.config import LimitsConfig, MqttConfig
 from edgevlm.daemon.scheduler import Counters, Job, Scheduler
 from edgevlm.errors import BusyError, EdgeVLMError, InternalError, InvalidImageError, InvalidRequestError
@@ -179,6 +180,7 @@ class MqttBridge:
         client.on_disconnect = self._on_disconnect
         client.on_subscribe = self._on_subscribe
         client.on_message = self._on_message
+        client.on_socket_open = set_tcp_nodelay  # responses not held back by Nagle's algorithm
         connect_props = Properties(PacketTypes.CONNECT)
         connect_props.SessionExpiryInterval = cfg.session_expiry_s
         self._client = client

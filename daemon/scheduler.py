@@ -12,8 +12,9 @@ never dies on a bad request.
 With a latency controller (:mod:`edgevlm.daemon.budget`), :meth:`Scheduler.submit` also picks the
 request's operating point: the queue wait is predicted as the remaining predicted time of what
 runs now plus the predicted service time of every queued request, and a request that even the
-cheapest point cannot serve within its budget (``budget_ms``, else the profile's default) is
-answered ``DEADLINE_EXCEEDED`` at once with ``details.cheapest_predicted_ms``. The worker re-fits
+cheapest point cannot serve within its deadline (its ``budget_ms`` when it gives one, else its
+``timeout_ms``; see :mod:`edgevlm.daemon.budget`) is answered ``DEADLINE_EXCEEDED`` at once with
+``details.cheapest_predicted_ms``. The worker re-fits
 the point to the budget left when it dequeues the request, runs it, feeds the measured stats back
 and reports ``operating_point``, ``budget_ms`` and ``predicted_ms`` in the response stats. Monitors
 (:mod:`edgevlm.daemon.monitors`) run on the same worker, only while no request waits.
@@ -297,11 +298,13 @@ class Scheduler:
             return None
         req = job.request
         now = time.monotonic()
-        budget = ctl.budget_for(req.budget_ms)  # timeout_ms stays the hard deadline, checked at dequeue
-        max_new_tokens = req.max_new_tokens or self.defaults.max_new_tokens
+        # budget: what the choice plans for; deadline: past it the request is refused now (see
+        # edgevlm.daemon.budget); timeout_ms stays the hard deadline, checked again at dequeue
+        budget, deadline = ctl.budget_for(req.budget_ms, job.timeout_ms)
+        planned_tokens = ctl.expected_tokens(req.prompt, req.max_new_tokens or self.defaults.max_new_tokens)
         try:
-            job.choice = ctl.choose(budget, max_new_tokens=max_new_tokens,
-                                    queue_wait_ms=self._predicted_wait_locked(now))
+            job.choice = ctl.choose(budget, max_new_tokens=planned_tokens,
+                                    queue_wait_ms=self._predicted_wait_locked(now), deadline_ms=deadline)
         except DeadlineExceededError as err:
             self.counters.inc("deadline_refused")
             return err
@@ -382,14 +385,15 @@ class Scheduler:
             if job.choice is not None and self.controller is not None:
                 # the wait may differ from the prediction: refit the point to the budget left
                 elapsed_ms = (time.monotonic() - job.received_monotonic) * 1000.0
+                planned_tokens = self.controller.expected_tokens(req.prompt, max_new_tokens)
                 point, service_ms = self.controller.refit(
-                    job.choice, job.choice.budget_ms - elapsed_ms, max_new_tokens=max_new_tokens)
+                    job.choice, job.choice.budget_ms - elapsed_ms, max_new_tokens=planned_tokens)
                 # the prediction the point was chosen on: at submit, or now if the refit changed it
                 predicted_ms = job.choice.predicted_ms if point == job.choice.point else elapsed_ms + service_ms
             answer = self._engine.ask(image, req.prompt, max_new_tokens=max_new_tokens, operating_point=point)
             answer.stats.queue_ms = queue_ms
             if point is not None:
-                self.controller.observe(point, answer.stats)
+                self.controller.observe(point, answer.stats, prompt=req.prompt)
                 answer.stats.budget_ms = round(job.choice.budget_ms, 3)
                 answer.stats.predicted_ms = round(predicted_ms, 3)
             wire_frame = None

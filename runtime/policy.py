@@ -16,6 +16,21 @@ A per-point EWMA is corrected for the slowdown it was measured under and moves 4
 slowdown, so a change the whole device sees lands in the shared factor and a point whose offline
 figure was wrong is corrected on its own.
 
+Robustness on a noisy device (a shared CPU, a robot whose other processes take cores):
+
+- **outliers are clipped**: one observation moves the model by at most ``MAX_STEP`` (3×) in either
+  direction (a torch first-call warm-up of 2 s against a 100 ms prediction raises the slowdown
+  1.6×, not 8×), so a single outlier cannot make every point look too slow;
+- **the tail is planned for**: the controller keeps the last ``window`` ratios observed ÷ predicted
+  and plans with ``tail = quantile_q(ratios) / median(ratios)`` (clipped to [1, ``MAX_TAIL``]):
+  on a quiet device ``tail`` is ~1, on a noisy one the choice leaves the room the noise needs
+  (``predicted_ms`` in a :class:`Decision` is the mean prediction times ``tail``);
+- **evidence ages while refusing**: refused requests produce no measurement, so a slowdown
+  learned during a transient (a warm-up, a co-located job) could otherwise refuse every later
+  request forever; from the first refusal after the last observation, the excess slowdown
+  ``slowdown - 1`` decays with half-life ``stale_half_life_s`` until a request is admitted and
+  measured again.
+
 Hysteresis. The controller keeps a *ceiling*: the most accurate point it currently allows. A
 request that does not fit at the ceiling steps the ceiling down at once; the ceiling steps back up
 one point only after ``step_up_after`` consecutive requests for which the point above would have
@@ -26,14 +41,22 @@ prediction), not answered late.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from edgevlm.errors import DeadlineExceededError
 from edgevlm.types import OperatingPoint, Stats
 
 logger = logging.getLogger(__name__)
+
+MAX_STEP = 3.0
+"""Largest factor by which one observation may differ from its prediction (outliers are clipped)."""
+MAX_TAIL = 2.0
+"""Largest tail factor the controller plans with."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +104,10 @@ class Controller:
         headroom: fraction of the budget a prediction may use (guards against prediction error).
         step_up_after: consecutive requests that must show room before the ceiling rises one point.
         step_up_margin: extra headroom the point above must show to count towards a step up.
+        tail_quantile: quantile of observed ÷ predicted that the choice plans for (see the module doc).
+        window: how many recent observations the tail factor is computed from.
+        stale_half_life_s: half-life (s) of the excess slowdown while requests are refused.
+        clock: monotonic clock in seconds (tests inject one).
 
     Raises:
         ValueError: an empty frontier, duplicate names, or parameters out of range.
@@ -94,6 +121,10 @@ class Controller:
         headroom: float = 0.9,
         step_up_after: int = 3,
         step_up_margin: float = 0.8,
+        tail_quantile: float = 0.95,
+        window: int = 64,
+        stale_half_life_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not frontier:
             raise ValueError("the frontier needs at least one operating point")
@@ -102,6 +133,8 @@ class Controller:
             raise ValueError(f"operating point names must be unique, got {names}")
         if not (0 < alpha <= 1 and 0 < headroom <= 1 and 0 < step_up_margin <= 1 and step_up_after >= 1):
             raise ValueError("alpha, headroom, step_up_margin must be in (0, 1]; step_up_after >= 1")
+        if not (0.5 <= tail_quantile <= 1 and window >= 1 and stale_half_life_s > 0):
+            raise ValueError("tail_quantile must be in [0.5, 1], window >= 1, stale_half_life_s > 0")
         self.points = sorted(frontier, key=lambda p: (-p.accuracy, p.vision_ms + p.prefill_ms))
         self.alpha, self.headroom = alpha, headroom
         self.step_up_after, self.step_up_margin = step_up_after, step_up_margin
@@ -110,12 +143,39 @@ class Controller:
         self._slowdown = 1.0
         self._ceiling = 0  # index into self.points
         self._room_streak = 0
+        self.tail_quantile, self.stale_half_life_s = tail_quantile, stale_half_life_s
+        self._ratios: collections.deque[float] = collections.deque(maxlen=window)
+        self._refusing_since: float | None = None  # first refusal after the last observation
+        self._clock = clock
         self._lock = threading.Lock()
 
     # -- prediction ---------------------------------------------------------------------------
     @property
     def slowdown(self) -> float:
-        return self._slowdown
+        """The device-wide slowdown factor now (aged while requests are being refused)."""
+        with self._lock:
+            return self._current_slowdown()
+
+    @property
+    def tail(self) -> float:
+        """The tail factor the choice plans with (1 = no noise seen; see the module doc)."""
+        with self._lock:
+            return self._tail()
+
+    def _current_slowdown(self) -> float:
+        s = self._slowdown
+        if self._refusing_since is None or s <= 1.0:
+            return s
+        age_s = max(0.0, self._clock() - self._refusing_since)
+        return 1.0 + (s - 1.0) * 0.5 ** (age_s / self.stale_half_life_s)
+
+    def _tail(self) -> float:
+        if len(self._ratios) < 4:
+            return 1.0
+        r = sorted(self._ratios)
+        q = r[min(len(r) - 1, int(self.tail_quantile * len(r)))]
+        median = r[len(r) // 2]
+        return min(max(q / median, 1.0), MAX_TAIL)
 
     @property
     def ceiling(self) -> OperatingPoint:
@@ -123,12 +183,14 @@ class Controller:
 
     def _service_ms(self, name: str, new_tokens: int) -> float:
         live = self._live[name]
-        return self._slowdown * (live.vision_ms + live.prefill_ms + max(0, new_tokens - 1) * live.tpot_ms)
+        return self._current_slowdown() * (live.vision_ms + live.prefill_ms + max(0, new_tokens - 1) * live.tpot_ms)
 
-    def predict_ms(self, name: str, new_tokens: int, queue_wait_ms: float = 0.0) -> float:
-        """Predicted e2e latency (ms) of ``name`` for ``new_tokens`` output tokens, queue included."""
+    def predict_ms(self, name: str, new_tokens: int, queue_wait_ms: float = 0.0, *, tail: bool = False) -> float:
+        """Predicted e2e latency (ms) of ``name`` for ``new_tokens`` output tokens, queue included:
+        the mean prediction, or with ``tail`` the one the choice plans with (times :attr:`tail`)."""
         with self._lock:
-            return self._service_ms(name, new_tokens) + max(0.0, queue_wait_ms)
+            ms = self._service_ms(name, new_tokens) * (self._tail() if tail else 1.0)
+            return ms + max(0.0, queue_wait_ms)
 
     # -- choice -------------------------------------------------------------------------------
     def choose(self, budget_ms: float, *, max_new_tokens: int, queue_wait_ms: float = 0.0) -> Decision:
@@ -139,15 +201,18 @@ class Controller:
         """
         with self._lock:
             preds = []
+            tail = self._tail()
             for p in self.points:
                 n = min(max_new_tokens, p.point.max_new_tokens or max_new_tokens)
-                preds.append(self._service_ms(p.name, n) + max(0.0, queue_wait_ms))
+                preds.append(self._service_ms(p.name, n) * tail + max(0.0, queue_wait_ms))
             limit = budget_ms * self.headroom
             fits = [i for i, ms in enumerate(preds) if ms <= limit]
             alternatives = {p.name: round(ms, 2) for p, ms in zip(self.points, preds, strict=True)}
             if not fits:
                 cheapest = min(preds)
                 self._room_streak = 0
+                if self._refusing_since is None:
+                    self._refusing_since = self._clock()
                 raise DeadlineExceededError(
                     f"budget {budget_ms:.0f} ms cannot be met: the cheapest operating point is "
                     f"predicted to take {cheapest:.0f} ms",
@@ -170,7 +235,7 @@ class Controller:
                 predicted_ms=preds[chosen],
                 budget_ms=budget_ms,
                 ceiling=self.points[self._ceiling].name,
-                slowdown=self._slowdown,
+                slowdown=self._current_slowdown(),
                 alternatives=alternatives,
             )
 
@@ -179,26 +244,37 @@ class Controller:
         """Feed back what the engine measured for a request run at point ``name``.
 
         Unknown names are ignored (logged). Stages reported as 0 ms (not run) leave their EWMA as is.
+        Each measurement counts as at most ``MAX_STEP`` times (or 1/``MAX_STEP`` of) its prediction.
         """
         with self._lock:
             live = self._live.get(name)
             if live is None:
                 logger.warning("controller: observation for unknown operating point %r ignored", name)
                 return
+            self._slowdown = self._current_slowdown()  # the aged value is the new starting point
+            self._refusing_since = None
             n = max(1, stats.new_tokens)
             predicted = self._service_ms(name, n)
             observed = stats.vision_ms + stats.prefill_ms + max(0, n - 1) * stats.tpot_ms
             if predicted > 0 and observed > 0:
-                ratio = observed / predicted
+                ratio = min(max(observed / predicted, 1 / MAX_STEP), MAX_STEP)
+                self._ratios.append(ratio)
                 self._slowdown *= (1 - self.alpha) + self.alpha * ratio
                 self._slowdown = min(max(self._slowdown, 0.05), 50.0)
             # per-point figures, normalised by the device-wide slowdown, move 4x slower than the
             # slowdown itself so that a change seen everywhere lands in the shared factor
             a, s = self.alpha / 4, self._slowdown
-            if stats.vision_ms > 0:
-                live.vision_ms += a * (stats.vision_ms / s - live.vision_ms)
-            if stats.prefill_ms > 0:
-                live.prefill_ms += a * (stats.prefill_ms / s - live.prefill_ms)
-            if stats.tpot_ms > 0:
-                live.tpot_ms += a * (stats.tpot_ms / s - live.tpot_ms)
+            live.vision_ms = _ewma(live.vision_ms, stats.vision_ms / s, a)
+            live.prefill_ms = _ewma(live.prefill_ms, stats.prefill_ms / s, a)
+            live.tpot_ms = _ewma(live.tpot_ms, stats.tpot_ms / s, a)
             live.samples += 1
+
+
+def _ewma(current: float, measured: float, alpha: float) -> float:
+    """One EWMA step towards ``measured`` clipped to [current / MAX_STEP, current * MAX_STEP];
+    a measurement of 0 (stage not run) leaves ``current`` as is."""
+    if measured <= 0:
+        return current
+    if current > 0:
+        measured = min(max(measured, current / MAX_STEP), current * MAX_STEP)
+    return current + alpha * (measured - current)

@@ -65,8 +65,10 @@ class SlowdownBackend(Backend):
     def max_seq_len(self) -> int:
         return self.inner.max_seq_len
 
-    def encode_image(self, pixel_values, *, operating_point=None):
-        return self._slow(self.inner.encode_image, pixel_values, operating_point=operating_point)
+    def encode_image(self, pixel_values, *, operating_point=None, **kwargs):
+        # kwargs: backend-specific extras passed through unchanged (the torch backend's prompt_ids,
+        # read by question-conditioned exit confidence heads)
+        return self._slow(self.inner.encode_image, pixel_values, operating_point=operating_point, **kwargs)
 
     def embed(self, input_ids, image_features):
         return self.inner.embed(input_ids, image_features)

@@ -63,7 +63,7 @@ def test_refuses_when_nothing_fits():
 
 
 def test_learns_a_device_slowdown_and_steps_down():
-    c = Controller(FRONTIER)
+    c = Controller(FRONTIER, tail_quantile=0.5)  # plans for the median: the mean model alone
     assert c.choose(140, max_new_tokens=5).point.name == "r384"
     for _ in range(15):  # the device becomes 2x slower
         c.observe("r384", stats(120, 80, 10))
@@ -98,9 +98,69 @@ def test_unknown_point_observation_is_ignored():
     assert c.slowdown == 1.0
 
 
+def test_one_outlier_moves_the_model_at_most_max_step():
+    c = Controller(FRONTIER)  # alpha 0.3
+    c.observe("r384", stats(3000, 2000, 5))  # a torch first-call warm-up: 42x the 120 ms predicted
+    assert c.slowdown == pytest.approx(0.7 + 0.3 * 3)  # clipped to 3x: 1.6, not 13.3
+    # r384's own figures (divided by the slowdown) move towards at most 3x their value, at alpha / 4
+    vision, prefill, tpot = 60 + 0.075 * (180 - 60), 40 + 0.075 * (120 - 40), 5 + 0.075 * (5 / 1.6 - 5)
+    assert c.predict_ms("r384", 5) == pytest.approx(1.6 * (vision + prefill + 4 * tpot))
+    for _ in range(20):
+        c.observe("r384", stats(60, 40, 5))  # back to nominal
+    assert c.predict_ms("r384", 5) == pytest.approx(120, rel=0.05)
+    assert c.choose(140, max_new_tokens=5).point.name == "r384"
+
+
+def test_noise_makes_the_choice_plan_for_the_tail():
+    c = Controller(FRONTIER, window=20)
+    assert c.tail == 1.0
+    for k in range(40):  # every 4th request takes 1.5x as long: the noise of a shared CPU
+        f = 1.5 if k % 4 == 3 else 1.0
+        c.observe("r256", stats(25 * f, 20 * f, 5 * f))
+    assert 1.3 <= c.tail <= 1.6
+    mean = c.predict_ms("r256", 5)
+    assert c.predict_ms("r256", 5, tail=True) == pytest.approx(mean * c.tail)
+    d = c.choose(1000, max_new_tokens=5)
+    assert d.predicted_ms == pytest.approx(c.predict_ms("r384", 5) * c.tail)
+    # a budget the mean would fit but the tail does not: the controller steps down
+    budget = (c.predict_ms("r384", 5) + 1) / 0.9
+    assert c.choose(budget, max_new_tokens=5).point.name == "r256"
+
+
+def test_a_refusing_controller_forgets_a_stale_slowdown():
+    now = [100.0]
+    c = Controller(FRONTIER, stale_half_life_s=5.0, clock=lambda: now[0])
+    for _ in range(30):
+        c.observe("r128", stats(18, 24, 15))  # a co-located job makes the device 3x slower
+    s = c.slowdown
+    assert c.predict_ms("r128", 5) == pytest.approx(3 * 34, rel=0.02) and s > 2
+    with pytest.raises(DeadlineExceededError):  # r128 needs ~100 ms now
+        c.choose(80, max_new_tokens=5)
+    assert c.slowdown == pytest.approx(s)  # nothing aged yet
+    now[0] += 5.0  # one half-life of refusals, no measurement: half of the excess is forgotten
+    assert c.slowdown == pytest.approx(1 + (s - 1) / 2)
+    now[0] += 100.0
+    assert c.slowdown == pytest.approx(1.0, abs=1e-3)
+    d = c.choose(80, max_new_tokens=5)  # admitted again (~54 ms predicted), to be measured
+    assert d.point.name == "r128"
+    c.observe("r128", stats(6, 8, 5))  # the job is gone: the measurement confirms it
+    after = c.slowdown
+    assert after < 1.0  # 14 + 4 x 5 = 34 ms measured against the ~54 ms predicted
+    now[0] += 100.0
+    assert c.slowdown == after  # no refusal since: no ageing
+    c2 = Controller(FRONTIER, clock=lambda: now[0])
+    for _ in range(30):
+        c2.observe("r128", stats(18, 24, 15))
+    s2 = c2.slowdown
+    now[0] += 100.0  # slow and idle, but not refusing: the evidence stands
+    assert c2.slowdown == s2 and c2.predict_ms("r128", 5) == pytest.approx(3 * 34, rel=0.02)
+
+
 @pytest.mark.parametrize(
     "kwargs",
-    [{"frontier": []}, {"frontier": FRONTIER + FRONTIER[:1]}, {"frontier": FRONTIER, "alpha": 0}],
+    [{"frontier": []}, {"frontier": FRONTIER + FRONTIER[:1]}, {"frontier": FRONTIER, "alpha": 0},
+     {"frontier": FRONTIER, "tail_quantile": 0.2}, {"frontier": FRONTIER, "window": 0},
+     {"frontier": FRONTIER, "stale_half_life_s": 0}],
 )
 def test_bad_parameters(kwargs):
     with pytest.raises(ValueError):

@@ -26,9 +26,40 @@ def make(default=500.0):
     return BudgetController(Controller(POINTS), default_budget_ms=default, source="test")
 
 
-def test_budget_defaults():
+def test_budget_and_deadline_of_a_request():
+    from edgevlm.protocol import NO_DEADLINE_MS
+
     bc = make(500)
-    assert bc.budget_for(None) == 500 and bc.budget_for(200) == 200
+    inf = float("inf")
+    # no budget_ms: plan for the default (capped by the timeout), refuse only past the timeout
+    assert bc.budget_for(None) == (500, inf)
+    assert bc.budget_for(None, 10000) == (500, 10000)
+    assert bc.budget_for(None, 300) == (300, 300)
+    assert bc.budget_for(None, NO_DEADLINE_MS) == (500, inf)
+    # budget_ms: the target and the refusal limit, never past the timeout
+    assert bc.budget_for(200) == (200, 200)
+    assert bc.budget_for(200, 10000) == (200, 200)
+    assert bc.budget_for(2000, 300) == (300, 300)
+
+
+def test_without_budget_the_cheapest_runs_until_the_timeout():
+    bc = make(20)  # a default budget no point meets: r128 is predicted 34 ms
+    budget, deadline = bc.budget_for(None, 10000)
+    c = bc.choose(budget, max_new_tokens=5, queue_wait_ms=0, deadline_ms=deadline)
+    assert c.point.name == "r128" and c.predicted_ms == pytest.approx(34) and c.budget_ms == 20
+    assert c.deadline_ms == 10000
+    c = bc.choose(budget, max_new_tokens=5, queue_wait_ms=9000, deadline_ms=deadline)  # 9034 <= 10000
+    assert c.point.name == "r128" and c.predicted_ms == pytest.approx(9034) and c.service_ms == pytest.approx(34)
+    budget, deadline = bc.budget_for(None, 30)  # the timeout itself is shorter than the cheapest point
+    with pytest.raises(DeadlineExceededError) as exc:
+        bc.choose(budget, max_new_tokens=5, queue_wait_ms=0, deadline_ms=deadline)
+    assert exc.value.details["timeout_ms"] == 30 and exc.value.details["cheapest_predicted_ms"] == pytest.approx(34)
+    assert exc.value.message.startswith("timeout_ms 30 ms cannot be met")
+    # with budget_ms the budget is the refusal limit (issue 4: refused at once rather than late)
+    budget, deadline = bc.budget_for(20, 10000)
+    with pytest.raises(DeadlineExceededError) as exc:
+        bc.choose(budget, max_new_tokens=5, queue_wait_ms=0, deadline_ms=deadline)
+    assert "timeout_ms" not in exc.value.details and exc.value.details["budget_ms"] == 20
 
 
 def test_choose_includes_queue_wait():
@@ -45,6 +76,14 @@ def test_refusal_reports_cheapest_with_queue():
         bc.choose(50, max_new_tokens=5, queue_wait_ms=30)
     assert exc.value.details["cheapest_predicted_ms"] == pytest.approx(64.0)  # 30 + 34
     assert exc.value.details["queue_wait_ms"] == 30
+
+
+def test_cheapest_runs_when_it_fits_without_headroom():
+    bc = make()
+    c = bc.choose(36, max_new_tokens=5, queue_wait_ms=0)  # r128: 34 ms > 0.9 x 36 but <= 36
+    assert c.point.name == "r128" and c.predicted_ms == pytest.approx(34) and c.service_ms == pytest.approx(34)
+    with pytest.raises(DeadlineExceededError):
+        bc.choose(33, max_new_tokens=5, queue_wait_ms=0)
 
 
 def test_slowdown_hint_scales_predictions_and_refusals():
@@ -146,6 +185,8 @@ def test_build_from_ladder_and_profile_budget(plain_engine):
     bc = build_controller(parse_daemon_config({}), plain_engine)  # cpu profile, no frontier anywhere
     assert [p.name for p in bc.points] == ["r64", "r32"]
     assert bc.default_budget_ms == 2000  # profiles/cpu.yaml
+    # the default is the planning target; the refusal limit of a request without budget_ms is its timeout
+    assert bc.budget_for(None, 30000) == (2000, 30000) and bc.budget_for(None, 1500) == (1500, 1500)
     assert all(p.vision_ms > 0 and p.prefill_ms > 0 for p in bc.points)
     assert build_controller(parse_daemon_config({"controller": {"enabled": False}}), plain_engine) is None
 
@@ -198,3 +239,30 @@ def test_stale_model_frontier_is_ignored(tmp_path, plain_model_dir):
     f.write_text(json.dumps(raw))
     bc = build_controller(parse_daemon_config({}), Engine.load(d))
     assert bc.source == "resolution ladder measured at start-up"
+
+
+def test_answer_length_is_learned_per_prompt():
+    bc = make()
+    assert bc.expected_tokens("is there a red circle?", 16) == 16  # never seen: worst case
+    bc.observe(POINTS[1].point, Stats(vision_ms=25, prefill_ms=20, tpot_ms=5, new_tokens=2),
+               prompt="is there a red circle?")
+    bc.observe(POINTS[1].point, Stats(vision_ms=25, prefill_ms=20, tpot_ms=5, new_tokens=3),
+               prompt="is there a red circle?")
+    bc.observe(POINTS[1].point, Stats(vision_ms=25, prefill_ms=20, tpot_ms=5, new_tokens=2),
+               prompt="is there a red circle?")
+    assert bc.expected_tokens("is there a red circle?", 16) == 3  # the most seen
+    assert bc.expected_tokens("is there a red circle?", 2) == 2  # never more than allowed
+    assert bc.expected_tokens("describe the scene.", 16) == 16
+    assert bc.expected_tokens(None, 7) == 7
+    assert bc.expected_tokens("Is there a blue square?", 16) == 3  # same first two words
+    bc.observe(POINTS[1].point, Stats(vision_ms=25, prefill_ms=20, tpot_ms=5, new_tokens=9),
+               prompt="is there anything on the left?")
+    assert bc.expected_tokens("is there a red circle?", 16) == 3  # its own history wins
+    assert bc.expected_tokens("is there a blue square?", 16) == 9
+
+
+def test_profile_frontier_of_another_model_is_not_used(plain_engine):
+    # profiles/cpu.yaml ships the demo model's frontier (rungs 128-384); the tiny model's ladder is 64/32
+    bc = build_controller(parse_daemon_config({"profile": "cpu"}), plain_engine)
+    assert bc.source == "resolution ladder measured at start-up"
+    assert [p.name for p in bc.points] == ["r64", "r32"]

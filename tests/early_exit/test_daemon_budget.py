@@ -140,3 +140,93 @@ def test_profile_path_and_name(tmp_path):
     bad.write_text("name: p\n")
     with pytest.raises(ConfigError, match="profile: .*required"):
         parse_daemon_config({"profile": str(bad)})
+
+
+# ------------------------------------------------------------------ requests without budget_ms
+
+
+def test_without_budget_ms_the_timeout_is_the_deadline(run_daemon, mosquitto, plain_engine, frontier_path, image):
+    # a default budget (50 ms) below the cheapest point's prediction (small: 70 ms)
+    daemon = run_daemon(plain_engine, controller={"frontier": str(frontier_path), "default_budget_ms": 50})
+    with _client(mosquitto) as c:
+        with pytest.raises(DeadlineExceededError) as exc:  # timeout 60 ms < 70 ms: refused at once
+            c.ask(PROMPT, image=image, timeout_s=0.06, max_new_tokens=4)
+        assert exc.value.details["timeout_ms"] == 60 and exc.value.details["budget_ms"] == 50
+        assert exc.value.details["cheapest_predicted_ms"] == pytest.approx(70.0)
+        assert exc.value.message.startswith("timeout_ms 60 ms cannot be met")
+        # the same request with a timeout the cheapest point can meet is answered, at that point
+        a = c.ask(PROMPT, image=image, timeout_s=10, max_new_tokens=4)
+        assert a.stats.operating_point == "small" and a.stats.budget_ms == 50
+        assert a.stats.predicted_ms == pytest.approx(70.0, rel=0.01)
+        assert a.text == _expected(plain_engine, image, SMALL)
+        # a budget_ms longer than timeout_ms is capped by it: 300 ms, where only small fits
+        b = c.ask(PROMPT, image=image, timeout_s=0.3, budget_ms=5000, max_new_tokens=4)
+        assert b.stats.operating_point == "small" and b.stats.budget_ms == 300
+    assert daemon.counters.get("deadline_refused") == 1 and daemon.counters.get("responses_ok") == 2
+
+
+def test_readme_mosquitto_rr_request_without_budget(run_daemon, mosquitto, plain_engine, frontier_path, image):
+    import base64
+    import shutil
+    import subprocess
+
+    from edgevlm.client import encode_png
+
+    rr = shutil.which("mosquitto_rr")
+    if rr is None:
+        pytest.skip("mosquitto_rr not installed")
+    run_daemon(plain_engine, controller={"frontier": str(frontier_path), "default_budget_ms": 50})
+    body = {"prompt": PROMPT, "image_b64": base64.b64encode(encode_png(image)).decode(), "max_new_tokens": 4,
+            "timeout_ms": 10000}
+    out = subprocess.run([rr, "-h", mosquitto.host, "-p", str(mosquitto.port), "-q", "1", "-t", "edgevlm/dev1/request",
+                          "-e", "edgevlm/dev1/response/my-shell", "-D", "publish", "correlation-data", "req-42",
+                          "-W", "30", "-m", json.dumps(body)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    resp = json.loads(out.stdout)
+    assert resp["ok"] is True, resp
+    assert resp["stats"]["operating_point"] == "small" and resp["stats"]["budget_ms"] == 50
+    assert resp["text"] == _expected(plain_engine, image, SMALL)
+
+
+FAST_BIG = {"name": "big", "resolution_px": 64, "accuracy": 0.9, "vision_ms": 4.0, "prefill_ms": 4.0, "tpot_ms": 1.0}
+FAST_SMALL = {"name": "small", "resolution_px": 32, "accuracy": 0.5, "vision_ms": 1.0, "prefill_ms": 1.0,
+              "tpot_ms": 1.0}
+
+
+def test_slow_first_requests_do_not_make_the_daemon_refuse(run_daemon, mosquitto, plain_model_dir, tmp_path, image):
+    """Outliers after start (torch warm-up, a co-located job) are clipped: later requests with a
+    budget the device meets are admitted, not refused on a slowdown learned from three outliers."""
+    from edgevlm.runtime import Engine
+    from edgevlm.runtime.slowdown import inject_slowdown
+
+    data = {"created_utc": "2025-01-01T00:00:00+00:00", "model": "tiny", "device": "cpu float32 torch",
+            "eval_items": 1, "eval_seed": 1000, "points": [FAST_BIG, FAST_SMALL], "frontier": [FAST_BIG, FAST_SMALL]}
+    (tmp_path / "fast.json").write_text(json.dumps(data))
+    engine = Engine.load(plain_model_dir)
+    hook = inject_slowdown(engine, 1.0)
+    daemon = run_daemon(engine, controller={"frontier": str(tmp_path / "fast.json")})
+    ctl = daemon.scheduler.controller
+    with _client(mosquitto) as c:
+        hook.factor = 60.0  # every stage takes 60x as long: far beyond the 3x one observation may count
+        for _ in range(3):
+            a = c.ask(PROMPT, image=image, max_new_tokens=4, timeout_s=30)  # no budget_ms: never refused
+            assert a.text == _expected(engine, image, FAST_SMALL if a.stats.operating_point == "small" else FAST_BIG)
+        assert ctl.controller.slowdown <= (0.7 + 0.3 * 3) ** 3 + 1e-9  # at most 1.6x per outlier
+        hook.factor = 1.0
+        # small is predicted <= 4.1 x (1 + 1 + 3 x 1) x 3 (its own figures moved <= 3x) = 62 ms: admitted
+        # (without the clipping the slowdown would be at its cap of 50x: 250 ms, refused)
+        answers = [c.ask(PROMPT, image=image, budget_ms=150, max_new_tokens=4) for _ in range(3)]
+    assert all(x.stats.budget_ms == 150 for x in answers)
+    assert daemon.counters.get("deadline_refused") == 0 and daemon.counters.get("responses_ok") == 6
+
+
+def test_warm_up_logs_a_point_the_engine_refuses(exit_engine, caplog):
+    from edgevlm.daemon.budget import warm_up
+    from edgevlm.runtime.policy import PointProfile
+
+    good = PointProfile(OperatingPoint(name="good", resolution_px=32), 0.9, 1, 1, 1)
+    bad = PointProfile(OperatingPoint(name="bad", exit_layer=3), 0.5, 1, 1, 1)  # exits are at blocks 1 and 2
+    with caplog.at_level("WARNING", logger="edgevlm.daemon.budget"):
+        warm_up(exit_engine, [good, bad])  # logged, not raised: the daemon still starts
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and msgs[0].startswith("controller: warm-up of bad failed: InvalidRequestError")

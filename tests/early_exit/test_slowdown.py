@@ -38,6 +38,17 @@ def test_outputs_identical_and_sleeps_scaled(engine, frames, monkeypatch):
     assert sleeps == []
 
 
+def test_exit_threshold_points_run_through_the_hook(engine, frames):
+    # an exit threshold makes the engine pass the prompt ids to encode_image: the hook forwards them
+    from edgevlm.runtime.slowdown import inject_slowdown
+
+    op = OperatingPoint(resolution_px=64, exit_threshold=0.0)
+    want = engine.ask(frames[2], "what color ?", max_new_tokens=4, operating_point=op)
+    inject_slowdown(engine, 1.5)
+    got = engine.ask(frames[2], "what color ?", max_new_tokens=4, operating_point=op)
+    assert got.text == want.text and got.stats.exit_layer == want.stats.exit_layer == 1
+
+
 @pytest.mark.parametrize("bad", [0.5, 0.0, float("nan")])
 def test_bad_factor(engine, bad):
     from edgevlm.runtime.slowdown import inject_slowdown
