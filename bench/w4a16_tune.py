@@ -54,6 +54,22 @@ def dequant_mm(x, qw, g):
     return F.linear(x, w4a16.dequantize_w4(qw.qweight, qw.scales, qw.zeros, g))
 
 
+def kernel_call(kernel, x, qw, g, cfg):
+    """A zero-argument call of a W4A16 kernel with launch configuration ``cfg`` (for graph_us)."""
+    return partial(kernel, x, qw.qweight, qw.scales, qw.zeros, g, config=cfg)
+
+
+def sweep(make, cfgs, label: str) -> list[tuple[float, tuple]]:
+    """``(us, cfg)`` of every configuration the compiler accepts, fastest first."""
+    out = []
+    for cfg in cfgs:
+        try:
+            out.append((graph_us(make(cfg)), cfg))
+        except Exception as exc:  # a config the compiler rejects (registers/shared memory)
+            print(f"  {label} {cfg}: {type(exc).__name__}", flush=True)
+    return sorted(out)
+
+
 def graph_us(fn) -> float:
     from triton.testing import do_bench_cudagraph
 
@@ -103,23 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         ref1 = x1.double() @ wq64.T
         g1 = [(bn, ps, sp, 4) for bn, ps, sp in itertools.product((4, 8, 16, 32), (1, 2, 4, 8), (1, 2, 4))
               if ps * g <= max(k, g)]
-        t1 = []
-        for cfg in g1:
-            try:
-                t1.append((graph_us(partial(w4a16.w4a16_gemv1, x1, qw.qweight, qw.scales, qw.zeros, g, config=cfg)),
-                           cfg))
-            except Exception as exc:
-                print(f"  {name} gemv1 {cfg}: {type(exc).__name__}", flush=True)
-        t1.sort()
-        for _, c in list(t1[:TOP]):
-            for wp in (2, 8):
-                cfg = c[:3] + (wp,)
-                try:
-                    t1.append((graph_us(partial(w4a16.w4a16_gemv1, x1, qw.qweight, qw.scales, qw.zeros, g,
-                                                config=cfg)), cfg))
-                except Exception as exc:
-                    print(f"  {name} gemv1 {cfg}: {type(exc).__name__}", flush=True)
-        t1.sort()
+        make1 = partial(kernel_call, w4a16.w4a16_gemv1, x1, qw, g)
+        t1 = sweep(make1, g1, f"{name} gemv1")
+        t1 = sorted(t1 + sweep(make1, [c[:3] + (wp,) for _, c in t1[:TOP] for wp in (2, 8)], f"{name} gemv1"))
         us1, best1 = t1[0]
         y1 = w4a16.w4a16_gemv1(x1, qw.qweight, qw.scales, qw.zeros, g, config=best1)
         err1 = ((y1.double() - ref1).norm() / ref1.norm()).item()
@@ -152,27 +154,11 @@ def main(argv: list[str] | None = None) -> int:
                     grid["BN"], grid["BK"], grid["SPLIT"], grid["warps"]) if bk % g == 0]
             else:  # the best of M = 1, with this M's block
                 cands = [(bm,) + c[1:] for _, c in ranked[:TOP] for bm in bms]
-            timed = []
-            for cfg in cands:
-                try:
-                    us = graph_us(partial(w4a16.w4a16_gemv, x, qw.qweight, qw.scales, qw.zeros, g, config=cfg))
-                except Exception as exc:  # a config the compiler rejects (registers/shared memory)
-                    print(f"  {name} M={m} {cfg}: {type(exc).__name__}", flush=True)
-                    continue
-                timed.append((us, cfg))
-            timed.sort()
+            make = partial(kernel_call, w4a16.w4a16_gemv, x, qw, g)
+            timed = sweep(make, cands, f"{name} M={m}")
             if m == 1:  # the leaders again with other warp counts
-                for _, c in list(timed[:TOP]):
-                    for wp in (2, 8):
-                        cfg = c[:4] + (wp,)
-                        try:
-                            us = graph_us(partial(w4a16.w4a16_gemv, x, qw.qweight, qw.scales, qw.zeros, g,
-                                                  config=cfg))
-                        except Exception as exc:
-                            print(f"  {name} M={m} {cfg}: {type(exc).__name__}", flush=True)
-                            continue
-                        timed.append((us, cfg))
-                timed.sort()
+                timed = sorted(timed + sweep(make, [c[:4] + (wp,) for _, c in timed[:TOP] for wp in (2, 8)],
+                                             f"{name} M={m}"))
                 ranked = timed
             us, best = timed[0]
             y = w4a16.w4a16_gemv(x, qw.qweight, qw.scales, qw.zeros, g, config=best)
