@@ -67,9 +67,29 @@ def engine_loader(config: DaemonConfig) -> Callable[[], Any]:
 
             options = load_profile(config.profile).backend_options(m.backend, m.device)
             logger.info("profile %s: backend options %s", config.profile, options)
+        if m.max_batch_size is not None:  # the config overrides the profile (torch only: checked by the schema)
+            options["max_batch_size"] = m.max_batch_size
         return Engine.load(m.path, device=m.device, dtype=m.dtype, backend=m.backend, backend_options=options)
 
     return load
+
+
+def batching_settings(config: DaemonConfig) -> tuple[bool, int]:
+    """``(continuous_batching, prefill_token_budget)`` of the inference worker: ``model.*`` when set,
+    else the profile's ``runtime.*`` for a CUDA model with a profile, else off and 1024 tokens."""
+    from edgevlm.profile import RuntimeConfig, load_profile
+
+    m = config.model
+    runtime = RuntimeConfig()
+    if config.profile is not None and m.device.startswith("cuda"):
+        prof = load_profile(config.profile)
+        if prof.device == "cuda":
+            runtime = prof.runtime
+    enabled = m.continuous_batching if m.continuous_batching is not None else runtime.continuous_batching
+    if m.backend != "torch":
+        enabled = False
+    budget = m.prefill_token_budget if m.prefill_token_budget is not None else runtime.prefill_token_budget
+    return enabled, budget
 
 
 def worker_busy_timeout_s(config: DaemonConfig) -> float:
@@ -106,6 +126,7 @@ class Daemon:
         )
         self.metrics = self._make_metrics()
         self.sources = SourceManager(config.sources, listener=self._on_source_state)
+        batching = batching_settings(config)
         self.scheduler = Scheduler(
             None if engine is not None else engine_loader(config),
             self.sources,
@@ -116,6 +137,8 @@ class Daemon:
             heartbeat=self.heartbeat,
             controller_factory=self._make_controller,
             monitors=self._make_monitors(),
+            continuous_batching=batching[0],
+            prefill_token_budget=batching[1],
         )
         online = StatusMessage(
             state="online",

@@ -22,6 +22,16 @@ and reports ``operating_point``, ``budget_ms`` and ``predicted_ms`` in the respo
 Deadlines are measured on the monotonic clock from the moment the daemon received the request
 (``timeout_ms``; :data:`~edgevlm.protocol.NO_DEADLINE_MS` = none). A request already running when
 its deadline passes is finished and answered (the work is done; the client decides).
+
+Continuous batching (``continuous_batching=True`` and an engine with ``max_batch_size >= 2`` cache
+rows; see :mod:`edgevlm.daemon.batching`): the worker takes as many requests off the queue as there
+are free cache rows, prepares each as above (deadline check, image, operating point), and steps a
+:class:`~edgevlm.daemon.batching.BatchWorker`: waiting requests join the running decode batch
+between decode steps, prefilled in groups of at most ``prefill_token_budget`` tokens, and each
+request is answered as soon as it finishes. Between steps, queued requests whose deadline passed
+are answered ``DEADLINE_EXCEEDED`` at once. The predicted queue wait counts the free rows: zero
+while a row is free, else the predicted work ahead divided by the rows. Monitors run only while
+the batch and the queue are empty.
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ from edgevlm.errors import (
     ModelLoadError,
 )
 from edgevlm.protocol import NO_DEADLINE_MS, Frame, Request, Response
+from edgevlm.types import Answer
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +86,20 @@ class Counters:
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self._values)
+
+
+@dataclass
+class _Started:
+    """A dequeued job being served: what :meth:`Scheduler._begin` resolved for it."""
+
+    dequeued: float  # monotonic
+    queue_ms: float
+    image: Any
+    frame: CapturedFrame | None
+    max_new_tokens: int
+    point: Any = None  # OperatingPoint chosen by the controller (None = the model's default)
+    predicted_ms: float | None = None
+    service_ms: float = 0.0  # predicted worker time (batched: for the queue-wait prediction)
 
 
 @dataclass
@@ -115,6 +140,9 @@ class Scheduler:
             the measured stats.
         monitors: a :class:`~edgevlm.daemon.monitors.MonitorRunner` run by the worker whenever
             no request is waiting (requests always go first).
+        continuous_batching: decode concurrent requests together when the engine has several
+            KV-cache rows (see the module doc); with one row the worker runs ``engine.ask``.
+        prefill_token_budget: padded tokens per batched prefill group.
     """
 
     def __init__(
@@ -129,6 +157,8 @@ class Scheduler:
         heartbeat: Any = None,
         controller_factory: Callable[[Any], Any] | None = None,
         monitors: Any = None,
+        continuous_batching: bool = False,
+        prefill_token_budget: int = 1024,
     ) -> None:
         if engine_loader is None and engine is None:
             raise ValueError("give engine_loader or engine")
@@ -150,6 +180,11 @@ class Scheduler:
         self.controller: Any = None  # BudgetController once the engine is loaded
         self.monitors = monitors
         self._running: tuple[float, float] | None = None  # (start monotonic, predicted service ms)
+        self.continuous_batching = continuous_batching
+        self.prefill_token_budget = prefill_token_budget
+        self._batch: Any = None  # BatchWorker of the current engine while batching
+        self._batch_rows = 1  # KV-cache rows the worker batches over (1 = no batching)
+        self._active: dict[int, tuple[float, float]] = {}  # batched jobs: id -> (start, predicted service ms)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, load_timeout_s: float | None = None) -> None:
@@ -282,6 +317,8 @@ class Scheduler:
             return self._predicted_wait_locked(time.monotonic())
 
     def _predicted_wait_locked(self, now: float) -> float:
+        if self._batch_rows > 1:
+            return self._predicted_batched_wait_locked(now)
         wait = 0.0
         if self._running is not None:
             started, service_ms = self._running
@@ -290,6 +327,16 @@ class Scheduler:
             if queued.choice is not None:
                 wait += queued.choice.service_ms
         return wait
+
+    def _predicted_batched_wait_locked(self, now: float) -> float:
+        """Batched: zero while a cache row is free for the request, else the predicted work ahead
+        of it (running remainders + queued services) shared by the rows."""
+        rows = self._batch_rows
+        if len(self._active) + len(self._queue) < rows:
+            return 0.0
+        ahead = sum(max(0.0, ms - (now - t) * 1000.0) for t, ms in self._active.values())
+        ahead += sum(q.choice.service_ms for q in self._queue if q.choice is not None)
+        return ahead / rows
 
     def _choose(self, job: Job) -> DeadlineExceededError | None:
         """Pick the job's operating point (``_cond`` held). Returns the refusal, or None."""
@@ -328,7 +375,14 @@ class Scheduler:
             self._load_error = exc
             self._ready.set()
             return
+        batching = self._batching_engine() is not None  # before ready: submit() predicts with the rows
         self._ready.set()
+        if batching:
+            self._run_batched()
+            return
+        self._run_single()
+
+    def _run_single(self) -> None:
         while True:
             with self._cond:
                 while not self._stopping and (self._paused or not self._queue):
@@ -365,41 +419,13 @@ class Scheduler:
                     self._running = None
 
     def _process(self, job: Job) -> None:
-        dequeued = time.monotonic()
-        queue_ms = (dequeued - job.received_monotonic) * 1000.0
-        deadline = job.deadline_monotonic
-        req = job.request
-        if deadline is not None and dequeued > deadline:
-            self._fail(
-                job,
-                DeadlineExceededError(
-                    f"deadline of {job.timeout_ms} ms passed after {queue_ms:.0f} ms in the queue",
-                    details={"timeout_ms": job.timeout_ms, "queue_ms": round(queue_ms, 3)},
-                ),
-            )
+        started = self._begin(job)
+        if started is None:
             return
+        req = job.request
         try:
-            image, frame = self._resolve_image(req, deadline)
-            max_new_tokens = req.max_new_tokens or self.defaults.max_new_tokens
-            point, predicted_ms = None, None
-            if job.choice is not None and self.controller is not None:
-                # the wait may differ from the prediction: refit the point to the budget left
-                elapsed_ms = (time.monotonic() - job.received_monotonic) * 1000.0
-                planned_tokens = self.controller.expected_tokens(req.prompt, max_new_tokens)
-                point, service_ms = self.controller.refit(
-                    job.choice, job.choice.budget_ms - elapsed_ms, max_new_tokens=planned_tokens)
-                # the prediction the point was chosen on: at submit, or now if the refit changed it
-                predicted_ms = job.choice.predicted_ms if point == job.choice.point else elapsed_ms + service_ms
-            answer = self._engine.ask(image, req.prompt, max_new_tokens=max_new_tokens, operating_point=point)
-            answer.stats.queue_ms = queue_ms
-            if point is not None:
-                self.controller.observe(point, answer.stats, prompt=req.prompt)
-                answer.stats.budget_ms = round(job.choice.budget_ms, 3)
-                answer.stats.predicted_ms = round(predicted_ms, 3)
-            wire_frame = None
-            if frame is not None:
-                wire_frame = Frame(source=frame.source, ts=frame.ts, pos_ms=frame.pos_ms, index=frame.index)
-            response = Response.success(answer, wire_frame, req.correlation_id)
+            answer = self._engine.ask(started.image, req.prompt, max_new_tokens=started.max_new_tokens,
+                                      operating_point=started.point)
         except EdgeVLMError as err:
             self._fail(job, err)
             return
@@ -407,10 +433,188 @@ class Scheduler:
             logger.exception("inference failed with an unexpected error")
             self._fail(job, InternalError(f"internal error: {type(exc).__name__}: {exc}"))
             return
+        self._complete(job, started, answer)
+
+    def _begin(self, job: Job) -> _Started | None:
+        """Dequeue-time work of a job: the deadline check, its image, and (with a controller) its
+        operating point refitted to the budget left. Answers the job and returns None on failure."""
+        dequeued = time.monotonic()
+        queue_ms = (dequeued - job.received_monotonic) * 1000.0
+        deadline = job.deadline_monotonic
+        req = job.request
+        if deadline is not None and dequeued > deadline:
+            self._fail_deadline(job, dequeued)
+            return None
+        try:
+            image, frame = self._resolve_image(req, deadline)
+            started = _Started(dequeued, queue_ms, image, frame, req.max_new_tokens or self.defaults.max_new_tokens)
+            if job.choice is not None and self.controller is not None:
+                # the wait may differ from the prediction: refit the point to the budget left
+                elapsed_ms = (time.monotonic() - job.received_monotonic) * 1000.0
+                planned_tokens = self.controller.expected_tokens(req.prompt, started.max_new_tokens)
+                started.point, started.service_ms = self.controller.refit(
+                    job.choice, job.choice.budget_ms - elapsed_ms, max_new_tokens=planned_tokens)
+                # the prediction the point was chosen on: at submit, or now if the refit changed it
+                started.predicted_ms = (job.choice.predicted_ms if started.point == job.choice.point
+                                        else elapsed_ms + started.service_ms)
+        except EdgeVLMError as err:
+            self._fail(job, err)
+            return None
+        except Exception as exc:  # noqa: BLE001 - never a dead daemon
+            logger.exception("request preparation failed with an unexpected error")
+            self._fail(job, InternalError(f"internal error: {type(exc).__name__}: {exc}"))
+            return None
+        return started
+
+    def _complete(self, job: Job, started: _Started, answer: Answer) -> None:
+        """Answer a job that ran: stats, controller feedback, the response."""
+        req = job.request
+        try:
+            answer.stats.queue_ms = started.queue_ms
+            point = started.point
+            if point is not None:
+                self.controller.observe(point, answer.stats, prompt=req.prompt)
+                answer.stats.budget_ms = round(job.choice.budget_ms, 3)
+                answer.stats.predicted_ms = round(started.predicted_ms, 3)
+            wire_frame = None
+            if started.frame is not None:
+                f = started.frame
+                wire_frame = Frame(source=f.source, ts=f.ts, pos_ms=f.pos_ms, index=f.index)
+            response = Response.success(answer, wire_frame, req.correlation_id)
+        except Exception as exc:  # noqa: BLE001 - never a dead daemon
+            logger.exception("answering failed with an unexpected error")
+            self._fail(job, InternalError(f"internal error: {type(exc).__name__}: {exc}"))
+            return
         self.counters.inc("responses_ok")
         self._reply(job, response)
         if point is not None:  # the worker's time around the engine call: decode, frame, reply
-            self.controller.observe_overhead((time.monotonic() - dequeued) * 1000.0 - answer.stats.e2e_ms)
+            self.controller.observe_overhead((time.monotonic() - started.dequeued) * 1000.0 - answer.stats.e2e_ms)
+
+    def _fail_deadline(self, job: Job, now: float) -> None:
+        queue_ms = (now - job.received_monotonic) * 1000.0
+        self._fail(
+            job,
+            DeadlineExceededError(
+                f"deadline of {job.timeout_ms} ms passed after {queue_ms:.0f} ms in the queue",
+                details={"timeout_ms": job.timeout_ms, "queue_ms": round(queue_ms, 3)},
+            ),
+        )
+
+    # ------------------------------------------------------------------ continuous batching
+    def _batching_engine(self) -> Any:
+        """The BatchWorker for the current engine (rebuilt after a hot reload), or None when the
+        worker runs one request at a time."""
+        from edgevlm.daemon.batching import BatchWorker, batch_rows
+
+        engine = self._engine
+        if not self.continuous_batching or engine is None:
+            return None
+        if self._batch is not None and self._batch.engine is engine:
+            return self._batch
+        rows = batch_rows(engine)
+        if rows < 2:
+            logger.warning("continuous batching is on but the engine has %d KV-cache row(s) and/or no batched "
+                           "entry points (backend %s): one request at a time", rows,
+                           getattr(engine, "backend_name", "?"))
+            self._batch, self._batch_rows = None, 1
+            return None
+        self._batch = BatchWorker(engine, self.prefill_token_budget)
+        self._batch_rows = rows
+        logger.info("continuous batching: %d KV-cache rows, prefill groups of <= %d tokens",
+                    rows, self.prefill_token_budget)
+        return self._batch
+
+    def _run_batched(self) -> None:
+        while True:
+            batch = self._batching_engine()
+            if batch is None:  # a hot reload brought an engine that cannot batch
+                self._run_single()
+                return
+            with self._cond:
+                while not self._stopping and batch.idle and (self._paused or not self._queue):
+                    if self._heartbeat is not None:
+                        self._heartbeat.beat()
+                    due = self.monitors.next_due() if self.monitors is not None and not self._paused else None
+                    now = time.monotonic()
+                    if due is not None and due <= now:
+                        break
+                    self._cond.wait(HEARTBEAT_S if due is None else min(HEARTBEAT_S, due - now))
+                if self._stopping and batch.idle:
+                    return
+                now = time.monotonic()
+                expired = [j for j in self._queue if j.deadline_monotonic is not None and now > j.deadline_monotonic]
+                for j in expired:
+                    self._queue.remove(j)
+                jobs: list[Job] = []
+                if not self._paused and not self._stopping:
+                    while self._queue and len(jobs) < batch.free_slots():
+                        jobs.append(self._queue.popleft())
+                monitor_tick = batch.idle and not jobs and not expired
+                if monitor_tick:
+                    self._running = (now, self.monitors.tick_ms() if self.monitors is not None else 0.0)
+                else:
+                    self._running = (now, 0.0)
+            for job in expired:
+                self._fail_deadline(job, now)
+            if monitor_tick:
+                try:
+                    if self.monitors is not None:
+                        self.monitors.run_due(self._engine)
+                finally:
+                    with self._cond:
+                        self._running = None
+                continue
+            for job in jobs:
+                self._admit(batch, job)
+            if not batch.idle:
+                self._step(batch)
+            if self._heartbeat is not None:
+                self._heartbeat.beat()
+            with self._cond:
+                if batch.idle:
+                    self._running = None
+
+    def _admit(self, batch: Any, job: Job) -> None:
+        started = self._begin(job)
+        if started is None:
+            return
+        try:
+            batch.add((job, started), started.image, job.request.prompt, max_new_tokens=started.max_new_tokens,
+                      operating_point=started.point, deadline_s=job.deadline_monotonic)
+        except EdgeVLMError as err:
+            self._fail(job, err)
+            return
+        except Exception as exc:  # noqa: BLE001 - never a dead daemon
+            logger.exception("request preparation failed with an unexpected error")
+            self._fail(job, InternalError(f"internal error: {type(exc).__name__}: {exc}"))
+            return
+        with self._cond:
+            self._active[id(job)] = (started.dequeued, started.service_ms)
+        self.counters.inc("batched_requests")
+
+    def _step(self, batch: Any) -> None:
+        joins = batch.batcher.joins
+        try:
+            if self._heartbeat is not None:
+                with self._heartbeat.busy():
+                    finished = batch.step()
+            else:
+                finished = batch.step()
+        except Exception as exc:  # noqa: BLE001 - never a dead daemon: fail the batch, keep serving
+            logger.exception("batched inference step failed; answering its %d request(s) INTERNAL", batch.n_active)
+            err = InternalError(f"internal error: {type(exc).__name__}: {exc}")
+            finished = [(tag, err) for tag in batch.abort()]
+        if batch.batcher.joins > joins:
+            self.counters.inc("batch_joins", batch.batcher.joins - joins)
+        for (job, started), answer in finished:
+            with self._cond:
+                self._active.pop(id(job), None)
+            if answer is None:
+                self._fail_deadline(job, time.monotonic())
+            elif isinstance(answer, EdgeVLMError):
+                self._fail(job, answer)
+            else:
+                self._complete(job, started, answer)
 
     def _resolve_image(self, req: Request, deadline: float | None) -> tuple[Any, CapturedFrame | None]:
         if req.image_bytes is not None:

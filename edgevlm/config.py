@@ -155,6 +155,26 @@ class ModelConfig(BaseModel):
         "robot whose CPU is shared with other processes, fewer threads than cores avoid OpenMP threads "
         "spinning against each other (measured: 1 thread 10x faster than 2 on a loaded 2-core machine).",
     )
+    max_batch_size: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="KV-cache rows of the torch backend (requests decoded together); None = the profile's "
+        "runtime.max_batch_size on CUDA, 1 on CPU.",
+    )
+    continuous_batching: bool | None = Field(
+        None,
+        description="Decode concurrent requests together (waiting requests join the running decode batch "
+        "between steps; edgevlm.daemon.batching); needs the torch backend and max_batch_size >= 2. None = the "
+        "profile's runtime.continuous_batching on CUDA, off on CPU.",
+    )
+    prefill_token_budget: int | None = Field(
+        None,
+        ge=1,
+        le=1048576,
+        description="Padded tokens per batched prefill group (rows x longest prompt, vision tokens included); "
+        "None = the profile's runtime.prefill_token_budget (1024).",
+    )
 
     @field_validator("device")
     @classmethod
@@ -162,6 +182,16 @@ class ModelConfig(BaseModel):
         if not re.match(r"^(cpu|cuda(:\d+)?)$", v):
             raise ValueError(f"expected 'cpu', 'cuda' or 'cuda:N', got {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _check_batching(self) -> ModelConfig:
+        if self.backend != "torch":
+            for key in ("max_batch_size", "continuous_batching"):
+                if getattr(self, key) not in (None, False):
+                    raise ValueError(f"{key}: needs backend 'torch' (got {self.backend!r})")
+        if self.continuous_batching and self.max_batch_size is not None and self.max_batch_size < 2:
+            raise ValueError("continuous_batching: needs max_batch_size >= 2")
+        return self
 
 
 class CsiConfig(BaseModel):

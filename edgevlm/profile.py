@@ -176,6 +176,22 @@ class RuntimeConfig(BaseModel):
     )
     max_batch_size: int = Field(1, ge=1, le=256, description="KV-cache rows: requests decoded together.")
     min_kv_bucket: int = Field(256, ge=16, description="Smallest attended KV length of a decode graph (positions).")
+    continuous_batching: bool = Field(
+        False,
+        description="The daemon decodes concurrent requests together: waiting requests join the running decode "
+        "batch between steps (edgevlm.daemon.batching); needs max_batch_size >= 2.",
+    )
+    prefill_token_budget: int = Field(
+        1024, ge=1, le=1048576,
+        description="Padded tokens (rows x longest prompt, vision tokens included) per batched prefill group; a "
+        "longer prompt is prefilled alone.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> RuntimeConfig:
+        if self.continuous_batching and self.max_batch_size < 2:
+            raise ValueError("continuous_batching: needs max_batch_size >= 2")
+        return self
 
 
 class Profile(BaseModel):

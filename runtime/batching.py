@@ -19,7 +19,11 @@ Only one prefill group runs per iteration, so a running request's next token is 
 one group's prefill (at most ``token_budget`` tokens), and a waiting request is admitted as soon
 as a row is free and it is the most urgent. Sampling is greedy or per-request
 (:class:`~edgevlm.runtime.sampling.SamplingParams`); results are token ids (detokenise with the
-engine's tokenizer).
+engine's tokenizer). A request with an adaptive ``operating_point`` (early exit, token pruning) has
+its image encoded on its own (``backend.encode_image(..., operating_point=...)``, the exit/pruning
+path of :mod:`edgevlm.runtime.exits` / :mod:`edgevlm.runtime.pruning`); its prefill and decode are
+batched like any other. ``on_token`` lets the caller end a request early (stop strings).
+The daemon's inference worker drives it through :mod:`edgevlm.daemon.batching`.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 
 from edgevlm.errors import InvalidRequestError
 from edgevlm.runtime.sampling import SamplingParams, make_generator, select_token
+from edgevlm.types import OperatingPoint
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +91,11 @@ class GenerationRequest:
         params: sampling knobs; None = greedy.
         deadline_s: ``clock()`` time after which a request still waiting is answered "deadline".
         request_id: anything, echoed in the result.
+        operating_point: encode the image with this point's early exit / token pruning (alone,
+            not in the vision batch); None or a point without them = the plain batched encoder.
+            ``input_ids`` must then hold as many image placeholders as vision tokens are kept.
+        on_token: called with each generated token (EOS excluded) after it is appended; returning
+            True ends the request with finish reason "stop" (e.g. a stop string was completed).
     """
 
     input_ids: list[int]
@@ -95,12 +105,19 @@ class GenerationRequest:
     params: SamplingParams | None = None
     deadline_s: float | None = None
     request_id: Any = None
+    operating_point: OperatingPoint | None = None
+    on_token: Callable[[int], bool] | None = None
 
 
 @dataclass
 class GenerationResult:
-    """What a request produced. ``finish_reason``: "stop" (EOS), "length" or "deadline";
-    times are ``clock()`` differences in seconds from submission."""
+    """What a request produced. ``finish_reason``: "stop" (EOS or ``on_token``), "length" or
+    "deadline"; ``eos``: it ended on an EOS token (not in ``tokens``). Times are ``clock()``
+    differences in seconds from submission; ``vision_s`` / ``prefill_s`` are those of the prefill
+    group it was admitted in (shared by the group). ``batch_size``: the most requests in one
+    prefill group or decode step with it (itself included); ``joined``: it was admitted while
+    other requests were decoding. ``vision_info``: the backend's
+    :class:`~edgevlm.runtime.vision.VisionInfo` of an adaptive encode, else None."""
 
     request_id: Any
     tokens: list[int]
@@ -109,6 +126,12 @@ class GenerationResult:
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     key: int = field(default=0, repr=False)  # id() of the GenerationRequest
+    eos: bool = False
+    vision_s: float = 0.0
+    prefill_s: float = 0.0
+    batch_size: int = 0
+    joined: bool = False
+    vision_info: Any = None
 
 
 @dataclass
@@ -122,6 +145,11 @@ class _Running:
     first_s: float = 0.0
     tokens: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    vision_s: float = 0.0
+    prefill_s: float = 0.0
+    batch_size: int = 1
+    joined: bool = False
+    vision_info: Any = None
 
 
 class ContinuousBatcher:
@@ -142,6 +170,7 @@ class ContinuousBatcher:
         self._waiting: list[tuple[float, GenerationRequest]] = []  # (submitted_s, request)
         self._rows: list[_Running | None] = [None] * backend.max_batch_size
         self.steps = 0
+        self.joins = 0  # requests admitted while others were decoding
 
     @property
     def n_running(self) -> int:
@@ -160,6 +189,14 @@ class ContinuousBatcher:
         if req.max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be positive, got {req.max_new_tokens}")
         self._waiting.append((self.clock(), req))
+
+    def abort(self) -> list[GenerationRequest]:
+        """Drop every waiting and running request (after a failed step) and return them; the
+        cache rows are free again."""
+        out = [r for _, r in self._waiting] + [run.req for run in self._rows if run is not None]
+        self._waiting = []
+        self._rows = [None] * len(self._rows)
+        return out
 
     def run(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Submit ``requests`` and step until all are done; results in the input order."""
@@ -206,23 +243,47 @@ class ContinuousBatcher:
         self._waiting = [sr for sr in self._waiting if id(sr[1]) not in chosen_ids]
         be = self.backend
         now = self.clock()
-        with_images = [i for i, (_, r) in enumerate(chosen) if r.pixel_values is not None]
-        feats = be.encode_images([chosen[i][1].pixel_values for i in with_images]) if with_images else []
-        feat_of = dict(zip(with_images, feats, strict=True))
+        joined = self.n_running > 0
+        feat_of, info_of = self._encode([r for _, r in chosen])
+        be.synchronize()
+        t_vision = self.clock()
         embeds = []
         for i, (_, r) in enumerate(chosen):
             ids = torch.tensor([r.input_ids], dtype=torch.long, device=be.device)  # (1, T)
             embeds.append(be.embed(ids, feat_of.get(i)))
         rows = free[: len(chosen)]
         logits = be.prefill_batch(embeds, rows)  # (n, V)
-        for (sub, r), row in zip(chosen, rows, strict=True):
+        be.synchronize()
+        t_prefill = self.clock()
+        for i, ((sub, r), row) in enumerate(zip(chosen, rows, strict=True)):
             n = len(r.input_ids)
             run = _Running(req=r, row=row, pos=n, budget=min(r.max_new_tokens, be.max_seq_len - n + 1),
-                           submitted_s=sub, admitted_s=now)
+                           submitted_s=sub, admitted_s=now, vision_s=t_vision - now, prefill_s=t_prefill - t_vision,
+                           batch_size=self.n_running + 1, joined=joined, vision_info=info_of.get(i))
             if r.params is not None and not r.params.greedy:
                 run.generator = make_generator(r.params.seed, logits.device)
             self._rows[row] = run
+        if joined:
+            self.joins += len(chosen)
         return self._consume(logits, [self._rows[row] for row in rows], first=True)
+
+    def _encode(self, reqs: list[GenerationRequest]) -> tuple[dict[int, torch.Tensor], dict[int, Any]]:
+        """Vision features of a prefill group, by index: plain images in one encoder batch per input
+        size, adaptive operating points one by one (with their VisionInfo)."""
+        be = self.backend
+        plain = [i for i, r in enumerate(reqs) if r.pixel_values is not None and not _adaptive(r.operating_point)]
+        feats = be.encode_images([reqs[i].pixel_values for i in plain]) if plain else []
+        feat_of = dict(zip(plain, feats, strict=True))
+        info_of: dict[int, Any] = {}
+        for i, r in enumerate(reqs):
+            if r.pixel_values is None or not _adaptive(r.operating_point):
+                continue
+            op = r.operating_point
+            # question-conditioned exit confidence heads read the prompt (as Engine does)
+            prompt = torch.tensor([r.input_ids], dtype=torch.long) if op.exit_threshold is not None else None
+            feat_of[i] = be.encode_image(r.pixel_values, operating_point=op, prompt_ids=prompt)  # (1, N', D)
+            info_of[i] = getattr(be, "last_vision_info", None)
+        return feat_of, info_of
 
     def _decode(self) -> list[GenerationResult]:
         n = max(i for i, r in enumerate(self._rows) if r is not None) + 1
@@ -233,9 +294,11 @@ class ContinuousBatcher:
                 tokens[i], positions[i] = run.tokens[-1], run.pos
         logits = self.backend.decode_batch(tokens, positions)  # (n, V)
         running = [self._rows[i] for i in range(n)]
+        n_running = self.n_running
         for run in running:
             if run is not None:
                 run.pos += 1
+                run.batch_size = max(run.batch_size, n_running)
         return self._consume(logits, running, first=False)
 
     def _consume(self, logits: torch.Tensor, runs: list[_Running | None], first: bool) -> list[GenerationResult]:
@@ -250,18 +313,29 @@ class ContinuousBatcher:
             if first:
                 run.first_s = now
             if token in run.req.eos_token_ids:
-                out.append(self._finish(run, "stop", now))
+                out.append(self._finish(run, "stop", now, eos=True))
                 continue
             run.tokens.append(token)
-            if len(run.tokens) >= run.budget:
+            if run.req.on_token is not None and run.req.on_token(token):
+                out.append(self._finish(run, "stop", now))
+            elif len(run.tokens) >= run.budget:
                 out.append(self._finish(run, "length", now))
         return out
 
-    def _finish(self, run: _Running, reason: str, now: float) -> GenerationResult:
+    def _finish(self, run: _Running, reason: str, now: float, eos: bool = False) -> GenerationResult:
         self._rows[run.row] = None
-        return self._result(run.req, run.tokens, reason, run.submitted_s, run.admitted_s, run.first_s, now)
+        res = self._result(run.req, run.tokens, reason, run.submitted_s, run.admitted_s, run.first_s, now)
+        res.eos, res.vision_s, res.prefill_s = eos, run.vision_s, run.prefill_s
+        res.batch_size, res.joined, res.vision_info = run.batch_size, run.joined, run.vision_info
+        return res
 
     @staticmethod
     def _result(req, tokens, reason, sub, admitted, first, end) -> GenerationResult:
         return GenerationResult(request_id=req.request_id, tokens=list(tokens), finish_reason=reason,
                                 queue_s=admitted - sub, ttft_s=first - sub, e2e_s=end - sub, key=id(req))
+
+
+def _adaptive(op: OperatingPoint | None) -> bool:
+    """Whether ``op`` asks for early exit or token pruning (the per-request vision path)."""
+    return op is not None and (op.exit_layer is not None or op.exit_threshold is not None
+                               or (op.keep_ratio is not None and op.keep_ratio < 1.0))

@@ -1,0 +1,196 @@
+"""Continuous batching on the daemon's inference worker (issue 6, "Dynamic batching").
+
+When the engine was loaded with ``max_batch_size > 1`` KV-cache rows (``model.max_batch_size``, or a
+cloud profile's ``runtime.max_batch_size`` on CUDA) and batching is on (``model.continuous_batching``
+or the profile's ``runtime.continuous_batching``), the scheduler's worker
+(:mod:`edgevlm.daemon.scheduler`) does not call ``engine.ask`` per request. It hands each dequeued
+request to a :class:`BatchWorker`, which drives an
+:class:`~edgevlm.runtime.batching.ContinuousBatcher` over the engine's backend between requests:
+
+* a request is validated, tokenised and preprocessed exactly as ``Engine.ask`` does (same errors,
+  same token ids, same resolution rung) when the worker takes it off the queue;
+* between decode steps the waiting requests are admitted into free cache rows, prefilled in groups
+  of at most ``prefill_token_budget`` padded tokens (Orca-style iteration-level scheduling, see
+  :mod:`edgevlm.runtime.batching`), and every running request advances one token per step;
+* each request ends on its own EOS / ``max_new_tokens`` (the operating point's cap included) and
+  is answered at once, with an :class:`~edgevlm.types.Answer` built like ``Engine.ask``'s: the same
+  text for greedy decoding (batched logits equal the single-request ones within float error).
+
+Every wire request can run batched: the MQTT protocol has no streaming, sampling or stop strings,
+and an operating point with early exit or token pruning has its image encoded on its own (the
+adaptive encoder) while its prefill and decode join the batch. Different resolutions share a
+batch (the vision encoder batches per input size).
+
+Stats of a batched answer: ``vision_ms`` / ``prefill_ms`` are those of the prefill group the
+request was admitted in (shared by the group); ``ttft_ms`` / ``e2e_ms`` run from the moment the
+worker started preparing the request, so they include the wait for its prefill group and the other
+requests' prefills between its decode steps (which also lengthen ``tpot_ms``); ``batch_size`` (an
+extra field) is the most requests it shared a prefill group or decode step with, itself included.
+
+Not thread-safe: only the inference worker calls it. It uses the engine's backend directly, so no
+other thread may run the same engine meanwhile (in the daemon, only the worker does).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from edgevlm.errors import InvalidRequestError
+from edgevlm.types import Answer, OperatingPoint, Stats
+
+logger = logging.getLogger(__name__)
+
+BATCHED_ENTRY_POINTS = ("encode_images", "prefill_batch", "decode_batch")
+
+
+def batch_rows(engine: Any) -> int:
+    """KV-cache rows of ``engine``'s backend that support batched decode (1 = no batching)."""
+    be = getattr(engine, "backend", None)
+    if be is None or not all(hasattr(be, name) for name in BATCHED_ENTRY_POINTS):
+        return 1
+    return int(getattr(be, "max_batch_size", 1))
+
+
+@dataclass
+class _Item:
+    tag: Any
+    stats: Stats
+    start_s: float  # monotonic time the request's preparation began (its ttft/e2e origin)
+    submit_s: float  # monotonic time it was handed to the batcher
+    text: Any  # TextAssembler
+    decoder: Any  # IncrementalDecoder
+
+
+class BatchWorker:
+    """Requests of one engine decoded together (see the module doc).
+
+    Args:
+        engine: a loaded :class:`edgevlm.runtime.Engine` whose backend has the batched entry points.
+        token_budget: padded tokens per prefill group (:func:`~edgevlm.runtime.batching.plan_prefill_groups`).
+    Raises:
+        ValueError: the engine cannot batch (one cache row, or a backend without batched entry
+            points) or ``token_budget`` is not positive.
+    """
+
+    def __init__(self, engine: Any, token_budget: int) -> None:
+        from edgevlm.runtime.batching import ContinuousBatcher
+
+        if batch_rows(engine) < 2:
+            raise ValueError("continuous batching needs a torch backend loaded with max_batch_size >= 2")
+        self.engine = engine
+        self.batcher = ContinuousBatcher(engine.backend, token_budget=token_budget, clock=time.monotonic)
+        self._items: dict[int, _Item] = {}  # id(GenerationRequest) -> item
+
+    @property
+    def rows(self) -> int:
+        return self.engine.backend.max_batch_size
+
+    @property
+    def n_active(self) -> int:
+        """Requests handed to :meth:`add` and not yet returned by :meth:`step`/:meth:`abort`."""
+        return len(self._items)
+
+    @property
+    def idle(self) -> bool:
+        return not self._items
+
+    def free_slots(self) -> int:
+        """How many more requests can be added now without waiting for a cache row."""
+        return max(0, self.rows - len(self._items))
+
+    def add(self, tag: Any, image: np.ndarray, prompt: str, *, max_new_tokens: int,
+            operating_point: OperatingPoint | None, deadline_s: float | None) -> None:
+        """Validate, tokenise and preprocess a request (as ``Engine.ask`` does) and queue it for the
+        next admission. ``deadline_s`` (monotonic): still waiting for a row after it, the request
+        comes back from :meth:`step` with answer None. ``tag`` is returned with the answer.
+
+        Raises:
+            InvalidImageError: ``image`` is not an ``(H, W, 3)`` uint8 array.
+            InvalidRequestError: bad knobs, or the prompt + vision tokens do not fit the KV cache.
+        """
+        import torch
+
+        from edgevlm.runtime.batching import GenerationRequest
+        from edgevlm.runtime.preprocess import preprocess, target_size
+        from edgevlm.runtime.sampling import SamplingParams, TextAssembler
+        from edgevlm.runtime.tokenizer import IncrementalDecoder
+
+        eng = self.engine
+        start = time.monotonic()
+        # the same checks, in the same order, as Engine.stream (engine.py's private helpers;
+        # a public Engine.prepare() would let both paths share them)
+        op = eng._check_operating_point(operating_point)
+        eng._check_image(image)
+        if not isinstance(prompt, str):
+            raise InvalidRequestError(f"prompt must be a string, got {type(prompt).__name__}")
+        if op.max_new_tokens is not None and isinstance(max_new_tokens, int):
+            max_new_tokens = min(max_new_tokens, op.max_new_tokens)
+        params = SamplingParams.validate(max_new_tokens, 0.0, 1.0, None, None)
+        resolution_px = op.resolution_px or eng.image_size_px
+        h, w = image.shape[:2]
+        tw, th = target_size(w, h, resolution_px, eng.patch_size_px)
+        n_vision = eng._adaptive_vision_tokens(eng.num_vision_tokens(th, tw), op)
+        ids = eng.tokenizer.encode_prompt(prompt, n_vision)
+        if len(ids) >= eng.max_seq_len:
+            raise InvalidRequestError(
+                f"prompt is {len(ids)} tokens ({len(ids) - n_vision} text + {n_vision} vision at {tw}x{th} px); "
+                f"the KV cache holds {eng.max_seq_len} positions"
+            )
+        t0 = time.monotonic()
+        pixels = preprocess(image, resolution_px, eng.patch_size_px, eng.image_mean, eng.image_std)
+        stats = Stats(operating_point=op.name, backend=eng.backend_name, vision_tokens=n_vision,
+                      prompt_tokens=len(ids) - n_vision, preprocess_ms=(time.monotonic() - t0) * 1e3)
+        stats.input_height_px, stats.input_width_px = pixels.shape[1:]
+        text, decoder = TextAssembler(params.stop), IncrementalDecoder(eng.tokenizer)
+
+        def on_token(token: int) -> bool:  # detokenise as the single-request path does
+            text.add(decoder.push(token))
+            return text.stopped
+
+        req = GenerationRequest(ids, torch.from_numpy(pixels)[None], max_new_tokens=params.max_new_tokens,
+                                eos_token_ids=eng.eos_token_ids, deadline_s=deadline_s,
+                                operating_point=op, on_token=on_token)
+        self.batcher.submit(req)  # InvalidRequestError: cannot fit the KV cache
+        self._items[id(req)] = _Item(tag, stats, start, time.monotonic(), text, decoder)
+
+    def step(self) -> list[tuple[Any, Answer | None]]:
+        """One batcher iteration (expire, admit one prefill group, one decode step). Returns
+        ``(tag, answer)`` for each request that finished in it; answer None = its deadline passed
+        while it waited for admission (it never ran)."""
+        out = []
+        for res in self.batcher.step():
+            item = self._items.pop(res.key)
+            out.append((item.tag, None if res.finish_reason == "deadline" else self._answer(item, res)))
+        return out
+
+    def abort(self) -> list[Any]:
+        """Drop everything (after a failed step); returns the tags of the dropped requests."""
+        self.batcher.abort()
+        tags = [item.tag for item in self._items.values()]
+        self._items.clear()
+        return tags
+
+    def _answer(self, item: _Item, res: Any) -> Answer:
+        ms = 1e3
+        prep_s = item.submit_s - item.start_s
+        stats = item.stats
+        stats.vision_ms, stats.prefill_ms = res.vision_s * ms, res.prefill_s * ms
+        stats.ttft_ms = (prep_s + res.ttft_s) * ms
+        stats.e2e_ms = (prep_s + res.e2e_s) * ms
+        stats.new_tokens = len(res.tokens) + (1 if res.eos else 0)
+        stats.decode_ms = (res.e2e_s - res.ttft_s) * ms
+        stats.tpot_ms = stats.decode_ms / (stats.new_tokens - 1) if stats.new_tokens > 1 else 0.0
+        stats.finish_reason = "length" if res.finish_reason == "length" else "stop"
+        info = res.vision_info
+        if info is not None:
+            stats.exit_layer = info.exit_layers[0]
+            stats.exit_confidence = info.exit_confidences[0]
+            stats.vision_tokens = info.tokens_kept
+        stats.batch_size = res.batch_size  # extra field (Stats allows extras)
+        item.text.finish()
+        return Answer(text=item.text.final_text, stats=stats)

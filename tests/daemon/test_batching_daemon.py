@@ -1,0 +1,280 @@
+"""Continuous batching in the daemon (edgevlm.daemon.batching) over a real mosquitto broker.
+
+The daemon loads the tiny random checkpoint itself, with ``model.max_batch_size`` KV-cache rows and
+``model.continuous_batching: true`` (the CPU override of the cloud profiles' ``runtime`` keys).
+Every ok answer is checked against ``engine.ask`` (the single-request path, greedy) on the same
+image, prompt and token budget.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from edgevlm.config import DaemonConfig, parse_daemon_config
+from edgevlm.errors import ConfigError
+
+REQUEST_TOPIC = "edgevlm/dev1/request"
+PROMPTS = ["what colour is the circle ?", "how many shapes are there ?", "describe the scene .", "is it red ?"]
+
+
+def _image(seed: int, h: int = 48, w: int = 64) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+@pytest.fixture
+def batch_daemon(mosquitto, tiny_model_dir) -> Iterator[Callable[..., Any]]:
+    """``batch_daemon(rows=4, **model_keys)``: a started Daemon that loads the tiny checkpoint with
+    ``rows`` KV-cache rows and continuous batching on (controller off unless ``controller=True``)."""
+    from edgevlm.daemon.app import Daemon
+
+    started: list[Any] = []
+
+    def _start(rows: int = 4, controller: bool = False, **model: Any) -> Any:
+        cfg = DaemonConfig.model_validate({
+            "mqtt": {"host": mosquitto.host, "port": mosquitto.port, "device_id": "dev1"},
+            "model": {"path": str(tiny_model_dir), "max_batch_size": rows, "continuous_batching": True,
+                      "cpu_threads": 1, **model},
+            "queue_max_size": 16,
+            "defaults": {"max_new_tokens": 4, "timeout_ms": 60000},
+            "controller": {"enabled": controller},
+        })
+        daemon = Daemon(cfg)
+        daemon.start()
+        started.append(daemon)
+        assert daemon.wait_ready(10.0)
+        return daemon
+
+    yield _start
+    for d in reversed(started):
+        d.stop()
+
+
+def _body(encode_image, image: np.ndarray, prompt: str, **extra: Any) -> bytes:
+    return json.dumps({"prompt": prompt, "image_b64": base64.b64encode(encode_image(image)).decode(), **extra}).encode()
+
+
+def _send(raw, reply: str, bodies: list[bytes]) -> list[bytes]:
+    """Publish each body with its own Correlation Data; returns them in order."""
+    corrs = [uuid.uuid4().bytes + bytes([i]) for i in range(len(bodies))]
+    for body, corr in zip(bodies, corrs, strict=True):
+        raw.publish(REQUEST_TOPIC, body, response_topic=reply, correlation=corr)
+    return corrs
+
+
+def _responses(raw, reply: str, corrs: list[bytes], n_before: int = 0) -> list[dict]:
+    """The responses to ``corrs``, matched by Correlation Data (each exactly once)."""
+    msgs = raw.wait_messages(reply, n_before + len(corrs), timeout_s=60)[n_before:]
+    by_corr: dict[bytes, dict] = {}
+    for m in msgs:
+        corr = m.properties.CorrelationData
+        assert corr not in by_corr, "a Correlation Data answered twice"
+        by_corr[corr] = json.loads(m.payload)
+    assert set(by_corr) == set(corrs)
+    return [by_corr[c] for c in corrs]
+
+
+def _queued(daemon, n: int, wait_until) -> None:
+    wait_until(lambda: daemon.scheduler.queue_size() == n, what=f"{n} queued requests")
+
+
+# ------------------------------------------------------------------------------ answers
+
+
+def test_concurrent_requests_answered_like_single_requests(batch_daemon, tiny_engine, raw_client, encode_image,
+                                                           wait_until) -> None:
+    daemon = batch_daemon(rows=4)
+    raw = raw_client()
+    reply = "test/batch/replies"
+    raw.subscribe(reply)
+    cases = [(_image(i, 48 if i % 2 else 64, 64), PROMPTS[i % 4], 3 + i) for i in range(6)]
+    bodies = [_body(encode_image, im, p, max_new_tokens=n) for im, p, n in cases]
+    with daemon.scheduler.paused():  # all six wait, then the worker takes four at once
+        corrs = _send(raw, reply, bodies)
+        _queued(daemon, 6, wait_until)
+    responses = _responses(raw, reply, corrs)
+    for (im, p, n), resp in zip(cases, responses, strict=True):
+        ref = tiny_engine.ask(im, p, max_new_tokens=n)
+        assert resp["ok"] is True, resp
+        assert resp["text"] == ref.text
+        s = resp["stats"]
+        assert s["new_tokens"] == ref.stats.new_tokens and s["finish_reason"] == ref.stats.finish_reason
+        assert (s["vision_tokens"], s["prompt_tokens"]) == (ref.stats.vision_tokens, ref.stats.prompt_tokens)
+        assert (s["input_height_px"], s["input_width_px"]) == (ref.stats.input_height_px, ref.stats.input_width_px)
+        assert s["queue_ms"] > 0 and s["e2e_ms"] >= s["ttft_ms"] > 0 and s["backend"] == "torch"
+    assert max(r["stats"]["batch_size"] for r in responses) == 4  # four rows decoded together
+    assert all(r["stats"]["batch_size"] >= 2 for r in responses)
+    c = daemon.counters
+    assert c.get("batched_requests") == 6 and c.get("responses_ok") == 6
+    assert c.get("batch_joins") >= 2  # the last two were admitted into a running batch
+
+
+def test_request_arriving_during_decode_joins_the_batch(batch_daemon, tiny_engine, raw_client, encode_image,
+                                                        wait_until) -> None:
+    daemon = batch_daemon(rows=4)
+    raw = raw_client()
+    reply = "test/batch/join"
+    raw.subscribe(reply)
+    long_img, short_img = _image(10), _image(11)
+    long_tokens = 400  # the tiny model's cache holds 512 positions
+    ref_long = tiny_engine.ask(long_img, PROMPTS[0], max_new_tokens=long_tokens)
+    assert ref_long.stats.finish_reason == "length"  # no EOS: it decodes for all 400 steps
+    corrs = _send(raw, reply, [_body(encode_image, long_img, PROMPTS[0], max_new_tokens=long_tokens)])
+    batch = wait_until(lambda: daemon.scheduler._batch, what="the batch worker")
+    wait_until(lambda: batch.batcher.n_running == 1, what="the long request decoding")
+    corrs += _send(raw, reply, [_body(encode_image, short_img, PROMPTS[1], max_new_tokens=3)])
+    long_resp, short_resp = _responses(raw, reply, corrs)
+    assert long_resp["text"] == ref_long.text and long_resp["stats"]["new_tokens"] == long_tokens
+    assert short_resp["text"] == tiny_engine.ask(short_img, PROMPTS[1], max_new_tokens=3).text
+    assert short_resp["stats"]["batch_size"] == 2 and long_resp["stats"]["batch_size"] == 2
+    assert daemon.counters.get("batch_joins") == 1
+
+
+# ------------------------------------------------------------------------------ deadlines and errors
+
+
+def test_deadline_passing_while_waiting_is_answered_without_disturbing_the_batch(
+        batch_daemon, tiny_engine, raw_client, encode_image, wait_until) -> None:
+    daemon = batch_daemon(rows=2)
+    raw = raw_client()
+    reply = "test/batch/deadline"
+    raw.subscribe(reply)
+    imgs = [_image(20), _image(21), _image(22)]
+    bodies = [_body(encode_image, imgs[0], PROMPTS[0], max_new_tokens=6),
+              _body(encode_image, imgs[1], PROMPTS[1], max_new_tokens=5),
+              _body(encode_image, imgs[2], PROMPTS[2], max_new_tokens=5, timeout_ms=100)]
+    with daemon.scheduler.paused():
+        corrs = _send(raw, reply, bodies)
+        _queued(daemon, 3, wait_until)
+        time.sleep(0.3)  # the third request's 100 ms deadline passes while it waits
+    a, b, late = _responses(raw, reply, corrs)
+    assert late["ok"] is False and late["error"]["code"] == "DEADLINE_EXCEEDED"
+    assert late["error"]["details"]["timeout_ms"] == 100 and late["error"]["details"]["queue_ms"] >= 100
+    assert a["text"] == tiny_engine.ask(imgs[0], PROMPTS[0], max_new_tokens=6).text
+    assert b["text"] == tiny_engine.ask(imgs[1], PROMPTS[1], max_new_tokens=5).text
+    assert a["stats"]["batch_size"] == 2
+    assert daemon.counters.get("errors_DEADLINE_EXCEEDED") == 1
+
+
+def test_bad_inputs_get_typed_errors_and_the_batch_still_answers(batch_daemon, tiny_engine, raw_client, encode_image,
+                                                                 wait_until) -> None:
+    daemon = batch_daemon(rows=4)
+    raw = raw_client()
+    reply = "test/batch/bad"
+    raw.subscribe(reply)
+    good = [_image(30), _image(31)]
+    corrupt = json.dumps({"prompt": "hi", "image_b64": base64.b64encode(b"\x89PNG\r\n\x1a\nnot a png").decode()})
+    too_long = _body(encode_image, _image(32), "what " * 600)  # more tokens than the 512-position cache
+    bodies = [_body(encode_image, good[0], PROMPTS[0], max_new_tokens=5), corrupt.encode(), too_long,
+              _body(encode_image, good[1], PROMPTS[3], max_new_tokens=4)]
+    with daemon.scheduler.paused():
+        corrs = _send(raw, reply, bodies)
+        # the bridge checks the image header on receipt: the corrupt one is answered at once
+        wait_until(lambda: daemon.scheduler.queue_size() + raw.count(reply) == 4, what="3 queued + 1 answered")
+    ok0, bad_image, bad_prompt, ok1 = _responses(raw, reply, corrs)
+    assert bad_image["error"]["code"] == "INVALID_IMAGE"
+    assert bad_prompt["error"]["code"] == "INVALID_REQUEST" and "KV cache" in bad_prompt["error"]["message"]
+    assert ok0["text"] == tiny_engine.ask(good[0], PROMPTS[0], max_new_tokens=5).text
+    assert ok1["text"] == tiny_engine.ask(good[1], PROMPTS[3], max_new_tokens=4).text
+    assert ok0["stats"]["batch_size"] == 2  # the two good ones decoded together
+    # and the daemon keeps serving
+    corrs = _send(raw, reply, [_body(encode_image, good[1], PROMPTS[2], max_new_tokens=3)])
+    (again,) = _responses(raw, reply, corrs, n_before=4)
+    assert again["text"] == tiny_engine.ask(good[1], PROMPTS[2], max_new_tokens=3).text
+
+
+def test_controller_points_run_batched_with_budget_stats(batch_daemon, raw_client, encode_image, wait_until) -> None:
+    daemon = batch_daemon(rows=4, controller=True)
+    raw = raw_client()
+    reply = "test/batch/budget"
+    raw.subscribe(reply)
+    with daemon.scheduler.paused():
+        corrs = _send(raw, reply, [_body(encode_image, _image(40 + i), PROMPTS[i], max_new_tokens=3, budget_ms=20000)
+                                   for i in range(3)])
+        _queued(daemon, 3, wait_until)
+    responses = _responses(raw, reply, corrs)
+    names = {p.name for p in daemon.scheduler.controller.points}
+    for r in responses:
+        assert r["ok"] is True, r
+        assert r["stats"]["budget_ms"] == 20000 and r["stats"]["operating_point"] in names
+        assert r["stats"]["predicted_ms"] > 0
+    assert daemon.counters.get("batched_requests") == 3
+
+
+def test_one_row_engine_falls_back_to_single_requests(mosquitto, raw_client, encode_image, tiny_engine) -> None:
+    # continuous batching asked for, but the adopted engine has one KV-cache row: engine.ask per request
+    from edgevlm.daemon.app import Daemon
+
+    cfg = DaemonConfig.model_validate({"mqtt": {"host": mosquitto.host, "port": mosquitto.port, "device_id": "dev1"},
+                                       "model": {"continuous_batching": True}, "controller": {"enabled": False}})
+    daemon = Daemon(cfg, engine=tiny_engine)
+    daemon.start()
+    try:
+        assert daemon.wait_ready(10.0)
+        raw = raw_client()
+        raw.subscribe("test/batch/one")
+        img = _image(50)
+        corrs = _send(raw, "test/batch/one", [_body(encode_image, img, PROMPTS[0], max_new_tokens=3)])
+        (resp,) = _responses(raw, "test/batch/one", corrs)
+        assert resp["text"] == tiny_engine.ask(img, PROMPTS[0], max_new_tokens=3).text
+        assert "batch_size" not in resp["stats"] and daemon.counters.get("batched_requests") == 0
+    finally:
+        daemon.stop()
+
+
+# ------------------------------------------------------------------------------ configuration
+
+
+def test_batching_settings_from_profile_and_overrides() -> None:
+    from edgevlm.daemon.app import batching_settings
+
+    assert batching_settings(parse_daemon_config({})) == (False, 1024)
+    assert batching_settings(parse_daemon_config({"profile": "h100", "model": {"device": "cuda"}})) == (True, 1024)
+    assert batching_settings(parse_daemon_config({"profile": "a100", "model": {"device": "cuda"}})) == (True, 1024)
+    cfg = parse_daemon_config({"profile": "h100", "model": {"device": "cuda", "continuous_batching": False,
+                                                            "prefill_token_budget": 256}})
+    assert batching_settings(cfg) == (False, 256)
+    cpu = parse_daemon_config({"model": {"continuous_batching": True, "max_batch_size": 8, "prefill_token_budget": 512}})
+    assert batching_settings(cpu) == (True, 512)
+
+
+@pytest.mark.parametrize(("model", "message"), [
+    ({"backend": "onnx", "continuous_batching": True}, "model.continuous_batching: needs backend 'torch'"),
+    ({"backend": "tensorrt", "max_batch_size": 4}, "model.max_batch_size: needs backend 'torch'"),
+    ({"continuous_batching": True, "max_batch_size": 1}, "model.continuous_batching: needs max_batch_size >= 2"),
+    ({"max_batch_size": 0}, "model.max_batch_size: Input should be greater than or equal to 1"),
+    ({"prefill_token_budget": 0}, "model.prefill_token_budget: Input should be greater than or equal to 1"),
+    ({"continuous_batching": "often"}, "model.continuous_batching: Input should be a valid boolean"),
+])
+def test_bad_batching_config_names_the_key(model, message) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_daemon_config({"model": model})
+    assert err.value.message.startswith(message)
+
+
+def test_profile_runtime_batching_keys(tmp_path) -> None:
+    from edgevlm.profile import load_profile
+
+    for name in ("a100", "h100"):
+        r = load_profile(name).runtime
+        assert r.continuous_batching is True and r.prefill_token_budget == 1024 and r.max_batch_size >= 2
+    assert load_profile("cpu").runtime.continuous_batching is False
+    src = load_profile("h100").model_dump(mode="json")  # with one row and batching on: refused
+    src["runtime"].update(max_batch_size=1, continuous_batching=True)
+    import yaml
+
+    bad = tmp_path / "h100.yaml"
+    bad.write_text(yaml.safe_dump(src))
+    with pytest.raises(ConfigError, match="runtime.continuous_batching: needs max_batch_size >= 2"):
+        load_profile(bad)
+    src["runtime"].update(max_batch_size=2, prefill_token_budget=0)
+    bad.write_text(yaml.safe_dump(src))
+    with pytest.raises(ConfigError, match="runtime.prefill_token_budget"):
+        load_profile(bad)
