@@ -298,7 +298,11 @@ class Engine:
         pixel_values = torch.from_numpy(pixels)[None]  # (1, 3, H, W) float32
         t1 = time.perf_counter()
         stats.preprocess_ms = _ms(t0, t1)
-        feats = be.encode_image(pixel_values, operating_point=op)  # (1, N, D)
+        if op.exit_threshold is not None:  # question-conditioned exit confidence reads the prompt
+            feats = be.encode_image(pixel_values, operating_point=op,
+                                    prompt_ids=torch.tensor([ids], dtype=torch.long))  # (1, N, D)
+        else:
+            feats = be.encode_image(pixel_values, operating_point=op)  # (1, N, D)
         be.synchronize()
         t2 = time.perf_counter()
         stats.vision_ms = _ms(t1, t2)

@@ -11,17 +11,26 @@ the exit head mapping into the *frozen* projector's input space instead of a tas
   cross-patch mixing the skipped blocks would have done, at a fraction of a block's cost), then
   ``skip(x) + fc2(gelu(fc1(LN(x))))``; initialised to the identity (``o`` and ``fc2`` zero,
   ``skip`` = I), so training starts from the residual stream at block ``k``.
-- **confidence** ``(B, T, D) -> (B,)`` in [0, 1]: the predicted probability that the decoder's
-  answer from the adapted features equals its answer from the full encoder (trained on
-  calibration pairs where both answers were compared). The encoder stops at the first exit point
-  whose confidence reaches the operating point's ``exit_threshold``.
+- **confidence** ``(B, T, D) [+ (B, Q) question embedding] -> (B,)`` in [0, 1]: the predicted
+  probability that the decoder's greedy answer *to this question* from the adapted features equals
+  its answer from the full encoder (trained on many (image, question) pairs where both answers were
+  compared, BCE on the 0/1 agreement). With ``confidence_query_dim = Q > 0`` the head also reads
+  the question: the mean of the decoder's input embeddings over the prompt's text tokens
+  (:func:`query_embedding`), so a question kind that needs the skipped blocks (counting small
+  objects, say) gets a low confidence on the same image where another kind can exit. Without a
+  question such heads return 0 (no confidence-gated exit). The encoder stops at the first exit
+  point whose confidence reaches the operating point's ``exit_threshold``; ``exits.json`` records
+  the ``recommended_threshold`` certified on held-out pairs by Learn then Test (true answer-change
+  rate <= ``max_answer_change`` with probability >= 1 - ``risk_delta``; see
+  :mod:`edgevlm.runtime.exit_confidence`) and the whole held-out ``cascade`` table.
 - **classifier** ``(B, T, D) -> (B, L)`` logits of L closed-set binary labels (for the demo
   model: colours, shapes, sizes, halves and colour-shape pairs present), used by daemon monitors.
   A classifier may also sit on the last block (``classifier_blocks`` lists where).
 
 Pooled heads (confidence, classifier) see ``[mean(LN(patches)), max(LN(patches)), LN(CLS),
 max(LN(patches)) of each image quadrant, s]`` where ``s = sqrt(N) / grid_side`` tells them the
-input resolution; the quadrant maxima keep where things are (left/right, top/bottom labels).
+input resolution; the quadrant maxima keep where things are (left/right, top/bottom labels); a
+question-conditioned confidence head appends ``LN(question embedding)``.
 
 Files (beside the model or inside an engine bundle; safetensors and JSON only)::
 
@@ -72,6 +81,25 @@ class ExitMetrics(BaseModel):
     feature_cosine: float = Field(description="Mean cosine between adapted and full features.")
     forced_agreement: float = Field(description="Answers unchanged when always exiting here.")
     thresholds: list[ThresholdRow] = Field(default_factory=list, description="Threshold sweep.")
+    agreement_by_kind: dict[str, float] = Field(
+        default_factory=dict, description="Forced-exit answer agreement per demo question kind (held-out pairs)."
+    )
+
+
+class CascadeRow(BaseModel):
+    """Held-out behaviour of the whole exit cascade (every exit point gated by one threshold)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    threshold: float = Field(ge=0.0, le=1.0, description="Confidence threshold shared by all exit points.")
+    exit_rates: dict[str, float] = Field(description="Per exit block: fraction of pairs that exit there.")
+    answer_change: float = Field(ge=0.0, le=1.0, description="Fraction of pairs whose answer changes.")
+    blocks_mean: float = Field(ge=0.0, description="Mean encoder blocks run (exit block, else all).")
+    pairs: int = Field(0, ge=0, description="Held-out (image, question) pairs.")
+    changes: int = Field(0, ge=0, description="Pairs whose answer changed.")
+    p_value: float | None = Field(
+        None, ge=0.0, le=1.0, description="Binomial p-value of 'change rate > max_answer_change' (Learn then Test)."
+    )
 
 
 class ExitsSpec(BaseModel):
@@ -94,6 +122,20 @@ class ExitsSpec(BaseModel):
         0, ge=0, description="Full ViT blocks at the start of each adapter (initialised from the encoder's last ones)."
     )
     head_hidden: int = Field(gt=0, description="Hidden width of the pooled heads.")
+    confidence_query_dim: int = Field(
+        0, ge=0, description="Width of the question embedding the confidence heads read (0 = image only)."
+    )
+    recommended_threshold: float | None = Field(
+        None, ge=0.0, le=1.0,
+        description="Cascade threshold certified on held-out pairs (Learn then Test): answer-change rate "
+                    "<= max_answer_change with probability >= 1 - risk_delta; None if none.",
+    )
+    max_answer_change: float = Field(0.01, ge=0.0, le=1.0, description="Target of recommended_threshold.")
+    risk_delta: float = Field(
+        0.1, ge=0.0, lt=1.0,
+        description="Learn-then-Test level: P(true change rate > max_answer_change) <= this (0 = point estimate).",
+    )
+    cascade: list[CascadeRow] = Field(default_factory=list, description="Held-out cascade threshold sweep.")
     labels: list[str] = Field(default_factory=list, description="Closed-set label names of the classifiers.")
     classifier_blocks: list[int] = Field(default_factory=list, description="Blocks carrying a classifier.")
     weights_fingerprint: str = Field(
@@ -156,14 +198,17 @@ class Adapter(nn.Module):
 
 
 class PooledHead(nn.Module):
-    """Token-pooled MLP: ``[mean, max over LN(patches), LN(CLS), quadrant maxima, sqrt(N)/grid_side]
-    -> n_out``."""
+    """Token-pooled MLP: ``[mean, max over LN(patches), LN(CLS), quadrant maxima, sqrt(N)/grid_side
+    (, LN(query))] -> n_out``."""
 
-    def __init__(self, dim: int, hidden: int, n_out: int, grid_side: int, eps: float) -> None:
+    def __init__(self, dim: int, hidden: int, n_out: int, grid_side: int, eps: float, query_dim: int = 0) -> None:
         super().__init__()
         self.grid_side = grid_side
+        self.query_dim = query_dim
         self.norm = nn.LayerNorm(dim, eps=eps)
-        self.fc1 = nn.Linear(7 * dim + 1, hidden)
+        if query_dim:
+            self.query_norm = nn.LayerNorm(query_dim, eps=eps)
+        self.fc1 = nn.Linear(7 * dim + 1 + query_dim, hidden)
         self.fc2 = nn.Linear(hidden, n_out)
 
     def pool(self, x: torch.Tensor, grid_hw: tuple[int, int]) -> torch.Tensor:
@@ -183,8 +228,16 @@ class PooledHead(nn.Module):
         s = torch.full((b, 1), scale, dtype=h.dtype, device=h.device)
         return torch.cat([patches.mean(dim=1), patches.amax(dim=1), h[:, 0], *quads, s], dim=-1)
 
-    def forward(self, x: torch.Tensor, grid_hw: tuple[int, int]) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(self.pool(x, grid_hw))))  # (B, n_out)
+    def head(self, pooled: torch.Tensor, query: torch.Tensor | None = None) -> torch.Tensor:
+        """``(B, 7D + 1)`` pooled features (and ``(B, Q)`` query when ``query_dim``) -> ``(B, n_out)``."""
+        if self.query_dim:
+            if query is None:
+                raise ValueError("this head reads a question embedding")
+            pooled = torch.cat([pooled, self.query_norm(query.to(pooled.dtype))], dim=-1)  # (B, 7D + 1 + Q)
+        return self.fc2(F.gelu(self.fc1(pooled)))  # (B, n_out)
+
+    def forward(self, x: torch.Tensor, grid_hw: tuple[int, int], query: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head(self.pool(x, grid_hw), query)  # (B, n_out)
 
 
 class ExitHeads(nn.Module):
@@ -201,7 +254,9 @@ class ExitHeads(nn.Module):
                             spec.adapter_attn_heads, vision_cfg, spec.adapter_blocks)
             for b in spec.exit_blocks
         })
-        self.confidence = nn.ModuleDict({str(b): PooledHead(d, spec.head_hidden, 1, g, eps) for b in spec.exit_blocks})
+        q = spec.confidence_query_dim
+        self.confidence = nn.ModuleDict({str(b): PooledHead(d, spec.head_hidden, 1, g, eps, q)
+                                         for b in spec.exit_blocks})
         n_labels = len(spec.labels)
         self.classifiers = nn.ModuleDict(
             {str(b): PooledHead(d, spec.head_hidden, n_labels, g, eps) for b in spec.classifier_blocks}
@@ -221,9 +276,19 @@ class ExitHeads(nn.Module):
         """Block ``block``'s hidden states ``(B, T, D)`` -> projector input ``(B, T, F)``."""
         return self.adapters[str(block)](hidden)
 
-    def confidence_at(self, block: int, hidden: torch.Tensor, grid_hw: tuple[int, int]) -> torch.Tensor:
-        """``(B, 1 + h*w, D)`` -> ``(B,)`` float32 probability that the answer stays the same."""
-        return torch.sigmoid(self.confidence[str(block)](hidden, grid_hw)[:, 0].float())
+    @property
+    def needs_query(self) -> bool:
+        """Whether the confidence heads read the question (:func:`query_embedding`)."""
+        return self.spec.confidence_query_dim > 0
+
+    def confidence_at(self, block: int, hidden: torch.Tensor, grid_hw: tuple[int, int],
+                      query: torch.Tensor | None = None) -> torch.Tensor:
+        """``(B, 1 + h*w, D)`` (and ``(B, Q)`` question embedding) -> ``(B,)`` float32 probability
+        that the answer stays the same. Question-conditioned heads without a query return zeros
+        (an unknown question never exits on confidence)."""
+        if self.needs_query and query is None:
+            return torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        return torch.sigmoid(self.confidence[str(block)](hidden, grid_hw, query)[:, 0].float())
 
     def classify(self, block: int, hidden: torch.Tensor, grid_hw: tuple[int, int]) -> torch.Tensor:
         """``(B, 1 + h*w, D)`` -> ``(B, L)`` float32 label probabilities (independent sigmoids)."""
@@ -232,9 +297,25 @@ class ExitHeads(nn.Module):
         return torch.sigmoid(self.classifiers[str(block)](hidden, grid_hw).float())
 
 
+def query_embedding(embed_tokens: nn.Embedding, prompt_ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
+    """The question embedding a question-conditioned confidence head reads: the mean of the
+    decoder's input embeddings over the prompt's text tokens (image tokens left out).
+
+    Args:
+        embed_tokens: the decoder's token embedding table ``(V, Q)``.
+        prompt_ids: ``(B, T)`` long, the rendered prompt (image tokens expanded or not).
+        image_token_id: id of the image placeholder token.
+    Returns:
+        ``(B, Q)`` in the embedding's dtype.
+    """
+    keep = (prompt_ids != image_token_id).to(embed_tokens.weight.dtype)[..., None]  # (B, T, 1)
+    e = embed_tokens(prompt_ids)  # (B, T, Q)
+    return (e * keep).sum(dim=1) / keep.sum(dim=1).clamp_min(1.0)  # (B, Q)
+
+
 def make_spec(cfg, *, exit_blocks: list[int], labels: list[str], adapter_hidden: int | None = None,
               head_hidden: int = 128, classifier_blocks: list[int] | None = None, adapter_attn_dim: int = 0,
-              adapter_attn_heads: int = 4, adapter_blocks: int = 0) -> ExitsSpec:
+              adapter_attn_heads: int = 4, adapter_blocks: int = 0, confidence_query: bool = False) -> ExitsSpec:
     """An :class:`ExitsSpec` for a :class:`~edgevlm.runtime.config.LlavaConfig`.
 
     Raises:
@@ -262,6 +343,7 @@ def make_spec(cfg, *, exit_blocks: list[int], labels: list[str], adapter_hidden:
         adapter_attn_heads=adapter_attn_heads,
         adapter_blocks=adapter_blocks,
         head_hidden=head_hidden,
+        confidence_query_dim=cfg.text.hidden_size if confidence_query else 0,
         labels=list(labels),
         classifier_blocks=sorted(set(classifier_blocks)) if labels else [],
     )
@@ -333,6 +415,8 @@ def load_exit_heads(model_dir: str | Path, cfg, *, device: torch.device | str = 
         "feature_dim": cfg.vision.hidden_size * len(cfg.vision_feature_layer),
         "grid_side": cfg.vision.grid_side,
     }
+    if spec.confidence_query_dim:
+        want["confidence_query_dim"] = cfg.text.hidden_size
     for key, value in want.items():
         if getattr(spec, key) != value:
             raise ModelLoadError(
@@ -383,6 +467,7 @@ def save_exit_heads(heads: ExitHeads, out_dir: str | Path, *, dtype: torch.dtype
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in heads.state_dict().items()}
     weights = out / EXITS_WEIGHTS
     save_file(tensors, str(weights), metadata={"format": EXITS_FORMAT})
+    weights.chmod(0o644)  # safetensors writes 0600; the daemon's service user must read shipped heads
     spec_path = out / EXITS_JSON
     spec_path.write_text(heads.spec.model_dump_json(indent=2) + "\n")
     return weights, spec_path

@@ -194,15 +194,26 @@ def host_description(engine) -> str:
     return desc
 
 
+def recommended_threshold(engine) -> float | None:
+    """The exit threshold chosen at calibration on held-out pairs (``exits.json``'s
+    ``recommended_threshold``: answer-change rate <= its ``max_answer_change``), None without one."""
+    heads = getattr(engine.backend, "exit_heads", None)
+    return heads.spec.recommended_threshold if heads is not None else None
+
+
 def grid_from_profile(engine, profile: str | None) -> dict[str, list]:
     """The knob grid: the profile's ``operating_points`` (default values without a profile), rungs
-    from the engine's resolution ladder; thresholds only if the model has exit heads."""
+    from the engine's resolution ladder; thresholds only if the model has exit heads, and then
+    always the heads' ``recommended_threshold`` (:func:`recommended_threshold`) too."""
     from edgevlm.profile import OperatingPointsConfig, load_profile
 
     ops = load_profile(profile).operating_points if profile else OperatingPointsConfig()
     thresholds: list[float | None] = [None]
     if engine.exit_points:
         thresholds += list(ops.exit_thresholds)
+        rec = recommended_threshold(engine)
+        if rec is not None and rec not in thresholds:
+            thresholds.append(rec)
     return {"rungs": sorted(engine.resolution_ladder, reverse=True), "thresholds": thresholds,
             "keep_ratios": list(ops.keep_ratios), "caps": list(ops.max_new_tokens_caps)}
 
@@ -268,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.rungs:
             grid["rungs"] = args.rungs
         if args.thresholds is not None:
-            grid["thresholds"] = [None, *args.thresholds]
+            rec = recommended_threshold(engine)
+            grid["thresholds"] = [None, *args.thresholds, *([rec] if rec is not None and rec not in args.thresholds
+                                                             else [])]
         if args.keep_ratios:
             grid["keep_ratios"] = args.keep_ratios
         if args.caps is not None:

@@ -68,13 +68,21 @@ class LlavaModel(nn.Module):
         self.exit_heads = heads.to(self.device, self.dtype).eval() if heads is not None else None
 
     def encode_image_adaptive(
-        self, pixel_values: torch.Tensor, operating_point: OperatingPoint | None = None
+        self, pixel_values: torch.Tensor, operating_point: OperatingPoint | None = None,
+        prompt_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, VisionInfo]:
         """Like :meth:`encode_image` with the operating point's early exit (``exit_layer``,
         ``exit_threshold``) and token pruning (``keep_ratio``); see
         :func:`edgevlm.runtime.vision.encode_adaptive`. Returns ``(B, N', D_text)`` vision tokens
-        and what was done. Raises ValueError for an exit the heads cannot serve."""
+        and what was done. ``prompt_ids`` ``(B, T)``: the prompts, read by question-conditioned
+        exit confidence heads. Raises ValueError for an exit the heads cannot serve."""
         op = operating_point
+        query = None
+        if prompt_ids is not None and self.exit_heads is not None and self.exit_heads.needs_query:
+            from edgevlm.runtime.exits import query_embedding
+
+            query = query_embedding(self.language_model.embed_tokens, prompt_ids.to(self.device),
+                                    self.cfg.image_token_id)  # (B, Q)
         feats, info = encode_adaptive(
             self.vision_tower,
             pixel_values.to(self.device, self.dtype),
@@ -83,6 +91,7 @@ class LlavaModel(nn.Module):
             exit_threshold=op.exit_threshold if op is not None else None,
             keep_ratio=op.keep_ratio if op is not None else None,
             prune_score=self.prune_score,
+            exit_query=query,
         )
         has_cls = int(self.cfg.vision_feature_select_strategy == "full")
         self._rope_positions = None

@@ -285,6 +285,7 @@ def encode_adaptive(
     exit_threshold: float | None = None,
     keep_ratio: float | None = None,
     prune_score: str = "cls_attention",
+    exit_query: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, VisionInfo]:
     """Pixels -> vision tokens with early exit and token pruning (see :mod:`edgevlm.runtime.exits`
     and :mod:`edgevlm.runtime.pruning`).
@@ -298,6 +299,8 @@ def encode_adaptive(
     Args:
         pixel_values: ``(B, C, H, W)`` normalised image.
         exit_heads: an :class:`~edgevlm.runtime.exits.ExitHeads` or None.
+        exit_query: ``(B, Q)`` question embedding for question-conditioned confidence heads
+            (:func:`edgevlm.runtime.exits.query_embedding`); None = unknown question.
     Returns:
         ``(B, N', D_text)`` vision tokens and a :class:`VisionInfo`.
     Raises:
@@ -337,7 +340,8 @@ def encode_adaptive(
         if i not in plan:
             continue
         threshold = plan[i]
-        conf = exit_heads.confidence_at(i, x, grid_hw)  # (B_active,)
+        query = exit_query[active] if exit_query is not None else None  # (B_active, Q)
+        conf = exit_heads.confidence_at(i, x, grid_hw, query)  # (B_active,)
         leave = torch.ones_like(conf, dtype=torch.bool) if threshold is None else conf >= threshold
         for row, sample in enumerate(active):
             info.exit_confidences[sample] = float(conf[row])
