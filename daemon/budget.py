@@ -74,6 +74,11 @@ MAX_PROMPTS = 1024  # answer lengths remembered (least recently seen forgotten f
 MAX_HINT = 50.0
 
 
+def _ms(value: float) -> float | int:
+    """``value`` as an int when it is whole (request fields are integers on the wire)."""
+    return int(value) if float(value).is_integer() else round(float(value), 3)
+
+
 @dataclass(frozen=True)
 class Choice:
     """What the scheduler runs a request with."""
@@ -178,18 +183,29 @@ class BudgetController:
         return min(self.default_budget_ms, timeout), timeout
 
     def choose(self, budget_ms: float, *, max_new_tokens: int, queue_wait_ms: float,
-               deadline_ms: float | None = None) -> Choice:
+               deadline_ms: float | None = None, requested_budget_ms: float | None = None) -> Choice:
         """The most accurate point predicted to finish within ``budget_ms`` (predictions scaled by
         the slowdown hint, plus the overhead); when none does, the cheapest point as long as its
         mean prediction is within ``deadline_ms`` (default: ``budget_ms``).
 
+        ``budget_ms`` and ``deadline_ms`` are what :meth:`budget_for` returns; ``requested_budget_ms``
+        is the request's own ``budget_ms`` (None when it gave none). Without ``deadline_ms`` the
+        budget is the limit and counts as requested. The refusal names the request field that was
+        the limit: the request's ``budget_ms`` when it gave one no longer than the deadline, else
+        its ``timeout_ms``.
+
         Raises:
             DeadlineExceededError: even the cheapest point is predicted to miss the deadline;
-                ``details`` has ``cheapest_predicted_ms``, ``budget_ms``, ``queue_wait_ms`` (and
-                ``timeout_ms`` when the deadline is the request's timeout).
+                message ``"budget_ms B cannot be met: ..."`` or ``"timeout_ms T cannot be met:
+                ..."``; ``details`` has ``cheapest_predicted_ms``, ``planned_budget_ms`` (the
+                budget planned for, as in the response stats' ``budget_ms``), ``queue_wait_ms``,
+                ``slowdown_hint``, ``slowdown``, ``budget_ms`` only when the request gave one, and
+                ``timeout_ms`` only when the timeout was the limit.
         """
         h, extra = self._hint, self._overhead_ms
         deadline = budget_ms if deadline_ms is None else deadline_ms
+        if deadline_ms is None and requested_budget_ms is None:
+            requested_budget_ms = budget_ms
         try:
             d = self.controller.choose((budget_ms - extra) / h, max_new_tokens=max_new_tokens,
                                        queue_wait_ms=queue_wait_ms / h)
@@ -205,14 +221,16 @@ class BudgetController:
                 return Choice(point=point, predicted_ms=cheapest, service_ms=service, budget_ms=budget_ms,
                               decision=d, deadline_ms=deadline)
             details: dict[str, Any] = {
-                "cheapest_predicted_ms": round(cheapest, 2), "budget_ms": budget_ms,
+                "cheapest_predicted_ms": round(cheapest, 2), "planned_budget_ms": _ms(budget_ms),
                 "queue_wait_ms": round(queue_wait_ms, 2), "slowdown_hint": round(self._hint, 3),
                 "slowdown": round(self.controller.slowdown, 3)}
-            if deadline != budget_ms:
-                details["timeout_ms"] = deadline
-                what = f"timeout_ms {deadline:.0f} ms"
+            if requested_budget_ms is not None:
+                details["budget_ms"] = _ms(requested_budget_ms)
+            if requested_budget_ms is not None and requested_budget_ms <= deadline:
+                what = f"budget_ms {requested_budget_ms:.0f}"
             else:
-                what = f"budget {budget_ms:.0f} ms"
+                details["timeout_ms"] = _ms(deadline)
+                what = f"timeout_ms {deadline:.0f}"
             raise DeadlineExceededError(
                 f"{what} cannot be met: the cheapest operating point is predicted to take "
                 f"{cheapest:.0f} ms (queue wait {queue_wait_ms:.0f} ms included)",

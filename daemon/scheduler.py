@@ -12,8 +12,9 @@ never dies on a bad request.
 With a latency controller (:mod:`edgevlm.daemon.budget`), :meth:`Scheduler.submit` also picks the
 request's operating point: the queue wait is predicted as the remaining predicted time of what
 runs now plus the predicted service time of every queued request, and a request that even the
-cheapest point cannot serve within its deadline (its ``budget_ms`` when it gives one, else its
-``timeout_ms``; see :mod:`edgevlm.daemon.budget`) is answered ``DEADLINE_EXCEEDED`` at once with
+cheapest point cannot serve within its deadline (the shorter of its ``budget_ms`` and
+``timeout_ms``, its ``timeout_ms`` when it gives no budget; see :mod:`edgevlm.daemon.budget`) is
+answered ``DEADLINE_EXCEEDED`` at once, the message naming that field, with
 ``details.cheapest_predicted_ms``. The worker re-fits
 the point to the budget left when it dequeues the request, runs it, feeds the measured stats back
 and reports ``operating_point``, ``budget_ms`` and ``predicted_ms`` in the response stats. Monitors
@@ -351,7 +352,8 @@ class Scheduler:
         planned_tokens = ctl.expected_tokens(req.prompt, req.max_new_tokens or self.defaults.max_new_tokens)
         try:
             job.choice = ctl.choose(budget, max_new_tokens=planned_tokens,
-                                    queue_wait_ms=self._predicted_wait_locked(now), deadline_ms=deadline)
+                                    queue_wait_ms=self._predicted_wait_locked(now), deadline_ms=deadline,
+                                    requested_budget_ms=req.budget_ms)
         except DeadlineExceededError as err:
             self.counters.inc("deadline_refused")
             return err

@@ -2,7 +2,7 @@
 
 Subcommands::
 
-    edgevlm ask --image PATH [--model DIR] [--resolution PX] [--max-new-tokens N] "question"
+    edgevlm ask --image PATH [--model DIR] [--backend NAME] [--resolution PX] [--max-new-tokens N] "question"
     edgevlm serve --config FILE          # run the MQTT daemon (blocks until SIGTERM/SIGINT)
     edgevlm serve --check-config FILE    # validate a daemon config and exit
     edgevlm demo                         # private broker + daemon + questions, prints a table
@@ -37,6 +37,7 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
 _DTYPES = ("float32", "bfloat16", "float16")
+_BACKENDS = ("torch", "onnx", "tensorrt")  # edgevlm.runtime.backends.BACKENDS (not imported: no torch here)
 
 
 class _UsageError(Exception):
@@ -98,15 +99,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         metavar="DIR",
         default=None,
-        help="model folder (Hugging Face LLaVA format); default: the demo model",
+        help="model folder (Hugging Face LLaVA format) or engine bundle; default: the demo model",
+    )
+    ask.add_argument(
+        "--backend",
+        choices=_BACKENDS,
+        default="torch",
+        help="inference backend (default: torch); onnx and tensorrt run engine bundles built by "
+        "'edgevlm quantize' only (tensorrt needs --device cuda)",
     )
     ask.add_argument(
         "--resolution",
         type=_positive_int,
         metavar="PX",
         default=None,
-        help="input resolution: the longer image side after resizing, px, rounded to the patch size "
-        "(the model is trained at its resolution-ladder rungs; default: its native size)",
+        help="input resolution: the longer image side after resizing, px, rounded to the patch size; at "
+        "least the model's patch size (the model is trained at its resolution-ladder rungs; default: its "
+        "native size)",
     )
     ask.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N", help="default: 64")
     ask.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
@@ -180,9 +189,16 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     from edgevlm.types import OperatingPoint
 
     t0 = time.perf_counter()
-    engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
+    engine = Engine.load(args.model, device=args.device, dtype=args.dtype, backend=args.backend)
     load_ms = (time.perf_counter() - t0) * 1000.0
     logger.info("loaded %s in %.0f ms", engine.model_dir, load_ms)
+    patch = int(engine.patch_size_px)
+    if args.resolution is not None and args.resolution < patch:
+        ladder = ", ".join(str(r) for r in engine.resolution_ladder)
+        raise _UsageError(
+            f"--resolution {args.resolution} px is below the model's patch size ({patch} px): use at least "
+            f"{patch} (the model's resolution ladder: {ladder} px)"
+        )
 
     op = OperatingPoint(name="cli", resolution_px=args.resolution) if args.resolution else None
     kwargs = dict(
@@ -268,13 +284,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _check_model_path(cfg) -> None:
     """``model.path`` must name a folder that looks loadable (config.json, intact safetensors
-    headers); checked before anything starts. Raises ConfigError naming the key."""
-    if cfg.model.path is None:  # the shipped demo model
+    headers; an engine bundle for ``model.backend`` onnx/tensorrt); checked before anything
+    starts. Raises ConfigError naming the key."""
+    if cfg.model.path is None:  # the shipped demo model (a non-torch backend is refused by the config)
         return
     from edgevlm.model_folder import check_model_folder
 
     try:
-        check_model_folder(cfg.model.path)
+        check_model_folder(cfg.model.path, backend=cfg.model.backend)
     except ModelLoadError as exc:
         raise ConfigError(f"model.path: {exc.message}") from None
 

@@ -191,6 +191,13 @@ class ModelConfig(BaseModel):
                     raise ValueError(f"{key}: needs backend 'torch' (got {self.backend!r})")
         if self.continuous_batching and self.max_batch_size is not None and self.max_batch_size < 2:
             raise ValueError("continuous_batching: needs max_batch_size >= 2")
+        if self.backend != "torch" and self.path is None:
+            raise ValueError(
+                f"backend: {self.backend!r} runs engine bundles only, and model.path is null (the shipped demo "
+                "model, not a bundle): set model.path to a bundle built by `edgevlm quantize`, or use backend 'torch'"
+            )
+        if self.backend == "tensorrt" and not self.device.startswith("cuda"):
+            raise ValueError(f"backend: 'tensorrt' needs a CUDA device (model.device is {self.device!r})")
         return self
 
 

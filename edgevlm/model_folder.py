@@ -26,7 +26,7 @@ from typing import Any
 
 from edgevlm.errors import ModelLoadError
 
-__all__ = ["check_model_folder", "check_safetensors", "read_json", "weight_files"]
+__all__ = ["BUNDLE_BACKEND_FILES", "check_model_folder", "check_safetensors", "read_json", "weight_files"]
 
 REFUSED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.gguf", "*.h5", "*.msgpack")
 """Weight-file patterns that are never loaded (pickle-based or not supported)."""
@@ -144,11 +144,20 @@ def check_safetensors(path: Path) -> int:
     return tensors
 
 
-def check_model_folder(model_dir: str | Path) -> list[Path]:
+BUNDLE_BACKEND_FILES: dict[str, tuple[str, ...]] = {
+    "onnx": ("onnx/vision.onnx", "onnx/decoder.onnx"),
+    "tensorrt": ("onnx/vision.onnx", "onnx/decoder.onnx", "tensorrt/vision.engine"),
+}
+"""Files (relative to the bundle root) each bundle-only backend needs; see
+``edgevlm.runtime.bundle`` for the bundle format and ``edgevlm.runtime.backends`` for the backends."""
+
+
+def check_model_folder(model_dir: str | Path, *, backend: str = "torch") -> list[Path]:
     """Check that a folder looks loadable: it exists, holds a ``config.json`` that is a JSON
     object, and safetensors weights whose headers are intact (see :func:`check_safetensors`).
     An engine bundle's ``manifest.json`` must be a JSON object too (its hashes are verified when
-    it loads).
+    it loads). The ``onnx`` and ``tensorrt`` backends run engine bundles only: for them the
+    folder must hold ``manifest.json`` and the backend's artifacts (:data:`BUNDLE_BACKEND_FILES`).
 
     Returns:
         The weight files.
@@ -165,6 +174,15 @@ def check_model_folder(model_dir: str | Path) -> list[Path]:
         value = read_json(model_dir / name, required=required)
         if value is not None and not isinstance(value, dict):
             raise ModelLoadError(f"{model_dir / name}: expected a JSON object, got {type(value).__name__}")
+    needs = BUNDLE_BACKEND_FILES.get(backend, ())
+    if needs and not (model_dir / "manifest.json").is_file():
+        raise ModelLoadError(
+            f"{model_dir} is not an engine bundle (no manifest.json): backend {backend!r} runs bundles "
+            "built by `edgevlm quantize`; use backend 'torch' for a checkpoint folder"
+        )
+    for rel in needs:
+        if not (model_dir / rel).is_file():
+            raise ModelLoadError(f"bundle {model_dir} has no {rel}, which backend {backend!r} needs")
     files = weight_files(model_dir)
     for f in files:
         check_safetensors(f)

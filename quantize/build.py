@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import resource
 import shutil
@@ -346,6 +347,7 @@ def build_bundle(model_dir: str | Path, out_dir: str | Path, opts: BuildOptions 
         notes = _copy_side_files(files, partial, ladder)
         notes += _build_artifacts(partial, opts, ladder)
         manifest = _write_manifest(files, partial, opts, by_name, ladder, calib_info, writer, t0, notes, weight_names)
+        _apply_umask_modes(partial)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         partial.rename(out_dir)
@@ -353,6 +355,32 @@ def build_bundle(model_dir: str | Path, out_dir: str | Path, opts: BuildOptions 
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return BuildResult(out_dir, manifest, plan_text, notes)
+
+
+def _current_umask() -> int:
+    """The process umask, read from ``/proc/self/status`` (Linux >= 4.7) so that it is never
+    changed; elsewhere set and restored at once."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _apply_umask_modes(root: Path) -> None:
+    """Give every file under ``root`` mode ``0o666 & ~umask`` and every folder ``0o777 & ~umask``
+    (0644 / 0755 under the usual umask 022): some writers (onnx's external data, temporary files
+    renamed into place) create files 0600, which a service user other than the builder cannot read."""
+    mask = _current_umask()
+    root.chmod(0o777 & ~mask)
+    for path in root.rglob("*"):
+        if path.is_symlink():
+            continue
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 # Measured on (and fingerprinted to) the 16-bit weights: not valid for the bundle.

@@ -118,6 +118,22 @@ def _resolve(args: argparse.Namespace):
                         overwrite=args.overwrite)
 
 
+def _check_input(model_dir: str) -> None:
+    """The source folder exists, looks loadable, and is not already a bundle.
+
+    Raises:
+        ModelLoadError: ``model folder X does not exist``, ``X is not a folder``, a missing or
+            broken config.json / safetensors file, or ``X is already an engine bundle``.
+    """
+    from edgevlm.errors import ModelLoadError
+    from edgevlm.model_folder import check_model_folder
+
+    path = Path(model_dir).expanduser()
+    check_model_folder(path)
+    if (path / "manifest.json").is_file():
+        raise ModelLoadError(f"{path} is already an engine bundle; quantize the 16-bit source model")
+
+
 def summary(result) -> tuple[str, dict]:
     """The end-of-run table and its JSON-able numbers for a BuildResult."""
     m = result.manifest
@@ -161,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
     """Run a parsed ``quantize`` command. Returns the exit status; raises EdgeVLMError for user errors."""
     from edgevlm.quantize.build import build_bundle
 
+    _check_input(args.model_dir)  # before the options: a missing folder is the first thing to report
     opts = _resolve(args)
     result = build_bundle(args.model_dir, args.out, opts, on_plan=lambda text: print(text, flush=True),
                           progress=_ProgressBar())

@@ -29,10 +29,12 @@ import datetime as _dt
 import json
 import logging
 import platform
+import re
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 logger = logging.getLogger(__name__)
 
@@ -494,11 +496,24 @@ def _csv_choice(choices):
     return parse
 
 
+class _Parser(argparse.ArgumentParser):
+    """Errors are one line ``edgevlm: error: ...`` with exit status 2, like the rest of the CLI."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"edgevlm: error: {' '.join(message.split())} (see '{self.prog} --help')\n")
+
+
+def _usage_error(message: str) -> int:
+    print(f"edgevlm: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``edgevlm bench`` entry point; returns the exit code (2 for bad arguments / no CUDA)."""
+    """``edgevlm bench`` entry point; returns the exit code (2 for bad arguments / no CUDA, after
+    one line ``edgevlm: error: ...`` on stderr)."""
     from edgevlm.runtime.bench_models import MODEL_NAMES
 
-    ap = argparse.ArgumentParser(prog="edgevlm bench", description=__doc__.split("\n")[0])
+    ap = _Parser(prog="edgevlm bench", description=__doc__.split("\n")[0])
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     ap.add_argument("--models", type=_csv_choice(MODEL_NAMES), default=None,
                     help=f"comma-separated, from {', '.join(MODEL_NAMES)} (default: GPU small,llava-7b,demo; CPU tiny)")
@@ -515,20 +530,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
     except ImportError:
-        print("edgevlm bench: needs torch: pip install 'edgevlm[runtime]'", file=sys.stderr)
-        return 2
+        return _usage_error("edgevlm bench needs torch: pip install 'edgevlm[runtime]'")
+    if args.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        return _usage_error(f"--device: expected cpu, cuda or cuda:N, got {args.device!r}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        print("edgevlm bench: CUDA is not available (use --device cpu)", file=sys.stderr)
-        return 2
+        return _usage_error("CUDA is not available (use --device cpu)")
     for flag in ("new_tokens", "vision_batch"):
         value = getattr(args, flag)
         if value is not None and value < 2:
-            print(f"edgevlm bench: --{flag.replace('_', '-')} must be >= 2", file=sys.stderr)
-            return 2
+            return _usage_error(f"--{flag.replace('_', '-')} must be >= 2")
     if args.prompt_tokens < 4:
-        print("edgevlm bench: --prompt-tokens must be >= 4", file=sys.stderr)
-        return 2
+        return _usage_error("--prompt-tokens must be >= 4")
     with_hf = not args.no_hf
     if with_hf:
         try:

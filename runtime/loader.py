@@ -53,8 +53,10 @@ def read_model_files(model_dir: str | Path) -> ModelFiles:
         ModelLoadError: the folder, ``config.json`` or the weights are missing or invalid.
     """
     model_dir = Path(model_dir).expanduser()
-    if not model_dir.is_dir():
+    if not model_dir.exists():
         raise ModelLoadError(f"model folder {model_dir} does not exist")
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"{model_dir} is not a folder (expected a model folder with config.json)")
     raw = read_json(model_dir / "config.json")
     cfg = parse_config(raw)
     files = weight_files(model_dir)

@@ -146,8 +146,10 @@ def test_model_cpu_threads_and_backend_names(tmp_path):
     """cpu_threads is bounded; backend names are the runtime's own (torch, onnx, tensorrt)."""
     from edgevlm.config import DaemonConfig
 
-    ok = DaemonConfig.model_validate({"model": {"cpu_threads": 2, "backend": "onnx"}})
+    ok = DaemonConfig.model_validate({"model": {"cpu_threads": 2, "backend": "onnx", "path": "/models/bundle"}})
     assert ok.model.cpu_threads == 2 and ok.model.backend == "onnx"
+    with pytest.raises(ValidationError, match="'onnx' runs engine bundles only, and model.path is null"):
+        DaemonConfig.model_validate({"model": {"backend": "onnx"}})  # the demo model is not a bundle
     with pytest.raises(ValidationError):
         DaemonConfig.model_validate({"model": {"cpu_threads": 0}})
     with pytest.raises(ValidationError):

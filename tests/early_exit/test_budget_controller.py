@@ -54,12 +54,38 @@ def test_without_budget_the_cheapest_runs_until_the_timeout():
     with pytest.raises(DeadlineExceededError) as exc:
         bc.choose(budget, max_new_tokens=5, queue_wait_ms=0, deadline_ms=deadline)
     assert exc.value.details["timeout_ms"] == 30 and exc.value.details["cheapest_predicted_ms"] == pytest.approx(34)
-    assert exc.value.message.startswith("timeout_ms 30 ms cannot be met")
+    assert exc.value.message.startswith("timeout_ms 30 cannot be met")
+    assert "budget_ms" not in exc.value.details and exc.value.details["planned_budget_ms"] == 20
     # with budget_ms the budget is the refusal limit (issue 4: refused at once rather than late)
     budget, deadline = bc.budget_for(20, 10000)
     with pytest.raises(DeadlineExceededError) as exc:
-        bc.choose(budget, max_new_tokens=5, queue_wait_ms=0, deadline_ms=deadline)
+        bc.choose(budget, max_new_tokens=5, queue_wait_ms=0, deadline_ms=deadline, requested_budget_ms=20)
     assert "timeout_ms" not in exc.value.details and exc.value.details["budget_ms"] == 20
+    assert exc.value.message.startswith("budget_ms 20 cannot be met")
+
+
+@pytest.mark.parametrize(
+    ("budget_ms", "timeout_ms", "message", "details"),
+    [
+        # the default budget (500) is above the timeout: the timeout is the limit, no budget_ms
+        (None, 10, "timeout_ms 10 cannot be met", {"planned_budget_ms": 10, "timeout_ms": 10}),
+        # a budget_ms longer than timeout_ms: the timeout is the limit, the request's budget kept
+        (5000, 10, "timeout_ms 10 cannot be met", {"planned_budget_ms": 10, "timeout_ms": 10, "budget_ms": 5000}),
+        (10, 5000, "budget_ms 10 cannot be met", {"planned_budget_ms": 10, "budget_ms": 10}),
+        (10, 10, "budget_ms 10 cannot be met", {"planned_budget_ms": 10, "budget_ms": 10}),
+        (10, None, "budget_ms 10 cannot be met", {"planned_budget_ms": 10, "budget_ms": 10}),
+    ],
+)
+def test_refusal_names_the_limiting_field(budget_ms, timeout_ms, message, details):
+    bc = make(500)
+    budget, deadline = bc.budget_for(budget_ms, timeout_ms)
+    with pytest.raises(DeadlineExceededError) as exc:
+        bc.choose(budget, max_new_tokens=5, queue_wait_ms=0, deadline_ms=deadline, requested_budget_ms=budget_ms)
+    assert exc.value.message == (f"{message}: the cheapest operating point is predicted to take 34 ms "
+                                 "(queue wait 0 ms included)")
+    assert exc.value.details == {"cheapest_predicted_ms": 34.0, "queue_wait_ms": 0.0, "slowdown_hint": 1.0,
+                                 "slowdown": 1.0, **details}
+    assert all(type(v) is int for k, v in exc.value.details.items() if k in ("budget_ms", "timeout_ms"))
 
 
 def test_choose_includes_queue_wait():

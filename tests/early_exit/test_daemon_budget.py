@@ -151,9 +151,10 @@ def test_without_budget_ms_the_timeout_is_the_deadline(run_daemon, mosquitto, pl
     with _client(mosquitto) as c:
         with pytest.raises(DeadlineExceededError) as exc:  # timeout 60 ms < 70 ms: refused at once
             c.ask(PROMPT, image=image, timeout_s=0.06, max_new_tokens=4)
-        assert exc.value.details["timeout_ms"] == 60 and exc.value.details["budget_ms"] == 50
+        assert exc.value.details["timeout_ms"] == 60 and exc.value.details["planned_budget_ms"] == 50
+        assert "budget_ms" not in exc.value.details  # the request gave none
         assert exc.value.details["cheapest_predicted_ms"] == pytest.approx(70.0)
-        assert exc.value.message.startswith("timeout_ms 60 ms cannot be met")
+        assert exc.value.message.startswith("timeout_ms 60 cannot be met")
         # the same request with a timeout the cheapest point can meet is answered, at that point
         a = c.ask(PROMPT, image=image, timeout_s=10, max_new_tokens=4)
         assert a.stats.operating_point == "small" and a.stats.budget_ms == 50
@@ -186,6 +187,46 @@ def test_readme_mosquitto_rr_request_without_budget(run_daemon, mosquitto, plain
     assert resp["ok"] is True, resp
     assert resp["stats"]["operating_point"] == "small" and resp["stats"]["budget_ms"] == 50
     assert resp["text"] == _expected(plain_engine, image, SMALL)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message", "details"),
+    [
+        # no budget_ms: the default budget (cpu profile: 2000 ms) is capped to the timeout, which
+        # is the limit the refusal names
+        ({"timeout_ms": 10}, "timeout_ms 10", {"planned_budget_ms": 10, "timeout_ms": 10}),
+        ({"budget_ms": 5000, "timeout_ms": 10}, "timeout_ms 10",
+         {"planned_budget_ms": 10, "timeout_ms": 10, "budget_ms": 5000}),
+        ({"budget_ms": 10, "timeout_ms": 5000}, "budget_ms 10", {"planned_budget_ms": 10, "budget_ms": 10}),
+    ],
+)
+def test_refusal_on_the_wire_names_timeout_or_budget(run_daemon, mosquitto, plain_engine, frontier_path, image,
+                                                     extra, message, details):
+    import base64
+    import shutil
+    import subprocess
+
+    from edgevlm.client import encode_png
+
+    rr = shutil.which("mosquitto_rr")
+    if rr is None:
+        pytest.skip("mosquitto_rr not installed")
+    daemon = run_daemon(plain_engine, controller={"frontier": str(frontier_path)})
+    assert daemon.scheduler.controller.default_budget_ms == 2000  # the cpu profile's
+    body = {"prompt": PROMPT, "image_b64": base64.b64encode(encode_png(image)).decode(), "max_new_tokens": 4,
+            **extra}
+    out = subprocess.run([rr, "-h", mosquitto.host, "-p", str(mosquitto.port), "-q", "1", "-t", "edgevlm/dev1/request",
+                          "-e", "edgevlm/dev1/response/h", "-D", "publish", "correlation-data", "r1",
+                          "-W", "30", "-m", json.dumps(body)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    resp = json.loads(out.stdout)
+    assert resp["ok"] is False and resp["error"]["code"] == "DEADLINE_EXCEEDED", resp
+    assert resp["error"]["message"] == (f"{message} cannot be met: the cheapest operating point is predicted "
+                                        "to take 70 ms (queue wait 0 ms included)")
+    got = resp["error"]["details"]
+    assert got.pop("cheapest_predicted_ms") == pytest.approx(70.0)
+    assert got == {"queue_wait_ms": 0.0, "slowdown_hint": 1.0, "slowdown": 1.0, **details}
+    assert daemon.counters.get("deadline_refused") == 1 and daemon.counters.get("responses_ok") == 0
 
 
 FAST_BIG = {"name": "big", "resolution_px": 64, "accuracy": 0.9, "vision_ms": 4.0, "prefill_ms": 4.0, "tpot_ms": 1.0}

@@ -34,20 +34,31 @@ def test_bench_runs_on_cpu_and_saves_results(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv", [["--models", "nope"], ["--batch-sizes", "0"], ["--variants", "x"]])
-def test_bench_bad_arguments_exit_2(argv):
+def test_bench_bad_arguments_exit_2(argv, capsys):
     from edgevlm.runtime.benchmark import main
 
     with pytest.raises(SystemExit) as exc:
         main(["--device", "cpu", *argv])
     assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"edgevlm: error: argument {argv[0]}: ") and err.count("\n") == 1
+    assert err.endswith("(see 'edgevlm bench --help')\n")
 
 
-@pytest.mark.parametrize("argv", [["--new-tokens", "1"], ["--prompt-tokens", "2"], ["--vision-batch", "0"]])
-def test_bench_bad_values_return_2(argv, capsys):
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["--device", "cpu", "--new-tokens", "1"], "edgevlm: error: --new-tokens must be >= 2\n"),
+        (["--device", "cpu", "--prompt-tokens", "2"], "edgevlm: error: --prompt-tokens must be >= 4\n"),
+        (["--device", "cpu", "--vision-batch", "0"], "edgevlm: error: --vision-batch must be >= 2\n"),
+        (["--device", "gpu"], "edgevlm: error: --device: expected cpu, cuda or cuda:N, got 'gpu'\n"),
+    ],
+)
+def test_bench_bad_values_return_2(argv, line, capsys):
     from edgevlm.runtime.benchmark import main
 
-    assert main(["--device", "cpu", *argv]) == 2
-    assert "edgevlm bench:" in capsys.readouterr().err
+    assert main(argv) == 2
+    assert capsys.readouterr().err == line
 
 
 def test_bench_cuda_without_cuda_returns_2(capsys):
@@ -56,4 +67,4 @@ def test_bench_cuda_without_cuda_returns_2(capsys):
     if torch.cuda.is_available():
         pytest.skip("CUDA is present")
     assert main(["--device", "cuda"]) == 2
-    assert "CUDA is not available" in capsys.readouterr().err
+    assert capsys.readouterr().err == "edgevlm: error: CUDA is not available (use --device cpu)\n"

@@ -1,0 +1,207 @@
+"""Engine bundles from the command line, as a fresh-clone user meets them: ``edgevlm quantize``
+input checks and file modes, ``edgevlm ask --backend``, ``serve --check-config`` with a bundle-only
+backend, and ``ask`` argument errors (one line, exit 2).
+
+A tiny random checkpoint is quantized by the real CLI (RTN, with the ONNX export) once per module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+cv2 = pytest.importorskip("cv2")
+pytest.importorskip("torch")
+
+from edgevlm.cli import main  # noqa: E402
+
+QUESTION = "what color is the circle?"
+UMASK = 0o027  # not the usual 022: modes must follow the umask, not a hard-coded 0644
+
+
+@pytest.fixture(scope="module")
+def tiny_src(tmp_path_factory) -> Path:
+    from edgevlm.runtime.testing import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("src") / "model", seed=3, resolution_ladder=[64, 32])
+
+
+@pytest.fixture(scope="module")
+def bundle(tiny_src, tmp_path_factory) -> Path:
+    """``edgevlm quantize SRC --out B --method rtn`` (ONNX artifacts included), under umask 027."""
+    pytest.importorskip("onnxruntime")
+    out = tmp_path_factory.mktemp("bundles") / "rtn"
+    old = os.umask(UMASK)
+    try:
+        assert main(["quantize", str(tiny_src), "--out", str(out), "--method", "rtn"]) == 0
+    finally:
+        os.umask(old)
+    return out
+
+
+@pytest.fixture(scope="module")
+def image_path(tmp_path_factory) -> Path:
+    y, x = np.mgrid[0:48, 0:64]
+    bgr = np.stack([x * 4, y * 5, np.full_like(x, 120)], axis=-1).astype(np.uint8)
+    cv2.circle(bgr, (20, 20), 9, (0, 0, 230), -1)
+    path = tmp_path_factory.mktemp("img") / "scene.png"
+    assert cv2.imwrite(str(path), bgr)
+    return path
+
+
+def _one_line_error(capsys) -> str:
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("edgevlm: error: "), captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+    return lines[0].removeprefix("edgevlm: error: ")
+
+
+# ------------------------------------------------------------------------------ quantize
+
+
+def test_bundle_files_get_umask_modes(bundle):
+    files = sorted(p for p in bundle.rglob("*") if p.is_file())
+    names = {p.relative_to(bundle).as_posix() for p in files}
+    assert {"manifest.json", "model.safetensors", "onnx/vision.onnx", "onnx/vision.onnx.data",
+            "onnx/decoder.onnx", "onnx/decoder.onnx.data"} <= names
+    modes = {p.relative_to(bundle).as_posix(): oct(p.stat().st_mode & 0o777) for p in files}
+    assert modes == {name: oct(0o666 & ~UMASK) for name in names}
+    dirs = [bundle, *(p for p in bundle.rglob("*") if p.is_dir())]
+    assert {oct(d.stat().st_mode & 0o777) for d in dirs} == {oct(0o777 & ~UMASK)}
+
+
+def test_quantize_missing_folder_is_reported_before_calibration(tmp_path, capsys):
+    missing = tmp_path / "nonexistent"
+    assert main(["quantize", str(missing), "--out", str(tmp_path / "x")]) == 2  # AWQ, the default
+    assert _one_line_error(capsys) == f"model folder {missing} does not exist"
+    image = tmp_path / "scene.jpg"
+    image.write_bytes(b"\xff\xd8")
+    assert main(["quantize", str(image), "--out", str(tmp_path / "x")]) == 2
+    assert _one_line_error(capsys) == f"{image} is not a folder (expected a model folder with config.json)"
+    assert not (tmp_path / "x").exists()
+
+
+def test_quantize_bundle_input_is_reported_before_calibration(bundle, tmp_path, capsys):
+    assert main(["quantize", str(bundle), "--out", str(tmp_path / "x")]) == 2  # AWQ without --calib
+    assert _one_line_error(capsys) == f"{bundle} is already an engine bundle; quantize the 16-bit source model"
+
+
+def test_quantize_awq_without_calib_still_says_so(tiny_src, tmp_path, capsys):
+    assert main(["quantize", str(tiny_src), "--out", str(tmp_path / "x")]) == 2
+    assert _one_line_error(capsys).startswith("AWQ needs calibration data: --calib DIR")
+
+
+# ------------------------------------------------------------------------------ ask
+
+
+@pytest.mark.parametrize("backend", ["onnx", "torch"])
+def test_ask_backend_runs_the_bundle(bundle, image_path, backend, capsys):
+    from edgevlm.runtime import Engine
+    from edgevlm.runtime.image import load_image
+
+    expected = Engine.load(bundle, backend=backend).ask(load_image(image_path), QUESTION, max_new_tokens=4)
+    code = main(["ask", "--json", "--image", str(image_path), "--model", str(bundle), "--backend", backend,
+                 "--max-new-tokens", "4", QUESTION])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert out["model"]["backend"] == backend and out["stats"]["backend"] == backend
+    assert out["answer"] == expected.text and out["stats"]["new_tokens"] == expected.stats.new_tokens
+
+
+def test_ask_onnx_backend_on_a_checkpoint_folder(tiny_src, image_path, capsys):
+    code = main(["ask", "--image", str(image_path), "--model", str(tiny_src), "--backend", "onnx", QUESTION])
+    assert code == 2
+    assert _one_line_error(capsys) == (f"{tiny_src} is not an engine bundle: the onnx backend runs bundles built "
+                                       "by `edgevlm quantize` (ONNX artifacts in onnx/)")
+
+
+def test_ask_unknown_backend(image_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["ask", "--image", str(image_path), "--backend", "onnxruntime", QUESTION])
+    assert exc.value.code == 2
+    assert _one_line_error(capsys).startswith("argument --backend: invalid choice: 'onnxruntime'")
+
+
+def test_ask_model_that_is_a_file(image_path, capsys):
+    assert main(["ask", "--image", str(image_path), "--model", str(image_path), QUESTION]) == 2
+    assert _one_line_error(capsys) == f"{image_path} is not a folder (expected a model folder with config.json)"
+
+
+@pytest.mark.parametrize("resolution", [1, 7, 15])
+def test_ask_resolution_below_the_patch_size(tiny_src, image_path, resolution, capsys):
+    code = main(["ask", "--image", str(image_path), "--model", str(tiny_src), "--resolution", str(resolution),
+                 QUESTION])
+    assert code == 2
+    assert _one_line_error(capsys) == (f"--resolution {resolution} px is below the model's patch size (16 px): "
+                                       "use at least 16 (the model's resolution ladder: 32, 64 px)")
+
+
+def test_ask_resolution_at_the_patch_size_runs(tiny_src, image_path, capsys):
+    code = main(["ask", "--json", "--image", str(image_path), "--model", str(tiny_src), "--resolution", "16",
+                 "--max-new-tokens", "2", QUESTION])
+    assert code == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["vision_tokens"] == 1
+
+
+# ------------------------------------------------------------------------------ serve --check-config
+
+
+def _config(tmp_path: Path, model: str) -> Path:
+    cfg = tmp_path / "daemon.yaml"
+    cfg.write_text(f"mqtt:\n  host: 127.0.0.1\n  port: 1\nmodel:\n{model}metrics:\n  listen: null\n")
+    return cfg
+
+
+NULL_PATH = ("model.backend: '{b}' runs engine bundles only, and model.path is null (the shipped demo model, "
+             "not a bundle): set model.path to a bundle built by `edgevlm quantize`, or use backend 'torch'")
+
+
+@pytest.mark.parametrize("mode", ["--check-config", "--config"])
+@pytest.mark.parametrize(("model", "message"), [
+    ("  path: null\n  backend: onnx\n", NULL_PATH.format(b="onnx")),
+    ("  backend: onnx\n", NULL_PATH.format(b="onnx")),
+    ("  path: null\n  backend: tensorrt\n  device: cuda\n", NULL_PATH.format(b="tensorrt")),
+    ("  path: /models/b\n  backend: tensorrt\n", "model.backend: 'tensorrt' needs a CUDA device (model.device is 'cpu')"),
+])
+def test_bundle_backend_without_a_bundle_is_refused(tmp_path, mode, model, message, capsys):
+    assert main(["serve", mode, str(_config(tmp_path, model))]) == 2
+    assert _one_line_error(capsys) == message
+
+
+def test_check_config_onnx_on_a_checkpoint_folder(tiny_src, tmp_path, capsys):
+    assert main(["serve", "--check-config", str(_config(tmp_path, f"  path: {tiny_src}\n  backend: onnx\n"))]) == 2
+    assert _one_line_error(capsys) == (
+        f"model.path: {tiny_src} is not an engine bundle (no manifest.json): backend 'onnx' runs bundles built by "
+        "`edgevlm quantize`; use backend 'torch' for a checkpoint folder")
+
+
+def test_check_config_onnx_on_a_bundle_without_onnx(bundle, tmp_path, capsys):
+    import shutil
+
+    no_onnx = tmp_path / "no-onnx"
+    shutil.copytree(bundle, no_onnx)
+    shutil.rmtree(no_onnx / "onnx")
+    assert main(["serve", "--check-config", str(_config(tmp_path, f"  path: {no_onnx}\n  backend: onnx\n"))]) == 2
+    assert _one_line_error(capsys) == f"model.path: bundle {no_onnx} has no onnx/vision.onnx, which backend 'onnx' needs"
+    assert main(["serve", "--check-config",
+                 str(_config(tmp_path, f"  path: {bundle}\n  backend: tensorrt\n  device: cuda\n"))]) == 2
+    assert _one_line_error(capsys) == (f"model.path: bundle {bundle} has no tensorrt/vision.engine, which backend "
+                                       "'tensorrt' needs")
+
+
+def test_check_config_onnx_on_a_bundle_is_ok(bundle, tmp_path, capsys):
+    cfg = _config(tmp_path, f"  path: {bundle}\n  backend: onnx\n")
+    assert main(["serve", "--check-config", str(cfg)]) == 0
+    assert capsys.readouterr().out.strip() == (
+        f"{cfg}: OK (broker 127.0.0.1:1, device_id {_device_id(cfg)}, sources: none, model: {bundle})")
+
+
+def _device_id(cfg: Path) -> str:
+    from edgevlm.config import load_daemon_config
+
+    return load_daemon_config(cfg).mqtt.device_id
