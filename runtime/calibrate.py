@@ -615,14 +615,15 @@ def main(argv: list[str] | None = None) -> int:
             from edgevlm.runtime import frontier
 
             engine.backend.model.attach_exit_heads(load_exit_heads(out, engine.config, device=engine.backend.device,
-                                                                   dtype=engine.backend.dtype))
+                                                                   dtype=engine.backend.dtype,
+                                                                   weights_dir=engine.model_dir))
             written += frontier.run(engine, out, n=args.frontier_n, profile=args.profile, progress=say)
         if args.out is None and is_bundle(out):
             _add_to_manifest(out, written)
             say(f"calibrate: added {', '.join(written)} to {out / 'manifest.json'}")
     except (EdgeVLMError, ValueError, OSError) as exc:
         msg = exc.message if isinstance(exc, EdgeVLMError) else str(exc)
-        print(f"edgevlm calibrate: error: {' '.join(msg.split())}", file=sys.stderr)
+        print(f"edgevlm: error: {' '.join(msg.split())}", file=sys.stderr)
         return 2
     return 0
 

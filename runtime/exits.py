@@ -394,10 +394,11 @@ def read_spec(model_dir: str | Path) -> ExitsSpec:
 
 
 def load_exit_heads(model_dir: str | Path, cfg, *, device: torch.device | str = "cpu",
-                    dtype: torch.dtype = torch.float32) -> ExitHeads | None:
+                    dtype: torch.dtype = torch.float32, weights_dir: str | Path | None = None) -> ExitHeads | None:
     """Load the exit heads of ``model_dir`` for a model with config ``cfg``; None without
     ``exits.json``, and None (logged as an error) when they were calibrated for other weights
-    (``weights_fingerprint``), so a retrained model still loads, without early exit.
+    (``weights_fingerprint``, checked against the weights in ``weights_dir``, default
+    ``model_dir``), so a retrained model still loads, without early exit.
 
     Raises:
         ModelLoadError: invalid JSON/spec, heads made for another architecture (dims or block
@@ -429,9 +430,10 @@ def load_exit_heads(model_dir: str | Path, cfg, *, device: torch.device | str = 
         raise ModelLoadError(f"{model_dir / EXITS_JSON}: exit_blocks {spec.exit_blocks} out of range or unsorted")
     if any(not 1 <= b <= spec.vision_blocks for b in spec.classifier_blocks):
         raise ModelLoadError(f"{model_dir / EXITS_JSON}: classifier_blocks {spec.classifier_blocks} out of range")
-    if spec.weights_fingerprint and spec.weights_fingerprint != weights_fingerprint(model_dir):
+    weights_dir = Path(weights_dir) if weights_dir is not None else model_dir
+    if spec.weights_fingerprint and spec.weights_fingerprint != weights_fingerprint(weights_dir):
         logger.error("%s: the exit heads were calibrated for other weights than %s's (retrained or replaced): "
-                     "not used; rerun `edgevlm calibrate`", model_dir / EXITS_JSON, model_dir)
+                     "not used; rerun `edgevlm calibrate`", model_dir / EXITS_JSON, weights_dir)
         return None
     heads = ExitHeads(spec, cfg.vision)
     expected = {k: tuple(v.shape) for k, v in heads.state_dict().items()}

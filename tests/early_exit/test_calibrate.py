@@ -119,8 +119,8 @@ def test_cli_errors_are_one_line(plain_model_dir, capsys, args, needle):
     argv = [a.replace("{model}", str(plain_model_dir)) for a in args] + ["--no-frontier"]
     assert calibrate.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 or err[-1].startswith("edgevlm calibrate: error:")
-    assert err[-1].startswith("edgevlm calibrate: error:") and needle in err[-1]
+    assert len(err) == 1 or err[-1].startswith("edgevlm: error:")
+    assert err[-1].startswith("edgevlm: error:") and needle in err[-1]
 
 
 def test_written_json_is_valid(tmp_path, plain_model_dir):
@@ -156,3 +156,19 @@ def test_answer_distillation_runs(tmp_path, plain_model_dir):
     a = Engine.load(d).ask(np.zeros((48, 64, 3), np.uint8), "describe the scene.", max_new_tokens=2,
                            operating_point=OperatingPoint(exit_layer=1))
     assert a.stats.exit_layer == 1
+
+
+def test_calibrate_out_folder_runs_the_frontier_with_the_new_heads(tmp_path, plain_model_dir, caplog):
+    """--out elsewhere than the model: the heads just written are checked against the model's weights
+    (not the output folder's, which has none) and the frontier measures exit points with them."""
+    import json
+    import logging
+
+    out = tmp_path / "heads"
+    argv = [str(plain_model_dir), *[a for a in FAST if a != "--no-frontier"], "--frontier-n", "2", "--out", str(out)]
+    with caplog.at_level(logging.ERROR):
+        assert calibrate.main(argv) == 0
+    assert not [r for r in caplog.records if "other weights" in r.getMessage()]
+    frontier = json.loads((out / "frontier.json").read_text())
+    assert any(p.get("exit_threshold") is not None and p.get("exit_rate") is not None for p in frontier["points"])
+

@@ -146,7 +146,7 @@ def test_time_budget_stops_phases_early(tmp_path, plain_model_dir):
 def test_new_cli_errors_are_one_line(plain_model_dir, capsys, args, needle):
     assert calibrate.main([str(plain_model_dir), *FAST, *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("edgevlm calibrate: error:") and needle in err[-1]
+    assert err[-1].startswith("edgevlm: error:") and needle in err[-1]
 
 
 def test_gpu_script_dry_run_recipe():
