@@ -40,7 +40,6 @@ from typing import Any
 
 import numpy as np
 
-from edgevlm.errors import InvalidRequestError
 from edgevlm.types import Answer, OperatingPoint, Stats
 
 logger = logging.getLogger(__name__)
@@ -116,31 +115,15 @@ class BatchWorker:
         import torch
 
         from edgevlm.runtime.batching import GenerationRequest
-        from edgevlm.runtime.preprocess import preprocess, target_size
-        from edgevlm.runtime.sampling import SamplingParams, TextAssembler
+        from edgevlm.runtime.preprocess import preprocess
+        from edgevlm.runtime.sampling import TextAssembler
         from edgevlm.runtime.tokenizer import IncrementalDecoder
 
         eng = self.engine
         start = time.monotonic()
-        # the same checks, in the same order, as Engine.stream (engine.py's private helpers;
-        # a public Engine.prepare() would let both paths share them)
-        op = eng._check_operating_point(operating_point)
-        eng._check_image(image)
-        if not isinstance(prompt, str):
-            raise InvalidRequestError(f"prompt must be a string, got {type(prompt).__name__}")
-        if op.max_new_tokens is not None and isinstance(max_new_tokens, int):
-            max_new_tokens = min(max_new_tokens, op.max_new_tokens)
-        params = SamplingParams.validate(max_new_tokens, 0.0, 1.0, None, None)
-        resolution_px = op.resolution_px or eng.image_size_px
-        h, w = image.shape[:2]
-        tw, th = target_size(w, h, resolution_px, eng.patch_size_px)
-        n_vision = eng._adaptive_vision_tokens(eng.num_vision_tokens(th, tw), op)
-        ids = eng.tokenizer.encode_prompt(prompt, n_vision)
-        if len(ids) >= eng.max_seq_len:
-            raise InvalidRequestError(
-                f"prompt is {len(ids)} tokens ({len(ids) - n_vision} text + {n_vision} vision at {tw}x{th} px); "
-                f"the KV cache holds {eng.max_seq_len} positions"
-            )
+        prepared = eng.prepare(image, prompt, max_new_tokens=max_new_tokens, operating_point=operating_point)
+        op, params, resolution_px = prepared.operating_point, prepared.params, prepared.resolution_px
+        n_vision, ids = prepared.n_vision, prepared.ids
         t0 = time.monotonic()
         pixels = preprocess(image, resolution_px, eng.patch_size_px, eng.image_mean, eng.image_std)
         stats = Stats(operating_point=op.name, backend=eng.backend_name, vision_tokens=n_vision,

@@ -424,18 +424,22 @@ class Scheduler:
         started = self._begin(job)
         if started is None:
             return
-        req = job.request
+        ok, answer = self._guarded(job, "inference", lambda: self._engine.ask(
+            started.image, job.request.prompt, max_new_tokens=started.max_new_tokens, operating_point=started.point))
+        if ok:
+            self._complete(job, started, answer)
+
+    def _guarded(self, job: Job, what: str, fn: Callable[[], Any]) -> tuple[bool, Any]:
+        """``(True, fn())``; or, when ``fn`` raises, ``(False, None)`` after answering ``job`` with
+        the typed error (an unexpected exception becomes INTERNAL, logged: never a dead daemon)."""
         try:
-            answer = self._engine.ask(started.image, req.prompt, max_new_tokens=started.max_new_tokens,
-                                      operating_point=started.point)
+            return True, fn()
         except EdgeVLMError as err:
             self._fail(job, err)
-            return
         except Exception as exc:  # noqa: BLE001 - never a dead daemon
-            logger.exception("inference failed with an unexpected error")
+            logger.exception("%s failed with an unexpected error", what)
             self._fail(job, InternalError(f"internal error: {type(exc).__name__}: {exc}"))
-            return
-        self._complete(job, started, answer)
+        return False, None
 
     def _begin(self, job: Job) -> _Started | None:
         """Dequeue-time work of a job: the deadline check, its image, and (with a controller) its
@@ -580,15 +584,10 @@ class Scheduler:
         started = self._begin(job)
         if started is None:
             return
-        try:
-            batch.add((job, started), started.image, job.request.prompt, max_new_tokens=started.max_new_tokens,
-                      operating_point=started.point, deadline_s=job.deadline_monotonic)
-        except EdgeVLMError as err:
-            self._fail(job, err)
-            return
-        except Exception as exc:  # noqa: BLE001 - never a dead daemon
-            logger.exception("request preparation failed with an unexpected error")
-            self._fail(job, InternalError(f"internal error: {type(exc).__name__}: {exc}"))
+        ok, _ = self._guarded(job, "request preparation", lambda: batch.add(
+            (job, started), started.image, job.request.prompt, max_new_tokens=started.max_new_tokens,
+            operating_point=started.point, deadline_s=job.deadline_monotonic))
+        if not ok:
             return
         with self._cond:
             self._active[id(job)] = (started.dequeued, started.service_ms)

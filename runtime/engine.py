@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Generator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +64,18 @@ class Stream:
         if self._answer is None:
             raise RuntimeError("the stream has not finished yet")
         return self._answer
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated request (:meth:`Engine.prepare`): ``ids`` are the prompt's token ids with
+    ``n_vision`` image placeholders, for the image resized to the ``resolution_px`` rung."""
+
+    operating_point: OperatingPoint
+    params: SamplingParams
+    resolution_px: int
+    n_vision: int
+    ids: list[int]
 
 
 class Engine:
@@ -170,6 +183,22 @@ class Engine:
         include the consumer's time between deltas); a second request from the same thread while
         a stream is open raises InvalidRequestError."""
         t_start = time.perf_counter()
+        p = self.prepare(image, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                         stop=stop, seed=seed, operating_point=operating_point)
+        return Stream(self._generate(image, p.ids, p.n_vision, p.resolution_px, p.operating_point, p.params,
+                                     t_start))
+
+    def prepare(self, image: np.ndarray, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0,
+                top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None,
+                operating_point: OperatingPoint | None = None) -> PreparedRequest:
+        """Validate a request and tokenise its prompt (what :meth:`stream` does before generating;
+        also used by the daemon's batch worker): returns the operating point, sampling parameters,
+        resolution rung (px), vision-token count and prompt ids (vision placeholders included).
+
+        Raises:
+            InvalidImageError: ``image`` is not an ``(H, W, 3)`` uint8 array.
+            InvalidRequestError: bad prompt/knobs, or prompt + vision tokens do not fit the KV cache.
+        """
         op = self._check_operating_point(operating_point)
         self._check_image(image)
         if not isinstance(prompt, str):
@@ -187,7 +216,7 @@ class Engine:
                 f"prompt is {len(ids)} tokens ({len(ids) - n_vision} text + {n_vision} vision at {tw}x{th} px); "
                 f"the KV cache holds {self.max_seq_len} positions"
             )
-        return Stream(self._generate(image, ids, n_vision, resolution_px, op, params, t_start))
+        return PreparedRequest(op, params, resolution_px, n_vision, ids)
 
     def warmup(self, resolutions: list[int] | None = None) -> None:
         """Run one 2-token request per rung (default: the resolution ladder), so that the first real
