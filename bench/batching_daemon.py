@@ -22,10 +22,8 @@ import argparse
 import json
 import platform
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 
 def _pct(values, q):
@@ -59,17 +57,16 @@ def main(argv: list[str] | None = None) -> int:
     from edgevlm.client import Client
     from edgevlm.config import parse_daemon_config
     from edgevlm.daemon.app import Daemon
-    from edgevlm.daemon.demo import Broker, find_mosquitto
+    from edgevlm.daemon.demo import start_private_broker
     from edgevlm.errors import EdgeVLMError
     from edgevlm.runtime import Engine
     from edgevlm.runtime.demo import scenes
 
     torch.set_num_threads(args.threads)
-    mosquitto, _ = find_mosquitto()
-    if mosquitto is None:
+    broker = start_private_broker("edgevlm-batching-")
+    if broker is None:
         print("mosquitto not found: apt-get install mosquitto mosquitto-clients", file=sys.stderr)
         return 2
-    broker = Broker(mosquitto, Path(tempfile.mkdtemp(prefix="edgevlm-batching-"))).start()
     n = args.clients * args.per_client
     items = scenes.eval_set(n, args.seed)
     probe_items = scenes.eval_set(8, args.seed + 1)

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -132,18 +131,16 @@ def main(argv: list[str] | None = None) -> int:
     from edgevlm.client import Client
     from edgevlm.config import parse_daemon_config
     from edgevlm.daemon.app import Daemon
-    from edgevlm.daemon.demo import Broker, find_mosquitto
+    from edgevlm.daemon.demo import start_private_broker
     from edgevlm.runtime import Engine
     from edgevlm.runtime.demo import scenes
     from edgevlm.runtime.slowdown import inject_slowdown
 
     torch.set_num_threads(args.threads)
-    mosquitto, _ = find_mosquitto()
-    if mosquitto is None:
+    broker = start_private_broker("edgevlm-budget-")
+    if broker is None:
         print("mosquitto not found: apt-get install mosquitto mosquitto-clients", file=sys.stderr)
         return 2
-    work = Path(tempfile.mkdtemp(prefix="edgevlm-budget-"))
-    broker = Broker(mosquitto, work).start()
     engine = Engine.load(args.model)
     hook = inject_slowdown(engine, 1.0)
     items = scenes.eval_set(max(args.requests, args.clients * args.per_client), args.seed)

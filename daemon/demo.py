@@ -179,6 +179,17 @@ class Broker:
 # ------------------------------------------------------------------------------------ daemon
 
 
+def start_private_broker(prefix: str) -> Broker | None:
+    """A private mosquitto on a free loopback port in a fresh temporary folder (benchmarks), or
+    None when no mosquitto binary is installed."""
+    import tempfile
+
+    mosquitto, _ = find_mosquitto()
+    if mosquitto is None:
+        return None
+    return Broker(mosquitto, Path(tempfile.mkdtemp(prefix=prefix))).start()
+
+
 def daemon_config(port: int, video: Path, model_dir: Path | None) -> dict[str, Any]:
     """The daemon config (a :class:`edgevlm.config.DaemonConfig` mapping) the demo runs."""
     return {
