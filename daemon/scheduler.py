@@ -384,17 +384,22 @@ class Scheduler:
             return
         self._run_single()
 
+    def _wait_locked(self, idle: Callable[[], bool]) -> None:
+        """Wait on the condition (held) while ``idle()`` and not stopping, beating the heartbeat
+        every ``HEARTBEAT_S``; return early when a monitor is due."""
+        while not self._stopping and idle():
+            if self._heartbeat is not None:
+                self._heartbeat.beat()
+            due = self.monitors.next_due() if self.monitors is not None and not self._paused else None
+            now = time.monotonic()
+            if due is not None and due <= now:
+                return
+            self._cond.wait(HEARTBEAT_S if due is None else min(HEARTBEAT_S, due - now))
+
     def _run_single(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and (self._paused or not self._queue):
-                    if self._heartbeat is not None:
-                        self._heartbeat.beat()
-                    due = self.monitors.next_due() if self.monitors is not None and not self._paused else None
-                    now = time.monotonic()
-                    if due is not None and due <= now:
-                        break
-                    self._cond.wait(HEARTBEAT_S if due is None else min(HEARTBEAT_S, due - now))
+                self._wait_locked(lambda: self._paused or not self._queue)
                 if self._stopping:
                     return
                 if self._paused or not self._queue:
@@ -537,14 +542,7 @@ class Scheduler:
                 self._run_single()
                 return
             with self._cond:
-                while not self._stopping and batch.idle and (self._paused or not self._queue):
-                    if self._heartbeat is not None:
-                        self._heartbeat.beat()
-                    due = self.monitors.next_due() if self.monitors is not None and not self._paused else None
-                    now = time.monotonic()
-                    if due is not None and due <= now:
-                        break
-                    self._cond.wait(HEARTBEAT_S if due is None else min(HEARTBEAT_S, due - now))
+                self._wait_locked(lambda batch=batch: batch.idle and (self._paused or not self._queue))
                 if self._stopping and batch.idle:
                     return
                 now = time.monotonic()
