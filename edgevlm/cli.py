@@ -24,16 +24,15 @@ import json
 import logging
 import sys
 import time
-from typing import NoReturn
 
 from edgevlm import __version__
+from edgevlm.cli_args import EXIT_USAGE, OneLineParser, one_line, positive_int
 from edgevlm.errors import ConfigError, EdgeVLMError, ModelLoadError
 
 logger = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
-EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -44,26 +43,9 @@ class _UsageError(Exception):
     """A bad argument found after parsing (reported like an argparse error: one line, exit 2)."""
 
 
-class _Parser(argparse.ArgumentParser):
-    """ArgumentParser whose errors are one line (``edgevlm: error: ...``), exit status 2."""
-
-    def error(self, message: str) -> NoReturn:
-        hint = f" (see '{self.prog} --help')"
-        self.exit(EXIT_USAGE, f"edgevlm: error: {_one_line(message)}{hint}\n")
-
-
-def _one_line(message: str) -> str:
-    return " ".join(str(message).split())
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+_Parser = OneLineParser
+_one_line = one_line
+_positive_int = positive_int
 
 
 def _non_negative_float(text: str) -> float:

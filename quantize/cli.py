@@ -14,8 +14,8 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
 
+from edgevlm.cli_args import OneLineParser, positive_int
 from edgevlm.errors import EdgeVLMError
 
 logger = logging.getLogger(__name__)
@@ -23,19 +23,8 @@ logger = logging.getLogger(__name__)
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"edgevlm: error: {' '.join(message.split())} (see '{self.prog} --help')\n")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+_Parser = OneLineParser
+_positive_int = positive_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

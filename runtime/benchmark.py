@@ -34,7 +34,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
+
+from edgevlm.cli_args import OneLineParser
 
 logger = logging.getLogger(__name__)
 
@@ -496,11 +497,7 @@ def _csv_choice(choices):
     return parse
 
 
-class _Parser(argparse.ArgumentParser):
-    """Errors are one line ``edgevlm: error: ...`` with exit status 2, like the rest of the CLI."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"edgevlm: error: {' '.join(message.split())} (see '{self.prog} --help')\n")
+_Parser = OneLineParser
 
 
 def _usage_error(message: str) -> int:

@@ -528,29 +528,31 @@ def _add_to_manifest(bundle_dir: Path, names: list[str]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="edgevlm calibrate", description=__doc__.split("\n")[0])
+    from edgevlm.cli_args import OneLineParser, non_negative_int, positive_int
+
+    ap = OneLineParser(prog="edgevlm calibrate", description=__doc__.split("\n")[0])
     ap.add_argument("model", help="model folder or engine bundle")
     ap.add_argument("--exit-blocks", type=int, nargs="+", default=None,
                     help="vision blocks to put exit heads after (default: ~1/3 and ~1/2 of the depth)")
-    ap.add_argument("--steps", type=int, default=300, help="adapter/classifier training steps")
-    ap.add_argument("--batch-size", type=int, default=8, help="images per training step")
+    ap.add_argument("--steps", type=non_negative_int, default=300, help="adapter/classifier training steps")
+    ap.add_argument("--batch-size", type=positive_int, default=8, help="images per training step")
     ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate of the feature phase")
     ap.add_argument("--adapter-hidden", type=int, default=None, help="adapter MLP width (default: D)")
     ap.add_argument("--adapter-attn-dim", type=int, default=0,
                     help="inner width of an attention layer in each adapter (0 = MLP only)")
     ap.add_argument("--adapter-blocks", type=int, default=0,
                     help="full ViT blocks in each adapter, initialised from the encoder's last blocks")
-    ap.add_argument("--kd-steps", type=int, default=100,
+    ap.add_argument("--kd-steps", type=non_negative_int, default=100,
                     help="answer-distillation steps through the frozen decoder after the feature loss")
-    ap.add_argument("--agreement-images", type=int, default=300, help="images for the confidence heads")
-    ap.add_argument("--questions-per-image", type=int, default=3)
+    ap.add_argument("--agreement-images", type=positive_int, default=300, help="images for the confidence heads")
+    ap.add_argument("--questions-per-image", type=positive_int, default=3)
     ap.add_argument("--question-conditioned", action="store_true",
                     help="confidence heads also read the question (prompt embedding)")
     ap.add_argument("--max-answer-change", type=float, default=0.01,
                     help="held-out answer-change rate the recommended threshold may cost")
     ap.add_argument("--rungs", type=int, nargs="+", default=None,
                     help="training/calibration resolutions in px (default: the resolution ladder)")
-    ap.add_argument("--workers", type=int, default=0, help="scene-rendering worker processes (0 = inline)")
+    ap.add_argument("--workers", type=non_negative_int, default=0, help="scene-rendering worker processes (0 = inline)")
     ap.add_argument("--risk-delta", type=float, default=0.1,
                     help="Learn-then-Test level of the threshold choice (0 = point estimate)")
     ap.add_argument("--init", default=None,
@@ -560,10 +562,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: per device)")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     ap.add_argument("--out", default=None, help="output folder (default: the model folder)")
     ap.add_argument("--no-frontier", action="store_true", help="skip the operating-point measurement")
-    ap.add_argument("--frontier-n", type=int, default=90, help="evaluation items per grid point")
+    ap.add_argument("--frontier-n", type=positive_int, default=90, help="evaluation items per grid point")
     ap.add_argument("--profile", default=None, help="device profile whose knob grid to measure")
     return ap
 
@@ -578,14 +580,14 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     try:
-        if args.steps < (0 if args.init else 1) or args.batch_size < 1 or args.questions_per_image < 1 \
-                or args.agreement_images < 5:
-            raise ValueError("--steps (>= 0 with --init), --batch-size, --questions-per-image must be >= 1, "
-                             "--agreement-images >= 5")
+        if args.steps < 1 and not args.init:
+            raise ValueError(f"--steps must be >= 1 (0 only with --init), got {args.steps}")
+        if args.agreement_images < 5:
+            raise ValueError(f"--agreement-images must be >= 5, got {args.agreement_images}")
         if not 0.0 <= args.risk_delta < 1.0:
             raise ValueError(f"--risk-delta must be in [0, 1), got {args.risk_delta}")
-        if args.workers < 0 or args.lr <= 0 or (args.time_budget_s is not None and args.time_budget_s <= 0):
-            raise ValueError("--workers must be >= 0, --lr and --time-budget-s > 0")
+        if args.lr <= 0 or (args.time_budget_s is not None and args.time_budget_s <= 0):
+            raise ValueError("--lr and --time-budget-s must be > 0")
         if not 0.0 <= args.max_answer_change <= 1.0:
             raise ValueError(f"--max-answer-change must be in [0, 1], got {args.max_answer_change}")
         import torch

@@ -34,7 +34,10 @@ Robustness on a noisy device (a shared CPU, a robot whose other processes take c
 Hysteresis. The controller keeps a *ceiling*: the most accurate point it currently allows. A
 request that does not fit at the ceiling steps the ceiling down at once; the ceiling steps back up
 one point only after ``step_up_after`` consecutive requests for which the point above would have
-fitted with an extra ``step_up_margin`` of headroom. A request whose budget even the cheapest
+fitted with an extra ``step_up_margin`` of headroom. The ceiling belongs to the budget that set it:
+a request whose budget is more than ``LOOSER_BUDGET`` (1.25×) that one is chosen from the top (its
+prediction still counts the queue wait and slowdown) and leaves the ceiling alone, so one tight-budget
+request does not lower the accuracy of the loose-budget requests after it. A request whose budget even the cheapest
 point cannot meet is refused at once (:class:`DeadlineExceededError` carrying the cheapest
 prediction), not answered late.
 """
@@ -54,6 +57,7 @@ from edgevlm.types import OperatingPoint, Stats
 logger = logging.getLogger(__name__)
 
 MAX_STEP = 3.0
+LOOSER_BUDGET = 1.25  # a budget this much above the ceiling's own is not held to the ceiling
 """Largest factor by which one observation may differ from its prediction (outliers are clipped)."""
 MAX_TAIL = 2.0
 """Largest tail factor the controller plans with."""
@@ -142,6 +146,7 @@ class Controller:
         self._by_name = {p.name: p for p in self.points}
         self._slowdown = 1.0
         self._ceiling = 0  # index into self.points
+        self._ceiling_budget_ms: float | None = None  # the budget of the request that set the ceiling
         self._room_streak = 0
         self.tail_quantile, self.stale_half_life_s = tail_quantile, stale_half_life_s
         self._ratios: collections.deque[float] = collections.deque(maxlen=window)
@@ -218,11 +223,18 @@ class Controller:
                     f"predicted to take {cheapest:.0f} ms",
                     details={"cheapest_predicted_ms": round(cheapest, 2), "budget_ms": budget_ms},
                 )
+            if self._ceiling > 0 and self._ceiling_budget_ms is not None \
+                    and budget_ms > self._ceiling_budget_ms * LOOSER_BUDGET:
+                return Decision(point=self.points[fits[0]].point, predicted_ms=preds[fits[0]], budget_ms=budget_ms,
+                                ceiling=self.points[self._ceiling].name, slowdown=self._current_slowdown(),
+                                alternatives=alternatives)
             if self._ceiling > 0 and preds[self._ceiling - 1] <= limit * self.step_up_margin:
                 self._room_streak += 1  # the point above would have fitted, with margin
                 if self._room_streak >= self.step_up_after:
                     self._ceiling -= 1
                     self._room_streak = 0
+                    if self._ceiling == 0:
+                        self._ceiling_budget_ms = None
                     logger.info("controller: ceiling up to %s", self.points[self._ceiling].name)
             else:
                 self._room_streak = 0
@@ -230,6 +242,7 @@ class Controller:
             if chosen > self._ceiling:  # overload: step the ceiling down at once
                 logger.info("controller: ceiling %s -> %s", self.points[self._ceiling].name, self.points[chosen].name)
                 self._ceiling, self._room_streak = chosen, 0
+                self._ceiling_budget_ms = budget_ms
             return Decision(
                 point=self.points[chosen].point,
                 predicted_ms=preds[chosen],

@@ -78,10 +78,23 @@ def test_learns_a_device_slowdown_and_steps_down():
 
 def test_hysteresis_steps_up_one_point_after_streak():
     c = Controller(FRONTIER, step_up_after=3)
-    assert c.choose(60, max_new_tokens=5).point.name == "r128"  # ceiling falls to r128
-    # a generous budget: r256 fits with margin, but the ceiling rises only after 3 requests
-    chosen = [c.choose(1000, max_new_tokens=5).point.name for _ in range(7)]
-    assert chosen == ["r128", "r128", "r256", "r256", "r256", "r384", "r384"]
+    # overload at a 100 ms budget: 50 ms of queue wait leaves room for r128 only (34 + 50 = 84 <= 90)
+    assert c.choose(100, max_new_tokens=5, queue_wait_ms=50).point.name == "r128"
+    # the queue drains: r256 (65) and then r384 (120) fit again at budgets near the ceiling's
+    # (<= 1.25x), but the ceiling rises one point per 3 requests with room
+    chosen = [c.choose(124, max_new_tokens=5).point.name for _ in range(4)]
+    assert chosen == ["r128", "r128", "r256", "r256"]
+
+
+def test_a_tight_budget_does_not_lower_the_accuracy_of_looser_ones():
+    c = Controller(FRONTIER, step_up_after=3)
+    assert c.choose(60, max_new_tokens=5).point.name == "r128"  # this request's own budget: r128
+    assert c.ceiling.name == "r128"
+    # a request with a generous budget right after it gets the most accurate point at once,
+    # and does not move the ceiling set by the tight one
+    assert c.choose(1000, max_new_tokens=5).point.name == "r384"
+    assert c.ceiling.name == "r128"
+    assert c.choose(74, max_new_tokens=5).point.name == "r128"  # r256 (65 ms) fits 74 x 0.9, but the ceiling holds
 
 
 def test_live_measurements_replace_offline_figures():

@@ -172,3 +172,22 @@ def test_calibrate_out_folder_runs_the_frontier_with_the_new_heads(tmp_path, pla
     frontier = json.loads((out / "frontier.json").read_text())
     assert any(p.get("exit_threshold") is not None and p.get("exit_rate") is not None for p in frontier["points"])
 
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--kd-steps", "-3"], "--kd-steps: expected an integer >= 0, got -3"),
+        (["--threads", "0"], "--threads: expected a positive integer, got 0"),
+        (["--frontier-n", "0"], "--frontier-n: expected a positive integer, got 0"),
+        (["--batch-size", "0"], "--batch-size: expected a positive integer, got 0"),
+        (["--steps", "abc"], "--steps: expected an integer >= 0, got 'abc'"),
+        (["--nosuch"], "unrecognized arguments: --nosuch"),
+    ],
+)
+def test_bad_option_values_are_refused_before_any_work_in_one_line(plain_model_dir, capsys, args, needle):
+    with pytest.raises(SystemExit) as exc:
+        calibrate.main([str(plain_model_dir), *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("edgevlm: error:") and needle in err[0]

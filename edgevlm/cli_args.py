@@ -1,0 +1,46 @@
+"""Argument parsing shared by every ``edgevlm`` sub-command (core: no torch).
+
+The CLI convention: a usage error is one line on stderr, ``edgevlm: error: <message>``, exit status 2
+(:data:`EXIT_USAGE`) — never argparse's multi-line usage dump, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import NoReturn
+
+EXIT_USAGE = 2
+
+
+def one_line(message: object) -> str:
+    """``message`` with all whitespace runs collapsed to single spaces."""
+    return " ".join(str(message).split())
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """ArgumentParser whose errors are one line (``edgevlm: error: ...``), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"edgevlm: error: {one_line(message)} (see '{self.prog} --help')\n")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer > 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
