@@ -26,7 +26,7 @@ import sys
 import time
 
 from edgevlm import __version__
-from edgevlm.cli_args import EXIT_USAGE, OneLineParser, one_line, positive_int
+from edgevlm.cli_args import EXIT_USAGE, OneLineParser, one_line, positive_int, torch_device
 from edgevlm.errors import ConfigError, EdgeVLMError, ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         "native size)",
     )
     ask.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N", help="default: 64")
-    ask.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    ask.add_argument("--device", type=torch_device, default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     ask.add_argument(
         "--dtype", choices=_DTYPES, default=None, help="default: float32 on CPU, bfloat16 on CUDA"
     )

@@ -7,6 +7,7 @@ The CLI convention: a usage error is one line on stderr, ``edgevlm: error: <mess
 from __future__ import annotations
 
 import argparse
+import re
 from typing import NoReturn
 
 EXIT_USAGE = 2
@@ -44,3 +45,10 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
     return value
+
+
+def torch_device(text: str) -> str:
+    """argparse type: ``cpu``, ``cuda`` or ``cuda:N``."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text

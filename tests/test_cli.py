@@ -282,7 +282,9 @@ def test_unavailable_device(tiny_model: Path, image_files: dict[str, Path]) -> N
     res = run_cli(
         "ask", "--image", str(image_files["scene.png"]), "--model", str(tiny_model), "--device", "tpu", "q?"
     )
-    assert_one_line_error(res, "tpu")
+    assert_one_line_error(res, "--device: expected cpu, cuda or cuda:N, got 'tpu'")
+    res = run_cli("ask", "--image", str(image_files["scene.png"]), "--device", "bogus", "q?")
+    assert_one_line_error(res, "got 'bogus'")
 
 
 @pytest.mark.parametrize(
