@@ -26,7 +26,7 @@ import sys
 import time
 
 from edgevlm import __version__
-from edgevlm.cli_args import EXIT_USAGE, OneLineParser, one_line, positive_int, torch_device
+from edgevlm.cli_args import OneLineParser, fail, positive_int, torch_device
 from edgevlm.errors import ConfigError, EdgeVLMError, ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -43,11 +43,6 @@ class _UsageError(Exception):
     """A bad argument found after parsing (reported like an argparse error: one line, exit 2)."""
 
 
-_Parser = OneLineParser
-_one_line = one_line
-_positive_int = positive_int
-
-
 def _non_negative_float(text: str) -> float:
     try:
         value = float(text)
@@ -60,7 +55,7 @@ def _non_negative_float(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``edgevlm`` command (exposed for docs and tests)."""
-    parser = _Parser(
+    parser = OneLineParser(
         prog="edgevlm",
         description="Edge deployment SDK and daemon for vision-language models.",
     )
@@ -71,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     # -v also works after the subcommand (edgevlm ask -v ...).
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     sub.required = True
 
     ask = sub.add_parser("ask", parents=[common], help="answer a question about an image file")
@@ -92,14 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ask.add_argument(
         "--resolution",
-        type=_positive_int,
+        type=positive_int,
         metavar="PX",
         default=None,
         help="input resolution: the longer image side after resizing, px, rounded to the patch size; at "
         "least the model's patch size (the model is trained at its resolution-ladder rungs; default: its "
         "native size)",
     )
-    ask.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N", help="default: 64")
+    ask.add_argument("--max-new-tokens", type=positive_int, default=64, metavar="N", help="default: 64")
     ask.add_argument("--device", type=torch_device, default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     ask.add_argument(
         "--dtype", choices=_DTYPES, default=None, help="default: float32 on CPU, bfloat16 on CUDA"
@@ -306,12 +301,6 @@ def _setup_logging(verbose: int, command: str | None) -> None:
     )
 
 
-def _fail(message: str, code: int = EXIT_USAGE) -> int:
-    sys.stderr.write(f"edgevlm: error: {_one_line(message)}\n")
-    sys.stderr.flush()
-    return code
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``edgevlm`` console script. Returns the process exit status."""
     parser = build_parser()
@@ -320,19 +309,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except _UsageError as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     except EdgeVLMError as exc:
         logger.debug("failed", exc_info=True)
-        return _fail(exc.message or exc.__class__.__name__)
+        return fail(exc.message or exc.__class__.__name__)
     except (OSError, ImportError) as exc:
         logger.debug("failed", exc_info=True)
-        return _fail(str(exc) or exc.__class__.__name__)
+        return fail(str(exc) or exc.__class__.__name__)
     except KeyboardInterrupt:
         sys.stderr.write("edgevlm: interrupted\n")
         return EXIT_INTERRUPTED
     except Exception as exc:  # a bug: still one line, the traceback only with -vv
         logger.debug("unexpected error", exc_info=True)
-        return _fail(
+        return fail(
             f"internal error: {exc.__class__.__name__}: {exc} (run with -vv for the traceback)", EXIT_FAILURE
         )
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from typing import NoReturn
 
 EXIT_USAGE = 2
@@ -16,6 +17,17 @@ EXIT_USAGE = 2
 def one_line(message: object) -> str:
     """``message`` with all whitespace runs collapsed to single spaces."""
     return " ".join(str(message).split())
+
+
+def fail(error: str | BaseException, code: int = EXIT_USAGE, *, prog: str = "edgevlm") -> int:
+    """Print ``<prog>: error: <one line>`` on stderr and return ``code``. ``error`` is a message or an
+    exception (an :class:`edgevlm.errors.EdgeVLMError`'s ``message``, else ``str(exc)``)."""
+    from edgevlm.errors import EdgeVLMError
+
+    message = error.message if isinstance(error, EdgeVLMError) else str(error)
+    sys.stderr.write(f"{prog}: error: {one_line(message)}\n")
+    sys.stderr.flush()
+    return code
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -15,16 +15,12 @@ import sys
 import time
 from pathlib import Path
 
-from edgevlm.cli_args import OneLineParser, positive_int
+from edgevlm.cli_args import OneLineParser, fail, positive_int
 from edgevlm.errors import EdgeVLMError
 
 logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
-
-
-_Parser = OneLineParser
-_positive_int = positive_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -37,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--calib", metavar="DIR|demo", default=None,
                    help="AWQ calibration data: 'demo' (scene generator) or a folder of images + prompts.txt "
                         "(default: demo for the demo model)")
-    p.add_argument("--calib-samples", type=_positive_int, default=32, metavar="N", help="default: 32")
+    p.add_argument("--calib-samples", type=positive_int, default=32, metavar="N", help="default: 32")
     p.add_argument("--profile", metavar="NAME", default=None, help="target device profile (profiles/NAME.yaml)")
     p.add_argument("--vision", choices=("int4", "fp16"), default=None,
                    help="vision encoder linears INT4 or 16-bit (default: the profile's, else fp16)")
@@ -52,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def build_parser(prog: str = "edgevlm quantize") -> argparse.ArgumentParser:
-    parser = _Parser(prog=prog, description="Quantize a LLaVA checkpoint into an INT4 (W4A16) engine bundle.")
+    parser = OneLineParser(prog=prog, description="Quantize a LLaVA checkpoint into an INT4 (W4A16) engine bundle.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="-v info logging, -vv debug")
     return add_arguments(parser)
 
@@ -186,9 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     except (EdgeVLMError, ValueError, OSError) as exc:
         logger.debug("quantize failed", exc_info=True)
-        message = exc.message if isinstance(exc, EdgeVLMError) else str(exc)
-        sys.stderr.write(f"edgevlm: error: {' '.join(message.split())}\n")
-        return EXIT_USAGE
+        return fail(exc, EXIT_USAGE)
     except KeyboardInterrupt:
         sys.stderr.write("edgevlm: interrupted\n")
         return 130

@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from edgevlm.cli_args import OneLineParser
+from edgevlm.cli_args import OneLineParser, fail
 
 logger = logging.getLogger(__name__)
 
@@ -497,20 +497,12 @@ def _csv_choice(choices):
     return parse
 
 
-_Parser = OneLineParser
-
-
-def _usage_error(message: str) -> int:
-    print(f"edgevlm: error: {message}", file=sys.stderr)
-    return 2
-
-
 def main(argv: list[str] | None = None) -> int:
     """``edgevlm bench`` entry point; returns the exit code (2 for bad arguments / no CUDA, after
     one line ``edgevlm: error: ...`` on stderr)."""
     from edgevlm.runtime.bench_models import MODEL_NAMES
 
-    ap = _Parser(prog="edgevlm bench", description=__doc__.split("\n")[0])
+    ap = OneLineParser(prog="edgevlm bench", description=__doc__.split("\n")[0])
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     ap.add_argument("--models", type=_csv_choice(MODEL_NAMES), default=None,
                     help=f"comma-separated, from {', '.join(MODEL_NAMES)} (default: GPU small,llava-7b,demo; CPU tiny)")
@@ -527,18 +519,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
     except ImportError:
-        return _usage_error("edgevlm bench needs torch: pip install 'edgevlm[runtime]'")
+        return fail("edgevlm bench needs torch: pip install 'edgevlm[runtime]'")
     if args.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
-        return _usage_error(f"--device: expected cpu, cuda or cuda:N, got {args.device!r}")
+        return fail(f"--device: expected cpu, cuda or cuda:N, got {args.device!r}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        return _usage_error("CUDA is not available (use --device cpu)")
+        return fail("CUDA is not available (use --device cpu)")
     for flag in ("new_tokens", "vision_batch"):
         value = getattr(args, flag)
         if value is not None and value < 2:
-            return _usage_error(f"--{flag.replace('_', '-')} must be >= 2")
+            return fail(f"--{flag.replace('_', '-')} must be >= 2")
     if args.prompt_tokens < 4:
-        return _usage_error("--prompt-tokens must be >= 4")
+        return fail("--prompt-tokens must be >= 4")
     with_hf = not args.no_hf
     if with_hf:
         try:

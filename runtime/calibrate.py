@@ -624,9 +624,9 @@ def main(argv: list[str] | None = None) -> int:
             _add_to_manifest(out, written)
             say(f"calibrate: added {', '.join(written)} to {out / 'manifest.json'}")
     except (EdgeVLMError, ValueError, OSError) as exc:
-        msg = exc.message if isinstance(exc, EdgeVLMError) else str(exc)
-        print(f"edgevlm: error: {' '.join(msg.split())}", file=sys.stderr)
-        return 2
+        from edgevlm.cli_args import fail
+
+        return fail(exc)
     return 0
 
 

@@ -289,9 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         run(engine, args.out or engine.model_dir, n=args.n, seed=args.seed, grid=grid,
             progress=lambda m: print(m, file=sys.stderr, flush=True))
     except (EdgeVLMError, ValueError, OSError) as exc:
-        msg = exc.message if isinstance(exc, EdgeVLMError) else str(exc)
-        print(f"edgevlm frontier: error: {' '.join(msg.split())}", file=sys.stderr)
-        return 2
+        from edgevlm.cli_args import fail
+
+        return fail(exc, prog="edgevlm frontier")
     return 0
 
 
