@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from mqtt_support import RecordingClient
 
 
 class NotifySocket:
@@ -55,60 +56,14 @@ def notify_socket(tmp_path: Path) -> Iterator[NotifySocket]:
     s.close()
 
 
-class Watcher:
+class Watcher(RecordingClient):
     """A paho MQTT v5 client recording every message per topic."""
 
     def __init__(self, host: str, port: int, **tls: Any) -> None:
-        import paho.mqtt.client as mqtt
-        from paho.mqtt.enums import CallbackAPIVersion
-
-        self._cond = threading.Condition()
-        self.messages: dict[str, list[Any]] = {}
-        self._acked: set[int] = set()
-        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5,
-                                  client_id=f"watcher-{uuid.uuid4().hex[:8]}")  # fmt: skip
-        if tls.get("username"):
-            self.client.username_pw_set(tls["username"], tls.get("password"))
-        if tls.get("ca_certs"):
-            self.client.tls_set(ca_certs=tls["ca_certs"], certfile=tls.get("certfile"), keyfile=tls.get("keyfile"))
-        self.client.on_message = self._on_message
-        self.client.on_subscribe = self._on_subscribe
-        self.client.connect(host, port)
-        self.client.loop_start()
-
-    def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
-        with self._cond:
-            self.messages.setdefault(msg.topic, []).append(msg)
-            self._cond.notify_all()
-
-    def _on_subscribe(self, client: Any, userdata: Any, mid: int, reason_codes: Any, properties: Any) -> None:
-        with self._cond:
-            self._acked.add(mid)
-            self._cond.notify_all()
-
-    def subscribe(self, topic: str, qos: int = 1) -> None:
-        _, mid = self.client.subscribe(topic, qos)
-        with self._cond:
-            assert self._cond.wait_for(lambda: mid in self._acked, 10), f"no SUBACK for {topic}"
-
-    def publish(self, topic: str, payload: bytes, *, response_topic: str | None = None,
-                correlation: bytes | None = None) -> None:  # fmt: skip
-        from paho.mqtt.packettypes import PacketTypes
-        from paho.mqtt.properties import Properties
-
-        props = Properties(PacketTypes.PUBLISH)
-        if response_topic is not None:
-            props.ResponseTopic = response_topic
-        if correlation is not None:
-            props.CorrelationData = correlation
-        self.client.publish(topic, payload, qos=1, properties=props).wait_for_publish(10)
+        super().__init__(host, port, client_id=f"watcher-{uuid.uuid4().hex[:8]}", **tls)
 
     def wait(self, topic: str, n: int = 1, timeout_s: float = 30.0) -> list[Any]:
-        with self._cond:
-            ok = self._cond.wait_for(lambda: len(self.messages.get(topic, [])) >= n, timeout_s)
-            got = list(self.messages.get(topic, []))
-        assert ok, f"expected {n} message(s) on {topic}, got {len(got)}"
-        return got
+        return self.wait_messages(topic, n, timeout_s)
 
     def json(self, topic: str) -> list[dict[str, Any]]:
         with self._cond:
@@ -124,10 +79,6 @@ class Watcher:
                      correlation=correlation)  # fmt: skip
         msg = self.wait(topic, 1, timeout_s)[0]
         return msg if raw else json.loads(msg.payload)
-
-    def close(self) -> None:
-        self.client.disconnect()
-        self.client.loop_stop()
 
 
 @pytest.fixture
