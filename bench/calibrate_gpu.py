@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
-"""Train the demo model's exit heads on a CUDA GPU (issue 4) and write them to ``$OUT``.
+"""Fit exit heads to the *frozen* demo model on a CUDA GPU (issue 4) and write them to ``$OUT``.
 
     OUT=/some/dir python3 bench/calibrate_gpu.py [--tiny] [--device cuda] [extra calibrate options]
+
+The shipped heads come from early-exit training instead (``bench/train_demo_exits_gpu.sh``, which
+starts its adapters from heads made by this script for the previous weights); this script is the
+recipe for a model whose weights stay as they are.
 
 Runs :func:`edgevlm.runtime.calibrate.main` on the shipped demo model (``runtime/demo/model``)
 from this checkout without installing it (``edgevlm`` and ``edgevlm.runtime`` are imported from

@@ -3,7 +3,7 @@
     edgevlm calibrate DIR [--exit-blocks 2 3] [--steps 300] [--kd-steps 100] [--batch-size 8]
         [--agreement-images 300] [--questions-per-image 3] [--adapter-hidden N] [--adapter-attn-dim 0]
         [--adapter-blocks 0] [--question-conditioned] [--max-answer-change 0.01] [--risk-delta 0.1]
-        [--rungs 384 ...] [--workers N] [--lr 2e-3] [--time-budget-s S] [--init DIR] [--seed 0]
+        [--rungs 384 ...] [--workers N] [--lr 2e-3] [--time-budget-s S] [--init DIR [--keep-adapters]] [--seed 0]
         [--device cpu|cuda] [--dtype float32|bfloat16] [--threads N] [--no-frontier] [--frontier-n 90]
         [--profile NAME] [--out DIR]
 
@@ -34,6 +34,10 @@ bfloat16 autocast when the model is bfloat16).
    certified by Learn then Test on the held-out 20% of images (true answer-change rate <=
    ``--max-answer-change`` with probability >= 1 - ``--risk-delta``) is recorded as
    ``recommended_threshold``. ``--init DIR --steps 0 --kd-steps 0`` redoes only this step.
+
+For a model trained with early-exit losses (its adapters trained with it, e.g. the demo model by
+:mod:`edgevlm.runtime.demo.train_exits`), ``--init DIR --keep-adapters`` keeps the adapters: phase 1
+trains only the classifiers, phase 2 is skipped, phase 3 runs as above.
 
 Errors (bad folder, bad options) print one line and exit 2.
 """
@@ -113,9 +117,10 @@ def feature_loss(model, pred, target, target_proj):
 
 def train_adapters(engine, heads, *, steps: int, batch_size: int, seed: int, lr: float = 2e-3,
                    rungs: list[int] | None = None, workers: int = 0, deadline: float | None = None,
-                   progress: Callable[[str], None] = logger.info) -> dict[str, float]:
+                   progress: Callable[[str], None] = logger.info, adapters: bool = True) -> dict[str, float]:
     """Distil the adapters and train the classifiers (phase 1), stopping early at ``deadline``
-    (a ``time.perf_counter()`` value). Returns held-out metrics: ``feature_cosine_<k>``,
+    (a ``time.perf_counter()`` value); ``adapters=False`` trains the classifiers only (adapters
+    kept as they are). Returns held-out metrics: ``feature_cosine_<k>``,
     ``classifier_accuracy_<k>`` and ``steps_run``."""
     import torch
     import torch.nn.functional as F
@@ -125,7 +130,8 @@ def train_adapters(engine, heads, *, steps: int, batch_size: int, seed: int, lr:
     spec = heads.spec
     need = set(spec.exit_blocks) | set(spec.classifier_blocks) | set(model.cfg.vision_feature_indices)
     select = (lambda t: t[:, 1:]) if model.cfg.vision_feature_select_strategy == "default" else (lambda t: t)
-    opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=lr, weight_decay=1e-4)
+    params = heads.parameters() if adapters else heads.classifiers.parameters()
+    opt = torch.optim.AdamW([p for p in params if p.requires_grad], lr=lr, weight_decay=1e-4)
     sched = _schedule(opt, steps)
     heads.train()
     t0 = time.perf_counter()
@@ -144,7 +150,7 @@ def train_adapters(engine, heads, *, steps: int, batch_size: int, seed: int, lr:
             target_proj = model.vision_tower.projector(target.to(engine.backend.dtype)).float()
         with _autocast(engine):
             loss = torch.zeros((), device=dev)
-            for k in spec.exit_blocks:
+            for k in spec.exit_blocks if adapters else ():
                 loss = loss + feature_loss(model, select(heads.adapt(k, states[k].float())), target, target_proj)
             if spec.labels:
                 y = torch.from_numpy(batch["labels"]).to(dev)
@@ -157,7 +163,8 @@ def train_adapters(engine, heads, *, steps: int, batch_size: int, seed: int, lr:
         sched.step()
         done = step + 1
         if step % 25 == 0 or step == steps - 1:
-            progress(f"calibrate: adapters step {step + 1}/{steps} loss {loss.item():.4f} "
+            what = "adapters" if adapters else "classifiers"
+            progress(f"calibrate: {what} step {step + 1}/{steps} loss {loss.item():.4f} "
                      f"({time.perf_counter() - t0:.0f} s)")
     heads.eval()
     out = _phase1_metrics(engine, heads, seed=seed + 1, n=min(64, max(2 * batch_size, 16)))
@@ -328,7 +335,7 @@ def calibrate(engine, *, exit_blocks: list[int] | None = None, steps: int = 300,
               adapter_hidden: int | None = None, adapter_attn_dim: int = 0, adapter_blocks: int = 0,
               question_conditioned: bool = False, max_answer_change: float = 0.01, lr: float = 2e-3,
               rungs: list[int] | None = None, workers: int = 0, time_budget_s: float | None = None,
-              risk_delta: float = 0.1, init: str | Path | None = None,
+              risk_delta: float = 0.1, init: str | Path | None = None, keep_adapters: bool = False,
               progress: Callable[[str], None] = logger.info):
     """Train exit heads for ``engine`` (a loaded :class:`~edgevlm.runtime.Engine`, torch backend,
     CPU or CUDA) and choose their threshold (see the module doc).
@@ -341,9 +348,13 @@ def calibrate(engine, *, exit_blocks: list[int] | None = None, steps: int = 300,
     a folder with ``exits.json`` + ``exits.safetensors`` of this model to start from (their
     architecture wins over the ``adapter_*``/``exit_blocks``/``question_conditioned`` arguments;
     ``steps = kd_steps = 0`` then only re-collects agreement pairs and refits the confidence).
+    ``keep_adapters`` (needs ``init``, no ``kd_steps``): the ``steps`` of phase 1 train only the
+    classifiers; the adapters stay as in ``init`` (adapters trained jointly with the model, e.g. by
+    :mod:`edgevlm.runtime.demo.train_exits`, whose weights the heads' fingerprint must match).
 
     Raises:
-        ValueError: bad exit blocks, counts or rungs; a backend other than torch.
+        ValueError: bad exit blocks, counts or rungs; a backend other than torch; ``keep_adapters``
+            without ``init`` or with ``kd_steps``.
     """
     import torch
 
@@ -362,6 +373,8 @@ def calibrate(engine, *, exit_blocks: list[int] | None = None, steps: int = 300,
     if steps < (0 if init else 1) or batch_size < 1 or agreement_images < 5 or questions_per_image < 1:
         raise ValueError("steps (>= 0 with init), batch_size, questions_per_image must be >= 1 and "
                          "agreement_images >= 5")
+    if keep_adapters and (init is None or kd_steps):
+        raise ValueError("keep_adapters needs init and kd_steps = 0 (the adapters are not trained)")
     if not 0.0 <= risk_delta < 1.0:
         raise ValueError(f"risk_delta must be in [0, 1), got {risk_delta}")
     if not 0.0 <= max_answer_change <= 1.0:
@@ -405,7 +418,8 @@ def calibrate(engine, *, exit_blocks: list[int] | None = None, steps: int = 300,
     try:
         if steps > 0:
             p1 = train_adapters(engine, heads, steps=steps, batch_size=batch_size, seed=seed, lr=lr, rungs=rungs,
-                                workers=workers, deadline=due(0.45), progress=progress)
+                                workers=workers, deadline=due(0.45), progress=progress,
+                                adapters=not keep_adapters)
         else:
             p1 = {**_phase1_metrics(engine, heads, seed=seed + 1, n=min(64, max(2 * batch_size, 16))), "steps_run": 0}
         if kd_steps > 0:
@@ -475,6 +489,7 @@ def calibrate(engine, *, exit_blocks: list[int] | None = None, steps: int = 300,
         "seed": seed, "steps": p1.get("steps_run", steps), "batch_size": batch_size, "agreement_images": n_img,
         "agreement_pairs": int(len(data["image"])), "held_out_pairs": int(ho.sum()),
         "questions_per_image": questions_per_image, "kd_steps": kd_run, "lr": lr,
+        "adapters": "kept from init (trained with the model)" if keep_adapters else "trained here",
         "time_budget_s": time_budget_s,
         "resolution_ladder": list(engine.resolution_ladder), "rungs": list(rungs or engine.resolution_ladder),
         "device": str(dev), "dtype": str(engine.backend.dtype).replace("torch.", ""),
@@ -542,8 +557,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="inner width of an attention layer in each adapter (0 = MLP only)")
     ap.add_argument("--adapter-blocks", type=int, default=0,
                     help="full ViT blocks in each adapter, initialised from the encoder's last blocks")
-    ap.add_argument("--kd-steps", type=non_negative_int, default=100,
-                    help="answer-distillation steps through the frozen decoder after the feature loss")
+    ap.add_argument("--kd-steps", type=non_negative_int, default=None,
+                    help="answer-distillation steps through the frozen decoder after the feature loss "
+                         "(default 100; 0 with --keep-adapters)")
     ap.add_argument("--agreement-images", type=positive_int, default=300, help="images for the confidence heads")
     ap.add_argument("--questions-per-image", type=positive_int, default=3)
     ap.add_argument("--question-conditioned", action="store_true",
@@ -557,6 +573,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Learn-then-Test level of the threshold choice (0 = point estimate)")
     ap.add_argument("--init", default=None,
                     help="start from the exit heads in this folder (with --steps 0 --kd-steps 0: refit confidence only)")
+    ap.add_argument("--keep-adapters", action="store_true",
+                    help="with --init: keep its adapters (trained with the model); --steps train the classifiers")
     ap.add_argument("--time-budget-s", type=float, default=None,
                     help="stop each phase early so that training ends within about this many seconds")
     ap.add_argument("--seed", type=int, default=0)
@@ -582,6 +600,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.steps < 1 and not args.init:
             raise ValueError(f"--steps must be >= 1 (0 only with --init), got {args.steps}")
+        if args.keep_adapters and not args.init:
+            raise ValueError("--keep-adapters needs --init (the folder whose adapters to keep)")
+        if args.keep_adapters and args.kd_steps:
+            raise ValueError("--keep-adapters trains no adapter: leave out --kd-steps")
+        if args.kd_steps is None:
+            args.kd_steps = 0 if args.keep_adapters else 100
         if args.agreement_images < 5:
             raise ValueError(f"--agreement-images must be >= 5, got {args.agreement_images}")
         if not 0.0 <= args.risk_delta < 1.0:
@@ -608,7 +632,8 @@ def main(argv: list[str] | None = None) -> int:
                           adapter_attn_dim=args.adapter_attn_dim, adapter_blocks=args.adapter_blocks,
                           question_conditioned=args.question_conditioned, max_answer_change=args.max_answer_change,
                           lr=args.lr, rungs=args.rungs, workers=args.workers, time_budget_s=args.time_budget_s,
-                          risk_delta=args.risk_delta, init=args.init, progress=say)
+                          risk_delta=args.risk_delta, init=args.init, keep_adapters=args.keep_adapters,
+                          progress=say)
         out = Path(args.out) if args.out else Path(engine.model_dir)
         weights, spec_path = save_exit_heads(heads, out)
         say(f"calibrate: wrote {weights} and {spec_path}")

@@ -194,7 +194,7 @@ def test_concurrent_asks_are_matched_by_correlation_data(start_daemon, mosquitto
     assert [got[i] for i in range(len(images))] == expected
 
 
-def test_context_manager_closes_the_connection(start_daemon, mosquitto) -> None:
+def test_context_manager_closes_the_connection(start_daemon, mosquitto, wait_until) -> None:
     start_daemon()
     with Client(mosquitto.host, mosquitto.port, "dev1", client_id="sdk-cm-test") as client:
         assert client.connected
@@ -204,7 +204,9 @@ def test_context_manager_closes_the_connection(start_daemon, mosquitto) -> None:
     with pytest.raises(ConnectionError, match="closed"):
         client.ask(PROMPT, source="x")
     client.close()  # idempotent
-    assert "Client sdk-cm-test disconnected" in mosquitto.log()
+    # the broker writes its log line after it has processed the DISCONNECT: poll, don't race it
+    wait_until(lambda: "Client sdk-cm-test disconnected" in mosquitto.log(), timeout_s=10,
+               what="the broker logging the disconnect")
 
 
 def test_client_survives_broker_restart(start_daemon, mosquitto, tiny_engine, wait_until) -> None:

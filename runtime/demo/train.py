@@ -271,6 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--aux-weight", type=float, default=0.5, help="weight of the dense per-patch vision loss (0: off)"
     )
+    ap.add_argument("--exit-blocks", type=int, nargs="+", default=None,
+                    help="early-exit training (edgevlm.runtime.demo.train_exits): exit after these vision blocks")
+    ap.add_argument("--exit-weight", type=float, default=1.0, help="loss weight of each exit (full path: 1)")
+    ap.add_argument("--exit-adapter-hidden", type=int, default=512, help="exit adapter MLP width")
+    ap.add_argument("--exit-adapter-attn-dim", type=int, default=128, help="exit adapter attention width (0: none)")
+    ap.add_argument("--exit-init", default=None, help="folder with exits.json/.safetensors to start the heads from")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
@@ -308,6 +314,15 @@ def main(argv: list[str] | None = None) -> int:
 
     aux_head = None
     groups = _param_groups(model, args.weight_decay)
+    heads = None
+    if args.exit_blocks:
+        from edgevlm.runtime.demo import train_exits
+
+        heads = train_exits.build_exit_heads(model, args.exit_blocks, adapter_hidden=args.exit_adapter_hidden,
+                                             adapter_attn_dim=args.exit_adapter_attn_dim, init=args.exit_init)
+        heads.train()
+        groups.append({"params": list(heads.adapters.parameters()), "weight_decay": args.weight_decay})
+        print(f"early-exit training: exits after blocks {heads.exit_blocks}, weight {args.exit_weight}", flush=True)
     if args.aux_weight > 0:
         torch.manual_seed(args.seed + 1)
         aux_head = torch.nn.Linear(model.config.vision_config.hidden_size, N_AUX_CLASSES + 6).to(device)
@@ -358,7 +373,11 @@ def main(argv: list[str] | None = None) -> int:
         for g in opt.param_groups:
             g["lr"] = lr
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            loss = train_loss(model, batch, device, aux_head, args.aux_weight)
+            if heads is None:
+                loss = train_loss(model, batch, device, aux_head, args.aux_weight)
+            else:
+                loss, _ = train_exits.joint_loss(model, heads, batch, device, exit_weight=args.exit_weight,
+                                                     aux_head=aux_head, aux_weight=args.aux_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
@@ -375,7 +394,13 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             t_log, wait_s, loss_acc, n_acc = now, 0.0, 0.0, 0
-        if step % args.eval_every == 0:
+        if step % args.eval_every == 0 and heads is not None:
+            for r, b in quick.items():
+                accs = train_exits.exact_match_variants(model, heads, b, device, amp_dtype)
+                print(f"eval step {step} {r}px: full {accs[0][0]:.3f} "
+                      + " ".join(f"exit@{k} {a[0]:.3f}" for k, a in zip(heads.exit_blocks, accs[1:], strict=True)),
+                      flush=True)
+        elif step % args.eval_every == 0:
             accs = {r: exact_match(model, b, device, amp_dtype) for r, b in quick.items()}
             top = accs[RESOLUTION_LADDER_PX[0]][1]
             print(
@@ -394,19 +419,30 @@ def main(argv: list[str] | None = None) -> int:
 
     # Round to the shipped float16 weights, then the final held-out eval at every rung.
     with torch.no_grad():
-        for p in model.parameters():
+        for p in [*model.parameters(), *(heads.parameters() if heads is not None else [])]:
             p.copy_(p.to(torch.float16).to(torch.float32))
     with Pool(max(1, args.workers)) as pool:
         items = pool.map(_eval_item, [(EVAL_SEED, i) for i in range(args.eval_n)], chunksize=16)
     result = {"steps": step, "seed": args.seed, "parameters": n_params, "eval_n": args.eval_n, "accuracy": {}}
     for rung in RESOLUTION_LADDER_PX:
-        acc, per_kind = exact_match(model, eval_batches(items, rung, 150), device, amp_dtype)
+        if heads is not None:
+            accs = train_exits.exact_match_variants(model, heads, eval_batches(items, rung, 150), device, amp_dtype)
+            (acc, per_kind), exits = accs[0], accs[1:]
+            for k, (a, pk) in zip(heads.exit_blocks, exits, strict=True):
+                result.setdefault("exit_accuracy", {}).setdefault(str(k), {})[str(rung)] = {"all": a, **pk}
+                print(f"final {rung}px exit@{k}: {a:.4f} " + " ".join(f"{kk} {v:.3f}" for kk, v in pk.items()),
+                      flush=True)
+        else:
+            acc, per_kind = exact_match(model, eval_batches(items, rung, 150), device, amp_dtype)
         result["accuracy"][str(rung)] = {"all": acc, **per_kind}
         print(
             f"final {rung}px: {acc:.4f} " + " ".join(f"{k} {v:.3f}" for k, v in per_kind.items()), flush=True
         )
     size = save_model(model, Path(args.out))
     result["weights_bytes"] = size
+    if heads is not None:
+        result["exit_blocks"], result["exit_weight"], result["init"] = heads.exit_blocks, args.exit_weight, args.init
+        train_exits.save_heads(heads, Path(args.out), result)
     print(
         f"saved {args.out} ({size / 1e6:.2f} MB safetensors) t={time.perf_counter() - t_start:.0f}s",
         flush=True,

@@ -140,6 +140,8 @@ def test_time_budget_stops_phases_early(tmp_path, plain_model_dir):
         (["--risk-delta", "1"], "--risk-delta"),
         (["--steps", "0"], "--steps"),
         (["--init", "/nonexistent/heads", "--steps", "0"], "not found"),
+        (["--keep-adapters"], "--keep-adapters needs --init"),
+        (["--init", "/nonexistent/heads", "--keep-adapters", "--kd-steps", "3"], "leave out --kd-steps"),
     ]
     + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "CUDA is not available")]),
 )
@@ -199,3 +201,26 @@ def test_init_refuses_heads_of_other_weights(tmp_path, plain_model_dir, capsys):
     (first / "exits.json").write_text(json.dumps(raw))
     assert calibrate.main([str(plain_model_dir), *FAST, "--init", str(first), "--steps", "0"]) == 2
     assert "other weights" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_keep_adapters_trains_only_classifiers_and_confidence(tmp_path, plain_model_dir):
+    """--init --keep-adapters (adapters trained with the model): adapters bit for bit, classifiers
+    and confidence refitted, the record says so; no answer distillation runs by default."""
+    from safetensors.torch import load_file
+
+    from edgevlm.runtime.exits import read_spec
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    assert calibrate.main([str(plain_model_dir), *FAST, "--question-conditioned", "--out", str(first)]) == 0
+    fast = [a for a in FAST if a not in ("--kd-steps", "0")]
+    assert calibrate.main([str(plain_model_dir), *fast, "--init", str(first), "--keep-adapters",
+                           "--seed", "1", "--out", str(second)]) == 0
+    a, b = load_file(str(first / "exits.safetensors")), load_file(str(second / "exits.safetensors"))
+    assert set(a) == set(b)
+    for k in a:
+        if k.startswith("adapters."):
+            assert torch.equal(a[k], b[k]), k
+    assert any(not torch.equal(a[k], b[k]) for k in a if k.startswith("classifiers."))
+    assert any(not torch.equal(a[k], b[k]) for k in a if k.startswith("confidence."))
+    rec = read_spec(second).calibration
+    assert rec["kd_steps"] == 0 and rec["steps"] == 2 and rec["adapters"].startswith("kept from init")
