@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgevlm.runtime.config import TextConfig
+from edgevlm.runtime.kernels import triton_available
+from edgevlm.runtime.kernels.int4kv_attention import int4kv_decode_attention
 from edgevlm.runtime.kv_cache import DEFAULT_INT4_GROUP_SIZE, KVCache, decode_mask, make_kv_cache
 from edgevlm.runtime.vision import activation
 
@@ -143,6 +145,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=cfg.attention_bias)
         self.kv_cache: KVCache | None = None
         self.qkv_proj: nn.Module | None = None  # set by fuse(): q, k, v in one matmul
+        self.int4kv_kernel = True  # CUDA decode over an INT4 cache: attend from the codes (False: dequantize + SDPA)
 
     def fuse(self) -> bool:
         """Compute q, k and v with one matmul (see :func:`fuse_linears`); returns whether it did."""
@@ -210,6 +213,12 @@ class Attention(nn.Module):
         self.kv_cache.write(input_pos, k, v, rows)
         if mask is None:
             y = self._sdpa(q, k, v, None, is_causal=True)
+        elif t == 1 and q.is_cuda and self.int4kv_kernel and self.kv_cache.kv_cache_dtype == "int4" and \
+                triton_available():
+            # decode from the 4-bit codes without dequantizing the cache (kernels/int4kv_attention.py);
+            # the mask is decode_mask's: key position <= the row's position
+            pos = input_pos.reshape(-1).expand(b) if input_pos.dim() == 1 else input_pos[:, 0]  # (B,)
+            y = int4kv_decode_attention(q, self.kv_cache, pos, mask.shape[-1])  # (B, H, 1, Dh)
         else:
             k_all, v_all = self.kv_cache.read(b, mask.shape[-1], q.dtype)  # (B, Hkv, kv_len, Dh)
             y = self._masked_sdpa(q, k_all, v_all, mask)

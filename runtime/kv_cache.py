@@ -15,8 +15,10 @@ Precisions (``kv_cache_dtype``, the profile key of the same name):
   ``zero`` (the group minimum), ``x ~= q * scale + zero`` — asymmetric per-token group-wise
   quantization as in KIVI's value cache (Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit
   Quantization for KV Cache", 2024) and FlexGen (Sheng et al., 2023). Codes are packed two per
-  byte, low nibble = even channel (the layout of :mod:`edgevlm.runtime.int4`). Dequantized right
-  before attention, in the compute dtype, for the positions attended only.
+  byte, low nibble = even channel (the layout of :mod:`edgevlm.runtime.int4`). On CUDA a decode
+  step writes the new token with one Triton kernel and attends straight from the codes
+  (:mod:`edgevlm.runtime.kernels.int4kv_attention`); otherwise the attended positions are
+  dequantized right before attention, in the compute dtype.
 * ``"fp8_e4m3"`` (:class:`Fp8KVCache`): ``float8_e4m3fn`` values (OCP FP8 spec; max 448) with one
   fp16 scale per (row, head, position) = ``amax / 448``; dequantized before attention.
 
@@ -128,6 +130,24 @@ class Int4KVCache(KVCache):
                                  persistent=False)
             self.register_buffer(name + "_zero", torch.zeros(*base, groups, dtype=torch.float16, device=device),
                                  persistent=False)
+
+    def write(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              rows: torch.Tensor | None = None) -> None:
+        """As :meth:`KVCache.write`; a CUDA decode step (T = 1) quantizes and stores keys and values
+        in one Triton kernel (:func:`edgevlm.runtime.kernels.int4kv_attention.int4kv_write`, the
+        same arithmetic), other writes with :func:`quantize_kv_int4`."""
+        if k.is_cuda and k.shape[2] == 1 and self._fused_write_ok(k.shape[-1]):
+            from edgevlm.runtime.kernels.int4kv_attention import int4kv_write
+
+            int4kv_write(self, input_pos, k, v, rows)
+            return
+        super().write(input_pos, k, v, rows)
+
+    def _fused_write_ok(self, head_dim: int) -> bool:
+        from edgevlm.runtime.kernels import triton_available
+
+        groups, pairs = head_dim // self.group_size, self.group_size // 2
+        return triton_available() and not groups & (groups - 1) and not pairs & (pairs - 1)
 
     def _store(self, input_pos, rows, name, x) -> None:
         codes, scale, zero = quantize_kv_int4(x, self.group_size)

@@ -340,11 +340,14 @@ def encode_adaptive(
         if i not in plan:
             continue
         threshold = plan[i]
-        query = exit_query[active] if exit_query is not None else None  # (B_active, Q)
-        conf = exit_heads.confidence_at(i, x, grid_hw, query)  # (B_active,)
-        leave = torch.ones_like(conf, dtype=torch.bool) if threshold is None else conf >= threshold
-        for row, sample in enumerate(active):
-            info.exit_confidences[sample] = float(conf[row])
+        if threshold is None:  # forced exit: no confidence head is consulted (none reported)
+            leave = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+        else:
+            query = exit_query[active] if exit_query is not None else None  # (B_active, Q)
+            conf = exit_heads.confidence_at(i, x, grid_hw, query)  # (B_active,)
+            leave = conf >= threshold
+            for row, sample in enumerate(active):
+                info.exit_confidences[sample] = float(conf[row])
         if not bool(leave.any()):
             continue
         rows = leave.nonzero()[:, 0]

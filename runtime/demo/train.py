@@ -19,7 +19,6 @@ safetensors with ``save_pretrained``, plus the tokenizer files and ``"edgevlm":
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -250,7 +249,9 @@ def save_model(model, out_dir: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from edgevlm.cli_args import OneLineParser, fail
+
+    ap = OneLineParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="output model folder")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")
@@ -278,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exit-adapter-attn-dim", type=int, default=128, help="exit adapter attention width (0: none)")
     ap.add_argument("--exit-init", default=None, help="folder with exits.json/.safetensors to start the heads from")
     args = ap.parse_args(argv)
+    problem = _check_args(args)
+    if problem:
+        return fail(problem)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
     import torch
@@ -295,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from multiprocessing import Pool
 
-    n_quick = 450
+    n_quick = min(450, args.eval_n)
     with Pool(max(1, args.workers)) as pool:
         quick_items = pool.map(_eval_item, [(EVAL_SEED, i) for i in range(n_quick)], chunksize=16)
     quick = {
@@ -303,11 +307,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"quick eval set: {n_quick} items ({time.perf_counter() - t_start:.1f}s)", flush=True)
 
-    if args.init:
-        model = LlavaForConditionalGeneration.from_pretrained(args.init, dtype=torch.float32)
-    else:
-        model = LlavaForConditionalGeneration(model_config(tiny=args.tiny))
-        init_position_embedding(model)
+    try:
+        if args.init:
+            model = LlavaForConditionalGeneration.from_pretrained(args.init, dtype=torch.float32)
+        else:
+            model = LlavaForConditionalGeneration(model_config(tiny=args.tiny))
+            init_position_embedding(model)
+    except (OSError, ValueError) as exc:
+        return fail(f"--init {args.init}: cannot load the model ({exc})")
     model.to(device).train()
     n_params = sum(p.numel() for p in model.parameters())
     print(f"parameters: {n_params:,} ({n_params * 2 / 1e6:.1f} MB in float16)", flush=True)
@@ -316,10 +323,14 @@ def main(argv: list[str] | None = None) -> int:
     groups = _param_groups(model, args.weight_decay)
     heads = None
     if args.exit_blocks:
+        from edgevlm.errors import EdgeVLMError
         from edgevlm.runtime.demo import train_exits
 
-        heads = train_exits.build_exit_heads(model, args.exit_blocks, adapter_hidden=args.exit_adapter_hidden,
-                                             adapter_attn_dim=args.exit_adapter_attn_dim, init=args.exit_init)
+        try:
+            heads = train_exits.build_exit_heads(model, args.exit_blocks, adapter_hidden=args.exit_adapter_hidden,
+                                                 adapter_attn_dim=args.exit_adapter_attn_dim, init=args.exit_init)
+        except (ValueError, EdgeVLMError, OSError, RuntimeError) as exc:
+            return fail(exc)
         heads.train()
         groups.append({"params": list(heads.adapters.parameters()), "weight_decay": args.weight_decay})
         print(f"early-exit training: exits after blocks {heads.exit_blocks}, weight {args.exit_weight}", flush=True)
@@ -449,6 +460,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(json.dumps(result), flush=True)
     return 0
+
+
+def _check_args(args) -> str | None:
+    """The first problem with the options that is visible before any work, or None."""
+    for name in ("steps", "batch_size", "warmup", "eval_every", "eval_n", "checkpoint_every", "workers"):
+        value, least = getattr(args, name), 1 if name in ("batch_size", "eval_every", "eval_n") else 0
+        if value < least:
+            return f"--{name.replace('_', '-')} must be >= {least}, got {value}"
+    if args.lr <= 0 or args.max_minutes <= 0:
+        return "--lr and --max-minutes must be > 0"
+    if args.init and not (Path(args.init) / "config.json").is_file():
+        return f"--init {args.init}: not a model folder (no config.json)"
+    if args.exit_init and not args.exit_blocks:
+        return "--exit-init needs --exit-blocks (early-exit training is off without it)"
+    if args.exit_init and not (Path(args.exit_init) / "exits.json").is_file():
+        return f"--exit-init {args.exit_init}: no exits.json there"
+    if args.exit_blocks is not None:
+        if args.exit_weight < 0:
+            return f"--exit-weight must be >= 0, got {args.exit_weight}"
+        if args.exit_adapter_hidden < 1 or args.exit_adapter_attn_dim < 0:
+            return "--exit-adapter-hidden must be >= 1 and --exit-adapter-attn-dim >= 0"
+    return None
 
 
 def _worker_init(_worker_id: int) -> None:

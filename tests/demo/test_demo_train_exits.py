@@ -90,3 +90,25 @@ def test_saved_heads_give_the_runtime_the_trained_exit_features(tmp_path):
     assert info.exit_layers == [1]
     torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
     assert (full - got).abs().max() > 1e-3  # the exit path really differs from the full encoder
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--exit-init", "{tmp}"], "--exit-init needs --exit-blocks"),
+        (["--exit-blocks", "1", "--exit-init", "{tmp}"], "no exits.json there"),
+        (["--init", "{tmp}/missing"], "not a model folder"),
+        (["--exit-blocks", "1", "--exit-weight", "-1"], "--exit-weight must be >= 0"),
+        (["--batch-size", "0"], "--batch-size must be >= 1"),
+        (["--exit-blocks", "5"], "exit blocks must be ascending, distinct, within 1..1"),  # tiny: 2 blocks
+        (["--exit-blocks", "1", "1"], "exit blocks must be ascending"),
+    ],
+)
+def test_training_option_errors_are_one_line(tmp_path, capsys, args, needle):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    code = train.main(["--out", str(tmp_path / "out"), "--tiny", "--steps", "1", "--batch-size", "2", "--eval-n", "2",
+                       "--workers", "1", "--checkpoint-every", "0", *args])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("edgevlm: error:") and needle in err[-1], err
+    assert not (tmp_path / "out").exists()  # nothing written

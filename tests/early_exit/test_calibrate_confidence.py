@@ -141,6 +141,9 @@ def test_time_budget_stops_phases_early(tmp_path, plain_model_dir):
         (["--steps", "0"], "--steps"),
         (["--init", "/nonexistent/heads", "--steps", "0"], "not found"),
         (["--keep-adapters"], "--keep-adapters needs --init"),
+        (["--init", "/nonexistent/heads", "--exit-blocks", "1", "3"], "--exit-blocks: the heads' architecture comes"),
+        (["--init", "/nonexistent/heads", "--adapter-hidden", "8", "--question-conditioned"],
+         "--adapter-hidden, --question-conditioned: the heads' architecture comes from --init"),
         (["--init", "/nonexistent/heads", "--keep-adapters", "--kd-steps", "3"], "leave out --kd-steps"),
     ]
     + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "CUDA is not available")]),
@@ -224,3 +227,9 @@ def test_keep_adapters_trains_only_classifiers_and_confidence(tmp_path, plain_mo
     assert any(not torch.equal(a[k], b[k]) for k in a if k.startswith("confidence."))
     rec = read_spec(second).calibration
     assert rec["kd_steps"] == 0 and rec["steps"] == 2 and rec["adapters"].startswith("kept from init")
+
+
+def test_init_that_is_a_file_is_refused_in_one_line(plain_model_dir, capsys):
+    code = calibrate.main([str(plain_model_dir), *FAST, "--init", str(plain_model_dir / "config.json"), "--steps", "0"])
+    assert code == 2
+    assert "not a folder" in capsys.readouterr().err.strip().splitlines()[-1]

@@ -154,6 +154,7 @@ def test_forced_exit_features_match_manual(exit_engine, frames, block):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     info = exit_engine.backend.last_vision_info
     assert info.exit_layers == [block] and info.blocks_run == block and info.tokens_kept == 12  # 48x64 px: 3 x 4 patches
+    assert info.exit_confidences == [None]  # a forced exit consults no confidence head (none reported)
 
 
 def test_full_depth_equals_plain_forward(exit_engine, frames):

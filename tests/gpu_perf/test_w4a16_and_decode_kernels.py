@@ -4,27 +4,11 @@ GPU by bench/gpu_suite.py and bench/w4a16_tune.py)."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
-REPO = Path(__file__).resolve().parents[2]
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
-
-def run_interpreted(script: str) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+from triton_support import REPO, needs_triton, run_interpreted  # noqa: E402,F401
 
 
 def test_w4a16_rejects_bad_shapes():

@@ -1,0 +1,140 @@
+"""``edgevlm doctor``'s device rows: ``cameras`` (``/dev/video*`` with V4L2 capabilities),
+``source <name>`` per configured source, and ``microphones``. See :mod:`edgevlm.daemon.doctor`."""
+
+from __future__ import annotations
+
+import fcntl
+import glob
+import os
+import re
+import shutil
+import struct
+from pathlib import Path
+from typing import Any
+
+from edgevlm.daemon.doctor_host import CheckResult, _fail, _Host, _ok, _warn
+
+_VIDIOC_QUERYCAP = 0x80685600  # _IOR('V', 0, struct v4l2_capability), 104 bytes (linux/videodev2.h)
+_V4L2_CAP_VIDEO_CAPTURE = 0x00000001
+_V4L2_CAP_VIDEO_CAPTURE_MPLANE = 0x00001000
+_V4L2_CAP_DEVICE_CAPS = 0x80000000
+
+
+def _v4l2_caps(path: Path) -> str | None:
+    """'capture' / 'no capture (metadata...)' from VIDIOC_QUERYCAP, or None when it cannot be asked."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        buf = fcntl.ioctl(fd, _VIDIOC_QUERYCAP, bytes(104))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    caps, device_caps = struct.unpack_from("<II", buf, 84)
+    use = device_caps if caps & _V4L2_CAP_DEVICE_CAPS else caps
+    card = buf[16:48].split(b"\0")[0].decode(errors="replace")
+    if use & (_V4L2_CAP_VIDEO_CAPTURE | _V4L2_CAP_VIDEO_CAPTURE_MPLANE):
+        return f"capture, {card}"
+    return f"no video capture (metadata node?), {card}"
+
+
+def _check_cameras(h: _Host) -> list[CheckResult]:
+    devs = sorted(
+        (Path(p) for p in glob.glob(str(h.path("/dev/video*")))),
+        key=lambda p: int(re.sub(r"\D", "", p.name) or 0),
+    )
+    rows: list[CheckResult] = []
+    if not devs:
+        rows.append(_warn("cameras", "no /dev/video* devices (USB/CSI cameras)"))
+    else:
+        parts, denied = [], []
+        for dev in devs:
+            name = h.read(f"/sys/class/video4linux/{dev.name}/name") or "?"
+            caps = _v4l2_caps(dev)
+            parts.append(f"/dev/{dev.name} ({name}{'; ' + caps if caps else ''})")
+            if not os.access(dev, os.R_OK | os.W_OK):
+                denied.append(f"/dev/{dev.name}")
+        detail = f"{len(devs)} found: " + ", ".join(parts)
+        if denied:
+            rows.append(
+                _fail(
+                    "cameras", f"{detail}; not accessible: {', '.join(denied)} (add the user to group video)"
+                )
+            )
+        else:
+            rows.append(_ok("cameras", detail))
+    for src in h.config.sources if h.config is not None else []:
+        rows.append(_check_source(h, src))
+    return rows
+
+
+def _check_source(h: _Host, src: Any) -> CheckResult:
+    check = f"source {src.name}"
+    kind, uri = src.kind, src.uri
+    if kind == "v4l2":
+        dev = f"/dev/video{uri}" if isinstance(uri, int) else str(uri)
+        p = h.path(dev)
+        if not p.exists():
+            return _fail(check, f"{dev} does not exist")
+        if not os.access(p, os.R_OK | os.W_OK):
+            return _fail(check, f"{dev} is not readable/writable by this user (group video)")
+        return _ok(check, f"{dev} present")
+    if kind == "file":
+        return (
+            _ok(check, f"video file {uri}") if Path(str(uri)).is_file() else _fail(check, f"{uri} not found")
+        )
+    if kind in ("gstreamer", "csi"):
+        from edgevlm.daemon.capture import capture_path, subprocess_pipeline
+
+        path = capture_path(src)
+        if path == "opencv-gstreamer":
+            return _ok(check, f"{kind} source read through OpenCV's GStreamer backend")
+        exe = shutil.which(src.gst_launch)
+        if exe is None:
+            return _fail(check, f"{kind} source needs {src.gst_launch} (OpenCV lacks GStreamer): "
+                                "apt-get install gstreamer1.0-tools")  # fmt: skip
+        try:
+            _, w, h = subprocess_pipeline(src)
+        except ValueError as exc:
+            return _fail(check, str(exc))
+        return _ok(check, f"{kind} source read as {w}x{h} BGR from a {exe} subprocess (OpenCV lacks GStreamer)")
+    return _ok(check, f"{kind} source (not probed)")
+
+
+def _check_microphones(h: _Host) -> CheckResult:
+    try:
+        import sounddevice as sd
+
+        inputs = [d for d in sd.query_devices() if d.get("max_input_channels", 0) > 0]
+        if inputs:
+            names = ", ".join(
+                f"{d['name']} ({d['max_input_channels']} ch, {int(d['default_samplerate'])} Hz)"
+                for d in inputs
+            )
+            return _ok("microphones", f"PortAudio: {len(inputs)} input device(s): {names}")
+        via = "PortAudio: no input device"
+    except Exception as exc:  # noqa: BLE001 - not installed, or PortAudio missing (OSError)
+        via = f"sounddevice unavailable ({type(exc).__name__})"
+    cards = {}
+    for line in (h.read("/proc/asound/cards") or "").splitlines():
+        m = re.match(r"\s*(\d+)\s+\[[^\]]*\]:\s*(.*)", line)
+        if m:
+            cards[m.group(1)] = m.group(2).split(" - ", 1)[-1].strip()
+    pcms = sorted(glob.glob(str(h.path("/dev/snd/pcmC*D*c"))))
+    if not pcms:
+        return _warn("microphones", f"{via}; no ALSA capture device (/dev/snd/pcmC*D*c)")
+    parts, denied = [], []
+    for p in pcms:
+        m = re.search(r"pcmC(\d+)D(\d+)c$", p)
+        card = cards.get(m.group(1), "?") if m else "?"
+        parts.append(f"{Path(p).name} ({card})")
+        if not os.access(p, os.R_OK | os.W_OK):
+            denied.append(Path(p).name)
+    detail = f"{via}; ALSA: {len(pcms)} capture device(s): {', '.join(parts)}"
+    if denied:
+        return _fail(
+            "microphones", f"{detail}; not accessible: {', '.join(denied)} (add the user to group audio)"
+        )
+    return _ok("microphones", detail)

@@ -1,0 +1,128 @@
+"""Broker and request sections of the daemon config: ``mqtt`` (with ``mqtt.tls``), ``defaults``
+and ``limits`` (see :mod:`edgevlm.config`, which re-exports them)."""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from edgevlm.protocol import (
+    DEFAULT_PREFIX,
+    MAX_NEW_TOKENS_LIMIT,
+    NO_DEADLINE_MS,
+    check_device_id,
+    check_prefix,
+)
+
+
+def _default_device_id() -> str:
+    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname()) or "edgevlm"
+    return host[:64]
+
+
+class TlsConfig(BaseModel):
+    """TLS towards the broker (paho's ``tls_set``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ca_certs: Path | None = Field(None, description="CA bundle (PEM); None = the system's trust store.")
+    certfile: Path | None = Field(None, description="Client certificate (PEM) for mutual TLS.")
+    keyfile: Path | None = Field(None, description="Client private key (PEM) for mutual TLS.")
+    insecure: bool = Field(False, description="Skip the broker hostname check (testing only).")
+
+
+class MqttConfig(BaseModel):
+    """Broker connection and topic layout."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field("localhost", min_length=1, description="Broker host name or IP address.")
+    port: int = Field(1883, ge=1, le=65535, description="Broker TCP port.")
+    prefix: str = Field(DEFAULT_PREFIX, description="Topic prefix: topics are <prefix>/<device_id>/...")
+    device_id: str = Field(
+        default_factory=_default_device_id,
+        description="This device's id (one topic level); default: hostname.",
+    )
+    client_id: str | None = Field(
+        None,
+        max_length=128,
+        description="MQTT client id; None = 'edgevlm-daemon-<device_id>' (unique per device, stable across "
+        "restarts).",
+    )
+    keepalive_s: int = Field(30, ge=5, le=65535, description="MQTT keepalive interval (s).")
+    qos: Literal[0, 1, 2] = Field(1, description="QoS of the request subscription, responses and status.")
+    username: str | None = Field(None, description="Broker user name.")
+    password: str | None = Field(None, description="Broker password (needs username).")
+    tls: TlsConfig | None = Field(None, description="TLS settings; None = plain TCP.")
+    reconnect_min_delay_s: float = Field(
+        1.0, gt=0, le=3600, description="First delay before reconnecting after the connection is lost (s)."
+    )
+    reconnect_max_delay_s: float = Field(
+        30.0, gt=0, le=3600, description="Cap of the exponential reconnect backoff (s)."
+    )
+    max_payload_bytes: int = Field(
+        16 * 1024 * 1024, gt=0, description="Larger request payloads are refused with INVALID_REQUEST."
+    )
+    session_expiry_s: int = Field(
+        0,
+        ge=0,
+        le=4294967295,
+        description="MQTT v5 Session Expiry Interval (s). 0 = a clean session on every connect; > 0 keeps "
+        "the request subscription and queued QoS>=1 requests across reconnects and (with a persistent "
+        "broker) broker restarts, so requests published during an outage are answered afterwards; each "
+        "start of the daemon still begins a clean session.",
+    )
+
+    @field_validator("prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        return check_prefix(v)
+
+    @field_validator("device_id")
+    @classmethod
+    def _device_id(cls, v: str) -> str:
+        return check_device_id(v)
+
+    @model_validator(mode="after")
+    def _check(self) -> MqttConfig:
+        if self.reconnect_max_delay_s < self.reconnect_min_delay_s:
+            raise ValueError("reconnect_max_delay_s: must be >= reconnect_min_delay_s")
+        if self.password is not None and self.username is None:
+            raise ValueError("password: needs a username")
+        return self
+
+    @property
+    def effective_client_id(self) -> str:
+        return self.client_id or f"edgevlm-daemon-{self.device_id}"
+
+
+class DefaultsConfig(BaseModel):
+    """Values used when a request leaves a field out."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int = Field(32, gt=0, le=MAX_NEW_TOKENS_LIMIT, description="Cap on generated tokens.")
+    timeout_ms: int = Field(
+        30000, gt=0, le=NO_DEADLINE_MS, description=f"Request deadline (ms); {NO_DEADLINE_MS} = no deadline."
+    )
+
+
+class LimitsConfig(BaseModel):
+    """Limits on what a request may make the daemon decode (``mqtt.max_payload_bytes`` caps the
+    whole payload)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_image_bytes: int = Field(
+        10 * 1024 * 1024, gt=0, description="Largest inline image file (bytes after base64); more is INVALID_IMAGE."
+    )
+    max_image_pixels: int = Field(
+        4096 * 4096,
+        gt=0,
+        description="Largest inline image width x height, read from the file header before decoding "
+        "(a decompression bomb is INVALID_IMAGE, never decoded).",
+    )

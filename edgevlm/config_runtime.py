@@ -1,0 +1,195 @@
+"""Engine and operations sections of the daemon config: ``model``, ``metrics``, ``telemetry``,
+``tegrastats``, ``service``, ``reload`` and ``controller`` (see :mod:`edgevlm.config`, which
+re-exports them)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class ModelConfig(BaseModel):
+    """Which model the inference worker loads (``edgevlm.runtime.Engine.load``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: Path | None = Field(
+        None, description="Model folder or engine bundle; None = the shipped demo model."
+    )
+    device: str = Field("cpu", description="torch device: 'cpu', 'cuda' or 'cuda:N'.")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="Activation dtype; None = float32 on CPU, bfloat16 on CUDA."
+    )
+    backend: Literal["torch", "onnx", "tensorrt"] = Field(
+        "torch", description="Inference backend: torch, onnx (ONNX Runtime; needs a bundle) or tensorrt."
+    )
+    cpu_threads: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="torch intra-op threads (process-wide); None = torch's default (one per core). On a "
+        "robot whose CPU is shared with other processes, fewer threads than cores avoid OpenMP threads "
+        "spinning against each other (measured: 1 thread 10x faster than 2 on a loaded 2-core machine).",
+    )
+    max_batch_size: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="KV-cache rows of the torch backend (requests decoded together); None = the profile's "
+        "runtime.max_batch_size on CUDA, 1 on CPU.",
+    )
+    continuous_batching: bool | None = Field(
+        None,
+        description="Decode concurrent requests together (waiting requests join the running decode batch "
+        "between steps; edgevlm.daemon.batching); needs the torch backend and max_batch_size >= 2. None = the "
+        "profile's runtime.continuous_batching on CUDA, off on CPU.",
+    )
+    prefill_token_budget: int | None = Field(
+        None,
+        ge=1,
+        le=1048576,
+        description="Padded tokens per batched prefill group (rows x longest prompt, vision tokens included); "
+        "None = the profile's runtime.prefill_token_budget (1024).",
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if not re.match(r"^(cpu|cuda(:\d+)?)$", v):
+            raise ValueError(f"expected 'cpu', 'cuda' or 'cuda:N', got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_batching(self) -> ModelConfig:
+        if self.backend != "torch":
+            for key in ("max_batch_size", "continuous_batching"):
+                if getattr(self, key) not in (None, False):
+                    raise ValueError(f"{key}: needs backend 'torch' (got {self.backend!r})")
+        if self.continuous_batching and self.max_batch_size is not None and self.max_batch_size < 2:
+            raise ValueError("continuous_batching: needs max_batch_size >= 2")
+        if self.backend != "torch" and self.path is None:
+            raise ValueError(
+                f"backend: {self.backend!r} runs engine bundles only, and model.path is null (the shipped demo "
+                "model, not a bundle): set model.path to a bundle built by `edgevlm quantize`, or use backend 'torch'"
+            )
+        if self.backend == "tensorrt" and not self.device.startswith("cuda"):
+            raise ValueError(f"backend: 'tensorrt' needs a CUDA device (model.device is {self.device!r})")
+        return self
+
+
+class MetricsConfig(BaseModel):
+    """The Prometheus endpoint (``edgevlm.daemon.metrics``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    listen: str | None = Field(
+        "127.0.0.1:9108",
+        description="HOST:PORT, [IPV6]:PORT or PORT (all interfaces) to serve /metrics on; None = no endpoint.",
+    )
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        from edgevlm.daemon.metrics import parse_listen_address  # pure function; no prometheus import
+
+        parse_listen_address(v)
+        return v
+
+
+class TelemetryConfig(BaseModel):
+    """The JSON summary published on ``<prefix>/<device_id>/telemetry``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    interval_s: float | None = Field(10.0, gt=0, le=86400, description="Publish period (s); None = off.")
+
+
+class TegrastatsConfig(BaseModel):
+    """Jetson telemetry from ``tegrastats`` (absent binary = off, logged once)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(True, description="Read tegrastats when it is available.")
+    interval_ms: int = Field(1000, gt=0, le=60000, description="tegrastats --interval (ms).")
+    binary: str = Field("tegrastats", min_length=1, description="tegrastats executable (name or path).")
+    log_path: Path | None = Field(
+        None, description="Tail this tegrastats --logfile instead of running the binary."
+    )
+    temp_limit_c: float = Field(
+        95.0, gt=0, le=150, description="A sensor at/above this counts as thermal throttling (deg C)."
+    )
+    reference_gpu_freq_mhz: int | None = Field(
+        None, gt=0, description="Full GPU clock of the power mode (MHz); None = the highest clock seen."
+    )
+
+
+class ServiceConfig(BaseModel):
+    """systemd integration and shutdown."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    shutdown_timeout_s: float = Field(
+        10.0, gt=0, le=3600, description="On SIGTERM, how long the request in flight may run before it is "
+        "answered BUSY and the daemon exits (keep below the unit's TimeoutStopSec=)."
+    )
+    worker_idle_timeout_s: float = Field(
+        10.0, gt=0, le=3600, description="An idle inference worker silent for longer counts as hung (s)."
+    )
+    worker_busy_timeout_s: float | None = Field(
+        None, gt=0, le=86400, description="A single request running longer counts as a hung worker (s): the "
+        "systemd watchdog pings stop. None = 2 x defaults.timeout_ms + 60 s (at most 1 h)."
+    )
+
+
+class ReloadConfig(BaseModel):
+    """Hot reload of the engine (SIGHUP, or a new bundle in ``watch_dir``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    watch_dir: Path | None = Field(
+        None, description="Folder of engine bundles / model folders; a new complete one is loaded."
+    )
+    poll_interval_s: float = Field(2.0, gt=0, le=3600, description="How often watch_dir is scanned (s).")
+    settle_s: float = Field(
+        2.0, ge=0, le=3600, description="A new folder must be unchanged this long before it is loaded (s)."
+    )
+    strategy: Literal["auto", "side_by_side", "drain_and_swap"] = Field(
+        "auto", description="side_by_side: load the new engine while the old one serves; drain_and_swap: "
+        "stop serving, free the old one, load the new one; auto = side_by_side when memory allows."
+    )
+    memory_factor: float = Field(
+        1.5, ge=1.0, le=10, description="auto: a new engine needs this x its weight bytes of free memory."
+    )
+    load_test: bool = Field(True, description="Answer one test question with the new engine before switching.")
+
+
+class ControllerConfig(BaseModel):
+    """The latency controller (``edgevlm.runtime.policy``): per request, the most accurate operating
+    point predicted to finish within the request's budget."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(
+        True, description="Choose an operating point per request; false = every request runs the model's default."
+    )
+    default_budget_ms: int | None = Field(
+        None, gt=0, description="Budget of a request without budget_ms (ms); None = the profile's default_budget_ms."
+    )
+    frontier: Path | None = Field(
+        None,
+        description="frontier.json to use; None = the model's frontier.json, else the profile's frontier, else "
+        "one point per resolution rung measured at start-up.",
+    )
+    alpha: float = Field(0.3, gt=0, le=1, description="EWMA weight of a new latency measurement.")
+    headroom: float = Field(0.9, gt=0, le=1, description="Fraction of the budget a prediction may use.")
+    step_up_after: int = Field(
+        3, ge=1, le=1000, description="Requests in a row with room to spare before stepping up one point."
+    )
+    step_up_margin: float = Field(
+        0.8, gt=0, le=1, description="Extra headroom the point above must show to count towards a step up."
+    )

@@ -1,0 +1,26 @@
+"""Helpers of the Triton kernel tests: run a script under Triton's CPU interpreter."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+
+def run_interpreted(script: str) -> dict:
+    """Run ``script`` in a fresh Python with ``TRITON_INTERPRET=1`` (kernels on the CPU); return
+    the JSON object its last stdout line prints. Fails the test with the script's stderr."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
