@@ -11,7 +11,7 @@ relative error) and times one layer's attention, each variant captured in a CUDA
 replayed ``--iters`` times (median of 5 such runs; device/METHOD.md: graphs remove launch gaps,
 medians the host noise). Bytes: the kernel reads codes + scales + zeros, 0.28x of a bf16 cache
 (head_dim 128, group 64). The kernel's ``block_s`` is swept (``--block-s``; the fastest is
-reported with the default's time). Then the fused decode-step write (``int4kv_write``) is checked
+reported with the default's time), with ``--num-warps``. Then the fused decode-step write (``int4kv_write``) is checked
 bit for bit against the torch quantization and timed against it. Prints tables and ends with one
 JSON line.
 """
@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-lens", default="1024,4096")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--block-s", default="16,32,64,128", help="kernel block sizes to sweep")
+    ap.add_argument("--num-warps", default="2,4,8", help="kernel warps per program to sweep")
     ap.add_argument("--only-writes", action="store_true", help="skip the attention part")
     args = ap.parse_args(argv)
     import torch
@@ -98,10 +99,13 @@ def main(argv: list[str] | None = None) -> int:
 
                 sweep = {}
                 for bs in [int(x) for x in args.block_s.split(",")]:
-                    e = float((int4kv_decode_attention(q32, cache, pos, kv_len, block_s=bs) - ref).norm() / ref.norm())
-                    err = max(err, e)
-                    sweep[bs] = graph_ms(lambda q=q, cache=cache, pos=pos, kv_len=kv_len, bs=bs:
-                                         int4kv_decode_attention(q, cache, pos, kv_len, block_s=bs), args.iters) * 1000
+                    for nw in [int(x) for x in args.num_warps.split(",")]:
+                        e = float((int4kv_decode_attention(q32, cache, pos, kv_len, block_s=bs, num_warps=nw)
+                                   - ref).norm() / ref.norm())
+                        err = max(err, e)
+                        sweep[f"{bs}x{nw}"] = graph_ms(
+                            lambda q=q, cache=cache, pos=pos, kv_len=kv_len, bs=bs, nw=nw:
+                            int4kv_decode_attention(q, cache, pos, kv_len, block_s=bs, num_warps=nw), args.iters) * 1000
                 best_bs = min(sweep, key=sweep.get)
 
                 def kernel(q=q, cache=cache, pos=pos, kv_len=kv_len):
@@ -119,10 +123,10 @@ def main(argv: list[str] | None = None) -> int:
                                                                     ("bf16_sdpa", bf16))}
                 row = {"shape": name, "batch": b, "kv_len": kv_len, "rel_err": err,
                        **{f"{n}_us": round(v, 2) for n, v in t.items()},
-                       "block_s_us": {str(k): round(v, 2) for k, v in sweep.items()}, "best_block_s": best_bs}
+                       "sweep_us": {str(k): round(v, 2) for k, v in sweep.items()}, "best_block_s_x_warps": best_bs}
                 rows.append(row)
                 print(f"| {name} | {b} | {kv_len} | {err:.2e} | {t['kernel']:.1f} (best {sweep[best_bs]:.1f} at "
-                      f"block_s {best_bs}) | {t['dequant_sdpa']:.1f} | {t['bf16_sdpa']:.1f} |", flush=True)
+                      f"block_s x warps {best_bs}) | {t['dequant_sdpa']:.1f} | {t['bf16_sdpa']:.1f} |", flush=True)
     writes = []
     print("\n| write shape | batch | bit-exact | fused us | torch us |")
     print("|---|---:|---|---:|---:|")

@@ -33,14 +33,28 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
 from typing import Any
 
+from edgevlm.daemon.metrics_common import (  # noqa: F401  (re-exported: constants and helpers)
+    _OTHER,
+    E2E_BUCKETS_S,
+    RESULT_CODES,
+    RESULT_OK,
+    SUMMARY_SCHEMA_VERSION,
+    TTFT_BUCKETS_S,
+    _field,
+    _number,
+    _percentiles,
+    parse_listen_address,
+    telemetry_topic,
+)
+from edgevlm.daemon.metrics_export import (  # noqa: F401  (re-exported: the exporters)
+    TelemetryPublisher,
+    _JetsonCollector,
+)
 from edgevlm.errors import ErrorCode
 
 logger = logging.getLogger(__name__)
@@ -54,69 +68,6 @@ __all__ = [
     "parse_listen_address",
     "telemetry_topic",
 ]
-
-TTFT_BUCKETS_S: tuple[float, ...] = tuple(round(0.010 * 1.5**k, 9) for k in range(12))  # 10 ms .. 865 ms
-E2E_BUCKETS_S: tuple[float, ...] = tuple(round(0.010 * 1.5**k, 9) for k in range(18))  # 10 ms .. 9.85 s
-RESULT_OK = "OK"
-RESULT_CODES: tuple[str, ...] = (RESULT_OK, *(c.value for c in ErrorCode))
-_OTHER = "OTHER"
-SUMMARY_SCHEMA_VERSION = 1
-
-
-def parse_listen_address(address: str) -> tuple[str, int]:
-    """``"127.0.0.1:9108"``, ``"[::1]:9108"``, ``":9108"`` (all interfaces) or ``"9108"`` ->
-    ``(host, port)``. Port 0 asks the kernel for a free port.
-
-    Raises:
-        ValueError: not of these forms, or the port is outside 0..65535.
-    """
-    text = str(address).strip()
-    m = re.fullmatch(r"(?:\[([0-9A-Fa-f:.]+)\]|([^:\[\]\s]*)):(\d{1,5})|(\d{1,5})", text)
-    if m is None:
-        raise ValueError(f"metrics listen address {address!r}: expected HOST:PORT, [IPV6]:PORT or PORT")
-    host = m.group(1) or m.group(2) or "0.0.0.0"
-    port = int(m.group(3) or m.group(4))
-    if port > 65535:
-        raise ValueError(f"metrics listen address {address!r}: port {port} is not in 0..65535")
-    return host, port
-
-
-def telemetry_topic(prefix: str, device_id: str) -> str:
-    """The topic the telemetry summary is published on: ``<prefix>/<device_id>/telemetry``."""
-    return f"{prefix}/{device_id}/telemetry"
-
-
-def _field(stats: Any, name: str) -> Any:
-    if stats is None:
-        return None
-    if isinstance(stats, dict):
-        return stats.get(name)
-    return getattr(stats, name, None)
-
-
-def _number(value: Any) -> float | None:
-    """A finite, non-negative number, else None (metrics must not take garbage)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    v = float(value)
-    return v if math.isfinite(v) and v >= 0 else None
-
-
-def _percentiles(values: deque[float]) -> dict[str, float | int]:
-    if not values:
-        return {"count": 0}
-    s = sorted(values)
-
-    def rank(q: float) -> float:  # nearest-rank percentile
-        return round(s[max(0, math.ceil(q * len(s)) - 1)], 3)
-
-    return {
-        "count": len(s),
-        "mean": round(sum(s) / len(s), 3),
-        "p50": rank(0.5),
-        "p90": rank(0.9),
-        "p99": rank(0.99),
-    }
 
 
 class Metrics:
@@ -451,124 +402,3 @@ class Metrics:
     def summary_json(self) -> bytes:
         """:meth:`summary` as compact UTF-8 JSON (the MQTT payload)."""
         return json.dumps(self.summary(), separators=(",", ":"), allow_nan=False).encode()
-
-
-class _JetsonCollector:
-    """Exports the newest tegrastats sample at scrape time; absent fields are simply not exported."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self.m = metrics
-
-    def describe(self) -> Iterator[Any]:
-        return iter(())  # dynamic: nothing to check at registration
-
-    def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily
-
-        sample, thermal = self.m.tegra_sample, self.m.thermal
-        if sample is None:
-            return
-        p = "edgevlm_jetson_"
-
-        def gauge(name: str, doc: str, value: float | None, scale: float = 1.0) -> Iterator[Any]:
-            if value is not None:
-                yield GaugeMetricFamily(p + name, doc, value=value * scale)
-
-        mb = 1024 * 1024
-        yield from gauge("ram_used_bytes", "RAM in use.", sample.ram_used_mb, mb)
-        yield from gauge("ram_total_bytes", "RAM available to applications.", sample.ram_total_mb, mb)
-        yield from gauge("swap_used_bytes", "Swap in use.", sample.swap_used_mb, mb)
-        yield from gauge("swap_total_bytes", "Swap size.", sample.swap_total_mb, mb)
-        yield from gauge("gpu_load_ratio", "iGPU (GR3D) load.", sample.gpu_load_pct, 0.01)
-        yield from gauge("gpu_freq_hertz", "iGPU clock.", sample.gpu_freq_mhz, 1e6)
-        yield from gauge("emc_load_ratio", "Memory controller load.", sample.emc_load_pct, 0.01)
-        yield from gauge("emc_freq_hertz", "Memory controller clock.", sample.emc_freq_mhz, 1e6)
-        yield from gauge("max_temperature_celsius", "Hottest sensor.", sample.max_temp_c)
-        yield from gauge("total_power_watts", "Module input power.", sample.total_power_mw, 1e-3)
-        yield from gauge(
-            "sample_age_seconds", "Age of the tegrastats sample.", max(0.0, time.time() - sample.received_s)
-        )
-        if sample.cpu:
-            load = GaugeMetricFamily(p + "cpu_load_ratio", "CPU core load (online cores).", labels=["core"])
-            freq = GaugeMetricFamily(p + "cpu_freq_hertz", "CPU core clock (online cores).", labels=["core"])
-            online = GaugeMetricFamily(p + "cpu_online", "CPU core online (1) or off (0).", labels=["core"])
-            for c in sample.cpu:
-                online.add_metric([str(c.index)], 1.0 if c.online else 0.0)
-                if c.load_pct is not None:
-                    load.add_metric([str(c.index)], c.load_pct / 100)
-                if c.freq_mhz is not None:
-                    freq.add_metric([str(c.index)], c.freq_mhz * 1e6)
-            yield from (load, freq, online)
-        if sample.temps_c:
-            temps = GaugeMetricFamily(p + "temperature_celsius", "Thermal sensor.", labels=["sensor"])
-            for name, value in sorted(sample.temps_c.items()):
-                temps.add_metric([name], value)
-            yield temps
-        if sample.rails:
-            now = GaugeMetricFamily(p + "power_watts", "Power rail, instantaneous.", labels=["rail"])
-            avg = GaugeMetricFamily(p + "power_avg_watts", "Power rail, average.", labels=["rail"])
-            for rail in sample.rails.values():
-                now.add_metric([rail.name], rail.power_mw / 1000)
-                avg.add_metric([rail.name], rail.avg_power_mw / 1000)
-            yield from (now, avg)
-        if thermal is not None:
-            yield from gauge("throttled", "1 while throttling is detected.", float(thermal.throttled))
-            yield from gauge("gpu_clock_ratio", "GPU clock / reference clock.", thermal.gpu_clock_ratio)
-
-
-class TelemetryPublisher:
-    """Calls ``publish(payload_bytes)`` with :meth:`Metrics.summary_json` every ``interval_s`` in a
-    daemon thread (the MQTT bridge publishes it on :func:`telemetry_topic`). ``refresh()``, when
-    given, runs first on each turn (e.g. to copy the sources' fps/state and the queue depth into
-    the metrics). A failing refresh or publish is logged and retried at the next interval.
-
-    Raises:
-        ValueError: ``interval_s`` <= 0.
-    """
-
-    def __init__(
-        self,
-        metrics: Metrics,
-        publish: Callable[[bytes], Any],
-        interval_s: float = 10.0,
-        *,
-        refresh: Callable[[], Any] | None = None,
-    ) -> None:
-        if not interval_s > 0:
-            raise ValueError(f"interval_s must be > 0, got {interval_s}")
-        self.metrics, self.publish, self.interval_s, self.refresh = metrics, publish, interval_s, refresh
-        self.published = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def publish_now(self) -> bool:
-        """Refresh and publish one summary now. Returns whether the publish succeeded."""
-        if self.refresh is not None:
-            try:
-                self.refresh()
-            except Exception:  # noqa: BLE001 - stale values are better than no telemetry
-                logger.warning("telemetry refresh failed", exc_info=True)
-        try:
-            self.publish(self.metrics.summary_json())
-        except Exception:  # noqa: BLE001 - the broker may be down; try again next time
-            logger.warning("telemetry publish failed", exc_info=True)
-            return False
-        self.published += 1
-        return True
-
-    def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="telemetry", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.publish_now()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(timeout_s)

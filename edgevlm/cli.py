@@ -53,6 +53,20 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _unit_float(text: str, *, zero_ok: bool = True) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (0.0 <= value <= 1.0) or (value == 0.0 and not zero_ok):  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"expected a number in {'[0' if zero_ok else '(0'}, 1], got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    return _unit_float(text, zero_ok=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``edgevlm`` command (exposed for docs and tests)."""
     parser = OneLineParser(
@@ -94,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
         "least the model's patch size (the model is trained at its resolution-ladder rungs; default: its "
         "native size)",
     )
+    ask.add_argument("--exit-layer", type=positive_int, metavar="K", default=None,
+                     help="early exit: stop the vision encoder after block K (one of the model's exit points)")
+    ask.add_argument("--exit-threshold", type=_unit_float, metavar="T", default=None,
+                     help="early exit: stop at the first exit point whose confidence reaches T (e.g. 0.99)")
+    ask.add_argument("--keep-ratio", type=_fraction, metavar="R", default=None,
+                     help="visual-token pruning: keep this fraction of the vision tokens, in (0, 1]")
     ask.add_argument("--max-new-tokens", type=positive_int, default=64, metavar="N", help="default: 64")
     ask.add_argument("--device", type=torch_device, default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     ask.add_argument(
@@ -177,7 +197,9 @@ def _cmd_ask(args: argparse.Namespace) -> int:
             f"{patch} (the model's resolution ladder: {ladder} px)"
         )
 
-    op = OperatingPoint(name="cli", resolution_px=args.resolution) if args.resolution else None
+    knobs = {"resolution_px": args.resolution, "exit_layer": args.exit_layer,
+             "exit_threshold": args.exit_threshold, "keep_ratio": args.keep_ratio}
+    op = OperatingPoint(name="cli", **knobs) if any(v is not None for v in knobs.values()) else None
     kwargs = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, operating_point=op
     )
@@ -210,17 +232,22 @@ def _cmd_ask(args: argparse.Namespace) -> int:
 
 def _json_result(answer, question: str, model: dict) -> dict:
     """What ``ask --json`` prints: ``answer`` (the text), ``stats`` (the per-stage latencies and
-    token counts of :class:`edgevlm.types.Stats`), ``model`` (folder, backend, device, dtype,
+    token counts of :class:`edgevlm.types.Stats`; keys without a value left out, as in MQTT responses), ``model`` (folder, backend, device, dtype,
     resolution ladder, load time), plus ``question`` and the answer's other fields (e.g.
     ``frame_ts``) when set."""
     data = answer.model_dump(mode="json")
-    out = {"answer": data.pop("text"), "stats": data.pop("stats"), "model": model, "question": question}
+    stats = {k: v for k, v in data.pop("stats").items() if v is not None}  # as on the wire: no nulls
+    out = {"answer": data.pop("text"), "stats": stats, "model": model, "question": question}
     out.update((k, v) for k, v in data.items() if v is not None and k not in out)
     return out
 
 
 def _format_stats(stats, model: dict) -> str:
     s = stats
+    exit_line = []
+    if s.exit_layer is not None:
+        conf = f" (confidence {s.exit_confidence:.3f})" if s.exit_confidence is not None else ""
+        exit_line = [f"  exit     vision encoder stopped after block {s.exit_layer}{conf}"]
     return "\n".join(
         [
             f"  model    {model['model_dir']} ({model['backend']}, {model['device']}, {model['dtype']}; "
@@ -232,6 +259,7 @@ def _format_stats(stats, model: dict) -> str:
             f"prefill {s.prefill_ms:.1f} ms | ttft {s.ttft_ms:.1f} ms | tpot {s.tpot_ms:.1f} ms | "
             f"e2e {s.e2e_ms:.1f} ms",
         ]
+        + exit_line
     )
 
 

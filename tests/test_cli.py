@@ -160,6 +160,7 @@ def test_ask_json(tiny_model: Path, image_files: dict[str, Path]) -> None:
     assert 1 <= stats["new_tokens"] <= MAX_NEW_TOKENS
     assert stats["e2e_ms"] >= stats["ttft_ms"] > 0
     assert stats["vision_tokens"] == 12 and stats["backend"] == "torch"
+    assert None not in stats.values() and "exit_layer" not in stats  # no nulls, as on the wire
     assert out["model"]["model_dir"] == str(tiny_model)
     assert out["model"]["backend"] == "torch" and out["model"]["device"] == "cpu"
     assert out["model"]["dtype"] == "float32" and out["model"]["resolution_ladder"] == [64]
@@ -430,3 +431,46 @@ def test_serve_model_that_fails_while_loading_exits_2(tmp_path: Path, tiny_model
     last = res.stderr.splitlines()[-1]
     assert last.startswith(f"edgevlm: error: model: cannot load {model} on cpu: checkpoint {model} is missing tensor(s): ")
     assert "start-up failed" not in res.stderr  # reported once, by the CLI
+
+
+def test_ask_with_early_exit_and_pruning_on_the_demo_model(image_files: dict[str, Path], capsys) -> None:
+    """--exit-layer / --keep-ratio reach the engine: the answer and stats equal Engine.ask with the
+    same operating point, and the stats say where the encoder stopped (no confidence: forced)."""
+    from edgevlm.runtime import Engine
+    from edgevlm.runtime.image import load_image
+    from edgevlm.types import OperatingPoint
+
+    image = image_files["scene.png"]
+    op = OperatingPoint(name="cli", exit_layer=2, keep_ratio=0.5)
+    want = Engine.load(None).ask(load_image(image), "describe the scene.", max_new_tokens=8, operating_point=op)
+    code = main(["ask", "--json", "--image", str(image), "--exit-layer", "2", "--keep-ratio", "0.5",
+                 "--max-new-tokens", "8", "describe", "the", "scene."])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["answer"] == want.text
+    assert out["stats"]["exit_layer"] == 2 and "exit_confidence" not in out["stats"]  # forced: no head consulted
+    assert out["stats"]["vision_tokens"] == want.stats.vision_tokens < 24 * 18
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--exit-threshold", "1.5"], "expected a number in [0, 1]"),
+        (["--keep-ratio", "0"], "expected a number in (0, 1]"),
+        (["--exit-layer", "0"], "--exit-layer"),
+    ],
+)
+def test_ask_operating_point_option_errors(image_files: dict[str, Path], capsys, args, needle) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["ask", "--image", str(image_files["scene.png"]), *args, "hi"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("edgevlm: error:") and needle in err[0], err
+
+
+def test_ask_early_exit_on_a_model_without_exit_heads(tiny_model: Path, image_files: dict[str, Path], capsys):
+    code = main(["ask", "--image", str(image_files["scene.png"]), "--model", str(tiny_model), "--exit-layer", "1",
+                 "hi"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no exit heads" in err[0], err

@@ -11,9 +11,11 @@ once and never materialises 16-bit keys or values:
   long-context inference", 2023), so a batch-1 step still fills the GPU;
 * within a slice, blocks of ``BLOCK_S`` positions with the online softmax of FlashAttention
   (Dao et al., NeurIPS 2022, algorithm 1; running max and sum in fp32);
-* keys and values dequantized in registers, ``x = code * scale + zero`` per group of
-  ``group_size`` channels (the layout of :func:`~edgevlm.runtime.kv_cache.quantize_kv_int4`:
-  low nibble = even channel), the query split into even and odd channels to match;
+* keys and values never dequantized element by element: with ``x = code * scale + zero`` per
+  group of ``group_size`` channels (the layout of :func:`~edgevlm.runtime.kv_cache.quantize_kv_int4`:
+  low nibble = even channel), ``q.k = sum_g scale_g (q_g . codes_g) + zero_g sum(q_g)`` and
+  ``sum_s p_s v_s = sum_s (p_s scale_s) codes_s + sum_s p_s zero_s`` per group, so the inner
+  products run on the raw codes (the query split into even and odd channels to match);
 * causal validity from each row's position (key position ``<= pos[b]``, what
   :func:`~edgevlm.runtime.kv_cache.decode_mask` allows), so no mask tensor is read; grouped-query
   attention by mapping query head ``h`` to KV head ``h // (H / Hkv)``.
@@ -45,54 +47,60 @@ def _kernel():
                              acc_ptr, m_ptr, l_ptr,
                              H, REP, N_SPLITS, S, CHUNK, sm_scale,
                              sc_b, sc_h, sc_s, ss_b, ss_h, ss_s,
-                             HALF: tl.constexpr, GROUP: tl.constexpr, BLOCK_S: tl.constexpr):
+                             GROUPS: tl.constexpr, PAIRS: tl.constexpr, BLOCK_S: tl.constexpr):
+        # Codes as (positions, groups, channel pairs); per group the scale/zero factor out of the
+        # sums: q.k = sum_g scale_g * (sum_p q . code) + zero_g * (sum_p q), so the inner products
+        # run on the raw 4-bit codes and each position's scales/zeros are loaded once per group.
         b = tl.program_id(0)
         h = tl.program_id(1)
         split = tl.program_id(2)
         hk = h // REP
         pos = tl.load(pos_ptr + b)
-        j = tl.arange(0, HALF)  # channel pairs (2j, 2j + 1)
-        g = (2 * j) // GROUP  # (HALF,) the group of both channels of a pair
-        q_base = q_ptr + (b * H + h) * (2 * HALF)
-        q_even = tl.load(q_base + 2 * j).to(tl.float32) * sm_scale  # (HALF,)
+        gi = tl.arange(0, GROUPS)
+        j = gi[:, None] * PAIRS + tl.arange(0, PAIRS)[None, :]  # (G, P) channel-pair index
+        q_base = q_ptr + (b * H + h) * (2 * GROUPS * PAIRS)
+        q_even = tl.load(q_base + 2 * j).to(tl.float32) * sm_scale  # (G, P)
         q_odd = tl.load(q_base + 2 * j + 1).to(tl.float32) * sm_scale
+        q_sum = tl.sum(q_even + q_odd, axis=1)  # (G,)
         m_i = tl.full((), -1.0e30, tl.float32)
         l_i = tl.zeros((), tl.float32)
-        acc_e = tl.zeros((HALF,), tl.float32)
-        acc_o = tl.zeros((HALF,), tl.float32)
+        acc_e = tl.zeros((GROUPS, PAIRS), tl.float32)
+        acc_o = tl.zeros((GROUPS, PAIRS), tl.float32)
+        acc_z = tl.zeros((GROUPS,), tl.float32)  # sum_s p_s * zero_v[s, g]
         start = split * CHUNK
         kc_row = kc_ptr + b * sc_b + hk * sc_h
         vc_row = vc_ptr + b * sc_b + hk * sc_h
-        ks_row = ks_ptr + b * ss_b + hk * ss_h
-        kz_row = kz_ptr + b * ss_b + hk * ss_h
-        vs_row = vs_ptr + b * ss_b + hk * ss_h
-        vz_row = vz_ptr + b * ss_b + hk * ss_h
+        s_off = b * ss_b + hk * ss_h
         for s0 in range(start, start + CHUNK, BLOCK_S):
-            s = s0 + tl.arange(0, BLOCK_S)  # (BLOCK_S,)
+            s = s0 + tl.arange(0, BLOCK_S)  # (BS,)
             live = (s < S) & (s <= pos)
-            lm = live[:, None]
-            codes = tl.load(kc_row + s[:, None] * sc_s + j[None, :], mask=lm, other=0).to(tl.int32)  # (BS, HALF)
-            sc = tl.load(ks_row + s[:, None] * ss_s + g[None, :], mask=lm, other=0.0).to(tl.float32)
-            zr = tl.load(kz_row + s[:, None] * ss_s + g[None, :], mask=lm, other=0.0).to(tl.float32)
-            k_even = (codes & 15).to(tl.float32) * sc + zr
-            k_odd = (codes >> 4).to(tl.float32) * sc + zr
-            score = tl.sum(k_even * q_even[None, :] + k_odd * q_odd[None, :], axis=1)  # (BS,)
+            l3 = live[:, None, None]
+            l2 = live[:, None]
+            c_off = s[:, None, None] * sc_s + j[None, :, :]  # (BS, G, P)
+            g_off = s_off + s[:, None] * ss_s + gi[None, :]  # (BS, G)
+            kc = tl.load(kc_row + c_off, mask=l3, other=0).to(tl.int32)
+            ksc = tl.load(ks_ptr + g_off, mask=l2, other=0.0).to(tl.float32)
+            kz = tl.load(kz_ptr + g_off, mask=l2, other=0.0).to(tl.float32)
+            vc = tl.load(vc_row + c_off, mask=l3, other=0).to(tl.int32)
+            vsc = tl.load(vs_ptr + g_off, mask=l2, other=0.0).to(tl.float32)
+            vz = tl.load(vz_ptr + g_off, mask=l2, other=0.0).to(tl.float32)
+            dots = tl.sum((kc & 15).to(tl.float32) * q_even[None] + (kc >> 4).to(tl.float32) * q_odd[None],
+                          axis=2)  # (BS, G)
+            score = tl.sum(ksc * dots + kz * q_sum[None, :], axis=1)  # (BS,)
             score = tl.where(live, score, -1.0e30)
             m_new = tl.maximum(m_i, tl.max(score, axis=0))
             alpha = tl.exp(m_i - m_new)
             p = tl.where(live, tl.exp(score - m_new), 0.0)  # (BS,)
-            codes = tl.load(vc_row + s[:, None] * sc_s + j[None, :], mask=lm, other=0).to(tl.int32)
-            sc = tl.load(vs_row + s[:, None] * ss_s + g[None, :], mask=lm, other=0.0).to(tl.float32)
-            zr = tl.load(vz_row + s[:, None] * ss_s + g[None, :], mask=lm, other=0.0).to(tl.float32)
-            v_even = (codes & 15).to(tl.float32) * sc + zr
-            v_odd = (codes >> 4).to(tl.float32) * sc + zr
-            acc_e = acc_e * alpha + tl.sum(p[:, None] * v_even, axis=0)
-            acc_o = acc_o * alpha + tl.sum(p[:, None] * v_odd, axis=0)
+            w = (p[:, None] * vsc)[:, :, None]  # (BS, G, 1): p_s * scale_v[s, g]
+            acc_e = acc_e * alpha + tl.sum(w * (vc & 15).to(tl.float32), axis=0)
+            acc_o = acc_o * alpha + tl.sum(w * (vc >> 4).to(tl.float32), axis=0)
+            acc_z = acc_z * alpha + tl.sum(p[:, None] * vz, axis=0)
             l_i = l_i * alpha + tl.sum(p, axis=0)
             m_i = m_new
         part = (b * H + h) * N_SPLITS + split
-        tl.store(acc_ptr + part * (2 * HALF) + 2 * j, acc_e)
-        tl.store(acc_ptr + part * (2 * HALF) + 2 * j + 1, acc_o)
+        out = acc_ptr + part * (2 * GROUPS * PAIRS)
+        tl.store(out + 2 * j, acc_e + acc_z[:, None])
+        tl.store(out + 2 * j + 1, acc_o + acc_z[:, None])
         tl.store(m_ptr + part, m_i)
         tl.store(l_ptr + part, l_i)
 
@@ -156,7 +164,7 @@ def n_splits_for(batch: int, n_heads: int, kv_len: int, block_s: int, target_pro
 
 
 def int4kv_decode_attention(q: torch.Tensor, cache, pos: torch.Tensor, kv_len: int, *,
-                            block_s: int = 32, n_splits: int | None = None) -> torch.Tensor:
+                            block_s: int = 64, n_splits: int | None = None, num_warps: int = 1) -> torch.Tensor:
     """Attention of one new token per row over an :class:`~edgevlm.runtime.kv_cache.Int4KVCache`.
 
     Args:
@@ -164,6 +172,10 @@ def int4kv_decode_attention(q: torch.Tensor, cache, pos: torch.Tensor, kv_len: i
         cache: the layer's INT4 cache (rows ``0..B-1`` are attended).
         pos: ``(B,)`` int position of each row's new token: keys at positions ``<= pos[b]`` count.
         kv_len: attended positions ``[0, kv_len)`` (a static bucket: CUDA-graph friendly).
+        block_s, num_warps: positions per loop step and warps per program; the defaults (64, 1)
+            were the fastest overall of 16/32/64 x 1/2/4/8 on an H200 over 7B and GQA shapes at
+            batch 1 and 8, 1024 and 4096 positions (``bench/gpu_int4kv.py``).
+        n_splits: cache slices per (row, head); default :func:`n_splits_for`.
     Returns:
         ``(B, H, 1, Dh)`` in ``q.dtype``; equal (up to fp32 summation order) to dequantizing the
         cache and running SDPA with :func:`~edgevlm.runtime.kv_cache.decode_mask`.
@@ -180,8 +192,9 @@ def int4kv_decode_attention(q: torch.Tensor, cache, pos: torch.Tensor, kv_len: i
         raise ValueError(f"block_s must be a power of two >= 16, got {block_s}")
     if not 1 <= kv_len <= smax:
         raise ValueError(f"kv_len must be in 1..{smax}, got {kv_len}")
-    if half & (half - 1):
-        raise ValueError(f"head_dim {dh} is not twice a power of two")
+    groups, pairs = dh // cache.group_size, cache.group_size // 2
+    if groups & (groups - 1) or pairs & (pairs - 1):
+        raise ValueError(f"head_dim {dh} / group_size {cache.group_size} must give groups and pairs in powers of two")
     if tuple(pos.shape) != (b,):
         raise ValueError(f"pos must be ({b},), got {tuple(pos.shape)}")
     splits = n_splits or n_splits_for(b, h, kv_len, block_s)
@@ -202,7 +215,7 @@ def int4kv_decode_attention(q: torch.Tensor, cache, pos: torch.Tensor, kv_len: i
         h, h // hkv, splits, kv_len, chunk, 1.0 / math.sqrt(dh),
         cache.k.stride(0), cache.k.stride(1), cache.k.stride(2),
         cache.k_scale.stride(0), cache.k_scale.stride(1), cache.k_scale.stride(2),
-        HALF=half, GROUP=cache.group_size, BLOCK_S=block_s,
+        GROUPS=dh // cache.group_size, PAIRS=cache.group_size // 2, BLOCK_S=block_s, num_warps=num_warps,
     )
     w = torch.exp(m - m.amax(dim=-1, keepdim=True))  # (B, H, splits): rescale each slice's partials
     out = (acc * w[..., None]).sum(dim=2) / (lsum * w).sum(dim=-1, keepdim=True).clamp_min(1e-30)  # (B, H, Dh)
