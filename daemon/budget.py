@@ -299,7 +299,12 @@ def resolve_profile(config: Any) -> Profile | None:
 
 
 def runnable(engine: Any, p: FrontierPoint) -> bool:
-    """Whether ``engine`` can run point ``p`` (exits need exit heads at the asked layer)."""
+    """Whether ``engine`` can run point ``p`` (exits need exit heads at the asked layer, a keep
+    ratio below 1 a backend that prunes tokens)."""
+    backend = getattr(engine, "backend", None)
+    if p.keep_ratio is not None and p.keep_ratio < 1.0 and backend is not None \
+            and not getattr(backend, "supports_pruning", False):
+        return False
     if p.exit_threshold is None and p.exit_layer is None:
         return True
     exits = list(getattr(engine, "exit_points", []) or [])
@@ -390,9 +395,15 @@ def build_controller(config: Any, engine: Any) -> BudgetController | None:
         ok = [p for p in points if runnable(engine, p)]
         dropped = [p.name for p in points if p not in ok]
         if dropped:
-            logger.warning("controller: dropping points the model cannot run (no exit heads): %s", ", ".join(dropped))
+            logger.warning("controller: dropping points this model/backend cannot run (early exit or token pruning): %s",
+                           ", ".join(dropped))
         if not ok:
             raise ConfigError(f"controller: no operating point of {source} can run on this model")
+        from edgevlm.runtime.frontier import pareto
+
+        # the stored frontier also carries the full-depth points' own frontier (for models without exit
+        # heads); among the points this model runs, a dominated one would only slow the ceiling's step-up
+        ok = pareto(ok)
         profiles = [PointProfile(p.operating_point(), p.accuracy, p.vision_ms, p.prefill_ms, p.tpot_ms) for p in ok]
         warm_up(engine, profiles)
     else:

@@ -155,6 +155,9 @@ def run_from_args(args: argparse.Namespace) -> int:
 
         try:
             config = load_daemon_config(args.config)
+            from edgevlm.model_folder import check_config_model_path
+
+            check_config_model_path(config)  # what `edgevlm serve --check-config` also checks
             rows.append(_ok("config", f"{args.config}: valid"))
         except ConfigError as exc:
             rows.append(_fail("config", f"{args.config}: {exc}"))

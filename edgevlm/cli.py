@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -109,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
         "native size)",
     )
     ask.add_argument("--exit-layer", type=positive_int, metavar="K", default=None,
-                     help="early exit: stop the vision encoder after block K (one of the model's exit points)")
+                     help="early exit: stop the vision encoder after block K (one of the model's exit points); "
+                          "with --exit-threshold: the last exit point consulted")
     ask.add_argument("--exit-threshold", type=_unit_float, metavar="T", default=None,
                      help="early exit: stop at the first exit point whose confidence reaches T (e.g. 0.99)")
     ask.add_argument("--keep-ratio", type=_fraction, metavar="R", default=None,
@@ -197,6 +199,13 @@ def _cmd_ask(args: argparse.Namespace) -> int:
             f"{patch} (the model's resolution ladder: {ladder} px)"
         )
 
+    points = engine.exit_points
+    if args.exit_layer is not None and args.exit_layer not in points:
+        if points:
+            raise _UsageError(f"--exit-layer {args.exit_layer} is not an exit point of this model (exit points: "
+                              f"{', '.join(map(str, points))})")
+        if args.exit_layer >= engine.config.vision_blocks_needed:  # below that the engine says the same
+            raise _UsageError("this model has no exit heads (run `edgevlm calibrate` on it)")
     knobs = {"resolution_px": args.resolution, "exit_layer": args.exit_layer,
              "exit_threshold": args.exit_threshold, "keep_ratio": args.keep_ratio}
     op = OperatingPoint(name="cli", **knobs) if any(v is not None for v in knobs.values()) else None
@@ -248,6 +257,8 @@ def _format_stats(stats, model: dict) -> str:
     if s.exit_layer is not None:
         conf = f" (confidence {s.exit_confidence:.3f})" if s.exit_confidence is not None else ""
         exit_line = [f"  exit     vision encoder stopped after block {s.exit_layer}{conf}"]
+    elif s.exit_confidence is not None:
+        exit_line = [f"  exit     none: full depth (last exit confidence {s.exit_confidence:.3f}, below the threshold)"]
     return "\n".join(
         [
             f"  model    {model['model_dir']} ({model['backend']}, {model['device']}, {model['dtype']}; "
@@ -288,17 +299,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _check_model_path(cfg) -> None:
-    """``model.path`` must name a folder that looks loadable (config.json, intact safetensors
-    headers; an engine bundle for ``model.backend`` onnx/tensorrt); checked before anything
-    starts. Raises ConfigError naming the key."""
-    if cfg.model.path is None:  # the shipped demo model (a non-torch backend is refused by the config)
-        return
-    from edgevlm.model_folder import check_model_folder
+    """``model.path`` checked before anything starts (see :func:`edgevlm.model_folder.check_config_model_path`)."""
+    from edgevlm.model_folder import check_config_model_path
 
-    try:
-        check_model_folder(cfg.model.path, backend=cfg.model.backend)
-    except ModelLoadError as exc:
-        raise ConfigError(f"model.path: {exc.message}") from None
+    check_config_model_path(cfg)
 
 
 def _cmd_delegate(args: argparse.Namespace) -> int:
@@ -341,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     except EdgeVLMError as exc:
         logger.debug("failed", exc_info=True)
         return fail(exc.message or exc.__class__.__name__)
+    except BrokenPipeError:  # the reader went away (`edgevlm ask --stream ... | head -1`): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second complaint at exit
+        return EXIT_OK
     except (OSError, ImportError) as exc:
         logger.debug("failed", exc_info=True)
         return fail(str(exc) or exc.__class__.__name__)

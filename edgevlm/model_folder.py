@@ -26,7 +26,8 @@ from typing import Any
 
 from edgevlm.errors import ModelLoadError
 
-__all__ = ["BUNDLE_BACKEND_FILES", "check_model_folder", "check_safetensors", "read_json", "weight_files"]
+__all__ = ["BUNDLE_BACKEND_FILES", "check_config_model_path", "check_model_folder", "check_safetensors", "read_json",
+           "weight_files"]
 
 REFUSED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.gguf", "*.h5", "*.msgpack")
 """Weight-file patterns that are never loaded (pickle-based or not supported)."""
@@ -186,4 +187,24 @@ def check_model_folder(model_dir: str | Path, *, backend: str = "torch") -> list
     files = weight_files(model_dir)
     for f in files:
         check_safetensors(f)
+    if (model_dir / "exits.safetensors").is_file():  # exit heads (edgevlm calibrate): loaded with the model
+        check_safetensors(model_dir / "exits.safetensors")
     return files
+
+
+def check_config_model_path(cfg) -> None:
+    """A daemon config's ``model.path`` must name a folder that looks loadable
+    (:func:`check_model_folder` for ``model.backend``); the shipped demo model when unset.
+    Used by ``edgevlm serve --check-config`` and ``edgevlm doctor --config``.
+
+    Raises:
+        ConfigError: naming ``model.path`` and the problem.
+    """
+    from edgevlm.errors import ConfigError
+
+    if cfg.model.path is None:  # the shipped demo model (a non-torch backend is refused by the config)
+        return
+    try:
+        check_model_folder(cfg.model.path, backend=cfg.model.backend)
+    except ModelLoadError as exc:
+        raise ConfigError(f"model.path: {exc.message}") from None

@@ -136,7 +136,9 @@ class FrontierFile(BaseModel):
     eval_seed: int = Field(description="Seed of the demo evaluation set.")
     grid: dict[str, list] = Field(default_factory=dict, description="The knob values measured.")
     points: list[FrontierPoint] = Field(description="Every measured grid point.")
-    frontier: list[FrontierPoint] = Field(description="The Pareto frontier (accuracy vs e2e latency).")
+    frontier: list[FrontierPoint] = Field(
+        description="The Pareto frontier (accuracy vs latency) of all points, plus that of the full-depth points "
+                    "(for models or backends without early exit).")
 
     @model_validator(mode="after")
     def _check(self) -> FrontierFile:

@@ -37,7 +37,9 @@ bfloat16 autocast when the model is bfloat16).
 
 For a model trained with early-exit losses (its adapters trained with it, e.g. the demo model by
 :mod:`edgevlm.runtime.demo.train_exits`), ``--init DIR --keep-adapters`` keeps the adapters: phase 1
-trains only the classifiers, phase 2 is skipped, phase 3 runs as above.
+trains only the classifiers, phase 2 is skipped, phase 3 runs as above. The init heads may be made
+for other weights (the 16-bit model behind an INT4 bundle: ``edgevlm calibrate BUNDLE --init MODEL
+--keep-adapters``): phase 3 certifies the threshold on this model's own answers either way.
 
 Errors (bad folder, bad options) print one line and exit 2.
 """
@@ -157,7 +159,7 @@ def calibrate(engine, *, exit_blocks: list[int] | None = None, steps: int = 300,
     blocks = list(exit_blocks) if exit_blocks else default_exit_blocks(n_blocks)
     torch.manual_seed(seed)
     if init is not None:
-        heads = _initial_heads(engine, Path(init))
+        heads = _initial_heads(engine, Path(init), other_weights_ok=keep_adapters, progress=progress)
         spec = heads.spec
         blocks = list(spec.exit_blocks)
     else:
@@ -274,10 +276,16 @@ def calibrate(engine, *, exit_blocks: list[int] | None = None, steps: int = 300,
     return heads
 
 
-def _initial_heads(engine, folder: Path):
+def _initial_heads(engine, folder: Path, *, other_weights_ok: bool = False,
+                   progress: Callable[[str], None] = logger.info):
     """Exit heads of ``engine``'s model saved in ``folder`` (``--init``), float32 on its device.
-    Raises ValueError for heads of another architecture or other weights, ModelLoadError for
-    unreadable files."""
+
+    ``other_weights_ok`` (``--keep-adapters``): heads fingerprinted to other weights are accepted
+    with a note, for adapters trained with a version of this model (an INT4 bundle of it, say):
+    the confidence heads and the certified threshold are then refitted on *this* model, so the
+    answer-change guarantee holds for it whatever the adapters are worth (the frontier measures that).
+    Raises ValueError for heads of another architecture or (without ``other_weights_ok``) other
+    weights, ModelLoadError for unreadable files."""
     import torch
     from safetensors.torch import load_file
 
@@ -292,7 +300,11 @@ def _initial_heads(engine, folder: Path):
             cfg.vision.hidden_size, cfg.vision_blocks_needed, cfg.vision.grid_side):
         raise ValueError(f"--init {folder}: exit heads of another architecture")
     if spec.weights_fingerprint and spec.weights_fingerprint != weights_fingerprint(engine.model_dir):
-        raise ValueError(f"--init {folder}: exit heads calibrated for other weights than {engine.model_dir}'s")
+        if not other_weights_ok:
+            raise ValueError(f"--init {folder}: exit heads calibrated for other weights than {engine.model_dir}'s "
+                             "(--keep-adapters keeps their adapters and refits the rest on this model)")
+        progress(f"calibrate: --init {folder} was made for other weights than {engine.model_dir}'s: keeping its "
+                 "adapters, refitting confidence heads, classifiers and threshold on this model")
     heads = ExitHeads(spec, cfg.vision)
     try:
         heads.load_state_dict({k: v.float() for k, v in load_file(str(folder / EXITS_WEIGHTS)).items()})

@@ -136,6 +136,17 @@ def pareto(points: list[FrontierPoint]) -> list[FrontierPoint]:
     return out
 
 
+def frontier_points(points: list[FrontierPoint]) -> list[FrontierPoint]:
+    """What ``frontier.json`` stores: the Pareto frontier of all points, plus that of the points
+    without early exit (what a model or backend without exit heads can still run, e.g. an INT4
+    bundle on ONNX Runtime: without them the controller would lose the top rung when an exit point
+    dominates the full-depth one). Sorted by latency; the controller, sorting by accuracy then
+    cost, prefers the cheaper of two equally accurate points."""
+    full_depth = [p for p in points if p.exit_threshold is None and p.exit_layer is None]
+    keep = {id(p) for p in pareto(points)} | {id(p) for p in pareto(full_depth)}
+    return sorted((p for p in points if id(p) in keep), key=lambda p: (latency_ms(p), -p.accuracy))
+
+
 def latency_ms(p: FrontierPoint) -> float:
     """The frontier's latency of a point: ``worst_case_ms``, else ``e2e_ms``, else vision + prefill."""
     if p.worst_case_ms is not None:
@@ -229,7 +240,7 @@ def run(engine, out_dir: str | Path, *, n: int = 90, seed: int = EVAL_SEED, prof
     items = scenes.eval_set(n, seed)
     points = measure_grid(engine, items, rungs=sorted(grid["rungs"], reverse=True), thresholds=grid["thresholds"],
                           keep_ratios=grid["keep_ratios"], caps=grid["caps"], progress=progress)
-    front = pareto(points)
+    front = frontier_points(points)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     record = FrontierFile(
@@ -241,7 +252,8 @@ def run(engine, out_dir: str | Path, *, n: int = 90, seed: int = EVAL_SEED, prof
     )
     (out / FRONTIER_JSON).write_text(record.model_dump_json(indent=2) + "\n")
     plot(points, front, out / FRONTIER_PNG, title=f"operating points ({record.device}, n={n})")
-    print(f"Pareto frontier of {len(points)} grid points ({record.device}, {n} eval items):")
+    print(f"Pareto frontier of {len(points)} grid points, with the full-depth points' own "
+          f"({record.device}, {n} eval items):")
     print(format_table(front))
     return [FRONTIER_JSON, FRONTIER_PNG]
 

@@ -468,9 +468,44 @@ def test_ask_operating_point_option_errors(image_files: dict[str, Path], capsys,
     assert len(err) == 1 and err[0].startswith("edgevlm: error:") and needle in err[0], err
 
 
-def test_ask_early_exit_on_a_model_without_exit_heads(tiny_model: Path, image_files: dict[str, Path], capsys):
-    code = main(["ask", "--image", str(image_files["scene.png"]), "--model", str(tiny_model), "--exit-layer", "1",
+@pytest.mark.parametrize("layer", ["1", "9"])
+def test_ask_early_exit_on_a_model_without_exit_heads(tiny_model: Path, image_files: dict[str, Path], capsys,
+                                                      layer):
+    code = main(["ask", "--image", str(image_files["scene.png"]), "--model", str(tiny_model), "--exit-layer", layer,
                  "hi"])
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no exit heads" in err[0], err
+
+
+@pytest.mark.parametrize("layer", ["1", "4", "6", "7"])
+def test_ask_exit_layer_must_be_an_exit_point(image_files: dict[str, Path], capsys, layer):
+    """The demo model exits after blocks 2 and 3 only: other blocks (the last one and beyond
+    included, which would otherwise silently run at full depth) are refused in one line."""
+    code = main(["ask", "--image", str(image_files["scene.png"]), "--exit-layer", layer, "hi"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--exit-layer {layer} is not an exit point of this model (exit points: 2, 3)" in err[0]
+
+
+def test_ask_text_stats_show_a_consulted_confidence(image_files: dict[str, Path], capsys):
+    """A threshold no exit reaches: full depth, and the text stats still show the confidence."""
+    code = main(["ask", "--image", str(image_files["scene.png"]), "--exit-threshold", "1", "--max-new-tokens", "2",
+                 "hi"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "exit     none: full depth (last exit confidence 0." in out
+
+
+def test_ask_stream_into_a_closed_pipe_is_not_an_error(tiny_model: Path, image_files: dict[str, Path]) -> None:
+    """`edgevlm ask --stream ... | head -c 1`: the reader leaves early; no error line, exit 0."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edgevlm.cli", "ask", "--stream", "--image", str(image_files["scene.png"]), "--model",
+         str(tiny_model), "--max-new-tokens", "64", QUESTION],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    proc.stdout.read(1)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert "Broken pipe" not in err and "Traceback" not in err

@@ -85,3 +85,14 @@ def test_folder_problems(tmp_path) -> None:
     (d / "pytorch_model.bin").write_bytes(b"pickle")
     with pytest.raises(ModelLoadError, match="holds pytorch_model.bin: only safetensors weights are accepted"):
         check_model_folder(d)
+
+
+def test_truncated_exit_heads_are_named(tmp_path) -> None:
+    """exits.safetensors loads with the model: `serve --check-config` must catch it damaged too."""
+    d = _folder(tmp_path, GOOD)
+    (d / "exits.safetensors").write_bytes(GOOD[: len(GOOD) - 5])
+    with pytest.raises(ModelLoadError) as info:
+        check_model_folder(d)
+    assert info.value.message.startswith(f"{d / 'exits.safetensors'}: truncated safetensors file"), info.value.message
+    (d / "exits.safetensors").write_bytes(GOOD)
+    assert check_model_folder(d) == [d / "model.safetensors"]

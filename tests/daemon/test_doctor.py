@@ -112,6 +112,12 @@ def test_invalid_config_is_a_fail_row_not_a_traceback(tmp_path, capsys):
     by = {r["check"]: r for r in rows}
     assert by["config"]["verdict"] == "FAIL" and "mqtt.prot: unknown key" in by["config"]["detail"]
     assert code == 1
+    missing_model = tmp_path / "nomodel.yaml"
+    missing_model.write_text(f"model:\n  path: {tmp_path / 'nope'}\n")
+    code, rows = run_main(capsys, "--config", str(missing_model), "--broker", f"127.0.0.1:{_free_port()}",
+                          "--timeout", "0.5")
+    detail = {r["check"]: r for r in rows}["config"]
+    assert detail["verdict"] == "FAIL" and "model.path: model folder" in detail["detail"] and code == 1
     code, rows = run_main(capsys, "--config", str(tmp_path / "missing.yaml"), "--broker", "127.0.0.1:1")
     assert {r["check"]: r for r in rows}["config"]["detail"].endswith(
         "config file not found: " + str(tmp_path / "missing.yaml")

@@ -198,6 +198,32 @@ def test_build_from_frontier_file(tmp_path, plain_engine):
     assert bc.default_budget_ms == 777 and bc.source == str(f)
 
 
+def test_dominated_full_depth_point_serves_a_model_without_exits(tmp_path, plain_engine, exit_engine):
+    """frontier.json carries the full-depth points' own frontier: a model without exit heads still
+    gets the top rung; a model with them keeps only the Pareto points it can run."""
+    f = _frontier_file(tmp_path / "frontier.json", [
+        {"name": "r64-x", "resolution_px": 64, "exit_threshold": 0.5, "accuracy": 0.9, "vision_ms": 20,
+         "prefill_ms": 20, "tpot_ms": 5},
+        {"name": "r64", "resolution_px": 64, "accuracy": 0.9, "vision_ms": 50, "prefill_ms": 20, "tpot_ms": 5},
+        {"name": "r32-k", "resolution_px": 32, "keep_ratio": 0.5, "accuracy": 0.4, "vision_ms": 4, "prefill_ms": 2,
+         "tpot_ms": 5},
+        {"name": "r32", "resolution_px": 32, "accuracy": 0.5, "vision_ms": 5, "prefill_ms": 5, "tpot_ms": 5},
+    ])
+    cfg = parse_daemon_config({"controller": {"frontier": str(f)}})
+    assert [p.name for p in build_controller(cfg, plain_engine).points] == ["r64", "r32", "r32-k"]
+    assert [p.name for p in build_controller(cfg, exit_engine).points] == ["r64-x", "r32", "r32-k"]
+
+
+def test_pruning_points_need_a_pruning_backend():
+    from types import SimpleNamespace
+
+    from edgevlm.profile import FrontierPoint
+
+    p = FrontierPoint(name="k", resolution_px=32, keep_ratio=0.5, accuracy=0.5, vision_ms=1, prefill_ms=1, tpot_ms=1)
+    assert not runnable(SimpleNamespace(backend=SimpleNamespace(supports_pruning=False), exit_points=[]), p)
+    assert runnable(SimpleNamespace(backend=SimpleNamespace(supports_pruning=True), exit_points=[]), p)
+
+
 def test_build_all_points_unrunnable(tmp_path, plain_engine):
     f = _frontier_file(tmp_path / "frontier.json", [
         {"name": "exit", "exit_threshold": 0.5, "accuracy": 0.7, "vision_ms": 5, "prefill_ms": 5, "tpot_ms": 5},

@@ -233,3 +233,27 @@ def test_init_that_is_a_file_is_refused_in_one_line(plain_model_dir, capsys):
     code = calibrate.main([str(plain_model_dir), *FAST, "--init", str(plain_model_dir / "config.json"), "--steps", "0"])
     assert code == 2
     assert "not a folder" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_keep_adapters_accepts_heads_of_other_weights_and_refits(tmp_path, plain_model_dir, capsys):
+    """Heads fingerprinted to other weights (e.g. the 16-bit model behind an INT4 bundle): refused
+    without --keep-adapters, kept with it (adapters bit for bit, a note on stderr, new fingerprint)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from edgevlm.runtime.exits import read_spec, weights_fingerprint
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    assert calibrate.main([str(plain_model_dir), *FAST, "--out", str(first)]) == 0
+    raw = json.loads((first / "exits.json").read_text())
+    raw["weights_fingerprint"] = "0" * 64
+    (first / "exits.json").write_text(json.dumps(raw))
+    fast = [a for a in FAST if a not in ("--kd-steps", "0")]
+    assert calibrate.main([str(plain_model_dir), *fast, "--init", str(first), "--keep-adapters",
+                           "--out", str(second)]) == 0
+    err = capsys.readouterr().err
+    assert "made for other weights" in err and "keeping its adapters" in err
+    a, b = load_file(str(first / "exits.safetensors")), load_file(str(second / "exits.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a if k.startswith("adapters."))
+    assert read_spec(second).weights_fingerprint == weights_fingerprint(plain_model_dir)

@@ -26,6 +26,22 @@ def test_pareto_keeps_non_dominated():
     assert [p.name for p in frontier.pareto(pts)] == ["e", "b", "a", "d"]
 
 
+def test_frontier_keeps_the_full_depth_points_own_frontier():
+    """An exit point as accurate as the full-depth one and cheaper dominates it; the stored frontier
+    still carries the full-depth point (for a model/backend without exit heads), and the controller
+    picks the cheaper of the two equally accurate points."""
+    from edgevlm.runtime.policy import Controller
+
+    pts = [P("r384", 0.98, 130), P("r384-x0.95", 0.98, 90, exit_threshold=0.95), P("r256", 0.97, 55),
+           P("r256-x0.95", 0.96, 40, exit_threshold=0.95), P("r128", 0.90, 25), P("r192", 0.89, 30)]
+    assert [p.name for p in frontier.pareto(pts)] == ["r128", "r256-x0.95", "r256", "r384-x0.95"]
+    assert [p.name for p in frontier.frontier_points(pts)] == ["r128", "r256-x0.95", "r256", "r384-x0.95", "r384"]
+    full_depth = [p for p in frontier.frontier_points(pts) if p.exit_threshold is None]
+    assert [p.name for p in full_depth] == ["r128", "r256", "r384"]
+    chosen = Controller(frontier.point_profiles(frontier.frontier_points(pts))).choose(1e9, max_new_tokens=4)
+    assert chosen.point.name == "r384-x0.95"
+
+
 def test_point_names():
     assert frontier.point_name(384, None, None, None) == "r384"
     assert frontier.point_name(256, 0.75, 0.5, 16) == "r256-x0.75-k0.5-t16"
@@ -69,7 +85,8 @@ def test_run_on_tiny_engine(tmp_path, exit_engine, capsys):
             assert p.worst_case_ms == pytest.approx(p.vision_ms + p.prefill_ms + 23 * p.tpot_ms, abs=0.13)
             assert p.accuracy <= by[p.name.removesuffix("-t1")].accuracy
     assert by["r64-x0"].exit_rate == 1.0 and by["r64"].exit_rate is None
-    assert [p.name for p in record.frontier] == [p.name for p in frontier.pareto(record.points)]
+    assert [p.name for p in record.frontier] == [p.name for p in frontier.frontier_points(record.points)]
+    assert {p.name for p in frontier.pareto(record.points)} <= {p.name for p in record.frontier}
     profiles = frontier.point_profiles(record.frontier)
     from edgevlm.runtime.policy import Controller
 

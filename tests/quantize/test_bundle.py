@@ -189,6 +189,10 @@ def test_bad_manifests_are_refused(rtn_bundle, tmp_path):
 def test_build_refuses_bad_inputs(rtn_bundle, tiny_src, tmp_path):
     with pytest.raises(ConfigError, match="exists and is not empty"):
         build_bundle(tiny_src, rtn_bundle.bundle_dir, RTN)
+    a_file = tmp_path / "scene.png"
+    a_file.write_bytes(b"x")
+    with pytest.raises(ConfigError, match="is a file, not a folder"):
+        build_bundle(tiny_src, a_file, RTN)
     with pytest.raises(ModelLoadError, match="already an engine bundle"):
         build_bundle(rtn_bundle.bundle_dir, tmp_path / "again", RTN)
     with pytest.raises(ModelLoadError, match="does not exist"):
