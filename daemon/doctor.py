@@ -178,16 +178,17 @@ def run_from_args(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``edgevlm doctor [--config FILE] [--broker HOST[:PORT]] [--timeout S] [--json]``.
 
-    Returns 0 (no FAIL), 1 (some FAIL) or 2 (bad arguments; argparse prints one usage line)."""
-    parser = argparse.ArgumentParser(prog="edgevlm doctor", description="Check this machine for edgevlm.")
+    Returns 0 (no FAIL), 1 (some FAIL) or 2 (bad arguments: one ``edgevlm: error:`` line)."""
+    from edgevlm.cli_args import OneLineParser, fail
+
+    parser = OneLineParser(prog="edgevlm doctor", description="Check this machine for edgevlm.")
     add_arguments(parser)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return int(exc.code or 0) if exc.code in (0, None) else EXIT_USAGE
     if args.timeout <= 0:
-        print("edgevlm doctor: error: --timeout must be > 0", file=sys.stderr)
-        return EXIT_USAGE
+        return fail("--timeout must be > 0", EXIT_USAGE)
     return run_from_args(args)
 
 
