@@ -41,7 +41,8 @@ class MqttConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     host: str = Field("localhost", min_length=1, description="Broker host name or IP address.")
-    port: int = Field(1883, ge=1, le=65535, description="Broker TCP port.")
+    port: int = Field(1883, ge=1, le=65535, strict=True,
+                      description="Broker TCP port (an integer: 1883.0 and \"1883\" are refused).")
     prefix: str = Field(DEFAULT_PREFIX, description="Topic prefix: topics are <prefix>/<device_id>/...")
     device_id: str = Field(
         default_factory=_default_device_id,

@@ -94,6 +94,8 @@ def test_client_id_unique_per_device(tmp_path: Path) -> None:
         ("mqtts: {}\n", "mqtts: unknown key"),
         ("mqtt: {port: 70000}\n", "mqtt.port: Input should be less than or equal to 65535"),
         ("mqtt: {port: eighty}\n", "mqtt.port: Input should be a valid integer"),
+        ("mqtt: {port: 1883.0}\n", "mqtt.port: Input should be a valid integer"),
+        ("mqtt: {port: '1883'}\n", "mqtt.port: Input should be a valid integer"),
         ("mqtt: {qos: 3}\n", "mqtt.qos: "),
         ("mqtt: {device_id: a/b}\n", "mqtt.device_id: "),
         ("mqtt: {prefix: 'a/#'}\n", "mqtt.prefix: "),
