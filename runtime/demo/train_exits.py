@@ -28,7 +28,7 @@ import logging
 from pathlib import Path
 
 from edgevlm.runtime.demo import vocab
-from edgevlm.runtime.demo.train_data import N_AUX_CLASSES
+from edgevlm.runtime.demo.train_model import dense_aux_loss, record_hits, summarise_hits
 
 logger = logging.getLogger(__name__)
 
@@ -119,14 +119,7 @@ def joint_loss(model, heads, batch: dict, device, *, exit_weight: float, aux_hea
         logits = model.lm_head(hidden[i, :, :-1]).float()  # (B, T-1, V)
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
         parts.append(ce)
-        term = ce
-        if aux is not None:
-            out = aux_head(variants[i]).float()  # (B, Np, C + 6)
-            dense = F.cross_entropy(out[..., :N_AUX_CLASSES].reshape(-1, N_AUX_CLASSES), aux[:, 0].reshape(-1))
-            for j in range(3):  # centre, right half, bottom half: 2-way each
-                lo = N_AUX_CLASSES + 2 * j
-                dense = dense + F.cross_entropy(out[..., lo: lo + 2].reshape(-1, 2), aux[:, 1 + j].reshape(-1))
-            term = term + aux_weight * dense
+        term = ce if aux is None else ce + aux_weight * dense_aux_loss(aux_head, variants[i], aux)
         loss = loss + w * term
     return loss, parts
 
@@ -134,7 +127,6 @@ def joint_loss(model, heads, batch: dict, device, *, exit_weight: float, aux_hea
 def exact_match_variants(model, heads, batches, device, amp_dtype) -> list[tuple[float, dict[str, float]]]:
     """Teacher-forced greedy exact match (as :func:`edgevlm.runtime.demo.train.exact_match`) of the
     full model and of every forced exit: ``[(accuracy, per kind)]``, full first."""
-    import numpy as np
     import torch
 
     hits: list[dict[str, list[bool]]] = []
@@ -152,17 +144,10 @@ def exact_match_variants(model, heads, batches, device, amp_dtype) -> list[tuple
                 if len(hits) <= i:
                     hits.append({})
                 logits = model.lm_head(hidden[i, :, :-1][pred_pos]).float()  # (M, V)
-                wrong = torch.zeros(len(kinds), device=device)
-                wrong.index_add_(0, rows, (logits.argmax(-1) != tgt).float())
-                for kind, w in zip(kinds, wrong.tolist(), strict=True):
-                    hits[i].setdefault(kind, []).append(w == 0)
+                record_hits(hits[i], logits, tgt, rows, kinds)
     model.train()
     heads.train()
-    out = []
-    for h in hits:
-        per_kind = {k: float(np.mean(v)) for k, v in sorted(h.items())}
-        out.append((float(np.mean([x for v in h.values() for x in v])), per_kind))
-    return out
+    return [summarise_hits(h) for h in hits]
 
 
 def save_heads(heads, out_dir: Path, record: dict) -> None:

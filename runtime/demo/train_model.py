@@ -114,13 +114,38 @@ def train_loss(model, batch: dict, device, aux_head=None, aux_weight: float = 0.
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
     if aux_head is None or "aux" not in batch:
         return loss
-    aux = batch["aux"].to(device, non_blocking=True)  # (B, 4, Np)
+    return loss + aux_weight * dense_aux_loss(aux_head, feats, batch["aux"].to(device, non_blocking=True))
+
+
+def dense_aux_loss(aux_head, feats, aux):
+    """The dense per-patch vision loss of :func:`aux_labels`: ``aux_head`` (a ``Linear(Dv,
+    N_AUX_CLASSES + 6)``) on ``feats (B, Np, Dv)`` against ``aux (B, 4, Np)`` (coverage class, then
+    object centre, right half, bottom half, 2-way each); summed cross-entropies."""
+    import torch.nn.functional as F
+
     out = aux_head(feats).float()  # (B, Np, C + 6)
     terms = F.cross_entropy(out[..., :N_AUX_CLASSES].reshape(-1, N_AUX_CLASSES), aux[:, 0].reshape(-1))
     for k in range(3):  # centre, right half, bottom half: 2-way each
         lo = N_AUX_CLASSES + 2 * k
         terms = terms + F.cross_entropy(out[..., lo : lo + 2].reshape(-1, 2), aux[:, 1 + k].reshape(-1))
-    return loss + aux_weight * terms
+    return terms
+
+
+def record_hits(hits: dict[str, list[bool]], logits, tgt, rows, kinds: list[str]) -> None:
+    """Append, per item of a batch, whether every supervised argmax of ``logits (M, V)`` equals
+    ``tgt (M,)`` (``rows (M,)``: the item of each position) to ``hits[kind]``."""
+    import torch
+
+    wrong = torch.zeros(len(kinds), device=logits.device)
+    wrong.index_add_(0, rows, (logits.argmax(-1) != tgt).float())
+    for kind, w in zip(kinds, wrong.tolist(), strict=True):
+        hits.setdefault(kind, []).append(w == 0)
+
+
+def summarise_hits(hits: dict[str, list[bool]]) -> tuple[float, dict[str, float]]:
+    """``(overall accuracy, per kind)`` of :func:`record_hits`' record."""
+    per_kind = {k: float(np.mean(v)) for k, v in sorted(hits.items())}
+    return float(np.mean([h for v in hits.values() for h in v])), per_kind
 
 
 def exact_match(model, batches, device, amp_dtype) -> tuple[float, dict[str, float]]:
@@ -132,14 +157,9 @@ def exact_match(model, batches, device, amp_dtype) -> tuple[float, dict[str, flo
     with torch.no_grad(), torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
         for batch, kinds in batches:
             logits, tgt, rows = answer_logits(model, batch, device)
-            wrong = torch.zeros(len(kinds), device=device)
-            wrong.index_add_(0, rows, (logits.argmax(-1) != tgt).float())
-            for kind, w in zip(kinds, wrong.tolist(), strict=True):
-                hits.setdefault(kind, []).append(w == 0)
+            record_hits(hits, logits, tgt, rows, kinds)
     model.train()
-    per_kind = {k: float(np.mean(v)) for k, v in sorted(hits.items())}
-    total = float(np.mean([h for v in hits.values() for h in v]))
-    return total, per_kind
+    return summarise_hits(hits)
 
 
 def init_position_embedding(model, base: float = 100.0) -> None:
