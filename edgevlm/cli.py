@@ -276,10 +276,11 @@ def _format_stats(stats, model: dict) -> str:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from edgevlm.config import load_daemon_config
+    from edgevlm.model_folder import check_config_model_path
 
     path = args.check_config if args.check_config is not None else args.config
     cfg = load_daemon_config(path)
-    _check_model_path(cfg)
+    check_config_model_path(cfg)  # model.path looks loadable, before anything starts
     if args.check_config is not None:
         names = ", ".join(s.name for s in cfg.sources) or "none"
         print(
@@ -296,13 +297,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ModelLoadError as exc:
         where = cfg.model.path or "the demo model"
         raise ConfigError(f"model: cannot load {where} on {cfg.model.device}: {exc.message}") from exc
-
-
-def _check_model_path(cfg) -> None:
-    """``model.path`` checked before anything starts (see :func:`edgevlm.model_folder.check_config_model_path`)."""
-    from edgevlm.model_folder import check_config_model_path
-
-    check_config_model_path(cfg)
 
 
 def _cmd_delegate(args: argparse.Namespace) -> int:
