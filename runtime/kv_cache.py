@@ -145,9 +145,9 @@ class Int4KVCache(KVCache):
 
     def _fused_write_ok(self, head_dim: int) -> bool:
         from edgevlm.runtime.kernels import triton_available
+        from edgevlm.runtime.kernels.int4kv_attention import code_tiles
 
-        groups, pairs = head_dim // self.group_size, self.group_size // 2
-        return triton_available() and not groups & (groups - 1) and not pairs & (pairs - 1)
+        return triton_available() and code_tiles(head_dim, self.group_size) is not None
 
     def _store(self, input_pos, rows, name, x) -> None:
         codes, scale, zero = quantize_kv_int4(x, self.group_size)

@@ -156,6 +156,20 @@ def _kernel():
     return int4kv_decode_kernel, int4kv_write_kernel
 
 
+def code_tiles(head_dim: int, group_size: int) -> tuple[int, int] | None:
+    """``(groups, channel pairs per group)`` the kernels tile a head into, or None when either is
+    not a power of two (Triton block shapes must be; the cache then keeps the torch path)."""
+    groups, pairs = head_dim // group_size, group_size // 2
+    return None if groups & (groups - 1) or pairs & (pairs - 1) else (groups, pairs)
+
+
+def _tiles_or_raise(head_dim: int, group_size: int) -> tuple[int, int]:
+    tiles = code_tiles(head_dim, group_size)
+    if tiles is None:
+        raise ValueError(f"head_dim {head_dim} / group_size {group_size} must give groups and pairs in powers of two")
+    return tiles
+
+
 def n_splits_for(batch: int, n_heads: int, kv_len: int, block_s: int, target_programs: int = 264) -> int:
     """Cache slices per (row, head): enough programs to fill about ``target_programs`` (2x the SMs
     of an H100/H200), at least one block of positions each."""
@@ -192,9 +206,7 @@ def int4kv_decode_attention(q: torch.Tensor, cache, pos: torch.Tensor, kv_len: i
         raise ValueError(f"block_s must be a power of two >= 16, got {block_s}")
     if not 1 <= kv_len <= smax:
         raise ValueError(f"kv_len must be in 1..{smax}, got {kv_len}")
-    groups, pairs = dh // cache.group_size, cache.group_size // 2
-    if groups & (groups - 1) or pairs & (pairs - 1):
-        raise ValueError(f"head_dim {dh} / group_size {cache.group_size} must give groups and pairs in powers of two")
+    groups, pairs = _tiles_or_raise(dh, cache.group_size)
     if tuple(pos.shape) != (b,):
         raise ValueError(f"pos must be ({b},), got {tuple(pos.shape)}")
     splits = n_splits or n_splits_for(b, h, kv_len, block_s)
@@ -215,7 +227,7 @@ def int4kv_decode_attention(q: torch.Tensor, cache, pos: torch.Tensor, kv_len: i
         h, h // hkv, splits, kv_len, chunk, 1.0 / math.sqrt(dh),
         cache.k.stride(0), cache.k.stride(1), cache.k.stride(2),
         cache.k_scale.stride(0), cache.k_scale.stride(1), cache.k_scale.stride(2),
-        GROUPS=dh // cache.group_size, PAIRS=cache.group_size // 2, BLOCK_S=block_s, num_warps=num_warps,
+        GROUPS=groups, PAIRS=pairs, BLOCK_S=block_s, num_warps=num_warps,
     )
     w = torch.exp(m - m.amax(dim=-1, keepdim=True))  # (B, H, splits): rescale each slice's partials
     out = (acc * w[..., None]).sum(dim=2) / (lsum * w).sum(dim=-1, keepdim=True).clamp_min(1e-30)  # (B, H, Dh)
@@ -240,10 +252,7 @@ def int4kv_write(cache, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if t != 1 or v.shape != k.shape or chkv != hkv or 2 * half != dh or b > bmax:
         raise ValueError(f"k/v {tuple(k.shape)} do not match an INT4 KV cache of {tuple(cache.k.shape)} codes "
                          "(one token per row)")
-    gs = cache.group_size
-    groups, pairs = dh // gs, gs // 2
-    if groups & (groups - 1) or pairs & (pairs - 1):
-        raise ValueError(f"head_dim {dh} / group_size {gs} must give groups and pairs in powers of two")
+    groups, pairs = _tiles_or_raise(dh, cache.group_size)
     if cache.k.stride() != cache.v.stride() or cache.k_scale.stride() != cache.v_scale.stride() \
             or cache.k_zero.stride() != cache.k_scale.stride() or cache.v_zero.stride() != cache.v_scale.stride():
         raise ValueError("INT4 KV cache: key and value buffers must be laid out alike")
