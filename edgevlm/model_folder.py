@@ -15,6 +15,14 @@ The safetensors check reads only each file's header (format: https://github.com/
 tensor bytes, whose offsets are relative to the end of the header). A file cut short or
 overwritten in its header is refused before any tensor is read; flipped bytes inside tensor data
 cannot be detected (safetensors has no checksum; engine bundles do: their manifest's SHA-256).
+
+Confinement (:func:`check_loaded_files`, run by :func:`weight_files`, so by every loader): every file
+the runtime reads from a folder (:data:`LOADED_FILES`, the weights, shards, exit heads, ONNX and
+TensorRT artifacts) must resolve, symlinks followed, to a file inside the folder; in an engine bundle
+it must also be listed in ``manifest.json`` (whose SHA-256 :func:`edgevlm.runtime.bundle.verify_bundle`
+then checks). One exception, for checkpoint folders only: a Hugging Face Hub cache snapshot
+(``models--org--name/snapshots/<revision>/``) holds symlinks into the repository's own
+``models--org--name/blobs/``, which are accepted (layout: huggingface_hub "Manage the cache").
 """
 
 from __future__ import annotations
@@ -26,14 +34,106 @@ from typing import Any
 
 from edgevlm.errors import ModelLoadError
 
-__all__ = ["BUNDLE_BACKEND_FILES", "check_config_model_path", "check_model_folder", "check_safetensors", "read_json",
-           "weight_files"]
+__all__ = ["BUNDLE_BACKEND_FILES", "LOADED_FILES", "check_config_model_path", "check_loaded_files", "check_model_folder",
+           "check_safetensors", "confined_path", "read_json", "weight_files"]
 
 REFUSED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.gguf", "*.h5", "*.msgpack")
 """Weight-file patterns that are never loaded (pickle-based or not supported)."""
 
 MAX_SAFETENSORS_HEADER_BYTES = 100 * 1024 * 1024
 """Largest safetensors JSON header accepted (the reference implementation's own limit)."""
+
+LOADED_FILES = (
+    "config.json", "generation_config.json", "preprocessor_config.json",  # runtime/loader.py
+    "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",  # runtime/tokenizer.py
+    "model.safetensors.index.json", "exits.json", "frontier.json",  # weights index, exit heads, controller
+)
+"""Top-level files the runtime reads by name when present; besides them every ``*.safetensors``
+and every file under ``onnx/`` and ``tensorrt/`` (ONNX external data included) is read."""
+
+LOADED_FOLDERS = ("onnx", "tensorrt")
+MANIFEST = "manifest.json"
+
+
+def _hub_blobs(root: Path) -> Path | None:
+    """``models--org--name/blobs`` when ``root`` is a Hugging Face Hub cache snapshot folder."""
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
+        return root.parent.parent / "blobs"
+    return None
+
+
+def confined_path(model_dir: Path, rel: str, *, what: str = "file", allow_hub_blobs: bool = True,
+                  folder: str = "model folder") -> Path:
+    """``model_dir / rel`` after checking that it stays inside ``model_dir`` once symlinks are
+    resolved (``rel`` is '/'-separated, relative, without ``..``). The returned path is the
+    unresolved one (its name is what the user sees); it need not exist. ``folder`` names the
+    folder in messages ("model folder", "bundle").
+
+    Raises:
+        ModelLoadError: ``rel`` is absolute, holds ``..``, or resolves outside the folder; the
+            message names the file and where it leads.
+    """
+    root = model_dir.resolve()
+    parts = Path(rel).parts
+    if Path(rel).is_absolute() or rel.startswith(("/", "\\")) or ".." in parts or not parts:
+        raise ModelLoadError(f"{model_dir}: {what} {rel!r} leaves the {folder} (absolute path or '..')")
+    path = model_dir / rel
+    target = path.resolve()
+    allowed = [root]
+    blobs = _hub_blobs(root) if allow_hub_blobs else None
+    if blobs is not None:
+        allowed.append(blobs.resolve())
+    if not any(target == a or target.is_relative_to(a) for a in allowed):
+        raise ModelLoadError(
+            f"{model_dir}: {what} {rel} resolves to {target}, outside the {folder} (a symlink or path that "
+            f"leaves the {folder} is refused: copy the file into it)"
+        )
+    return path
+
+
+def _manifest_paths(model_dir: Path) -> set[str] | None:
+    """The ``files[].path`` entries of a bundle's manifest (None for a checkpoint folder). Only
+    the paths: the schema and the hashes are :mod:`edgevlm.runtime.bundle`'s."""
+    raw = read_json(model_dir / MANIFEST, required=False)
+    if raw is None:
+        return None
+    entries = raw.get("files") if isinstance(raw, dict) else None
+    if not isinstance(entries, list):
+        raise ModelLoadError(f"{model_dir / MANIFEST}: 'files' must be a list of {{path, sha256, size_bytes}}")
+    return {str(e.get("path")) for e in entries if isinstance(e, dict)}
+
+
+def _loaded_candidates(model_dir: Path, is_bundle: bool) -> list[str]:
+    """Relative paths of every file present that the runtime may read (see :data:`LOADED_FILES`)."""
+    out = [name for name in LOADED_FILES if (model_dir / name).exists() or (model_dir / name).is_symlink()]
+    out += sorted(p.name for p in model_dir.glob("*.safetensors"))
+    for folder in LOADED_FOLDERS:
+        sub = model_dir / folder
+        if sub.is_dir():
+            confined_path(model_dir, folder, what="folder", allow_hub_blobs=not is_bundle,
+                          folder="bundle" if is_bundle else "model folder")
+            out += sorted(p.relative_to(model_dir).as_posix() for p in sub.rglob("*") if not p.is_dir())
+    return out
+
+
+def check_loaded_files(model_dir: Path, extra: list[str] | None = None) -> None:
+    """Every file the runtime may read from ``model_dir`` (plus ``extra`` relative paths, e.g.
+    the shards an index lists) resolves inside it; in an engine bundle each is also listed in
+    ``manifest.json``. See the module docstring.
+
+    Raises:
+        ModelLoadError: naming the first file that leaves the folder or, in a bundle, that the
+            manifest does not cover.
+    """
+    listed = _manifest_paths(model_dir)
+    for rel in dict.fromkeys(_loaded_candidates(model_dir, listed is not None) + list(extra or [])):
+        confined_path(model_dir, rel, allow_hub_blobs=listed is None,
+                      folder="model folder" if listed is None else "bundle")
+        if listed is not None and rel not in listed:
+            raise ModelLoadError(
+                f"bundle {model_dir}: {rel} is not listed in {MANIFEST}, so no SHA-256 covers it (a file added "
+                "after the build is refused: remove it, or rebuild the bundle)"
+            )
 
 
 def read_json(path: Path, *, required: bool = True) -> Any:
@@ -60,20 +160,28 @@ def weight_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a checkpoint: the shards of ``model.safetensors.index.json``
     (its ``weight_map``), else ``model.safetensors``, else every ``*.safetensors``.
 
+    Every file the folder would load is checked first (:func:`check_loaded_files`): it must stay
+    inside the folder and, in a bundle, be covered by the manifest.
+
     Raises:
-        ModelLoadError: an index that lists a missing shard or has no ``weight_map``, only
+        ModelLoadError: an index that lists a missing shard, a shard outside the folder, or has no
+            ``weight_map``; a loaded file outside the folder or (bundle) not in the manifest; only
             non-safetensors weights (named), or no weights at all.
     """
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = (read_json(index) or {}).get("weight_map")
+        raw = read_json(index)
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise ModelLoadError(f"{index}: missing or empty 'weight_map'")
-        files = sorted({model_dir / str(name) for name in weight_map.values()})
+        names = sorted({str(name) for name in weight_map.values()})
+        check_loaded_files(model_dir, names)
+        files = [model_dir / name for name in names]
         for f in files:
             if not f.is_file():
                 raise ModelLoadError(f"model folder {model_dir} has no {f.name} (listed in {index.name})")
         return files
+    check_loaded_files(model_dir)
     if (model_dir / "model.safetensors").is_file():
         return [model_dir / "model.safetensors"]
     files = sorted(model_dir.glob("*.safetensors"))

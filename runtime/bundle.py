@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from edgevlm.errors import ModelLoadError
+from edgevlm.model_folder import confined_path, weight_files
 from edgevlm.validation import first_error_message
 
 if TYPE_CHECKING:
@@ -173,16 +174,20 @@ def read_manifest(bundle_dir: str | Path) -> BundleManifest:
 def verify_bundle(bundle_dir: str | Path) -> BundleManifest:
     """Read the manifest and check every listed file's size and SHA-256.
 
+    Every listed path must stay inside the bundle (no ``..``, no absolute path, no symlink that
+    leads out), and every file the runtime reads must be listed
+    (:func:`edgevlm.model_folder.weight_files` runs :func:`~edgevlm.model_folder.check_loaded_files`).
+
     Raises:
-        ModelLoadError: bad manifest, a listed file missing, or a size/hash mismatch; the message
-            names the file.
+        ModelLoadError: bad manifest, a listed file missing or outside the bundle, a loaded file
+            not listed, or a size/hash mismatch; the message names the file.
     """
     root = Path(bundle_dir)
     manifest = read_manifest(root)
-    for entry in manifest.files:
-        path = root / entry.path
-        if ".." in Path(entry.path).parts or Path(entry.path).is_absolute():
-            raise ModelLoadError(f"{root / MANIFEST_NAME}: file path {entry.path!r} leaves the bundle")
+    paths = [confined_path(root, e.path, what=f"file listed in {MANIFEST_NAME}", allow_hub_blobs=False,
+                           folder="bundle") for e in manifest.files]
+    weight_files(root)  # checks that what the runtime reads is inside the bundle and listed (edgevlm.model_folder)
+    for entry, path in zip(manifest.files, paths, strict=True):
         if not path.is_file():
             raise ModelLoadError(f"bundle {root}: file {entry.path} listed in {MANIFEST_NAME} is missing")
         if path.stat().st_size != entry.size_bytes or sha256_file(path) != entry.sha256:

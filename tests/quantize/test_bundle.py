@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -184,6 +185,133 @@ def test_bad_manifests_are_refused(rtn_bundle, tmp_path):
     (dst / MANIFEST_NAME).write_text("{not json")
     with pytest.raises(ModelLoadError, match="not valid JSON"):
         verify_bundle(dst)
+
+
+def _relist(dst, rel):
+    """Record ``rel`` in the manifest with its real SHA-256 (what an attacker who edits the
+    manifest too would do): only the confinement rule can refuse it then."""
+    from edgevlm.runtime.bundle import sha256_file
+
+    raw = json.loads((dst / MANIFEST_NAME).read_text())
+    raw["files"] = [e for e in raw["files"] if e["path"] != rel] + [
+        {"path": rel, "sha256": sha256_file(dst / rel), "size_bytes": (dst / rel).stat().st_size}]
+    (dst / MANIFEST_NAME).write_text(json.dumps(raw))
+
+
+def test_index_pointing_outside_the_bundle_is_refused(rtn_bundle, tmp_path):
+    """issue 11: a weight map naming ../outside/model.safetensors loaded weights no hash covered."""
+    from edgevlm.runtime import Engine
+
+    dst = _copy(rtn_bundle, tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    data = bytearray((dst / "model.safetensors").read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    data[8 + n:] = bytes(len(data) - 8 - n)  # zeroed weights, header intact
+    (outside / "model.safetensors").write_bytes(bytes(data))
+    from safetensors import safe_open
+
+    with safe_open(str(dst / "model.safetensors"), framework="pt") as f:
+        keys = list(f.keys())
+    index = {"metadata": {}, "weight_map": {k: "../outside/model.safetensors" for k in keys}}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelLoadError, match=r"model.safetensors.index.json is not listed in manifest.json"):
+        Engine.load(dst)
+    _relist(dst, "model.safetensors.index.json")  # the manifest edited as well
+    with pytest.raises(ModelLoadError, match=r"'../outside/model.safetensors' leaves the bundle"):
+        Engine.load(dst)
+    with pytest.raises(ModelLoadError, match="leaves the bundle"):
+        verify_bundle(dst)
+
+
+def test_symlink_out_of_the_bundle_is_refused_even_with_the_right_hash(rtn_bundle, tmp_path):
+    from edgevlm.runtime import Engine
+
+    dst = _copy(rtn_bundle, tmp_path)
+    outside = tmp_path / "elsewhere.json"
+    shutil.copy(dst / "tokenizer.json", outside)  # byte-identical: the SHA-256 still matches
+    (dst / "tokenizer.json").unlink()
+    (dst / "tokenizer.json").symlink_to(outside)
+    with pytest.raises(ModelLoadError, match=r"tokenizer.json resolves to .*elsewhere.json, outside the bundle"):
+        Engine.load(dst)
+    with pytest.raises(ModelLoadError, match="outside the bundle"):
+        verify_bundle(dst)
+    # a symlink folder out of the bundle (onnx/ -> elsewhere) is refused the same way
+    dst2 = tmp_path / "b2"
+    shutil.copytree(rtn_bundle.bundle_dir, dst2)
+    (tmp_path / "onnx_elsewhere").mkdir()
+    (tmp_path / "onnx_elsewhere" / "vision.onnx").write_bytes(b"x")
+    (dst2 / "onnx").symlink_to(tmp_path / "onnx_elsewhere")
+    with pytest.raises(ModelLoadError, match=r"folder onnx resolves to .*onnx_elsewhere, outside the bundle"):
+        verify_bundle(dst2)
+
+
+def test_unlisted_loaded_file_in_a_bundle_is_refused(rtn_bundle, tmp_path):
+    from edgevlm.runtime import Engine
+
+    dst = _copy(rtn_bundle, tmp_path)
+    (dst / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")  # read before tokenizer_config's
+    with pytest.raises(ModelLoadError, match=r"chat_template.jinja is not listed in manifest.json"):
+        Engine.load(dst)
+    (dst / "chat_template.jinja").unlink()
+    (dst / "NOTES.txt").write_text("not read by the runtime: only a warning")
+    verify_bundle(dst)
+
+
+def test_checkpoint_folder_symlinks_must_stay_inside(tiny_src, tmp_path):
+    from edgevlm.model_folder import check_model_folder
+    from edgevlm.runtime import Engine
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_src, model)
+    real = tmp_path / "weights.safetensors"
+    (model / "model.safetensors").rename(real)
+    (model / "model.safetensors").symlink_to(real)
+    with pytest.raises(ModelLoadError, match=r"model.safetensors resolves to .*weights.safetensors, outside the "
+                                             r"model folder"):
+        check_model_folder(model)
+    # inside the folder is fine
+    (model / "model.safetensors").unlink()
+    (model / "weights").mkdir()
+    real.rename(model / "weights" / "w.safetensors")
+    (model / "model.safetensors").symlink_to(Path("weights") / "w.safetensors")
+    assert Engine.load(model).ask(np.zeros((32, 32, 3), np.uint8), "hi", max_new_tokens=1).stats.new_tokens == 1
+
+
+def test_hugging_face_cache_snapshot_symlinks_are_accepted(tiny_src, tmp_path):
+    """huggingface_hub's cache: snapshots/<rev>/<file> -> ../../blobs/<hash>."""
+    from edgevlm.runtime import Engine
+    from edgevlm.runtime.bundle import sha256_file
+
+    repo = tmp_path / "models--org--tiny"
+    snap, blobs = repo / "snapshots" / "0123abcd", repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    for f in tiny_src.iterdir():
+        blob = blobs / sha256_file(f)
+        shutil.copy(f, blob)
+        (snap / f.name).symlink_to(Path("../../blobs") / blob.name)
+    assert Engine.load(snap).ask(np.zeros((32, 32, 3), np.uint8), "hi", max_new_tokens=1).stats.new_tokens == 1
+    (snap / "tokenizer.json").unlink()
+    (snap / "tokenizer.json").symlink_to(tiny_src / "tokenizer.json")  # outside the repository's blobs
+    with pytest.raises(ModelLoadError, match="outside the model folder"):
+        Engine.load(snap)
+
+
+def test_ask_on_a_tampered_bundle_is_one_line(rtn_bundle, tmp_path, capsys):
+    from edgevlm.cli import main
+
+    dst = _copy(rtn_bundle, tmp_path)
+    (tmp_path / "x.safetensors").write_bytes((dst / "model.safetensors").read_bytes())
+    (dst / "model.safetensors").unlink()
+    (dst / "model.safetensors").symlink_to(tmp_path / "x.safetensors")
+    image = tmp_path / "i.png"
+    import cv2
+
+    cv2.imwrite(str(image), np.zeros((32, 32, 3), np.uint8))
+    assert main(["ask", "--image", str(image), "--model", str(dst), "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("edgevlm: error: ") and "outside the bundle" in err and "\n" not in err
 
 
 def test_build_refuses_bad_inputs(rtn_bundle, tiny_src, tmp_path):
