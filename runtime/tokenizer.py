@@ -5,7 +5,8 @@ Files (Hugging Face conventions): ``tokenizer.json`` (required); the chat templa
 ``tokenizer_config.json``'s ``chat_template`` (string, or a list of ``{name, template}``); the
 ``bos_token``/``eos_token`` strings from ``tokenizer_config.json``. The template is rendered like
 transformers' ``apply_chat_template`` (jinja2 ``ImmutableSandboxedEnvironment``, ``trim_blocks``,
-``lstrip_blocks``, ``raise_exception``) with one user turn holding the image and the prompt.
+``lstrip_blocks``, ``raise_exception``) with one user turn holding the image and the prompt,
+under the step, time and size limits of :mod:`edgevlm.runtime.chat_template`.
 Without a template the LLaVA-1.5 prompt ``"USER: <image>\\n{prompt} ASSISTANT:"`` is used.
 
 Streaming uses the prefix/read-offset incremental detokenisation of text-generation-inference:
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-from datetime import datetime
 from pathlib import Path
 
 from edgevlm.errors import InvalidRequestError, ModelLoadError
@@ -106,25 +106,23 @@ class VLMTokenizer:
 
     # ---- chat template -------------------------------------------------------------------------
     def _compile(self, source: str) -> None:
-        from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from edgevlm.runtime.chat_template import (
+            ChatTemplateBudgetError,
+            ChatTemplateError,
+            compile_chat_template,
+        )
 
-        def raise_exception(message: str):
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        try:
-            self._template = env.from_string(source)
-        except TemplateError as exc:
-            raise ModelLoadError(f"chat template does not compile: {exc}") from exc
+        try:  # sandboxed and bounded: see edgevlm.runtime.chat_template
+            self._template = compile_chat_template(source)
+        except ChatTemplateError as exc:
+            raise ModelLoadError(exc.message) from exc
         # Probe: structured content (transformers' multimodal format) first, then a plain string.
         for string_content in (False, True):
             self._string_content = string_content
             try:
                 out = self._render(_PROBE, insert_image=string_content)
+            except ChatTemplateBudgetError as exc:
+                raise ModelLoadError(f"{exc.message} (rendering a plain user turn)") from exc
             except Exception as exc:  # a template may fail on a content type it does not expect
                 logger.debug("chat template probe (string_content=%s) failed: %s", string_content, exc)
                 continue
