@@ -14,8 +14,14 @@ Pipeline (:func:`build_bundle`):
    the next block's inputs, as in AutoAWQ), search/fold/quantize, write its tensors, free it;
 4. copy the remaining tensors (embeddings, norms, projector, ``lm_head``) as 16-bit, the
    tokenizer and generation files, and ``config.json`` with the bundle's resolution ladder;
-5. export the ONNX artifacts and (where ``tensorrt`` imports) the TensorRT engines;
-6. hash every file into ``manifest.json``.
+5. export the ONNX artifacts and (where ``tensorrt`` imports) the TensorRT engines; write the
+   bundle's ``README.md`` (the source's describes the 16-bit weights and is not copied);
+6. hash every file into ``manifest.json``;
+7. run the ONNX graphs against the PyTorch modules (:mod:`edgevlm.quantize.onnx_check`) and record
+   the check in the manifest; a mismatch refuses the bundle.
+
+The tokenizer and chat template are checked first, right after ``config.json``: a checkpoint
+whose template does not compile is refused before any quantization work.
 
 Peak RAM is one block in float32, the calibration activations, the vision tower (AWQ) and one
 output shard (``max_shard_mb``), not the model. Everything is written into ``<out>.partial`` and
@@ -272,7 +278,8 @@ def build_bundle(model_dir: str | Path, out_dir: str | Path, opts: BuildOptions 
         on_plan: called with the per-layer plan table before quantization starts.
         progress: called as ``progress(stage, done, total)``.
     Raises:
-        ModelLoadError: the model folder is missing, invalid, or already a bundle.
+        ModelLoadError: the model folder is missing, invalid, or already a bundle; its tokenizer or
+            chat template does not load (checked first); the ONNX graphs do not match PyTorch.
         ConfigError: bad options, ``out_dir`` exists and is not empty (without ``overwrite``),
             an unknown profile, or unusable calibration data.
     """
@@ -283,6 +290,7 @@ def build_bundle(model_dir: str | Path, out_dir: str | Path, opts: BuildOptions 
     if is_bundle(model_dir):
         raise ModelLoadError(f"{model_dir} is already an engine bundle; quantize the 16-bit source model")
     files = read_model_files(model_dir)
+    _check_tokenizer(files)  # before any quantization work: a bundle whose prompt cannot be built cannot answer
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"--out {out_dir} is a file, not a folder (choose another --out)")
     if out_dir.exists() and any(out_dir.iterdir()) and not opts.overwrite:
@@ -348,7 +356,12 @@ def build_bundle(model_dir: str | Path, out_dir: str | Path, opts: BuildOptions 
         progress("quantize", total, total)
         notes = _copy_side_files(files, partial, ladder)
         notes += _build_artifacts(partial, opts, ladder)
+        _write_readme(files, partial, opts, by_name, ladder, notes)
         manifest = _write_manifest(files, partial, opts, by_name, ladder, calib_info, writer, t0, notes, weight_names)
+        if (partial / "onnx" / "vision.onnx").is_file():
+            progress("check", 0, 1)
+            manifest = _check_onnx(partial, manifest)
+            progress("check", 1, 1)
         _apply_umask_modes(partial)
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -385,8 +398,74 @@ def _apply_umask_modes(root: Path) -> None:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
 
 
+def _check_tokenizer(files: ModelFiles) -> None:
+    """The tokenizer loads and the chat template compiles and renders a user turn (what
+    ``Engine.load`` checks on the bundle), before any quantization work.
+
+    Raises:
+        ModelLoadError: naming the source folder and the problem.
+    """
+    from edgevlm.runtime.tokenizer import VLMTokenizer
+
+    try:
+        VLMTokenizer.from_dir(files.model_dir, files.config.image_token_id)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{files.model_dir}: {exc.message} (checked before quantizing: a bundle of this "
+                             "model could not build a prompt)") from exc
+
+
+def _check_onnx(out: Path, manifest: BundleManifest) -> BundleManifest:
+    """Run :func:`edgevlm.quantize.onnx_check.check_bundle_onnx` on the finished bundle and record it
+    in ``manifest.json`` (``onnx_check``); ModelLoadError on a mismatch refuses the bundle."""
+    try:
+        from edgevlm.quantize.onnx_check import check_bundle_onnx
+
+        manifest.onnx_check = check_bundle_onnx(out)
+    except ImportError as exc:
+        manifest.artifacts["onnx"] = f"onnx/ (not checked against PyTorch: {exc.name} is not installed: " \
+                                     "pip install 'edgevlm[onnx]')"
+    (out / "manifest.json").write_text(manifest.model_dump_json(indent=2) + "\n")
+    return manifest
+
+
+def _write_readme(files: ModelFiles, out: Path, opts: BuildOptions, decisions: dict[str, LayerDecision],
+                  ladder: list[int], notes: list[str]) -> None:
+    """``README.md`` of the bundle: what it is, how it was built, how to run it (the source's README
+    describes the 16-bit weights and is not copied)."""
+    n4 = sum(d.action == "int4" for d in decisions.values())
+    kept = len(decisions) - n4
+    vision = "INT4" if opts.vision == "int4" else f"16-bit ({opts.keep_dtype})"
+    artifacts = ["`onnx/` (vision.onnx, decoder.onnx; checked against PyTorch, see `onnx_check` in manifest.json)"
+                 if (out / "onnx").is_dir() else "no ONNX artifacts"]
+    if (out / "tensorrt").is_dir():
+        artifacts.append("`tensorrt/` engines")
+    lines = [
+        f"# INT4 engine bundle of {files.model_dir.name}",
+        "",
+        f"Built by `edgevlm quantize` from `{files.model_dir}`. W4A16: the linear layers' weights are",
+        f"INT4 ({opts.method.upper()}, group size {opts.group_size}; per-layer fallbacks in manifest.json), activations 16-bit; {n4} linear layers",
+        f"INT4, {kept} kept in {opts.keep_dtype}. Vision encoder linears: {vision}. Every other tensor",
+        f"(embeddings, norms, projector{', lm_head' if not opts.lm_head else ''}) is {opts.keep_dtype}.",
+        "",
+        f"- resolution ladder: {', '.join(str(r) for r in ladder)} px",
+        f"- artifacts: {'; '.join(artifacts)}",
+        "- `manifest.json`: the per-layer plan and errors, the source's hashes, versions, and every file's SHA-256",
+        "  (checked on every load: a changed, added or outside file is refused)",
+        *[f"- note: {n}" for n in notes],
+        "",
+        "Run it: `edgevlm ask --model BUNDLE --image scene.png \"how many shapes are there?\"` "
+        "(`--backend onnx` for ONNX Runtime), or `Engine.load(\"BUNDLE\")`.",
+        "",
+        "The source model's own README (which describes its 16-bit weights) is not copied; read it in the source",
+        "folder.",
+    ]
+    (out / "README.md").write_text("\n".join(lines) + "\n")
+
+
 # Measured on (and fingerprinted to) the 16-bit weights: not valid for the bundle.
 _NOT_COPIED = ("exits.json", "exits.safetensors", "frontier.json", "frontier.png")
+# Describes the source's weights (float16, its accuracy): the bundle gets its own (_write_readme).
+_README = "README.md"
 
 
 def _copy_side_files(files: ModelFiles, out: Path, ladder: list[int]) -> list[str]:
@@ -402,6 +481,8 @@ def _copy_side_files(files: ModelFiles, out: Path, ladder: list[int]) -> list[st
             continue
         if p.name in _NOT_COPIED:
             skipped.append(p.name)
+            continue
+        if p.name == _README:
             continue
         shutil.copy2(p, out / p.name)
     if skipped:

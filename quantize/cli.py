@@ -125,14 +125,16 @@ def summary(result) -> tuple[str, dict]:
     s = m.stats
     n4 = sum(d.action == "int4" for d in m.layers)
     awq_layers = [d for d in m.layers if d.rel_error is not None and d.rel_error_rtn is not None]
-    bundle_bytes = sum(f.size_bytes for f in m.files)
+    manifest_path = Path(result.bundle_dir) / "manifest.json"  # not listed in itself, but part of the bundle
+    n_files = len(m.files) + 1
+    bundle_bytes = sum(f.size_bytes for f in m.files) + (manifest_path.stat().st_size if manifest_path.is_file() else 0)
     ratio = s["decoder_linear_int4_bytes"] / s["decoder_linear_16bit_bytes"] if s["decoder_linear_16bit_bytes"] else 0
     data = {
         "bundle": str(result.bundle_dir), "method": m.method, "group_size": m.group_size,
         "int4_layers": n4, "kept_layers": len(m.layers) - n4,
         "decoder_linear_int4_mb": s["decoder_linear_int4_bytes"] / 1e6,
         "decoder_linear_16bit_mb": s["decoder_linear_16bit_bytes"] / 1e6, "decoder_linear_ratio": ratio,
-        "bundle_mb": bundle_bytes / 1e6, "files": len(m.files), "quantize_time_s": s["quantize_time_s"],
+        "bundle_mb": bundle_bytes / 1e6, "files": n_files, "quantize_time_s": s["quantize_time_s"],
         "peak_rss_mb": s["peak_rss_mb"], "resolution_ladder": m.resolution_ladder,
     }
     if awq_layers:
@@ -144,7 +146,7 @@ def summary(result) -> tuple[str, dict]:
         ("layers", f"{n4} INT4, {len(m.layers) - n4} kept 16-bit"),
         ("decoder linear weights", f"{data['decoder_linear_int4_mb']:.2f} MB INT4 vs "
                                    f"{data['decoder_linear_16bit_mb']:.2f} MB 16-bit ({100 * ratio:.1f}%)"),
-        ("bundle size", f"{data['bundle_mb']:.2f} MB in {len(m.files)} files"),
+        ("bundle size", f"{data['bundle_mb']:.2f} MB in {n_files} files"),
         ("resolution ladder", ", ".join(str(r) for r in m.resolution_ladder) + " px"),
         ("quantize time", f"{s['quantize_time_s']:.1f} s"),
         ("peak RAM (RSS)", f"{s['peak_rss_mb']:.0f} MB"),
@@ -154,6 +156,13 @@ def summary(result) -> tuple[str, dict]:
                                               f"{data['rtn_mean_rel_error']:.3g} (mean relative MSE)"))
     for backend, what in m.artifacts.items():
         rows.append((f"artifacts: {backend}", what))
+    if m.onnx_check is not None:
+        c = m.onnx_check
+        worst = max([v.max_error for v in c.vision] + [c.decoder.prefill_max_error, c.decoder.decode_max_error])
+        sizes = ", ".join(f"{v.height_px}x{v.width_px}" for v in c.vision)
+        rows.append(("ONNX vs PyTorch", f"max error {worst:.2g} (tolerance {c.tolerance:g}): vision at {sizes} px, "
+                                        f"prefill + {c.decoder.decode_steps} decode steps; onnxruntime {c.onnxruntime}"))
+        data["onnx_check_max_error"] = worst
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows), data
 

@@ -9,7 +9,9 @@ A bundle is a directory written by ``edgevlm quantize`` (:mod:`edgevlm.quantize.
                              (+ .input_scale for unfolded AWQ scales) in the canonical layout of
                              edgevlm.runtime.int4; every other tensor 16-bit
     tokenizer.json, tokenizer_config.json, generation_config.json, ...   copied from the source
-    onnx/vision.onnx, onnx/decoder.onnx (+ .data)   ONNX artifacts (when built)
+    onnx/vision.onnx, onnx/decoder.onnx (+ .data)   ONNX artifacts (when built; checked against
+                             PyTorch at build time, the record in manifest.json's onnx_check)
+    README.md                what the bundle is (written by the build; the source's is not copied)
     tensorrt/...             TensorRT engines (only where tensorrt was importable at build time)
 
 Every file except ``manifest.json`` is listed in the manifest with its SHA-256; :func:`verify_bundle`
@@ -98,6 +100,39 @@ class CalibrationInfo(BaseModel):
     tokens: int = Field(0, ge=0, description="Decoder tokens seen per layer (before subsampling).")
 
 
+class OnnxVisionCheck(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    height_px: int = Field(gt=0, description="Input height H of pixel_values (1, 3, H, W).")
+    width_px: int = Field(gt=0, description="Input width W.")
+    max_error: float = Field(ge=0, description="max|onnx - torch| / max(1, max|torch|) of image_features.")
+    max_abs_torch: float = Field(ge=0, description="max|torch| of image_features (the error's scale).")
+
+
+class OnnxDecoderCheck(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_tokens: int = Field(gt=0, description="Prefill length (text + vision tokens).")
+    decode_steps: int = Field(ge=0, description="Greedy decode steps compared after the prefill.")
+    prefill_max_error: float = Field(ge=0, description="Relative max error of the prefill logits (1, V).")
+    decode_max_error: float = Field(ge=0, description="Largest relative max error over the decode steps' logits.")
+    max_abs_torch: float = Field(ge=0, description="max|torch| of the prefill logits.")
+
+
+class OnnxCheck(BaseModel):
+    """``manifest.json``'s ``onnx_check``: the ONNX graphs run against the PyTorch modules at
+    build time (:mod:`edgevlm.quantize.onnx_check`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    onnxruntime: str = Field(description="onnxruntime version that ran the graphs.")
+    providers: list[str] = Field(description="Execution providers used.")
+    tolerance: float = Field(gt=0, description="Largest accepted relative max error.")
+    vision: list[OnnxVisionCheck] = Field(description="One entry per input size checked.")
+    decoder: OnnxDecoderCheck = Field(description="Prefill and decode logits on a short prompt.")
+    passed: bool = Field(description="Every error within the tolerance (a failed check refuses the bundle).")
+
+
 class BundleManifest(BaseModel):
     """``manifest.json`` of an engine bundle (format_version 1)."""
 
@@ -123,6 +158,9 @@ class BundleManifest(BaseModel):
         default_factory=dict, description="Backend -> artifact folder, or a one-line note why it was not built."
     )
     stats: dict[str, float] = Field(default_factory=dict, description="Build measurements (time, peak RAM, bytes).")
+    onnx_check: OnnxCheck | None = Field(
+        None, description="The ONNX graphs checked against PyTorch at build time (None: no ONNX artifacts)."
+    )
     files: list[FileEntry] = Field(description="Every file of the bundle except manifest.json, with SHA-256.")
 
 

@@ -96,6 +96,46 @@ def test_quantize_awq_without_calib_still_says_so(tiny_src, tmp_path, capsys):
     assert _one_line_error(capsys).startswith("AWQ needs calibration data: --calib DIR")
 
 
+def test_quantize_checks_the_chat_template_before_any_work(tmp_path, capsys):
+    """issue 11: a checkpoint whose template does not compile used to become a bundle that cannot answer."""
+    from edgevlm.runtime.testing import write_tiny_checkpoint
+
+    src = write_tiny_checkpoint(tmp_path / "src", chat_template="{% for m in messages %}{{ m.content }")
+    out = tmp_path / "b"
+    assert main(["quantize", str(src), "--out", str(out), "--method", "rtn"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # no plan printed: nothing was quantized
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"edgevlm: error: {src}: chat template does not compile: ")
+    assert "checked before quantizing" in lines[0] and not out.exists()
+    # a template that compiles but cannot render a user turn, and a broken tokenizer.json, too
+    write_tiny_checkpoint(src, chat_template="{{ raise_exception('no') }}")
+    assert main(["quantize", str(src), "--out", str(out), "--method", "rtn"]) == 2
+    assert "chat template cannot render a user turn" in _one_line_error(capsys)
+    (src / "tokenizer.json").write_text("{")
+    assert main(["quantize", str(src), "--out", str(out), "--method", "rtn"]) == 2
+    assert "tokenizer.json: cannot load tokenizer" in _one_line_error(capsys)
+
+
+def test_quantize_summary_counts_every_file_and_writes_its_own_readme(tmp_path, capsys):
+    from edgevlm.runtime.bundle import read_manifest
+    from edgevlm.runtime.testing import write_tiny_checkpoint
+
+    src = write_tiny_checkpoint(tmp_path / "src", seed=3)
+    (src / "README.md").write_text("# tiny\n\nfloat16 weights, 99 % accurate.\n")
+    out = tmp_path / "b"
+    assert main(["quantize", str(src), "--out", str(out), "--method", "rtn", "--json"]) == 0
+    stdout = capsys.readouterr().out
+    files = [p for p in out.rglob("*") if p.is_file()]
+    size_mb = sum(p.stat().st_size for p in files) / 1e6
+    assert f"{size_mb:.2f} MB in {len(files)} files" in stdout
+    assert json.loads(stdout.strip().splitlines()[-1])["files"] == len(files)
+    assert "ONNX vs PyTorch" in stdout and "max error" in stdout
+    readme = (out / "README.md").read_text()
+    assert "float16 weights" not in readme and "INT4 (RTN, group size 128" in readme
+    assert any(e.path == "README.md" for e in read_manifest(out).files)  # covered by the hashes
+
+
 # ------------------------------------------------------------------------------ ask
 
 

@@ -41,3 +41,17 @@ def test_demo_bundle_answers_agree_across_backends(demo_bundle):
             b = onnx_engine.ask(it.image, it.qa.question, max_new_tokens=16, operating_point=op)
             assert a.text == b.text, (rung, it.qa.question)
             assert a.stats.vision_tokens == b.stats.vision_tokens
+
+
+def test_demo_bundle_readme_and_onnx_check(demo_bundle):
+    """issue 11: the demo model's README (float16 weights) is not copied; the bundle's own says INT4;
+    the ONNX graphs were checked against PyTorch at three sizes (native 384 px, non-square, off-native)."""
+    from edgevlm.runtime.bundle import read_manifest
+
+    readme = (demo_bundle / "README.md").read_text()
+    assert readme.startswith("# INT4 engine bundle of model") and "W4A16" in readme and "RTN" in readme
+    assert (model_dir() / "README.md").read_text() != readme
+    check = read_manifest(demo_bundle).onnx_check
+    assert [(v.height_px, v.width_px) for v in check.vision] == [(384, 384), (224, 384), (368, 368)]
+    worst = max([v.max_error for v in check.vision] + [check.decoder.prefill_max_error, check.decoder.decode_max_error])
+    assert worst < 1e-4

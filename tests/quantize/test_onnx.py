@@ -168,3 +168,75 @@ def test_tensorrt_missing_is_one_line_and_backend_errors(bundle):
     assert read_manifest(bundle).artifacts["tensorrt"].startswith("not built")
     with pytest.raises(ModelLoadError, match=r"edgevlm\[tensorrt\]"):
         Engine.load(bundle, backend="tensorrt")
+
+
+# ------------------------------------------------------------------------------ export check (issue 11)
+def test_manifest_records_the_onnx_check(bundle):
+    from edgevlm.quantize.onnx_check import TOLERANCE
+    from edgevlm.runtime.bundle import read_manifest
+
+    check = read_manifest(bundle).onnx_check
+    assert check is not None and check.passed and check.onnxruntime == ort.__version__
+    sizes = [(v.height_px, v.width_px) for v in check.vision]
+    assert len(sizes) >= 3
+    assert any(h != w for h, w in sizes)  # non-square
+    assert any(h == w and h != 64 for h, w in sizes)  # off the native 64 px
+    assert (64, 64) in sizes
+    errors = [v.max_error for v in check.vision] + [check.decoder.prefill_max_error, check.decoder.decode_max_error]
+    assert max(errors) <= TOLERANCE and max(errors) < 1e-4  # measured: ~1e-6 on this model
+    assert check.decoder.decode_steps == 3 and check.decoder.prompt_tokens > 4
+
+
+def _swap_first_nibbles(model):
+    """The classic packing bug: high and low nibble swapped in one MatMulNBits weight."""
+    from onnx import numpy_helper
+
+    node = next(n for n in model.graph.node if n.op_type == "MatMulNBits")
+    init = next(i for i in model.graph.initializer if i.name == node.input[1])
+    b = numpy_helper.to_array(init)
+    init.CopyFrom(numpy_helper.from_array(((b << 4) | (b >> 4)).astype(np.uint8), init.name))
+    return model
+
+
+def _linear_resize(model):
+    """Position embeddings resized bilinearly instead of bicubically: right at the native size only."""
+    for n in model.graph.node:
+        if n.op_type == "Resize":
+            for a in n.attribute:
+                if a.name == "mode":
+                    a.s = b"linear"
+    return model
+
+
+@pytest.mark.parametrize(("graph", "fault", "message"), [
+    ("build_decoder_graph", _swap_first_nibbles, r"onnx/decoder.onnx prefill \(\d+ positions\) differs from PyTorch"),
+    ("build_vision_graph", _swap_first_nibbles, r"onnx/vision.onnx at 64x64 px differs from PyTorch"),
+    ("build_vision_graph", _linear_resize, r"onnx/vision.onnx at \d+x64 px differs from PyTorch"),
+])
+def test_a_wrong_graph_is_refused_and_no_bundle_is_left(monkeypatch, tmp_path, graph, fault, message):
+    from edgevlm.quantize import onnx_export
+    from edgevlm.runtime.testing import write_tiny_checkpoint
+
+    real = getattr(onnx_export, graph)
+    monkeypatch.setattr(onnx_export, graph, lambda *a, **k: fault(real(*a, **k)))
+    src = write_tiny_checkpoint(tmp_path / "src", seed=2, resolution_ladder=LADDER, text_hidden=192,
+                                vision_hidden=64, num_heads=4, num_kv_heads=2)
+    out = tmp_path / "bundle"
+    with pytest.raises(ModelLoadError, match=message + r" by [0-9.e+-]+ of its scale \(tolerance 0.002\)"):
+        build_bundle(src, out, BuildOptions(method="rtn", calib=None, vision="int4"))
+    assert not out.exists() and not (tmp_path / "bundle.partial").exists()
+
+
+def test_cli_refuses_a_wrong_graph_in_one_line(monkeypatch, tmp_path, capsys):
+    from edgevlm.cli import main
+    from edgevlm.quantize import onnx_export
+    from edgevlm.runtime.testing import write_tiny_checkpoint
+
+    real = onnx_export.build_decoder_graph
+    monkeypatch.setattr(onnx_export, "build_decoder_graph", lambda *a, **k: _swap_first_nibbles(real(*a, **k)))
+    src = write_tiny_checkpoint(tmp_path / "src", seed=2, text_hidden=192, num_heads=4, num_kv_heads=2)
+    assert main(["quantize", str(src), "--out", str(tmp_path / "b"), "--method", "rtn"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and not (tmp_path / "b").exists()
+    lines = [line for line in err.splitlines() if not line.startswith("[")]  # the progress bar's lines
+    assert len(lines) == 1 and lines[0].startswith("edgevlm: error: ONNX export check failed: onnx/decoder.onnx")
