@@ -276,12 +276,17 @@ def _format_stats(stats, model: dict) -> str:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from edgevlm.config import load_daemon_config
-    from edgevlm.model_folder import check_config_model_path
 
     path = args.check_config if args.check_config is not None else args.config
     cfg = load_daemon_config(path)
-    check_config_model_path(cfg)  # model.path looks loadable, before anything starts
+    from edgevlm.daemon.preflight import preflight
+
+    # The start-up checks, before anything starts; --check-config runs the same ones (the bundle's
+    # hashes: here for --check-config, by the model load itself when serving).
+    source_problems = preflight(cfg, verify_hashes=args.check_config is not None)
     if args.check_config is not None:
+        if source_problems:
+            raise ConfigError(source_problems[0])
         names = ", ".join(s.name for s in cfg.sources) or "none"
         print(
             f"{args.check_config}: OK (broker {cfg.mqtt.host}:{cfg.mqtt.port}, device_id {cfg.mqtt.device_id}, "
@@ -290,6 +295,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return EXIT_OK
     if args.verbose == 0:  # the config's log_level (default INFO: a service logs its life to the journal)
         logging.getLogger().setLevel(cfg.log_level)
+    for problem in source_problems:  # a camera may come later: its source keeps reopening it
+        logger.warning("%s; starting anyway, requests for that source fail until it delivers frames", problem)
     from edgevlm.daemon.app import run
 
     try:

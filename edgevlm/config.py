@@ -163,6 +163,8 @@ def parse_daemon_config(data: Any, *, base_dir: Path | None = None) -> DaemonCon
         path = Path(str(src.uri)).expanduser()
         if not path.is_absolute():
             path = (base / path).resolve()
+        if path.is_dir():
+            raise ConfigError(f"sources[{i}].uri: {path} is a folder, not a video file")
         if not path.is_file():
             raise ConfigError(f"sources[{i}].uri: video file not found: {path}")
         src.uri = str(path)

@@ -313,12 +313,15 @@ def test_bad_arguments_are_one_line_exit_2(args: list[str], needle: str) -> None
 
 
 def test_check_config_ok(tmp_path: Path) -> None:
-    video = tmp_path / "cam.mp4"
-    video.write_bytes(b"\x00" * 16)  # only existence is checked by --check-config
+    for name in ("cam.mp4", "rear.mp4"):  # real videos: --check-config decodes a frame of each
+        writer = cv2.VideoWriter(str(tmp_path / name), cv2.VideoWriter_fourcc(*"mp4v"), 10.0, (32, 24))
+        for _ in range(3):
+            writer.write(np.full((24, 32, 3), 90, np.uint8))
+        writer.release()
     cfg = tmp_path / "daemon.yaml"
     cfg.write_text(
         "mqtt:\n  host: 127.0.0.1\n  port: 18830\n  device_id: robot-7\n"
-        "sources:\n  - name: front\n    uri: cam.mp4\n  - name: usb\n    uri: 0\n"
+        "sources:\n  - name: front\n    uri: cam.mp4\n  - name: usb\n    uri: rear.mp4\n"
     )
     res = run_cli("serve", "--check-config", str(cfg), timeout=60)
     assert res.returncode == 0, res.stderr

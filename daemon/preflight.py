@@ -1,0 +1,158 @@
+"""The start-up checks of ``edgevlm serve``, which ``edgevlm serve --check-config`` runs too.
+
+:func:`preflight` is the one function both use, so a config that ``--check-config`` calls OK is
+one the daemon starts with. It checks what can be checked without loading the weights into memory:
+
+- **model** (:func:`check_model`): ``model.path`` looks loadable
+  (:func:`edgevlm.model_folder.check_config_model_path`: ``config.json``, safetensors headers,
+  every loaded file inside the folder and, for a bundle, listed in the manifest, the backend's
+  artifacts); an engine bundle's manifest (no ``..`` or absolute paths) and, with
+  ``verify_hashes``, the SHA-256 of every file (a corrupted ``onnx/vision.onnx`` is named);
+  ``config.json`` parses as a supported model; the tokenizer loads and the chat template compiles
+  and renders; ``model.device`` exists (CUDA available, ``cuda:N`` within the device count); the
+  backend's library imports (onnxruntime, tensorrt). A failure raises ConfigError naming the key:
+  the daemon cannot serve without its model.
+- **sources** (:func:`check_sources`): a video file is a file OpenCV decodes a frame from (not a
+  folder, not a text file); a V4L2 camera's device node exists, is a character device and is
+  readable and writable by this user. Network streams, GStreamer pipelines and CSI cameras are not
+  probed (they may come up after the daemon). A failure is a one-line problem naming the key.
+
+What the modes do with the result: ``--check-config`` refuses the first problem of either kind
+(one line, exit 2). ``serve`` refuses a model problem the same way, and logs each source problem
+as a WARNING and starts: a camera may be plugged in later, and the source's supervisor keeps
+reopening it (requests for that source get its error meanwhile). At start-up the bundle's hashes
+are verified once, by the model load itself (``verify_hashes=False`` here), not twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from pathlib import Path
+
+from edgevlm.config import DaemonConfig
+from edgevlm.errors import ConfigError, ModelLoadError
+
+__all__ = ["check_model", "check_sources", "preflight"]
+
+logger = logging.getLogger(__name__)
+
+BACKEND_LIBRARIES = {"onnx": ("onnxruntime", "onnx"), "tensorrt": ("tensorrt", "tensorrt")}
+"""model.backend -> (module imported, pip extra of edgevlm)."""
+
+
+def check_model(cfg: DaemonConfig, *, verify_hashes: bool = True) -> None:
+    """The model checks of :func:`preflight` (see the module docstring).
+
+    Raises:
+        ConfigError: ``model.path: ...``, ``model.device: ...`` or ``model.backend: ...``.
+    """
+    from edgevlm.model_folder import check_config_model_path
+
+    check_config_model_path(cfg)  # torch-free: folder, config.json, weights' headers, confinement
+    m = cfg.model
+    if m.backend in BACKEND_LIBRARIES:
+        module, extra = BACKEND_LIBRARIES[m.backend]
+        try:
+            __import__(module)
+        except ImportError:
+            raise ConfigError(f"model.backend: {m.backend!r} needs {module}, which is not installed "
+                              f"(pip install 'edgevlm[{extra}]')") from None
+    _check_device(m.device)
+    if m.path is None:
+        from edgevlm.runtime.demo import model_dir
+
+        path = model_dir()
+    else:
+        path = Path(m.path)
+    try:
+        from edgevlm.runtime.bundle import is_bundle, read_manifest, verify_bundle
+        from edgevlm.runtime.loader import read_model_files
+        from edgevlm.runtime.tokenizer import VLMTokenizer
+
+        if is_bundle(path) and verify_hashes:
+            verify_bundle(path)  # manifest paths and every file's SHA-256
+        elif is_bundle(path):
+            read_manifest(path)
+        files = read_model_files(path)
+        VLMTokenizer.from_dir(files.model_dir, files.config.image_token_id)
+    except ModelLoadError as exc:
+        raise ConfigError(f"model.path: {exc.message}") from None
+
+
+def _check_device(device: str) -> None:
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"model.device: {device!r} but CUDA is not available on this machine "
+                          f"(torch {torch.__version__}; use model.device: cpu)")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"model.device: {device!r} but this machine has {torch.cuda.device_count()} CUDA "
+                          f"device(s) (cuda:0..cuda:{torch.cuda.device_count() - 1})")
+
+
+def _v4l2_problem(uri: int | str) -> str | None:
+    dev = f"/dev/video{uri}" if isinstance(uri, int) else str(uri)
+    try:
+        mode = os.stat(dev).st_mode
+    except FileNotFoundError:
+        return f"{dev} does not exist (no camera there: is it plugged in? `ls /dev/video*` lists the cameras)"
+    except OSError as exc:
+        return f"{dev}: cannot stat ({exc.strerror})"
+    if not stat.S_ISCHR(mode):
+        return f"{dev} is not a video device (not a character device)"
+    if not os.access(dev, os.R_OK | os.W_OK):
+        return f"{dev} is not readable and writable by this user (add the user to group video)"
+    return None
+
+
+def _video_file_problem(path: str) -> str | None:
+    p = Path(path)
+    if p.is_dir():
+        return f"{p} is a folder, not a video file"
+    if not p.is_file():
+        return f"video file not found: {p}"
+    try:
+        import cv2
+    except ImportError:
+        return f"{p}: reading video files needs OpenCV (pip install 'edgevlm[runtime]')"
+    cap = cv2.VideoCapture(str(p), cv2.CAP_FFMPEG)
+    try:
+        ok = cap.isOpened() and cap.read()[0]
+    finally:
+        cap.release()
+    if not ok:
+        return f"{p} is not a video OpenCV can decode (cannot open it or read its first frame)"
+    return None
+
+
+def check_sources(cfg: DaemonConfig) -> list[str]:
+    """The source checks of :func:`preflight`: one ``sources[i].uri: ...`` line per problem."""
+    problems = []
+    for i, src in enumerate(cfg.sources):
+        problem = None
+        if src.kind == "v4l2":
+            problem = _v4l2_problem(src.uri)
+        elif src.kind == "file":
+            problem = _video_file_problem(str(src.uri))
+        if problem is not None:
+            problems.append(f"sources[{i}].uri: {problem} (source {src.name!r})")
+    return problems
+
+
+def preflight(cfg: DaemonConfig, *, verify_hashes: bool = True) -> list[str]:
+    """Run the start-up checks (see the module docstring).
+
+    Returns:
+        The source problems, one line each (``--check-config`` refuses the first; ``serve``
+        logs them and starts).
+
+    Raises:
+        ConfigError: the model cannot be served (the message names the key).
+    """
+    check_model(cfg, verify_hashes=verify_hashes)
+    return check_sources(cfg)

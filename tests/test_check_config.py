@@ -1,0 +1,159 @@
+"""``edgevlm serve --check-config`` runs the daemon's start-up checks (edgevlm.daemon.preflight):
+what the daemon would refuse, --check-config refuses, one line, exit 2 (issue 11)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+cv2 = pytest.importorskip("cv2")
+torch = pytest.importorskip("torch")
+
+from edgevlm.cli import main  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_src(tmp_path_factory) -> Path:
+    from edgevlm.runtime.testing import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("src") / "model", seed=4)
+
+
+@pytest.fixture(scope="module")
+def bundle(tiny_src, tmp_path_factory) -> Path:
+    pytest.importorskip("onnxruntime")
+    from edgevlm.quantize.build import BuildOptions, build_bundle
+
+    out = tmp_path_factory.mktemp("b") / "bundle"
+    return build_bundle(tiny_src, out, BuildOptions(method="rtn", calib=None)).bundle_dir
+
+
+@pytest.fixture(scope="module")
+def video(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("v") / "cam.mp4"
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 10.0, (32, 24))
+    for i in range(3):
+        writer.write(np.full((24, 32, 3), 40 * i, np.uint8))
+    writer.release()
+    return path
+
+
+def _config(tmp_path: Path, *, model: str = "", sources: str = "") -> Path:
+    cfg = tmp_path / "daemon.yaml"
+    cfg.write_text("mqtt:\n  host: 127.0.0.1\n  port: 1\nmetrics:\n  listen: null\n"
+                   + (f"model:\n{model}" if model else "") + (f"sources:\n{sources}" if sources else ""))
+    return cfg
+
+
+def _check(cfg: Path, capsys) -> tuple[int, str]:
+    code = main(["serve", "--check-config", str(cfg)])
+    captured = capsys.readouterr()
+    if code != 0:
+        lines = captured.err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("edgevlm: error: "), captured.err
+        assert captured.out == ""
+        return code, lines[0].removeprefix("edgevlm: error: ")
+    return code, captured.out.strip()
+
+
+def _copy(bundle: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "bundle"
+    shutil.copytree(bundle, dst)
+    return dst
+
+
+def test_good_bundle_and_video_are_ok(bundle, video, tmp_path, capsys):
+    cfg = _config(tmp_path, model=f"  path: {bundle}\n  backend: onnx\n", sources=f"  - name: front\n    uri: {video}\n")
+    code, out = _check(cfg, capsys)
+    assert code == 0 and out.startswith(f"{cfg}: OK (broker 127.0.0.1:1, device_id ")
+    assert out.endswith(f"sources: front, model: {bundle})")
+
+
+@pytest.mark.parametrize("bad_path", ["../outside.json", "/etc/hostname"])
+def test_manifest_path_leaving_the_bundle(bundle, tmp_path, capsys, bad_path):
+    dst = _copy(bundle, tmp_path)
+    raw = json.loads((dst / "manifest.json").read_text())
+    raw["files"].append({"path": bad_path, "sha256": "0" * 64, "size_bytes": 1})
+    (dst / "manifest.json").write_text(json.dumps(raw))
+    code, err = _check(_config(tmp_path, model=f"  path: {dst}\n"), capsys)
+    assert code == 2
+    assert err == f"model.path: {dst}: file listed in manifest.json {bad_path!r} leaves the bundle (absolute path or '..')"
+
+
+def test_corrupted_onnx_graph(bundle, tmp_path, capsys):
+    dst = _copy(bundle, tmp_path)
+    data = bytearray((dst / "onnx" / "vision.onnx").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (dst / "onnx" / "vision.onnx").write_bytes(bytes(data))
+    code, err = _check(_config(tmp_path, model=f"  path: {dst}\n  backend: onnx\n"), capsys)
+    assert code == 2
+    assert err.startswith(f"model.path: bundle {dst}: file onnx/vision.onnx does not match its SHA-256 in manifest.json")
+
+
+def test_text_file_as_a_video(tmp_path, capsys):
+    text = tmp_path / "notes.mp4"
+    text.write_text("this is not a video\n" * 20)
+    code, err = _check(_config(tmp_path, sources=f"  - name: front\n    uri: {text}\n"), capsys)
+    assert code == 2
+    assert err == (f"sources[0].uri: {text} is not a video OpenCV can decode (cannot open it or read its first "
+                   "frame) (source 'front')")
+
+
+def test_folder_as_a_video(tmp_path, capsys):
+    code, err = _check(_config(tmp_path, sources="  - name: front\n    uri: /tmp\n"), capsys)
+    assert code == 2 and err == "sources[0].uri: /tmp is a folder, not a video file"
+
+
+@pytest.mark.parametrize("uri", ["0", "/dev/video97"])
+def test_missing_camera_device(tmp_path, capsys, uri):
+    dev = "/dev/video0" if uri == "0" else uri
+    if os.path.exists(dev):
+        pytest.skip(f"{dev} exists on this machine")
+    code, err = _check(_config(tmp_path, sources=f"  - name: usb\n    uri: {uri}\n"), capsys)
+    assert code == 2
+    assert err.startswith(f"sources[0].uri: {dev} does not exist (no camera there: is it plugged in?")
+    assert err.endswith("(source 'usb')")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_cuda_without_cuda(tmp_path, capsys, device):
+    code, err = _check(_config(tmp_path, model=f"  device: '{device}'\n"), capsys)
+    assert code == 2
+    assert err.startswith(f"model.device: {device!r} but CUDA is not available on this machine")
+
+
+def test_chat_template_that_does_not_compile(tiny_src, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_src, model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{% if %}"
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    code, err = _check(_config(tmp_path, model=f"  path: {model}\n"), capsys)
+    assert code == 2 and err.startswith("model.path: chat template does not compile: ")
+
+
+def test_serve_warns_about_a_missing_camera_and_goes_on(tiny_src, tmp_path):
+    """At start-up a source problem is a WARNING, not a refusal (a camera may come later): the
+    daemon goes on to load its model (here one that then fails to load, so that the run ends)."""
+    from safetensors.numpy import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_src, model)
+    tensors = load_file(model / "model.safetensors")
+    del tensors[sorted(tensors)[0]]
+    save_file(tensors, model / "model.safetensors")
+    cfg = _config(tmp_path, model=f"  path: {model}\n", sources="  - name: usb\n    uri: /dev/video97\n")
+    res = subprocess.run([sys.executable, "-m", "edgevlm.cli", "serve", "--config", str(cfg)], capture_output=True,
+                         text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    warning = next(line for line in res.stderr.splitlines() if "WARNING" in line)
+    assert "sources[0].uri: /dev/video97 does not exist" in warning and "starting anyway" in warning
+    assert res.stderr.splitlines()[-1].startswith(f"edgevlm: error: model: cannot load {model} on cpu: ")
