@@ -429,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         weights, spec_path = save_exit_heads(heads, out)
         say(f"calibrate: wrote {weights} and {spec_path}")
         written = [EXITS_WEIGHTS, EXITS_JSON]
+        if args.out is None and is_bundle(out):  # listed at once: a bundle loads no file its manifest lacks
+            _add_to_manifest(out, written)
         if not args.no_frontier:
             from edgevlm.runtime import frontier
 

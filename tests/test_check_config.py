@@ -157,3 +157,17 @@ def test_serve_warns_about_a_missing_camera_and_goes_on(tiny_src, tmp_path):
     warning = next(line for line in res.stderr.splitlines() if "WARNING" in line)
     assert "sources[0].uri: /dev/video97 does not exist" in warning and "starting anyway" in warning
     assert res.stderr.splitlines()[-1].startswith(f"edgevlm: error: model: cannot load {model} on cpu: ")
+
+
+def test_weight_map_pointing_outside_the_bundle(bundle, tmp_path, capsys):
+    """The issue's attack, through --check-config and serve: refused before anything starts."""
+    dst = _copy(bundle, tmp_path)
+    (tmp_path / "outside").mkdir()
+    shutil.copy(dst / "model.safetensors", tmp_path / "outside" / "model.safetensors")
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../outside/model.safetensors"}}))
+    for mode in ("--check-config", "--config"):
+        assert main(["serve", mode, str(_config(tmp_path, model=f"  path: {dst}\n"))]) == 2
+        err = capsys.readouterr().err.splitlines()[-1]
+        assert err == (f"edgevlm: error: model.path: bundle {dst}: model.safetensors.index.json is not listed in "
+                       "manifest.json, so no SHA-256 covers it (a file added after the build is refused: remove it, "
+                       "or rebuild the bundle)")
