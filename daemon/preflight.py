@@ -17,6 +17,9 @@ one the daemon starts with. It checks what can be checked without loading the we
   readable and writable by this user. Network streams, GStreamer pipelines and CSI cameras are not
   probed (they may come up after the daemon). A failure is a one-line problem naming the key.
 
+Nothing here imports torch unless ``model.device`` is CUDA, nor OpenCV unless a source is a video
+file (``tokenizers`` and ``jinja2`` are imported to check the tokenizer and chat template).
+
 What the modes do with the result: ``--check-config`` refuses the first problem of either kind
 (one line, exit 2). ``serve`` refuses a model problem the same way, and logs each source problem
 as a WARNING and starts: a camera may be plugged in later, and the source's supervisor keeps
@@ -67,16 +70,17 @@ def check_model(cfg: DaemonConfig, *, verify_hashes: bool = True) -> None:
     else:
         path = Path(m.path)
     try:
+        from edgevlm.model_folder import read_json
         from edgevlm.runtime.bundle import is_bundle, read_manifest, verify_bundle
-        from edgevlm.runtime.loader import read_model_files
+        from edgevlm.runtime.config import parse_config
         from edgevlm.runtime.tokenizer import VLMTokenizer
 
         if is_bundle(path) and verify_hashes:
             verify_bundle(path)  # manifest paths and every file's SHA-256
         elif is_bundle(path):
             read_manifest(path)
-        files = read_model_files(path)
-        VLMTokenizer.from_dir(files.model_dir, files.config.image_token_id)
+        model_cfg = parse_config(read_json(path / "config.json"))  # what the loader parses (torch-free)
+        VLMTokenizer.from_dir(path, model_cfg.image_token_id)
     except ModelLoadError as exc:
         raise ConfigError(f"model.path: {exc.message}") from None
 

@@ -239,6 +239,20 @@ def test_import_edgevlm_is_light() -> None:
 
 
 def test_cli_help_and_check_config_are_light(tmp_path) -> None:
+    code = textwrap.dedent(
+        """
+        import contextlib, io
+        from edgevlm.cli import main
+        with contextlib.redirect_stdout(io.StringIO()):
+            try:
+                main(["--help"])
+            except SystemExit:
+                pass
+        """
+    )
+    assert _imported_modules(code) == []
+    # --check-config runs the daemon's start-up checks (edgevlm.daemon.preflight): the tokenizer and
+    # chat template are loaded (tokenizers), but a CPU model without video files needs no torch or OpenCV.
     cfg = tmp_path / "daemon.yaml"
     cfg.write_text("mqtt:\n  host: localhost\n  device_id: robot-1\n")
     code = textwrap.dedent(
@@ -247,10 +261,10 @@ def test_cli_help_and_check_config_are_light(tmp_path) -> None:
         from edgevlm.cli import main
         with contextlib.redirect_stdout(io.StringIO()):
             assert main(["serve", "--check-config", {str(cfg)!r}]) == 0
-            try:
-                main(["--help"])
-            except SystemExit:
-                pass
         """
     )
-    assert _imported_modules(code) == []
+    imported = _imported_modules(code)
+    assert "edgevlm.daemon.preflight" in imported
+    assert not [m for m in imported if m.split(".")[0] in ("torch", "cv2", "transformers", "safetensors")]
+    assert not [m for m in imported if m.startswith(("edgevlm.quantize", "edgevlm.runtime.engine",
+                                                     "edgevlm.runtime.loader"))]
