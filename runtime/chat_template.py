@@ -10,8 +10,8 @@ globals). A template that branches on the prompt can do unbounded work at reques
 :class:`ChatTemplate` whose :meth:`~ChatTemplate.render` bounds that work three ways:
 
 1. **steps and time**: a trace function (:func:`sys.settrace`, on the rendering thread only, for
-   the duration of one render) counts every Python ``call`` and ``line`` event of the compiled
-   template and the Jinja runtime it calls; past :data:`MAX_RENDER_STEPS` events or
+   the duration of one render) counts every Python ``call`` event (generator resumes included) and
+   every ``line`` event of the compiled template's own code; past :data:`MAX_RENDER_STEPS` events or
    :data:`MAX_RENDER_S` seconds it raises :class:`ChatTemplateBudgetError` inside the template.
    This bounds loops (nested or not, over ``range`` or any sequence) and macro recursion (deep
    recursion also ends in Python's own ``RecursionError``, reported the same way).
@@ -333,9 +333,15 @@ class ChatTemplate:
         """
         budget = _Budget(MAX_RENDER_STEPS, MAX_RENDER_S)
 
-        def trace(frame: Any, event: str, arg: Any) -> Any:
+        def trace_lines(frame: Any, event: str, arg: Any) -> Any:
             budget.tick()
-            return trace
+            return trace_lines
+
+        def trace(frame: Any, event: str, arg: Any) -> Any:  # every call (generator resumes included)
+            budget.tick()
+            # line events only in the template's own code: its loops; the Jinja runtime and filters
+            # it calls are counted per call, which keeps the tracing cost per render small
+            return trace_lines if frame.f_code.co_filename == "<template>" else None
 
         previous, outer = sys.gettrace(), _budget()
         _local.budget = budget
