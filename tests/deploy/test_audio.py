@@ -277,8 +277,19 @@ ALSA_CHILD = textwrap.dedent("""
 """)
 
 
+def _sounddevice_or_skip() -> None:
+    """Skip (never error) where sounddevice or the PortAudio library is missing: importing
+    sounddevice without libportaudio2 raises OSError, which ``pytest.importorskip`` lets through."""
+    try:
+        import sounddevice  # noqa: F401
+    except ImportError:
+        pytest.skip("sounddevice missing: pip install 'edgevlm[audio]'")
+    except OSError as exc:
+        pytest.skip(f"PortAudio missing ({exc}): apt-get install libportaudio2 (make test installs it)")
+
+
 def test_microphone_through_portaudio_and_a_fake_alsa_device(tmp_path) -> None:
-    pytest.importorskip("sounddevice", reason="pip install 'edgevlm[audio]' (and apt-get install libportaudio2)")
+    _sounddevice_or_skip()
     # The ALSA 'file' plugin over the 'null' device: capture reads the raw samples of 'infile'.
     # PortAudio opens it at its native (default) rate, 44100 Hz here, and 2 channels; the daemon
     # must resample to 16 kHz and downmix itself. Samples are float32 (what the stream asks for).
