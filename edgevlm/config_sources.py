@@ -76,6 +76,11 @@ class SourceConfig(StrictModel):
     max_frame_age_s: float | None = Field(
         2.0, gt=0, description="A request is not answered from a frame older than this (s); None = any age."
     )
+    frozen_after_s: float | None = Field(
+        10.0, gt=0, le=86400, description="A live camera whose frames stay identical byte for byte this long "
+        "is 'frozen' (a stuck pipeline; a real sensor's noise never repeats a frame) and requests on it get "
+        "reason frozen_frame (s); None = never. Video files are not checked (they may hold stills)."
+    )
     reopen_delay_s: float = Field(
         2.0, gt=0, le=3600, description="First delay before reopening a camera that failed or stopped (s); "
         "doubles on each failure up to reconnect_max_delay_s."
