@@ -169,7 +169,7 @@ class AudioSourceConfig(StrictModel):
         None, description="PortAudio input device index or name (substring); None = the default input."
     )
     file: ConfigPath | None = Field(None, description="A WAV file to play in real time instead of a microphone.")
-    loop: bool = Field(True, description="Play the WAV file in a loop.")
+    loop: bool = Field(True, description="Play the WAV file in a loop; false = once, then the source is 'ended'.")
     sample_rate_hz: int = Field(16000, ge=4000, le=192000, description="Rate of the buffered audio (Hz).")
     device_rate_hz: int | None = Field(
         None, ge=4000, le=384000, description="Rate to open the device at; None = its native (default) rate."
