@@ -54,6 +54,7 @@ __all__ = [
     "AudioSource",
     "FeaturesRequest",  # edgevlm.daemon.audio_request
     "features_response",
+    "import_sounddevice",
     "make_features_handler",
     "native_input_settings",
 ]
@@ -65,7 +66,14 @@ _MAX_VIRTUAL_CHANNELS = 8  # ALSA/PulseAudio mixing devices report 32-128 "chann
 AudioListener = Callable[["AudioSource", dict[str, Any]], None]
 
 
-def _sounddevice() -> Any:
+def import_sounddevice() -> Any:
+    """The ``sounddevice`` module (PortAudio), imported at the microphone boundary.
+
+    Raises:
+        ImportError: naming the fix: ``pip install 'edgevlm[audio]'`` when sounddevice is missing,
+            ``apt-get install libportaudio2`` when the PortAudio library is (sounddevice raises
+            OSError then).
+    """
     try:
         import sounddevice as sd
     except ImportError as exc:
@@ -269,7 +277,7 @@ class AudioSource:
         return True
 
     def _record(self) -> bool:
-        sd = _sounddevice()
+        sd = import_sounddevice()
         cfg = self.config
         info = sd.query_devices(cfg.device, kind="input")
         rate, channels = native_input_settings(info, cfg)
