@@ -152,7 +152,6 @@ class FrameSource:
         self.abandoned_threads = 0
         self.last_error: str | None = None
         self.negotiated: dict[str, Any] = {}
-        self._previous_raw: np.ndarray | None = None  # the last frame as read (frozen-frame check)
         self._same_since: float | None = None  # monotonic time of the first of the identical frames
         self.frozen_checked = self.kind != "file" and config.frozen_after_s is not None
 
@@ -300,15 +299,14 @@ class FrameSource:
         now = time.monotonic()
         frozen_for: float | None = None
         with self._cond:
-            if self.frozen_checked:
-                prev = self._previous_raw
-                if prev is not None and prev.shape == bgr.shape and np.array_equal(prev, bgr):
+            if self.frozen_checked:  # the previous RGB frame is a fresh array (never a reused buffer)
+                prev = None if self._latest is None else self._latest.image
+                if prev is not None and prev.shape == rgb.shape and np.array_equal(prev, rgb):
                     if self._same_since is None:
-                        self._same_since = self._frame_times[-1] if self._frame_times else now
+                        self._same_since = self._latest.monotonic_s
                     frozen_for = now - self._same_since
                 else:
                     self._same_since = None
-                self._previous_raw = bgr
             self._seq += 1
             self._latest = CapturedFrame(self.name, rgb, ts, pos_ms, index, self._seq, now)
             self._frame_times.append(now)
