@@ -107,7 +107,9 @@ def test_an_unknown_group_is_a_usage_error(tmp_path) -> None:
 @pytest.mark.skipif(shutil.which("make") is None, reason="make missing")
 def test_make_test_and_make_demo_check_the_packages_first() -> None:
     for target, group in (("test", "test"), ("demo", "demo")):
-        out = subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True, timeout=60)
+        env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "PYTEST_ARGS")}
+        out = subprocess.run(["make", "--no-print-directory", "-n", target], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
         assert out.returncode == 0, out.stderr
         lines = out.stdout.splitlines()
         assert lines[0] == f"scripts/system-deps.sh {group}", lines
