@@ -1,8 +1,13 @@
 # edgevlm: the two commands.
 #
-#   make demo   set up .venv (first time only), then run the end-to-end demo
-#   make test   set up .venv (first time only), then run the test suite
+#   make demo   install missing system packages, set up .venv (first time only), run the end-to-end demo
+#   make test   install missing system packages, set up .venv (first time only), run the test suite
 #   make lint   ruff
+#
+# System packages: scripts/system-deps.sh holds the one list (`test` and `demo` groups). It checks
+# them with one dpkg-query call and does nothing more when all are installed; missing ones are
+# installed with apt-get as root or with passwordless sudo, else it prints the exact
+# `sudo apt-get ...` command and stops. EDGEVLM_SYSTEM_DEPS=skip skips it.
 #
 # Set-up: `python3 -m venv .venv`; on x86_64 (not a Jetson) torch==$(TORCH_VERSION) is installed
 # first so that the `runtime` extra does not pull another build; on a Jetson (aarch64 with
@@ -20,7 +25,7 @@ STAMP := $(VENV)/.edgevlm-setup.stamp
 ARCH := $(shell uname -m)
 JETSON := $(shell [ "$(ARCH)" = aarch64 ] && [ -f /etc/nv_tegra_release ] && echo yes)
 
-.PHONY: all setup demo test lint clean-venv
+.PHONY: all setup system-deps system-deps-demo demo test lint clean-venv
 
 all: test
 
@@ -52,10 +57,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -e '.[runtime,onnx,metrics,audio,dev]' $${constraint:-}; \
 	touch $@
 
-demo: $(STAMP)
+# Prerequisites run left to right: the system packages (python3-venv among them) before the venv.
+system-deps:
+	@scripts/system-deps.sh test
+
+system-deps-demo:
+	@scripts/system-deps.sh demo
+
+demo: system-deps-demo $(STAMP)
 	$(BIN)/edgevlm demo
 
-test: $(STAMP)
+test: system-deps $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)

@@ -11,7 +11,9 @@ Microphones are opened at their *native* rate (PortAudio's default sample rate o
 ``device_rate_hz``) and channel count, never at the wanted rate: many USB microphones only offer
 48000 or 44100 Hz, and a driver-side conversion (ALSA ``plug``) is not always there. A stream that
 fails to open, reports an error or stops delivering for ``STALL_S`` is reopened with capped
-exponential backoff. ``sounddevice`` is the ``audio`` extra (``pip install 'edgevlm[audio]'``;
+exponential backoff. A WAV file with ``loop: false`` is played once: at its end the source
+publishes an ``end_of_file`` event and its state becomes ``ended`` (it is not reopened).
+``sounddevice`` is the ``audio`` extra (``pip install 'edgevlm[audio]'``;
 it needs the PortAudio library, ``apt-get install libportaudio2``).
 
 :meth:`AudioSource.features` returns log-mel features (64 bins, 25 ms window, 10 ms hop) of the
@@ -46,22 +48,32 @@ from edgevlm.errors import InternalError, UnknownSourceError
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "ENDED",
     "STALL_S",
     "AudioManager",
     "AudioSource",
     "FeaturesRequest",  # edgevlm.daemon.audio_request
     "features_response",
+    "import_sounddevice",
     "make_features_handler",
     "native_input_settings",
 ]
 
 STALL_S = 2.0
+ENDED = "ended"  # state of a WAV source with loop: false after its one pass
 _MAX_VIRTUAL_CHANNELS = 8  # ALSA/PulseAudio mixing devices report 32-128 "channels": open 2 of them
 
 AudioListener = Callable[["AudioSource", dict[str, Any]], None]
 
 
-def _sounddevice() -> Any:
+def import_sounddevice() -> Any:
+    """The ``sounddevice`` module (PortAudio), imported at the microphone boundary.
+
+    Raises:
+        ImportError: naming the fix: ``pip install 'edgevlm[audio]'`` when sounddevice is missing,
+            ``apt-get install libportaudio2`` when the PortAudio library is (sounddevice raises
+            OSError then).
+    """
     try:
         import sounddevice as sd
     except ImportError as exc:
@@ -104,12 +116,15 @@ class AudioSource:
         self._thread: threading.Thread | None = None
         self._blocks: queue.Queue[np.ndarray] = queue.Queue(maxsize=256)
         self.dropped_blocks = 0
+        self._ended = False  # a WAV file with loop: false has been played once
+        self._played_s = 0.0
 
     # ------------------------------------------------------------------ public
     def start(self) -> None:
         if self._thread is not None:
             return
         self._stop.clear()
+        self._ended = False
         self._thread = threading.Thread(target=self._run, name=f"edgevlm-audio-{self.name}", daemon=True)
         self._thread.start()
 
@@ -177,6 +192,12 @@ class AudioSource:
                 delivered = False
             if self._stop.is_set():
                 break
+            if self._ended:  # a WAV file played once (loop: false): done, not an error
+                logger.info("audio %s: end of file %s (loop: false); not replayed", self.name, self.config.file)
+                self._emit({"type": "end_of_file", "ts": round(time.time(), 3), "file": str(self.config.file),
+                            "played_s": self._played_s})  # fmt: skip
+                self._set_state(ENDED)
+                return
             failures = 0 if delivered else failures + 1
             delay = min(self.config.reconnect_max_delay_s, self.config.reopen_delay_s * 2 ** max(0, failures - 1))
             (logger.warning if failures <= 1 else logger.debug)(
@@ -243,7 +264,7 @@ class AudioSource:
         while not self._stop.is_set():
             if pos >= len(samples):
                 if not cfg.loop:
-                    self.last_error = "end of file"
+                    self._ended, self._played_s = True, round(sent / info.sample_rate_hz, 3)
                     return True
                 pos = 0
             chunk = samples[pos : pos + block]
@@ -256,7 +277,7 @@ class AudioSource:
         return True
 
     def _record(self) -> bool:
-        sd = _sounddevice()
+        sd = import_sounddevice()
         cfg = self.config
         info = sd.query_devices(cfg.device, kind="input")
         rate, channels = native_input_settings(info, cfg)

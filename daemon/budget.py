@@ -256,8 +256,8 @@ class BudgetController:
         best: tuple[OperatingPoint, float] | None = None
         for p in self.points[start:]:
             ms = self.service_ms(p.point, max_new_tokens, tail=True)
-            if ms <= limit:
-                return p.point, ms
+            if ms <= limit:  # its token cap raised to what the budget left affords (see runtime.policy)
+                return self.controller.lift_cap(p.point, (remaining_ms - self._overhead_ms) / self._hint), ms
             if best is None or ms < best[1]:
                 best = (p.point, ms)
         assert best is not None  # the frontier is never empty

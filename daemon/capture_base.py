@@ -6,6 +6,7 @@ read (:func:`capture_path`). The backends: :mod:`edgevlm.daemon.capture_opencv`,
 from __future__ import annotations
 
 import functools
+import logging
 import re
 from typing import Any
 
@@ -17,11 +18,27 @@ __all__ = ["CaptureBackend", "capture_path", "opencv_has_gstreamer"]
 
 
 def _cv2() -> Any:
+    """OpenCV, with its own console logging quieted (see :func:`_quiet_opencv`)."""
     try:
         import cv2
     except ImportError as exc:  # pragma: no cover - depends on the installation
         raise ImportError("camera sources need OpenCV: pip install 'edgevlm[runtime]'") from exc
+    _quiet_opencv(cv2)
     return cv2
+
+
+@functools.lru_cache(maxsize=1)
+def _quiet_opencv(cv2: Any) -> None:
+    """OpenCV writes ``[ WARN:0@1.2] global cap_ffmpeg_impl.hpp ...`` lines straight to stderr,
+    outside Python's logging. Capture reports what they say through logging itself (a timed-out
+    open or read becomes the source's ``last_error`` and a WARNING), so OpenCV's own output is
+    silenced through its API (``cv2.utils.logging.setLogLevel``), unless this logger is at DEBUG,
+    where OpenCV's warnings are kept for diagnosis."""
+    cv_logging = getattr(getattr(cv2, "utils", None), "logging", None)
+    if cv_logging is None:  # pragma: no cover - OpenCV builds without the logging API
+        return
+    debug = logging.getLogger(__name__).isEnabledFor(logging.DEBUG)
+    cv_logging.setLogLevel(cv_logging.LOG_LEVEL_WARNING if debug else cv_logging.LOG_LEVEL_SILENT)
 
 
 @functools.lru_cache(maxsize=1)

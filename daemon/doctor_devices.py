@@ -12,6 +12,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from edgevlm.daemon.audio import import_sounddevice
 from edgevlm.daemon.doctor_host import CheckResult, _fail, _Host, _ok, _warn
 
 _VIDIOC_QUERYCAP = 0x80685600  # _IOR('V', 0, struct v4l2_capability), 104 bytes (linux/videodev2.h)
@@ -105,8 +106,7 @@ def _check_source(h: _Host, src: Any) -> CheckResult:
 
 def _check_microphones(h: _Host) -> CheckResult:
     try:
-        import sounddevice as sd
-
+        sd = import_sounddevice()  # ImportError naming the fix: the pip extra, or apt-get install libportaudio2
         inputs = [d for d in sd.query_devices() if d.get("max_input_channels", 0) > 0]
         if inputs:
             names = ", ".join(
@@ -115,8 +115,10 @@ def _check_microphones(h: _Host) -> CheckResult:
             )
             return _ok("microphones", f"PortAudio: {len(inputs)} input device(s): {names}")
         via = "PortAudio: no input device"
-    except Exception as exc:  # noqa: BLE001 - not installed, or PortAudio missing (OSError)
-        via = f"sounddevice unavailable ({type(exc).__name__})"
+    except ImportError as exc:  # sounddevice or the PortAudio library missing: the message says what to install
+        via = str(exc)
+    except Exception as exc:  # noqa: BLE001 - PortAudio itself failing: name it
+        via = f"PortAudio: cannot list devices ({type(exc).__name__}: {exc})"
     cards = {}
     for line in (h.read("/proc/asound/cards") or "").splitlines():
         m = re.match(r"\s*(\d+)\s+\[[^\]]*\]:\s*(.*)", line)

@@ -10,14 +10,21 @@ subprocess) may block inside native code, so:
   ``read_timeout_s``, and the supervisor abandons that attempt (aborting what can be aborted: a
   subprocess is killed; a stuck OpenCV call is left to return on its own and its thread then
   releases the device) and reconnects. A dead RTSP stream therefore never blocks for minutes.
+  FFmpeg's own open/read timeouts (set to the same values) end the same way and are reported the
+  same way: ``no frame within open_timeout_s=...`` and ``no frame for read_timeout_s=...`` (a
+  stall), never as a failed open or the end of the stream.
 - Reconnects back off exponentially from ``reopen_delay_s`` to ``reconnect_max_delay_s``; the
   backoff resets once a stream has delivered for a while. Video files loop: their end reopens at
-  once.
-- State (``starting``, ``streaming``, ``stalled``, ``reconnecting``, ``stopped``) changes are
+  once (logged "opened" on the first open only).
+- A live camera whose frames stay identical byte for byte for longer than ``frozen_after_s`` (a
+  stuck pipeline resending one buffer; a real sensor's noise never repeats a frame exactly) is
+  ``frozen`` until a different frame arrives; video files are not checked.
+- State (``starting``, ``streaming``, ``frozen``, ``stalled``, ``reconnecting``, ``stopped``) changes are
   reported to a listener (the daemon publishes them retained on ``<prefix>/<device_id>/sources/
   <name>`` and counts them in the metrics).
 - :meth:`FrameSource.frame_for_request` refuses a frame older than ``max_frame_age_s``: the
-  request is answered with a typed error whose details say ``stale_frame`` and the frame's age.
+  request is answered with a typed error whose details say ``stale_frame`` and the frame's age;
+  on a ``frozen`` camera the reason is ``frozen_frame``.
 
 Frames are converted to RGB uint8 ``(H, W, 3)``; timestamps are UNIX seconds (``ts``) plus the
 monotonic clock for age checks.
@@ -47,8 +54,10 @@ _MAX_LAG_S = 1.0  # a paced file that falls further behind than this re-anchors 
 _STABLE_S = 10.0  # a stream that delivered this long resets the reconnect backoff
 _FPS_WINDOW = 30
 
-STARTING, STREAMING, STALLED, RECONNECTING, STOPPED = "starting", "streaming", "stalled", "reconnecting", "stopped"
-SOURCE_STATES = (STARTING, STREAMING, STALLED, RECONNECTING, STOPPED)
+STARTING, STREAMING, FROZEN, STALLED = "starting", "streaming", "frozen", "stalled"
+RECONNECTING, STOPPED = "reconnecting", "stopped"
+SOURCE_STATES = (STARTING, STREAMING, FROZEN, STALLED, RECONNECTING, STOPPED)
+_TIMEOUT_SHARE = 0.9  # a backend call that failed after this share of its timeout timed out
 
 StateListener = Callable[["FrameSource", dict[str, Any]], None]
 
@@ -106,6 +115,8 @@ class _Attempt:
         self.done = threading.Event()
         self.abandoned = False
         self.eof = False
+        self.stalled = False  # the backend's own read timeout ended the stream
+        self.loop_reopen = False  # reopened at the end of a video file (logged once, not per loop)
         self.frames = 0
         self.error: str | None = None
         self.thread: threading.Thread | None = None
@@ -141,6 +152,8 @@ class FrameSource:
         self.abandoned_threads = 0
         self.last_error: str | None = None
         self.negotiated: dict[str, Any] = {}
+        self._same_since: float | None = None  # monotonic time of the first of the identical frames
+        self.frozen_checked = self.kind != "file" and config.frozen_after_s is not None
 
     # ------------------------------------------------------------------ public
     def start(self) -> None:
@@ -190,10 +203,12 @@ class FrameSource:
         inference worker must not wait on a camera that is down).
 
         Raises:
-            InternalError: no frame yet (details ``reason: no_frame``) or only a frame that is too
+            InternalError: no frame yet (details ``reason: no_frame``), only a frame that is too
                 old (``reason: stale_frame``, with ``frame_age_s``, ``max_frame_age_s`` and the
-                source ``state``); the message says which.
+                source ``state``), or a ``frozen`` camera (``reason: frozen_frame``, with
+                ``frozen_for_s`` and ``frozen_after_s``); the message says which.
         """
+        self._check_frozen()
         max_age = self.config.max_frame_age_s
         if self.state in (RECONNECTING, STALLED):
             wait_s = 0.0  # the camera is down: answer now rather than hold the worker
@@ -223,6 +238,19 @@ class FrameSource:
             f"camera {self.state}" + (f": {self.last_error}" if self.last_error else ""),
             details=details,
         )
+
+    def _check_frozen(self) -> None:
+        if self.state != FROZEN:
+            return
+        with self._cond:
+            since = self._same_since
+        frozen_for = 0.0 if since is None else time.monotonic() - since
+        raise InternalError(
+            f"source {self.name!r}: camera frozen: the same frame for {frozen_for:.1f} s "
+            f"(frozen_after_s={self.config.frozen_after_s})",
+            details={"source": self.name, "state": FROZEN, "reason": "frozen_frame",
+                     "frozen_for_s": round(frozen_for, 3), "frozen_after_s": self.config.frozen_after_s},
+        )  # fmt: skip
 
     def fps(self) -> float | None:
         """Frames per second delivered over the last few frames (None before two frames)."""
@@ -269,16 +297,39 @@ class FrameSource:
     def _publish(self, bgr: np.ndarray, ts: float, pos_ms: float | None, index: int | None) -> None:
         rgb = to_rgb(bgr)
         now = time.monotonic()
+        frozen_for: float | None = None
         with self._cond:
+            if self.frozen_checked:  # the previous RGB frame is a fresh array (never a reused buffer)
+                prev = None if self._latest is None else self._latest.image
+                if prev is not None and prev.shape == rgb.shape and np.array_equal(prev, rgb):
+                    if self._same_since is None:
+                        self._same_since = self._latest.monotonic_s
+                    frozen_for = now - self._same_since
+                else:
+                    self._same_since = None
             self._seq += 1
             self._latest = CapturedFrame(self.name, rgb, ts, pos_ms, index, self._seq, now)
             self._frame_times.append(now)
             self._cond.notify_all()
+        if self.frozen_checked:
+            self._frozen_state(frozen_for)
 
+    def _frozen_state(self, frozen_for: float | None) -> None:
+        """Enter ``frozen`` once identical frames last past ``frozen_after_s``; leave it on the
+        first different frame."""
+        limit = self.config.frozen_after_s
+        if frozen_for is not None and limit is not None and frozen_for > limit and self.state == STREAMING:
+            self.last_error = f"the same frame for {frozen_for:.1f} s (frozen_after_s={limit})"
+            logger.warning("source %s: camera frozen: %s", self.name, self.last_error)
+            self._set_state(FROZEN, event="frozen")
+        elif frozen_for is None and self.state == FROZEN:
+            logger.info("source %s: frames change again; no longer frozen", self.name)
+            self._set_state(STREAMING, event="unfrozen")
     # --------------------------------------------------------------- supervisor
     def _supervise(self) -> None:
         failures = 0  # consecutive failed attempts (backoff exponent)
         file_clock: list[float | None] = [None]
+        looped = False  # the next attempt reopens a video file at its end
         while not self._stop.is_set():
             try:
                 backend = make_backend(self.config)
@@ -287,6 +338,7 @@ class FrameSource:
                 self.last_error = f"{type(exc).__name__}: {exc}"
             else:
                 attempt = _Attempt(backend)
+                attempt.loop_reopen, looped = looped, False
                 self._attempt = attempt
                 attempt.thread = threading.Thread(
                     target=self._reader, args=(attempt, file_clock), name=f"edgevlm-reader-{self.name}", daemon=True
@@ -300,6 +352,7 @@ class FrameSource:
                     self._retire(attempt)
                     self.loops += 1
                     failures = 0
+                    looped = True
                     continue  # end of the video file: loop at once
                 if streamed_s >= _STABLE_S:
                     failures = 0
@@ -346,6 +399,10 @@ class FrameSource:
                 break
         if attempt.done.is_set() and not attempt.abandoned and not self._stop.is_set() and attempt.error:
             self.last_error = attempt.error
+            if attempt.stalled:  # the backend's own read timeout fired first
+                self.stalls += 1
+                logger.warning("source %s: %s; abandoning the capture", self.name, self.last_error)
+                self._set_state(STALLED, event="stalled")
         return 0.0 if first_frame_at is None else time.monotonic() - first_frame_at
 
     def _abandon(self, attempt: _Attempt) -> None:
@@ -366,17 +423,25 @@ class FrameSource:
     # --------------------------------------------------------------- reader thread
     def _reader(self, attempt: _Attempt, file_clock: list[float | None]) -> None:
         backend = attempt.backend
+        cfg = self.config
+        opening = time.monotonic()
         try:
             self.negotiated = backend.open()
             attempt.opened.set()
             if attempt.abandoned:
                 return
-            logger.info("source %s: opened %s (%s)", self.name, self.config.uri or "csi", backend.path)
+            log = logger.debug if attempt.loop_reopen else logger.info
+            log("source %s: opened %s (%s)", self.name, cfg.uri or "csi", backend.path)
             if self.kind == "file":
                 file_clock[0] = self._play_file(attempt, file_clock[0])
             else:
                 while not attempt.abandoned and not self._stop.is_set():
+                    reading = time.monotonic()
                     frame = backend.read()
+                    # FFmpeg's read timeout fires inside a read that may still return the frames the
+                    # decoder holds; the reads after it fail at once, like the end of a stream
+                    if time.monotonic() - reading >= _TIMEOUT_SHARE * cfg.read_timeout_s:
+                        attempt.stalled = True
                     if frame is None:
                         attempt.eof = True
                         break
@@ -386,6 +451,11 @@ class FrameSource:
                     self._delivered(attempt)
             if attempt.eof and attempt.frames == 0 and self.kind == "file":
                 attempt.error = "video file has no frames"
+            elif attempt.stalled and attempt.frames == 0:
+                attempt.stalled = False  # opened but never delivered: a failed open, not a stall
+                attempt.error = f"opened, but no frame within read_timeout_s={cfg.read_timeout_s} s"
+            elif attempt.stalled:
+                attempt.error = f"no frame for read_timeout_s={cfg.read_timeout_s} s"
             elif attempt.eof and self.kind != "file":
                 attempt.error = "read failed (end of stream)"
                 if isinstance(backend, GstSubprocessCapture) and backend.error_text():
@@ -393,6 +463,9 @@ class FrameSource:
         except Exception as exc:  # noqa: BLE001 - a bad source must not kill the daemon
             if isinstance(exc, OSError) and str(exc).startswith("cannot open"):
                 attempt.error = str(exc)
+                if not attempt.opened.is_set() and \
+                        time.monotonic() - opening >= _TIMEOUT_SHARE * cfg.open_timeout_s:  # FFmpeg's open timeout
+                    attempt.error = f"no frame within open_timeout_s={cfg.open_timeout_s} s ({exc})"
             else:
                 attempt.error = f"{type(exc).__name__}: {exc}"
         finally:

@@ -14,11 +14,14 @@ for WAVE_FORMAT_EXTENSIBLE):
 - PCM samples are little-endian: 8-bit unsigned (offset 128), 16/24/32-bit signed. Valid bits
   below the container size are left-justified, so scaling by the container's full scale is right.
 
-Samples are returned as float32 in [-1, 1) (integers divided by 2^(bits-1)).
+Samples are returned as float32 in [-1, 1) (integers divided by 2^(bits-1)). A file cut short
+inside its ``data`` chunk (a recorder killed mid-write) decodes the whole frames that are there,
+with one WARNING naming the file and the bytes missing.
 """
 
 from __future__ import annotations
 
+import logging
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from edgevlm.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 WAVE_FORMAT_PCM = 0x0001
 WAVE_FORMAT_IEEE_FLOAT = 0x0003
@@ -109,6 +114,9 @@ def read_wav(path: str | Path) -> tuple[np.ndarray, WavInfo]:
         WavFormatError: not RIFF/WAVE, a missing ``fmt ``/``data`` chunk, a truncated chunk
             header, or an unsupported format (the message names the file and the reason).
         OSError: the file cannot be read.
+
+    A ``data`` chunk cut short is decoded as far as it goes (one WARNING names the file and the
+    missing bytes).
     """
     where = str(path)
     raw = Path(path).read_bytes()
@@ -124,6 +132,9 @@ def read_wav(path: str | Path) -> tuple[np.ndarray, WavInfo]:
             info = _parse_fmt(body, where)
         elif cid == b"data":
             data = body  # a data chunk cut short by a truncated file keeps its whole frames
+            if len(body) < size:
+                logger.warning("%s: truncated WAV file: the data chunk declares %d bytes, %d are missing; "
+                               "decoding the %d bytes there", where, size, size - len(body), len(body))
             if info is not None:
                 break
         pos += 8 + size + (size & 1)

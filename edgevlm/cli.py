@@ -125,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--seed", type=int, default=None, help="sampling seed")
     ask.add_argument("--stream", action="store_true", help="print the answer while it is generated")
     ask.add_argument(
-        "--json", action="store_true", help="print one JSON object: answer (the text), stats, model, question"
+        "--json", action="store_true", help="print one JSON object: answer (the text), stats, model, question; "
+        "with --stream, JSON lines: {\"delta\": TEXT} per piece as generated, then that object"
     )
     ask.set_defaults(func=_cmd_ask)
 
@@ -212,12 +213,13 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     kwargs = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, operating_point=op
     )
-    if args.stream and not args.json:
+    if args.stream:
         stream = engine.stream(image, question, **kwargs)
         for delta in stream:
-            sys.stdout.write(delta)
+            sys.stdout.write(json.dumps({"delta": delta}) + "\n" if args.json else delta)
             sys.stdout.flush()
-        sys.stdout.write("\n")
+        if not args.json:
+            sys.stdout.write("\n")
         answer = stream.answer
     else:
         answer = engine.ask(image, question, **kwargs)
@@ -240,7 +242,7 @@ def _cmd_ask(args: argparse.Namespace) -> int:
 
 
 def _json_result(answer, question: str, model: dict) -> dict:
-    """What ``ask --json`` prints: ``answer`` (the text), ``stats`` (the per-stage latencies and
+    """What ``ask --json`` prints (with ``--stream``: after one ``{"delta": TEXT}`` line per piece): ``answer`` (the text), ``stats`` (the per-stage latencies and
     token counts of :class:`edgevlm.types.Stats`; keys without a value left out, as in MQTT responses), ``model`` (folder, backend, device, dtype,
     resolution ladder, load time), plus ``question`` and the answer's other fields (e.g.
     ``frame_ts``) when set."""

@@ -30,8 +30,30 @@ def fail(error: str | BaseException, code: int = EXIT_USAGE, *, prog: str = "edg
     return code
 
 
+_RST_ROLE_RE = re.compile(r":[a-z]+:`~?([^`<]*?)(?:\s*<[^>]*>)?`")
+
+
+def plain_text(rst: str) -> str:
+    """Docstring text (reStructuredText inline markup) as plain text for ``--help``:
+    ````edgevlm calibrate```` -> ``edgevlm calibrate``, ``:class:`~edgevlm.Client``` -> ``edgevlm.Client``
+    (``~`` keeps the last name: ``Client``), ``*x*``/``**x**`` -> ``x``."""
+    def role(m: re.Match[str]) -> str:
+        target = m.group(1)
+        return target.rsplit(".", 1)[-1] if m.group(0).split("`", 1)[1].startswith("~") else target
+
+    text = _RST_ROLE_RE.sub(role, rst).replace("``", "")
+    return re.sub(r"(?<![\w*])\*{1,2}([^*\s][^*]*?)\*{1,2}(?![\w*])", r"\1", text)
+
+
 class OneLineParser(argparse.ArgumentParser):
-    """ArgumentParser whose errors are one line (``edgevlm: error: ...``), exit status 2."""
+    """ArgumentParser whose errors are one line (``edgevlm: error: ...``), exit status 2, and whose
+    ``description`` (often a docstring's first line) is shown without reStructuredText markup
+    (:func:`plain_text`)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        if isinstance(kwargs.get("description"), str):
+            kwargs["description"] = plain_text(kwargs["description"])  # type: ignore[arg-type]
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"edgevlm: error: {one_line(message)} (see '{self.prog} --help')\n")

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from edgevlm.config_mqtt import DefaultsConfig, LimitsConfig, MqttConfig, TlsConfig
 from edgevlm.config_runtime import (
@@ -53,7 +53,13 @@ from edgevlm.config_sources import (
     source_kind,
 )
 from edgevlm.errors import ConfigError
-from edgevlm.validation import first_error_message
+from edgevlm.validation import (
+    DuplicateKeyError,
+    StrictModel,
+    first_error_message,
+    load_yaml,
+    yaml_error_message,
+)
 
 __all__ = [
     "AudioSourceConfig",
@@ -80,10 +86,8 @@ __all__ = [
 ]
 
 
-class DaemonConfig(BaseModel):
+class DaemonConfig(StrictModel):
     """The whole daemon configuration."""
-
-    model_config = ConfigDict(extra="forbid")
 
     mqtt: MqttConfig = Field(default_factory=MqttConfig, description="Broker connection and topics.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Model the worker loads.")
@@ -224,12 +228,11 @@ def load_daemon_config(path: str | Path) -> DaemonConfig:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}", details={"file": str(path)}) from None
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
+    except DuplicateKeyError as exc:
+        raise ConfigError(f"$: {exc.message}", details={"file": str(path)}) from None
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"$: YAML syntax error{where}: {problem}", details={"file": str(path)}) from None
+        raise ConfigError(f"$: YAML syntax error{yaml_error_message(exc)}", details={"file": str(path)}) from None
     try:
         return parse_daemon_config(data, base_dir=path.resolve().parent)
     except ConfigError as exc:

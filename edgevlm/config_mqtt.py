@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import re
 import socket
-from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from edgevlm.protocol import (
     DEFAULT_PREFIX,
@@ -17,6 +16,7 @@ from edgevlm.protocol import (
     check_device_id,
     check_prefix,
 )
+from edgevlm.validation import ConfigPath, StrictModel
 
 
 def _default_device_id() -> str:
@@ -24,24 +24,20 @@ def _default_device_id() -> str:
     return host[:64]
 
 
-class TlsConfig(BaseModel):
+class TlsConfig(StrictModel):
     """TLS towards the broker (paho's ``tls_set``)."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    ca_certs: Path | None = Field(None, description="CA bundle (PEM); None = the system's trust store.")
-    certfile: Path | None = Field(None, description="Client certificate (PEM) for mutual TLS.")
-    keyfile: Path | None = Field(None, description="Client private key (PEM) for mutual TLS.")
+    ca_certs: ConfigPath | None = Field(None, description="CA bundle (PEM); None = the system's trust store.")
+    certfile: ConfigPath | None = Field(None, description="Client certificate (PEM) for mutual TLS.")
+    keyfile: ConfigPath | None = Field(None, description="Client private key (PEM) for mutual TLS.")
     insecure: bool = Field(False, description="Skip the broker hostname check (testing only).")
 
 
-class MqttConfig(BaseModel):
+class MqttConfig(StrictModel):
     """Broker connection and topic layout."""
 
-    model_config = ConfigDict(extra="forbid")
-
     host: str = Field("localhost", min_length=1, description="Broker host name or IP address.")
-    port: int = Field(1883, ge=1, le=65535, strict=True,
+    port: int = Field(1883, ge=1, le=65535,
                       description="Broker TCP port (an integer: 1883.0 and \"1883\" are refused).")
     prefix: str = Field(DEFAULT_PREFIX, description="Topic prefix: topics are <prefix>/<device_id>/...")
     device_id: str = Field(
@@ -101,10 +97,8 @@ class MqttConfig(BaseModel):
         return self.client_id or f"edgevlm-daemon-{self.device_id}"
 
 
-class DefaultsConfig(BaseModel):
+class DefaultsConfig(StrictModel):
     """Values used when a request leaves a field out."""
-
-    model_config = ConfigDict(extra="forbid")
 
     max_new_tokens: int = Field(32, gt=0, le=MAX_NEW_TOKENS_LIMIT, description="Cap on generated tokens.")
     timeout_ms: int = Field(
@@ -112,11 +106,9 @@ class DefaultsConfig(BaseModel):
     )
 
 
-class LimitsConfig(BaseModel):
+class LimitsConfig(StrictModel):
     """Limits on what a request may make the daemon decode (``mqtt.max_payload_bytes`` caps the
     whole payload)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     max_image_bytes: int = Field(
         10 * 1024 * 1024, gt=0, description="Largest inline image file (bytes after base64); more is INVALID_IMAGE."

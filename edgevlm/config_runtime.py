@@ -5,18 +5,17 @@ re-exports them)."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from edgevlm.validation import ConfigPath, StrictModel
 
 
-class ModelConfig(BaseModel):
+class ModelConfig(StrictModel):
     """Which model the inference worker loads (``edgevlm.runtime.Engine.load``)."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    path: Path | None = Field(
+    path: ConfigPath | None = Field(
         None, description="Model folder or engine bundle; None = the shipped demo model."
     )
     device: str = Field("cpu", description="torch device: 'cpu', 'cuda' or 'cuda:N'.")
@@ -80,10 +79,8 @@ class ModelConfig(BaseModel):
         return self
 
 
-class MetricsConfig(BaseModel):
+class MetricsConfig(StrictModel):
     """The Prometheus endpoint (``edgevlm.daemon.metrics``)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     listen: str | None = Field(
         "127.0.0.1:9108",
@@ -101,23 +98,19 @@ class MetricsConfig(BaseModel):
         return v
 
 
-class TelemetryConfig(BaseModel):
+class TelemetryConfig(StrictModel):
     """The JSON summary published on ``<prefix>/<device_id>/telemetry``."""
-
-    model_config = ConfigDict(extra="forbid")
 
     interval_s: float | None = Field(10.0, gt=0, le=86400, description="Publish period (s); None = off.")
 
 
-class TegrastatsConfig(BaseModel):
+class TegrastatsConfig(StrictModel):
     """Jetson telemetry from ``tegrastats`` (absent binary = off, logged once)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     enabled: bool = Field(True, description="Read tegrastats when it is available.")
     interval_ms: int = Field(1000, gt=0, le=60000, description="tegrastats --interval (ms).")
     binary: str = Field("tegrastats", min_length=1, description="tegrastats executable (name or path).")
-    log_path: Path | None = Field(
+    log_path: ConfigPath | None = Field(
         None, description="Tail this tegrastats --logfile instead of running the binary."
     )
     temp_limit_c: float = Field(
@@ -128,10 +121,8 @@ class TegrastatsConfig(BaseModel):
     )
 
 
-class ServiceConfig(BaseModel):
+class ServiceConfig(StrictModel):
     """systemd integration and shutdown."""
-
-    model_config = ConfigDict(extra="forbid")
 
     shutdown_timeout_s: float = Field(
         10.0, gt=0, le=3600, description="On SIGTERM, how long the request in flight may run before it is "
@@ -146,12 +137,10 @@ class ServiceConfig(BaseModel):
     )
 
 
-class ReloadConfig(BaseModel):
+class ReloadConfig(StrictModel):
     """Hot reload of the engine (SIGHUP, or a new bundle in ``watch_dir``)."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    watch_dir: Path | None = Field(
+    watch_dir: ConfigPath | None = Field(
         None, description="Folder of engine bundles / model folders; a new complete one is loaded."
     )
     poll_interval_s: float = Field(2.0, gt=0, le=3600, description="How often watch_dir is scanned (s).")
@@ -168,11 +157,9 @@ class ReloadConfig(BaseModel):
     load_test: bool = Field(True, description="Answer one test question with the new engine before switching.")
 
 
-class ControllerConfig(BaseModel):
+class ControllerConfig(StrictModel):
     """The latency controller (``edgevlm.runtime.policy``): per request, the most accurate operating
     point predicted to finish within the request's budget."""
-
-    model_config = ConfigDict(extra="forbid")
 
     enabled: bool = Field(
         True, description="Choose an operating point per request; false = every request runs the model's default."
@@ -180,7 +167,7 @@ class ControllerConfig(BaseModel):
     default_budget_ms: int | None = Field(
         None, gt=0, description="Budget of a request without budget_ms (ms); None = the profile's default_budget_ms."
     )
-    frontier: Path | None = Field(
+    frontier: ConfigPath | None = Field(
         None,
         description="frontier.json to use; None = the model's frontier.json, else the profile's frontier, else "
         "one point per resolution rung measured at start-up.",

@@ -5,10 +5,11 @@ re-exports them)."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from edgevlm.validation import ConfigPath, StrictModel
 
 SourceKind = Literal["v4l2", "gstreamer", "stream", "file", "csi"]
 
@@ -16,11 +17,9 @@ _V4L2_DEV_RE = re.compile(r"^/dev/video\d+$")
 _STREAM_SCHEMES = ("rtsp://", "rtsps://", "rtmp://", "http://", "https://", "udp://", "tcp://")
 
 
-class CsiConfig(BaseModel):
+class CsiConfig(StrictModel):
     """A CSI camera on a Jetson, read through ``nvarguscamerasrc`` (the GStreamer pipeline is built
     from these fields and the source's ``width``/``height``/``fps``)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     sensor_id: int = Field(0, ge=0, le=15, description="nvarguscamerasrc sensor-id (CSI port).")
     sensor_mode: int | None = Field(
@@ -35,11 +34,9 @@ class CsiConfig(BaseModel):
     )
 
 
-class SourceConfig(BaseModel):
+class SourceConfig(StrictModel):
     """One camera: a V4L2 index or /dev/videoN, a GStreamer pipeline (contains ' ! '), an RTSP/HTTP
     URL, a video file (played in a loop at its native fps), or a Jetson CSI camera (``csi:``)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     name: str = Field(
         min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$", description="Name requests use."
@@ -78,6 +75,11 @@ class SourceConfig(BaseModel):
     )
     max_frame_age_s: float | None = Field(
         2.0, gt=0, description="A request is not answered from a frame older than this (s); None = any age."
+    )
+    frozen_after_s: float | None = Field(
+        10.0, gt=0, le=86400, description="A live camera whose frames stay identical byte for byte this long "
+        "is 'frozen' (a stuck pipeline; a real sensor's noise never repeats a frame) and requests on it get "
+        "reason frozen_frame (s); None = never. Video files are not checked (they may hold stills)."
     )
     reopen_delay_s: float = Field(
         2.0, gt=0, le=3600, description="First delay before reopening a camera that failed or stopped (s); "
@@ -142,10 +144,8 @@ def source_kind(uri: int | str) -> SourceKind:
     return "file"
 
 
-class VadConfig(BaseModel):
+class VadConfig(StrictModel):
     """Energy voice-activity detection on an audio source."""
-
-    model_config = ConfigDict(extra="forbid")
 
     enabled: bool = Field(True, description="Publish voice_start/voice_end events.")
     frame_ms: int = Field(30, ge=10, le=100, description="Analysis frame (ms).")
@@ -159,10 +159,8 @@ class VadConfig(BaseModel):
     hangover_ms: int = Field(300, ge=0, le=10000, description="Quiet time that ends a segment (ms).")
 
 
-class AudioSourceConfig(BaseModel):
+class AudioSourceConfig(StrictModel):
     """A microphone (PortAudio via sounddevice) or a WAV file played like one."""
-
-    model_config = ConfigDict(extra="forbid")
 
     name: str = Field(
         min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$", description="Name requests and topics use."
@@ -170,8 +168,8 @@ class AudioSourceConfig(BaseModel):
     device: int | str | None = Field(
         None, description="PortAudio input device index or name (substring); None = the default input."
     )
-    file: Path | None = Field(None, description="A WAV file to play in real time instead of a microphone.")
-    loop: bool = Field(True, description="Play the WAV file in a loop.")
+    file: ConfigPath | None = Field(None, description="A WAV file to play in real time instead of a microphone.")
+    loop: bool = Field(True, description="Play the WAV file in a loop; false = once, then the source is 'ended'.")
     sample_rate_hz: int = Field(16000, ge=4000, le=192000, description="Rate of the buffered audio (Hz).")
     device_rate_hz: int | None = Field(
         None, ge=4000, le=384000, description="Rate to open the device at; None = its native (default) rate."
@@ -196,11 +194,9 @@ class AudioSourceConfig(BaseModel):
         return self
 
 
-class MonitorConfig(BaseModel):
+class MonitorConfig(StrictModel):
     """A continuous check of a camera: the vision encoder up to an exit classifier at a target rate,
     publishing ``<prefix>/<device_id>/events/<name>`` when the set of present labels changes."""
-
-    model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$", description="Monitor name (topic level).")
     source: str = Field(min_length=1, description="Name of the camera source to watch.")

@@ -14,17 +14,23 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from edgevlm.errors import ConfigError
 from edgevlm.types import OperatingPoint
-from edgevlm.validation import first_error_message, read_json_model
+from edgevlm.validation import (
+    DuplicateKeyError,
+    StrictModel,
+    first_error_message,
+    load_yaml,
+    read_json_model,
+    yaml_error_message,
+)
 
 PROFILES_DIR_ENV = "EDGEVLM_PROFILES_DIR"
 
 
-class WeightsConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class WeightsConfig(StrictModel):
 
     scheme: Literal["W4A16", "bf16", "fp16", "fp32"] = Field(
         "W4A16", description="Decoder weight format: W4A16 (INT4 weights, 16-bit activations) or a float format."
@@ -36,13 +42,11 @@ class WeightsConfig(BaseModel):
     )
 
 
-class FrontierPoint(BaseModel):
+class FrontierPoint(StrictModel):
     """One measured operating point: its knobs, its accuracy on the demo evaluation set and its
     per-stage latency on the device that measured it (``edgevlm calibrate`` /
     :mod:`edgevlm.runtime.frontier`). The latency controller (``edgevlm.runtime.policy``) starts
     from these figures and then learns the live ones."""
-
-    model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=64, description="Unique name, e.g. 'r256-x0.8-k0.5'.")
     resolution_px: int | None = Field(None, gt=0, description="Resolution-ladder rung (longer side, px).")
@@ -76,10 +80,8 @@ def _check_frontier(points: list[FrontierPoint], where: str) -> None:
         raise ValueError(f"{where}: duplicate operating point names {dup}")
 
 
-class OperatingPointsConfig(BaseModel):
+class OperatingPointsConfig(StrictModel):
     """The latency/accuracy knobs measured for this device and the frontier the controller uses."""
-
-    model_config = ConfigDict(extra="forbid")
 
     exit_blocks: list[int] = Field(
         default_factory=list,
@@ -118,10 +120,8 @@ class OperatingPointsConfig(BaseModel):
         return self
 
 
-class FrontierFile(BaseModel):
+class FrontierFile(StrictModel):
     """``frontier.json`` beside a model or in a bundle, written by :mod:`edgevlm.runtime.frontier`."""
-
-    model_config = ConfigDict(extra="forbid")
 
     format: Literal["edgevlm-frontier"] = Field("edgevlm-frontier", description="Magic string.")
     format_version: Literal[1] = Field(1, description="Format version.")
@@ -157,14 +157,12 @@ def load_frontier(path: str | Path) -> FrontierFile:
     return read_json_model(path, FrontierFile, error=ConfigError, not_found=f"frontier file not found: {path}")
 
 
-class RuntimeConfig(BaseModel):
+class RuntimeConfig(StrictModel):
     """How the torch backend runs on the profile's device (GPU knobs; ignored on CPU).
 
     Measured on an H200 (``bench/gpu_suite.py``, ``bench/results/``): CUDA graphs make a decode
     step 5x faster than eager launches; the fused decode kernels cut a 7B INT4 step from 3.6 to
     2.9 ms; the fused stem halves the vision stem's time at batch 32."""
-
-    model_config = ConfigDict(extra="forbid")
 
     cuda_graphs: bool = Field(True, description="Capture the decode step in CUDA graphs (per batch size and KV bucket).")
     fused_decode: bool = Field(
@@ -196,10 +194,8 @@ class RuntimeConfig(BaseModel):
         return self
 
 
-class Profile(BaseModel):
+class Profile(StrictModel):
     """One device profile (``profiles/<name>.yaml``)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     name: str = Field(description="Profile name; equals the file's stem.")
     description: str = Field("", description="Human-readable description of the target device.")
@@ -291,9 +287,11 @@ def load_profile(name_or_path: str | Path) -> Profile:
         known = sorted(p.stem for p in profiles_dir().glob("*.yaml"))
         raise ConfigError(f"profile {str(name_or_path)!r} not found (known: {', '.join(known) or 'none'})")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml(path.read_text())
+    except DuplicateKeyError as exc:
+        raise ConfigError(f"{path}: {exc.message}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from None
+        raise ConfigError(f"{path}: not valid YAML{yaml_error_message(exc)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     try:

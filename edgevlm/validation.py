@@ -5,6 +5,11 @@ report a validation failure as one line that starts with the key path, e.g.
 ``mqtt.prot: unknown key``, ``sources[1].uri: a V4L2 index must be >= 0`` or
 ``operating_points.frontier[0].accuracy: Input should be less than or equal to 1``.
 
+It also holds the two parsing rules every config schema shares: :class:`StrictModel` (unknown
+keys refused; numbers and booleans strict: ``"4"``, ``4.0`` for an integer, ``"true"`` or ``1``
+for a boolean are refused) and :func:`load_yaml` (a duplicate mapping key is an error naming the
+key and its line, where PyYAML would keep the last value).
+
 Torch-free (core): the runtime and the quantizer import it too.
 """
 
@@ -13,18 +18,86 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import TypeVar
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+import yaml
+from pydantic import BaseModel, ConfigDict, Strict, ValidationError
 
 from edgevlm.errors import EdgeVLMError
 from edgevlm.protocol import format_loc
 
-__all__ = ["first_error_message", "format_loc", "read_json_model"]  # format_loc: from edgevlm.protocol
+__all__ = [  # format_loc: from edgevlm.protocol
+    "ConfigPath",
+    "DuplicateKeyError",
+    "StrictModel",
+    "first_error_message",
+    "format_loc",
+    "load_yaml",
+    "read_json_model",
+    "yaml_error_message",
+]
 
 M = TypeVar("M", bound=BaseModel)
 
 _KEY_PATH_RE = re.compile(r"^[A-Za-z0-9_.\[\]]+$")
+
+
+class StrictModel(BaseModel):
+    """Base of every config and profile schema: unknown keys are refused (``extra="forbid"``) and
+    values are validated in pydantic's strict mode, so a string is never read as a number or a
+    boolean (``queue_max_size: "4"`` is refused like ``mqtt.port: "1883"``), a float is never
+    truncated to an integer (``4.0``) and ``1``/``"yes"`` are not booleans. An integer is still a
+    valid float. File paths are written as strings in YAML: annotate them :data:`ConfigPath`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+ConfigPath = Annotated[Path, Strict(False)]
+"""A file path in a strict schema: a string is accepted and converted to :class:`~pathlib.Path`."""
+
+
+class DuplicateKeyError(yaml.constructor.ConstructorError):
+    """A YAML mapping holds the same key twice; :attr:`message` is
+    ``duplicate key 'port' at line 5 column 3 (first at line 3)``."""
+
+    def __init__(self, key: Any, first_line: int, mark: yaml.Mark, context_mark: yaml.Mark) -> None:
+        self.key, self.first_line = key, first_line
+        self.message = f"duplicate key {key!r} at line {mark.line + 1} column {mark.column + 1} (first at line {first_line})"
+        super().__init__("while constructing a mapping", context_mark, self.message, mark)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing duplicate mapping keys."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:  # the mapping's own keys; values merged in by '<<' may be overridden
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise DuplicateKeyError(key, seen[key], key_node.start_mark, node.start_mark)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str) -> Any:
+    """Parse YAML like ``yaml.safe_load``, but a key given twice in one mapping is an error.
+
+    Raises:
+        DuplicateKeyError: a duplicate key (its ``message`` names the key and both lines).
+        yaml.YAMLError: any other syntax error.
+    """
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506  (a SafeLoader subclass)
+
+
+def yaml_error_message(exc: yaml.YAMLError) -> str:
+    """`` at line L column C: <problem>`` for a YAML syntax error (one line; no location when PyYAML gives none)."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"{where}: {problem}"
 
 
 def first_error_message(

@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     one line ``edgevlm: error: ...`` on stderr)."""
     from edgevlm.runtime.bench_models import MODEL_NAMES
 
-    ap = OneLineParser(prog="edgevlm bench", description=__doc__.split("\n")[0].replace("``", ""))
+    ap = OneLineParser(prog="edgevlm bench", description=__doc__.split("\n")[0])
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     ap.add_argument("--models", type=_csv_choice(MODEL_NAMES), default=None,
                     help=f"comma-separated, from {', '.join(MODEL_NAMES)} (default: GPU small,llava-7b,demo; CPU tiny)")

@@ -31,8 +31,10 @@ Pixel conversions:
   (:data:`ALPHA_BACKGROUND_RGB`), so transparent pixels look as they do in an image viewer;
   fully transparent pixels become white whatever colour they store;
 * BMP and JPEG are decoded as colour directly: a 32-bit BMP's fourth byte is dropped (it is
-  usually unused padding and often zero), and JPEG EXIF orientation is applied by OpenCV.
-  EXIF orientation in PNG/WebP is ignored.
+  usually unused padding and often zero), and JPEG EXIF orientation is applied by OpenCV; a
+  malformed EXIF block (:func:`edgevlm.runtime.image_formats.exif_problem`) is not used: the
+  image is decoded without orientation and one WARNING names the problem. EXIF orientation in
+  PNG/WebP is ignored.
 
 Format references: see :mod:`edgevlm.runtime.image_formats`.
 """
@@ -197,6 +199,9 @@ def decode_image(data: bytes | bytearray | memoryview, *, max_pixels: int = DEFA
     cv2 = _cv2()
     # JPEG: IMREAD_COLOR applies EXIF orientation and converts grey/CMYK. BMP: drop the 4th byte.
     flags = cv2.IMREAD_COLOR if fmt in ("jpeg", "bmp") else cv2.IMREAD_UNCHANGED
+    if header.exif_problem:  # a malformed EXIF block: no orientation from it, said once
+        logger.warning("JPEG image decoded without EXIF orientation: %s", header.exif_problem)
+        flags |= cv2.IMREAD_IGNORE_ORIENTATION
     img = _imdecode(data, flags)
     if img is None or img.size == 0:
         if header.variant:

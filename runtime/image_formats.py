@@ -19,10 +19,16 @@ on stderr for a damaged PNG before OpenCV returns ``None``; a PNG that fails its
 that far. (Damage inside a JPEG's entropy-coded data cannot be seen without decoding it: libjpeg
 decodes such a file with a warning, see ``edgevlm.runtime.image``.)
 
+A JPEG's EXIF block (APP1 ``Exif\\0\\0``) is checked as far as the orientation needs: the TIFF
+header (byte order ``II``/``MM``, 42, the IFD0 offset), IFD0's entries within the segment, and the
+Orientation tag (0x0112: one SHORT, 1 to 8). A problem there does not refuse the image: it is
+reported in :attr:`ImageHeader.exif_problem` and the image is decoded without orientation.
+
 Format references: JPEG ITU-T T.81 Annex B (marker segments, Table B.1 marker codes); PNG
 specification 3rd edition, chapters 5 (chunk layout, CRC-32 over type and data) and 11 (IHDR);
 BMP as documented for ``BITMAPINFOHEADER``; WebP container specification (RIFF, VP8/VP8L/VP8X
-headers) and RFC 6386 section 9.1 (VP8 frame header).
+headers) and RFC 6386 section 9.1 (VP8 frame header); EXIF: CIPA DC-008 (Exif 2.32) section 4.5
+and TIFF 6.0 section 2 (image file header, IFD entries).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from dataclasses import dataclass
 
 from edgevlm.errors import InvalidImageError
 
-__all__ = ["ImageHeader", "inspect_image"]
+__all__ = ["ImageHeader", "exif_problem", "inspect_image"]
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # JPEG start-of-frame markers carry the image size; C4 (DHT), C8 (JPG) and CC (DAC) share the range.
@@ -55,12 +61,15 @@ _BMP_COMPRESSION = {1: "RLE8", 2: "RLE4", 4: "embedded JPEG (BI_JPEG)", 5: "embe
 class ImageHeader:
     """What :func:`inspect_image` read: ``fmt`` (``"jpeg"``, ``"png"``, ``"bmp"``, ``"webp"``),
     the size in px, and ``variant``, a note on an uncommon coding that a decoder may not support
-    (``"arithmetic-coded (SOF9)"``, ``"12-bit samples"``, ``"RLE8"``), empty for the usual ones."""
+    (``"arithmetic-coded (SOF9)"``, ``"12-bit samples"``, ``"RLE8"``), empty for the usual ones.
+    ``exif_problem``: why a JPEG's EXIF block cannot be trusted for orientation (empty: no EXIF,
+    or a well-formed one)."""
 
     fmt: str
     width_px: int
     height_px: int
     variant: str = ""
+    exif_problem: str = ""
 
     @property
     def name(self) -> str:
@@ -73,6 +82,40 @@ def _truncated(fmt: str, detail: str) -> InvalidImageError:
 
 def _corrupt(fmt: str, detail: str) -> InvalidImageError:
     return InvalidImageError(f"corrupt {fmt} image: {detail}")
+
+
+_EXIF_ORIENTATION_TAG = 0x0112
+_TIFF_SHORT = 3
+
+
+def exif_problem(tiff: bytes) -> str:
+    """What is wrong with an EXIF block (the bytes after ``Exif\\0\\0``: a TIFF header and its
+    IFDs) as far as its Orientation tag goes, or ``""`` when nothing is (see the module doc)."""
+    n = len(tiff)
+    if n < 8:
+        return f"EXIF block of {n} bytes is shorter than its 8-byte TIFF header"
+    order = tiff[:2]
+    if order not in (b"II", b"MM"):
+        return f"EXIF byte order {order!r} is neither b'II' nor b'MM'"
+    e = "<" if order == b"II" else ">"
+    magic, ifd0 = struct.unpack_from(e + "HI", tiff, 2)
+    if magic != 42:
+        return f"EXIF TIFF header says {magic}, not 42"
+    if ifd0 < 8 or ifd0 + 2 > n:
+        return f"EXIF IFD0 offset {ifd0} is outside the {n}-byte block"
+    (count,) = struct.unpack_from(e + "H", tiff, ifd0)
+    if ifd0 + 2 + 12 * count > n:
+        return f"EXIF IFD0 declares {count} entries, more than the {n}-byte block holds"
+    for i in range(count):
+        tag, kind, values = struct.unpack_from(e + "HHI", tiff, ifd0 + 2 + 12 * i)
+        if tag != _EXIF_ORIENTATION_TAG:
+            continue
+        if kind != _TIFF_SHORT or values != 1:
+            return f"EXIF Orientation has type {kind} x {values} (one SHORT expected)"
+        (value,) = struct.unpack_from(e + "H", tiff, ifd0 + 2 + 12 * i + 8)
+        if not 1 <= value <= 8:
+            return f"EXIF Orientation is {value} (1 to 8 expected)"
+    return ""
 
 
 def _jpeg(data: bytes) -> ImageHeader:
@@ -89,6 +132,7 @@ def _jpeg(data: bytes) -> ImageHeader:
 
     pos = 2  # after SOI
     sof: tuple[int, int, int, int] | None = None  # marker, precision, width, height
+    exif: str | None = None  # the problem of the first EXIF block ("" = fine), None = none seen
     in_scan = False
     while True:
         if in_scan:
@@ -127,6 +171,8 @@ def _jpeg(data: bytes) -> ImageHeader:
             raise _corrupt("JPEG", f"segment 0xFF{marker:02X} has length {length}")
         if pos + length > n:
             raise past_end(f"segment 0xFF{marker:02X} runs past the end of the data")
+        if marker == 0xE1 and exif is None and data[pos + 2 : pos + 8] == b"Exif\x00\x00":
+            exif = exif_problem(data[pos + 8 : pos + length])
         if marker in _JPEG_SOF and sof is None:
             if length < 8:
                 raise _corrupt("JPEG", "short start-of-frame segment")
@@ -145,7 +191,7 @@ def _jpeg(data: bytes) -> ImageHeader:
     variant = ", ".join(
         v for v in (_JPEG_SOF_KIND.get(marker, ""), f"{precision}-bit samples" if precision != 8 else "") if v
     )
-    return ImageHeader("jpeg", width, height, variant)
+    return ImageHeader("jpeg", width, height, variant, exif or "")
 
 
 def _png(data: bytes) -> ImageHeader:

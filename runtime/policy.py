@@ -40,18 +40,28 @@ prediction still counts the queue wait and slowdown) and leaves the ceiling alon
 request does not lower the accuracy of the loose-budget requests after it. A request whose budget even the cheapest
 point cannot meet is refused at once (:class:`DeadlineExceededError` carrying the cheapest
 prediction), not answered late.
+
+Token caps. A point's ``max_new_tokens`` cap is a latency knob (it bounds the worst case), never an
+accuracy one: a cap may only cut an answer the budget cannot afford. The chosen point's cap is
+raised to the most tokens the budget affords at that point (the largest ``n`` whose prediction
+fits the budget with the headroom), or removed when that reaches ``MAX_NEW_TOKENS_LIMIT``; the
+engine still stops at the request's own ``max_new_tokens``. The point keeps its name (its latency
+model is the same). :meth:`Controller.lift_cap` applies the rule to a point chosen earlier (the
+daemon's refit at dequeue, with the budget left).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from edgevlm.errors import DeadlineExceededError
+from edgevlm.protocol import MAX_NEW_TOKENS_LIMIT
 from edgevlm.types import OperatingPoint, Stats
 
 logger = logging.getLogger(__name__)
@@ -225,7 +235,8 @@ class Controller:
                 )
             if self._ceiling > 0 and self._ceiling_budget_ms is not None \
                     and budget_ms > self._ceiling_budget_ms * LOOSER_BUDGET:
-                return Decision(point=self.points[fits[0]].point, predicted_ms=preds[fits[0]], budget_ms=budget_ms,
+                point, predicted_ms = self._lifted(fits[0], preds, limit, queue_wait_ms, max_new_tokens, tail)
+                return Decision(point=point, predicted_ms=predicted_ms, budget_ms=budget_ms,
                                 ceiling=self.points[self._ceiling].name, slowdown=self._current_slowdown(),
                                 alternatives=alternatives)
             if self._ceiling > 0 and preds[self._ceiling - 1] <= limit * self.step_up_margin:
@@ -243,14 +254,47 @@ class Controller:
                 logger.info("controller: ceiling %s -> %s", self.points[self._ceiling].name, self.points[chosen].name)
                 self._ceiling, self._room_streak = chosen, 0
                 self._ceiling_budget_ms = budget_ms
+            point, predicted_ms = self._lifted(chosen, preds, limit, queue_wait_ms, max_new_tokens, tail)
             return Decision(
-                point=self.points[chosen].point,
-                predicted_ms=preds[chosen],
+                point=point,
+                predicted_ms=predicted_ms,
                 budget_ms=budget_ms,
                 ceiling=self.points[self._ceiling].name,
                 slowdown=self._current_slowdown(),
                 alternatives=alternatives,
             )
+
+    def lift_cap(self, point: OperatingPoint, budget_ms: float, *, queue_wait_ms: float = 0.0) -> OperatingPoint:
+        """``point`` with its ``max_new_tokens`` cap raised to the most tokens ``budget_ms`` (ms,
+        queue wait included) affords at that point, or removed (None) when that reaches
+        ``MAX_NEW_TOKENS_LIMIT`` (see "Token caps" in the module doc). A point without a cap, or
+        unknown to this controller, is returned as is; a cap is never lowered."""
+        with self._lock:
+            return self._lift_cap_locked(point, budget_ms * self.headroom, queue_wait_ms)
+
+    def _lifted(self, i: int, preds: list[float], limit_ms: float, queue_wait_ms: float, max_new_tokens: int,
+                tail: float) -> tuple[OperatingPoint, float]:
+        """Point ``i`` with its cap lifted, and its prediction for the tokens it may now generate."""
+        point = self._lift_cap_locked(self.points[i].point, limit_ms, queue_wait_ms)
+        if point is self.points[i].point:
+            return point, preds[i]
+        n = min(max_new_tokens, point.max_new_tokens or max_new_tokens)
+        return point, self._service_ms(point.name, n) * tail + max(0.0, queue_wait_ms)
+
+    def _lift_cap_locked(self, point: OperatingPoint, limit_ms: float, queue_wait_ms: float) -> OperatingPoint:
+        live = self._live.get(point.name)
+        if point.max_new_tokens is None or live is None:
+            return point
+        per_token_ms = self._current_slowdown() * self._tail() * live.tpot_ms
+        fixed_ms = self._current_slowdown() * self._tail() * (live.vision_ms + live.prefill_ms)
+        room_ms = limit_ms - max(0.0, queue_wait_ms) - fixed_ms
+        if per_token_ms <= 0:
+            return point.model_copy(update={"max_new_tokens": None}) if room_ms >= 0 else point
+        affordable = 1 + math.floor(room_ms / per_token_ms) if room_ms >= 0 else 0
+        if affordable <= point.max_new_tokens:
+            return point
+        cap = None if affordable >= MAX_NEW_TOKENS_LIMIT else affordable
+        return point.model_copy(update={"max_new_tokens": cap})
 
     # -- learning -----------------------------------------------------------------------------
     def observe(self, name: str, stats: Stats) -> None:

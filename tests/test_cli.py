@@ -188,6 +188,20 @@ def test_ask_stream_matches_ask(tiny_model: Path, image_files: dict[str, Path], 
     assert out.out.splitlines()[0] == expected
 
 
+def test_ask_stream_json_prints_deltas_then_the_final_object(tiny_model: Path, image_files: dict[str, Path],
+                                                             capsys) -> None:  # fmt: skip
+    expected = _expected_text(tiny_model, image_files["scene.png"], QUESTION)
+    code = main(["ask", "--stream", "--json", "--image", str(image_files["scene.png"]), "--model", str(tiny_model),
+                 "--max-new-tokens", str(MAX_NEW_TOKENS), QUESTION])  # fmt: skip
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    lines = [json.loads(line) for line in out.out.splitlines()]  # every line is one JSON object
+    *deltas, final = lines
+    assert len(deltas) >= 2 and all(list(d) == ["delta"] and isinstance(d["delta"], str) for d in deltas)
+    assert "".join(d["delta"] for d in deltas) == final["answer"] == expected
+    assert final["question"] == QUESTION and final["stats"]["new_tokens"] == MAX_NEW_TOKENS
+
+
 def _demo_model_present() -> bool:
     from edgevlm.runtime.demo import model_dir
 
@@ -512,3 +526,23 @@ def test_ask_stream_into_a_closed_pipe_is_not_an_error(tiny_model: Path, image_f
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0, err
     assert "Broken pipe" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["calibrate", "bench", "doctor", "quantize", "ask", "serve"])
+def test_help_shows_no_rst_markup(command: str, capsys) -> None:
+    try:
+        code = main([command, "--help"])
+    except SystemExit as exc:  # argparse's --help exits; sub-commands with their own parser return
+        code = exc.code
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith("usage: edgevlm")
+    assert "``" not in out and ":class:`" not in out and ":func:`" not in out, out
+    if command == "calibrate":
+        assert "edgevlm calibrate MODEL_OR_BUNDLE: train the exit heads" in out
+
+
+def test_plain_text_strips_inline_markup() -> None:
+    from edgevlm.cli_args import plain_text
+
+    rst = "``edgevlm x``: see :class:`~edgevlm.Client` and :func:`edgevlm.runtime.load`, **not** *this*; 2 * 3"
+    assert plain_text(rst) == "edgevlm x: see Client and edgevlm.runtime.load, not this; 2 * 3"

@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from edgevlm.config import DaemonConfig, load_daemon_config, source_kind
 from edgevlm.errors import ConfigError
+from edgevlm.validation import StrictModel
 
 
 def _load(tmp_path: Path, text: str) -> DaemonConfig:
@@ -116,10 +117,77 @@ def test_client_id_unique_per_device(tmp_path: Path) -> None:
         ("log_level: loud\n", "log_level: "),
         ("- 1\n- 2\n", "$: expected a mapping at the top level"),
         ("mqtt: [1\n", "$: YAML syntax error at line 2 column 1"),
+        # Strict everywhere: a string is not a number, a float not an integer, 1 not a boolean.
+        ("queue_max_size: '4'\n", "queue_max_size: Input should be a valid integer"),
+        ("queue_max_size: 4.0\n", "queue_max_size: Input should be a valid integer"),
+        ("mqtt: {keepalive_s: '30'}\n", "mqtt.keepalive_s: Input should be a valid integer"),
+        ("defaults: {max_new_tokens: '32'}\n", "defaults.max_new_tokens: Input should be a valid integer"),
+        ("sources:\n  - {name: a, uri: 0, fps: '5'}\n", "sources[0].fps: Input should be a valid number"),
+        ("controller: {enabled: 'yes'}\n", "controller.enabled: Input should be a valid boolean"),
+        ("controller: {enabled: 1}\n", "controller.enabled: Input should be a valid boolean"),
+        # A key given twice is an error naming it and both lines (PyYAML alone keeps the last).
+        ("mqtt:\n  port: 1883\n  host: a\n  port: 1884\n",
+         "$: duplicate key 'port' at line 4 column 3 (first at line 2)"),
+        ("queue_max_size: 4\nqueue_max_size: 8\n", "$: duplicate key 'queue_max_size' at line 2 column 1 (first at line 1)"),
+        ("sources:\n  - name: a\n    uri: 0\n    name: b\n", "$: duplicate key 'name' at line 4 column 5 (first at line 2)"),
     ],
 )
 def test_errors_name_the_key_path(tmp_path: Path, text: str, expected: str) -> None:
     assert _error(tmp_path, text).startswith(expected)
+
+
+def _schemas(model: type, seen: dict[str, type]) -> dict[str, type]:
+    """Every StrictModel reachable from ``model`` through its fields (lists and optionals too)."""
+    import typing
+
+    seen[model.__name__] = model
+    stack = [f.annotation for f in model.model_fields.values()]
+    while stack:
+        ann = stack.pop()
+        if isinstance(ann, type) and issubclass(ann, StrictModel):
+            if ann.__name__ not in seen:
+                _schemas(ann, seen)
+        else:
+            stack.extend(typing.get_args(ann))
+    return seen
+
+
+def _scalar_kinds(annotation: object) -> set[type]:
+    import typing
+
+    args = typing.get_args(annotation) or (annotation,)
+    if str in args:  # a name or a number (an audio device, a camera uri): strings are valid
+        return set()
+    return {a for a in args if a in (int, float, bool)}
+
+
+def test_every_number_and_boolean_of_every_schema_refuses_strings() -> None:
+    from edgevlm.profile import FrontierFile, Profile
+
+    models = _schemas(DaemonConfig, {}) | _schemas(Profile, {}) | _schemas(FrontierFile, {})
+    checked = []
+    for name, model in sorted(models.items()):
+        assert issubclass(model, StrictModel), name
+        for field, info in model.model_fields.items():
+            for kind in _scalar_kinds(info.annotation):
+                bad = {"true" if kind is bool else "1"}
+                bad.add(1 if kind is bool else "1")
+                for value in bad:
+                    with pytest.raises(ValidationError) as exc:
+                        model.model_validate({field: value})
+                    locs = [e["loc"][:1] for e in exc.value.errors() if e["type"] != "missing"]
+                    assert (field,) in locs, (name, field, value)
+                checked.append(f"{name}.{field}")
+    assert {"DaemonConfig.queue_max_size", "MqttConfig.keepalive_s", "DefaultsConfig.max_new_tokens",
+            "MqttConfig.port", "SourceConfig.fps", "RuntimeConfig.cuda_graphs"} <= set(checked)  # fmt: skip
+    assert len(checked) > 60
+
+
+def test_yaml_merge_keys_may_still_be_overridden() -> None:
+    from edgevlm.validation import load_yaml
+
+    text = "base: &b {host: a, port: 1884}\nmqtt:\n  <<: *b\n  port: 1885\n"
+    assert load_yaml(text)["mqtt"] == {"host": "a", "port": 1885}
 
 
 def test_missing_file(tmp_path: Path) -> None:

@@ -398,3 +398,51 @@ def test_load_image_errors(tmp_path) -> None:
         load_image(bad)
     with pytest.raises(InvalidImageError, match="over the limit of 10"):
         load_image(bad, max_file_bytes=10)
+
+
+def _with_exif(jpeg: bytes, tiff: bytes) -> bytes:
+    body = b"Exif\x00\x00" + tiff
+    return jpeg[:2] + b"\xff\xe1" + struct.pack(">H", len(body) + 2) + body + jpeg[2:]
+
+
+def _tiff(orientation: int, *, order: bytes = b"II", kind: int = 3, magic: int = 42, ifd0: int = 8,
+          count: int = 1) -> bytes:  # fmt: skip
+    e = "<" if order == b"II" else ">"
+    entry = struct.pack(e + "HHI", 0x0112, kind, 1) + struct.pack(e + "HH", orientation, 0)
+    return order + struct.pack(e + "HI", magic, ifd0) + struct.pack(e + "H", count) + entry + b"\x00" * 4
+
+
+@pytest.mark.parametrize(
+    ("tiff", "problem"),
+    [
+        (_tiff(6, order=b"XX"), "EXIF byte order b'XX' is neither b'II' nor b'MM'"),
+        (_tiff(6, magic=43), "EXIF TIFF header says 43, not 42"),
+        (_tiff(6, ifd0=4000), "EXIF IFD0 offset 4000 is outside the 26-byte block"),
+        (_tiff(6, count=500), "EXIF IFD0 declares 500 entries, more than the 26-byte block holds"),
+        (_tiff(6, kind=4), "EXIF Orientation has type 4 x 1 (one SHORT expected)"),
+        (_tiff(9), "EXIF Orientation is 9 (1 to 8 expected)"),
+        (b"\xff\xd8\xff", "EXIF block of 3 bytes is shorter than its 8-byte TIFF header"),
+    ],
+)
+def test_jpeg_with_malformed_exif_decodes_without_orientation_and_warns_once(tiff, problem, caplog) -> None:
+    import logging
+
+    main = _encode(".jpg", _scene(120, 160)[:, :, ::-1].copy())
+    caplog.set_level(logging.WARNING, logger="edgevlm.runtime.image")
+    img = decode_image(_with_exif(main, tiff))
+    assert img.shape == (120, 160, 3)  # not rotated
+    assert np.abs(img.astype(int) - decode_image(main).astype(int)).max() == 0
+    warnings = [r.getMessage() for r in caplog.records if r.name == "edgevlm.runtime.image"]
+    assert warnings == [f"JPEG image decoded without EXIF orientation: {problem}"]
+
+
+@pytest.mark.parametrize("order", [b"II", b"MM"])
+def test_jpeg_with_valid_exif_orientation_is_rotated_silently(order, caplog) -> None:
+    import logging
+
+    main = _encode(".jpg", _scene(120, 160)[:, :, ::-1].copy())
+    caplog.set_level(logging.WARNING, logger="edgevlm.runtime.image")
+    img = decode_image(_with_exif(main, _tiff(6, order=order)))  # 6: rotate 90 degrees clockwise
+    assert img.shape == (160, 120, 3)
+    assert np.abs(img.astype(int) - np.rot90(decode_image(main), k=-1).astype(int)).max() == 0
+    assert not [r for r in caplog.records if r.name == "edgevlm.runtime.image"]

@@ -52,7 +52,50 @@ def test_point_token_cap_applies():
         PointProfile(OperatingPoint(name="short", max_new_tokens=2), 0.9, 10.0, 10.0, 10.0),
     ]
     c = Controller(capped)
-    assert c.choose(100, max_new_tokens=50).predicted_ms == pytest.approx(30.0)
+    # budget 34 ms (30.6 with the headroom) affords 2 tokens (10 + 10 + 1 x 10), not 3
+    d = c.choose(34, max_new_tokens=50)
+    assert d.point.max_new_tokens == 2 and d.predicted_ms == pytest.approx(30.0)
+
+
+def test_a_cap_never_cuts_what_the_budget_affords():
+    capped = [PointProfile(OperatingPoint(name="short", max_new_tokens=2), 0.9, 10.0, 10.0, 10.0)]
+    c = Controller(capped)
+    # budget 100 ms (90 with the headroom): 20 ms + (n - 1) x 10 ms fits up to n = 8
+    d = c.choose(100, max_new_tokens=50)
+    assert (d.point.name, d.point.max_new_tokens) == ("short", 8)
+    assert d.predicted_ms == pytest.approx(90.0)
+    # the request's own cap is lower than what the budget affords: the engine stops there, the
+    # prediction counts it, and the point's cap is still raised (never lowered)
+    d = c.choose(100, max_new_tokens=4)
+    assert d.point.max_new_tokens == 8 and d.predicted_ms == pytest.approx(50.0)
+    # a budget affording the protocol's whole range removes the cap
+    from edgevlm.protocol import MAX_NEW_TOKENS_LIMIT
+
+    assert c.choose((20 + MAX_NEW_TOKENS_LIMIT * 10) / 0.9 + 1, max_new_tokens=50).point.max_new_tokens is None
+    assert c.lift_cap(capped[0].point, 34).max_new_tokens == 2  # lift_cap: the same rule, later
+    assert c.lift_cap(capped[0].point, 100).max_new_tokens == 8
+    assert c.lift_cap(OperatingPoint(name="unknown", max_new_tokens=2), 1e6).max_new_tokens == 2
+
+
+def test_the_demo_frontiers_t16_points_answer_in_full_under_a_large_budget():
+    # The demo model's real frontier: every point on it is a 't16' point (capped at 16 tokens),
+    # the uncapped twin has the same accuracy and per-token latency but a worse worst case.
+    from edgevlm.profile import load_frontier
+    from edgevlm.runtime.demo import model_dir
+    from edgevlm.runtime.frontier import point_profiles
+
+    record = load_frontier(model_dir() / "frontier.json")
+    assert all(p.max_new_tokens == 16 for p in record.frontier)
+    d = Controller(point_profiles(record.frontier)).choose(60_000, max_new_tokens=64)
+    best = max(record.frontier, key=lambda p: (p.accuracy, -(p.vision_ms + p.prefill_ms)))
+    assert d.point.name == best.name and d.point.max_new_tokens is None  # was 16: answers cut at 16 tokens
+    twin = next(p for p in record.points if p.name == best.name.removesuffix("-t16"))
+    assert (twin.max_new_tokens, twin.accuracy, twin.tpot_ms) == (None, best.accuracy, best.tpot_ms)
+    assert d.predicted_ms == pytest.approx(best.vision_ms + best.prefill_ms + 63 * best.tpot_ms, abs=0.01)
+    # a budget that affords 16 tokens at that point but not 17 keeps its cap at 16
+    tight_ms = (best.vision_ms + best.prefill_ms + 15.5 * best.tpot_ms) / 0.9
+    d = Controller(point_profiles(record.frontier)).choose(tight_ms, max_new_tokens=64)
+    assert (d.point.name, d.point.max_new_tokens) == (best.name, 16)
 
 
 def test_refuses_when_nothing_fits():

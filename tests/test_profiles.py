@@ -49,6 +49,9 @@ def test_valid_base_profile(tmp_path):
         ("weights: {group_size: 100}\n", "weights.group_size"),
         ("kv_cache_dtype: int3\n", "kv_cache_dtype"),
         ("colour: red\n", "colour: unknown key"),
+        ("default_budget_ms: 200\n", "duplicate key 'default_budget_ms' at line 10 column 1 (first at line 9)"),
+        ("runtime: {max_batch_size: '4'}\n", "runtime.max_batch_size: Input should be a valid integer"),
+        ("runtime: {cuda_graphs: 'no'}\n", "runtime.cuda_graphs: Input should be a valid boolean"),
     ],
 )
 def test_bad_profile_names_the_key(tmp_path, extra, needle):

@@ -461,3 +461,31 @@ def test_devices_the_user_cannot_open_fail():
         )
     finally:
         shutil.rmtree(root)
+
+
+MIC_SNIPPET = """
+import ctypes.util, sys
+from pathlib import Path
+{fault}
+from edgevlm.daemon.doctor import _Host, _check_microphones
+r = _check_microphones(_Host(Path({root!r}), None))
+print(r.verdict.value + "|" + r.detail)
+"""
+
+
+@pytest.mark.parametrize(
+    ("fault", "hint"),
+    [
+        # the PortAudio library missing: sounddevice's own import raises OSError
+        ("ctypes.util.find_library = lambda name: None",
+         "microphones need PortAudio (PortAudio library not found): apt-get install libportaudio2"),
+        # the pip extra missing
+        ("sys.modules['sounddevice'] = None", "microphones need sounddevice: pip install 'edgevlm[audio]'"),
+    ],
+)
+def test_microphone_warning_says_what_to_install(tmp_path, fault, hint):
+    out = subprocess.run([sys.executable, "-c", MIC_SNIPPET.format(fault=fault, root=str(tmp_path))],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    verdict, detail = out.stdout.strip().splitlines()[-1].split("|", 1)
+    assert verdict == "WARN" and detail.startswith(hint), detail

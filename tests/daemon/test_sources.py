@@ -93,3 +93,18 @@ def test_manager_unknown_source_names_the_known_ones(make_video) -> None:
         assert err.details == {"source": "rear", "known": ["front"]}
     else:
         raise AssertionError("expected UnknownSourceError")
+
+
+def test_a_looping_video_logs_opened_once(make_video, caplog, wait_until) -> None:
+    import logging
+
+    caplog.set_level(logging.INFO, logger="edgevlm.daemon.sources")
+    src = FrameSource(SourceConfig(name="sim", uri=str(make_video(n_frames=3)), fps=200.0))
+    src.start()
+    try:
+        wait_until(lambda: src.loops >= 3, what="three loops")
+    finally:
+        src.stop()
+    opened = [r for r in caplog.records if "opened" in r.getMessage() and r.levelno >= logging.INFO]
+    assert len(opened) == 1, [r.getMessage() for r in opened]
+    assert src.state == "stopped" and src.frozen_checked is False  # files may hold stills: never frozen

@@ -172,7 +172,7 @@ def test_camera_that_exits_reconnects_with_capped_backoff(fake_gst, monkeypatch,
     assert src.last_error == "read failed (end of stream)"
 
 
-def test_dead_rtsp_stream_times_out_instead_of_blocking(wait_until) -> None:
+def test_dead_rtsp_stream_times_out_instead_of_blocking(wait_until, capfd) -> None:
     # a server that accepts the TCP connection and never says a word
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
@@ -210,6 +210,102 @@ def test_dead_rtsp_stream_times_out_instead_of_blocking(wait_until) -> None:
     details = info.value.details
     assert details["source"] == "dock" and details["reason"] == "no_frame"
     assert details["state"] in ("starting", "reconnecting")
+    # what happened, not "cannot open" (FFmpeg's own open timeout fires with the supervisor's)
+    assert src.last_error.startswith("no frame within open_timeout_s=0.5 s"), src.last_error
+    assert "no frame within open_timeout_s=0.5 s" in str(info.value)
+    # OpenCV's "[ WARN:0@...] global cap_ffmpeg_impl.hpp ..." lines stay out of stderr
+    err = capfd.readouterr().err
+    assert "[ WARN" not in err and "cap_ffmpeg" not in err, err[-2000:]
+
+
+def _ts_clip(tmp_path: Path, n_frames: int = 40) -> bytes:
+    """An MPEG-TS clip of changing frames (FFmpeg reads TS from a non-seekable HTTP stream)."""
+    import cv2
+
+    path = tmp_path / "cam.ts"
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 25.0, (64, 48))
+    assert writer.isOpened()
+    for i in range(n_frames):
+        writer.write(np.full((48, 64, 3), (i * 6) % 256, np.uint8))
+    writer.release()
+    return path.read_bytes()
+
+
+def test_a_stream_that_goes_silent_reports_the_read_timeout(tmp_path, wait_until, capfd) -> None:
+    # An HTTP camera that sends half of a clip and then keeps the connection open, silent: FFmpeg's
+    # read timeout ends the read, which must be reported as a stall, not as the end of the stream.
+    clip = _ts_clip(tmp_path)
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    conns: list[socket.socket] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn = server.accept()[0]
+            except OSError:
+                continue
+            conns.append(conn)
+            try:
+                conn.recv(4096)
+                conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: video/mp2t\r\n\r\n" + clip[: len(clip) // 2])
+            except OSError:
+                pass
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    cfg = SourceConfig(name="door", uri=f"http://127.0.0.1:{server.getsockname()[1]}/cam.ts", open_timeout_s=5,
+                       read_timeout_s=0.6, reopen_delay_s=0.05, reconnect_max_delay_s=0.1)  # fmt: skip
+    events: list[str] = []
+    src = FrameSource(cfg, listener=lambda s, info: events.append(info["event"]))
+    src.start()
+    try:
+        wait_until(lambda: src.stalls >= 2, timeout_s=30, what="two stalls")
+    finally:
+        src.stop()
+        stop.set()
+        t.join()
+        for c in conns:
+            c.close()
+        server.close()
+    assert src._seq > 0 and src.open_failures == 0  # frames came, then silence
+    assert src.last_error == "no frame for read_timeout_s=0.6 s"  # was "read failed (end of stream)"
+    assert events[:4] == ["starting", "streaming", "stalled", "reconnecting"]
+    err = capfd.readouterr().err
+    assert "[ WARN" not in err, err[-2000:]
+
+
+@needs_gst
+def test_a_camera_repeating_one_frame_is_frozen_and_refused(make_daemon, watcher, wait_until) -> None:
+    # A real GStreamer pipeline stuck on one picture (videotestsrc solid colour: every buffer the
+    # same bytes), next to one with sensor-like noise (pattern=snow) that must never freeze.
+    caps = "video/x-raw,format=BGR,width=32,height=24,framerate=30/1"
+    daemon = make_daemon({"sources": [
+        {"name": "stuck", "capture": "subprocess", "frozen_after_s": 0.5,
+         "uri": f"videotestsrc pattern=solid-color foreground-color=0xff20a040 is-live=true ! {caps} ! appsink"},
+        {"name": "noisy", "capture": "subprocess", "frozen_after_s": 0.5,
+         "uri": f"videotestsrc pattern=snow is-live=true ! {caps} ! appsink"},
+        {"name": "off", "capture": "subprocess", "frozen_after_s": None,
+         "uri": f"videotestsrc pattern=solid-color is-live=true ! {caps} ! appsink"},
+    ]})  # fmt: skip
+    stuck, noisy, off = (daemon.sources.get(n) for n in ("stuck", "noisy", "off"))
+    w = watcher()
+    w.subscribe("edgevlm/dev1/sources/stuck")
+    wait_until(lambda: stuck.state == "frozen", timeout_s=20, what="the stuck camera frozen")
+    r = w.ask("dev1", {"prompt": "what colour?", "source": "stuck", "timeout_ms": 5000})
+    err = r["error"]
+    assert r["ok"] is False and err["code"] == "INTERNAL"
+    assert err["details"]["reason"] == "frozen_frame" and err["details"]["state"] == "frozen"
+    assert err["details"]["frozen_after_s"] == 0.5 and err["details"]["frozen_for_s"] > 0.5
+    assert err["message"].startswith("source 'stuck': camera frozen: the same frame for ")
+    states = [m["state"] for m in w.json("edgevlm/dev1/sources/stuck")]
+    assert "frozen" in states
+    assert noisy.state == "streaming" and off.state == "streaming"
+    assert w.ask("dev1", {"prompt": "what colour?", "source": "noisy", "timeout_ms": 20000})["ok"] is True
+    assert w.ask("dev1", {"prompt": "what colour?", "source": "off", "timeout_ms": 20000})["ok"] is True
 
 
 def test_stale_frame_is_refused_with_a_typed_error(fake_gst, monkeypatch, make_daemon, watcher,

@@ -318,3 +318,15 @@ def test_profile_frontier_of_another_model_is_not_used(plain_engine):
     bc = build_controller(parse_daemon_config({"profile": "cpu"}), plain_engine)
     assert bc.source == "resolution ladder measured at start-up"
     assert [p.name for p in bc.points] == ["r64", "r32"]
+
+
+def test_refit_at_dequeue_keeps_a_cap_lifted_only_as_far_as_the_budget_left_affords():
+    capped = [PointProfile(OperatingPoint(name="r256-t16", resolution_px=256, max_new_tokens=16), 0.95, 20.0, 20.0, 5.0)]
+    bc = BudgetController(Controller(capped), default_budget_ms=500, source="test")
+    choice = bc.choose(30_000, max_new_tokens=64, queue_wait_ms=0)
+    assert choice.point.max_new_tokens is None  # 30 s affords every token the protocol allows
+    # at dequeue 200 ms are left: 0.9 x 200 = 180 ms = 40 + (n - 1) x 5 -> n = 29
+    point, _ = bc.refit(choice, 200, max_new_tokens=64)
+    assert (point.name, point.max_new_tokens) == ("r256-t16", 29)
+    point, _ = bc.refit(choice, 100, max_new_tokens=64)  # 90 ms affords 11 tokens: the cap of 16 stays
+    assert point.max_new_tokens == 16
