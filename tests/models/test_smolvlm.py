@@ -27,8 +27,9 @@ pytest.importorskip("PIL")
 pytest.importorskip("num2words")  # transformers' SmolVLMProcessor needs it
 
 from edgevlm.errors import InvalidImageError, InvalidRequestError, ModelLoadError  # noqa: E402
+from edgevlm.runtime.models.smolvlm import WEIGHT_RULES  # noqa: E402
 from edgevlm.runtime.models.smolvlm.config import parse_config  # noqa: E402
-from edgevlm.runtime.models.smolvlm.model import WEIGHT_RULES, SmolVLMModel  # noqa: E402
+from edgevlm.runtime.models.smolvlm.model import SmolVLMModel  # noqa: E402
 from edgevlm.runtime.models.smolvlm.processor import SmolVLMProcessor  # noqa: E402
 from edgevlm.runtime.models.smolvlm.vision import patch_attention_mask  # noqa: E402
 

@@ -7,7 +7,7 @@ that replace, in order, the ``<image>`` placeholders of the prompt. The decoder 
 :class:`~edgevlm.runtime.decoder.Decoder` (SmolLM2 / Llama, plain 1-D RoPE, tied embeddings when
 the config says so), so quantization, KV-cache precisions and CUDA-graph decode reach it unchanged.
 
-Parameter names (checkpoint -> ours, :data:`WEIGHT_RULES`): ``model.vision_model.*`` ->
+Parameter names (checkpoint -> ours, :data:`edgevlm.runtime.models.smolvlm.WEIGHT_RULES`): ``model.vision_model.*`` ->
 ``vision_model.*``, ``model.connector.*`` -> ``connector.*``, ``model.text_model.*`` ->
 ``language_model.*``, ``lm_head.*`` -> ``language_model.lm_head.*``.
 """
@@ -25,18 +25,6 @@ from edgevlm.runtime.models.smolvlm.vision import Connector, SmolVLMVisionTransf
 
 if TYPE_CHECKING:
     from edgevlm.runtime.models.base import VisionInput
-
-#: checkpoint tensor name -> our parameter name (first match wins; None = not needed). transformers
-#: 4.x and 5.x save SmolVLM / Idefics3 under the same names.
-WEIGHT_RULES: tuple[tuple[str, str | None], ...] = (
-    (r"^(model\.)?vision_model\.embeddings\.position_ids$", None),
-    (r"rotary_emb\.inv_freq$", None),
-    (r"^model\.vision_model\.(.*)$", r"vision_model.\1"),
-    (r"^model\.connector\.(.*)$", r"connector.\1"),
-    (r"^model\.text_model\.(.*)$", r"language_model.\1"),
-    (r"^lm_head\.(.*)$", r"language_model.lm_head.\1"),
-)
-
 
 class SmolVLMModel(nn.Module):
     """The whole model; build under ``torch.device("meta")`` and let the loader fill the weights."""

@@ -34,16 +34,13 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from edgevlm.errors import InvalidImageError, InvalidRequestError, ModelLoadError
 from edgevlm.model_folder import read_json
+from edgevlm.runtime.models.base import VisionInput
 from edgevlm.runtime.models.smolvlm.config import SmolVLMConfig
-
-if TYPE_CHECKING:
-    from edgevlm.runtime.models.base import VisionInput
 
 logger = logging.getLogger(__name__)
 
@@ -290,8 +287,6 @@ class SmolVLMProcessor:
                 non-positive ``resolution_px``.
         """
         import torch
-
-        from edgevlm.runtime.models.base import VisionInput
 
         if video is not None:
             raise InvalidRequestError(f"video: {self.cfg.model_type} models take images only "
