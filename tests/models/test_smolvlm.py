@@ -278,6 +278,44 @@ def test_padded_tiles_match_transformers_vision(ckpt, hf, ours):
     assert float((ours_ - ref).abs().max() / ref.abs().max()) <= TOL
 
 
+def test_idefics3_checkpoint_matches_transformers(tmp_path):
+    """model_type idefics3 (the same layout): logits of Idefics3ForConditionalGeneration, untied head."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, LlamaConfig
+    from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
+
+    vision = Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                  image_size=TILE_PX, patch_size=16)
+    text = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    ref = Idefics3ForConditionalGeneration(Idefics3Config(vision_config=vision.to_dict(), text_config=text.to_dict(),
+                                                          scale_factor=2, image_token_id=7)).eval()
+    ref.save_pretrained(tmp_path)
+    from safetensors.torch import load_file
+
+    cfg = parse_config(json.loads((tmp_path / "config.json").read_text()))
+    assert not cfg.tie_word_embeddings
+    model = SmolVLMModel(cfg).eval()
+    state = {}
+    for key, t in load_file(str(tmp_path / "model.safetensors")).items():
+        for pattern, repl in WEIGHT_RULES:
+            if re.search(pattern, key):
+                if repl is not None:
+                    state[re.sub(pattern, repl, key)] = t
+                break
+    model.load_state_dict(state, strict=True)
+    model.setup_caches(1, 64)
+    ids = torch.tensor([[1, 2, 3] + [7] * 2 * IMAGE_SEQ_LEN + [4, 5]])
+    pixels = torch.randn(1, 2, 3, TILE_PX, TILE_PX)
+    from edgevlm.runtime.models.base import VisionInput
+
+    vision = VisionInput(pixels[0], [2 * IMAGE_SEQ_LEN], ["image"])
+    with torch.no_grad():
+        ref_logits = ref(input_ids=ids, pixel_values=pixels).logits
+        logits = model(ids, vision)
+    assert float((logits - ref_logits).abs().max() / ref_logits.abs().max()) <= TOL
+
+
 # ---- bad input ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("size", [(1, 1), (1, 2000), (2000, 1), (3, 600), (5000, 25)])
