@@ -286,6 +286,11 @@ def load(files: ModelFiles, *, device: torch.device, dtype: torch.dtype, max_seq
                               "int4_kernel"}
     if unknown:
         raise InvalidRequestError(f"unknown torch backend option(s): {', '.join(sorted(unknown))}")
+    if max_batch_size > 1 and not files.family.adaptive_vision:
+        # the batched entry points (encode_images, prefill_batch) are LLaVA's pixel path with 1-D RoPE
+        logger.warning("continuous batching is not supported for the %s family yet: serving one request "
+                       "at a time (max_batch_size 1)", files.family.name)
+        max_batch_size = options["max_batch_size"] = 1
     model = load_model(files, device=device, dtype=dtype, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
     if files.family.adaptive_vision:
         from edgevlm.runtime.exits import load_exit_heads  # exits.json/.safetensors of `edgevlm calibrate`

@@ -41,9 +41,11 @@ class ModelFamily:
         optional_prefixes: parameter-name prefixes the model may not build (e.g. vision blocks past
             the deepest feature layer): checkpoint tensors mapped under them are skipped when the
             model lacks them instead of being reported as unknown.
-        adaptive_vision: the model has LLaVA's adaptive vision path (``encode_image_adaptive``:
-            early exit with exit heads, token pruning), so operating points may set
-            ``exit_layer`` / ``exit_threshold`` / ``keep_ratio``.
+        adaptive_vision: the model has LLaVA's pixel path: ``encode_image`` of ``(B, 3, H, W)``
+            pixels with 1-D RoPE, and ``encode_image_adaptive`` (early exit with exit heads, token
+            pruning). Operating points may then set ``exit_layer`` / ``exit_threshold`` /
+            ``keep_ratio``, and the torch backend offers the daemon's continuous batching
+            (``max_batch_size > 1``); other families serve one request at a time (a WARNING).
     """
 
     name: str
