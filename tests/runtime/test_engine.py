@@ -199,7 +199,8 @@ def test_write_tiny_checkpoint_is_deterministic(tmp_path):
     a = write_tiny_checkpoint(tmp_path / "a", seed=3)
     b = write_tiny_checkpoint(tmp_path / "b", seed=3)
     c = write_tiny_checkpoint(tmp_path / "c", seed=4)
-    names = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"}
+    names = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+             "preprocessor_config.json"}
     assert {p.name for p in a.iterdir()} == names
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
