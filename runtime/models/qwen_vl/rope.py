@@ -53,41 +53,43 @@ def vision_position_ids(start: int, grid_thw: tuple[int, int, int], merge_size: 
 
 def mrope_position_ids(input_ids: torch.Tensor, spans: list[VisionSpan], merge_size: int) -> tuple[torch.Tensor, int]:
     """M-RoPE positions of a prompt: ``input_ids`` ``(T,)`` or ``(1, T)`` int64 whose vision
-    placeholders appear as runs of ``span.token_id``, ``spans`` in prompt order.
+    placeholders appear as runs of ``span.token_id``; the spans of one token id are taken in prompt
+    order (images and videos may interleave).
 
     Returns ``(position_ids (3, T) int64, rope_delta)``.
 
     Raises:
-        ValueError: a placeholder run does not match the next span (token id or token count), or
-            spans are left over.
+        ValueError: a placeholder run does not match its next span's token count, or spans are
+            left over.
     """
     ids = input_ids.reshape(-1).tolist()
-    span_tokens = {s.token_id for s in spans}
-    pending = iter(spans)
+    queues: dict[int, list[VisionSpan]] = {}
+    for span in spans:
+        queues.setdefault(span.token_id, []).append(span)
+    pending = {token: iter(q) for token, q in queues.items()}
     parts: list[torch.Tensor] = []
     pos = 0
     i = 0
-    for token, run in itertools.groupby(ids, key=lambda t: t if t in span_tokens else None):
+    for token, run in itertools.groupby(ids, key=lambda t: t if t in pending else None):
         n = len(list(run))
         if token is None:
             parts.append(torch.arange(pos, pos + n).expand(3, -1))
             pos += n
-        else:
-            while n:
-                span = next(pending, None)
-                if span is None or span.token_id != token:
-                    raise ValueError(f"placeholder run of token {token} at {i} has no matching vision item")
-                t, h, w = span.grid_thw
-                count = t * (h // merge_size) * (w // merge_size)
-                if count > n:
-                    raise ValueError(f"vision item {span.grid_thw} needs {count} placeholder tokens, found {n} at {i}")
-                parts.append(vision_position_ids(pos, span.grid_thw, merge_size, span.time_interval))
-                pos += max(h, w) // merge_size
-                n -= count
-                i += count
+            i += n
             continue
-        i += n
-    if next(pending, None) is not None:
+        while n:
+            span = next(pending[token], None)
+            if span is None:
+                raise ValueError(f"placeholder tokens {token} at {i} have no vision item left")
+            t, h, w = span.grid_thw
+            count = t * (h // merge_size) * (w // merge_size)
+            if count > n:
+                raise ValueError(f"vision item {span.grid_thw} needs {count} placeholder tokens, found {n} at {i}")
+            parts.append(vision_position_ids(pos, span.grid_thw, merge_size, span.time_interval))
+            pos += max(h, w) // merge_size
+            n -= count
+            i += count
+    if any(next(it, None) is not None for it in pending.values()):
         raise ValueError("more vision items than placeholder runs in the prompt")
     positions = torch.cat(parts, dim=1) if parts else torch.zeros(3, 0, dtype=torch.int64)
     delta = int(positions.max()) + 1 - len(ids) if len(ids) else 0
