@@ -465,3 +465,54 @@ def test_resolution_rung_is_a_max_pixels_step(proc):
     h, w = rung.input_sizes_px[0]
     assert h * w <= 224 * 224 and abs(w / h - 640 / 480) < 0.25
     assert HUB_PREPROCESSOR_CONFIG["max_pixels"] == proc.image.max_pixels
+
+
+# ---- shared pieces and the registry ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_mrope_tables_equal_transformers_rotary_embeddings(interleaved):
+    from edgevlm.runtime.models.qwen_vl.rope import mrope_cos_sin
+
+    head_dim, section = 16, [2, 3, 3]
+    if interleaved:
+        from transformers import Qwen3VLTextConfig
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding as Rotary
+
+        cfg = Qwen3VLTextConfig(hidden_size=64, num_attention_heads=4, head_dim=head_dim,
+                                rope_parameters={"rope_type": "default", "rope_theta": 5e5, "mrope_section": section,
+                                                 "mrope_interleaved": True})
+    else:
+        from transformers import Qwen2_5_VLTextConfig
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding as Rotary
+
+        cfg = Qwen2_5_VLTextConfig(hidden_size=64, num_attention_heads=4,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 5e5, "mrope_section": section})
+    rotary = Rotary(cfg)
+    positions = torch.randint(0, 300, (3, 1, 40))
+    want_cos, want_sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
+    cos, sin = mrope_cos_sin(positions[:, 0], rotary.inv_freq, tuple(section), interleaved)
+    assert torch.allclose(cos, want_cos[0], atol=1e-6) and torch.allclose(sin, want_sin[0], atol=1e-6)
+
+
+def test_tied_embeddings_checkpoint(tmp_path, hf_tok):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    folder = write_tiny_qwen2_5_vl(tmp_path / "tied", seed=5, tie=True)
+    ours = load_model(folder)
+    assert ours.language_model.lm_head.weight is ours.language_model.embed_tokens.weight
+    ref = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    proc = Qwen25VLProcessor.from_files(_Files(folder))
+    vision = proc.prepare([image(120, 200)])
+    text = proc.expand_prompt(chat_text(hf_tok, ["image"]), vision)
+    kw = ref_inputs(folder, hf_tok, vision, text)
+    with torch.no_grad():
+        assert rel_err(ours(kw["input_ids"], vision), ref(**kw).logits) <= REL_TOL
+
+
+def test_family_is_registered():
+    from edgevlm.runtime.models import FAMILIES, get_family
+
+    family = get_family("qwen2_5_vl")
+    assert FAMILIES["qwen2_5_vl"] == "edgevlm.runtime.models.qwen2_5_vl"
+    assert family.model_types == ("qwen2_5_vl",) and family.supports_video
+    assert family.build_model is Qwen25VLModel and family.weight_rules is WEIGHT_RULES
