@@ -94,10 +94,13 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     n, h, dh = q.shape
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     n_seg = lengths.numel()
-    if n_seg == 1:
-        y = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-        return y[0].transpose(0, 1)
     max_len = int(lengths.max())
+    if n_seg * max_len == n:  # equal segments (one frame, or the frames of a video): no padding, no mask
+        def batched(x: torch.Tensor) -> torch.Tensor:
+            return x.reshape(n_seg, max_len, h, dh).transpose(1, 2)  # (n_seg, H, L, Dh)
+
+        y = F.scaled_dot_product_attention(batched(q), batched(k), batched(v))
+        return y.transpose(1, 2).reshape(n, h, dh)
     seg = torch.repeat_interleave(torch.arange(n_seg, device=q.device), lengths)  # (N,)
     off = torch.arange(n, device=q.device) - cu_seqlens[:-1][seg]
 
