@@ -510,9 +510,62 @@ def test_tied_embeddings_checkpoint(tmp_path, hf_tok):
 
 
 def test_family_is_registered():
-    from edgevlm.runtime.models import FAMILIES, get_family
+    from edgevlm.runtime.models import FAMILIES, family_for
 
-    family = get_family("qwen2_5_vl")
+    family = family_for({"model_type": "qwen2_5_vl"})
     assert FAMILIES["qwen2_5_vl"] == "edgevlm.runtime.models.qwen2_5_vl"
+    with pytest.raises(ModelLoadError, match=r"supported: .*qwen2_5_vl \(qwen2_5_vl\)"):
+        family_for({"model_type": "qwen9_vl"})
     assert family.model_types == ("qwen2_5_vl",) and family.supports_video
     assert family.build_model is Qwen25VLModel and family.weight_rules is WEIGHT_RULES
+
+
+# ---- through the Engine and the CLI -----------------------------------------------------------------------
+
+def hf_answer(ckpt, ref, hf_tok, engine, img, n_new):
+    vision = engine.processor.prepare([img])
+    text = engine.processor.expand_prompt(chat_text(hf_tok, ["image"]), vision)
+    kw = ref_inputs(ckpt, hf_tok, vision, text)
+    with torch.no_grad():
+        out = ref.generate(**kw, max_new_tokens=n_new, do_sample=False)[0, kw["input_ids"].shape[1]:].tolist()
+    return out, engine.tokenizer.decode(out).strip(), vision
+
+
+def test_engine_ask_answers_as_transformers(ckpt, ref, hf_tok):
+    from edgevlm.runtime.engine import Engine
+
+    engine = Engine.load(ckpt)
+    assert engine.family.name == "qwen2_5_vl"
+    img = image(120, 200, seed=3)
+    answer = engine.ask(img, QUESTION, max_new_tokens=16)
+    ids, want, vision = hf_answer(ckpt, ref, hf_tok, engine, img, 16)
+    assert answer.text == want
+    assert answer.stats.new_tokens == len(ids) == 16
+    assert answer.stats.vision_tokens == vision.num_tokens == 28
+    assert (answer.stats.input_height_px, answer.stats.input_width_px) == (112, 196)
+
+
+def test_cli_ask_with_a_qwen_checkpoint(ckpt, ref, hf_tok, tmp_path):
+    import subprocess
+    import sys
+
+    import cv2
+
+    from edgevlm.runtime.engine import Engine
+
+    img = image(120, 200, seed=3)
+    png = tmp_path / "frame.png"
+    cv2.imwrite(str(png), img[:, :, ::-1])  # RGB -> BGR for OpenCV
+    res = subprocess.run([sys.executable, "-m", "edgevlm.cli", "ask", "--model", str(ckpt), "--image", str(png),
+                          "--max-new-tokens", "8", "--json", QUESTION],
+                         capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    _, want, _ = hf_answer(ckpt, ref, hf_tok, Engine.load(ckpt), img, 8)
+    assert out["answer"] == want
+    wide = tmp_path / "wide.png"
+    cv2.imwrite(str(wide), np.zeros((2, 500, 3), np.uint8))  # 250:1
+    res = subprocess.run([sys.executable, "-m", "edgevlm.cli", "ask", "--model", str(ckpt), "--image", str(wide),
+                          QUESTION], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert len(res.stderr.splitlines()) == 1 and "aspect ratio" in res.stderr
