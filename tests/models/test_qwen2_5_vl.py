@@ -569,3 +569,46 @@ def test_cli_ask_with_a_qwen_checkpoint(ckpt, ref, hf_tok, tmp_path):
                           QUESTION], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert len(res.stderr.splitlines()) == 1 and "aspect ratio" in res.stderr
+
+
+#: config.json of Qwen/Qwen2.5-VL-3B-Instruct as the hub ships it (transformers 4.x layout).
+HUB_3B_CONFIG = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+    "vision_token_id": 151654, "image_token_id": 151655, "video_token_id": 151656, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 11008, "max_position_embeddings": 128000,
+    "max_window_layers": 70, "model_type": "qwen2_5_vl", "num_attention_heads": 16, "num_hidden_layers": 36,
+    "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.41.2", "use_cache": True,
+    "use_sliding_window": False,
+    "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+                      "num_heads": 16, "in_chans": 3, "out_hidden_size": 2048, "patch_size": 14,
+                      "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
+                      "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2, "temporal_patch_size": 2},
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "vocab_size": 151936,
+}
+
+
+def test_real_3b_config_builds_the_parameters_transformers_has():
+    """The hub's 3B config, and transformers 5's re-save of it, parse to one config whose model (built on
+    the meta device) has exactly transformers' parameters, names mapped by WEIGHT_RULES, shapes equal."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    cfg = parse_config(HUB_3B_CONFIG)
+    resaved = Qwen2_5_VLConfig(**HUB_3B_CONFIG).to_dict()
+    assert parse_config(json.loads(json.dumps(resaved))) == cfg
+    assert cfg.tie_word_embeddings and cfg.text.head_dim == 128 and cfg.text.num_key_value_heads == 2
+    assert cfg.vision.tokens_per_second == 2 and cfg.text.sliding_window is None
+    with torch.device("meta"):
+        ours = Qwen25VLModel(cfg)
+        ref = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**HUB_3B_CONFIG))
+    want = {}
+    for name, p in ref.state_dict().items():
+        for pattern, repl in WEIGHT_RULES:
+            if re.search(pattern, name):
+                if repl is not None:
+                    want[re.sub(pattern, repl, name)] = tuple(p.shape)
+                break
+    got = {name: tuple(p.shape) for name, p in ours.state_dict().items()}
+    assert got == want
