@@ -263,10 +263,11 @@ def test_pixels_equal_transformers_image_processor(ckpt, proc, h, w):
     assert got.tokens_per_item == [int(want["image_grid_thw"].prod()) // 4]
 
 
-def hf_image_processor(ckpt):
+def hf_image_processor(ckpt, video_output: dict | None = None):
     """transformers' Qwen2_5_VLProcessor with its Pillow image processor. Its video processor needs
-    torchvision (absent in CI): a stand-in that is never called takes its place, so the prompt
-    expansion and the pixels come from transformers' own code."""
+    torchvision (absent in CI): a stand-in returning ``video_output`` (our video pixels, grid and the
+    frames' metadata) takes its place, so the prompt expansion, the image pixels and
+    ``second_per_grid_ts`` come from transformers' own code."""
     from transformers import AutoTokenizer, Qwen2_5_VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.processing_utils import ProcessorMixin
@@ -274,6 +275,9 @@ def hf_image_processor(ckpt):
     class _NoVideo:
         merge_size = 2
         temporal_patch_size = 2
+
+        def __call__(self, videos, **kwargs):
+            return dict(video_output)
 
     check = ProcessorMixin.check_argument_for_proper_class
     try:  # the class check looks the video processor up in a registry that needs torchvision
@@ -612,3 +616,35 @@ def test_real_3b_config_builds_the_parameters_transformers_has():
                 break
     got = {name: tuple(p.shape) for name, p in ours.state_dict().items()}
     assert got == want
+
+
+def test_tokenizer_and_model_with_image_and_video_equal_transformers(ckpt, proc, ref):
+    """The runtime's tokenizer (chat template with an image and a video content part) + our processor give
+    transformers' Qwen2_5_VLProcessor ids, and our model its logits, for an image + 4-frame video prompt."""
+    from transformers.video_utils import VideoMetadata
+
+    from edgevlm.runtime.tokenizer import VLMTokenizer
+
+    img, frames = image(120, 200), video_frames()
+    vision = proc.prepare([img], video=frames, video_timestamps_s=[0.0, 0.5, 1.0, 1.5])
+    n_img = int(vision.grid_thw[0].prod())
+    hf = hf_image_processor(ckpt, {"pixel_values_videos": vision.pixel_values[n_img:],
+                                   "video_grid_thw": vision.grid_thw[1:],
+                                   "video_metadata": [VideoMetadata(total_num_frames=4, fps=2.0,
+                                                                    frames_indices=[0, 1, 2, 3])]})
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "video"}, {"type": "text", "text": QUESTION}]}]
+    text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    want = hf(text=[text], images=[img], videos=[np.stack(frames)], return_tensors="pt")
+    assert want["second_per_grid_ts"].tolist() == vision.extras["second_per_grid_ts"][1:]
+    tok = VLMTokenizer.from_dir(ckpt, proc.cfg.image_token_id)
+    ids = tok.encode_request(QUESTION, vision, proc)
+    assert ids == want["input_ids"][0].tolist()
+    ours = load_model(ckpt)
+    with torch.no_grad():
+        got = ours(torch.tensor([ids]), vision)
+        ref_logits = ref(input_ids=want["input_ids"], attention_mask=want["attention_mask"],
+                         mm_token_type_ids=want["mm_token_type_ids"], pixel_values=want["pixel_values"],
+                         image_grid_thw=want["image_grid_thw"], pixel_values_videos=want["pixel_values_videos"],
+                         video_grid_thw=want["video_grid_thw"],
+                         second_per_grid_ts=want["second_per_grid_ts"]).logits
+    assert rel_err(got, ref_logits) <= REL_TOL
