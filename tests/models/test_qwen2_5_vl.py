@@ -535,10 +535,14 @@ def hf_answer(ckpt, ref, hf_tok, engine, img, n_new):
     return out, engine.tokenizer.decode(out).strip(), vision
 
 
-def test_engine_ask_answers_as_transformers(ckpt, ref, hf_tok):
+@pytest.fixture(scope="module")
+def engine(ckpt):
     from edgevlm.runtime.engine import Engine
 
-    engine = Engine.load(ckpt)
+    return Engine.load(ckpt)
+
+
+def test_engine_ask_answers_as_transformers(ckpt, ref, hf_tok, engine):
     assert engine.family.name == "qwen2_5_vl"
     img = image(120, 200, seed=3)
     answer = engine.ask(img, QUESTION, max_new_tokens=16)
@@ -549,13 +553,13 @@ def test_engine_ask_answers_as_transformers(ckpt, ref, hf_tok):
     assert (answer.stats.input_height_px, answer.stats.input_width_px) == (112, 196)
 
 
-def test_cli_ask_with_a_qwen_checkpoint(ckpt, ref, hf_tok, tmp_path):
+def test_cli_ask_with_a_qwen_checkpoint(ckpt, ref, hf_tok, engine, tmp_path, capsys):
     import subprocess
     import sys
 
     import cv2
 
-    from edgevlm.runtime.engine import Engine
+    from edgevlm.cli import main
 
     img = image(120, 200, seed=3)
     png = tmp_path / "frame.png"
@@ -564,15 +568,13 @@ def test_cli_ask_with_a_qwen_checkpoint(ckpt, ref, hf_tok, tmp_path):
                           "--max-new-tokens", "8", "--json", QUESTION],
                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert res.returncode == 0, res.stderr
-    out = json.loads(res.stdout)
-    _, want, _ = hf_answer(ckpt, ref, hf_tok, Engine.load(ckpt), img, 8)
-    assert out["answer"] == want
+    assert json.loads(res.stdout)["answer"] == hf_answer(ckpt, ref, hf_tok, engine, img, 8)[1]
     wide = tmp_path / "wide.png"
     cv2.imwrite(str(wide), np.zeros((2, 500, 3), np.uint8))  # 250:1
-    res = subprocess.run([sys.executable, "-m", "edgevlm.cli", "ask", "--model", str(ckpt), "--image", str(wide),
-                          QUESTION], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
-    assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert len(res.stderr.splitlines()) == 1 and "aspect ratio" in res.stderr
+    code = main(["ask", "--model", str(ckpt), "--image", str(wide), QUESTION])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert len(err.splitlines()) == 1 and err.startswith("edgevlm: error: ") and "aspect ratio" in err
 
 
 #: config.json of Qwen/Qwen2.5-VL-3B-Instruct as the hub ships it (transformers 4.x layout).
