@@ -1,0 +1,203 @@
+"""The Qwen2.5-VL vision tower: a native-resolution ViT with window attention and a 2x2 patch merger.
+
+Architecture (Bai et al., "Qwen2.5-VL Technical Report", 2025, section 2.1; facts from transformers'
+``Qwen2_5_VisionTransformerPretrainedModel``):
+
+- patch embedding: a Conv3d with kernel = stride = ``(temporal_patch_size, patch_size, patch_size)``,
+  no bias, over rows of ``C * tp * p * p`` pixels (computed here as the equal matmul);
+- 2-D rotary embeddings: per patch, ``head_dim / 4`` frequencies ``theta ** (-2i / (head_dim / 2))``
+  times its row and its column index, ``[row freqs, col freqs]`` twice over the head dimension
+  (half-rotation layout), applied to q and k in float32;
+- ``depth`` pre-norm blocks: RMSNorm (eps 1e-6) -> attention (fused ``qkv`` with bias, ``proj``) ->
+  RMSNorm -> SwiGLU MLP with biases;
+- attention inside windows of ``window_size`` px (``window_units`` merged patches a side, per frame),
+  except the blocks in ``fullatt_block_indexes``, which attend over a whole frame. The patches are
+  reordered once so that each window is contiguous (``window_index``; ``cu_window_seqlens`` /
+  ``cu_seqlens`` bound the windows / frames), and the merger's output is put back in raster order;
+- merger: RMSNorm, the 2x2 neighbourhood concatenated (``4 * hidden``), Linear -> GELU -> Linear to the
+  decoder's width.
+
+Parameter names follow transformers' (``patch_embed.proj``, ``blocks.N.attn.qkv``, ``merger.mlp.0``), so
+checkpoints load by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edgevlm.runtime.decoder import RMSNorm, apply_rope
+from edgevlm.runtime.models.qwen2_5_vl.config import Qwen25VisionConfig
+from edgevlm.runtime.vision import activation
+
+
+@dataclass
+class VisionLayout:
+    """Everything about the patch order that depends only on ``grid_thw`` (computed once per encode).
+
+    ``window_index`` ``(N / merge**2,)``: merged units in window order; ``cu_window_seqlens`` /
+    ``cu_seqlens``: segment bounds (in patches, window order) for window / full attention; ``cos``,
+    ``sin`` ``(N, head_dim)`` float32, already in window order."""
+
+    window_index: torch.Tensor
+    cu_window_seqlens: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def vision_layout(grid_thw: torch.Tensor, cfg: Qwen25VisionConfig, device: torch.device | str = "cpu") -> VisionLayout:
+    """The :class:`VisionLayout` of items with ``grid_thw`` ``(N_items, 3)`` (patches)."""
+    m, unit = cfg.spatial_merge_size, cfg.spatial_merge_size ** 2
+    vws = cfg.window_units
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))  # (head_dim/4,)
+    order, windows, frames, rows, cols = [], [], [], [], []
+    base = 0
+    for t, h, w in grid_thw.tolist():
+        lh, lw = h // m, w // m
+        tt, rr, cc = torch.meshgrid(torch.arange(t), torch.arange(lh), torch.arange(lw), indexing="ij")
+        n_wh, n_ww = -(-lh // vws), -(-lw // vws)
+        window = ((tt * n_wh + rr // vws) * n_ww + cc // vws).flatten()  # window id of each merged unit
+        key = window * (vws * vws) + ((rr % vws) * vws + cc % vws).flatten()
+        order.append(torch.argsort(key) + base)
+        counts = torch.bincount(window, minlength=t * n_wh * n_ww)
+        windows.append(counts[counts > 0] * unit)
+        frames.append(torch.full((t,), h * w))
+        # patch row/column in merge-block order: unit (r, c), then its m x m patches row-major
+        pr = (rr[..., None, None] * m + torch.arange(m)[:, None]).expand(t, lh, lw, m, m)
+        pc = (cc[..., None, None] * m + torch.arange(m)[None, :]).expand(t, lh, lw, m, m)
+        rows.append(pr.reshape(-1))
+        cols.append(pc.reshape(-1))
+        base += t * lh * lw
+    window_index = torch.cat(order)
+    patch_order = (window_index[:, None] * unit + torch.arange(unit)).reshape(-1)  # patches in window order
+    row = torch.cat(rows)[patch_order].float()
+    col = torch.cat(cols)[patch_order].float()
+    freqs = torch.cat([row[:, None] * inv_freq, col[:, None] * inv_freq], dim=-1)  # (N, head_dim/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (N, head_dim)
+
+    def bounds(lengths: list[torch.Tensor]) -> torch.Tensor:
+        return F.pad(torch.cat(lengths).cumsum(0), (1, 0)).to(device=device, dtype=torch.int64)
+
+    return VisionLayout(window_index.to(device), bounds(windows), bounds(frames),
+                        emb.cos().to(device), emb.sin().to(device))
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Bidirectional attention of ``q``/``k``/``v`` ``(N, H, Dh)`` within each segment
+    ``cu_seqlens[i]:cu_seqlens[i+1]`` -> ``(N, H, Dh)``. Segments are padded into one batch
+    ``(n_seg, H, L_max, Dh)`` with a key mask: one SDPA call however many windows there are."""
+    n, h, dh = q.shape
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    n_seg = lengths.numel()
+    max_len = int(lengths.max())
+    if n_seg * max_len == n:  # equal segments (one frame, or the frames of a video): no padding, no mask
+        def batched(x: torch.Tensor) -> torch.Tensor:
+            return x.reshape(n_seg, max_len, h, dh).transpose(1, 2)  # (n_seg, H, L, Dh)
+
+        y = F.scaled_dot_product_attention(batched(q), batched(k), batched(v))
+        return y.transpose(1, 2).reshape(n, h, dh)
+    seg = torch.repeat_interleave(torch.arange(n_seg, device=q.device), lengths)  # (N,)
+    off = torch.arange(n, device=q.device) - cu_seqlens[:-1][seg]
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros(n_seg, max_len, h, dh)
+        out[seg, off] = x
+        return out.transpose(1, 2)  # (n_seg, H, L, Dh)
+
+    keep = torch.arange(max_len, device=q.device)[None, :] < lengths[:, None]  # (n_seg, L)
+    y = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=keep[:, None, None, :])
+    return y.transpose(1, 2)[seg, off]  # (N, H, Dh)
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, cfg: Qwen25VisionConfig) -> None:
+        super().__init__()
+        k = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=k, stride=k, bias=False)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """``(N, C*tp*p*p)`` -> ``(N, hidden)``: the Conv3d over one patch each, as one matmul."""
+        w = self.proj.weight
+        return F.linear(pixels.to(w.dtype), w.reshape(w.shape[0], -1))
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, cfg: Qwen25VisionConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.num_heads
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).reshape(n, 3, self.n_heads, -1).unbind(1)  # (N, H, Dh) each
+        cos, sin = cos[:, None], sin[:, None]  # (N, 1, Dh), float32
+        q = apply_rope(q.float(), cos, sin).to(x.dtype)
+        k = apply_rope(k.float(), cos, sin).to(x.dtype)
+        return self.proj(segment_attention(q, k, v, cu_seqlens).reshape(n, -1))
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, cfg: Qwen25VisionConfig) -> None:
+        super().__init__()
+        self.act = cfg.hidden_act
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(activation(self.act, self.gate_proj(x)) * self.up_proj(x))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, cfg: Qwen25VisionConfig) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = VisionAttention(cfg)
+        self.norm2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = VisionMLP(cfg)
+
+    def forward(self, x, cos, sin, cu_seqlens) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, cfg: Qwen25VisionConfig) -> None:
+        super().__init__()
+        self.width = cfg.hidden_size * cfg.spatial_merge_size ** 2
+        self.ln_q = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = nn.Sequential(nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, cfg.out_hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).reshape(-1, self.width))
+
+
+class Qwen25VisionTower(nn.Module):
+    """``pixel_values`` ``(N, C*tp*p*p)`` + ``grid_thw`` ``(N_items, 3)`` -> vision tokens
+    ``(N / merge**2, out_hidden_size)`` in the processor's (raster, item) order."""
+
+    def __init__(self, cfg: Qwen25VisionConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embed = PatchEmbed(cfg)
+        self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
+        self.merger = PatchMerger(cfg)
+        self.full_attention = frozenset(cfg.fullatt_block_indexes)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        w = self.patch_embed.proj.weight
+        layout = vision_layout(grid_thw, self.cfg, w.device)
+        unit = self.cfg.spatial_merge_size ** 2
+        x = self.patch_embed(pixel_values.to(w.device))  # (N, D)
+        x = x.reshape(-1, unit, x.shape[-1])[layout.window_index].reshape(x.shape)  # window order
+        for i, block in enumerate(self.blocks):
+            cu = layout.cu_seqlens if i in self.full_attention else layout.cu_window_seqlens
+            x = block(x, layout.cos, layout.sin, cu)
+        merged = self.merger(x)  # (N / unit, D_out), window order
+        return merged[torch.argsort(layout.window_index)]
