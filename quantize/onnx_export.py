@@ -222,11 +222,11 @@ def _rope(g: _Graph, x: str, cos: str, sin: str, half: int) -> str:
 
 def build_decoder_graph(w: _Weights, cfg: LlavaConfig, max_positions: int) -> onnx.ModelProto:
     """The Llama decoder with past key/values (see the module docstring)."""
-    from edgevlm.runtime.decoder import rope_tables
+    from edgevlm.runtime.decoder import rope_inv_freq, rope_tables
 
     tc, g = cfg.text, _Graph()
     hd, nh, nkv = tc.head_dim, tc.num_attention_heads, tc.num_key_value_heads
-    cos_t, sin_t = rope_tables(hd, max_positions, tc.rope_theta, "cpu")
+    cos_t, sin_t = rope_tables(hd, max_positions, tc.rope_theta, "cpu", rope_inv_freq(tc))
     cos = g.op("Unsqueeze", g.op("Gather", g.const(cos_t.numpy(), "cos"), "position_ids"), g.ints([1]))  # (1,1,T,Dh)
     sin = g.op("Unsqueeze", g.op("Gather", g.const(sin_t.numpy(), "sin"), "position_ids"), g.ints([1]))
     # causal mask over [past; new] keys: key j is visible to the query at position p iff j <= p

@@ -47,7 +47,20 @@ class VisionConfig:
 
 @dataclass(frozen=True)
 class TextConfig:
-    """Llama-family decoder (``model_type: llama``)."""
+    """Llama-family decoder (the shared :class:`~edgevlm.runtime.decoder.Decoder`), configurable per
+    family: ``llama``, ``mistral``, ``qwen2`` (q/k/v bias), ``qwen3`` (per-head q/k RMSNorm) and the
+    text halves of the Qwen VL families (multimodal RoPE).
+
+    RoPE: ``rope_type`` ``default``, ``linear`` (inverse frequencies divided by ``rope_factor``),
+    ``dynamic`` (dynamic NTK: equals ``default`` while the KV cache stays within
+    ``max_position_embeddings``, which :meth:`Decoder.setup_caches` enforces) or ``llama3``
+    (Llama 3.1's frequency-dependent scaling with ``rope_factor``, ``rope_low_freq_factor``,
+    ``rope_high_freq_factor``, ``rope_original_max_position_embeddings``); see
+    :func:`edgevlm.runtime.decoder.rope_inv_freq`. ``mrope_section`` (M-RoPE, Qwen2-VL and later):
+    the ``(t, h, w)`` split of the ``head_dim / 2`` frequencies; ``mrope_interleaved``: Qwen3-VL's
+    interleaved layout. ``sliding_window``: Mistral's attention window (positions); the KV cache is
+    kept within it, so attention is exact.
+    """
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -60,8 +73,18 @@ class TextConfig:
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    attention_bias: bool = False
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int | None = None
+    mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
     mlp_bias: bool = False
+    sliding_window: int | None = None
     bos_token_id: int | None = 1
     eos_token_id: list[int] = field(default_factory=list)
 
@@ -114,26 +137,6 @@ def _int_list(value: Any, where: str) -> list[int]:
     raise ModelLoadError(f"config.json: {where} must be an int or a list of ints, got {value!r}")
 
 
-def _rope_theta(tc: dict) -> float:
-    """RoPE base from ``rope_parameters`` (transformers 5.x) or ``rope_theta``/``rope_scaling`` (4.x)."""
-    params = tc.get("rope_parameters")
-    if params is None:
-        params = dict(tc.get("rope_scaling") or {})
-        params.setdefault("rope_theta", tc.get("rope_theta", 10000.0))
-    if not isinstance(params, dict):
-        raise ModelLoadError("config.json: text_config.rope_parameters must be an object")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ModelLoadError(
-            f"config.json: text_config RoPE scaling type {rope_type!r} is not supported "
-            "(the runtime implements rope_type 'default' only)"
-        )
-    theta = params.get("rope_theta", tc.get("rope_theta", 10000.0))
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
-        raise ModelLoadError(f"config.json: text_config rope_theta must be a positive number, got {theta!r}")
-    return float(theta)
-
-
 def _vision_config(vc: dict) -> VisionConfig:
     w = "vision_config."
     model_type = vc.get("model_type", "clip_vision_model")
@@ -160,30 +163,128 @@ def _vision_config(vc: dict) -> VisionConfig:
     return cfg
 
 
-def _text_config(tc: dict) -> TextConfig:
-    w = "text_config."
+#: RoPE types :func:`edgevlm.runtime.decoder.rope_inv_freq` implements.
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+#: Decoder model types :func:`parse_text_config` reads, with what each implies beyond Llama and the
+#: defaults of its transformers config class that differ from ``LlamaConfig``'s.
+TEXT_MODEL_TYPES: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {"intermediate_size": 14336, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+                "sliding_window": 4096},
+    "qwen2": {"qkv_bias": True, "vocab_size": 151936, "intermediate_size": 22016,
+              "max_position_embeddings": 32768},
+    "qwen3": {"qk_norm": True, "vocab_size": 151936, "intermediate_size": 22016,
+              "max_position_embeddings": 32768},
+    "qwen2_5_vl_text": {"qkv_bias": True, "vocab_size": 152064, "intermediate_size": 29568,
+                        "num_key_value_heads": 8, "max_position_embeddings": 32768},
+    "qwen3_vl_text": {"qk_norm": True, "vocab_size": 151936, "intermediate_size": 22016,
+                      "max_position_embeddings": 128000},
+}
+
+
+def _number(params: dict, key: str, default: float | None, where: str) -> float | None:
+    value = params.get(key, default)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise ModelLoadError(f"config.json: {where}{key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _rope(tc: dict, where: str) -> dict[str, Any]:
+    """RoPE fields of :class:`TextConfig` from ``rope_parameters`` (transformers 5.x) or
+    ``rope_theta``/``rope_scaling`` (4.x)."""
+    params = tc.get("rope_parameters")
+    if params is None:
+        params = dict(tc.get("rope_scaling") or {})
+        params.setdefault("rope_theta", tc.get("rope_theta", 10000.0))
+    if not isinstance(params, dict):
+        raise ModelLoadError(f"config.json: {where}rope_parameters must be an object")
+    w = where + "rope_parameters."
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    mrope = params.get("mrope_section")
+    if rope_type == "mrope":  # transformers 4.x Qwen2-VL spelling of default + mrope_section
+        rope_type = "default"
+    if rope_type not in ROPE_TYPES:
+        raise ModelLoadError(
+            f"config.json: {w}rope_type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ModelLoadError(f"config.json: {w}partial_rotary_factor {params['partial_rotary_factor']!r} "
+                             "is not supported (1.0 only)")
+    out: dict[str, Any] = {"rope_type": rope_type,
+                           "rope_theta": _number(params, "rope_theta", tc.get("rope_theta", 10000.0), w)}
+    if rope_type in ("linear", "dynamic", "llama3"):
+        if "factor" not in params:
+            raise ModelLoadError(f"config.json: {w}factor is required for rope_type {rope_type!r}")
+        out["rope_factor"] = _number(params, "factor", None, w)
+    if rope_type == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if key not in params:
+                raise ModelLoadError(f"config.json: {w}{key} is required for rope_type 'llama3'")
+        out["rope_low_freq_factor"] = _number(params, "low_freq_factor", None, w)
+        out["rope_high_freq_factor"] = _number(params, "high_freq_factor", None, w)
+        if out["rope_high_freq_factor"] <= out["rope_low_freq_factor"]:
+            raise ModelLoadError(f"config.json: {w}high_freq_factor must be larger than low_freq_factor")
+        out["rope_original_max_position_embeddings"] = int(
+            _number(params, "original_max_position_embeddings", None, w))
+    if mrope is not None:
+        if not isinstance(mrope, list) or not all(isinstance(v, int) and v > 0 for v in mrope):
+            raise ModelLoadError(f"config.json: {w}mrope_section must be a list of positive ints, got {mrope!r}")
+        out["mrope_section"] = tuple(mrope)
+        out["mrope_interleaved"] = bool(params.get("mrope_interleaved", tc.get("mrope_interleaved", False)))
+    return out
+
+
+def parse_text_config(tc: dict, where: str = "text_config.") -> TextConfig:
+    """Parse a decoder config (a ``text_config`` dict) of one of :data:`TEXT_MODEL_TYPES`.
+
+    Keys the dict leaves out take the defaults of the model type's transformers config class.
+    ``where`` prefixes the key paths in error messages. Raises :class:`ModelLoadError` naming the
+    key for a wrong type, an unsupported model type, RoPE type or activation, or inconsistent sizes.
+    """
+    w = where
     model_type = tc.get("model_type", "llama")
-    if model_type != "llama":
-        raise ModelLoadError(f"config.json: {w}model_type {model_type!r} is not supported (llama)")
+    if model_type not in TEXT_MODEL_TYPES:
+        raise ModelLoadError(f"config.json: {w}model_type {model_type!r} is not supported "
+                             f"(supported: {', '.join(TEXT_MODEL_TYPES)})")
+    fam = TEXT_MODEL_TYPES[model_type]
     d = TextConfig()
+
+    def default(key: str) -> Any:
+        return fam.get(key, getattr(d, key))
+
     hidden = _get(tc, "hidden_size", d.hidden_size, int, w)
     heads = _get(tc, "num_attention_heads", d.num_attention_heads, int, w)
+    if model_type in ("qwen2", "qwen2_5_vl_text"):  # q/k/v bias always, o_proj none (modeling_qwen2)
+        qkv_bias, o_bias = True, False
+    else:  # attention_bias: every projection, q/k/v and o (modeling_llama / mistral / qwen3)
+        qkv_bias = o_bias = _get(tc, "attention_bias", False, bool, w)
+    sliding = tc.get("sliding_window", default("sliding_window"))
+    if model_type.startswith("qwen") and not tc.get("use_sliding_window", False):
+        sliding = None  # Qwen configs carry a window that is only used with use_sliding_window
+    if sliding is not None and (not isinstance(sliding, int) or isinstance(sliding, bool) or sliding < 1):
+        raise ModelLoadError(f"config.json: {w}sliding_window must be a positive int or null, got {sliding!r}")
     cfg = TextConfig(
-        vocab_size=_get(tc, "vocab_size", d.vocab_size, int, w),
+        vocab_size=_get(tc, "vocab_size", default("vocab_size"), int, w),
         hidden_size=hidden,
-        intermediate_size=_get(tc, "intermediate_size", d.intermediate_size, int, w),
+        intermediate_size=_get(tc, "intermediate_size", default("intermediate_size"), int, w),
         num_hidden_layers=_get(tc, "num_hidden_layers", d.num_hidden_layers, int, w),
         num_attention_heads=heads,
-        num_key_value_heads=_get(tc, "num_key_value_heads", heads, int, w),
+        num_key_value_heads=_get(tc, "num_key_value_heads", fam.get("num_key_value_heads", heads), int, w),
         head_dim=_get(tc, "head_dim", hidden // max(heads, 1), int, w),
         hidden_act=_get(tc, "hidden_act", d.hidden_act, str, w),
-        max_position_embeddings=_get(tc, "max_position_embeddings", d.max_position_embeddings, int, w),
+        max_position_embeddings=_get(tc, "max_position_embeddings", default("max_position_embeddings"), int, w),
         rms_norm_eps=_get(tc, "rms_norm_eps", d.rms_norm_eps, float, w),
-        rope_theta=_rope_theta(tc),
-        attention_bias=_get(tc, "attention_bias", d.attention_bias, bool, w),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        qk_norm=bool(fam.get("qk_norm", False)),
         mlp_bias=_get(tc, "mlp_bias", d.mlp_bias, bool, w),
+        sliding_window=sliding,
         bos_token_id=tc.get("bos_token_id") if isinstance(tc.get("bos_token_id"), int) else None,
         eos_token_id=_int_list(tc.get("eos_token_id"), w + "eos_token_id"),
+        **_rope(tc, w),
     )
     if cfg.hidden_act not in SUPPORTED_ACTIVATIONS:
         raise ModelLoadError(f"config.json: {w}hidden_act {cfg.hidden_act!r} is not supported")
@@ -191,6 +292,9 @@ def _text_config(tc: dict) -> TextConfig:
         raise ModelLoadError(f"config.json: {w}num_attention_heads is not a multiple of num_key_value_heads")
     if cfg.head_dim % 2:
         raise ModelLoadError(f"config.json: {w}head_dim must be even for RoPE")
+    if cfg.mrope_section is not None and sum(cfg.mrope_section) != cfg.head_dim // 2:
+        raise ModelLoadError(f"config.json: {w}rope_parameters.mrope_section {list(cfg.mrope_section)} "
+                             f"must sum to head_dim / 2 = {cfg.head_dim // 2}")
     return cfg
 
 
@@ -209,7 +313,7 @@ def parse_config(raw: dict) -> LlavaConfig:
         if not isinstance(raw.get(key), dict):
             raise ModelLoadError(f"config.json: missing key {key!r}")
     vision = _vision_config(raw["vision_config"])
-    text = _text_config(raw["text_config"])
+    text = parse_text_config(raw["text_config"])
     image_token_id = raw.get("image_token_id", raw.get("image_token_index", 32000))
     if not isinstance(image_token_id, int) or not 0 <= image_token_id < text.vocab_size:
         raise ModelLoadError(f"config.json: image_token_id {image_token_id!r} is not a token id of the vocabulary")

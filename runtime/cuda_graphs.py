@@ -8,7 +8,8 @@ as gpt-fast's ``torch.compile(mode="reduce-overhead")`` and vLLM's decode graphs
 
 A graph replays fixed kernels on fixed addresses, so everything that varies between steps lives in
 static buffers that are updated in place before :meth:`DecodeGraphs.replay`: the token ids
-``(B_max, 1)`` and per-row positions ``(B_max,)``. The attention mask is computed inside the graph
+``(B_max, 1)``, per-row positions ``(B_max,)`` and, for multimodal-RoPE decoders, per-row RoPE
+offsets ``(B_max,)``. The attention mask is computed inside the graph
 from the positions. Shapes that differ (batch size, attended KV length) get one graph each, keyed
 by ``(batch, kv_len)``; ``kv_len`` comes from :func:`edgevlm.runtime.kv_cache.kv_bucket`, so a
 4096-position cache needs at most ``log2(4096 / 256) + 1 = 5`` graphs per batch size. All graphs
@@ -45,7 +46,7 @@ class DecodeGraphs:
     """CUDA graphs of :meth:`Decoder.decode_step` per ``(batch, kv_len)``.
 
     Usage: write the step's inputs into :attr:`tokens` ``[:batch]`` and :attr:`positions`
-    ``[:batch]``, then :meth:`replay` returns the logits ``(batch, V)`` — a static output tensor
+    ``[:batch]`` (and :attr:`rope_offsets` ``[:batch]`` when :attr:`uses_rope_offsets`), then :meth:`replay` returns the logits ``(batch, V)`` — a static output tensor
     that the next replay overwrites (consume or clone it first).
 
     Raises ``RuntimeError`` if the decoder is not on a CUDA device.
@@ -60,6 +61,9 @@ class DecodeGraphs:
         self.max_batch_size = max_batch_size or decoder.max_batch_size
         self.tokens = torch.zeros(self.max_batch_size, 1, dtype=torch.long, device=device)  # (B_max, 1)
         self.positions = torch.zeros(self.max_batch_size, dtype=torch.long, device=device)  # (B_max,)
+        # M-RoPE decoders (mrope_section): RoPE position = slot + rope_offsets[row] (see Decoder.forward)
+        self.rope_offsets = torch.zeros(self.max_batch_size, dtype=torch.long, device=device)  # (B_max,)
+        self.uses_rope_offsets = decoder.cfg.mrope_section is not None
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self.capture_ms: dict[tuple[int, int], float] = {}
@@ -68,7 +72,8 @@ class DecodeGraphs:
         return len(self._graphs)
 
     def _step(self, batch: int, kv_len: int) -> torch.Tensor:
-        return self.decoder.decode_step(self.tokens[:batch], self.positions[:batch], kv_len)
+        offsets = self.rope_offsets[:batch] if self.uses_rope_offsets else 0
+        return self.decoder.decode_step(self.tokens[:batch], self.positions[:batch], kv_len, offsets)
 
     def eager(self, batch: int, kv_len: int) -> torch.Tensor:
         """The same step without a graph (reference for tests and the GPU suite)."""

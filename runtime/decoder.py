@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import torch
 import torch.nn.functional as F
@@ -55,15 +56,53 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_tables(
-    head_dim: int, max_seq_len: int, theta: float, device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos``/``sin`` tables ``(max_seq_len, head_dim)`` float32 for RoPE ('default' type)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))  # (Dh/2,)
-    pos = torch.arange(max_seq_len, device=device, dtype=torch.float)
-    freqs = pos[:, None] * inv_freq.to(device)[None, :]  # (S, Dh/2)
-    emb = torch.cat([freqs, freqs], dim=-1)  # (S, Dh)
+def rope_inv_freq(cfg: TextConfig) -> torch.Tensor:
+    """RoPE inverse frequencies ``(head_dim / 2,)`` float32 for ``cfg.rope_type``.
+
+    ``default``/``dynamic``: ``theta ** (-2i / Dh)`` (Su et al., RoFormer). ``linear``: divided by
+    ``rope_factor`` (position interpolation, Chen et al. 2023). ``llama3``: Llama 3.1's scaling
+    (Meta's ``apply_scaling`` in llama-models, the formula of transformers'
+    ``_compute_llama3_parameters``): wavelengths below ``original_max / high_freq_factor`` keep
+    their frequency, those above ``original_max / low_freq_factor`` are divided by ``factor``, and
+    the band between is interpolated with ``s = (original_max / wavelen - low) / (high - low)``,
+    ``(1 - s) * f / factor + s * f``. (``dynamic`` NTK only changes frequencies past
+    ``max_position_embeddings``, which the KV cache never reaches: :meth:`Decoder.setup_caches`.)
+    """
+    dh = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dh, 2, dtype=torch.int64).float() / dh))  # (Dh/2,)
+    if cfg.rope_type == "linear":
+        return inv_freq / cfg.rope_factor
+    if cfg.rope_type == "llama3":
+        factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        old_len = cfg.rope_original_max_position_embeddings
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    if cfg.rope_type not in ("default", "dynamic"):
+        raise ValueError(f"unsupported rope_type {cfg.rope_type!r}")
+    return inv_freq
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``/``sin`` ``(*positions.shape, Dh)`` float32 at integer (or float) ``positions`` for
+    ``inv_freq`` ``(Dh/2,)``, half-rotation layout (``[freqs, freqs]``)."""
+    freqs = positions.float()[..., None] * inv_freq.to(positions.device)  # (..., Dh/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (..., Dh)
     return emb.cos(), emb.sin()
+
+
+def rope_tables(
+    head_dim: int, max_seq_len: int, theta: float, device: torch.device | str,
+    inv_freq: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``/``sin`` tables ``(max_seq_len, head_dim)`` float32 for positions ``0..max_seq_len-1``:
+    of ``inv_freq`` (:func:`rope_inv_freq`) when given, else of the 'default' type with base ``theta``."""
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))  # (Dh/2,)
+    return rope_cos_sin(inv_freq, torch.arange(max_seq_len, device=device))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -139,10 +178,13 @@ class Attention(nn.Module):
         self.n_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         d, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=cfg.attention_bias)
+        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=cfg.o_bias)
+        # Qwen3: RMSNorm over each head's q and k (weights (Dh,)) before RoPE
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.kv_cache: KVCache | None = None
         self.qkv_proj: nn.Module | None = None  # set by fuse(): q, k, v in one matmul
         self.int4kv_kernel = True  # CUDA decode over an INT4 cache: attend from the codes (False: dequantize + SDPA)
@@ -201,13 +243,19 @@ class Attention(nn.Module):
         h, hkv, dh = self.n_heads, self.n_kv_heads, self.head_dim
         if self.qkv_proj is not None:  # one matmul, one RoPE pass over q and k together
             qkv = self.qkv_proj(x)  # (B, T, (H + 2 Hkv) Dh)
-            qk = qkv[..., : (h + hkv) * dh].view(b, t, h + hkv, dh).transpose(1, 2)  # (B, H + Hkv, T, Dh)
+            qk = qkv[..., : (h + hkv) * dh].view(b, t, h + hkv, dh)  # (B, T, H + Hkv, Dh)
+            if self.q_norm is not None:
+                qk = torch.cat([self.q_norm(qk[:, :, :h]), self.k_norm(qk[:, :, h:])], dim=2)
+            qk = qk.transpose(1, 2)  # (B, H + Hkv, T, Dh)
             qk = apply_rope_rolled(qk, cos, sin_signed if sin_signed is not None else signed_sin(sin))
             q, k = qk[:, :h], qk[:, h:]
             v = qkv[..., (h + hkv) * dh :].view(b, t, hkv, dh).transpose(1, 2)  # (B, Hkv, T, Dh)
         else:
-            q = self.q_proj(x).view(b, t, h, dh).transpose(1, 2)  # (B, H, T, Dh)
-            k = self.k_proj(x).view(b, t, hkv, dh).transpose(1, 2)  # (B, Hkv, T, Dh)
+            q = self.q_proj(x).view(b, t, h, dh)  # (B, T, H, Dh)
+            k = self.k_proj(x).view(b, t, hkv, dh)  # (B, T, Hkv, Dh)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H|Hkv, T, Dh)
             v = self.v_proj(x).view(b, t, hkv, dh).transpose(1, 2)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         self.kv_cache.write(input_pos, k, v, rows)
@@ -280,16 +328,25 @@ class Decoder(nn.Module):
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
         self.rope_sin_signed: torch.Tensor | None = None
+        self.inv_freq: torch.Tensor | None = None  # (Dh/2,) float32, set by setup_caches
         self.fused_decode = False  # see enable_fused_decode()
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int, kv_cache_dtype: str | None = None,
                      int4_group_size: int = DEFAULT_INT4_GROUP_SIZE) -> None:
         """Allocate the static KV caches (``max_batch_size`` rows of ``max_seq_len`` positions per
         layer, precision ``kv_cache_dtype``, see :func:`edgevlm.runtime.kv_cache.make_kv_cache`;
-        None = the weights' dtype) and the RoPE tables, on the weights' device.
+        None = the weights' dtype) and the RoPE tables (:func:`rope_inv_freq`), on the weights' device.
 
-        Raises ``ValueError`` for an unknown ``kv_cache_dtype``."""
+        Raises ``ValueError`` for an unknown ``kv_cache_dtype``, or a ``max_seq_len`` past what the
+        config computes exactly: Mistral's ``sliding_window``, or ``max_position_embeddings`` for
+        dynamic-NTK RoPE (whose frequencies change past it)."""
         w = self.embed_tokens.weight
+        if self.cfg.sliding_window is not None and max_seq_len > self.cfg.sliding_window:
+            raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's sliding_window "
+                             f"({self.cfg.sliding_window}): attention past the window is not implemented")
+        if self.cfg.rope_type == "dynamic" and max_seq_len > self.cfg.max_position_embeddings:
+            raise ValueError(f"max_seq_len {max_seq_len} exceeds max_position_embeddings "
+                             f"({self.cfg.max_position_embeddings}), past which dynamic-NTK RoPE rescales")
         self.max_seq_len = max_seq_len
         self.kv_cache_dtype = kv_cache_dtype
         for layer in self.layers:
@@ -299,7 +356,10 @@ class Decoder(nn.Module):
                 kv_cache_dtype, max_batch_size, self.cfg.num_key_value_heads, max_seq_len, self.cfg.head_dim,
                 dtype=w.dtype, device=w.device, int4_group_size=int4_group_size,
             )
-        cos, sin = rope_tables(self.cfg.head_dim, max_seq_len, self.cfg.rope_theta, w.device)  # float32
+        # M-RoPE positions run ahead of the cache slots for video (decode reads slot + rope_offset)
+        n_rope = max_seq_len if self.cfg.mrope_section is None else 2 * max_seq_len
+        self.inv_freq = rope_inv_freq(self.cfg)  # (Dh/2,) float32, on the CPU
+        cos, sin = rope_tables(self.cfg.head_dim, n_rope, self.cfg.rope_theta, w.device, self.inv_freq)  # float32
         # stored in the activation dtype, as transformers casts them (one cast at set-up, not per step)
         self.rope_cos, self.rope_sin = cos.to(w.dtype), sin.to(w.dtype)
         self.rope_sin_signed = signed_sin(sin).to(w.dtype)
@@ -316,36 +376,65 @@ class Decoder(nn.Module):
 
     def forward(self, embeds: torch.Tensor, input_pos: torch.Tensor, *, prefill: bool,
                 all_logits: bool = False, kv_len: int | None = None, rows: torch.Tensor | None = None,
-                last_index: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the decoder on ``embeds`` ``(B, T, D)`` at positions ``input_pos``: ``(T,)`` int64
+                last_index: torch.Tensor | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                rope_offset: int | torch.Tensor = 0,
+                layer_adds: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> torch.Tensor:
+        """Run the decoder on ``embeds`` ``(B, T, D)`` at cache slots ``input_pos``: ``(T,)`` int64
         shared by all rows, or ``(B, T)`` per row.
 
-        ``prefill=True`` requires positions ``0..T-1`` (causal attention over the T fresh tokens;
+        ``prefill=True`` requires slots ``0..T-1`` (causal attention over the T fresh tokens;
         ``rows`` ``(B,)`` picks the cache rows to fill, None = ``0..B-1``); ``prefill=False`` attends
         over the first ``kv_len`` cache positions (None = all) of rows ``0..B-1`` with a mask
         (decode, or a continuation prefill). Returns logits ``(B, V)`` of the last position — or of
         position ``last_index[b]`` per row (right-padded batched prefill) — or ``(B, T, V)`` with
         ``all_logits``, in the weights' dtype.
+
+        Hooks for the model families (``runtime/models``):
+
+        * ``rope``: ``(cos, sin)`` ``(T, Dh)`` or ``(B, T, Dh)`` (any float dtype; cast to the
+          activations') used instead of the tables at ``input_pos``: positions that are not the
+          slots (multimodal RoPE, pruned vision tokens). Keys are cached already rotated.
+        * ``rope_offset``: int or ``(B,)`` int64: RoPE position = slot + offset (M-RoPE decode:
+          the ``rope_delta`` of the prompt). Position + offset must stay within the tables
+          (``max_seq_len``, twice that with ``mrope_section``).
+        * ``layer_adds``: per decoder layer ``i`` (list index), None or ``(mask (B, T) bool, feats
+          (N, D))``: after layer ``i``, ``h[mask] += feats`` (DeepStack, Qwen3-VL), N = mask count.
         """
         if self.rope_cos is None:
             raise RuntimeError("caches not set up: call setup_caches() first")
         dt = embeds.dtype
-        cos = self.rope_cos[input_pos].to(dt)  # (T, Dh) or (B, T, Dh)
-        sin = self.rope_sin[input_pos].to(dt)
-        sin_signed = self.rope_sin_signed[input_pos].to(dt)
-        if input_pos.dim() == 2:  # (B, 1, T, Dh): broadcast over heads
+        shifted = not (isinstance(rope_offset, int) and rope_offset == 0)
+        if rope is not None:
+            cos, sin = rope[0].to(dt), rope[1].to(dt)  # (T|B,T, Dh)
+            sin_signed = signed_sin(sin)
+        else:
+            rope_pos = input_pos
+            if shifted:
+                off = rope_offset
+                if isinstance(off, torch.Tensor) and input_pos.dim() == 2 and off.dim() == 1:
+                    off = off[:, None]  # (B, 1)
+                rope_pos = input_pos + off
+            cos = self.rope_cos[rope_pos].to(dt)  # (T, Dh) or (B, T, Dh)
+            sin = self.rope_sin[rope_pos].to(dt)
+            sin_signed = self.rope_sin_signed[rope_pos].to(dt)
+        if cos.dim() == 3:  # (B, 1, T, Dh): broadcast over heads
             cos, sin, sin_signed = cos[:, None], sin[:, None], sin_signed[:, None]
         mask = None
         if not prefill:  # additive 0 / -inf, built once per step rather than converted in every layer
             allowed = decode_mask(input_pos, kv_len or self.max_seq_len)
             mask = torch.full(allowed.shape, float("-inf"), dtype=dt, device=embeds.device)
             mask.masked_fill_(allowed, 0.0)
-            if self.fused_decode and embeds.shape[1] == 1 and type(self.layers[0].self_attn.kv_cache) is KVCache and input_pos.dim() == 2 and not all_logits \
-                    and rows is not None:
+            if self.fused_decode and embeds.shape[1] == 1 and type(self.layers[0].self_attn.kv_cache) is KVCache \
+                    and input_pos.dim() == 2 and not all_logits and rows is not None and rope is None \
+                    and not shifted and layer_adds is None:
                 return self._fused_decode(embeds, input_pos[:, 0], mask)
         x = embeds
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, input_pos, mask, rows, sin_signed)
+            add = layer_adds[i] if layer_adds is not None and i < len(layer_adds) else None
+            if add is not None:
+                x = x.index_put((add[0],), add[1].to(x.dtype), accumulate=True)  # h[mask] += feats
         if not all_logits and last_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last_index][:, None]  # (B, 1, D)
         elif not all_logits:
@@ -357,11 +446,13 @@ class Decoder(nn.Module):
         """Use the fused Triton decode kernels (:mod:`edgevlm.runtime.kernels.decode_fused`) for
         one-token steps where they apply: CUDA (or Triton's CPU interpreter), fused q/k/v and
         gate/up projections (:meth:`fuse_projections`), SiLU MLP, 16-bit KV caches, power-of-two
-        head dim. Returns whether the fused path is now on."""
+        head dim, no q/k norm; steps with a ``rope_offset`` or ``rope`` tables run the layer loop.
+        Returns whether the fused path is now on."""
         from edgevlm.runtime.kernels import kernels_usable
 
         ok = enabled and len(self.layers) > 0 and kernels_usable(self.embed_tokens.weight.device) \
             and self.cfg.hidden_act == "silu" and self.cfg.head_dim & (self.cfg.head_dim - 1) == 0 \
+            and not self.cfg.qk_norm \
             and all(layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
                     and type(layer.self_attn.kv_cache) is KVCache for layer in self.layers)
         self.fused_decode = bool(ok)
@@ -391,13 +482,15 @@ class Decoder(nn.Module):
             x, h = add_rms_norm(x, layer.mlp.down_proj(silu_mul(layer.mlp.gate_up_proj(h))), nxt.weight, nxt.eps)
         return self.lm_head(h)  # (B, V); h is the final norm's output
 
-    def decode_step(self, token_ids: torch.Tensor, input_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+    def decode_step(self, token_ids: torch.Tensor, input_pos: torch.Tensor, kv_len: int,
+                    rope_offset: int | torch.Tensor = 0) -> torch.Tensor:
         """One batched decode step over cache rows ``0..B-1``: ``token_ids`` ``(B, 1)`` int64 at
-        per-row positions ``input_pos`` ``(B,)`` int64, attending over the first ``kv_len`` positions
-        (a static int: one CUDA graph per value) -> logits ``(B, V)``."""
+        per-row slots ``input_pos`` ``(B,)`` int64, attending over the first ``kv_len`` positions
+        (a static int: one CUDA graph per value) -> logits ``(B, V)``. ``rope_offset`` (int or
+        ``(B,)`` int64): RoPE position = slot + offset (M-RoPE), see :meth:`forward`."""
         embeds = self.embed_tokens(token_ids)  # (B, 1, D)
         rows = torch.arange(token_ids.shape[0], device=token_ids.device)  # once per step, not per layer
-        return self(embeds, input_pos[:, None], prefill=False, kv_len=kv_len, rows=rows)
+        return self(embeds, input_pos[:, None], prefill=False, kv_len=kv_len, rows=rows, rope_offset=rope_offset)
 
     def prefill_batch(self, embeds: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Prefill several right-padded prompts at once: ``embeds`` ``(B, T, D)``, row ``b`` real for

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from edgevlm.runtime.config import LlavaConfig
-from edgevlm.runtime.decoder import Decoder
+from edgevlm.runtime.decoder import Decoder, rope_cos_sin
 from edgevlm.runtime.exits import ExitHeads
 from edgevlm.runtime.vision import VisionInfo, VisionTower, encode_adaptive
 from edgevlm.types import OperatingPoint
@@ -155,33 +155,19 @@ class LlavaModel(nn.Module):
         pos[slots] = start + original - pruned
         return pos
 
-    def _rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE ``cos``/``sin`` ``(T, Dh)`` float32 at arbitrary integer ``positions`` ``(T,)`` — the
-        formula of :func:`edgevlm.runtime.decoder.rope_tables` evaluated per position."""
-        tc = self.cfg.text
-        inv_freq = 1.0 / (tc.rope_theta ** (torch.arange(0, tc.head_dim, 2, dtype=torch.float) / tc.head_dim))
-        freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # (T, Dh/2)
-        emb = torch.cat([freqs, freqs], dim=-1)  # (T, Dh)
-        return emb.cos(), emb.sin()
-
     def prefill(self, embeds: torch.Tensor, *, all_logits: bool = False) -> torch.Tensor:
         """Run the prompt ``embeds`` ``(B, T, D)`` from position 0 into the KV cache; returns the
         last logits ``(B, V)`` (or ``(B, T, V)`` with ``all_logits``)."""
         t = embeds.shape[1]
         input_pos = torch.arange(t, device=embeds.device)
         positions, self._rope_positions = self._rope_positions, None
-        if positions is None or positions.shape[0] != t:
-            return self.language_model(embeds, input_pos, prefill=True, all_logits=all_logits)
-        # pruned vision tokens: the prefill reads RoPE tables at the slots 0..T-1, so tables
-        # holding the chosen positions at those slots give them their unpruned distances; keys
-        # are cached already rotated, and decoding resumes at slot T with the normal tables.
         dec = self.language_model
-        saved = dec.rope_cos, dec.rope_sin
-        dec.rope_cos, dec.rope_sin = self._rope_at(positions)
-        try:
+        if positions is None or positions.shape[0] != t:
             return dec(embeds, input_pos, prefill=True, all_logits=all_logits)
-        finally:
-            dec.rope_cos, dec.rope_sin = saved
+        # pruned vision tokens: RoPE at the chosen positions gives them their unpruned distances;
+        # keys are cached already rotated, and decoding resumes at slot T with the normal tables.
+        rope = rope_cos_sin(dec.inv_freq, positions)  # (T, Dh) float32 each
+        return dec(embeds, input_pos, prefill=True, all_logits=all_logits, rope=rope)
 
     def decode(self, token_ids: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         """One decode step: ``token_ids`` ``(B, 1)`` int64 at ``input_pos`` ``(1,)`` -> logits ``(B, V)``."""

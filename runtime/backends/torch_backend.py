@@ -163,17 +163,19 @@ class TorchBackend(Backend):
         return self.model.prefill(embeds)  # (1, V)
 
     @torch.inference_mode()
-    def decode(self, token_id: int, pos: int, *, operating_point: OperatingPoint | None = None) -> torch.Tensor:
+    def decode(self, token_id: int, pos: int, *, operating_point: OperatingPoint | None = None,
+               rope_offset: int = 0) -> torch.Tensor:
         if not 0 <= pos < self.max_seq_len:
             raise ValueError(f"decode position {pos} outside the KV cache (0..{self.max_seq_len - 1})")
         kv_len = self.kv_len_for(pos + 1)
         if self.graphs is not None:
             self.graphs.tokens[:1].fill_(token_id)
             self.graphs.positions[:1].fill_(pos)
+            self.graphs.rope_offsets[:1].fill_(rope_offset)
             return self.graphs.replay(1, kv_len)  # (1, V), overwritten by the next step
         self._tok.fill_(token_id)
         self._pos.fill_(pos)
-        return self.model.language_model.decode_step(self._tok, self._pos, kv_len)  # (1, V)
+        return self.model.language_model.decode_step(self._tok, self._pos, kv_len, rope_offset)  # (1, V)
 
     # ---- several requests ----------------------------------------------------------------------
     @torch.inference_mode()
@@ -209,9 +211,11 @@ class TorchBackend(Backend):
             x, torch.tensor(lengths, device=dev), torch.tensor(rows, device=dev))
 
     @torch.inference_mode()
-    def decode_batch(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
+    def decode_batch(self, token_ids: list[int], positions: list[int],
+                     rope_offsets: list[int] | None = None) -> torch.Tensor:
         """One decode step for cache rows ``0..n-1``: row ``i`` feeds ``token_ids[i]`` at
-        ``positions[i]``. Rows from ``n`` up to the captured batch size must be free (they compute
+        ``positions[i]`` (RoPE position ``positions[i] + rope_offsets[i]``, M-RoPE). Rows from
+        ``n`` up to the captured batch size must be free (they compute
         garbage at position 0). Returns logits ``(n, V)``; with CUDA graphs a static tensor that
         the next step overwrites."""
         n = len(token_ids)
@@ -224,7 +228,8 @@ class TorchBackend(Backend):
         if self.graphs is None:
             tok = torch.tensor(token_ids, device=self.device)[:, None]
             pos = torch.tensor(positions, device=self.device)
-            return self.model.language_model.decode_step(tok, pos, kv_len)
+            off = torch.tensor(rope_offsets, device=self.device) if rope_offsets and any(rope_offsets) else 0
+            return self.model.language_model.decode_step(tok, pos, kv_len, off)
         from edgevlm.runtime.cuda_graphs import graph_batch_size
 
         b = graph_batch_size(n, self.max_batch_size)
@@ -234,6 +239,10 @@ class TorchBackend(Backend):
         pos[:n] = torch.tensor(positions)
         self.graphs.tokens[:b, 0].copy_(tok, non_blocking=True)
         self.graphs.positions[:b].copy_(pos, non_blocking=True)
+        off = torch.zeros(b, dtype=torch.long)
+        if rope_offsets:
+            off[:n] = torch.tensor(rope_offsets)
+        self.graphs.rope_offsets[:b].copy_(off, non_blocking=True)
         return self.graphs.replay(b, kv_len)[:n]
 
     def synchronize(self) -> None:
