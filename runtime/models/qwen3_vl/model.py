@@ -13,9 +13,7 @@ Reference: Qwen Team, "Qwen3-VL Technical Report" (2025); transformers'
   separates frames with text timestamps) takes ``t = start``, ``h = start + row``,
   ``w = start + col`` and advances the next start by ``max(h, w)``. Decode then uses
   RoPE position = cache slot + ``rope_delta`` (the same on all axes);
-* interleaved M-RoPE: frequency ``j`` of the ``head_dim / 2`` takes the h position when
-  ``j % 3 == 1`` and ``j < 3 * mrope_section[1]``, the w position when ``j % 3 == 2`` and
-  ``j < 3 * mrope_section[2]``, the t position otherwise.
+* interleaved M-RoPE (:func:`edgevlm.runtime.models.qwen_vl.rope.mrope_cos_sin`, ``interleaved=True``).
 """
 
 from __future__ import annotations
@@ -27,23 +25,10 @@ from torch import nn
 
 from edgevlm.runtime.decoder import Decoder, rope_inv_freq
 from edgevlm.runtime.models.qwen3_vl.config import Qwen3VLConfig
+from edgevlm.runtime.models.qwen_vl.rope import VisionSpan, mrope_cos_sin, mrope_position_ids
 from edgevlm.runtime.models.qwen3_vl.vision import Qwen3VLVisionTower
 
 logger = logging.getLogger(__name__)
-
-
-def interleaved_mrope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor,
-                              mrope_section: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos``/``sin`` ``(T, Dh)`` float32 of 3-axis positions ``position_ids`` ``(3, T)`` with the
-    interleaved M-RoPE layout (see the module docstring); ``inv_freq`` ``(Dh/2,)``."""
-    freqs = position_ids.float()[..., None] * inv_freq.to(position_ids.device)  # (3, T, Dh/2)
-    j = torch.arange(freqs.shape[-1], device=freqs.device)
-    axis = torch.zeros_like(j)
-    axis[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1
-    axis[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
-    picked = freqs.gather(0, axis.view(1, 1, -1).expand(1, freqs.shape[1], -1))[0]  # (T, Dh/2)
-    emb = torch.cat([picked, picked], dim=-1)
-    return emb.cos(), emb.sin()
 
 
 class Qwen3VLModel(nn.Module):
@@ -118,37 +103,14 @@ class Qwen3VLModel(nn.Module):
         Raises ``ValueError`` when the vision placeholder runs do not match ``vision.grid_thw``."""
         if vision is None or vision.grid_thw is None:
             return None, 0
-        merge = self.cfg.vision.spatial_merge_size
-        # one (h, w) grid per vision run: an image, or one frame (temporal patch) of a video
-        grids = []
-        for (t, h, w) in vision.grid_thw.tolist():
-            grids += [(h // merge, w // merge)] * t
-        ids = input_ids[0].tolist()
-        vis = self._vision_token_mask(input_ids)[0].tolist()
-        pos = torch.empty(3, len(ids), dtype=torch.long)
-        cur, i, g = 0, 0, 0
-        while i < len(ids):
-            if not vis[i]:
-                pos[:, i] = cur
-                cur, i = cur + 1, i + 1
-                continue
-            j = i
-            while j < len(ids) and vis[j] and ids[j] == ids[i]:
-                j += 1
-            if g >= len(grids) or grids[g][0] * grids[g][1] != j - i:
-                raise ValueError(f"vision placeholder run of {j - i} tokens at {i} does not match grid_thw "
-                                 f"{vision.grid_thw.tolist()}")
-            gh, gw = grids[g]
-            rows = torch.arange(gh).repeat_interleave(gw)
-            cols = torch.arange(gw).repeat(gh)
-            pos[0, i:j] = cur
-            pos[1, i:j] = cur + rows
-            pos[2, i:j] = cur + cols
-            cur += max(gh, gw)
-            i, g = j, g + 1
-        if g != len(grids):
-            raise ValueError(f"prompt has {g} vision runs but grid_thw describes {len(grids)}")
-        rope_delta = int(pos.max()) + 1 - len(ids)
+        # Qwen3-VL separates video frames with text timestamps: each temporal patch is its own span
+        spans = []
+        for kind, (t, h, w) in zip(vision.kinds, vision.grid_thw.tolist(), strict=True):
+            if kind == "video":
+                spans += [VisionSpan(self.cfg.video_token_id, (1, h, w))] * t
+            else:
+                spans.append(VisionSpan(self.cfg.image_token_id, (t, h, w)))
+        pos, rope_delta = mrope_position_ids(input_ids, spans, self.cfg.vision.spatial_merge_size)
         return pos[:, None].to(input_ids.device), rope_delta
 
     # ---- decoder --------------------------------------------------------------------------------
@@ -162,9 +124,8 @@ class Qwen3VLModel(nn.Module):
         slots = torch.arange(t, device=embeds.device)
         rope = None
         if position_ids is not None:
-            inv_freq = rope_inv_freq(self.cfg.text)
-            rope = interleaved_mrope_cos_sin(inv_freq, position_ids[:, 0].to(embeds.device),
-                                             self.cfg.text.mrope_section)
+            rope = mrope_cos_sin(position_ids[:, 0].to(embeds.device), rope_inv_freq(self.cfg.text),
+                                 self.cfg.text.mrope_section, interleaved=True)
         layer_adds = None
         if self._vision_mask is not None and self._deepstack:
             if self._vision_mask.shape[1] != t:
