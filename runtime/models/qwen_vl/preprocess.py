@@ -74,6 +74,8 @@ class QwenPixelConfig:
         return self.patch_size * self.merge_size
 
 
+#: transformers' Qwen2VLImageProcessor defaults (4 to 1280 merged patches).
+IMAGE_DEFAULTS = QwenPixelConfig()
 #: transformers' Qwen2VLVideoProcessor defaults (128 to 768 merged patches per frame).
 VIDEO_DEFAULTS = QwenPixelConfig(min_pixels=128 * 28 * 28, max_pixels=28 * 28 * 768)
 
@@ -142,19 +144,22 @@ def _read_json(path: Path) -> dict | None:
     return value
 
 
-def read_pixel_configs(model_dir: str | Path, *, patch_size: int, temporal_patch_size: int,
-                       merge_size: int) -> tuple[QwenPixelConfig, QwenPixelConfig]:
+def read_pixel_configs(model_dir: str | Path, *, patch_size: int, temporal_patch_size: int, merge_size: int,
+                       image_defaults: QwenPixelConfig = IMAGE_DEFAULTS,
+                       video_defaults: QwenPixelConfig = VIDEO_DEFAULTS) -> tuple[QwenPixelConfig, QwenPixelConfig]:
     """The ``(image, video)`` processor settings of a Qwen-VL checkpoint folder (see the module doc).
 
-    ``patch_size``, ``temporal_patch_size`` and ``merge_size`` are the vision config's: a processor
-    file that disagrees with them raises ModelLoadError naming the key. A folder without any
-    processor file gets transformers' defaults (CLIP mean/std) and a logged warning.
+    ``image_defaults`` / ``video_defaults``: the family's processor class defaults, under the keys
+    the files set (Qwen2-VL's by default; Qwen3-VL's video processor differs). ``patch_size``,
+    ``temporal_patch_size`` and ``merge_size`` are the vision config's: a processor file that
+    disagrees with them raises ModelLoadError naming the key. A folder without any processor file
+    gets the defaults and a logged warning.
     """
     model_dir = Path(model_dir)
     tower = QwenPixelConfig(patch_size=patch_size, temporal_patch_size=temporal_patch_size, merge_size=merge_size)
-    image_base = replace(QwenPixelConfig(), patch_size=patch_size, temporal_patch_size=temporal_patch_size,
+    image_base = replace(image_defaults, patch_size=patch_size, temporal_patch_size=temporal_patch_size,
                          merge_size=merge_size)
-    video_base = replace(VIDEO_DEFAULTS, patch_size=patch_size, temporal_patch_size=temporal_patch_size,
+    video_base = replace(video_defaults, patch_size=patch_size, temporal_patch_size=temporal_patch_size,
                          merge_size=merge_size)
     nested = _read_json(model_dir / "processor_config.json") or {}
     image_d, image_where = nested.get("image_processor"), "processor_config.json: image_processor"
@@ -165,9 +170,9 @@ def read_pixel_configs(model_dir: str | Path, *, patch_size: int, temporal_patch
         video_d, video_where = _read_json(model_dir / "video_preprocessor_config.json"), \
             "video_preprocessor_config.json"
     if image_d is None:
-        logger.warning("%s has no processor_config.json or preprocessor_config.json: using the Qwen2-VL "
-                       "processor defaults (CLIP mean/std, min_pixels %d, max_pixels %d)",
-                       model_dir, image_base.min_pixels, image_base.max_pixels)
+        logger.warning("%s has no processor_config.json or preprocessor_config.json: using the processor "
+                       "defaults (mean %s, std %s, min_pixels %d, max_pixels %d)", model_dir,
+                       image_base.image_mean, image_base.image_std, image_base.min_pixels, image_base.max_pixels)
         image_d, image_where = {}, "defaults"
     image = _apply_keys(image_base, image_d, image_where)
     if video_d is None:  # AutoVideoProcessor reads the image processor's file
