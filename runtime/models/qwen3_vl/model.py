@@ -25,8 +25,8 @@ from torch import nn
 
 from edgevlm.runtime.decoder import Decoder, rope_inv_freq
 from edgevlm.runtime.models.qwen3_vl.config import Qwen3VLConfig
-from edgevlm.runtime.models.qwen_vl.rope import VisionSpan, mrope_cos_sin, mrope_position_ids
 from edgevlm.runtime.models.qwen3_vl.vision import Qwen3VLVisionTower
+from edgevlm.runtime.models.qwen_vl.rope import VisionSpan, mrope_cos_sin, mrope_position_ids
 
 logger = logging.getLogger(__name__)
 
@@ -148,3 +148,16 @@ class Qwen3VLModel(nn.Module):
         embeds = self.embed(input_ids, feats)
         pos, _ = self.position_ids(input_ids, vision)
         return self.prefill(embeds, position_ids=pos, all_logits=True)
+
+
+#: Checkpoint tensor name -> our parameter name (``re.sub`` replacement; None = not needed). Layouts:
+#: transformers 5.x / the hub's Qwen3-VL (``model.visual.*``, ``model.language_model.*``, ``lm_head.*``)
+#: and the older top-level ``visual.*`` / ``model.{layers,embed_tokens,norm}.*`` spelling.
+WEIGHT_RULES: tuple[tuple[str, str | None], ...] = (
+    (r"^model\.visual\.(.+)$", r"visual.\1"),
+    (r"^visual\.(.+)$", r"visual.\1"),
+    (r"^model\.language_model\.(.+)$", r"language_model.\1"),
+    (r"^model\.((?:layers|embed_tokens|norm)\..+)$", r"language_model.\1"),
+    (r"^lm_head\.(.+)$", r"language_model.lm_head.\1"),
+    (r".*rotary_emb\.inv_freq$", None),
+)

@@ -89,7 +89,7 @@ class VisionAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v)
         else:
             y = torch.cat([F.scaled_dot_product_attention(qs, ks, vs) for qs, ks, vs in
-                           zip(q.split(seg_lens, 1), k.split(seg_lens, 1), v.split(seg_lens, 1))], dim=1)
+                           zip(q.split(seg_lens, 1), k.split(seg_lens, 1), v.split(seg_lens, 1), strict=True)], dim=1)
         return self.proj(y.transpose(0, 1).reshape(n, d))
 
 
