@@ -108,15 +108,18 @@ def patch_times_s(frame_times_s: list[float], temporal_patch_size: int) -> list[
     return [(ts[i] + ts[i + temporal_patch_size - 1]) / 2 for i in range(0, len(ts), temporal_patch_size)]
 
 
-def ladder_config(cfg: QwenPixelConfig, resolution_px: int | None) -> QwenPixelConfig:
-    """The image settings at a resolution-ladder rung: ``max_pixels = resolution_px ** 2`` (capped by the
-    checkpoint's, ``min_pixels`` lowered to fit); None = the checkpoint's own settings."""
+def ladder_config(cfg: QwenPixelConfig, resolution_px: int | None, frames: int = 1) -> QwenPixelConfig:
+    """The settings at a resolution-ladder rung: ``max_pixels = frames * resolution_px ** 2`` (the rule of
+    Qwen2.5-VL's processor, per frame: Qwen3-VL's video budget spans all frames), ``min_pixels``
+    lowered to fit; None = the checkpoint's own settings.
+
+    Raises ``InvalidRequestError`` for a rung that is not a positive int."""
     if resolution_px is None:
         return cfg
-    if resolution_px < cfg.factor:
-        raise InvalidRequestError(f"resolution {resolution_px} px is below one merged patch ({cfg.factor} px)")
-    max_pixels = min(cfg.max_pixels, resolution_px * resolution_px)
-    return replace(cfg, max_pixels=max_pixels, min_pixels=min(cfg.min_pixels, max_pixels))
+    if not isinstance(resolution_px, int) or isinstance(resolution_px, bool) or resolution_px <= 0:
+        raise InvalidRequestError(f"resolution_px must be a positive int, got {resolution_px!r}")
+    area = frames * resolution_px * resolution_px
+    return replace(cfg, max_pixels=area, min_pixels=min(cfg.min_pixels, area))
 
 
 class Qwen3VLProcessor:
@@ -133,12 +136,12 @@ class Qwen3VLProcessor:
                 video: list[np.ndarray] | None = None, video_timestamps_s: list[float] | None = None) -> VisionInput:
         """``images``: ``(H, W, 3)`` uint8 RGB; ``video``: frames of one clip (same size), with their
         capture times in seconds (None: transformers' 24 fps is assumed). ``resolution_px``: a
-        max_pixels rung (:func:`ladder_config`) for the images and the video.
+        max_pixels rung (:func:`ladder_config`) for the images and, per frame, the video.
 
         Raises:
             InvalidImageError: an image or frame that is not RGB uint8, or an aspect ratio above 200.
             InvalidRequestError: a bad video (no frames, frames of different sizes, one frame,
-                timestamps that do not match or do not increase), or a rung below one merged patch.
+                timestamps that do not match or do not increase), or a rung that is not a positive int.
         """
         pixels, grids, sizes, kinds, tokens = [], [], [], [], []
         image_cfg = ladder_config(self.image, resolution_px)
@@ -184,11 +187,7 @@ class Qwen3VLProcessor:
             fps = DEFAULT_VIDEO_FPS
         keep = sample_frames(len(frames), fps, self.video)
         times = [(timestamps_s[i] - timestamps_s[0]) if timestamps_s is not None else i / fps for i in keep]
-        cfg = self.video
-        if resolution_px is not None:
-            cfg = replace(cfg, max_pixels=min(cfg.max_pixels, len(keep) * ladder_config(self.image, resolution_px)
-                                              .max_pixels))
-            cfg = replace(cfg, min_pixels=min(cfg.min_pixels, cfg.max_pixels))
+        cfg = ladder_config(self.video, resolution_px, frames=len(keep))
         h, w = video_target_size(len(keep), frames[0].shape[0], frames[0].shape[1], cfg)
         x = normalize(resize_frames(np.stack([frames[i] for i in keep]), h, w), cfg)  # (T, 3, h, w) float32
         px, grid = patchify(x, cfg)
