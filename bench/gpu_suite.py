@@ -253,8 +253,8 @@ def check_fused_stem(ctx):
 
     import torch
 
-    from edgevlm.runtime.config import VisionConfig
     from edgevlm.runtime.kernels.patch_embed_ln import FusedVisionStem, fused_patch_embed_layernorm
+    from edgevlm.runtime.models.llava.config import VisionConfig
     from edgevlm.runtime.vision import VisionEmbeddings
 
     dev = torch.device(DEV)

@@ -107,7 +107,7 @@ def peak_rss_mb() -> float:
 
 def list_linears(files: ModelFiles, source: CheckpointReader) -> list[LinearInfo]:
     """Every ``nn.Linear`` of the runtime's LlavaModel present in the checkpoint, in module order."""
-    from edgevlm.runtime.llava import LlavaModel
+    from edgevlm.runtime.models.llava.model import LlavaModel
 
     with torch.device("meta"):
         model = LlavaModel(files.config)
@@ -167,7 +167,7 @@ def _calibration_inputs(files: ModelFiles, source: CheckpointReader, opts: Build
                         want_vision: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], CalibrationInfo]:
     """Decoder input embeddings ``[(1, T_i, D)]`` and vision block-0 inputs ``[(1, 1 + N_i, Dv)]``."""
     from edgevlm.quantize.calib import load_samples
-    from edgevlm.runtime.llava import LlavaModel
+    from edgevlm.runtime.models.llava.model import LlavaModel
     from edgevlm.runtime.preprocess import CLIP_MEAN, CLIP_STD, preprocess
     from edgevlm.runtime.tokenizer import VLMTokenizer
 

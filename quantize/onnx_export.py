@@ -29,7 +29,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from edgevlm.runtime.config import LlavaConfig
+from edgevlm.runtime.models.llava.config import LlavaConfig
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +82,15 @@ class _Weights:
     def __init__(self, bundle_dir: Path, cfg: LlavaConfig) -> None:
         from safetensors import safe_open
 
-        from edgevlm.runtime.loader import canonical_key, weight_files
+        from edgevlm.runtime.loader import compile_weight_rules, map_weight_name, weight_files
+        from edgevlm.runtime.models.llava.model import WEIGHT_RULES
 
+        rules = compile_weight_rules(WEIGHT_RULES)
         self.t: dict[str, torch.Tensor] = {}
         for path in weight_files(bundle_dir):
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for key in f.keys():
-                    name = canonical_key(key, cfg)
+                    name = map_weight_name(key, rules)
                     if name is not None:
                         self.t[name] = f.get_tensor(key)
 

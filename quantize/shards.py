@@ -28,7 +28,7 @@ class CheckpointReader:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for key in f.keys():
                     self.file_of[key] = path
-                    name = canonical_key(key, files.config)
+                    name = canonical_key(key, files)
                     if name is not None:
                         self.src_of[name] = key
         self.written: set[str] = set()  # canonical names already in the bundle

@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from edgevlm.runtime.config import LlavaConfig, parse_config
-from edgevlm.runtime.llava import LlavaModel
-from edgevlm.runtime.loader import canonical_key
+from edgevlm.runtime.loader import compile_weight_rules, map_weight_name
+from edgevlm.runtime.models.llava.config import LlavaConfig, parse_config
+from edgevlm.runtime.models.llava.model import WEIGHT_RULES, LlavaModel
 
 logger = logging.getLogger(__name__)
 
@@ -113,9 +113,10 @@ def ours_from_state(cfg: LlavaConfig, state: dict[str, torch.Tensor], max_seq_le
     with torch.device("meta"):
         model = LlavaModel(cfg)
     expected = set(model.state_dict())
+    rules = compile_weight_rules(WEIGHT_RULES)
     mapped = {}
     for key, t in state.items():
-        name = canonical_key(key, cfg)
+        name = map_weight_name(key, rules)
         if name is not None and name in expected:
             mapped[name] = t
     if cfg.tie_word_embeddings:

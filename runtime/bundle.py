@@ -34,8 +34,8 @@ from edgevlm.validation import first_error_message
 if TYPE_CHECKING:
     import torch
 
-    from edgevlm.runtime.llava import LlavaModel
     from edgevlm.runtime.loader import ModelFiles
+    from edgevlm.runtime.models.llava.model import LlavaModel
 
 logger = logging.getLogger(__name__)
 
@@ -242,8 +242,8 @@ def load_bundle_model(files: ModelFiles, *, device: torch.device, dtype: torch.d
     """
     import torch
 
-    from edgevlm.runtime.llava import LlavaModel
     from edgevlm.runtime.loader import load_weights
+    from edgevlm.runtime.models.llava.model import LlavaModel
 
     manifest = verify_bundle(files.model_dir)
     cfg = files.config

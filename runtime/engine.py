@@ -1,10 +1,12 @@
 """The backend-agnostic VLM engine: image + question in, :class:`~edgevlm.types.Answer` out.
 
-Pipeline of one request: validate -> preprocess the image to a resolution-ladder rung
-(:func:`edgevlm.runtime.preprocess.preprocess`) -> render and tokenise the prompt, expanding the
-image token to one placeholder per vision token -> backend ``encode_image`` -> ``embed`` +
-``prefill`` -> sample -> ``decode`` one token at a time into the static KV cache until EOS, a stop
-string or the token budget. Every stage is timed on the host clock after synchronising the device.
+Pipeline of one request, the same for every model family (:mod:`edgevlm.runtime.models`): validate
+-> the family's processor prepares the image (``Processor.prepare``: the checkpoint's own
+preprocessing, or a resolution-ladder rung) -> render the chat template and tokenise the prompt,
+the processor expanding each placeholder to its vision tokens -> backend ``encode_vision`` ->
+``embed`` + ``position_ids`` + ``prefill`` -> sample -> ``decode`` one token at a time into the
+static KV cache (at RoPE position slot + ``rope_delta``) until EOS, a stop string or the token
+budget. Every stage is timed on the host clock after synchronising the device.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +24,8 @@ import torch
 from edgevlm.errors import InvalidImageError, InvalidRequestError, ModelLoadError
 from edgevlm.runtime.backends import Backend, load_backend
 from edgevlm.runtime.loader import parse_dtype, read_model_files
-from edgevlm.runtime.preprocess import CLIP_MEAN, CLIP_STD, preprocess, target_size
+from edgevlm.runtime.models.base import VisionInput
+from edgevlm.runtime.preprocess import CLIP_MEAN, CLIP_STD, preprocess
 from edgevlm.runtime.sampling import SamplingParams, TextAssembler, make_generator, select_token
 from edgevlm.runtime.tokenizer import IncrementalDecoder, VLMTokenizer
 from edgevlm.types import Answer, OperatingPoint, Stats
@@ -69,19 +72,25 @@ class Stream:
 @dataclass(frozen=True)
 class PreparedRequest:
     """A validated request (:meth:`Engine.prepare`): ``ids`` are the prompt's token ids with
-    ``n_vision`` image placeholders, for the image resized to the ``resolution_px`` rung."""
+    ``n_vision`` vision placeholders for ``vision`` (the preprocessed image); ``resolution_px`` is
+    the operating point's rung, or the tower's ``image_size`` when the checkpoint's own
+    preprocessing ran (no rung asked for)."""
 
     operating_point: OperatingPoint
     params: SamplingParams
     resolution_px: int
     n_vision: int
     ids: list[int]
+    vision: VisionInput | None = None
+    preprocess_ms: float = 0.0
 
 
 class Engine:
     """A loaded VLM. Use :meth:`load`; calls are serialised by an internal lock.
 
     Attributes:
+        family: the model family (:class:`~edgevlm.runtime.models.base.ModelFamily`).
+        processor: the family's processor (preprocessing and prompt expansion).
         resolution_ladder: input resolutions (longer side, px) the model is meant to run at,
             from ``config.json``'s ``edgevlm.resolution_ladder`` (default ``[vision image_size]``).
         patch_size_px: the vision encoder's patch size; input sides are multiples of it.
@@ -94,15 +103,18 @@ class Engine:
         self.backend = backend
         self.tokenizer = tokenizer
         self.config = cfg
+        self.family = files.family
+        self.processor = files.family.make_processor(files)
         self.model_dir: Path = files.model_dir
         self.backend_name: str = backend.name
         self.device: str = str(backend.device)
         self.dtype: torch.dtype = backend.dtype
-        self.patch_size_px: int = cfg.vision.patch_size
-        self.image_size_px: int = cfg.vision.image_size
         self.resolution_ladder: list[int] = list(cfg.resolution_ladder)
-        self.image_mean = files.image_mean or CLIP_MEAN
-        self.image_std = files.image_std or CLIP_STD
+        vision = getattr(cfg, "vision", None)  # families without a fixed tower size fall back to the ladder
+        self.patch_size_px: int = int(getattr(vision, "patch_size", 0) or 1)
+        self.image_size_px: int = int(getattr(vision, "image_size", 0) or max(self.resolution_ladder or [448]))
+        self.image_mean = getattr(self.processor, "image_mean", None) or files.image_mean or CLIP_MEAN
+        self.image_std = getattr(self.processor, "image_std", None) or files.image_std or CLIP_STD
         self.eos_token_ids = frozenset(eos_token_ids)
         self._lock = threading.Lock()
         self._owner: int | None = None  # thread id of the request holding the engine
@@ -114,13 +126,14 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path | None = None, *, device: str = "cpu", dtype=None, backend: str = "torch",
              max_seq_len: int | None = None, backend_options: dict | None = None) -> Engine:
-        """Load a LLaVA checkpoint folder (None = the shipped demo model).
+        """Load a checkpoint folder of any registered model family (None = the shipped demo model).
 
         Args:
             device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
             dtype: torch dtype or name; None = float32 on CPU, bfloat16 on CUDA.
             backend: inference backend name (see :data:`edgevlm.runtime.backends.BACKENDS`).
-            max_seq_len: KV cache positions; None = ``min(max_position_embeddings, 4096)``.
+            max_seq_len: KV cache positions; None = ``min(max_position_embeddings, 4096)`` (and
+                within a Mistral ``sliding_window``).
             backend_options: backend-specific keyword arguments (torch: ``cuda_graphs``,
                 ``kv_cache_dtype``, ``max_batch_size``, ``fused_vision_stem``; see
                 :mod:`edgevlm.runtime.backends.torch_backend`).
@@ -147,7 +160,8 @@ class Engine:
         files = read_model_files(path)
         tokenizer = VLMTokenizer.from_dir(files.model_dir, files.config.image_token_id)
         if max_seq_len is None:
-            max_seq_len = min(files.config.text.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+            tc = files.config.text
+            max_seq_len = min(tc.max_position_embeddings, DEFAULT_MAX_SEQ_LEN, tc.sliding_window or DEFAULT_MAX_SEQ_LEN)
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
             raise InvalidRequestError(f"max_seq_len must be an integer >= 2, got {max_seq_len!r}")
         eos = list(files.eos_token_ids)
@@ -185,18 +199,19 @@ class Engine:
         t_start = time.perf_counter()
         p = self.prepare(image, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                          stop=stop, seed=seed, operating_point=operating_point)
-        return Stream(self._generate(image, p.ids, p.n_vision, p.resolution_px, p.operating_point, p.params,
-                                     t_start))
+        return Stream(self._generate(p, t_start))
 
     def prepare(self, image: np.ndarray, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0,
                 top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None,
                 operating_point: OperatingPoint | None = None) -> PreparedRequest:
         """Validate a request and tokenise its prompt (what :meth:`stream` does before generating;
         also used by the daemon's batch worker): returns the operating point, sampling parameters,
-        resolution rung (px), vision-token count and prompt ids (vision placeholders included).
+        resolution rung (px), vision-token count, prompt ids (vision placeholders included) and the
+        preprocessed image.
 
         Raises:
-            InvalidImageError: ``image`` is not an ``(H, W, 3)`` uint8 array.
+            InvalidImageError: ``image`` is not an ``(H, W, 3)`` uint8 array, or the family cannot
+                resize it.
             InvalidRequestError: bad prompt/knobs, or prompt + vision tokens do not fit the KV cache.
         """
         op = self._check_operating_point(operating_point)
@@ -206,17 +221,20 @@ class Engine:
         if op.max_new_tokens is not None and isinstance(max_new_tokens, int):
             max_new_tokens = min(max_new_tokens, op.max_new_tokens)
         params = SamplingParams.validate(max_new_tokens, temperature, top_p, stop, seed)
-        resolution_px = op.resolution_px or self.image_size_px
-        h, w = image.shape[:2]
-        tw, th = target_size(w, h, resolution_px, self.patch_size_px)
-        n_vision = self._adaptive_vision_tokens(self.num_vision_tokens(th, tw), op)
-        ids = self.tokenizer.encode_prompt(prompt, n_vision)
+        t0 = time.perf_counter()
+        vision = self.processor.prepare([image], resolution_px=op.resolution_px)
+        preprocess_ms = _ms(t0, time.perf_counter())
+        n_vision = self._adaptive_vision_tokens(vision.num_tokens, op)
+        in_prompt = vision if n_vision == vision.num_tokens else replace(vision, tokens_per_item=[n_vision])
+        ids = self.tokenizer.encode_request(prompt, in_prompt, self.processor)
         if len(ids) >= self.max_seq_len:
+            th, tw = vision.input_sizes_px[0] if vision.input_sizes_px else (0, 0)
             raise InvalidRequestError(
                 f"prompt is {len(ids)} tokens ({len(ids) - n_vision} text + {n_vision} vision at {tw}x{th} px); "
                 f"the KV cache holds {self.max_seq_len} positions"
             )
-        return PreparedRequest(op, params, resolution_px, n_vision, ids)
+        return PreparedRequest(op, params, op.resolution_px or self.image_size_px, n_vision, ids, vision,
+                               preprocess_ms)
 
     def warmup(self, resolutions: list[int] | None = None) -> None:
         """Run one 2-token request per rung (default: the resolution ladder), so that the first real
@@ -245,6 +263,11 @@ class Engine:
         from edgevlm.runtime.pruning import pruned_count
         from edgevlm.runtime.vision import exit_plan
 
+        asks = op.exit_layer is not None or op.exit_threshold is not None or (
+            op.keep_ratio is not None and op.keep_ratio < 1.0)
+        if asks and not self.family.adaptive_vision:
+            raise InvalidRequestError(f"operating point {op.name!r}: early exit and token pruning are not "
+                                      f"supported for the {self.family.name} family")
         if op.exit_layer is not None or op.exit_threshold is not None:
             try:
                 exit_plan(self.exit_points, self.config.vision_blocks_needed, op.exit_layer, op.exit_threshold)
@@ -256,7 +279,7 @@ class Engine:
             return n_vision
         if not getattr(self.backend, "supports_pruning", False):
             raise InvalidRequestError(f"backend {self.backend_name!r} does not support token pruning (keep_ratio)")
-        has_cls = self.config.vision_feature_select_strategy == "full"
+        has_cls = int(self.config.cls_feature)
         return pruned_count(n_vision - has_cls, op.keep_ratio) + has_cls
 
     def classify(self, image: np.ndarray, *, resolution_px: int | None = None,
@@ -281,10 +304,9 @@ class Engine:
         return dict(zip(self.labels, probs[0].tolist(), strict=True))
 
     def num_vision_tokens(self, height_px: int, width_px: int) -> int:
-        """Vision tokens for an encoder input of ``height_px x width_px`` (after select strategy)."""
-        p = self.patch_size_px
-        n = (height_px // p) * (width_px // p)
-        return n + (1 if self.config.vision_feature_select_strategy == "full" else 0)
+        """Vision tokens for an encoder input of ``height_px x width_px`` (LLaVA-style families: the
+        config's ``num_vision_tokens``)."""
+        return self.config.num_vision_tokens(height_px, width_px)
 
     @staticmethod
     def _check_image(image) -> None:
@@ -301,8 +323,7 @@ class Engine:
             raise InvalidRequestError(f"operating_point must be an OperatingPoint, got {type(op).__name__}")
         return op
 
-    def _generate(self, image: np.ndarray, ids: list[int], n_vision: int, resolution_px: int,
-                  op: OperatingPoint, params: SamplingParams, t_start: float) -> Generator[str, None, Answer]:
+    def _generate(self, p: PreparedRequest, t_start: float) -> Generator[str, None, Answer]:
         if self._owner == threading.get_ident():
             raise InvalidRequestError(
                 "another stream of this engine is still open in this thread: exhaust or close() it first"
@@ -312,26 +333,22 @@ class Engine:
             self._owner = threading.get_ident()
             t_start += time.perf_counter() - t_wait  # time waiting for another request is not ours
             try:
-                return (yield from self._run(image, ids, n_vision, resolution_px, op, params, t_start))
+                return (yield from self._run(p, t_start))
             finally:
                 self._owner = None
 
-    def _run(self, image: np.ndarray, ids: list[int], n_vision: int, resolution_px: int,
-             op: OperatingPoint, params: SamplingParams, t_start: float) -> Generator[str, None, Answer]:
+    def _run(self, p: PreparedRequest, t_start: float) -> Generator[str, None, Answer]:
         be = self.backend
+        ids, n_vision, op, params, vision = p.ids, p.n_vision, p.operating_point, p.params, p.vision
         stats = Stats(operating_point=op.name, backend=self.backend_name, vision_tokens=n_vision,
-                      prompt_tokens=len(ids) - n_vision)
-        t0 = time.perf_counter()
-        pixels = preprocess(image, resolution_px, self.patch_size_px, self.image_mean, self.image_std)
-        stats.input_height_px, stats.input_width_px = pixels.shape[1:]
-        pixel_values = torch.from_numpy(pixels)[None]  # (1, 3, H, W) float32
+                      prompt_tokens=len(ids) - n_vision, preprocess_ms=p.preprocess_ms)
+        if vision.input_sizes_px:
+            stats.input_height_px, stats.input_width_px = vision.input_sizes_px[0]
         t1 = time.perf_counter()
-        stats.preprocess_ms = _ms(t0, t1)
         if op.exit_threshold is not None:  # question-conditioned exit confidence reads the prompt
-            feats = be.encode_image(pixel_values, operating_point=op,
-                                    prompt_ids=torch.tensor([ids], dtype=torch.long))  # (1, N, D)
+            feats = be.encode_vision(vision, operating_point=op, prompt_ids=torch.tensor([ids], dtype=torch.long))
         else:
-            feats = be.encode_image(pixel_values, operating_point=op)  # (1, N, D)
+            feats = be.encode_vision(vision, operating_point=op)  # vision tokens in the embed's layout
         be.synchronize()
         t2 = time.perf_counter()
         stats.vision_ms = _ms(t1, t2)
@@ -341,7 +358,12 @@ class Engine:
             stats.exit_confidence = info.exit_confidences[0]
             stats.vision_tokens = info.tokens_kept
         input_ids = torch.tensor([ids], dtype=torch.long, device=be.device)  # (1, T)
-        logits = be.prefill(be.embed(input_ids, feats), operating_point=op)  # (1, V)
+        position_ids, rope_delta = be.position_ids(input_ids, vision)  # (None, 0) for 1-D RoPE
+        embeds = be.embed(input_ids, feats)  # (1, T, D)
+        if position_ids is None:
+            logits = be.prefill(embeds, operating_point=op)  # (1, V)
+        else:
+            logits = be.prefill(embeds, operating_point=op, position_ids=position_ids)
         be.synchronize()
         t3 = time.perf_counter()
         stats.prefill_ms = _ms(t2, t3)
@@ -369,7 +391,8 @@ class Engine:
                 break
             if n_new >= budget:
                 break
-            logits = be.decode(token, pos, operating_point=op)
+            logits = be.decode(token, pos, operating_point=op, rope_offset=rope_delta) if rope_delta else \
+                be.decode(token, pos, operating_point=op)
             pos += 1
         tail = text.finish()
         if tail:

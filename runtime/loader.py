@@ -1,56 +1,73 @@
-"""Load a Hugging Face-format LLaVA checkpoint from a local folder, without transformers.
+"""Load a Hugging Face-format VLM checkpoint from a local folder, without transformers, for any
+registered model family (:mod:`edgevlm.runtime.models`).
 
-Files read (Hugging Face Hub conventions, https://huggingface.co/docs/transformers/main_classes/model):
-``config.json``; weights ``model.safetensors`` or the shards listed in
-``model.safetensors.index.json`` (``weight_map``); ``generation_config.json`` (optional, EOS ids);
-``preprocessor_config.json`` (optional, ``image_mean``/``image_std``). Tokenizer files are read by
-:mod:`edgevlm.runtime.tokenizer`. No remote code is executed and only safetensors weights are
-accepted (pickle-based ``.bin``/``.pt`` files can run arbitrary code when loaded).
-
-Weight layouts accepted (all mapped to :class:`~edgevlm.runtime.llava.LlavaModel`'s names):
-
-* transformers 5.x in memory: ``model.vision_tower.*``, ``model.language_model.*``,
-  ``model.multi_modal_projector.*``, ``lm_head.*``;
-* transformers 5.x ``save_pretrained`` and legacy 4.x: ``vision_tower.[vision_model.]*``,
-  ``language_model.model.*``, ``language_model.lm_head.*``, ``multi_modal_projector.*``.
+Steps: read ``config.json`` -> :func:`~edgevlm.runtime.models.family_for` (by ``model_type``) ->
+the family parses it -> the family builds its model on the meta device -> every checkpoint tensor
+name is mapped by the family's ``weight_rules`` (data: regex rules) -> the tensors are read into
+the model. Files read (Hugging Face Hub conventions,
+https://huggingface.co/docs/transformers/main_classes/model): ``config.json``; weights
+``model.safetensors`` or the shards listed in ``model.safetensors.index.json`` (``weight_map``);
+``generation_config.json`` (optional, EOS ids); the image processor's settings from
+``processor_config.json``'s ``image_processor`` (what transformers 5 writes) or
+``preprocessor_config.json``. Tokenizer files are read by :mod:`edgevlm.runtime.tokenizer`. No
+remote code is executed and only safetensors weights are accepted (pickle-based ``.bin``/``.pt``
+files can run arbitrary code when loaded).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from edgevlm.errors import ModelLoadError
 from edgevlm.model_folder import check_safetensors, read_json, weight_files
-from edgevlm.runtime.config import LlavaConfig, parse_config
-from edgevlm.runtime.llava import LlavaModel
+from edgevlm.runtime.models import family_for
+from edgevlm.runtime.models.base import ModelFamily
 
 logger = logging.getLogger(__name__)
-
-_IGNORED_SUFFIXES = ("position_ids", "rotary_emb.inv_freq")
 
 
 @dataclass
 class ModelFiles:
-    """What a checkpoint folder holds besides the weights."""
+    """What a checkpoint folder holds besides the weights.
+
+    ``config`` is the family's parsed config; ``image_processor`` the image processor's settings
+    (a dict in transformers' names, None when the checkpoint has none); ``image_mean`` /
+    ``image_std`` its normalisation when given."""
 
     model_dir: Path
     raw_config: dict
-    config: LlavaConfig
+    config: Any
     weight_files: list[Path]
+    family: ModelFamily | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    image_processor: dict | None = None
     image_mean: tuple[float, float, float] | None = None
     image_std: tuple[float, float, float] | None = None
+
+
+def read_image_processor(model_dir: Path) -> dict | None:
+    """The image processor's settings: ``processor_config.json``'s ``image_processor`` (transformers
+    5 writes the processor's parts nested there) or the top level of ``preprocessor_config.json``;
+    None when the checkpoint has neither."""
+    proc = read_json(model_dir / "processor_config.json", required=False)
+    if isinstance(proc, dict) and isinstance(proc.get("image_processor"), dict):
+        return proc["image_processor"]
+    pre = read_json(model_dir / "preprocessor_config.json", required=False)
+    return pre if isinstance(pre, dict) else None
 
 
 def read_model_files(model_dir: str | Path) -> ModelFiles:
     """Read and validate a checkpoint folder's metadata (no tensors are loaded).
 
     Raises:
-        ModelLoadError: the folder, ``config.json`` or the weights are missing or invalid.
+        ModelLoadError: the folder, ``config.json`` or the weights are missing or invalid, or no
+            registered family serves its ``model_type`` (the message names the supported ones).
     """
     model_dir = Path(model_dir).expanduser()
     if not model_dir.exists():
@@ -58,7 +75,10 @@ def read_model_files(model_dir: str | Path) -> ModelFiles:
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir} is not a folder (expected a model folder with config.json)")
     raw = read_json(model_dir / "config.json")
-    cfg = parse_config(raw)
+    if not isinstance(raw, dict):
+        raise ModelLoadError("config.json: top level must be a JSON object")
+    family = family_for(raw)
+    cfg = family.parse_config(raw)
     files = weight_files(model_dir)
     for f in files:
         check_safetensors(f)  # header vs file size: a truncated file is named before torch reads it
@@ -69,44 +89,54 @@ def read_model_files(model_dir: str | Path) -> ModelFiles:
         eos = [value] if isinstance(value, int) else [v for v in (value or []) if isinstance(v, int)]
     if not eos:
         eos = list(cfg.text.eos_token_id)
-    mf = ModelFiles(model_dir=model_dir, raw_config=raw, config=cfg, weight_files=files, eos_token_ids=eos)
-    pre = read_json(model_dir / "preprocessor_config.json", required=False)
-    if isinstance(pre, dict):
-        mean, std = pre.get("image_mean"), pre.get("image_std")
-        if isinstance(mean, list) and isinstance(std, list) and len(mean) == 3 and len(std) == 3:
-            mf.image_mean = tuple(float(v) for v in mean)
-            mf.image_std = tuple(float(v) for v in std)
+    mf = ModelFiles(model_dir=model_dir, raw_config=raw, config=cfg, weight_files=files, family=family,
+                    eos_token_ids=eos, image_processor=read_image_processor(model_dir))
+    pre = mf.image_processor or {}
+    mean, std = pre.get("image_mean"), pre.get("image_std")
+    if isinstance(mean, list) and isinstance(std, list) and len(mean) == 3 and len(std) == 3:
+        mf.image_mean = tuple(float(v) for v in mean)
+        mf.image_std = tuple(float(v) for v in std)
     return mf
 
 
-def canonical_key(key: str, cfg: LlavaConfig) -> str | None:
-    """Map a checkpoint tensor name to :class:`LlavaModel`'s name; None for tensors the runtime does
-    not need (CLIP's post_layernorm, blocks past the deepest feature layer, buffers)."""
-    if key.startswith("model.") and key.split(".", 2)[1] in ("vision_tower", "language_model", "multi_modal_projector"):
-        key = key[len("model."):]
-    if key.endswith(_IGNORED_SUFFIXES):
-        return None
-    if key.startswith(("lm_head.", "language_model.lm_head.")):
-        return "language_model.lm_head." + key.split("lm_head.", 1)[1]
-    if key.startswith("language_model.model."):
-        return "language_model." + key[len("language_model.model."):]
-    if key.startswith("language_model."):
-        return key
-    if key.startswith("multi_modal_projector."):
-        return "vision_tower.projector." + key[len("multi_modal_projector."):]
-    if key.startswith("vision_tower."):
-        rest = key[len("vision_tower."):]
-        if rest.startswith("vision_model."):
-            rest = rest[len("vision_model."):]
-        if rest.startswith("post_layernorm."):
-            return None
-        if rest.startswith("encoder.layers."):
-            idx = int(rest.split(".")[2])
-            if idx >= cfg.vision_blocks_needed:
-                return None
-            rest = rest[len("encoder."):]
-        return "vision_tower.encoder." + rest
-    return key  # unknown: reported as unexpected
+def compile_weight_rules(rules: tuple[tuple[str, str | None], ...]) -> list[tuple[re.Pattern, str | None]]:
+    """``weight_rules`` (see :class:`~edgevlm.runtime.models.base.ModelFamily`) compiled once."""
+    return [(re.compile(pattern), repl) for pattern, repl in rules]
+
+
+def map_weight_name(key: str, rules: list[tuple[re.Pattern, str | None]]) -> str | None:
+    """The model's parameter name for checkpoint tensor ``key``: the first rule whose pattern is
+    found in it rewrites it (``re.sub``), or drops it (None); no match keeps ``key``."""
+    for pattern, repl in rules:
+        if pattern.search(key):
+            return None if repl is None else pattern.sub(repl, key, count=1)
+    return key
+
+
+def canonical_key(key: str, files: ModelFiles) -> str | None:
+    """:func:`map_weight_name` with the rules of ``files``' family."""
+    return map_weight_name(key, _rules(files.family))
+
+
+_COMPILED: dict[str, list[tuple[re.Pattern, str | None]]] = {}
+
+
+def _unbuilt(name: str, optional: tuple[str, ...], expected: dict) -> bool:
+    """Whether ``name`` belongs to a module the model did not build: under an optional prefix
+    (``vision_tower.encoder.layers.``) with an index (``7``) of which the model has no parameter."""
+    for prefix in optional:
+        if name.startswith(prefix):
+            head = prefix + name[len(prefix):].split(".", 1)[0] + "."
+            return not any(k.startswith(head) for k in expected)
+    return False
+
+
+def _rules(family: ModelFamily | None) -> list[tuple[re.Pattern, str | None]]:
+    if family is None:
+        raise ValueError("ModelFiles without a family (use read_model_files)")
+    if family.name not in _COMPILED:
+        _COMPILED[family.name] = compile_weight_rules(family.weight_rules)
+    return _COMPILED[family.name]
 
 
 def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -127,8 +157,8 @@ def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.
 
 def load_model(
     files: ModelFiles, *, device: torch.device, dtype: torch.dtype, max_seq_len: int, max_batch_size: int = 1
-) -> LlavaModel:
-    """Build :class:`LlavaModel` from the safetensors weights (memory-mapped by ``safe_open``) on
+) -> torch.nn.Module:
+    """Build the family's model from the safetensors weights (memory-mapped by ``safe_open``) on
     ``device`` in ``dtype`` and allocate its KV caches ``(B, n_kv_heads, max_seq_len, head_dim)``.
 
     Raises:
@@ -140,7 +170,7 @@ def load_model(
         return load_bundle_model(files, device=device, dtype=dtype, max_seq_len=max_seq_len,
                                  max_batch_size=max_batch_size)
     with torch.device("meta"):
-        model = LlavaModel(files.config)
+        model = files.family.build_model(files.config)
     load_weights(model, files, device=device, dtype=dtype)
     model.setup_caches(max_batch_size, max_seq_len)
     logger.info(
@@ -151,7 +181,7 @@ def load_model(
 
 
 def load_weights(
-    model: LlavaModel,
+    model: torch.nn.Module,
     files: ModelFiles,
     *,
     device: torch.device | str,
@@ -160,8 +190,9 @@ def load_weights(
     what: str = "checkpoint",
 ) -> None:
     """Read every tensor of ``files.weight_files`` (memory-mapped by ``safe_open``) into ``model``,
-    a :class:`LlavaModel` built on the meta device, then tie the embeddings (when the config says
-    so) and put it in eval mode. Checkpoint names are mapped by :func:`canonical_key`.
+    the family's model built on the meta device, then tie the embeddings (when the config says
+    so) and put it in eval mode. Checkpoint names are mapped by the family's ``weight_rules``;
+    names under its ``optional_prefixes`` that the model does not build are skipped.
 
     Floating tensors are converted to ``dtype`` except those whose canonical name ends with one
     of ``keep_suffixes`` (INT4 codes, scales and zeros keep their stored dtypes); integer tensors
@@ -175,6 +206,8 @@ def load_weights(
     from safetensors import safe_open
 
     cfg = files.config
+    rules = _rules(files.family)
+    optional = files.family.optional_prefixes
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     tied_head = "language_model.lm_head.weight" if cfg.tie_word_embeddings else None
     expected.pop(tied_head, None)
@@ -184,11 +217,12 @@ def load_weights(
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for key in f.keys():
-                    name = canonical_key(key, cfg)
+                    name = map_weight_name(key, rules)
                     if name is None or name == tied_head:
                         continue
                     if name not in expected:
-                        unexpected.append(key)
+                        if not _unbuilt(name, optional, expected):
+                            unexpected.append(key)
                         continue
                     t = f.get_tensor(key)
                     if tuple(t.shape) != expected[name]:
@@ -205,7 +239,8 @@ def load_weights(
             raise ModelLoadError(f"{path}: cannot read safetensors file ({exc})") from exc
     if unexpected:
         raise ModelLoadError(
-            f"{what} {files.model_dir} has tensors the LLaVA runtime does not know: {', '.join(unexpected[:5])}"
+            f"{what} {files.model_dir} has tensors the {files.family.name} runtime does not know: "
+            f"{', '.join(unexpected[:5])}"
         )
     missing = sorted(set(expected) - set(state))
     if missing:

@@ -1,11 +1,14 @@
-"""Tokenizer and chat template of a LLaVA checkpoint, over the ``tokenizers`` library.
+"""Tokenizer and chat template of a VLM checkpoint, over the ``tokenizers`` library.
 
 Files (Hugging Face conventions): ``tokenizer.json`` (required); the chat template from
 ``chat_template.jinja``, ``chat_template.json`` (``{"chat_template": ...}``) or
 ``tokenizer_config.json``'s ``chat_template`` (string, or a list of ``{name, template}``); the
 ``bos_token``/``eos_token`` strings from ``tokenizer_config.json``. The template is rendered like
 transformers' ``apply_chat_template`` (jinja2 ``ImmutableSandboxedEnvironment``, ``trim_blocks``,
-``lstrip_blocks``, ``raise_exception``) with one user turn holding the image and the prompt.
+``lstrip_blocks``, ``raise_exception``) with one user turn holding one image (or video) content part
+per item and the prompt; transformers' ``{% generation %}...{% endgeneration %}`` tag (which marks
+assistant text for training masks, as in the llava-hf templates) renders its body. The family's
+processor then expands each placeholder to its vision tokens (``Processor.expand_prompt``).
 Without a template the LLaVA-1.5 prompt ``"USER: <image>\\n{prompt} ASSISTANT:"`` is used.
 
 Streaming uses the prefix/read-offset incremental detokenisation of text-generation-inference:
@@ -18,12 +21,33 @@ import json
 import logging
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edgevlm.errors import InvalidRequestError, ModelLoadError
 
+if TYPE_CHECKING:
+    from edgevlm.runtime.models.base import Processor, VisionInput
+
 logger = logging.getLogger(__name__)
 
-FALLBACK_TEMPLATE = "USER: {image}\n{prompt} ASSISTANT:"
+
+def _generation_extension():
+    """A jinja2 extension for transformers' ``{% generation %}`` block tag: renders its body
+    unchanged (transformers uses it only to find the assistant's tokens for training masks)."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationTag(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    return GenerationTag
+
+FALLBACK_TEMPLATE = "USER: {image}{prompt} ASSISTANT:"
 _PROBE = "edgevlm-probe-prompt"
 
 
@@ -113,7 +137,7 @@ class VLMTokenizer:
             raise TemplateError(message)
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+                                            extensions=["jinja2.ext.loopcontrols", _generation_extension()])
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
@@ -133,35 +157,61 @@ class VLMTokenizer:
                 return
         raise ModelLoadError("chat template cannot render a user turn with an image and a text prompt")
 
-    def _render(self, prompt: str, insert_image: bool) -> str:
-        text = f"{self.image_token}\n{prompt}" if insert_image else prompt
+    def _render(self, prompt: str, insert_image: bool, kinds: tuple[str, ...] | list[str] = ("image",)) -> str:
+        if insert_image and any(k != "image" for k in kinds):
+            raise InvalidRequestError("this checkpoint's chat template has no video content part")
+        text = f"{self.image_token}\n" * len(kinds) + prompt if insert_image else prompt
         if self._string_content:
             content: object = text
         else:
-            content = ([] if insert_image else [{"type": "image"}]) + [{"type": "text", "text": text}]
+            content = ([] if insert_image else [{"type": k} for k in kinds]) + [{"type": "text", "text": text}]
         return self._template.render(
             messages=[{"role": "user", "content": content}], add_generation_prompt=True,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "",
         )
 
-    def render_prompt(self, prompt: str) -> str:
-        """The full prompt text for one user turn holding the image placeholder and ``prompt``."""
+    def render_prompt(self, prompt: str, kinds: tuple[str, ...] | list[str] = ("image",)) -> str:
+        """The full prompt text for one user turn holding one placeholder per item of ``kinds``
+        (``"image"`` / ``"video"`` content parts, in order) and then ``prompt``."""
         if self._template is None:
-            return FALLBACK_TEMPLATE.format(image=self.image_token, prompt=prompt)
-        return self._render(prompt, insert_image=self._insert_image)
+            if any(k != "image" for k in kinds):
+                raise InvalidRequestError("the fallback prompt (no chat template) has no video placeholder")
+            return FALLBACK_TEMPLATE.format(image=f"{self.image_token}\n" * len(kinds), prompt=prompt)
+        return self._render(prompt, insert_image=self._insert_image, kinds=kinds)
 
     # ---- encode / decode -----------------------------------------------------------------------
+    def _encode_text(self, text: str) -> list[int]:
+        """BOS is added by the tokenizer's post-processor unless ``text`` already starts with it."""
+        add_special = not (self.bos_token and text.startswith(self.bos_token))
+        return self.tok.encode(text, add_special_tokens=add_special).ids
+
+    def encode_request(self, prompt: str, vision: VisionInput, processor: Processor) -> list[int]:
+        """Token ids of the prompt for the items of ``vision``: the chat template rendered with one
+        content part per item, each placeholder expanded by ``processor.expand_prompt``
+        (the family's token runs), then tokenised.
+
+        Raises:
+            InvalidRequestError: the prompt itself contains the image token, or the expanded prompt
+                does not hold exactly the vision tokens of ``vision``'s images.
+        """
+        text = processor.expand_prompt(self.render_prompt(prompt, vision.kinds), vision)
+        ids = self._encode_text(text)
+        if all(k == "image" for k in vision.kinds):
+            found = sum(1 for t in ids if t == self.image_token_id)
+            if found != vision.num_tokens:
+                raise InvalidRequestError(
+                    f"the prompt must not contain the image token {self.image_token!r} "
+                    f"({found} image tokens for {vision.num_tokens} vision tokens)")
+        return ids
+
     def encode_prompt(self, prompt: str, n_vision_tokens: int) -> list[int]:
-        """Token ids of the rendered prompt with its single image token expanded to
-        ``n_vision_tokens`` copies. BOS is added by the tokenizer's post-processor unless the
-        rendered text already starts with it.
+        """Token ids of the rendered prompt for one image with its image token expanded to
+        ``n_vision_tokens`` copies (LLaVA's expansion; calibration and quantization use it).
 
         Raises:
             InvalidRequestError: the prompt itself contains the image token.
         """
-        text = self.render_prompt(prompt)
-        add_special = not (self.bos_token and text.startswith(self.bos_token))
-        ids = self.tok.encode(text, add_special_tokens=add_special).ids
+        ids = self._encode_text(self.render_prompt(prompt))
         slots = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(slots) != 1:
             raise InvalidRequestError(

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgevlm.runtime.config import LlavaConfig, VisionConfig
+if TYPE_CHECKING:
+    from edgevlm.runtime.models.llava.config import LlavaConfig, VisionConfig
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +153,8 @@ class VisionEncoder(nn.Module):
     ``post_layernorm`` do not influence LLaVA's output, so they are not built.
     """
 
+    has_cls_token = True  # hidden states are (B, 1 + N, D), the CLS token first
+
     def __init__(self, cfg: VisionConfig, num_blocks: int) -> None:
         super().__init__()
         self.cfg = cfg
@@ -196,27 +200,31 @@ class Projector(nn.Module):
 
 
 class VisionTower(nn.Module):
-    """Vision encoder + feature selection + projector: pixels -> vision tokens in the text space."""
+    """Vision encoder + feature selection + projector: pixels -> vision tokens in the text space.
 
-    def __init__(self, cfg: LlavaConfig) -> None:
+    ``encoder`` (default: the CLIP :class:`VisionEncoder`) is any module with this encoder's
+    interface: ``stem(pixels) -> (B, T, D)``, ``layers`` (blocks ``x -> x``; with
+    ``forward_with_cls_attention`` where ``has_cls_token``), ``forward(pixels, feature_indices)``,
+    ``has_cls_token`` and ``fused_stem`` — e.g. the LLaVA family's SigLIP adapter, whose tokens have
+    no CLS."""
+
+    def __init__(self, cfg: LlavaConfig, encoder: nn.Module | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.encoder = VisionEncoder(cfg.vision, cfg.vision_blocks_needed)
+        self.encoder = encoder if encoder is not None else VisionEncoder(cfg.vision, cfg.vision_blocks_needed)
         in_dim = cfg.vision.hidden_size * len(cfg.vision_feature_layer)
         self.projector = Projector(in_dim, cfg.text.hidden_size, cfg.projector_hidden_act, cfg.projector_bias)
 
     def num_vision_tokens(self, height_px: int, width_px: int) -> int:
         """Vision tokens for an input of ``height_px x width_px`` (after the select strategy)."""
-        p = self.cfg.vision.patch_size
-        n = (height_px // p) * (width_px // p)
-        return n + (1 if self.cfg.vision_feature_select_strategy == "full" else 0)
+        return self.cfg.num_vision_tokens(height_px, width_px)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``(B, C, H, W)`` -> ``(B, N, D_text)`` vision tokens (transformers' LLaVA
         ``get_image_features``: pick layers, drop CLS for 'default', concat on channels, project)."""
         feats = self.encoder(pixel_values, self.cfg.vision_feature_indices)
         if self.cfg.vision_feature_select_strategy == "default":
-            feats = [f[:, 1:] for f in feats]  # drop CLS
+            feats = [f[:, 1:] for f in feats]  # drop CLS (transformers drops index 0 of any tower)
         x = feats[0] if len(feats) == 1 else torch.cat(feats, dim=-1)  # (B, N, D_vision * k)
         return self.projector(x)  # (B, N, D_text)
 
@@ -232,7 +240,8 @@ class VisionInfo:
         exit_layers: per sample, the block it exited after (None = full depth).
         exit_confidences: per sample, the confidence of the last exit head consulted (None if none).
         blocks_run: encoder blocks run (the deepest sample).
-        tokens_total: patch tokens per sample before pruning (plus CLS with the 'full' strategy).
+        tokens_total: vision tokens per sample before pruning (CLS included with a CLIP tower's
+            'full' strategy).
         tokens_kept: vision tokens per sample fed to the decoder.
         kept_index: per sample, the kept patch indices (ascending, raster order) when tokens were
             pruned; None otherwise.
@@ -318,6 +327,8 @@ def encode_adaptive(
         raise ValueError(f"prune_score must be one of {SCORES}, got {prune_score!r}")
     prune = keep_ratio is not None and keep_ratio < 1.0
     want_attn = prune and prune_score == "cls_attention"
+    if want_attn and not enc.has_cls_token:
+        raise ValueError("prune_score 'cls_attention' needs a tower with a CLS token; use 'feature_norm'")
 
     x = enc.stem(pixel_values)  # (B, 1 + N, D)
     p = cfg.vision.patch_size
@@ -370,7 +381,7 @@ def encode_adaptive(
             scores[sample] = attn[row] if attn is not None else None
 
     feats = _select(cfg, torch.stack(out))  # (B, N or 1 + N, F)
-    has_cls = cfg.vision_feature_select_strategy == "full"
+    has_cls = cfg.cls_feature
     patches = feats[:, 1:] if has_cls else feats  # (B, N, F)
     info.tokens_total = feats.shape[1]
     if prune:

@@ -2,7 +2,9 @@
 
 :class:`~edgevlm.runtime.engine.Engine` does everything that does not depend on how tensors are
 computed (tokenising, preprocessing, sampling, stop strings, streaming, stats) and talks to a
-:class:`Backend` for the three model calls of LLaVA generation: vision encoding, prefill, decode.
+:class:`Backend` for the model calls of generation: vision encoding, embedding, prefill, decode.
+The torch backend runs every registered model family (:mod:`edgevlm.runtime.models`); the ONNX
+and TensorRT backends run LLaVA engine bundles.
 
 A backend lives in ``edgevlm.runtime.backends.<module>`` and is registered in :data:`BACKENDS`;
 the module is imported only when that backend is asked for, so optional dependencies (onnxruntime,
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from edgevlm.runtime.loader import ModelFiles
+    from edgevlm.runtime.models.base import VisionInput
     from edgevlm.types import OperatingPoint
 
 logger = logging.getLogger(__name__)
@@ -62,19 +65,35 @@ class Backend(ABC):
         """Vision encoder + projector: ``(1, 3, H, W)`` float32 normalised pixels (H, W multiples of
         the patch size) -> ``(1, N, D_text)`` vision tokens."""
 
+    def encode_vision(self, vision: VisionInput, *, operating_point: OperatingPoint | None = None,
+                      prompt_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Vision tokens of a request's :class:`~edgevlm.runtime.models.base.VisionInput`, in the
+        layout :meth:`embed` takes. Default: :meth:`encode_image` of its pixels (LLaVA bundles);
+        the torch backend runs any family's ``encode_vision``."""
+        return self.encode_image(vision.pixel_values, operating_point=operating_point)
+
+    def position_ids(self, input_ids: torch.Tensor, vision: VisionInput | None) -> tuple[torch.Tensor | None, int]:
+        """RoPE positions of a prompt other than its slots, and the decode offset (``rope_delta``):
+        ``(None, 0)`` for 1-D RoPE (the default); multimodal RoPE families return ``(3, 1, T)``."""
+        return None, 0
+
     @abstractmethod
     def embed(self, input_ids: torch.Tensor, image_features: torch.Tensor | None) -> torch.Tensor:
         """``(1, T)`` int64 token ids -> ``(1, T, D_text)`` embeddings, the image placeholder tokens
         replaced in order by ``image_features`` ``(1, N, D_text)``."""
 
     @abstractmethod
-    def prefill(self, embeds: torch.Tensor, *, operating_point: OperatingPoint | None = None) -> torch.Tensor:
-        """Run ``embeds`` ``(1, T, D_text)`` at positions ``0..T-1`` into the KV cache (T <=
-        :attr:`max_seq_len`); returns the logits of the last position ``(1, V)``."""
+    def prefill(self, embeds: torch.Tensor, *, operating_point: OperatingPoint | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Run ``embeds`` ``(1, T, D_text)`` at slots ``0..T-1`` into the KV cache (T <=
+        :attr:`max_seq_len`), at RoPE ``position_ids`` (from :meth:`position_ids`; None = the
+        slots); returns the logits of the last position ``(1, V)``."""
 
     @abstractmethod
-    def decode(self, token_id: int, pos: int, *, operating_point: OperatingPoint | None = None) -> torch.Tensor:
-        """Feed one token at position ``pos`` (< :attr:`max_seq_len`); returns logits ``(1, V)``."""
+    def decode(self, token_id: int, pos: int, *, operating_point: OperatingPoint | None = None,
+               rope_offset: int = 0) -> torch.Tensor:
+        """Feed one token at slot ``pos`` (< :attr:`max_seq_len`), RoPE position ``pos +
+        rope_offset``; returns logits ``(1, V)``."""
 
     def reset(self) -> None:  # noqa: B027 - optional hook
         """Forget the cached sequence (static caches need nothing: positions past the new prompt

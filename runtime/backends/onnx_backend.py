@@ -46,7 +46,7 @@ def _embedding_table(files: ModelFiles) -> np.ndarray:
     for path in files.weight_files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for key in f.keys():
-                if canonical_key(key, files.config) == "language_model.embed_tokens.weight":
+                if canonical_key(key, files) == "language_model.embed_tokens.weight":
                     return f.get_tensor(key).float().numpy()
     raise ModelLoadError(f"bundle {files.model_dir} has no token embedding tensor")
 
@@ -119,12 +119,18 @@ class OnnxBackend(Backend):
         self._len = start + t
         return torch.from_numpy(outs["logits"])  # (1, V)
 
-    def prefill(self, embeds: torch.Tensor, *, operating_point: OperatingPoint | None = None) -> torch.Tensor:
+    def prefill(self, embeds: torch.Tensor, *, operating_point: OperatingPoint | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is not None:
+            raise ValueError("the ONNX decoder graph takes the slots as RoPE positions only")
         if embeds.shape[1] > self.max_seq_len:
             raise ValueError(f"prefill of {embeds.shape[1]} positions exceeds the KV cache ({self.max_seq_len})")
         return self._run(embeds.detach().to("cpu", torch.float32).contiguous().numpy(), 0)
 
-    def decode(self, token_id: int, pos: int, *, operating_point: OperatingPoint | None = None) -> torch.Tensor:
+    def decode(self, token_id: int, pos: int, *, operating_point: OperatingPoint | None = None,
+               rope_offset: int = 0) -> torch.Tensor:
+        if rope_offset:
+            raise ValueError("the ONNX decoder graph takes the slots as RoPE positions only")
         if not 0 < pos < self.max_seq_len:
             raise ValueError(f"decode position {pos} outside the KV cache (1..{self.max_seq_len - 1})")
         if pos > self._len:

@@ -1,4 +1,6 @@
-"""PyTorch backend: :class:`~edgevlm.runtime.llava.LlavaModel` (CPU fp32/bf16, CUDA fp16/bf16) with
+"""PyTorch backend: any registered model family's model (:mod:`edgevlm.runtime.models`; LLaVA's
+:class:`~edgevlm.runtime.models.llava.model.LlavaModel` with early exit and pruning) on CPU fp32/bf16
+or CUDA fp16/bf16, with
 its static KV cache, CUDA-graph decode, a choice of KV cache precision, and batched entry points
 for several concurrent requests (used by :mod:`edgevlm.runtime.batching`).
 
@@ -28,12 +30,13 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from edgevlm.errors import InvalidRequestError, ModelLoadError
 from edgevlm.runtime.backends import Backend
 from edgevlm.runtime.kv_cache import DEFAULT_INT4_GROUP_SIZE, KV_CACHE_DTYPES, kv_bucket
-from edgevlm.runtime.llava import LlavaModel
 from edgevlm.runtime.loader import ModelFiles, load_model
+from edgevlm.runtime.models.base import VisionInput
 from edgevlm.types import OperatingPoint
 
 logger = logging.getLogger(__name__)
@@ -51,7 +54,7 @@ class TorchBackend(Backend):
     supports_pruning = True  # encode_image honours operating_point.keep_ratio
     last_vision_info = None  # VisionInfo of the last adaptive encode_image (exit layer, tokens kept)
 
-    def __init__(self, model: LlavaModel, *, cuda_graphs: bool | None = None, kv_cache_dtype: str | None = None,
+    def __init__(self, model: nn.Module, *, cuda_graphs: bool | None = None, kv_cache_dtype: str | None = None,
                  max_batch_size: int = 1, fused_vision_stem: bool = False, min_kv_bucket: int = 256,
                  kv_int4_group_size: int = DEFAULT_INT4_GROUP_SIZE, fuse_projections: bool | None = None,
                  fused_decode: bool | None = None, int4_kernel: str = "auto") -> None:
@@ -119,7 +122,11 @@ class TorchBackend(Backend):
                                  f"(device {self.device}); install triton or turn the option off")
         from edgevlm.runtime.kernels.patch_embed_ln import FusedVisionStem
 
-        enc = self.model.vision_tower.encoder
+        tower = getattr(self.model, "vision_tower", None)
+        enc = getattr(tower, "encoder", None)
+        if enc is None or not getattr(enc, "has_cls_token", False):
+            raise ModelLoadError("fused_vision_stem is the CLIP tower's stem (patches + CLS + pre-LN): "
+                                 "this model's tower has none; turn the option off")
         enc.fused_stem = FusedVisionStem(enc.embeddings, enc.pre_layrnorm)
 
     def kv_len_for(self, n_positions: int) -> int:
@@ -143,6 +150,20 @@ class TorchBackend(Backend):
         return self.model.encode_image(pixel_values.to(self.device))  # (1, N, D_text)
 
     @torch.inference_mode()
+    def encode_vision(self, vision: VisionInput, *, operating_point: OperatingPoint | None = None,
+                      prompt_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The family model's ``encode_vision``: ``(N_total, D_text)`` vision tokens (with LLaVA's
+        early exit / token pruning when ``operating_point`` asks for them)."""
+        op = operating_point
+        if op is not None and (op.exit_layer, op.exit_threshold, op.keep_ratio) != (None, None, None):
+            return self.encode_image(vision.pixel_values, operating_point=op, prompt_ids=prompt_ids).flatten(0, 1)
+        self.last_vision_info = None
+        return self.model.encode_vision(vision)  # (N_total, D_text)
+
+    def position_ids(self, input_ids: torch.Tensor, vision: VisionInput | None) -> tuple[torch.Tensor | None, int]:
+        return self.model.position_ids(input_ids.to(self.device), vision)
+
+    @torch.inference_mode()
     def classify_image(self, pixel_values: torch.Tensor, block: int | None = None) -> torch.Tensor:
         """Exit-classifier label probabilities ``(1, L)`` (see :meth:`LlavaModel.classify_image`)."""
         return self.model.classify_image(pixel_values.to(self.device), block)
@@ -150,17 +171,20 @@ class TorchBackend(Backend):
     @property
     def exit_heads(self):
         """The model's :class:`~edgevlm.runtime.exits.ExitHeads` (early exit, labels), or None."""
-        return self.model.exit_heads
+        return getattr(self.model, "exit_heads", None)
 
     @torch.inference_mode()
     def embed(self, input_ids: torch.Tensor, image_features: torch.Tensor | None) -> torch.Tensor:
         return self.model.embed(input_ids.to(self.device), image_features)  # (1, T, D_text)
 
     @torch.inference_mode()
-    def prefill(self, embeds: torch.Tensor, *, operating_point: OperatingPoint | None = None) -> torch.Tensor:
+    def prefill(self, embeds: torch.Tensor, *, operating_point: OperatingPoint | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         if embeds.shape[1] > self.max_seq_len:
             raise ValueError(f"prefill of {embeds.shape[1]} positions exceeds the KV cache ({self.max_seq_len})")
-        return self.model.prefill(embeds)  # (1, V)
+        if position_ids is None:
+            return self.model.prefill(embeds)  # (1, V)
+        return self.model.prefill(embeds, position_ids=position_ids)
 
     @torch.inference_mode()
     def decode(self, token_id: int, pos: int, *, operating_point: OperatingPoint | None = None,
@@ -263,7 +287,8 @@ def load(files: ModelFiles, *, device: torch.device, dtype: torch.dtype, max_seq
     if unknown:
         raise InvalidRequestError(f"unknown torch backend option(s): {', '.join(sorted(unknown))}")
     model = load_model(files, device=device, dtype=dtype, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
-    from edgevlm.runtime.exits import load_exit_heads  # exits.json/.safetensors of `edgevlm calibrate`
+    if files.family.adaptive_vision:
+        from edgevlm.runtime.exits import load_exit_heads  # exits.json/.safetensors of `edgevlm calibrate`
 
-    model.attach_exit_heads(load_exit_heads(files.model_dir, files.config, device=device, dtype=dtype))
+        model.attach_exit_heads(load_exit_heads(files.model_dir, files.config, device=device, dtype=dtype))
     return TorchBackend(model, **options)

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 def runtime_config(model):
     """The runtime's :class:`~edgevlm.runtime.config.LlavaConfig` of a transformers LLaVA model."""
-    from edgevlm.runtime.config import parse_config
+    from edgevlm.runtime.models.llava.config import parse_config
 
     return parse_config(model.config.to_dict())
 

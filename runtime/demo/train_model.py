@@ -12,6 +12,7 @@ import numpy as np
 
 from edgevlm.runtime.demo import vocab
 from edgevlm.runtime.demo.train_data import N_AUX_CLASSES, PATCH_PX, RESOLUTION_LADDER_PX
+from edgevlm.runtime.preprocess import CLIP_MEAN, CLIP_STD
 
 
 def model_config(tiny: bool = False, vocab_size: int = 128):
@@ -221,4 +222,7 @@ def save_model(model, out_dir: Path) -> int:
     cfg["edgevlm"] = {"resolution_ladder": list(RESOLUTION_LADDER_PX)}
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     vocab.save_tokenizer(out_dir)
+    # the normalisation it is trained with; no "size": it runs at its resolution-ladder rungs
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(
+        {"image_mean": list(CLIP_MEAN), "image_std": list(CLIP_STD)}, indent=2) + "\n")
     return sum(p.stat().st_size for p in out_dir.glob("*.safetensors"))

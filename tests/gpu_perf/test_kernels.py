@@ -41,7 +41,7 @@ def test_fused_stem_rejects_mismatched_shapes():
 
 SCRIPT = textwrap.dedent("""
     import json, torch
-    from edgevlm.runtime.config import VisionConfig
+    from edgevlm.runtime.models.llava.config import VisionConfig
     from edgevlm.runtime.vision import VisionEmbeddings
     from edgevlm.runtime.kernels.patch_embed_ln import FusedVisionStem, fused_patch_embed_layernorm
     torch.manual_seed(0)

@@ -147,13 +147,13 @@ def test_corrupt_safetensors(copy_dir, tiny_dir):
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda c: c.update(model_type="llava_next"), "model_type 'llava_next'"),
+        (lambda c: c.update(model_type="llava_next"), r"model_type 'llava_next' is not supported; supported: llava \(llava\)"),
         (lambda c: c.pop("text_config"), "text_config"),
         (lambda c: c["text_config"].update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}),
          "rope_type 'yarn' is not supported"),
         (lambda c: c["text_config"].update(rope_scaling={"type": "longrope", "factor": 2.0}, rope_parameters=None),
          "rope_type 'longrope' is not supported"),
-        (lambda c: c["vision_config"].update(model_type="siglip_vision_model"), "siglip_vision_model"),
+        (lambda c: c["vision_config"].update(model_type="pixtral"), "vision_config.model_type .pixtral. is not supported"),
         (lambda c: c.update(vision_feature_layer=9), "vision_feature_layer"),
         (lambda c: c.update(vision_feature_select_strategy="cls"), "vision_feature_select_strategy"),
         (lambda c: c["text_config"].update(hidden_size="64"), "text_config.hidden_size"),

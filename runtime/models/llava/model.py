@@ -1,4 +1,5 @@
-"""The LLaVA model: vision tower (CLIP ViT + projector) feeding vision tokens into a Llama decoder.
+"""The LLaVA model: vision tower (CLIP or SigLIP ViT + projector) feeding vision tokens into the
+shared decoder (Llama, Mistral, Qwen2, ...).
 
 Reference: Liu et al., "Visual Instruction Tuning" (LLaVA, 2023) and transformers'
 ``LlavaForConditionalGeneration``: the prompt holds one image placeholder token per vision token;
@@ -14,20 +15,75 @@ import logging
 import torch
 from torch import nn
 
-from edgevlm.runtime.config import LlavaConfig
 from edgevlm.runtime.decoder import Decoder, rope_cos_sin
 from edgevlm.runtime.exits import ExitHeads
+from edgevlm.runtime.models.base import VisionInput
+from edgevlm.runtime.models.blocks.siglip import (
+    SiglipEncoderLayer,
+    SiglipVisionConfig,
+    SiglipVisionEmbeddings,
+)
+from edgevlm.runtime.models.llava.config import LlavaConfig
 from edgevlm.runtime.vision import VisionInfo, VisionTower, encode_adaptive
 from edgevlm.types import OperatingPoint
 
 logger = logging.getLogger(__name__)
 
+#: checkpoint tensor name -> :class:`LlavaModel` parameter name (``re.sub`` replacement), or None
+#: for tensors the runtime does not use; the first matching rule wins, no match keeps the name.
+#: Layouts: transformers 5.x in memory (``model.vision_tower.*``, ``model.language_model.*``,
+#: ``model.multi_modal_projector.*``, ``lm_head.*``); 5.x ``save_pretrained`` and 4.x
+#: (``vision_tower.[vision_model.]*``, ``language_model.model.*``, ``language_model.lm_head.*``,
+#: ``multi_modal_projector.*``). The towers' final norms (CLIP's / SigLIP's ``post_layernorm``)
+#: and SigLIP's pooling ``head`` do not reach LLaVA's features (it reads hidden states).
+WEIGHT_RULES: tuple[tuple[str, str | None], ...] = (
+    (r"(position_ids|rotary_emb\.inv_freq)$", None),
+    (r"^(?:model\.)?(?:language_model\.)?lm_head\.(.*)$", r"language_model.lm_head.\1"),
+    (r"^(?:model\.)?language_model\.(?:model\.)?(.*)$", r"language_model.\1"),
+    (r"^(?:model\.)?multi_modal_projector\.(.*)$", r"vision_tower.projector.\1"),
+    (r"^(?:model\.)?vision_tower\.(?:vision_model\.)?(?:post_layernorm|head)\.", None),
+    (r"^(?:model\.)?vision_tower\.(?:vision_model\.)?encoder\.layers\.(.*)$", r"vision_tower.encoder.layers.\1"),
+    (r"^(?:model\.)?vision_tower\.(?:vision_model\.)?(.*)$", r"vision_tower.encoder.\1"),
+)
+
+#: the model builds the vision blocks up to the deepest feature layer only: deeper ones are skipped
+OPTIONAL_PREFIXES = ("vision_tower.encoder.layers.",)
+
+
+class SiglipFeatureEncoder(nn.Module):
+    """A SigLIP tower (:mod:`edgevlm.runtime.models.blocks.siglip`) behind the CLIP encoder's
+    interface (:class:`~edgevlm.runtime.vision.VisionTower`): no CLS token, no pre-LN, position
+    embeddings interpolated to the input's patch grid (unchanged at the trained grid, as
+    transformers' ``SiglipVisionEmbeddings``), blocks up to the deepest feature layer only."""
+
+    has_cls_token = False
+
+    def __init__(self, cfg: SiglipVisionConfig, num_blocks: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embeddings = SiglipVisionEmbeddings(cfg)
+        self.layers = nn.ModuleList([SiglipEncoderLayer(cfg) for _ in range(num_blocks)])
+        self.fused_stem: nn.Module | None = None  # the Triton stem is CLIP's (CLS + pre-LN): not used
+
+    def stem(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``(B, C, H, W)`` -> ``(B, N, D)`` patch embeddings + positions (extra border pixels dropped)."""
+        return self.embeddings(pixel_values, interpolate_pos_encoding=True)
+
+    def forward(self, pixel_values: torch.Tensor, feature_indices: tuple[int, ...]) -> list[torch.Tensor]:
+        """Hidden states ``(B, N, D)`` at ``feature_indices`` (0 = embeddings, i = after block i)."""
+        x = self.stem(pixel_values)
+        states = {0: x}
+        for i, block in enumerate(self.layers, start=1):
+            x = block(x)
+            states[i] = x
+        return [states[i] for i in feature_indices]
+
 
 class LlavaModel(nn.Module):
-    """Vision tower + decoder. Canonical parameter names (what :mod:`edgevlm.runtime.loader` maps
-    every checkpoint layout to)::
+    """Vision tower + decoder. Canonical parameter names (what :data:`WEIGHT_RULES` maps every
+    checkpoint layout to)::
 
-        vision_tower.encoder.{embeddings,pre_layrnorm,layers.N}.*
+        vision_tower.encoder.{embeddings,pre_layrnorm,layers.N}.*   (CLIP; SigLIP: no pre_layrnorm)
         vision_tower.projector.{linear_1,linear_2}.*
         language_model.{embed_tokens,layers.N,norm,lm_head}.*
     """
@@ -35,10 +91,14 @@ class LlavaModel(nn.Module):
     def __init__(self, cfg: LlavaConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.vision_tower = VisionTower(cfg)
+        encoder = None
+        if not cfg.vision_has_cls:
+            encoder = SiglipFeatureEncoder(cfg.vision, cfg.vision_blocks_needed)
+        self.vision_tower = VisionTower(cfg, encoder)
         self.language_model = Decoder(cfg.text, cfg.tie_word_embeddings)
         self.exit_heads: ExitHeads | None = None  # set by attach_exit_heads (edgevlm calibrate output)
-        self.prune_score = "cls_attention"  # token-pruning score, see edgevlm.runtime.pruning
+        # token-pruning score, see edgevlm.runtime.pruning (a tower without CLS: feature norms)
+        self.prune_score = "cls_attention" if cfg.vision_has_cls else "feature_norm"
         # "original": pruned vision tokens keep their unpruned RoPE distances (see prefill);
         # "compact": they take consecutive positions like any prompt
         self.prune_positions = "original"
@@ -93,7 +153,7 @@ class LlavaModel(nn.Module):
             prune_score=self.prune_score,
             exit_query=query,
         )
-        has_cls = int(self.cfg.vision_feature_select_strategy == "full")
+        has_cls = int(self.cfg.cls_feature)
         self._rope_positions = None
         self._pruned = None
         if info.kept_index is not None and len(info.kept_index) == 1 and self.prune_positions == "original":
@@ -155,12 +215,17 @@ class LlavaModel(nn.Module):
         pos[slots] = start + original - pruned
         return pos
 
-    def prefill(self, embeds: torch.Tensor, *, all_logits: bool = False) -> torch.Tensor:
-        """Run the prompt ``embeds`` ``(B, T, D)`` from position 0 into the KV cache; returns the
-        last logits ``(B, V)`` (or ``(B, T, V)`` with ``all_logits``)."""
+    def prefill(self, embeds: torch.Tensor, *, position_ids: torch.Tensor | None = None,
+                all_logits: bool = False) -> torch.Tensor:
+        """Run the prompt ``embeds`` ``(B, T, D)`` from slot 0 into the KV cache; returns the last
+        logits ``(B, V)`` (or ``(B, T, V)`` with ``all_logits``). ``position_ids`` ``(T,)``: RoPE
+        positions other than the slots (None: the slots, or the unpruned positions that the last
+        pruned :meth:`embed` left)."""
         t = embeds.shape[1]
         input_pos = torch.arange(t, device=embeds.device)
         positions, self._rope_positions = self._rope_positions, None
+        if position_ids is not None:
+            positions = position_ids.reshape(-1).to(embeds.device)
         dec = self.language_model
         if positions is None or positions.shape[0] != t:
             return dec(embeds, input_pos, prefill=True, all_logits=all_logits)
@@ -169,13 +234,26 @@ class LlavaModel(nn.Module):
         rope = rope_cos_sin(dec.inv_freq, positions)  # (T, Dh) float32 each
         return dec(embeds, input_pos, prefill=True, all_logits=all_logits, rope=rope)
 
+    # ---- the family interface (edgevlm.runtime.models.base.VLMModel) -------------------------
+    def encode_vision(self, vision: VisionInput) -> torch.Tensor:
+        """Every image of ``vision`` -> ``(N_total, D_text)`` vision tokens in prompt order."""
+        return self.encode_image(vision.pixel_values).flatten(0, 1)  # (N_img * N, D)
+
+    def position_ids(self, input_ids: torch.Tensor, vision: VisionInput | None = None) -> tuple[None, int]:
+        """1-D RoPE: positions are the cache slots (``(None, 0)``)."""
+        return None, 0
+
     def decode(self, token_ids: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         """One decode step: ``token_ids`` ``(B, 1)`` int64 at ``input_pos`` ``(1,)`` -> logits ``(B, V)``."""
         embeds = self.language_model.embed_tokens(token_ids)  # (B, 1, D)
         return self.language_model(embeds, input_pos, prefill=False)
 
-    def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None) -> torch.Tensor:
-        """Full-sequence logits ``(B, T, V)`` for a prompt (prefill path; used by reference tests).
-        Requires caches set up with ``max_seq_len >= T``."""
-        feats = self.encode_image(pixel_values) if pixel_values is not None else None
+    def forward(self, input_ids: torch.Tensor, vision: VisionInput | torch.Tensor | None = None) -> torch.Tensor:
+        """Full-sequence logits ``(B, T, V)`` for a prompt (prefill path; used by reference tests):
+        ``vision`` a :class:`VisionInput` or ``(B, 3, H, W)`` pixels. Requires caches set up with
+        ``max_seq_len >= T``."""
+        if isinstance(vision, VisionInput):
+            feats = self.encode_vision(vision)
+        else:
+            feats = self.encode_image(vision) if vision is not None else None
         return self.prefill(self.embed(input_ids, feats), all_logits=True)

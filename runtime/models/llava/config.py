@@ -1,0 +1,172 @@
+"""LLaVA configuration, parsed from a Hugging Face ``config.json`` (``model_type: llava``).
+
+A vision tower — CLIP (``clip_vision_model``) or SigLIP (``siglip_vision_model``) — a 2-layer MLP
+projector and a decoder of :data:`edgevlm.runtime.config.TEXT_MODEL_TYPES` (Llama, Mistral, Qwen2,
+...). Reads the transformers 5.x and the legacy 4.x layouts (``image_token_index``). Keys a config
+leaves out take the defaults of transformers' ``LlavaConfig`` and ``CLIPVisionConfig`` /
+``SiglipVisionConfig``. Anything the runtime cannot run raises
+:class:`~edgevlm.errors.ModelLoadError` naming the offending key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edgevlm.errors import ModelLoadError
+from edgevlm.runtime.config import SUPPORTED_ACTIVATIONS, TextConfig, get_typed, int_list, parse_text_config
+from edgevlm.runtime.models.blocks.siglip import SiglipVisionConfig, parse_siglip_vision_config
+
+#: vision tower model types a LLaVA checkpoint may have
+VISION_MODEL_TYPES = ("clip_vision_model", "siglip_vision_model")
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """CLIP ViT (``model_type: clip_vision_model``): a CLS token, ``pre_layrnorm``."""
+
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    num_channels: int = 3
+    image_size: int = 224
+    patch_size: int = 32
+    hidden_act: str = "quick_gelu"
+    layer_norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def grid_side(self) -> int:
+        """Patches per side of the trained (square) position-embedding grid."""
+        return self.image_size // self.patch_size
+
+
+@dataclass(frozen=True)
+class LlavaConfig:
+    """A LLaVA checkpoint: vision tower + 2-layer MLP projector + decoder, plus edgevlm extras."""
+
+    vision: VisionConfig | SiglipVisionConfig
+    text: TextConfig
+    image_token_id: int = 32000
+    projector_hidden_act: str = "gelu"
+    projector_bias: bool = True
+    vision_feature_layer: tuple[int, ...] = (-2,)
+    vision_feature_select_strategy: str = "default"
+    tie_word_embeddings: bool = False
+    resolution_ladder: tuple[int, ...] = ()
+
+    @property
+    def vision_feature_indices(self) -> tuple[int, ...]:
+        """``vision_feature_layer`` as non-negative indices into the hidden-state list
+        ``[embeddings, block_1, ..., block_L]`` (transformers' ``hidden_states`` convention)."""
+        n = self.vision.num_hidden_layers + 1
+        return tuple(i % n for i in self.vision_feature_layer)
+
+    @property
+    def vision_has_cls(self) -> bool:
+        """Whether the tower prepends a CLS token (CLIP) to its patch tokens (SigLIP does not)."""
+        return isinstance(self.vision, VisionConfig)
+
+    @property
+    def cls_feature(self) -> bool:
+        """Whether the first vision token fed to the decoder is the tower's CLS token ('full'
+        selection of a CLIP tower): token pruning keeps it."""
+        return self.vision_has_cls and self.vision_feature_select_strategy == "full"
+
+    @property
+    def video_token_id(self) -> None:
+        return None
+
+    def num_vision_tokens(self, height_px: int, width_px: int) -> int:
+        """Vision tokens of one image fed to the encoder at ``height_px x width_px``: the patch grid
+        (floored to the patch), plus the CLS token, minus the first token for the 'default'
+        selection (transformers' ``get_image_features`` drops index 0 whatever the tower)."""
+        p = self.vision.patch_size
+        n = (height_px // p) * (width_px // p) + int(self.vision_has_cls)
+        return n - int(self.vision_feature_select_strategy == "default")
+
+    @property
+    def vision_blocks_needed(self) -> int:
+        """Encoder blocks that must run to produce every selected feature layer."""
+        return max(self.vision_feature_indices)
+
+
+def _vision_config(vc: dict) -> VisionConfig | SiglipVisionConfig:
+    w = "vision_config."
+    model_type = vc.get("model_type", "clip_vision_model")
+    if model_type not in VISION_MODEL_TYPES:
+        raise ModelLoadError(f"config.json: {w}model_type {model_type!r} is not supported "
+                             f"({', '.join(VISION_MODEL_TYPES)})")
+    if model_type == "siglip_vision_model":  # image_size need not be a multiple of patch_size (floored)
+        return parse_siglip_vision_config(vc, where=w)
+    d = VisionConfig()
+    cfg = VisionConfig(
+        hidden_size=get_typed(vc, "hidden_size", d.hidden_size, int, w),
+        intermediate_size=get_typed(vc, "intermediate_size", d.intermediate_size, int, w),
+        num_hidden_layers=get_typed(vc, "num_hidden_layers", d.num_hidden_layers, int, w),
+        num_attention_heads=get_typed(vc, "num_attention_heads", d.num_attention_heads, int, w),
+        num_channels=get_typed(vc, "num_channels", d.num_channels, int, w),
+        image_size=get_typed(vc, "image_size", d.image_size, int, w),
+        patch_size=get_typed(vc, "patch_size", d.patch_size, int, w),
+        hidden_act=get_typed(vc, "hidden_act", d.hidden_act, str, w),
+        layer_norm_eps=get_typed(vc, "layer_norm_eps", d.layer_norm_eps, float, w),
+    )
+    if cfg.hidden_act not in SUPPORTED_ACTIVATIONS:
+        raise ModelLoadError(f"config.json: {w}hidden_act {cfg.hidden_act!r} is not supported")
+    if cfg.hidden_size % cfg.num_attention_heads:
+        raise ModelLoadError(f"config.json: {w}hidden_size is not a multiple of num_attention_heads")
+    if cfg.image_size % cfg.patch_size:
+        raise ModelLoadError(f"config.json: {w}image_size is not a multiple of patch_size")
+    return cfg
+
+
+def parse_config(raw: dict) -> LlavaConfig:
+    """Parse a LLaVA ``config.json`` dict.
+
+    Raises:
+        ModelLoadError: not a LLaVA config, a missing sub-config, a wrong type, or a feature the
+            runtime does not implement (RoPE scaling, another vision/text model type).
+    """
+    if not isinstance(raw, dict):
+        raise ModelLoadError("config.json: top level must be a JSON object")
+    if raw.get("model_type") != "llava":
+        raise ModelLoadError(f"config.json: model_type {raw.get('model_type')!r} is not supported (llava)")
+    for key in ("vision_config", "text_config"):
+        if not isinstance(raw.get(key), dict):
+            raise ModelLoadError(f"config.json: missing key {key!r}")
+    vision = _vision_config(raw["vision_config"])
+    text = parse_text_config(raw["text_config"])
+    image_token_id = raw.get("image_token_id", raw.get("image_token_index", 32000))
+    if not isinstance(image_token_id, int) or not 0 <= image_token_id < text.vocab_size:
+        raise ModelLoadError(f"config.json: image_token_id {image_token_id!r} is not a token id of the vocabulary")
+    layers = int_list(raw.get("vision_feature_layer", -2), "vision_feature_layer")
+    n_states = vision.num_hidden_layers + 1
+    if not layers or any(not -n_states <= i < n_states for i in layers):
+        raise ModelLoadError(f"config.json: vision_feature_layer {layers} is out of range for {n_states - 1} layers")
+    strategy = raw.get("vision_feature_select_strategy", "default")
+    if strategy not in ("default", "full"):
+        raise ModelLoadError(f"config.json: vision_feature_select_strategy {strategy!r} is not 'default' or 'full'")
+    act = get_typed(raw, "projector_hidden_act", "gelu", str, "")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ModelLoadError(f"config.json: projector_hidden_act {act!r} is not supported")
+    tie = bool(raw.get("tie_word_embeddings", False)) or bool(raw["text_config"].get("tie_word_embeddings", False))
+    extra = raw.get("edgevlm") or {}
+    if not isinstance(extra, dict):
+        raise ModelLoadError("config.json: edgevlm must be an object")
+    ladder = extra.get("resolution_ladder") or [vision.image_size]
+    if not isinstance(ladder, list) or not all(isinstance(r, int) and r > 0 for r in ladder):
+        raise ModelLoadError(f"config.json: edgevlm.resolution_ladder must be a list of positive ints, got {ladder!r}")
+    return LlavaConfig(
+        vision=vision,
+        text=text,
+        image_token_id=image_token_id,
+        projector_hidden_act=act,
+        projector_bias=get_typed(raw, "multimodal_projector_bias", True, bool, ""),
+        vision_feature_layer=tuple(layers),
+        vision_feature_select_strategy=strategy,
+        tie_word_embeddings=tie,
+        resolution_ladder=tuple(sorted(set(ladder))),
+    )
