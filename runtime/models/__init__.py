@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 #: family name -> module exporting ``FAMILY``
 FAMILIES: dict[str, str] = {
     "llava": "edgevlm.runtime.models.llava",
+    "qwen3_vl": "edgevlm.runtime.models.qwen3_vl",
 }
 
 
