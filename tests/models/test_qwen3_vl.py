@@ -536,18 +536,25 @@ def test_engine_answers_as_transformers(ckpt):
         assert answer.stats.vision_tokens == _processor(ckpt).prepare([image]).tokens_per_item[0]
 
 
-def test_cli_ask_with_the_checkpoint(ckpt, tmp_path):
+def _cli(*args: str):
     import subprocess
     import sys
 
+    return subprocess.run([sys.executable, "-m", "edgevlm.cli", *args], capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
+
+
+def test_cli_ask_with_the_checkpoint(ckpt, tmp_path):
     from PIL import Image
 
     image = _image(200, 300, 1)
     path = tmp_path / "frame.png"
     Image.fromarray(image).save(path)
     expected = _transformers_answer(ckpt, image, 8)
-    res = subprocess.run([sys.executable, "-m", "edgevlm.cli", "ask", "--image", str(path), "--model", str(ckpt.folder),
-                          "--max-new-tokens", "8", QUESTION], capture_output=True, text=True, timeout=300,
-                         stdin=subprocess.DEVNULL)
+    res = _cli("ask", "--image", str(path), "--model", str(ckpt.folder), "--max-new-tokens", "8", QUESTION)
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines()[0] == expected.strip()
+    # early exit is LLaVA's (exit heads): refused with one line, exit 2
+    res = _cli("ask", "--image", str(path), "--model", str(ckpt.folder), "--exit-layer", "2", QUESTION)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith("edgevlm: error:") and "not supported for the qwen3_vl family" in res.stderr

@@ -66,6 +66,11 @@ class Qwen3VLConfig:
     tie_word_embeddings: bool = False
     resolution_ladder: tuple[int, ...] = ()
 
+    @property
+    def vision_blocks_needed(self) -> int:
+        """ViT blocks one encoding runs (all of them: the merger reads the last block)."""
+        return self.vision.depth
+
 
 def _get(d: dict, key: str, default: Any, typ: type, where: str) -> Any:
     value = d.get(key, default)
