@@ -106,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PX",
         default=None,
         help="input resolution: the longer image side after resizing, px, rounded to the patch size; at "
-        "least the model's patch size (the model is trained at its resolution-ladder rungs; default: its "
-        "native size)",
+        "least the model's patch size (the model is trained at its resolution-ladder rungs; default: the "
+        "checkpoint's own image processor, as transformers, else its native size)",
     )
     ask.add_argument("--exit-layer", type=positive_int, metavar="K", default=None,
                      help="early exit: stop the vision encoder after block K (one of the model's exit points); "

@@ -171,20 +171,26 @@ def build_vision_graph(w: _Weights, cfg: LlavaConfig) -> onnx.ModelProto:
     vc, g = cfg.vision, _Graph()
     p, d, side = vc.patch_size, vc.hidden_size, vc.grid_side
     e = "vision_tower.encoder."
-    conv = g.op("Conv", "pixel_values", g.weight(w.t[e + "embeddings.patch_embedding.weight"]),
-                kernel_shape=[p, p], strides=[p, p])  # (1, D, h, w)
+    conv_inputs = ["pixel_values", g.weight(w.t[e + "embeddings.patch_embedding.weight"])]
+    if w.has(e + "embeddings.patch_embedding.bias"):  # SigLIP's patch conv has a bias, CLIP's none
+        conv_inputs.append(g.const(w.f32(e + "embeddings.patch_embedding.bias"), "patch_b"))
+    conv = g.op("Conv", *conv_inputs, kernel_shape=[p, p], strides=[p, p])  # (1, D, h, w); border floored
     patches = g.op("Transpose", g.op("Reshape", conv, g.ints([0, d, -1])), perm=[0, 2, 1])  # (1, h*w, D)
-    cls = g.const(w.f32(e + "embeddings.class_embedding").reshape(1, 1, d), "cls")
-    x = g.op("Concat", cls, patches, axis=1)  # (1, 1 + h*w, D)
-    pos = w.f32(e + "embeddings.position_embedding.weight")  # (1 + S*S, D)
-    grid = g.const(pos[1:].reshape(side, side, d).transpose(2, 0, 1)[None], "pos_grid")  # (1, D, S, S)
+    pos = w.f32(e + "embeddings.position_embedding.weight")  # (1 + S*S, D) CLIP, (S*S, D) SigLIP
+    patch_table = pos[1:] if cfg.vision_has_cls else pos
+    grid = g.const(patch_table.reshape(side, side, d).transpose(2, 0, 1)[None], "pos_grid")  # (1, D, S, S)
     hw = g.op("Slice", g.op("Shape", conv), g.ints([2]), g.ints([4]))
     sizes = g.op("Concat", g.ints([1, d]), hw, axis=0)
     resized = g.op("Resize", grid, "", "", sizes, mode="cubic", cubic_coeff_a=-0.75,
                    coordinate_transformation_mode="half_pixel")  # (1, D, h, w)
     patch_pos = g.op("Transpose", g.op("Reshape", resized, g.ints([0, d, -1])), perm=[0, 2, 1])
-    pos_all = g.op("Concat", g.const(pos[:1].reshape(1, 1, d), "cls_pos"), patch_pos, axis=1)
-    x = _layernorm(g, w, g.op("Add", x, pos_all), e + "pre_layrnorm", vc.layer_norm_eps)
+    if cfg.vision_has_cls:  # CLIP: CLS token first, then pre_layrnorm
+        cls = g.const(w.f32(e + "embeddings.class_embedding").reshape(1, 1, d), "cls")
+        x = g.op("Concat", cls, patches, axis=1)  # (1, 1 + h*w, D)
+        pos_all = g.op("Concat", g.const(pos[:1].reshape(1, 1, d), "cls_pos"), patch_pos, axis=1)
+        x = _layernorm(g, w, g.op("Add", x, pos_all), e + "pre_layrnorm", vc.layer_norm_eps)
+    else:  # SigLIP: patches + positions, no CLS, no pre-LN
+        x = g.op("Add", patches, patch_pos)  # (1, h*w, D)
     states = {0: x}
     scale = g.const(vc.head_dim ** -0.5)
     for i in range(cfg.vision_blocks_needed):

@@ -213,3 +213,29 @@ def test_a_checkpoint_without_normalisation_is_a_warning(tmp_path, caplog):
         engine = Engine.load(out)
     assert any("no image_mean/image_std" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
     assert engine.image_mean == (0.48145466, 0.4578275, 0.40821073)  # CLIP's, said in the warning
+
+
+@pytest.mark.parametrize("name", ["siglip-mistral", "clip-qwen2"])
+def test_int4_bundle_onnx_graphs_match_torch(name, tmp_path):
+    """`edgevlm quantize` on a SigLIP tower (patch conv bias, no CLS, no pre-LN) and on a decoder with
+    q/k/v bias: the bundle's ONNX vision and decoder graphs give the torch backend's numbers."""
+    pytest.importorskip("onnxruntime")
+    from edgevlm.quantize.build import BuildOptions, build_bundle
+    from edgevlm.runtime import Engine
+    from edgevlm.runtime.int4 import set_int4_kernel
+
+    vision, text_cls, extra = VARIANTS[name]
+    src = build_llava(tmp_path / "src", vision, text_cls, extra)
+    bundle = build_bundle(src, tmp_path / "bundle", BuildOptions(method="rtn", group_size=32)).bundle_dir
+    ours, ort_engine = Engine.load(bundle), Engine.load(bundle, backend="onnx")
+    set_int4_kernel(ours.backend.model, "dequant")  # float32 everywhere, like the ONNX graphs
+    p = ours.prepare(_image(36, 60, seed=6), QUESTION)
+    ids = torch.tensor([p.ids])
+    with torch.inference_mode():
+        feats = ours.backend.encode_image(p.vision.pixel_values)  # (1, N, D)
+        feats_ort = ort_engine.backend.encode_image(p.vision.pixel_values)
+        logits = ours.backend.prefill(ours.backend.embed(ids, feats))
+        logits_ort = ort_engine.backend.prefill(ort_engine.backend.embed(ids, feats_ort))
+    assert rel_err(feats_ort, feats) <= 1e-4 and rel_err(logits_ort, logits) <= 1e-4
+    assert ours.ask(_image(36, 60), QUESTION, max_new_tokens=6).text == \
+        ort_engine.ask(_image(36, 60), QUESTION, max_new_tokens=6).text

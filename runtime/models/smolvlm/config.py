@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edgevlm.errors import ModelLoadError
-from edgevlm.runtime.config import TextConfig, _get, _text_config
+from edgevlm.runtime.config import TextConfig, _get, parse_text_config
 from edgevlm.runtime.models.blocks.siglip import SiglipVisionConfig, parse_siglip_vision_config
 
 MODEL_TYPES = ("smolvlm", "idefics3")
@@ -82,7 +82,7 @@ def parse_config(raw: dict) -> SmolVLMConfig:
     tc = dict(raw.get("text_config") or {})
     tc.setdefault("model_type", "llama")
     tc.setdefault("rms_norm_eps", 1e-5)  # SmolVLMConfig builds its default text config with this eps
-    text = _text_config(tc)
+    text = parse_text_config(tc)
     scale = _get(raw, "scale_factor", _DEFAULT_SCALE_FACTOR[model_type], int, "")
     if scale <= 0 or vision.grid_side % scale:
         raise ModelLoadError(
