@@ -1,0 +1,189 @@
+"""Qwen3-VL configuration, parsed from a Hugging Face ``config.json`` (torch-free).
+
+Layout: transformers' ``Qwen3VLConfig`` (``model_type: qwen3_vl``) with a ``vision_config``
+(``Qwen3VLVisionConfig``) and a ``text_config`` (``Qwen3VLTextConfig``: a Qwen3 decoder with per-head
+q/k RMSNorm, an explicit ``head_dim`` and interleaved multimodal RoPE). Both RoPE spellings are read:
+transformers 5.x ``rope_parameters`` and the 4.x ``rope_theta`` + ``rope_scaling`` that the hub's
+Qwen3-VL checkpoints ship. Keys a config leaves out take the defaults of those transformers classes.
+Anything the runtime cannot run raises :class:`~edgevlm.errors.ModelLoadError` naming the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from edgevlm.errors import ModelLoadError
+from edgevlm.runtime.config import SUPPORTED_ACTIVATIONS, TextConfig, parse_text_config
+
+MODEL_TYPES = ("qwen3_vl",)
+
+
+@dataclass(frozen=True)
+class Qwen3VLVisionConfig:
+    """The Qwen3-VL ViT: Conv3d patches, learned position embeddings resampled to the grid, 2-D
+    rotary attention, a 2x2 patch merger, DeepStack mergers after ``deepstack_visual_indexes``."""
+
+    depth: int = 27
+    hidden_size: int = 1152
+    hidden_act: str = "gelu_pytorch_tanh"
+    intermediate_size: int = 4304
+    num_heads: int = 16
+    in_channels: int = 3
+    patch_size: int = 16
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
+    out_hidden_size: int = 3584
+    num_position_embeddings: int = 2304
+    deepstack_visual_indexes: tuple[int, ...] = (8, 16, 24)
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def grid_side(self) -> int:
+        """Side of the square learned position-embedding grid (``sqrt(num_position_embeddings)``)."""
+        return int(self.num_position_embeddings**0.5)
+
+    @property
+    def merged_patch_px(self) -> int:
+        """Pixels per side of one vision token (``patch_size * spatial_merge_size``; 32 for Qwen3-VL)."""
+        return self.patch_size * self.spatial_merge_size
+
+
+@dataclass(frozen=True)
+class Qwen3VLConfig:
+    """A Qwen3-VL checkpoint (the contract's family config: ``.text``, ``.image_token_id``, ...)."""
+
+    vision: Qwen3VLVisionConfig
+    text: TextConfig
+    image_token_id: int = 151655
+    video_token_id: int | None = 151656
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+    tie_word_embeddings: bool = False
+    resolution_ladder: tuple[int, ...] = ()
+
+    @property
+    def vision_blocks_needed(self) -> int:
+        """ViT blocks one encoding runs (all of them: the merger reads the last block)."""
+        return self.vision.depth
+
+
+def _get(d: dict, key: str, default: Any, typ: type, where: str) -> Any:
+    value = d.get(key, default)
+    if value is None:
+        return default
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, typ) or (typ in (int, float) and isinstance(value, bool)):
+        raise ModelLoadError(f"config.json: {where}{key} has type {type(value).__name__}, expected {typ.__name__}")
+    return value
+
+
+def _int_tuple(value: Any, key: str) -> tuple[int, ...]:
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return tuple(value)
+    raise ModelLoadError(f"config.json: {key} must be a list of ints, got {value!r}")
+
+
+def _vision_config(vc: dict) -> Qwen3VLVisionConfig:
+    w = "vision_config."
+    d = Qwen3VLVisionConfig()
+    model_type = vc.get("model_type", "qwen3_vl_vision")
+    if model_type not in ("qwen3_vl_vision", "qwen3_vl"):  # the hub's configs say "qwen3_vl" here
+        raise ModelLoadError(f"config.json: {w}model_type {model_type!r} is not supported (qwen3_vl_vision)")
+    rope = vc.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ModelLoadError(f"config.json: {w}rope_parameters must be an object")
+    if rope.get("rope_type", "axial") != "axial":
+        raise ModelLoadError(f"config.json: {w}rope_parameters.rope_type {rope.get('rope_type')!r} is not 'axial'")
+    ints = {k: _get(vc, k, getattr(d, k), int, w) for k in (
+        "depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size",
+        "spatial_merge_size", "temporal_patch_size", "out_hidden_size", "num_position_embeddings")}
+    if any(v <= 0 for v in ints.values()):
+        bad = next(k for k, v in ints.items() if v <= 0)
+        raise ModelLoadError(f"config.json: {w}{bad} must be positive, got {ints[bad]}")
+    cfg = Qwen3VLVisionConfig(
+        **ints,
+        hidden_act=_get(vc, "hidden_act", d.hidden_act, str, w),
+        deepstack_visual_indexes=_int_tuple(vc.get("deepstack_visual_indexes", list(d.deepstack_visual_indexes)),
+                                            w + "deepstack_visual_indexes"),
+        rope_theta=_get(rope, "rope_theta", d.rope_theta, float, w + "rope_parameters."),
+    )
+    if cfg.hidden_act not in SUPPORTED_ACTIVATIONS:
+        raise ModelLoadError(f"config.json: {w}hidden_act {cfg.hidden_act!r} is not supported")
+    if cfg.hidden_size % cfg.num_heads or cfg.head_dim % 4:
+        raise ModelLoadError(f"config.json: {w}hidden_size / num_heads must be a multiple of 4 (2-D rotary)")
+    if cfg.grid_side**2 != cfg.num_position_embeddings:
+        raise ModelLoadError(f"config.json: {w}num_position_embeddings {cfg.num_position_embeddings} is not a square")
+    bad = [i for i in cfg.deepstack_visual_indexes if not 0 <= i < cfg.depth]
+    if bad or len(set(cfg.deepstack_visual_indexes)) != len(cfg.deepstack_visual_indexes):
+        raise ModelLoadError(
+            f"config.json: {w}deepstack_visual_indexes {list(cfg.deepstack_visual_indexes)} must be distinct "
+            f"block indexes below depth {cfg.depth}")
+    return cfg
+
+
+def _text_config(tc: dict) -> TextConfig:
+    """The Qwen3 decoder through the shared parser; Qwen3-VL's M-RoPE must be the interleaved layout."""
+    w = "text_config."
+    model_type = tc.get("model_type", "qwen3_vl_text")
+    if model_type != "qwen3_vl_text":
+        raise ModelLoadError(f"config.json: {w}model_type {model_type!r} is not supported (qwen3_vl_text)")
+    params = tc.get("rope_parameters")
+    if params is None:  # transformers 4.x spelling, as the hub's Qwen3-VL checkpoints ship it
+        params = tc.get("rope_scaling")
+    params = params if isinstance(params, dict) else {}
+    if "mrope_section" not in params:
+        raise ModelLoadError(f"config.json: {w}rope_parameters.mrope_section is missing (Qwen3-VL uses M-RoPE)")
+    if "rope_theta" not in params and "rope_theta" not in tc:
+        tc = {**tc, "rope_theta": 500000.0}  # Qwen3VLTextConfig.default_theta
+    text = parse_text_config(tc, w)
+    if not text.mrope_interleaved or len(text.mrope_section) != 3:
+        raise ModelLoadError(f"config.json: {w}rope_parameters must set mrope_interleaved true with a 3-axis "
+                             f"mrope_section (Qwen3-VL's layout), got {params!r}")
+    return text
+
+
+def parse_config(raw: dict) -> Qwen3VLConfig:
+    """Parse a Qwen3-VL ``config.json`` dict.
+
+    Raises:
+        ModelLoadError: not a Qwen3-VL config, a missing sub-config, a wrong type, or an option the
+            runtime does not implement, with the offending key in the message.
+    """
+    if not isinstance(raw, dict):
+        raise ModelLoadError("config.json: top level must be a JSON object")
+    if raw.get("model_type") not in MODEL_TYPES:
+        raise ModelLoadError(f"config.json: model_type {raw.get('model_type')!r} is not supported (qwen3_vl)")
+    for key in ("vision_config", "text_config"):
+        if not isinstance(raw.get(key), dict):
+            raise ModelLoadError(f"config.json: missing key {key!r}")
+    tie = bool(raw.get("tie_word_embeddings", False)) or bool(raw["text_config"].get("tie_word_embeddings", False))
+    vision = _vision_config(raw["vision_config"])
+    text = _text_config(raw["text_config"])
+    if vision.out_hidden_size != text.hidden_size:
+        raise ModelLoadError(
+            f"config.json: vision_config.out_hidden_size {vision.out_hidden_size} != text_config.hidden_size "
+            f"{text.hidden_size}")
+    if len(vision.deepstack_visual_indexes) > text.num_hidden_layers:
+        raise ModelLoadError("config.json: vision_config.deepstack_visual_indexes has more entries than decoder layers")
+    ids = {}
+    for key, default in (("image_token_id", 151655), ("video_token_id", 151656),
+                         ("vision_start_token_id", 151652), ("vision_end_token_id", 151653)):
+        value = _get(raw, key, default, int, "")
+        if not 0 <= value < text.vocab_size:
+            raise ModelLoadError(f"config.json: {key} {value} is not a token id of the vocabulary")
+        ids[key] = value
+    extra = raw.get("edgevlm") or {}
+    if not isinstance(extra, dict):
+        raise ModelLoadError("config.json: edgevlm must be an object")
+    ladder = extra.get("resolution_ladder") or []
+    if not isinstance(ladder, list) or not all(isinstance(r, int) and not isinstance(r, bool) and r > 0
+                                               for r in ladder):
+        raise ModelLoadError(f"config.json: edgevlm.resolution_ladder must be a list of positive ints, got {ladder!r}")
+    return Qwen3VLConfig(vision=vision, text=text, tie_word_embeddings=tie,
+                         resolution_ladder=tuple(sorted(set(ladder))), **ids)

@@ -1,0 +1,163 @@
+"""The Qwen3-VL model: ViT with DeepStack feeding a Qwen3 decoder with interleaved multimodal RoPE.
+
+Reference: Qwen Team, "Qwen3-VL Technical Report" (2025); transformers'
+``Qwen3VLForConditionalGeneration`` is the numerical reference (facts only, the code is ours):
+
+* the prompt holds one ``<|image_pad|>`` / ``<|video_pad|>`` per vision token; their embeddings are
+  replaced, in prompt order, by the tower's merged tokens (:meth:`Qwen3VLModel.embed`);
+* DeepStack: after decoder layer ``i`` (``i < len(deepstack_visual_indexes)``), the ``i``-th DeepStack
+  feature is added to the hidden states at every vision position (the shared decoder's
+  ``layer_adds`` hook);
+* positions (:meth:`Qwen3VLModel.position_ids`): text tokens advance one position on all three M-RoPE
+  axes; a vision run of a ``(h, w)`` merged grid (each video frame is its own run: Qwen3-VL
+  separates frames with text timestamps) takes ``t = start``, ``h = start + row``,
+  ``w = start + col`` and advances the next start by ``max(h, w)``. Decode then uses
+  RoPE position = cache slot + ``rope_delta`` (the same on all axes);
+* interleaved M-RoPE (:func:`edgevlm.runtime.models.qwen_vl.rope.mrope_cos_sin`, ``interleaved=True``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from edgevlm.runtime.decoder import Decoder, rope_inv_freq
+from edgevlm.runtime.models.qwen3_vl.config import Qwen3VLConfig
+from edgevlm.runtime.models.qwen3_vl.vision import Qwen3VLVisionTower
+from edgevlm.runtime.models.qwen_vl.rope import VisionSpan, mrope_cos_sin, mrope_position_ids
+
+logger = logging.getLogger(__name__)
+
+
+class Qwen3VLModel(nn.Module):
+    """Vision tower + shared decoder. Parameter names (what the family's ``weight_rules`` map a
+    checkpoint to)::
+
+        visual.{patch_embed,pos_embed,blocks.N,merger,deepstack_merger_list.K}.*
+        language_model.{embed_tokens,layers.N,norm,lm_head}.*
+    """
+
+    def __init__(self, cfg: Qwen3VLConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.visual = Qwen3VLVisionTower(cfg.vision)
+        self.language_model = Decoder(cfg.text, cfg.tie_word_embeddings)
+        self._deepstack: list[torch.Tensor] = []  # from the last encode_vision, for the next prefill
+        self._vision_mask: torch.Tensor | None = None  # (1, T) bool, from the last embed with vision
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.language_model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.language_model.embed_tokens.weight.device
+
+    def setup_caches(self, max_batch_size: int, max_seq_len: int, **kwargs) -> None:
+        """Allocate the decoder's static KV caches (see :meth:`Decoder.setup_caches`)."""
+        self.language_model.setup_caches(max_batch_size, max_seq_len, **kwargs)
+
+    # ---- vision ---------------------------------------------------------------------------------
+    def encode_vision(self, vision) -> torch.Tensor:
+        """Main vision tokens ``(N_tokens, D_text)`` in prompt order, model dtype, for a
+        ``VisionInput`` (``pixel_values`` ``(N_patches, C*T*p*p)``, ``grid_thw`` ``(N_items, 3)``).
+        The DeepStack features of the same call are kept for the next :meth:`prefill`."""
+        pixels = vision.pixel_values.to(self.device, self.dtype)
+        main, deepstack = self.visual(pixels, vision.grid_thw.to(self.device))
+        self._deepstack = deepstack
+        return main
+
+    def _vision_token_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
+        mask = input_ids == self.cfg.image_token_id
+        if self.cfg.video_token_id is not None:
+            mask |= input_ids == self.cfg.video_token_id
+        return mask
+
+    def embed(self, input_ids: torch.Tensor, vision_features: torch.Tensor | None = None) -> torch.Tensor:
+        """``input_ids`` ``(1, T)`` int64 -> embeddings ``(1, T, D)``; the vision placeholders are
+        replaced in order by ``vision_features`` ``(N, D)``.
+
+        Raises ``ValueError`` when the placeholder count differs from ``N``."""
+        x = self.language_model.embed_tokens(input_ids)
+        self._vision_mask = None
+        if vision_features is None:
+            return x
+        mask = self._vision_token_mask(input_ids)
+        n = int(mask.sum())
+        if n != vision_features.shape[0]:
+            raise ValueError(f"prompt has {n} vision placeholder tokens but the vision tower produced "
+                             f"{vision_features.shape[0]} vision tokens")
+        x = x.clone()
+        x[mask] = vision_features.to(x.dtype)
+        self._vision_mask = mask
+        return x
+
+    # ---- positions ------------------------------------------------------------------------------
+    def position_ids(self, input_ids: torch.Tensor, vision=None) -> tuple[torch.Tensor | None, int]:
+        """M-RoPE positions ``((3, 1, T) int64, rope_delta)`` for ``input_ids`` ``(1, T)``; the
+        decode RoPE position of cache slot ``s`` is ``s + rope_delta``. Without vision: 1-D
+        positions, ``(None, 0)``.
+
+        Raises ``ValueError`` when the vision placeholder runs do not match ``vision.grid_thw``."""
+        if vision is None or vision.grid_thw is None:
+            return None, 0
+        # Qwen3-VL separates video frames with text timestamps: each temporal patch is its own span
+        spans = []
+        for kind, (t, h, w) in zip(vision.kinds, vision.grid_thw.tolist(), strict=True):
+            if kind == "video":
+                spans += [VisionSpan(self.cfg.video_token_id, (1, h, w))] * t
+            else:
+                spans.append(VisionSpan(self.cfg.image_token_id, (t, h, w)))
+        pos, rope_delta = mrope_position_ids(input_ids, spans, self.cfg.vision.spatial_merge_size)
+        return pos[:, None].to(input_ids.device), rope_delta
+
+    # ---- decoder --------------------------------------------------------------------------------
+    def prefill(self, embeds: torch.Tensor, *, position_ids: torch.Tensor | None = None,
+                all_logits: bool = False) -> torch.Tensor:
+        """Prefill from cache slot 0: ``embeds`` ``(1, T, D)``, M-RoPE ``position_ids`` ``(3, 1, T)``
+        (None = 1-D positions) -> logits ``(1, V)`` (``(1, T, V)`` with ``all_logits``). The DeepStack
+        features of the last :meth:`encode_vision` are added at the vision positions of the last
+        :meth:`embed` (consumed: a later text-only prefill gets none)."""
+        t = embeds.shape[1]
+        slots = torch.arange(t, device=embeds.device)
+        rope = None
+        if position_ids is not None:
+            rope = mrope_cos_sin(position_ids[:, 0].to(embeds.device), rope_inv_freq(self.cfg.text),
+                                 self.cfg.text.mrope_section, interleaved=True)
+        layer_adds = None
+        if self._vision_mask is not None and self._deepstack:
+            if self._vision_mask.shape[1] != t:
+                raise ValueError("prefill embeddings do not match the last embed() call")
+            layer_adds = [(self._vision_mask, feats) for feats in self._deepstack]
+        self._vision_mask, self._deepstack = None, []
+        return self.language_model(embeds, slots, prefill=True, all_logits=all_logits, rope=rope,
+                                   layer_adds=layer_adds)
+
+    def decode(self, token_ids: torch.Tensor, input_pos: torch.Tensor, rope_offset: int = 0) -> torch.Tensor:
+        """One step: ``token_ids`` ``(B, 1)`` at cache slot ``input_pos`` ``(1,)`` (RoPE position
+        slot + ``rope_offset``) -> logits ``(B, V)``."""
+        pos = input_pos.reshape(-1)[:1].expand(token_ids.shape[0])
+        kv_len = int(pos.max()) + 1
+        return self.language_model.decode_step(token_ids, pos, kv_len, rope_offset)
+
+    def forward(self, input_ids: torch.Tensor, vision=None) -> torch.Tensor:
+        """All logits ``(1, T, V)`` of one prompt (parity tests): encode, embed, prefill."""
+        feats = self.encode_vision(vision) if vision is not None else None
+        embeds = self.embed(input_ids, feats)
+        pos, _ = self.position_ids(input_ids, vision)
+        return self.prefill(embeds, position_ids=pos, all_logits=True)
+
+
+#: Checkpoint tensor name -> our parameter name (``re.sub`` replacement; None = not needed). Layouts:
+#: transformers 5.x / the hub's Qwen3-VL (``model.visual.*``, ``model.language_model.*``, ``lm_head.*``)
+#: and the older top-level ``visual.*`` / ``model.{layers,embed_tokens,norm}.*`` spelling.
+WEIGHT_RULES: tuple[tuple[str, str | None], ...] = (
+    (r"^model\.visual\.(.+)$", r"visual.\1"),
+    (r"^visual\.(.+)$", r"visual.\1"),
+    (r"^model\.language_model\.(.+)$", r"language_model.\1"),
+    (r"^model\.((?:layers|embed_tokens|norm)\..+)$", r"language_model.\1"),
+    (r"^lm_head\.(.+)$", r"language_model.lm_head.\1"),
+    (r".*rotary_emb\.inv_freq$", None),
+)
