@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 #: family name -> module exporting ``FAMILY``
 FAMILIES: dict[str, str] = {
     "llava": "edgevlm.runtime.models.llava",
+    "smolvlm": "edgevlm.runtime.models.smolvlm",
 }
 
 
