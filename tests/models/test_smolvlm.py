@@ -149,15 +149,12 @@ def _load(folder: Path) -> SmolVLMModel:
     return model
 
 
-def _our_ids(folder: Path, processor: SmolVLMProcessor, vision) -> list[int]:
-    """Our prompt: the chat template rendered by edgevlm's tokenizer, expanded by the family."""
-    from tokenizers import Tokenizer
-
+def _our_ids(folder: Path, processor: SmolVLMProcessor, vision, question: str = QUESTION) -> list[int]:
+    """Our prompt ids: edgevlm's tokenizer renders the chat template with one part per item and
+    tokenises the family's expansion (the Engine's path)."""
     from edgevlm.runtime.tokenizer import VLMTokenizer
 
-    cfg = processor.cfg
-    text = VLMTokenizer.from_dir(folder, cfg.image_token_id).render_prompt(QUESTION)
-    return Tokenizer.from_file(str(folder / "tokenizer.json")).encode(processor.expand_prompt(text, vision)).ids
+    return VLMTokenizer.from_dir(folder, processor.cfg.image_token_id).encode_request(question, vision, processor)
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +191,29 @@ def test_pixel_values_and_token_ids_match_processor(ckpt, hf, ours, size):
     assert _our_ids(ckpt, proc, vision) == ref["input_ids"][0].tolist()
     assert vision.tokens_per_item == [IMAGE_SEQ_LEN * ref_pixels.shape[0]]
     assert vision.kinds == ["image"]
+
+
+def test_two_images_match_processor(ckpt, hf, ours):
+    """Several images in one prompt: tiles concatenated in order, one expansion per <image>."""
+    _, hf_proc = hf
+    _, proc = ours
+    images = [_image(100, 150, seed=5), _image(40, 40, seed=6)]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                             {"type": "text", "text": QUESTION}]}]
+    text = hf_proc.tokenizer.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, tokenize=False,
+                                                 add_generation_prompt=True)
+    ref = hf_proc(text=[text], images=[images], return_tensors="pt")
+    vision = proc.prepare(images)
+    assert vision.pixel_values.shape == ref["pixel_values"][0].shape  # 7 + 10 tiles
+    assert float((vision.pixel_values - ref["pixel_values"][0]).abs().max()) <= 1e-5
+    assert vision.tokens_per_item == [7 * IMAGE_SEQ_LEN, 10 * IMAGE_SEQ_LEN]
+    assert _our_ids(ckpt, proc, vision) == ref["input_ids"][0].tolist()
+
+
+def test_image_token_in_the_question_is_invalid_request(ckpt, ours):
+    _, proc = ours
+    with pytest.raises(InvalidRequestError, match="placeholders"):
+        _our_ids(ckpt, proc, proc.prepare([_image(64, 64)]), question="look: <image>")
 
 
 def test_tile_grid_and_prompt_string(ours):
@@ -333,11 +353,15 @@ def _hf_answer(hf, image: np.ndarray, max_new_tokens: int) -> str:
     return hf_proc.tokenizer.decode(out[0, ref["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("size", [(100, 150), (77, 45)])
-def test_engine_ask_answers_as_transformers(ckpt, hf, size):
+@pytest.fixture(scope="module")
+def engine(ckpt):
     from edgevlm.runtime import Engine
 
-    engine = Engine.load(ckpt)
+    return Engine.load(ckpt)
+
+
+@pytest.mark.parametrize("size", [(100, 150), (77, 45)])
+def test_engine_ask_answers_as_transformers(engine, hf, size):
     assert engine.family.name == "smolvlm"
     img = _image(*size, seed=3)
     answer = engine.ask(img, QUESTION, max_new_tokens=16)
@@ -348,30 +372,27 @@ def test_engine_ask_answers_as_transformers(ckpt, hf, size):
     assert answer.stats.vision_tokens == IMAGE_SEQ_LEN * n_tiles
 
 
-def test_engine_refuses_early_exit_for_smolvlm(ckpt):
-    from edgevlm.runtime import Engine
+def test_engine_refuses_early_exit_for_smolvlm(engine):
     from edgevlm.types import OperatingPoint
 
-    engine = Engine.load(ckpt)
     with pytest.raises(InvalidRequestError, match="smolvlm"):
         engine.ask(_image(64, 64), QUESTION, max_new_tokens=2,
                    operating_point=OperatingPoint(name="x", keep_ratio=0.5))
 
 
-def test_cli_ask_answers_as_transformers(ckpt, hf, tmp_path):
-    import subprocess
-    import sys
-
+def test_cli_ask_answers_as_transformers(ckpt, hf, tmp_path, capsys):
+    """``edgevlm ask --model DIR --image PNG --json`` (the CLI's main, in-process)."""
     from PIL import Image
+
+    from edgevlm.cli import main
 
     img = _image(90, 120, seed=4)
     path = tmp_path / "frame.png"
     Image.fromarray(img).save(path)
-    res = subprocess.run([sys.executable, "-m", "edgevlm.cli", "ask", "--model", str(ckpt), "--image", str(path),
-                          "--max-new-tokens", "16", "--json", QUESTION],
-                         capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
-    assert res.returncode == 0, res.stderr
-    answer = json.loads(res.stdout)["answer"]
+    code = main(["ask", "--model", str(ckpt), "--image", str(path), "--max-new-tokens", "16", "--json", QUESTION])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    answer = json.loads(out)["answer"]
     assert len(answer) > 3 and _same_answer(answer, _hf_answer(hf, img, 16))
 
 
