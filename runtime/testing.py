@@ -1,6 +1,6 @@
 """Test helpers: a tiny random-weight LLaVA checkpoint in Hugging Face format, written without
 transformers (``config.json``, ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``
-with a chat template, ``generation_config.json``).
+with a chat template, ``generation_config.json``, ``preprocessor_config.json`` with CLIP's normalisation).
 
 The files follow what transformers 5.x ``save_pretrained`` writes for ``LlavaForConditionalGeneration``
 (so transformers can load them too); ``layout`` selects one of the other key layouts the loader
@@ -194,6 +194,10 @@ def write_tiny_checkpoint(
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}, indent=2) + "\n")
     (out / "tokenizer.json").write_text(tok_json)
+    # CLIP's normalisation, no "size": the engine runs it at its resolution-ladder rungs
+    (out / "preprocessor_config.json").write_text(json.dumps(
+        {"image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]},
+        indent=2) + "\n")
     tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
                "unk_token": "<unk>", "pad_token": "<pad>", "model_max_length": max_position_embeddings}
     if chat_template is not None:
