@@ -457,6 +457,56 @@ def test_config_fields(ckpt):
                          "vision_config": {**raw["vision_config"], "model_type": "idefics3_vision"}}).scale_factor == 2
 
 
+#: config.json / preprocessor_config.json / processor_config.json of HuggingFaceTB/SmolVLM2-500M-Video-Instruct
+#: (model card values, transformers 4.47 layout: vision and text configs leave most keys to the defaults)
+SMOLVLM2_500M_CONFIG = {
+    "architectures": ["SmolVLMForConditionalGeneration"], "image_token_id": 49190, "model_type": "smolvlm",
+    "pad_token_id": 128002, "scale_factor": 4, "tie_word_embeddings": False, "torch_dtype": "float32",
+    "transformers_version": "4.47.1", "use_cache": False, "vocab_size": 49280,
+    "text_config": {"architectures": ["VLlama3ForCausalLM"], "head_dim": 64, "hidden_size": 960,
+                    "intermediate_size": 2560, "is_llama_config": True, "max_position_embeddings": 8192,
+                    "model_type": "llama", "neftune_noise_alpha": 0.0, "num_attention_heads": 15,
+                    "num_hidden_layers": 32, "num_key_value_heads": 5, "pad_token_id": 2, "pixel_shuffle_factor": 4,
+                    "qk_layer_norms": False, "rms_norm_eps": 1e-05, "rope_interleaved": False, "rope_theta": 100000,
+                    "torch_dtype": "bfloat16", "use_resampler": False, "vocab_size": 49280},
+    "vision_config": {"hidden_size": 768, "image_size": 512, "max_image_size": {"longest_edge": 512},
+                      "model_type": "smolvlm_vision", "num_attention_heads": 12, "patch_size": 16,
+                      "size": {"longest_edge": 2048}, "tie_word_embeddings": False, "use_base_siglip": False},
+}
+SMOLVLM2_500M_PREPROCESSOR = {
+    "do_convert_rgb": True, "do_image_splitting": True, "do_normalize": True, "do_pad": True, "do_rescale": True,
+    "do_resize": True, "image_mean": [0.5, 0.5, 0.5], "image_processor_type": "SmolVLMImageProcessor",
+    "image_std": [0.5, 0.5, 0.5], "max_image_size": {"longest_edge": 512}, "processor_class": "SmolVLMProcessor",
+    "resample": 1, "rescale_factor": 0.00392156862745098, "size": {"longest_edge": 2048},
+    "video_sampling": {"fps": 1, "max_frames": 64, "video_size": {"longest_edge": 512}},
+}
+
+
+def test_hub_smolvlm2_500m_config_reads_as_transformers_does(tmp_path):
+    """The published config (4.x layout, defaults left out) gives the sizes transformers derives."""
+    ref = transformers.SmolVLMConfig(**SMOLVLM2_500M_CONFIG)
+    cfg = parse_config(SMOLVLM2_500M_CONFIG)
+    rv, rt = ref.vision_config, ref.text_config
+    assert (cfg.vision.hidden_size, cfg.vision.intermediate_size, cfg.vision.num_hidden_layers,
+            cfg.vision.num_attention_heads, cfg.vision.image_size, cfg.vision.patch_size, cfg.vision.hidden_act,
+            cfg.vision.layer_norm_eps) == (rv.hidden_size, rv.intermediate_size, rv.num_hidden_layers,
+                                           rv.num_attention_heads, rv.image_size, rv.patch_size, rv.hidden_act,
+                                           rv.layer_norm_eps)
+    assert (cfg.text.hidden_size, cfg.text.num_hidden_layers, cfg.text.num_attention_heads,
+            cfg.text.num_key_value_heads, cfg.text.head_dim, cfg.text.vocab_size, cfg.text.rms_norm_eps,
+            cfg.text.rope_theta) == (rt.hidden_size, rt.num_hidden_layers, rt.num_attention_heads,
+                                     rt.num_key_value_heads, rt.head_dim, rt.vocab_size, rt.rms_norm_eps, 100000.0)
+    assert cfg.image_seq_len == int((rv.image_size // rv.patch_size) ** 2 / ref.scale_factor**2) == 64
+    assert cfg.tie_word_embeddings is False and cfg.image_token_id == 49190
+    (tmp_path / "processor_config.json").write_text(json.dumps({"image_seq_len": 64,
+                                                                "processor_class": "SmolVLMProcessor"}))
+    ic = SmolVLMProcessor.from_dir(tmp_path, cfg, SMOLVLM2_500M_PREPROCESSOR).image_cfg
+    assert (ic.longest_edge_px, ic.tile_px, ic.resample, ic.image_seq_len) == (2048, 512, 1, 64)
+    with torch.device("meta"):
+        model = SmolVLMModel(cfg)
+    assert model.connector.modality_projection.proj.weight.shape == (960, 768 * 16)
+
+
 @pytest.mark.parametrize(("patch", "message"), [
     ({"model_type": "llava"}, "model_type 'llava' is not supported (smolvlm, idefics3)"),
     ({"scale_factor": 3}, "scale_factor 3 does not divide the 4x4 patch grid"),
