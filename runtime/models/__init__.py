@@ -20,6 +20,7 @@ FAMILIES: dict[str, str] = {
     "llava": "edgevlm.runtime.models.llava",
     "qwen2_5_vl": "edgevlm.runtime.models.qwen2_5_vl",
     "qwen3_vl": "edgevlm.runtime.models.qwen3_vl",
+    "smolvlm": "edgevlm.runtime.models.smolvlm",
 }
 
 

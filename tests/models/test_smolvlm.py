@@ -149,15 +149,12 @@ def _load(folder: Path) -> SmolVLMModel:
     return model
 
 
-def _our_ids(folder: Path, processor: SmolVLMProcessor, vision) -> list[int]:
-    """Our prompt: the chat template rendered by edgevlm's tokenizer, expanded by the family."""
-    from tokenizers import Tokenizer
-
+def _our_ids(folder: Path, processor: SmolVLMProcessor, vision, question: str = QUESTION) -> list[int]:
+    """Our prompt ids: edgevlm's tokenizer renders the chat template with one part per item and
+    tokenises the family's expansion (the Engine's path)."""
     from edgevlm.runtime.tokenizer import VLMTokenizer
 
-    cfg = processor.cfg
-    text = VLMTokenizer.from_dir(folder, cfg.image_token_id).render_prompt(QUESTION)
-    return Tokenizer.from_file(str(folder / "tokenizer.json")).encode(processor.expand_prompt(text, vision)).ids
+    return VLMTokenizer.from_dir(folder, processor.cfg.image_token_id).encode_request(question, vision, processor)
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +191,29 @@ def test_pixel_values_and_token_ids_match_processor(ckpt, hf, ours, size):
     assert _our_ids(ckpt, proc, vision) == ref["input_ids"][0].tolist()
     assert vision.tokens_per_item == [IMAGE_SEQ_LEN * ref_pixels.shape[0]]
     assert vision.kinds == ["image"]
+
+
+def test_two_images_match_processor(ckpt, hf, ours):
+    """Several images in one prompt: tiles concatenated in order, one expansion per <image>."""
+    _, hf_proc = hf
+    _, proc = ours
+    images = [_image(100, 150, seed=5), _image(40, 40, seed=6)]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                             {"type": "text", "text": QUESTION}]}]
+    text = hf_proc.tokenizer.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, tokenize=False,
+                                                 add_generation_prompt=True)
+    ref = hf_proc(text=[text], images=[images], return_tensors="pt")
+    vision = proc.prepare(images)
+    assert vision.pixel_values.shape == ref["pixel_values"][0].shape  # 7 + 10 tiles
+    assert float((vision.pixel_values - ref["pixel_values"][0]).abs().max()) <= 1e-5
+    assert vision.tokens_per_item == [7 * IMAGE_SEQ_LEN, 10 * IMAGE_SEQ_LEN]
+    assert _our_ids(ckpt, proc, vision) == ref["input_ids"][0].tolist()
+
+
+def test_image_token_in_the_question_is_invalid_request(ckpt, ours):
+    _, proc = ours
+    with pytest.raises(InvalidRequestError, match="placeholders"):
+        _our_ids(ckpt, proc, proc.prepare([_image(64, 64)]), question="look: <image>")
 
 
 def test_tile_grid_and_prompt_string(ours):
@@ -316,6 +336,77 @@ def test_idefics3_checkpoint_matches_transformers(tmp_path):
     assert float((logits - ref_logits).abs().max() / ref_logits.abs().max()) <= TOL
 
 
+# ---- through the Engine and the CLI ------------------------------------------------------------
+
+def _same_answer(ours: str, expected: str) -> bool:
+    """Equal texts up to what the Engine does to every answer: surrounding whitespace stripped, and an
+    incomplete UTF-8 sequence left at the very end of a length-limited generation (random weights pick
+    lone byte tokens) not emitted, where transformers' ``decode`` renders U+FFFD."""
+    return ours == re.sub(r"[\s\ufffd]+$", "", expected).strip()
+
+
+def _hf_answer(hf, image: np.ndarray, max_new_tokens: int) -> str:
+    hf_model, hf_proc = hf
+    ref = _hf_inputs(hf_proc, image)
+    with torch.no_grad():
+        out = hf_model.generate(**ref, max_new_tokens=max_new_tokens, do_sample=False)
+    return hf_proc.tokenizer.decode(out[0, ref["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt):
+    from edgevlm.runtime import Engine
+
+    return Engine.load(ckpt)
+
+
+@pytest.mark.parametrize("size", [(100, 150), (77, 45)])
+def test_engine_ask_answers_as_transformers(engine, hf, size):
+    assert engine.family.name == "smolvlm"
+    img = _image(*size, seed=3)
+    answer = engine.ask(img, QUESTION, max_new_tokens=16)
+    expected = _hf_answer(hf, img, 16)
+    assert len(answer.text) > 3
+    assert _same_answer(answer.text, expected), (answer.text, expected)
+    n_tiles = engine.processor.prepare([img]).pixel_values.shape[0]
+    assert answer.stats.vision_tokens == IMAGE_SEQ_LEN * n_tiles
+
+
+@pytest.mark.parametrize("size", [(2000, 10), (1, 1)])
+def test_engine_answers_extreme_images(engine, hf, size):
+    """200:1 and 1 x 1 px through the whole Engine: resized into tiles, answered as transformers does
+    (1 x 1 is checked against our own rules only: transformers reads a (1, 1, 3) array as channels-first)."""
+    img = _image(*size, seed=7)
+    answer = engine.ask(img, QUESTION, max_new_tokens=8)
+    assert answer.stats.new_tokens == 8 or answer.stats.finish_reason == "stop"
+    if size != (1, 1):
+        assert _same_answer(answer.text, _hf_answer(hf, img, 8))
+
+
+def test_engine_refuses_early_exit_for_smolvlm(engine):
+    from edgevlm.types import OperatingPoint
+
+    with pytest.raises(InvalidRequestError, match="smolvlm"):
+        engine.ask(_image(64, 64), QUESTION, max_new_tokens=2,
+                   operating_point=OperatingPoint(name="x", keep_ratio=0.5))
+
+
+def test_cli_ask_answers_as_transformers(ckpt, hf, tmp_path, capsys):
+    """``edgevlm ask --model DIR --image PNG --json`` (the CLI's main, in-process)."""
+    from PIL import Image
+
+    from edgevlm.cli import main
+
+    img = _image(90, 120, seed=4)
+    path = tmp_path / "frame.png"
+    Image.fromarray(img).save(path)
+    code = main(["ask", "--model", str(ckpt), "--image", str(path), "--max-new-tokens", "16", "--json", QUESTION])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    answer = json.loads(out)["answer"]
+    assert len(answer) > 3 and _same_answer(answer, _hf_answer(hf, img, 16))
+
+
 # ---- bad input ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("size", [(1, 1), (1, 2000), (2000, 1), (3, 600), (5000, 25)])
@@ -366,6 +457,56 @@ def test_config_fields(ckpt):
                          "vision_config": {**raw["vision_config"], "model_type": "idefics3_vision"}}).scale_factor == 2
 
 
+#: config.json / preprocessor_config.json / processor_config.json of HuggingFaceTB/SmolVLM2-500M-Video-Instruct
+#: (model card values, transformers 4.47 layout: vision and text configs leave most keys to the defaults)
+SMOLVLM2_500M_CONFIG = {
+    "architectures": ["SmolVLMForConditionalGeneration"], "image_token_id": 49190, "model_type": "smolvlm",
+    "pad_token_id": 128002, "scale_factor": 4, "tie_word_embeddings": False, "torch_dtype": "float32",
+    "transformers_version": "4.47.1", "use_cache": False, "vocab_size": 49280,
+    "text_config": {"architectures": ["VLlama3ForCausalLM"], "head_dim": 64, "hidden_size": 960,
+                    "intermediate_size": 2560, "is_llama_config": True, "max_position_embeddings": 8192,
+                    "model_type": "llama", "neftune_noise_alpha": 0.0, "num_attention_heads": 15,
+                    "num_hidden_layers": 32, "num_key_value_heads": 5, "pad_token_id": 2, "pixel_shuffle_factor": 4,
+                    "qk_layer_norms": False, "rms_norm_eps": 1e-05, "rope_interleaved": False, "rope_theta": 100000,
+                    "torch_dtype": "bfloat16", "use_resampler": False, "vocab_size": 49280},
+    "vision_config": {"hidden_size": 768, "image_size": 512, "max_image_size": {"longest_edge": 512},
+                      "model_type": "smolvlm_vision", "num_attention_heads": 12, "patch_size": 16,
+                      "size": {"longest_edge": 2048}, "tie_word_embeddings": False, "use_base_siglip": False},
+}
+SMOLVLM2_500M_PREPROCESSOR = {
+    "do_convert_rgb": True, "do_image_splitting": True, "do_normalize": True, "do_pad": True, "do_rescale": True,
+    "do_resize": True, "image_mean": [0.5, 0.5, 0.5], "image_processor_type": "SmolVLMImageProcessor",
+    "image_std": [0.5, 0.5, 0.5], "max_image_size": {"longest_edge": 512}, "processor_class": "SmolVLMProcessor",
+    "resample": 1, "rescale_factor": 0.00392156862745098, "size": {"longest_edge": 2048},
+    "video_sampling": {"fps": 1, "max_frames": 64, "video_size": {"longest_edge": 512}},
+}
+
+
+def test_hub_smolvlm2_500m_config_reads_as_transformers_does(tmp_path):
+    """The published config (4.x layout, defaults left out) gives the sizes transformers derives."""
+    ref = transformers.SmolVLMConfig(**SMOLVLM2_500M_CONFIG)
+    cfg = parse_config(SMOLVLM2_500M_CONFIG)
+    rv, rt = ref.vision_config, ref.text_config
+    assert (cfg.vision.hidden_size, cfg.vision.intermediate_size, cfg.vision.num_hidden_layers,
+            cfg.vision.num_attention_heads, cfg.vision.image_size, cfg.vision.patch_size, cfg.vision.hidden_act,
+            cfg.vision.layer_norm_eps) == (rv.hidden_size, rv.intermediate_size, rv.num_hidden_layers,
+                                           rv.num_attention_heads, rv.image_size, rv.patch_size, rv.hidden_act,
+                                           rv.layer_norm_eps)
+    assert (cfg.text.hidden_size, cfg.text.num_hidden_layers, cfg.text.num_attention_heads,
+            cfg.text.num_key_value_heads, cfg.text.head_dim, cfg.text.vocab_size, cfg.text.rms_norm_eps,
+            cfg.text.rope_theta) == (rt.hidden_size, rt.num_hidden_layers, rt.num_attention_heads,
+                                     rt.num_key_value_heads, rt.head_dim, rt.vocab_size, rt.rms_norm_eps, 100000.0)
+    assert cfg.image_seq_len == int((rv.image_size // rv.patch_size) ** 2 / ref.scale_factor**2) == 64
+    assert cfg.tie_word_embeddings is False and cfg.image_token_id == 49190
+    (tmp_path / "processor_config.json").write_text(json.dumps({"image_seq_len": 64,
+                                                                "processor_class": "SmolVLMProcessor"}))
+    ic = SmolVLMProcessor.from_dir(tmp_path, cfg, SMOLVLM2_500M_PREPROCESSOR).image_cfg
+    assert (ic.longest_edge_px, ic.tile_px, ic.resample, ic.image_seq_len) == (2048, 512, 1, 64)
+    with torch.device("meta"):
+        model = SmolVLMModel(cfg)
+    assert model.connector.modality_projection.proj.weight.shape == (960, 768 * 16)
+
+
 @pytest.mark.parametrize(("patch", "message"), [
     ({"model_type": "llava"}, "model_type 'llava' is not supported (smolvlm, idefics3)"),
     ({"scale_factor": 3}, "scale_factor 3 does not divide the 4x4 patch grid"),
@@ -381,6 +522,14 @@ def test_bad_config_names_the_key(ckpt, patch, message):
     raw = json.loads((ckpt / "config.json").read_text())
     with pytest.raises(ModelLoadError, match=re.escape(message)):
         parse_config({**raw, **patch})
+
+
+def test_registry_serves_smolvlm_and_idefics3_and_names_them_when_refusing():
+    from edgevlm.runtime.models import family_for
+
+    assert family_for({"model_type": "smolvlm"}).name == family_for({"model_type": "idefics3"}).name == "smolvlm"
+    with pytest.raises(ModelLoadError, match=re.escape("smolvlm (smolvlm, idefics3)")):
+        family_for({"model_type": "gemma3"})
 
 
 def test_processor_image_seq_len_mismatch_names_the_key(ckpt, tmp_path):

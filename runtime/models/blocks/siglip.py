@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgevlm.errors import ModelLoadError
-from edgevlm.runtime.config import SUPPORTED_ACTIVATIONS, _get
+from edgevlm.runtime.config import SUPPORTED_ACTIVATIONS, get_typed
 from edgevlm.runtime.vision import activation
 
 
@@ -89,16 +89,16 @@ def parse_siglip_vision_config(
         )
     d = defaults or SiglipVisionConfig()
     cfg = SiglipVisionConfig(
-        hidden_size=_get(vc, "hidden_size", d.hidden_size, int, where),
-        intermediate_size=_get(vc, "intermediate_size", d.intermediate_size, int, where),
-        num_hidden_layers=_get(vc, "num_hidden_layers", d.num_hidden_layers, int, where),
-        num_attention_heads=_get(vc, "num_attention_heads", d.num_attention_heads, int, where),
-        num_channels=_get(vc, "num_channels", d.num_channels, int, where),
-        image_size=_get(vc, "image_size", d.image_size, int, where),
-        patch_size=_get(vc, "patch_size", d.patch_size, int, where),
-        hidden_act=_get(vc, "hidden_act", d.hidden_act, str, where),
-        layer_norm_eps=_get(vc, "layer_norm_eps", d.layer_norm_eps, float, where),
-        vision_use_head=_get(vc, "vision_use_head", d.vision_use_head, bool, where),
+        hidden_size=get_typed(vc, "hidden_size", d.hidden_size, int, where),
+        intermediate_size=get_typed(vc, "intermediate_size", d.intermediate_size, int, where),
+        num_hidden_layers=get_typed(vc, "num_hidden_layers", d.num_hidden_layers, int, where),
+        num_attention_heads=get_typed(vc, "num_attention_heads", d.num_attention_heads, int, where),
+        num_channels=get_typed(vc, "num_channels", d.num_channels, int, where),
+        image_size=get_typed(vc, "image_size", d.image_size, int, where),
+        patch_size=get_typed(vc, "patch_size", d.patch_size, int, where),
+        hidden_act=get_typed(vc, "hidden_act", d.hidden_act, str, where),
+        layer_norm_eps=get_typed(vc, "layer_norm_eps", d.layer_norm_eps, float, where),
+        vision_use_head=get_typed(vc, "vision_use_head", d.vision_use_head, bool, where),
     )
     if cfg.hidden_act not in SUPPORTED_ACTIVATIONS:
         raise ModelLoadError(f"config.json: {where}hidden_act {cfg.hidden_act!r} is not supported")

@@ -40,7 +40,7 @@ def build_model(cfg: SmolVLMConfig) -> SmolVLMModel:
 def make_processor(files: ModelFiles) -> SmolVLMProcessor:
     from edgevlm.runtime.models.smolvlm.processor import SmolVLMProcessor
 
-    return SmolVLMProcessor.from_dir(files.model_dir, files.config)
+    return SmolVLMProcessor.from_dir(files.model_dir, files.config, files.image_processor)
 
 
 FAMILY = ModelFamily(

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edgevlm.errors import ModelLoadError
-from edgevlm.runtime.config import TextConfig, _get, parse_text_config
+from edgevlm.runtime.config import TextConfig, get_typed, parse_text_config
 from edgevlm.runtime.models.blocks.siglip import SiglipVisionConfig, parse_siglip_vision_config
 
 MODEL_TYPES = ("smolvlm", "idefics3")
@@ -83,13 +83,13 @@ def parse_config(raw: dict) -> SmolVLMConfig:
     tc.setdefault("model_type", "llama")
     tc.setdefault("rms_norm_eps", 1e-5)  # SmolVLMConfig builds its default text config with this eps
     text = parse_text_config(tc)
-    scale = _get(raw, "scale_factor", _DEFAULT_SCALE_FACTOR[model_type], int, "")
+    scale = get_typed(raw, "scale_factor", _DEFAULT_SCALE_FACTOR[model_type], int, "")
     if scale <= 0 or vision.grid_side % scale:
         raise ModelLoadError(
             f"config.json: scale_factor {scale} does not divide the {vision.grid_side}x{vision.grid_side} patch grid "
             "(vision_config.image_size / patch_size)"
         )
-    image_token_id = _get(raw, "image_token_id", _DEFAULT_IMAGE_TOKEN_ID[model_type], int, "")
+    image_token_id = get_typed(raw, "image_token_id", _DEFAULT_IMAGE_TOKEN_ID[model_type], int, "")
     if not 0 <= image_token_id < text.vocab_size:
         raise ModelLoadError(
             f"config.json: image_token_id {image_token_id} is not a token id of the vocabulary "
@@ -107,7 +107,7 @@ def parse_config(raw: dict) -> SmolVLMConfig:
         text=text,
         scale_factor=scale,
         image_token_id=image_token_id,
-        tie_word_embeddings=_get(raw, "tie_word_embeddings", False, bool, ""),
+        tie_word_embeddings=get_typed(raw, "tie_word_embeddings", False, bool, ""),
         resolution_ladder=tuple(sorted(set(ladder))),
         model_type=model_type,
     )

@@ -36,6 +36,14 @@ class SmolVLMModel(nn.Module):
         self.connector = Connector(cfg)
         self.language_model = Decoder(cfg.text, tie_word_embeddings=cfg.tie_word_embeddings)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.language_model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.language_model.embed_tokens.weight.device
+
     def setup_caches(self, max_batch_size: int, max_seq_len: int, **kwargs) -> None:
         """Allocate the decoder's static KV caches (see :meth:`Decoder.setup_caches`)."""
         self.language_model.setup_caches(max_batch_size, max_seq_len, **kwargs)

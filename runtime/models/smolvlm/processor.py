@@ -23,9 +23,9 @@ row, then ``\\n<fake_token_around_image><global-img>`` + ``<image>`` x image_seq
 The resolution ladder's rungs replace ``size.longest_edge`` (how many tiles an image gets: the
 family's budget knob); ``resolution_px=None`` is the checkpoint's own setting (parity).
 
-Files read: ``preprocessor_config.json`` (hub layout) or ``processor_config.json``'s nested
-``image_processor`` (transformers 5 ``save_pretrained``); ``image_seq_len`` from
-``processor_config.json`` (else from the model config).
+Files read: the image processor's settings as the loader finds them (``processor_config.json``'s
+nested ``image_processor``, what transformers 5 writes, else ``preprocessor_config.json``, the hub
+layout); ``image_seq_len`` from ``processor_config.json`` (else from the model config).
 """
 
 from __future__ import annotations
@@ -79,19 +79,18 @@ def _longest_edge(d: dict, key: str, default: int, where: str) -> int:
     return value["longest_edge"]
 
 
-def read_image_processor_config(model_dir: Path, cfg: SmolVLMConfig) -> ImageProcessorConfig:
-    """Read the checkpoint's image-processor settings (see the module docstring for the files).
+def read_image_processor_config(pre: dict | None, model_dir: Path, cfg: SmolVLMConfig) -> ImageProcessorConfig:
+    """The checkpoint's image-processor settings from ``pre`` (the loader's
+    :attr:`~edgevlm.runtime.loader.ModelFiles.image_processor`: ``processor_config.json``'s
+    ``image_processor`` or ``preprocessor_config.json``), and ``image_seq_len`` from
+    ``processor_config.json`` in ``model_dir``.
 
-    A folder without them gets transformers' class defaults with ``max_image_size`` = the encoder's
-    tile size, and a logged warning. Raises :class:`ModelLoadError` naming a malformed key, or an
-    ``image_seq_len`` that disagrees with the model config.
+    ``pre`` None gets transformers' class defaults with ``max_image_size`` = the encoder's tile size,
+    and a logged warning. Raises :class:`ModelLoadError` naming a malformed key, or an
+    ``image_seq_len`` / ``max_image_size`` that disagrees with the model config.
     """
-    model_dir = Path(model_dir)
-    pre = read_json(model_dir / "preprocessor_config.json", required=False)
-    proc = read_json(model_dir / "processor_config.json", required=False)
-    where = "preprocessor_config.json"
-    if not isinstance(pre, dict) and isinstance(proc, dict) and isinstance(proc.get("image_processor"), dict):
-        pre, where = proc["image_processor"], "processor_config.json: image_processor"
+    where = "image processor config"
+    proc = read_json(Path(model_dir) / "processor_config.json", required=False)
     d = ImageProcessorConfig(tile_px=cfg.tile_px, image_seq_len=cfg.image_seq_len)
     if not isinstance(pre, dict):
         logger.warning("%s has no preprocessor_config.json or processor_config.json image_processor: using "
@@ -214,8 +213,22 @@ class SmolVLMProcessor:
         self.image_cfg = image_cfg
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, cfg: SmolVLMConfig) -> SmolVLMProcessor:
-        return cls(cfg, read_image_processor_config(Path(model_dir), cfg))
+    def from_dir(cls, model_dir: str | Path, cfg: SmolVLMConfig, image_processor: dict | None = None) -> SmolVLMProcessor:
+        """The processor of the checkpoint in ``model_dir``; ``image_processor`` = the loader's
+        settings dict (None: read them from the folder the way the loader does)."""
+        from edgevlm.runtime.loader import read_image_processor
+
+        model_dir = Path(model_dir)
+        pre = image_processor if image_processor is not None else read_image_processor(model_dir)
+        return cls(cfg, read_image_processor_config(pre, model_dir, cfg))
+
+    @property
+    def image_mean(self) -> tuple[float, float, float]:
+        return self.image_cfg.image_mean
+
+    @property
+    def image_std(self) -> tuple[float, float, float]:
+        return self.image_cfg.image_std
 
     # -- images ----------------------------------------------------------------------------------
 
