@@ -47,7 +47,7 @@ SHAPES = {  # name: (N out, K in)
     "qwen2b.down": (2048, 6144),
 }
 MS = (1, 8, 16)
-TILES_PER_CTA = (1, 2, 4)
+TILES_PER_CTA = (1, 2, 4, 8)
 REL_LIMIT = 3e-3
 
 
@@ -101,9 +101,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="time every compiled launch configuration")
     ap.add_argument("--decode", action="store_true", help="whole-model W4A16 decode, kernel off vs on")
     ap.add_argument("--quick", action="store_true", help="the four 7B shapes only")
+    ap.add_argument("--decode-only", action="store_true", help="only the whole-model decode (kernel off vs on)")
     args = ap.parse_args(argv)
     bootstrap_imports()
     import torch
+
+    if args.decode_only:
+        decode = run_decode()
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "w4a16_decode.json").write_text(json.dumps(decode, indent=1) + "\n")
+        print(json.dumps({"bench": "w4a16_marlin_decode", "decode": decode}))
+        return 0
     import torch.nn.functional as F
 
     from edgevlm.runtime import int4

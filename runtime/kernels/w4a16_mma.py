@@ -2,11 +2,11 @@
 
 The kernel (``w4a16_mma.cu``, bound to torch by ``w4a16_mma_ext.cpp``) reads the weights in the
 tensor-core layout of :func:`edgevlm.runtime.int4_format.repack_int4_mma` (``MMA_LAYOUT_VERSION``):
-one 16-byte load per lane is four ``mma.m16n8k16`` A fragments, nibbles become bf16/fp16 ``128 + q``
-with one mask-or (the "magic number" conversion), the zero point and the scale are applied to the fp32
-group sums after the
-mma, each warp keeps its weight stream in flight in a shared-memory ring of ``cp.async`` copies, and
-the K axis is split over a CTA's warps with a fixed-order reduction (bit-stable). The
+one 16-byte load per lane is four ``mma.m16n8k16`` A fragments, nibbles become the exact bf16/fp16
+``q - zero`` with one mask-or and one fma (the "magic number" conversion), the scale is applied to the
+fp32 group sums after the
+mma, each warp keeps DEPTH groups of 16-byte weight loads in flight in a register ring, and the K axis
+is split over a CTA's warps with a fixed-order reduction (bit-stable). The
 techniques are Marlin's (Frantar et al., "MARLIN: Mixed-Precision Auto-Regressive Parallel Inference
 on Large Language Models", 2024); the code is this project's own.
 
@@ -41,10 +41,12 @@ logger = logging.getLogger(__name__)
 
 MMA_MAX_M = 16
 """Activation rows up to which the kernel serves (decode and batched decode)."""
-MMA_CONFIGS = ((4, 4), (4, 8), (8, 4), (8, 8), (16, 4), (16, 8))
-"""``(KSPLIT warps per CTA, STAGES of each warp's cp.async ring)`` pairs compiled into the kernel; a
-launch configuration adds ``TILES_PER_CTA`` (16-row tiles one CTA streams, >= 1)."""
-DEFAULT_CONFIG = (8, 4, 1)
+MMA_CONFIGS = ((4, 2), (4, 4), (4, 8), (8, 2), (8, 4), (16, 2), (16, 4))
+"""``(KSPLIT warps per CTA, DEPTH groups of weight loads in flight per warp)`` pairs compiled into the
+kernel; a launch configuration adds ``TILES_PER_CTA`` (16-row tiles one CTA streams, >= 1). Every pair
+runs on every sm_80+ GPU (at most 512 threads and 30 KB of static shared memory per CTA)."""
+DEFAULT_CONFIG = (8, 2, 1)
+"""The launch configuration for shapes the sweep did not measure (among the best on most H200 shapes)."""
 CONFIGS_FILE = Path(__file__).with_name("w4a16_mma_configs.json")
 SOURCES = ("w4a16_mma.cu", "w4a16_mma_ext.cpp")
 MIN_CAPABILITY = (8, 0)  # mma.m16n8k16 bf16 and fma.rn.bf16x2 need sm_80
@@ -184,33 +186,13 @@ def tuned_configs() -> dict[str, dict[str, list[int]]]:
         return {}
 
 
-def shared_bytes(config: tuple[int, int, int], m: int, group_size: int) -> int:
-    """Shared memory one CTA of ``config`` takes (the cp.async rings plus the reduction buffers)."""
-    ksplit, stages, _ = config
-    blocks = group_size // 64
-    return ksplit * stages * (blocks * 32 + 16) * 16 + 2 * max(ksplit - 1, 1) * (8 if m > 8 else 4) * 32 * 4
-
-
-@functools.cache
-def _smem_limit(device_index: int) -> int:
-    props = torch.cuda.get_device_properties(device_index)
-    return int(getattr(props, "shared_memory_per_block_optin", 48 * 1024))
-
-
-def mma_config(m: int, n: int, k: int, group_size: int, device: torch.device | None = None) -> tuple[int, int, int]:
-    """``(KSPLIT, STAGES, TILES_PER_CTA)`` for an ``(m, k) x (n, k)^T`` product: the H200 sweep's best
-    for this shape and M bucket (``w4a16_mma_configs.json``) where its shared memory fits ``device``,
-    else :data:`DEFAULT_CONFIG` (54 KB of shared memory: fits every sm_80+ GPU, Orin included)."""
+def mma_config(m: int, n: int, k: int, group_size: int) -> tuple[int, int, int]:
+    """``(KSPLIT, DEPTH, TILES_PER_CTA)`` for an ``(m, k) x (n, k)^T`` product: the H200 sweep's best
+    for this shape and M bucket (``w4a16_mma_configs.json``), else :data:`DEFAULT_CONFIG`."""
     bucket = next((b for b in M_BUCKETS if m <= b), M_BUCKETS[-1])
     tuned = tuned_configs().get(f"{n}x{k}g{group_size}", {}).get(str(bucket))
     if tuned is not None and len(tuned) == 3 and tuple(tuned[:2]) in MMA_CONFIGS and tuned[2] >= 1:
-        cfg = (tuned[0], tuned[1], tuned[2])
-        if device is None or torch.device(device).type != "cuda":
-            return cfg
-        index = torch.device(device).index
-        limit = _smem_limit(torch.cuda.current_device() if index is None else index)
-        if shared_bytes(cfg, m, group_size) <= limit:
-            return cfg
+        return tuned[0], tuned[1], tuned[2]
     return DEFAULT_CONFIG
 
 
@@ -238,9 +220,9 @@ def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size:
         raise ValueError(f"meta must be int32 ({n // 16}, {k // group_size}, 16), got {meta.dtype} {tuple(meta.shape)}")
     if bias is not None and (bias.dtype != torch.float32 or bias.numel() != n):
         raise ValueError(f"bias must be float32 ({n},)")
-    ksplit, depth, tiles_per_cta = config or mma_config(x.shape[0], n, k, group_size, x.device)
+    ksplit, depth, tiles_per_cta = config or mma_config(x.shape[0], n, k, group_size)
     if (ksplit, depth) not in MMA_CONFIGS or tiles_per_cta < 1:
-        raise ValueError(f"config must be (KSPLIT, STAGES) in {MMA_CONFIGS} plus TILES_PER_CTA >= 1, "
+        raise ValueError(f"config must be (KSPLIT, DEPTH) in {MMA_CONFIGS} plus TILES_PER_CTA >= 1, "
                          f"got {(ksplit, depth, tiles_per_cta)}")
     ext = load_extension(x.device)
     return ext.w4a16_mma(x.contiguous(), qw, meta, bias, group_size, ksplit, depth, tiles_per_cta, mode)
@@ -253,9 +235,9 @@ def w4a16_mma_reference(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, g
     Reads every lane's words as ``mma.m16n8k16`` fragments by the PTX ISA's tables (A element of
     register ``r``, half ``e``: row ``g + 8 (r & 1)``, column ``2t + 8 (r >> 1) + e``; B register ``h``
     of lane ``(g, t)`` for k-tile ``j``: rows ``2t + 8h + e``, batch column ``g``, loaded from channels
-    ``16t + 4j + 2h + e`` of the 64-block), turns nibbles into the magic-number values ``128 + q``
-    (``1024 + q`` for fp16 activations), sums each group's tile products and (the all-ones mma) its
-    activations, forms ``scale * (sum_qx - (128 + zero) * sum_x)`` per group, and adds ``bias``.
+    ``16t + 4j + 2h + e`` of the 64-block), forms ``q - zero`` per element (exact, as the kernel's
+    magic-number conversion and fma), sums each group's 16 x 16 x M tile products, scales the group
+    sums by the fp16 scale, and adds ``bias``.
     """
     nt, kb = int(qw.shape[0]), int(qw.shape[1])
     m = x.shape[0]
@@ -271,11 +253,10 @@ def w4a16_mma_reference(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, g
     a_col = (2 * t[:, None] + 8 * (r[None, :] >> 1) + e[None, :])  # (lane, p)
     a_tiles = torch.zeros(nt, kb, 4, 16, 16, dtype=compute)
     a_tiles[:, :, :, a_row, a_col] = nib.permute(0, 1, 3, 2, 4).to(compute)  # (NT, KB, j, row, col)
-    # the mma sees the magic-number values bias + q; zero points are applied per group afterwards
+    # zero point per (tile row, group): subtracted before the mma, as the kernel's fma does
     zeros = ((meta.to(torch.int64) >> 16) & 0xF).to(compute)  # (NT, G, 16)
     scales = (meta.to(torch.int64) & 0xFFFF).to(torch.int16).view(torch.float16).to(compute)  # (NT, G, 16)
-    magic = 128.0 if x.dtype == torch.bfloat16 else 1024.0
-    a_tiles += magic
+    a_tiles -= zeros.repeat_interleave(gt, dim=1)[:, :, None, :, None]
     # B tiles: (KB, j, 16 fragment rows, M) from the lane mapping of the activations
     xs = x.to(compute).reshape(m, kb, 64)
     hh = torch.arange(2)
@@ -289,9 +270,7 @@ def w4a16_mma_reference(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, g
     for j in range(4):
         b_tiles[:, j, b_row.reshape(-1), :] = xs[:, :, chan[:, j].reshape(-1)].permute(1, 2, 0)
     prod = torch.einsum("nbjrc,bjcm->nbrm", a_tiles, b_tiles)  # (NT, KB, 16, M): sums of 4 k-tiles
-    sum_qx = prod.reshape(nt, kb // gt, gt, 16, m).sum(dim=2)  # (NT, G, 16, M): sum (magic + q) x
-    sum_x = b_tiles.sum(dim=(1, 2)).reshape(kb // gt, gt, m).sum(dim=1)  # (G, M): the all-ones mma
-    group_sum = sum_qx - (magic + zeros[..., None]) * sum_x[None, :, None, :]
+    group_sum = prod.reshape(nt, kb // gt, gt, 16, m).sum(dim=2)  # (NT, G, 16, M): sum (q - zero) x
     y = (group_sum * scales[..., None]).sum(dim=1).reshape(nt * 16, m).T  # (M, N)
     if bias is not None:
         y = y + bias.to(compute)
