@@ -10,9 +10,9 @@ is split over a CTA's warps with a fixed-order reduction (bit-stable). The
 techniques are Marlin's (Frantar et al., "MARLIN: Mixed-Precision Auto-Regressive Parallel Inference
 on Large Language Models", 2024); the code is this project's own.
 
-The extension is compiled on first use with torch's ``cpp_extension.load`` for the GPU's own
-architecture (sm_80 and newer; ``EDGEVLM_CUDA_ARCH=8.7`` overrides, e.g. to build for an Orin ahead
-of time) into torch's extension cache (``TORCH_EXTENSIONS_DIR``). :func:`mma_status` says whether it
+The extension is compiled on first use (~30 s on the H200's host; longer on an Orin) with torch's
+``cpp_extension.load`` for the GPU's own architecture (sm_80 and newer; ``EDGEVLM_CUDA_ARCH=8.7``
+overrides, e.g. to build for an Orin ahead of time) into :func:`kernel_cache_dir`. :func:`mma_status` says whether it
 builds, loads and passes a correctness probe on a device, and why not: callers fall back to torch's
 tinygemm (see :class:`edgevlm.runtime.int4.Int4Linear`).
 
@@ -72,6 +72,17 @@ def _source_dir() -> Path:
 _BUILD_LOCK = threading.Lock()
 
 
+def kernel_cache_dir() -> Path | None:
+    """Where the extension is built: ``EDGEVLM_KERNEL_CACHE``, else ``<venv>/var/cache/edgevlm-kernels``
+    when that folder exists (``jetson/install.sh`` builds there), else None (torch's extension cache,
+    ``TORCH_EXTENSIONS_DIR``)."""
+    env = os.environ.get("EDGEVLM_KERNEL_CACHE", "").strip()
+    if env:
+        return Path(env)
+    venv_cache = Path(sys.prefix) / "var" / "cache" / "edgevlm-kernels"
+    return venv_cache if venv_cache.is_dir() else None
+
+
 @functools.cache
 def _build(arch: str):
     """Compile (or load from torch's extension cache) the extension for ``arch``; raises
@@ -90,9 +101,15 @@ def _build(arch: str):
         raise MmaKernelUnavailable(f"sm_{major}{minor} is older than sm_80 (no bf16 mma)")
     cc = f"{major}{minor}"
     src = _source_dir()
+    name = f"edgevlm_w4a16_mma_v{MMA_LAYOUT_VERSION}_sm{cc}"
+    build_dir = kernel_cache_dir()
     try:
+        if build_dir is not None:
+            build_dir = build_dir / name
+            build_dir.mkdir(parents=True, exist_ok=True)
         return cpp_extension.load(
-            name=f"edgevlm_w4a16_mma_v{MMA_LAYOUT_VERSION}_sm{cc}",
+            name=name,
+            build_directory=str(build_dir) if build_dir is not None else None,
             sources=[str(src / s) for s in SOURCES],
             extra_cflags=["-O3"],
             extra_cuda_cflags=["-O3", "-std=c++17", f"-gencode=arch=compute_{cc},code=sm_{cc}"],

@@ -182,3 +182,13 @@ def test_int4linear_uses_the_kernel_for_decode_on_cuda():
     # unpack of the cached layout gives the canonical buffers back
     back = unpack_int4_mma(mod._mma_tensors()[0], mod._mma_tensors()[1], 128)
     assert torch.equal(unpack_int4(back.qweight), unpack_int4(mod.qweight))
+
+
+def test_kernel_cache_dir_prefers_the_env_then_the_venv_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("EDGEVLM_KERNEL_CACHE", str(tmp_path / "k"))
+    assert mk.kernel_cache_dir() == tmp_path / "k"
+    monkeypatch.delenv("EDGEVLM_KERNEL_CACHE")
+    monkeypatch.setattr(mk.sys, "prefix", str(tmp_path))
+    assert mk.kernel_cache_dir() is None  # no venv folder: torch's extension cache
+    (tmp_path / "var" / "cache" / "edgevlm-kernels").mkdir(parents=True)
+    assert mk.kernel_cache_dir() == tmp_path / "var" / "cache" / "edgevlm-kernels"
