@@ -304,7 +304,7 @@ class Int4Linear(nn.Module):
         if self.kernel == "dequant":
             return "dequant"
         dev_type = torch.device(device).type
-        if self.kernel in ("auto", "mma") and m <= MMA_KERNEL_MAX_M \
+        if self.kernel in ("auto", "mma") and 0 < m <= MMA_KERNEL_MAX_M \
                 and mma_kernel_ok(device, self.out_features, self.in_features, self.group_size):
             return "mma"
         triton_ok = (self.kernel == "triton" or (self.kernel == "auto" and dev_type == "cuda")) \
