@@ -227,6 +227,27 @@ else
     run chmod 0750 /etc/edgevlm
 fi
 
+# -- W4A16 tensor-core kernel (runtime/kernels/w4a16_mma.cu) ---------------------------------------
+# Compiled here for this GPU (sm_87 on an AGX Orin, with JetPack's nvcc) into the venv's kernel cache,
+# where the runtime looks first; otherwise it compiles on the first INT4 decode, and without nvcc INT4
+# decode falls back to torch's tinygemm kernel (one log line).
+KERNEL_CACHE=$VENV_DIR/var/cache/edgevlm-kernels
+if [[ $PLATFORM != jetson || -n $DESTDIR ]] || ((SKIP_PIP)); then
+    log "W4A16 kernel: not built here (compiled on first use)"
+elif [[ -x ${CUDA_HOME:-/usr/local/cuda}/bin/nvcc ]]; then
+    run install -d -m 2775 "$KERNEL_CACHE"
+    if ! run env CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" EDGEVLM_KERNEL_CACHE="$KERNEL_CACHE" \
+        "$VENV_DIR/bin/python" -m edgevlm.runtime.kernels.w4a16_mma --build; then
+        log "WARNING: building the W4A16 kernel failed; INT4 decode falls back to tinygemm"
+    fi
+    if getent group "$SERVICE_USER" >/dev/null; then
+        run chgrp -R "$SERVICE_USER" "$KERNEL_CACHE"
+        run chmod -R g+w "$KERNEL_CACHE"
+    fi
+else
+    log "W4A16 kernel: no nvcc in ${CUDA_HOME:-/usr/local/cuda}/bin (JetPack's cuda-toolkit); INT4 decode uses tinygemm"
+fi
+
 if [[ -z $DESTDIR && -d /run/systemd/system ]]; then
     run systemctl daemon-reload
     if ((ENABLE)); then

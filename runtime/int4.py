@@ -34,6 +34,7 @@ are re-exported here.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import torch
@@ -43,6 +44,7 @@ from torch import nn
 from edgevlm.runtime.int4_format import (  # noqa: F401  (re-exported: the canonical format)
     FP16_MIN_NORMAL,
     INT4_LAYOUT_VERSION,
+    MMA_GROUP_SIZES,
     SUPPORTED_GROUP_SIZES,
     Int4Weight,
     check_int4_shape,
@@ -52,6 +54,7 @@ from edgevlm.runtime.int4_format import (  # noqa: F401  (re-exported: the canon
     pack_int4,
     quantize_codes,
     quantize_int4,
+    repack_int4_mma,
     unpack_int4,
 )
 
@@ -68,6 +71,33 @@ CUDA_KERNEL_MAX_M = 64
 # 35 us at M = 8 on 12288x4096, the Triton dequantizer + cuBLAS 68 us at any M <= 64; at M = 32 on
 # 4096x4096 tinygemm takes 42 us, dequantize + cuBLAS ~20 us).
 CUDA_TRITON_KERNEL_MAX_M = 16
+# Up to this M the tensor-core W4A16 kernel (runtime/kernels/w4a16_mma.cu) serves CUDA decode.
+MMA_KERNEL_MAX_M = 16
+
+_MMA_FALLBACK_LOGGED: set[str] = set()
+
+
+def mma_kernel_ok(device: torch.device, out_features: int, in_features: int, group_size: int) -> bool:
+    """Whether the tensor-core W4A16 kernel serves this layer on ``device``. Where the kernel is absent
+    (CPU, no compiler, GPU older than sm_80, failed build or probe, ``EDGEVLM_W4A16_MMA=0``) one INFO
+    line per device says why and that decode falls back to torch's int4 kernel (tinygemm)."""
+    if group_size not in MMA_GROUP_SIZES or out_features % 16 or in_features % 64:
+        return False  # this layer's shape only; the kernel may serve others
+    dev = torch.device(device)
+    if os.environ.get("EDGEVLM_W4A16_MMA", "1").strip() in ("0", "false", "no", "off"):
+        reason = "disabled by EDGEVLM_W4A16_MMA=0"
+    else:
+        from edgevlm.runtime.kernels.w4a16_mma import mma_status
+
+        reason = mma_status(dev)
+    if reason is None:
+        return True
+    key = f"{dev.type}:{dev.index}"
+    if key not in _MMA_FALLBACK_LOGGED:
+        _MMA_FALLBACK_LOGGED.add(key)
+        logger.info("W4A16 tensor-core kernel unavailable on %s (%s): decode falls back to torch's int4 kernel "
+                    "(tinygemm)", dev, reason)
+    return False
 
 
 # ----------------------------------------------------------------------------- kernel selection
@@ -172,6 +202,10 @@ class Int4Linear(nn.Module):
 
     Execution path, chosen per call:
 
+    * CUDA, ``M <= MMA_KERNEL_MAX_M`` rows (decode), group size 64/128, ``out_features % 16 == 0``:
+      the tensor-core W4A16 kernel over the mma layout (:mod:`edgevlm.runtime.kernels.w4a16_mma`,
+      repacked from the canonical buffers on first use and cached); where it is absent (see
+      :func:`mma_kernel_ok`, one log line) the paths below.
     * CUDA, ``M <= CUDA_TRITON_KERNEL_MAX_M`` rows (decode): tinygemm ``aten._weight_int4pack_mm``
       (bf16 activations; 43 % of copy bandwidth on 7B shapes on an H200, ``bench/w4a16_tune.py``);
       above it the Triton dequantizer + cuBLAS (:mod:`edgevlm.runtime.kernels.w4a16`; prefill).
@@ -215,6 +249,7 @@ class Int4Linear(nn.Module):
             "input_scale", torch.ones(in_features, dtype=torch.float32, device=device) if has_input_scale else None
         )
         self._kernel_cache: tuple | None = None
+        self._mma_cache: tuple | None = None
 
     @classmethod
     def from_int4(
@@ -261,6 +296,7 @@ class Int4Linear(nn.Module):
             dev = fn(torch.empty(0, dtype=t.dtype, device=t.device)).device
             self._buffers[name] = t.to(dev)
         self._kernel_cache = None
+        self._mma_cache = None
         return self
 
     def execution_path(self, m: int, device: torch.device) -> str:
@@ -268,6 +304,9 @@ class Int4Linear(nn.Module):
         if self.kernel == "dequant":
             return "dequant"
         dev_type = torch.device(device).type
+        if self.kernel in ("auto", "mma") and 0 < m <= MMA_KERNEL_MAX_M \
+                and mma_kernel_ok(device, self.out_features, self.in_features, self.group_size):
+            return "mma"
         triton_ok = (self.kernel == "triton" or (self.kernel == "auto" and dev_type == "cuda")) \
             and _triton_w4a16(device)
         conv = None if self.kernel == "triton" else kernel_convention(device)
@@ -299,6 +338,17 @@ class Int4Linear(nn.Module):
             self._kernel_cache = cache
         return cache[2], cache[3]
 
+    def _mma_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(qw, meta, bias float32)`` of the mma layout, derived once per device (layout version
+        ``MMA_LAYOUT_VERSION``)."""
+        cache = self._mma_cache
+        if cache is None or cache[0] != self.qweight.device:
+            qw, meta = repack_int4_mma(self.qweight, self.scales, self.zeros, self.group_size)
+            bias = self.bias.to(torch.float32).contiguous() if self.bias is not None else None
+            cache = (self.qweight.device, qw, meta, bias)
+            self._mma_cache = cache
+        return cache[1], cache[2], cache[3]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected (..., {self.in_features}) input, got {tuple(x.shape)}")
@@ -306,6 +356,13 @@ class Int4Linear(nn.Module):
             x = x * self.input_scale.to(x.dtype)
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         path = self.execution_path(x2.shape[0], x2.device)
+        if path == "mma":
+            from edgevlm.runtime.kernels.w4a16_mma import w4a16_mma
+
+            qw, meta, bias = self._mma_tensors()
+            xa = x2 if x2.dtype in (torch.bfloat16, torch.float16) else x2.to(torch.bfloat16)
+            y = w4a16_mma(xa.contiguous(), qw, meta, self.group_size, bias).to(x.dtype)
+            return y.reshape(*x.shape[:-1], self.out_features)  # (..., N)
         if path == "triton_gemv1":
             from edgevlm.runtime.kernels.w4a16 import w4a16_gemv1
 
@@ -332,7 +389,7 @@ class Int4Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)  # (..., N)
 
 
-INT4_KERNELS = ("auto", "dequant", "tinygemm", "triton")
+INT4_KERNELS = ("auto", "dequant", "tinygemm", "triton", "mma")
 
 
 def _triton_w4a16(device: torch.device) -> bool:
@@ -349,7 +406,9 @@ def set_int4_kernel(module: nn.Module, kernel: str) -> int:
     ``"auto"``: see :class:`Int4Linear` (tinygemm for decode, the Triton dequantizer + cuBLAS for
     prefill on CUDA; torch's CPU int4 kernel for decode on CPU). ``"tinygemm"``: torch's int4 ops
     and torch-op dequantization only. ``"triton"``: the Triton kernels only (GEMV for
-    ``M <= GEMV_MAX_M``; also on CPU under ``TRITON_INTERPRET=1``). ``"dequant"``: dequantize with
+    ``M <= GEMV_MAX_M``; also on CPU under ``TRITON_INTERPRET=1``). ``"mma"``: the tensor-core kernel for
+    ``M <= MMA_KERNEL_MAX_M`` where it is usable (else, with one log line, as ``"auto"``; the auto path
+    already prefers it on CUDA). ``"dequant"``: dequantize with
     torch ops + dense matmul everywhere (the reference path).
     Raises ``ValueError`` for another name."""
     if kernel not in INT4_KERNELS:
@@ -387,7 +446,10 @@ def prepare_int4_kernels(module: nn.Module) -> int:
     for m in module.modules():
         if isinstance(m, Int4Linear):
             path = m.execution_path(1, m.qweight.device)
-            if path not in ("dequant", "triton_gemv", "triton_gemv1", "triton_dequant"):
+            if path == "mma":
+                m._mma_tensors()
+                count += 1
+            elif path not in ("dequant", "triton_gemv", "triton_gemv1", "triton_dequant"):
                 m._kernel_tensors(path)
                 count += 1
     if count:

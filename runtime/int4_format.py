@@ -154,3 +154,61 @@ def fake_quantize_int4(weight: torch.Tensor, group_size: int) -> torch.Tensor:
     q = torch.div(weight.detach().reshape(n, k // group_size, group_size).float(), s)
     q.round_().add_(z).clamp_(0, 15).sub_(z).mul_(s)
     return q.reshape(n, k).to(weight.dtype)
+
+
+# ----------------------------------------------------------------------------- tensor-core ("mma") layout
+MMA_LAYOUT_VERSION = 1
+"""Version of the layout :func:`repack_int4_mma` writes (the CUDA kernel in
+``runtime/kernels/w4a16_mma.cu`` reads exactly this version)."""
+
+MMA_GROUP_SIZES: tuple[int, ...] = (64, 128)
+"""Group sizes the tensor-core layout supports (a group must cover whole 64-channel blocks)."""
+
+
+def check_mma_shape(out_features: int, in_features: int, group_size: int) -> None:
+    """Raise ``ValueError`` unless the tensor-core layout can hold this weight shape."""
+    if group_size not in MMA_GROUP_SIZES:
+        raise ValueError(f"the mma layout needs group_size in {MMA_GROUP_SIZES}, got {group_size}")
+    if out_features % 16 or in_features % 64 or in_features % group_size:
+        raise ValueError(
+            f"the mma layout needs out_features % 16 == 0 and in_features % 64 == 0, got ({out_features}, {in_features})")
+
+
+def repack_int4_mma(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Re-layout canonical INT4 tensors for the tensor-core W4A16 kernel (layout version 1).
+
+    Returns ``(qw, meta)`` on ``qweight``'s device:
+
+    * ``qw``: ``int32 (N/16, K/64, 32, 4)``, the same bytes as ``qweight``, reordered so that lane ``L``
+      of a warp loads word ``j`` = its 8 elements of the ``mma.m16n8k16`` A fragment of k-tile ``j`` of
+      the (16-row, 64-channel) block: with ``g = L // 4``, ``t = L % 4``, nibble ``p = 4e + 2h + rb`` (bits
+      ``4p .. 4p + 3``) holds ``q[16 * n_tile + 8 rb + g, 64 * k_block + 16 t + 4 j + 2 h + e]``.
+      (Fragment rows/columns are from the PTX ISA's m16n8k16 tables; the channel order inside a block
+      is a permutation chosen so the same lane's B registers are 16 consecutive activations.)
+    * ``meta``: ``int32 (N/16, K/group_size, 16)``, per output row of a tile and group the fp16 bit
+      pattern of the scale in bits 0-15 and the zero point in bits 16-19.
+
+    Exact and invertible (:func:`unpack_int4_mma`). Raises ``ValueError`` for a shape the layout
+    cannot hold (see :func:`check_mma_shape`).
+    """
+    n, k = int(qweight.shape[0]), int(qweight.shape[1]) * 2
+    check_mma_shape(n, k, group_size)
+    codes = unpack_int4(qweight).reshape(n // 16, 2, 8, k // 64, 4, 4, 2, 2)  # (NT, rb, g, KB, t, j, h, e)
+    nibbles = codes.permute(0, 3, 2, 4, 5, 7, 6, 1).reshape(n // 16, k // 64, 32, 4, 8)  # (NT, KB, lane, j, p)
+    qw = pack_int4(nibbles.contiguous()).view(torch.int32).reshape(n // 16, k // 64, 32, 4).contiguous()
+    meta = (scales.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF) | (zeros.to(torch.int32) << 16)
+    meta = meta.reshape(n // 16, 16, k // group_size).permute(0, 2, 1).contiguous()
+    return qw, meta
+
+
+def unpack_int4_mma(qw: torch.Tensor, meta: torch.Tensor, group_size: int) -> Int4Weight:
+    """Inverse of :func:`repack_int4_mma`: the canonical ``Int4Weight`` (exact)."""
+    nt, kb = int(qw.shape[0]), int(qw.shape[1])
+    nibbles = unpack_int4(qw.contiguous().view(torch.uint8).reshape(nt, kb, 32, 4, 4))  # (NT, KB, lane, j, 8)
+    codes = nibbles.reshape(nt, kb, 8, 4, 4, 2, 2, 2).permute(0, 7, 2, 1, 3, 4, 6, 5)  # (NT, rb, g, KB, t, j, h, e)
+    qweight = pack_int4(codes.reshape(nt * 16, kb * 64).contiguous())
+    m = meta.permute(0, 2, 1).reshape(nt * 16, -1)
+    scales = (m & 0xFFFF).to(torch.int16).view(torch.float16).contiguous()
+    zeros = ((m >> 16) & 0xF).to(torch.uint8).contiguous()
+    return Int4Weight(qweight, scales, zeros, group_size)

@@ -1,0 +1,349 @@
+// W4A16 decode GEMM (M = 1..16 activation rows) on the tensor cores, over the "mma" INT4 layout.
+//
+// y (M, N) = x (M, K) @ W^T + bias, W[n, k] = (q[n, k] - zero[n, k / g]) * scale[n, k / g], q in [0, 15],
+// group size g = 64 or 128 (AWQ/GPTQ asymmetric INT4). x and y are bf16 or fp16, accumulation fp32.
+//
+// Layout (built by edgevlm.runtime.int4_format.repack_int4_mma, MMA_LAYOUT_VERSION 1; facts from the
+// PTX ISA's mma.m16n8k16 fragment tables, technique after Marlin, Frantar et al. 2024):
+//   qw   uint4 [N/16][K/64][32 lanes]: the 16 output rows x 64 input channels of one (n-tile, k-block)
+//        are 4 A fragments (16 x 16) of mma.m16n8k16; lane (g = lane/4, t = lane%4) holds word j of the
+//        block = its 8 A elements of k-tile j: nibble p = 4e + 2h + rb is row 8rb + g, fragment column
+//        2t + 8h + e, input channel k = 16t + 4j + 2h + e of the block (a fixed permutation inside the
+//        block, shared with the B operand, so that a lane's 8 B registers of the 4 k-tiles are the 16
+//        consecutive activations x[m, 16t .. 16t + 15]: two 16-byte loads).
+//   meta u32   [N/16][K/g][16]: fp16 scale bits | zero << 16, per output row of the tile and group.
+// The weight is the A operand (16 output rows), the activations the B operand (8 batch columns per
+// mma; M > 8 uses two): "swap AB", so a decode row count of 1..16 wastes no weight bytes.
+//
+// Dequantization: (w >> 4r) & 0x000F000F | magic (one LOP3) gives two bf16/fp16 numbers 128 + q
+// (1024 + q for fp16), one fma subtracts (128 + zero): the exact small integer q - zero feeds the mma; the
+// fp32 group sum is scaled once per group after the mma (exact products, one fp32 rounding per group: more
+// accurate than scaling each weight in 16 bits). Two independent mma chains per group (even/odd k-tiles).
+//
+// Schedule: a CTA streams `tiles_per_cta` consecutive 16-row n-tiles; its KSPLIT warps split the groups of
+// K; each warp keeps DEPTH groups of 16-byte weight loads in flight in a register ring that runs across
+// tile boundaries; per tile the warps' fp32 partials are summed in shared memory in a fixed order
+// (deterministic: no atomics), bias added, stored. (A cp.async shared-memory ring variant measured slower
+// on the H200: 14.6 vs 13.2 us on 12288x4096 at M = 1, bench/results/w4a16_marlin_h200_20261201.md.)
+// This file includes no torch header: `nvcc -arch=sm_87 -c w4a16_mma.cu` checks it stand-alone.
+
+#include <cstdint>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+namespace edgevlm_w4a16 {
+
+template <bool BF16>
+struct Magic;
+template <>
+struct Magic<true> {                          // bf16: 7 mantissa bits, 128 + q exact for q < 128
+    static constexpr uint32_t kBias2 = 0x43004300u;   // 128.0, 128.0
+    static constexpr uint32_t kNegBias = 0xC300u;     // -128.0; + zero -> -(128 + zero)
+    static constexpr uint32_t kOne2 = 0x3F803F80u;    // 1.0, 1.0
+};
+template <>
+struct Magic<false> {                         // fp16: 10 mantissa bits, 1024 + q exact
+    static constexpr uint32_t kBias2 = 0x64006400u;
+    static constexpr uint32_t kNegBias = 0xE400u;
+    static constexpr uint32_t kOne2 = 0x3C003C00u;
+};
+
+template <bool BF16>
+__device__ __forceinline__ uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    if constexpr (BF16) {
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    } else {
+        asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    }
+    return d;
+}
+
+template <bool BF16>
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    if constexpr (BF16) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// Weights are read once: keep them out of L1 (the activations live there).
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int j) {
+    return j == 0 ? v.x : (j == 1 ? v.y : (j == 2 ? v.z : v.w));
+}
+
+
+template <bool BF16>
+__device__ __forceinline__ void store_out(void* y, size_t idx, float v) {
+    if constexpr (BF16) {
+        // round to nearest even, as __float2bfloat16_rn
+        uint32_t u = __float_as_uint(v);
+        uint16_t out;
+        if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu)) {
+            out = static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+        } else {
+            u += 0x7FFFu + ((u >> 16) & 1u);
+            out = static_cast<uint16_t>(u >> 16);
+        }
+        static_cast<uint16_t*>(y)[idx] = out;
+    } else {
+        static_cast<__half*>(y)[idx] = __float2half_rn(v);
+    }
+}
+
+// (a & b) | c in one LOP3 (the compiler splits it in two when b and c are both immediates).
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// MT: 8-column batch tiles (1: M <= 8, 2: M <= 16). GT: 64-channel blocks per group (1: g 64, 2: g 128).
+// KSPLIT warps split the groups of K; DEPTH groups of weight loads in flight per warp; a CTA streams
+// `tiles_per_cta` consecutive 16-row tiles with the load ring running across tile boundaries.
+// LOADS_ONLY (diagnostic): stream the weights and fold them into the output without any arithmetic.
+template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH, bool LOADS_ONLY>
+__global__ void __launch_bounds__(KSPLIT * 32)
+w4a16_mma_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ meta, const uint16_t* __restrict__ x,
+                 const float* __restrict__ bias, void* __restrict__ y, int M, int N, int K, int tiles_per_cta) {
+    using M16 = Magic<BF16>;
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int kblocks = K >> 6;
+    const int groups = kblocks / GT;
+    const int g0 = static_cast<int>(static_cast<long long>(groups) * warp / KSPLIT);
+    const int gw = static_cast<int>(static_cast<long long>(groups) * (warp + 1) / KSPLIT) - g0;  // this warp's
+    const int gmax = (groups + KSPLIT - 1) / KSPLIT;  // items per tile, the same for every warp
+    const int tile0 = blockIdx.x * tiles_per_cta;
+    const int ntiles = min(tiles_per_cta, N / 16 - tile0);
+    const int total = ntiles * gmax;
+    const uint32_t kMask = 0x000F000Fu;
+    const uint32_t kBias = M16::kBias2;
+
+    const uint4* wbase = qw + lane;
+    const uint32_t* mbase = meta + g;
+    const uint4* xr[MT];
+    bool xv[MT];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        const int m = mt * 8 + g;
+        xv[mt] = m < M;
+        xr[mt] = reinterpret_cast<const uint4*>(x + static_cast<size_t>(xv[mt] ? m : 0) * K) + 2 * t;
+    }
+
+    uint4 wb[DEPTH][GT];
+    uint32_t mb[DEPTH][2];
+    int pf_tile = 0, pf_local = 0;  // the next item to prefetch
+#define EDGEVLM_LOAD_ITEM(SLOT)                                                                           \
+    do {                                                                                                  \
+        if (pf_tile < ntiles && pf_local < gw) {                                                          \
+            const int grp_ = g0 + pf_local;                                                               \
+            const size_t tile_ = static_cast<size_t>(tile0 + pf_tile);                                    \
+            _Pragma("unroll") for (int i = 0; i < GT; ++i) wb[SLOT][i] =                                  \
+                ld_stream(wbase + (tile_ * kblocks + static_cast<size_t>(grp_ * GT + i)) * 32);           \
+            const uint32_t* mp_ = mbase + (tile_ * groups + grp_) * 16;                                   \
+            mb[SLOT][0] = __ldg(mp_);                                                                     \
+            mb[SLOT][1] = __ldg(mp_ + 8);                                                                 \
+        }                                                                                                 \
+        if (++pf_local == gmax) {                                                                         \
+            pf_local = 0;                                                                                 \
+            ++pf_tile;                                                                                    \
+        }                                                                                                 \
+    } while (0)
+#pragma unroll
+    for (int s = 0; s < DEPTH; ++s) EDGEVLM_LOAD_ITEM(s);
+
+    float acc[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[mt][c] = 0.f;
+
+    __shared__ float red[2][KSPLIT > 1 ? KSPLIT - 1 : 1][MT * 4][32];
+    int cur_tile = 0, cur_local = 0, parity = 0;
+    for (int base = 0; base < total; base += DEPTH) {
+#pragma unroll
+        for (int s = 0; s < DEPTH; ++s) {
+            if (base + s < total) {  // uniform over the CTA: every warp walks gmax items per tile
+                const int next_local = cur_local + 1 == gmax ? 0 : cur_local + 1;
+                if (cur_local < gw) {
+                    if constexpr (LOADS_ONLY) {
+#pragma unroll
+                        for (int i = 0; i < GT; ++i)
+                            acc[0][0] += __uint_as_float((wb[s][i].x ^ wb[s][i].y ^ wb[s][i].z ^ wb[s][i].w ^
+                                                          mb[s][0] ^ mb[s][1]) & 0x3F800000u);
+                    } else {
+                        uint4 xb[MT][GT][2];  // this item's B fragments (L1-resident activations)
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                            for (int i = 0; i < GT; ++i) {
+                                if (xv[mt]) {
+                                    const uint4* p = xr[mt] + static_cast<size_t>((g0 + cur_local) * GT + i) * 8;
+                                    xb[mt][i][0] = __ldg(p);
+                                    xb[mt][i][1] = __ldg(p + 1);
+                                } else {
+                                    xb[mt][i][0] = make_uint4(0, 0, 0, 0);
+                                    xb[mt][i][1] = make_uint4(0, 0, 0, 0);
+                                }
+                            }
+                        const uint32_t m0 = mb[s][0];
+                        const uint32_t m1 = mb[s][1];
+                        const uint32_t nz0 = (M16::kNegBias + (m0 >> 16)) * 0x10001u;  // -(bias + zero)
+                        const uint32_t nz1 = (M16::kNegBias + (m1 >> 16)) * 0x10001u;
+                        const float s0 = __half2float(__ushort_as_half(static_cast<unsigned short>(m0 & 0xFFFFu)));
+                        const float s1 = __half2float(__ushort_as_half(static_cast<unsigned short>(m1 & 0xFFFFu)));
+                        float gacc[2][MT][4];  // two independent mma chains (even / odd k-tiles)
+#pragma unroll
+                        for (int c2 = 0; c2 < 2; ++c2)
+#pragma unroll
+                            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                                for (int c = 0; c < 4; ++c) gacc[c2][mt][c] = 0.f;
+#pragma unroll
+                        for (int i = 0; i < GT; ++i) {
+#pragma unroll
+                            for (int j = 0; j < 4; ++j) {
+                                const uint32_t w = word_of(wb[s][i], j);
+                                uint32_t a[4];
+#pragma unroll
+                                for (int r = 0; r < 4; ++r) {
+                                    const uint32_t v = and_or(r == 0 ? w : (w >> (4 * r)), kMask, kBias);
+                                    a[r] = fma2<BF16>(v, M16::kOne2, (r & 1) ? nz1 : nz0);  // q - zero, exact
+                                }
+#pragma unroll
+                                for (int mt = 0; mt < MT; ++mt) {
+                                    const uint4& xq = xb[mt][i][j >> 1];
+                                    mma16816<BF16>(gacc[j & 1][mt], a, (j & 1) ? xq.z : xq.x, (j & 1) ? xq.w : xq.y);
+                                }
+                            }
+                        }
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt) {
+                            acc[mt][0] = fmaf(s0, gacc[0][mt][0] + gacc[1][mt][0], acc[mt][0]);
+                            acc[mt][1] = fmaf(s0, gacc[0][mt][1] + gacc[1][mt][1], acc[mt][1]);
+                            acc[mt][2] = fmaf(s1, gacc[0][mt][2] + gacc[1][mt][2], acc[mt][2]);
+                            acc[mt][3] = fmaf(s1, gacc[0][mt][3] + gacc[1][mt][3], acc[mt][3]);
+                        }
+                    }
+                }
+                EDGEVLM_LOAD_ITEM(s);
+                if (cur_local == gmax - 1) {  // the tile is done: fixed-order reduction over the warps
+                    if (KSPLIT > 1) {
+                        if (warp > 0) {
+#pragma unroll
+                            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                                for (int c = 0; c < 4; ++c) red[parity][warp - 1][mt * 4 + c][lane] = acc[mt][c];
+                        }
+                        __syncthreads();
+                    }
+                    if (warp == 0) {
+#pragma unroll
+                        for (int w = 1; w < KSPLIT; ++w)
+#pragma unroll
+                            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                                for (int c = 0; c < 4; ++c) acc[mt][c] += red[parity][w - 1][mt * 4 + c][lane];
+                        const int n0 = (tile0 + cur_tile) * 16 + g;
+                        const float bias0 = bias != nullptr ? bias[n0] : 0.f;
+                        const float bias1 = bias != nullptr ? bias[n0 + 8] : 0.f;
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                            for (int c = 0; c < 4; ++c) {
+                                const int m = mt * 8 + 2 * t + (c & 1);
+                                const int n = n0 + ((c & 2) ? 8 : 0);
+                                if (m < M)
+                                    store_out<BF16>(y, static_cast<size_t>(m) * N + n,
+                                                    acc[mt][c] + ((c & 2) ? bias1 : bias0));
+                            }
+                    }
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) acc[mt][c] = 0.f;
+                    parity ^= 1;
+                    ++cur_tile;
+                }
+                cur_local = next_local;
+            }
+        }
+    }
+#undef EDGEVLM_LOAD_ITEM
+}
+
+template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH, bool LOADS_ONLY>
+cudaError_t launch_typed(const void* qw, const void* meta, const void* x, const float* bias, void* y, int M, int N,
+                         int K, int tiles_per_cta, cudaStream_t stream) {
+    const int tiles = N / 16;
+    const int grid = (tiles + tiles_per_cta - 1) / tiles_per_cta;
+    w4a16_mma_kernel<BF16, MT, GT, KSPLIT, DEPTH, LOADS_ONLY><<<grid, KSPLIT * 32, 0, stream>>>(
+        static_cast<const uint4*>(qw), static_cast<const uint32_t*>(meta), static_cast<const uint16_t*>(x), bias, y,
+        M, N, K, tiles_per_cta);
+    return cudaGetLastError();
+}
+
+template <bool BF16, int MT, int GT>
+cudaError_t launch_split(int ksplit, int depth, int mode, const void* qw, const void* meta, const void* x,
+                         const float* bias, void* y, int M, int N, int K, int tiles_per_cta, cudaStream_t stream) {
+#define EDGEVLM_W4A16_CASE(KS, D)                                                                        \
+    if (ksplit == KS && depth == D)                                                                      \
+        return mode == 1 ? launch_typed<BF16, MT, GT, KS, D, true>(qw, meta, x, bias, y, M, N, K, tiles_per_cta, \
+                                                                   stream)                              \
+                         : launch_typed<BF16, MT, GT, KS, D, false>(qw, meta, x, bias, y, M, N, K,      \
+                                                                    tiles_per_cta, stream);
+    EDGEVLM_W4A16_CASE(4, 2)
+    EDGEVLM_W4A16_CASE(4, 4)
+    EDGEVLM_W4A16_CASE(4, 8)
+    EDGEVLM_W4A16_CASE(8, 2)
+    EDGEVLM_W4A16_CASE(8, 4)
+    EDGEVLM_W4A16_CASE(16, 2)
+    EDGEVLM_W4A16_CASE(16, 4)
+#undef EDGEVLM_W4A16_CASE
+    return cudaErrorInvalidValue;
+}
+
+// Entry point of the torch binding (w4a16_mma_ext.cpp). mode 0 computes; mode 1 is the loads-only
+// diagnostic (wrong results by design). Returns cudaErrorInvalidValue for an unsupported
+// (group_size, ksplit, depth, M, tiles_per_cta) or a shape that is not a multiple of the tiles; else the
+// launch's error.
+cudaError_t launch_w4a16_mma(bool bf16, const void* qw, const void* meta, const void* x, const float* bias, void* y,
+                             int M, int N, int K, int group_size, int ksplit, int depth, int tiles_per_cta, int mode,
+                             cudaStream_t stream) {
+    if (M < 1 || M > 16 || N % 16 || K % 64 || (group_size != 64 && group_size != 128) || K % group_size ||
+        tiles_per_cta < 1 || (mode != 0 && mode != 1))
+        return cudaErrorInvalidValue;
+    const bool two = M > 8;
+    const bool g128 = group_size == 128;
+#define EDGEVLM_W4A16_TYPE(B)                                                                                   \
+    if (two)                                                                                                    \
+        return g128 ? launch_split<B, 2, 2>(ksplit, depth, mode, qw, meta, x, bias, y, M, N, K, tiles_per_cta, stream) \
+                    : launch_split<B, 2, 1>(ksplit, depth, mode, qw, meta, x, bias, y, M, N, K, tiles_per_cta, stream); \
+    return g128 ? launch_split<B, 1, 2>(ksplit, depth, mode, qw, meta, x, bias, y, M, N, K, tiles_per_cta, stream)    \
+                : launch_split<B, 1, 1>(ksplit, depth, mode, qw, meta, x, bias, y, M, N, K, tiles_per_cta, stream);
+    if (bf16) {
+        EDGEVLM_W4A16_TYPE(true)
+    }
+    EDGEVLM_W4A16_TYPE(false)
+#undef EDGEVLM_W4A16_TYPE
+}
+
+}  // namespace edgevlm_w4a16

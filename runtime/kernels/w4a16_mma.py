@@ -1,0 +1,319 @@
+"""W4A16 decode GEMM on the tensor cores (CUDA C++, M = 1..16 rows): build, availability, call, reference.
+
+The kernel (``w4a16_mma.cu``, bound to torch by ``w4a16_mma_ext.cpp``) reads the weights in the
+tensor-core layout of :func:`edgevlm.runtime.int4_format.repack_int4_mma` (``MMA_LAYOUT_VERSION``):
+one 16-byte load per lane is four ``mma.m16n8k16`` A fragments, nibbles become the exact bf16/fp16
+``q - zero`` with one mask-or and one fma (the "magic number" conversion), the scale is applied to the
+fp32 group sums after the
+mma, each warp keeps DEPTH groups of 16-byte weight loads in flight in a register ring, and the K axis
+is split over a CTA's warps with a fixed-order reduction (bit-stable). The
+techniques are Marlin's (Frantar et al., "MARLIN: Mixed-Precision Auto-Regressive Parallel Inference
+on Large Language Models", 2024); the code is this project's own.
+
+The extension is compiled on first use (~30 s on the H200's host; longer on an Orin) with torch's
+``cpp_extension.load`` for the GPU's own architecture (sm_80 and newer; ``EDGEVLM_CUDA_ARCH=8.7``
+overrides, e.g. to build for an Orin ahead of time) into :func:`kernel_cache_dir`. :func:`mma_status` says whether it
+builds, loads and passes a correctness probe on a device, and why not: callers fall back to torch's
+tinygemm (see :class:`edgevlm.runtime.int4.Int4Linear`).
+
+:func:`w4a16_mma_reference` is the kernel's arithmetic in PyTorch, read off the same layout by the
+fragment tables (the CPU tests check it against a dequantized matmul).
+
+Build ahead of time (e.g. from ``jetson/install.sh``): ``python -m edgevlm.runtime.kernels.w4a16_mma --build``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from edgevlm.runtime.int4_format import MMA_LAYOUT_VERSION, check_mma_shape
+
+logger = logging.getLogger(__name__)
+
+MMA_MAX_M = 16
+"""Activation rows up to which the kernel serves (decode and batched decode)."""
+MMA_CONFIGS = ((4, 2), (4, 4), (4, 8), (8, 2), (8, 4), (16, 2), (16, 4))
+"""``(KSPLIT warps per CTA, DEPTH groups of weight loads in flight per warp)`` pairs compiled into the
+kernel; a launch configuration adds ``TILES_PER_CTA`` (16-row tiles one CTA streams, >= 1). Every pair
+runs on every sm_80+ GPU (at most 512 threads and 30 KB of static shared memory per CTA)."""
+DEFAULT_CONFIG = (8, 2, 1)
+"""The launch configuration for shapes the sweep did not measure (among the best on most H200 shapes)."""
+CONFIGS_FILE = Path(__file__).with_name("w4a16_mma_configs.json")
+SOURCES = ("w4a16_mma.cu", "w4a16_mma_ext.cpp")
+MIN_CAPABILITY = (8, 0)  # mma.m16n8k16 bf16 and fma.rn.bf16x2 need sm_80
+
+
+class MmaKernelUnavailable(RuntimeError):
+    """The tensor-core W4A16 kernel cannot run here (no CUDA, no compiler, old GPU, failed build/probe)."""
+
+
+def _arch(device: torch.device) -> str:
+    """``"8.7"``-style architecture to build for: ``EDGEVLM_CUDA_ARCH`` or the device's capability."""
+    env = os.environ.get("EDGEVLM_CUDA_ARCH", "").strip()
+    if env:
+        return env
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{major}.{minor}"
+
+
+def _source_dir() -> Path:
+    return Path(__file__).resolve().parent
+
+
+_BUILD_LOCK = threading.Lock()
+
+
+def kernel_cache_dir() -> Path | None:
+    """Where the extension is built: ``EDGEVLM_KERNEL_CACHE``, else ``<venv>/var/cache/edgevlm-kernels``
+    when that folder exists (``jetson/install.sh`` builds there), else None (torch's extension cache,
+    ``TORCH_EXTENSIONS_DIR``)."""
+    env = os.environ.get("EDGEVLM_KERNEL_CACHE", "").strip()
+    if env:
+        return Path(env)
+    venv_cache = Path(sys.prefix) / "var" / "cache" / "edgevlm-kernels"
+    return venv_cache if venv_cache.is_dir() else None
+
+
+@functools.cache
+def _build(arch: str):
+    """Compile (or load from torch's extension cache) the extension for ``arch``; raises
+    ``MmaKernelUnavailable`` with the reason."""
+    try:
+        from torch.utils import cpp_extension
+    except ImportError as exc:  # pragma: no cover - part of torch
+        raise MmaKernelUnavailable(f"torch.utils.cpp_extension unavailable: {exc}") from exc
+    if cpp_extension.CUDA_HOME is None:
+        raise MmaKernelUnavailable("no CUDA toolkit (nvcc) found: set CUDA_HOME")
+    try:
+        major, minor = (int(v) for v in arch.split("."))
+    except ValueError as exc:
+        raise MmaKernelUnavailable(f"bad CUDA architecture {arch!r} (expected e.g. 8.7)") from exc
+    if (major, minor) < MIN_CAPABILITY:
+        raise MmaKernelUnavailable(f"sm_{major}{minor} is older than sm_80 (no bf16 mma)")
+    cc = f"{major}{minor}"
+    src = _source_dir()
+    name = f"edgevlm_w4a16_mma_v{MMA_LAYOUT_VERSION}_sm{cc}"
+    build_dir = kernel_cache_dir()
+    try:
+        if build_dir is not None:
+            build_dir = build_dir / name
+            build_dir.mkdir(parents=True, exist_ok=True)
+        return cpp_extension.load(
+            name=name,
+            build_directory=str(build_dir) if build_dir is not None else None,
+            sources=[str(src / s) for s in SOURCES],
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=["-O3", "-std=c++17", f"-gencode=arch=compute_{cc},code=sm_{cc}"],
+            verbose=False,
+        )
+    except (RuntimeError, OSError, ImportError, SystemExit) as exc:  # compiler missing/failing, bad cache
+        raise MmaKernelUnavailable(f"building the W4A16 mma extension for sm_{cc} failed: {exc}") from exc
+
+
+_LOADED: dict[int, object] = {}  # CUDA device index -> extension module
+
+
+def load_extension(device: torch.device | str | None = None):
+    """The compiled extension module for ``device`` (default: the current CUDA device); raises
+    :class:`MmaKernelUnavailable`."""
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    index = dev.index
+    if index is not None and index in _LOADED:  # the per-call fast path
+        return _LOADED[index]
+    if dev.type != "cuda":
+        raise MmaKernelUnavailable(f"the kernel runs on CUDA devices, not {dev.type}")
+    if not torch.cuda.is_available():
+        raise MmaKernelUnavailable("CUDA is not available")
+    if index is None:
+        index = torch.cuda.current_device()
+        if index in _LOADED:
+            return _LOADED[index]
+    with _BUILD_LOCK:
+        ext = _build(_arch(torch.device("cuda", index)))
+    _LOADED[index] = ext
+    return ext
+
+
+_STATUS: dict[str, str | None] = {}  # device string -> None (usable) or the reason it is not
+
+
+def mma_status(device: torch.device | str) -> str | None:
+    """``None`` when the kernel is usable on ``device`` (built, loaded, and a probe matched a float64
+    reference at M = 1 and 9 for both group sizes), else the reason it is not. Checked once per device."""
+    dev = torch.device(device)
+    key = str(dev) if dev.type != "cuda" or dev.index is not None else f"cuda:{torch.cuda.current_device()}"
+    if key in _STATUS:
+        return _STATUS[key]
+    reason: str | None
+    try:
+        if dev.type != "cuda":
+            raise MmaKernelUnavailable(f"the kernel runs on CUDA devices, not {dev.type}")
+        load_extension(dev)
+        reason = _probe(torch.device(key))
+    except MmaKernelUnavailable as exc:
+        reason = str(exc)
+    _STATUS[key] = reason
+    return reason
+
+
+def _probe(dev: torch.device) -> str | None:
+    from edgevlm.runtime.int4_format import dequantize_int4, quantize_int4, repack_int4_mma
+
+    gen = torch.Generator().manual_seed(0)
+    for g in (64, 128):
+        w = torch.randn(48, 512, generator=gen)
+        qw = quantize_int4(w, g)
+        packed, meta = repack_int4_mma(qw.qweight.to(dev), qw.scales.to(dev), qw.zeros.to(dev), g)
+        ref_w = dequantize_int4(qw.qweight, qw.scales, qw.zeros, g, torch.float64)
+        for m in (1, 9):
+            x = torch.randn(m, 512, generator=gen).to(torch.bfloat16)
+            try:
+                y = w4a16_mma(x.to(dev), packed, meta, g).double().cpu()
+            except (RuntimeError, ValueError) as exc:
+                return f"the W4A16 mma kernel failed its probe: {exc}"
+            ref = x.double() @ ref_w.T
+            err = float((y - ref).norm() / ref.norm())
+            if not err < 1e-2:
+                return f"the W4A16 mma kernel gives wrong results (rel err {err:.2e} at M={m}, g={g})"
+    return None
+
+
+M_BUCKETS = (1, 8, 16)
+
+
+@functools.cache
+def tuned_configs() -> dict[str, dict[str, list[int]]]:
+    """Measured best ``[KSPLIT, DEPTH, TILES_PER_CTA]`` per weight shape ``"NxKgG"`` and M bucket,
+    written from ``bench/w4a16_marlin.py --sweep`` on an H200 ({} when the file is absent)."""
+    try:
+        data = json.loads(CONFIGS_FILE.read_text())
+        return {str(key): {str(m): [int(v) for v in cfg] for m, cfg in row.items()}
+                for key, row in data.get("configs", {}).items()}
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        logger.debug("no tuned W4A16 mma configs (%s): heuristic only", exc)
+        return {}
+
+
+def mma_config(m: int, n: int, k: int, group_size: int) -> tuple[int, int, int]:
+    """``(KSPLIT, DEPTH, TILES_PER_CTA)`` for an ``(m, k) x (n, k)^T`` product: the H200 sweep's best
+    for this shape and M bucket (``w4a16_mma_configs.json``), else :data:`DEFAULT_CONFIG`."""
+    bucket = next((b for b in M_BUCKETS if m <= b), M_BUCKETS[-1])
+    tuned = tuned_configs().get(f"{n}x{k}g{group_size}", {}).get(str(bucket))
+    if tuned is not None and len(tuned) == 3 and tuple(tuned[:2]) in MMA_CONFIGS and tuned[2] >= 1:
+        return tuned[0], tuned[1], tuned[2]
+    return DEFAULT_CONFIG
+
+
+def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size: int,
+              bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None,
+              *, mode: int = 0) -> torch.Tensor:
+    """``x (M, K)`` bf16/fp16 (``M <= 16``) times the INT4 weight in the mma layout, transposed, plus
+    ``bias`` (float32 ``(N,)``): ``(M, N)`` in ``x.dtype``, fp32 accumulation, bit-stable.
+
+    ``qw``/``meta`` come from :func:`~edgevlm.runtime.int4_format.repack_int4_mma`. Raises
+    ``ValueError`` for bad shapes/dtypes and :class:`MmaKernelUnavailable` where the extension is
+    absent. ``config`` overrides :func:`mma_config` (tuning); ``mode=1`` is the loads-only diagnostic
+    of the benchmark (streams the weights, computes nothing meaningful)."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MMA_MAX_M:
+        raise ValueError(f"x must be (M, K) with 1 <= M <= {MMA_MAX_M}, got {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"x must be bfloat16 or float16, got {x.dtype}")
+    if qw.dtype != torch.int32 or qw.dim() != 4 or tuple(qw.shape[2:]) != (32, 4):
+        raise ValueError(f"qw must be int32 (N/16, K/64, 32, 4), got {qw.dtype} {tuple(qw.shape)}")
+    n, k = int(qw.shape[0]) * 16, int(qw.shape[1]) * 64
+    check_mma_shape(n, k, group_size)
+    if x.shape[1] != k:
+        raise ValueError(f"x must be (M, {k}), got {tuple(x.shape)}")
+    if tuple(meta.shape) != (n // 16, k // group_size, 16) or meta.dtype != torch.int32:
+        raise ValueError(f"meta must be int32 ({n // 16}, {k // group_size}, 16), got {meta.dtype} {tuple(meta.shape)}")
+    if bias is not None and (bias.dtype != torch.float32 or bias.numel() != n):
+        raise ValueError(f"bias must be float32 ({n},)")
+    ksplit, depth, tiles_per_cta = config or mma_config(x.shape[0], n, k, group_size)
+    if (ksplit, depth) not in MMA_CONFIGS or tiles_per_cta < 1:
+        raise ValueError(f"config must be (KSPLIT, DEPTH) in {MMA_CONFIGS} plus TILES_PER_CTA >= 1, "
+                         f"got {(ksplit, depth, tiles_per_cta)}")
+    ext = load_extension(x.device)
+    return ext.w4a16_mma(x.contiguous(), qw, meta, bias, group_size, ksplit, depth, tiles_per_cta, mode)
+
+
+def w4a16_mma_reference(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size: int,
+                        bias: torch.Tensor | None = None, compute: torch.dtype = torch.float64) -> torch.Tensor:
+    """The kernel's arithmetic in PyTorch on the mma layout: ``(M, N)`` in ``compute``.
+
+    Reads every lane's words as ``mma.m16n8k16`` fragments by the PTX ISA's tables (A element of
+    register ``r``, half ``e``: row ``g + 8 (r & 1)``, column ``2t + 8 (r >> 1) + e``; B register ``h``
+    of lane ``(g, t)`` for k-tile ``j``: rows ``2t + 8h + e``, batch column ``g``, loaded from channels
+    ``16t + 4j + 2h + e`` of the 64-block), forms ``q - zero`` per element (exact, as the kernel's
+    magic-number conversion and fma), sums each group's 16 x 16 x M tile products, scales the group
+    sums by the fp16 scale, and adds ``bias``.
+    """
+    nt, kb = int(qw.shape[0]), int(qw.shape[1])
+    m = x.shape[0]
+    gt = group_size // 64  # 64-blocks per group
+    words = qw.to(torch.int64) & 0xFFFFFFFF  # (NT, KB, lane, j)
+    shifts = torch.arange(8, dtype=torch.int64) * 4
+    nib = (words.unsqueeze(-1) >> shifts) & 0xF  # (NT, KB, lane, j, p)
+    lane = torch.arange(32)
+    g, t = lane // 4, lane % 4
+    p = torch.arange(8)
+    r, e = p & 3, p >> 2
+    a_row = (g[:, None] + 8 * (r[None, :] & 1))  # (lane, p)
+    a_col = (2 * t[:, None] + 8 * (r[None, :] >> 1) + e[None, :])  # (lane, p)
+    a_tiles = torch.zeros(nt, kb, 4, 16, 16, dtype=compute)
+    a_tiles[:, :, :, a_row, a_col] = nib.permute(0, 1, 3, 2, 4).to(compute)  # (NT, KB, j, row, col)
+    # zero point per (tile row, group): subtracted before the mma, as the kernel's fma does
+    zeros = ((meta.to(torch.int64) >> 16) & 0xF).to(compute)  # (NT, G, 16)
+    scales = (meta.to(torch.int64) & 0xFFFF).to(torch.int16).view(torch.float16).to(compute)  # (NT, G, 16)
+    a_tiles -= zeros.repeat_interleave(gt, dim=1)[:, :, None, :, None]
+    # B tiles: (KB, j, 16 fragment rows, M) from the lane mapping of the activations
+    xs = x.to(compute).reshape(m, kb, 64)
+    hh = torch.arange(2)
+    ee = torch.arange(2)
+    jj = torch.arange(4)
+    tt = torch.arange(4)
+    b_row = 2 * tt[:, None, None] + 8 * hh[None, :, None] + ee[None, None, :]  # (t, h, e)
+    chan = 16 * tt[:, None, None, None] + 4 * jj[None, :, None, None] + 2 * hh[None, None, :, None] \
+        + ee[None, None, None, :]  # (t, j, h, e)
+    b_tiles = torch.zeros(kb, 4, 16, m, dtype=compute)
+    for j in range(4):
+        b_tiles[:, j, b_row.reshape(-1), :] = xs[:, :, chan[:, j].reshape(-1)].permute(1, 2, 0)
+    prod = torch.einsum("nbjrc,bjcm->nbrm", a_tiles, b_tiles)  # (NT, KB, 16, M): sums of 4 k-tiles
+    group_sum = prod.reshape(nt, kb // gt, gt, 16, m).sum(dim=2)  # (NT, G, 16, M): sum (q - zero) x
+    y = (group_sum * scales[..., None]).sum(dim=1).reshape(nt * 16, m).T  # (M, N)
+    if bias is not None:
+        y = y + bias.to(compute)
+    return y
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``--build``: compile the extension for this machine's GPU (or ``EDGEVLM_CUDA_ARCH``) now."""
+    ap = argparse.ArgumentParser(description="build/check the W4A16 tensor-core kernel")
+    ap.add_argument("--build", action="store_true", help="compile the extension now (needs CUDA and nvcc)")
+    args = ap.parse_args(argv)
+    if not args.build:
+        ap.print_help()
+        return 0
+    try:
+        if os.environ.get("EDGEVLM_CUDA_ARCH") and not torch.cuda.is_available():
+            with _BUILD_LOCK:
+                _build(os.environ["EDGEVLM_CUDA_ARCH"])
+        else:
+            load_extension()
+    except MmaKernelUnavailable as exc:
+        print(f"w4a16_mma: not built: {exc}", file=sys.stderr)
+        return 1
+    print("w4a16_mma: built")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

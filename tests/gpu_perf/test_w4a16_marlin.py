@@ -1,0 +1,194 @@
+"""The tensor-core W4A16 kernel (issue 15): its INT4 layout, its arithmetic in PyTorch, the dispatch in
+``Int4Linear`` and its fallback log line on CPU; the CUDA kernel itself where a GPU is present (speed is
+bench/w4a16_marlin.py's)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from edgevlm.runtime import int4  # noqa: E402
+from edgevlm.runtime.int4_format import (  # noqa: E402
+    dequantize_int4,
+    quantize_int4,
+    repack_int4_mma,
+    unpack_int4,
+    unpack_int4_mma,
+)
+from edgevlm.runtime.kernels import w4a16_mma as mk  # noqa: E402
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize(("n", "k", "g"), [(16, 128, 128), (48, 384, 128), (32, 192, 64), (64, 256, 64)])
+def test_repack_round_trip_is_exact(n, k, g):
+    gen = torch.Generator().manual_seed(n + k + g)
+    qw = quantize_int4(torch.randn(n, k, generator=gen), g)
+    packed, meta = repack_int4_mma(qw.qweight, qw.scales, qw.zeros, g)
+    assert packed.dtype == torch.int32 and tuple(packed.shape) == (n // 16, k // 64, 32, 4)
+    assert meta.dtype == torch.int32 and tuple(meta.shape) == (n // 16, k // g, 16)
+    back = unpack_int4_mma(packed, meta, g)
+    assert torch.equal(back.qweight, qw.qweight)
+    assert torch.equal(back.scales, qw.scales)
+    assert torch.equal(back.zeros, qw.zeros)
+
+
+def test_repack_places_each_nibble_where_the_fragment_tables_say():
+    """Word j of lane L (g = L // 4, t = L % 4), nibble p = 4e + 2h + rb holds
+    q[16 nt + 8 rb + g, 64 kb + 16 t + 4 j + 2 h + e] (the documented layout, checked element by element)."""
+    n, k, g = 32, 128, 64
+    codes = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(3), dtype=torch.uint8)
+    qweight = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    packed, _ = repack_int4_mma(qweight, torch.ones(n, k // g, dtype=torch.float16),
+                                torch.zeros(n, k // g, dtype=torch.uint8), g)
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    for nt in range(n // 16):
+        for kb in range(k // 64):
+            for lane in range(32):
+                gg, t = lane // 4, lane % 4
+                for j in range(4):
+                    w = int(words[nt, kb, lane, j])
+                    for p in range(8):
+                        e, h, rb = p >> 2, (p >> 1) & 1, p & 1
+                        assert (w >> (4 * p)) & 0xF == int(codes[16 * nt + 8 * rb + gg, 64 * kb + 16 * t + 4 * j + 2 * h + e])
+
+
+def test_repack_rejects_shapes_the_layout_cannot_hold():
+    qw = quantize_int4(torch.randn(24, 256), 128)
+    with pytest.raises(ValueError, match="out_features % 16"):
+        repack_int4_mma(qw.qweight, qw.scales, qw.zeros, 128)
+    qw = quantize_int4(torch.randn(16, 256), 32)
+    with pytest.raises(ValueError, match="group_size in"):
+        repack_int4_mma(qw.qweight, qw.scales, qw.zeros, 32)
+
+
+@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize(("g", "dtype"), [(128, torch.bfloat16), (64, torch.float16)])
+def test_reference_math_on_the_layout_matches_the_dequantized_matmul(m, g, dtype):
+    gen = torch.Generator().manual_seed(m * g)
+    n, k = 48, 512
+    qw = quantize_int4(torch.randn(n, k, generator=gen), g)
+    packed, meta = repack_int4_mma(qw.qweight, qw.scales, qw.zeros, g)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen)
+    ref = x.double() @ dequantize_int4(qw.qweight, qw.scales, qw.zeros, g, torch.float64).T + bias.double()
+    y = mk.w4a16_mma_reference(x, packed, meta, g, bias)
+    assert _rel(y, ref) < 1e-12
+    # float32 (the kernel's accumulator type) stays far inside the 3e-3 budget
+    assert _rel(mk.w4a16_mma_reference(x, packed, meta, g, bias, compute=torch.float32), ref) < 1e-5
+    # a wrong layout reading is caught: swapping two lanes' words changes the result
+    broken = packed.clone()
+    broken[:, :, [0, 5]] = broken[:, :, [5, 0]]
+    assert _rel(mk.w4a16_mma_reference(x, broken, meta, g, bias), ref) > 1e-3
+
+
+def test_wrapper_rejects_bad_arguments():
+    qw = quantize_int4(torch.randn(32, 256), 128)
+    packed, meta = repack_int4_mma(qw.qweight, qw.scales, qw.zeros, 128)
+    with pytest.raises(ValueError, match="1 <= M <= 16"):
+        mk.w4a16_mma(torch.randn(17, 256).bfloat16(), packed, meta, 128)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        mk.w4a16_mma(torch.randn(1, 256), packed, meta, 128)
+    with pytest.raises(ValueError, match=r"x must be \(M, 256\)"):
+        mk.w4a16_mma(torch.randn(1, 128).bfloat16(), packed, meta, 128)
+    with pytest.raises(ValueError, match="meta must be"):
+        mk.w4a16_mma(torch.randn(1, 256).bfloat16(), packed, meta[:, :1].contiguous(), 128)
+    with pytest.raises(ValueError, match="config must be"):
+        mk.w4a16_mma(torch.randn(1, 256).bfloat16(), packed, meta, 128, config=(3, 4, 1))
+    with pytest.raises(mk.MmaKernelUnavailable, match="CUDA"):
+        mk.w4a16_mma(torch.randn(1, 256).bfloat16(), packed, meta, 128, config=(8, 4, 1))
+
+
+def test_launch_config_comes_from_the_sweep_table():
+    assert mk.mma_config(1, 16, 128, 128) == mk.DEFAULT_CONFIG  # an untuned shape
+    table = mk.tuned_configs()
+    assert "4096x11008g128" in table  # the H200 sweep's file ships with the package
+    for row in table.values():
+        for cfg in row.values():
+            assert tuple(cfg[:2]) in mk.MMA_CONFIGS and cfg[2] >= 1
+    assert mk.mma_config(1, 4096, 11008, 128) == tuple(table["4096x11008g128"]["1"])
+
+
+def test_cpu_falls_back_with_one_log_line(caplog, monkeypatch):
+    monkeypatch.setattr(int4, "_MMA_FALLBACK_LOGGED", set())
+    mod = int4.Int4Linear.from_linear(torch.nn.Linear(256, 32), 128)
+    x = torch.randn(2, 256)
+    ref = x.double() @ mod.dequantized_weight(torch.float64).T + mod.bias.double()
+    with caplog.at_level(logging.INFO, logger="edgevlm.runtime.int4"):
+        for kernel in ("auto", "mma"):
+            int4.set_int4_kernel(mod, kernel)
+            assert mod.execution_path(2, torch.device("cpu")) != "mma"
+            assert _rel(mod(x), ref) < 1e-2
+    lines = [r for r in caplog.records if "tensor-core kernel unavailable" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in caplog.records]
+    assert "cpu" in lines[0].getMessage() and "tinygemm" in lines[0].getMessage()
+
+
+def test_env_switch_disables_the_kernel(monkeypatch, caplog):
+    monkeypatch.setattr(int4, "_MMA_FALLBACK_LOGGED", set())
+    monkeypatch.setenv("EDGEVLM_W4A16_MMA", "0")
+    with caplog.at_level(logging.INFO, logger="edgevlm.runtime.int4"):
+        assert not int4.mma_kernel_ok(torch.device("cpu"), 32, 256, 128)
+    assert any("EDGEVLM_W4A16_MMA=0" in r.getMessage() for r in caplog.records)
+    # a layer the layout cannot hold is refused without a log line (the kernel may serve others)
+    caplog.clear()
+    assert not int4.mma_kernel_ok(torch.device("cpu"), 24, 256, 128)
+    assert not caplog.records
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize(("g", "dtype"), [(128, torch.bfloat16), (64, torch.bfloat16), (128, torch.float16)])
+def test_cuda_kernel_matches_float64_and_is_bit_stable(m, g, dtype):
+    if mk.mma_status("cuda") is not None:
+        pytest.skip(f"kernel unavailable: {mk.mma_status('cuda')}")
+    gen = torch.Generator(device="cuda").manual_seed(m * g)
+    n, k = 1024, 2048
+    qw = quantize_int4(torch.randn(n, k, device="cuda", generator=gen) * 0.02, g)
+    packed, meta = repack_int4_mma(qw.qweight, qw.scales, qw.zeros, g)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+    bias = torch.randn(n, device="cuda", generator=gen)
+    ref = x.double() @ dequantize_int4(qw.qweight, qw.scales, qw.zeros, g, torch.float64).T + bias.double()
+    for cfg in [(*kd, tpc) for kd in mk.MMA_CONFIGS for tpc in (1, 3)]:
+        outs = [mk.w4a16_mma(x, packed, meta, g, bias, config=cfg) for _ in range(2)]
+        assert torch.isfinite(outs[0]).all()
+        assert _rel(outs[0], ref) <= 3e-3, cfg
+        assert torch.equal(outs[0], outs[1]), cfg
+    # the PyTorch reference of the layout agrees with the kernel to fp32/bf16 rounding
+    ref_layout = mk.w4a16_mma_reference(x.cpu(), packed.cpu(), meta.cpu(), g, bias.cpu())
+    assert _rel(outs[0].cpu(), ref_layout) <= 3e-3
+
+
+@needs_cuda
+def test_int4linear_uses_the_kernel_for_decode_on_cuda():
+    if mk.mma_status("cuda") is not None:
+        pytest.skip(f"kernel unavailable: {mk.mma_status('cuda')}")
+    lin = torch.nn.Linear(2048, 1024, device="cuda", dtype=torch.bfloat16)
+    mod = int4.Int4Linear.from_linear(lin, 128)
+    dev = torch.device("cuda")
+    assert [mod.execution_path(m, dev) for m in (1, 16)] == ["mma", "mma"]
+    assert mod.execution_path(17, dev) != "mma"
+    x = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)
+    ref = x.double() @ mod.dequantized_weight(torch.float64).T + mod.bias.double()
+    assert _rel(mod(x), ref) <= 3e-3
+    assert int4.prepare_int4_kernels(mod) == 1
+    # unpack of the cached layout gives the canonical buffers back
+    back = unpack_int4_mma(mod._mma_tensors()[0], mod._mma_tensors()[1], 128)
+    assert torch.equal(unpack_int4(back.qweight), unpack_int4(mod.qweight))
+
+
+def test_kernel_cache_dir_prefers_the_env_then_the_venv_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("EDGEVLM_KERNEL_CACHE", str(tmp_path / "k"))
+    assert mk.kernel_cache_dir() == tmp_path / "k"
+    monkeypatch.delenv("EDGEVLM_KERNEL_CACHE")
+    monkeypatch.setattr(mk.sys, "prefix", str(tmp_path))
+    assert mk.kernel_cache_dir() is None  # no venv folder: torch's extension cache
+    (tmp_path / "var" / "cache" / "edgevlm-kernels").mkdir(parents=True)
+    assert mk.kernel_cache_dir() == tmp_path / "var" / "cache" / "edgevlm-kernels"
