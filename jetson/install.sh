@@ -48,7 +48,7 @@ SERVICE_USER=edgevlm
 SERVICE_GROUPS=(video render audio)
 DEFAULT_EXEC=/opt/edgevlm/venv/bin/edgevlm
 # The "runtime" extra of pyproject.toml minus torch and opencv-python-headless (tests/jetson checks this).
-JETSON_RUNTIME_DEPS=("safetensors>=0.4" "tokenizers>=0.15" "jinja2>=3.1")
+JETSON_RUNTIME_DEPS=("safetensors>=0.4" "tokenizers>=0.15" "jinja2>=3.1" "pillow>=10")
 
 log() { printf 'install.sh: %s\n' "$*"; }
 die() {
