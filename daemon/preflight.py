@@ -72,14 +72,15 @@ def check_model(cfg: DaemonConfig, *, verify_hashes: bool = True) -> None:
     try:
         from edgevlm.model_folder import read_json
         from edgevlm.runtime.bundle import is_bundle, read_manifest, verify_bundle
-        from edgevlm.runtime.config import parse_config
+        from edgevlm.runtime.models import family_for
         from edgevlm.runtime.tokenizer import VLMTokenizer
 
         if is_bundle(path) and verify_hashes:
             verify_bundle(path)  # manifest paths and every file's SHA-256
         elif is_bundle(path):
             read_manifest(path)
-        model_cfg = parse_config(read_json(path / "config.json"))  # what the loader parses (torch-free)
+        raw = read_json(path / "config.json")
+        model_cfg = family_for(raw).parse_config(raw)  # what the loader parses (torch-free)
         VLMTokenizer.from_dir(path, model_cfg.image_token_id)
     except ModelLoadError as exc:
         raise ConfigError(f"model.path: {exc.message}") from None

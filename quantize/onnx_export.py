@@ -83,7 +83,7 @@ class _Weights:
         from safetensors import safe_open
 
         from edgevlm.runtime.loader import compile_weight_rules, map_weight_name, weight_files
-        from edgevlm.runtime.models.llava.model import WEIGHT_RULES
+        from edgevlm.runtime.models.llava.weights import WEIGHT_RULES
 
         rules = compile_weight_rules(WEIGHT_RULES)
         self.t: dict[str, torch.Tensor] = {}

@@ -26,7 +26,8 @@ from torch import nn
 
 from edgevlm.runtime.loader import compile_weight_rules, map_weight_name
 from edgevlm.runtime.models.llava.config import LlavaConfig, parse_config
-from edgevlm.runtime.models.llava.model import WEIGHT_RULES, LlavaModel
+from edgevlm.runtime.models.llava.model import LlavaModel
+from edgevlm.runtime.models.llava.weights import WEIGHT_RULES
 
 logger = logging.getLogger(__name__)
 

@@ -24,9 +24,10 @@ pytest.importorskip("PIL")
 
 from edgevlm.errors import InvalidImageError, InvalidRequestError, ModelLoadError  # noqa: E402
 from edgevlm.runtime.models.qwen2_5_vl.config import parse_config  # noqa: E402
-from edgevlm.runtime.models.qwen2_5_vl.model import WEIGHT_RULES, Qwen25VLModel  # noqa: E402
+from edgevlm.runtime.models.qwen2_5_vl.model import Qwen25VLModel  # noqa: E402
 from edgevlm.runtime.models.qwen2_5_vl.processor import Qwen25VLProcessor  # noqa: E402
 from edgevlm.runtime.models.qwen2_5_vl.vision import vision_layout  # noqa: E402
+from edgevlm.runtime.models.qwen2_5_vl.weights import WEIGHT_RULES  # noqa: E402
 from edgevlm.runtime.models.qwen_vl.preprocess import (  # noqa: E402
     QwenPixelConfig,
     read_pixel_configs,
@@ -521,7 +522,9 @@ def test_family_is_registered():
     with pytest.raises(ModelLoadError, match=r"supported: .*qwen2_5_vl \(qwen2_5_vl\)"):
         family_for({"model_type": "qwen9_vl"})
     assert family.model_types == ("qwen2_5_vl",) and family.supports_video
-    assert family.build_model is Qwen25VLModel and family.weight_rules is WEIGHT_RULES
+    assert family.weight_rules is WEIGHT_RULES
+    with torch.device("meta"):  # the family builds our model (imported only then: the registry is torch-free)
+        assert isinstance(family.build_model(parse_config(HUB_3B_CONFIG)), Qwen25VLModel)
 
 
 # ---- through the Engine and the CLI -----------------------------------------------------------------------

@@ -230,7 +230,7 @@ def _ours(ck: Checkpoint) -> Qwen3VLModel:
 
     from safetensors.torch import load_file
 
-    from edgevlm.runtime.models.qwen3_vl.model import WEIGHT_RULES
+    from edgevlm.runtime.models.qwen3_vl.weights import WEIGHT_RULES
 
     state = {}
     for name, tensor in load_file(ck.folder / "model.safetensors").items():

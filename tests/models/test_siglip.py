@@ -15,11 +15,8 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
 from edgevlm.errors import ModelLoadError  # noqa: E402
-from edgevlm.runtime.models.blocks.siglip import (  # noqa: E402
-    WEIGHT_RULES,
-    SiglipVisionTransformer,
-    parse_siglip_vision_config,
-)
+from edgevlm.runtime.models.blocks.siglip import WEIGHT_RULES, SiglipVisionTransformer  # noqa: E402
+from edgevlm.runtime.models.blocks.siglip_config import parse_siglip_vision_config  # noqa: E402
 
 TOL = 1e-4
 

@@ -8,17 +8,31 @@ Files: :mod:`.config` (``config.json``), :mod:`.model` (modules and the weight-n
 
 from __future__ import annotations
 
+from typing import Any
+
 from edgevlm.runtime.models.base import ModelFamily
 from edgevlm.runtime.models.llava.config import parse_config
-from edgevlm.runtime.models.llava.model import OPTIONAL_PREFIXES, WEIGHT_RULES, LlavaModel
-from edgevlm.runtime.models.llava.processor import make_processor
+from edgevlm.runtime.models.llava.weights import OPTIONAL_PREFIXES, WEIGHT_RULES
+
+
+def build_model(cfg: Any) -> Any:
+    # torch is imported when a model is built, not when the registry lists the families
+    from edgevlm.runtime.models.llava.model import LlavaModel
+
+    return LlavaModel(cfg)
+
+
+def make_processor(files: Any) -> Any:
+    from edgevlm.runtime.models.llava.processor import make_processor as make
+
+    return make(files)
 
 FAMILY = ModelFamily(
     name="llava",
     model_types=("llava",),
     parse_config=parse_config,
     weight_rules=WEIGHT_RULES,
-    build_model=LlavaModel,
+    build_model=build_model,
     make_processor=make_processor,
     supports_video=False,
     optional_prefixes=OPTIONAL_PREFIXES,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from edgevlm.errors import ModelLoadError
 from edgevlm.runtime.config import SUPPORTED_ACTIVATIONS, TextConfig, get_typed, int_list, parse_text_config
-from edgevlm.runtime.models.blocks.siglip import SiglipVisionConfig, parse_siglip_vision_config
+from edgevlm.runtime.models.blocks.siglip_config import SiglipVisionConfig, parse_siglip_vision_config
 
 #: vision tower model types a LLaVA checkpoint may have
 VISION_MODEL_TYPES = ("clip_vision_model", "siglip_vision_model")

@@ -21,15 +21,6 @@ from edgevlm.runtime.models.qwen2_5_vl.config import Qwen25VLConfig
 from edgevlm.runtime.models.qwen2_5_vl.vision import Qwen25VisionTower
 from edgevlm.runtime.models.qwen_vl.rope import VisionSpan, mrope_cos_sin, mrope_position_ids
 
-#: (regex on the checkpoint tensor name, replacement giving our parameter name | None = not needed).
-WEIGHT_RULES: tuple[tuple[str, str | None], ...] = (
-    (r"(^|\.)rotary_emb\.inv_freq$", None),
-    (r"^(?:model\.)?visual\.(.+)$", r"visual.\1"),
-    (r"^model\.language_model\.(.+)$", r"language_model.\1"),
-    (r"^model\.((?:embed_tokens|layers|norm)\..+)$", r"language_model.\1"),
-    (r"^lm_head\.(.+)$", r"language_model.lm_head.\1"),
-)
-
 
 class Qwen25VLModel(nn.Module):
     """Qwen2.5-VL for generation: ``encode_vision`` -> ``embed`` -> ``position_ids`` -> ``prefill`` ->

@@ -150,14 +150,3 @@ class Qwen3VLModel(nn.Module):
         return self.prefill(embeds, position_ids=pos, all_logits=True)
 
 
-#: Checkpoint tensor name -> our parameter name (``re.sub`` replacement; None = not needed). Layouts:
-#: transformers 5.x / the hub's Qwen3-VL (``model.visual.*``, ``model.language_model.*``, ``lm_head.*``)
-#: and the older top-level ``visual.*`` / ``model.{layers,embed_tokens,norm}.*`` spelling.
-WEIGHT_RULES: tuple[tuple[str, str | None], ...] = (
-    (r"^model\.visual\.(.+)$", r"visual.\1"),
-    (r"^visual\.(.+)$", r"visual.\1"),
-    (r"^model\.language_model\.(.+)$", r"language_model.\1"),
-    (r"^model\.((?:layers|embed_tokens|norm)\..+)$", r"language_model.\1"),
-    (r"^lm_head\.(.+)$", r"language_model.lm_head.\1"),
-    (r".*rotary_emb\.inv_freq$", None),
-)

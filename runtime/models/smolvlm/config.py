@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from edgevlm.errors import ModelLoadError
 from edgevlm.runtime.config import TextConfig, get_typed, parse_text_config
-from edgevlm.runtime.models.blocks.siglip import SiglipVisionConfig, parse_siglip_vision_config
+from edgevlm.runtime.models.blocks.siglip_config import SiglipVisionConfig, parse_siglip_vision_config
 
 MODEL_TYPES = ("smolvlm", "idefics3")
 VISION_MODEL_TYPES = ("smolvlm_vision", "idefics3_vision")
