@@ -158,6 +158,7 @@ class Daemon:
             on_ready=self._on_broker_ready,
             on_connection=self._on_connection,
         )
+        self.http = self._make_http(engine)
         self.telemetry_topic = telemetry_topic(config.mqtt.prefix, config.mqtt.device_id)
         self.telemetry = self._make_telemetry()
         self.throttle, self.tegrastats = self._make_tegrastats()
@@ -174,6 +175,21 @@ class Daemon:
         from edgevlm.daemon.budget import build_controller
 
         return build_controller(self.config, engine)
+
+    def _make_http(self, engine: Any) -> Any:
+        """The OpenAI-compatible HTTP API (``edgevlm.daemon.openai_api``), when ``http.enabled``."""
+        if not self.config.http.enabled:
+            return None
+        from pathlib import Path
+
+        from edgevlm.daemon.openai_api import OpenAIServer
+
+        from edgevlm.runtime.demo import model_dir as demo_model_dir
+
+        path = getattr(engine, "model_dir", None) or self.config.model.path
+        is_demo = path is None or Path(path).resolve() == demo_model_dir().resolve()
+        model_id = "edgevlm-demo" if is_demo else Path(path).name
+        return OpenAIServer(self.config.http, self.scheduler, self.config, model_id=model_id, metrics=self.metrics)
 
     def _make_monitors(self) -> Any:
         """The label monitors (``edgevlm.daemon.monitors``), publishing through the bridge."""
@@ -338,11 +354,24 @@ class Daemon:
         self.watchdog.start()
         if self.metrics is not None and self.config.metrics.listen is not None:
             self._start_metrics(self.config.metrics.listen)
+        if self.http is not None:
+            self._start_http()
         if self.telemetry is not None:
             self.telemetry.start()
         if self.tegrastats is not None:
             self.tegrastats.start()
         self.reload.start()
+
+    def _start_http(self) -> None:
+        """Serve the HTTP API; an address that cannot be bound is one ERROR naming the config keys:
+        the daemon serves MQTT without it."""
+        try:
+            self.http.start()
+        except OSError as exc:
+            logger.error("http: cannot listen on %s port %d (%s); the HTTP API is off, MQTT is served as usual "
+                         "(set http.host/http.port to a free address)", self.config.http.host, self.config.http.port,
+                         exc.strerror or exc)
+            self.http = None
 
     def _start_metrics(self, listen: str) -> None:
         """Serve ``/metrics`` on ``listen``; an address that cannot be bound (the port in use,
@@ -372,6 +401,8 @@ class Daemon:
         bound_s = self.config.service.shutdown_timeout_s
         self.notifier.stopping("shutting down")
         self.bridge.stop_accepting()
+        if self.http is not None:
+            self.http.stop_accepting()
         self.reload.stop()
         if self.tegrastats is not None:
             self.tegrastats.stop()
@@ -382,8 +413,13 @@ class Daemon:
         failed = self.bridge.fail_outstanding(
             BusyError(f"the daemon is shutting down; the request did not finish within {bound_s} s")
         )
+        if self.http is not None:
+            failed += self.http.fail_outstanding(
+                BusyError(f"the daemon is shutting down; the request did not finish within {bound_s} s"))
         if failed:
             logger.warning("shutdown: %d request(s) in flight answered BUSY", failed)
+        if self.http is not None:
+            self.http.stop()
         self.bridge.stop(MQTT_STOP_TIMEOUT_S)
         self.sources.stop()
         if self.audio is not None:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from edgevlm.daemon.admission import check_inline_image
 from edgevlm.daemon.scheduler import Job
 from edgevlm.errors import BusyError, EdgeVLMError, InternalError, InvalidImageError, InvalidRequestError
 from edgevlm.protocol import (
@@ -86,7 +87,7 @@ class MqttRequests:
         if error is None and data is not None:
             try:
                 request = parse_request(data)
-                self._check_image(request)
+                check_inline_image(request, self.limits)
             except (InvalidRequestError, InvalidImageError) as err:
                 error = err
         timeout_ms = NO_DEADLINE_MS
@@ -105,26 +106,6 @@ class MqttRequests:
         self.scheduler.submit(Job(request=request, reply=reply, timeout_ms=timeout_ms))
         if self.metrics is not None:
             self.metrics.set_queue_depth(self.scheduler.queue_size())
-
-    def _check_image(self, request: Request) -> None:
-        data = request.image_bytes
-        if data is None:
-            return
-        limits = self.limits
-        if len(data) > limits.max_image_bytes:
-            raise InvalidImageError(
-                f"inline image of {len(data)} bytes exceeds limits.max_image_bytes={limits.max_image_bytes}",
-                details={"image_bytes": len(data), "max_image_bytes": limits.max_image_bytes},
-            )
-        from edgevlm.runtime.image import image_info  # header parse only: no pixel is decoded
-
-        fmt, width, height = image_info(data)
-        if width * height > limits.max_image_pixels:
-            raise InvalidImageError(
-                f"{fmt.upper()} image is {width} x {height} = {width * height} pixels, over "
-                f"limits.max_image_pixels={limits.max_image_pixels} (not decoded)",
-                details={"width_px": width, "height_px": height, "max_image_pixels": limits.max_image_pixels},
-            )
 
     def _make_reply(
         self, topic: str, correlation_data: bytes | None, correlation_id: str | None, timeout_ms: int

@@ -95,6 +95,7 @@ class Job:
     received_monotonic: float = field(default_factory=time.monotonic)
     timeout_ms: int = NO_DEADLINE_MS
     choice: Any = None  # edgevlm.daemon.budget.Choice made at submit time (controller on)
+    on_delta: Callable[[str], None] | None = None  # streaming: called with each text delta, on the worker
 
     @property
     def deadline_monotonic(self) -> float | None:

@@ -45,6 +45,14 @@ class _Started:
     service_ms: float = 0.0  # predicted worker time (batched: for the queue-wait prediction)
 
 
+def sampling_kwargs(req: Request) -> dict[str, Any]:
+    """The sampling knobs a request sets (``temperature``, ``top_p``, ``stop``, ``seed``), as
+    keyword arguments of ``Engine.stream`` / ``BatchWorker.add``; unset ones are left out so the
+    engine's defaults (greedy, no stop string) apply."""
+    knobs = {"temperature": req.temperature, "top_p": req.top_p, "stop": req.stop, "seed": req.seed}
+    return {k: v for k, v in knobs.items() if v is not None}
+
+
 class SchedulerWorker:
     """The inference worker thread of :class:`~edgevlm.daemon.scheduler.Scheduler` (a mixin)."""
 
@@ -118,10 +126,20 @@ class SchedulerWorker:
         started = self._begin(job)
         if started is None:
             return
-        ok, answer = self._guarded(job, "inference", lambda: self._engine.ask(
-            started.image, job.request.prompt, max_new_tokens=started.max_new_tokens, operating_point=started.point))
+        ok, answer = self._guarded(job, "inference", lambda: self._generate(job, started))
         if ok:
             self._complete(job, started, answer)
+
+    def _generate(self, job: Job, started: _Started) -> Answer:
+        """Run one request on the engine; a streaming job gets each text delta as it is made."""
+        req = job.request
+        stream = self._engine.stream(
+            started.image, req.prompt, max_new_tokens=started.max_new_tokens, operating_point=started.point,
+            **sampling_kwargs(req))
+        for delta in stream:
+            if job.on_delta is not None:
+                job.on_delta(delta)
+        return stream.answer
 
     def _guarded(self, job: Job, what: str, fn: Callable[[], Any]) -> tuple[bool, Any]:
         """``(True, fn())``; or, when ``fn`` raises, ``(False, None)`` after answering ``job`` with
@@ -273,7 +291,8 @@ class SchedulerWorker:
             return
         ok, _ = self._guarded(job, "request preparation", lambda: batch.add(
             (job, started), started.image, job.request.prompt, max_new_tokens=started.max_new_tokens,
-            operating_point=started.point, deadline_s=job.deadline_monotonic))
+            operating_point=started.point, deadline_s=job.deadline_monotonic, on_delta=job.on_delta,
+            **sampling_kwargs(job.request)))
         if not ok:
             return
         with self._cond:

@@ -33,6 +33,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from edgevlm.config_http import HttpConfig
 from edgevlm.config_mqtt import DefaultsConfig, LimitsConfig, MqttConfig, TlsConfig
 from edgevlm.config_runtime import (
     ControllerConfig,
@@ -61,6 +62,7 @@ __all__ = [
     "CsiConfig",
     "DaemonConfig",
     "DefaultsConfig",
+    "HttpConfig",
     "LimitsConfig",
     "MetricsConfig",
     "ModelConfig",
@@ -110,6 +112,7 @@ class DaemonConfig(BaseModel):
     )
     controller: ControllerConfig = Field(default_factory=ControllerConfig, description="Latency controller.")
     monitors: list[MonitorConfig] = Field(default_factory=list, description="Continuous label monitors.")
+    http: HttpConfig = Field(default_factory=HttpConfig, description="OpenAI-compatible HTTP API (off by default).")
 
     @field_validator("log_level", mode="before")
     @classmethod

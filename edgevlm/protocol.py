@@ -36,6 +36,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    StrictFloat,
     StrictInt,
     StrictStr,
     ValidationError,
@@ -56,6 +57,8 @@ NO_DEADLINE_MS = INT64_MAX
 DEFAULT_PREFIX = "edgevlm"
 MAX_PROMPT_CHARS = 8192
 MAX_NEW_TOKENS_LIMIT = 4096
+MAX_STOP_STRINGS = 4
+"""At most this many stop strings per request (the OpenAI chat API's limit)."""
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
@@ -154,6 +157,16 @@ class Request(BaseModel):
         "point predicted to fit it, or answers DEADLINE_EXCEEDED at once when even the cheapest does not; "
         "None = the profile's default budget.",
     )
+    temperature: StrictFloat | StrictInt | None = Field(
+        None, ge=0, le=2, description="Sampling temperature; 0 or None = greedy decoding."
+    )
+    top_p: StrictFloat | StrictInt | None = Field(
+        None, gt=0, le=1, description="Nucleus sampling mass (with temperature > 0); None = 1."
+    )
+    stop: list[StrictStr] | None = Field(
+        None, max_length=MAX_STOP_STRINGS, description="Strings that end the answer (not included in it)."
+    )
+    seed: StrictInt | None = Field(None, ge=0, le=INT64_MAX, description="Sampling seed (temperature > 0).")
     reply_to: StrictStr | None = Field(
         None,
         min_length=1,

@@ -150,7 +150,7 @@ def start_daemon(mosquitto: Broker, tiny_engine: Any) -> Iterator[Callable[..., 
     """Start an ``edgevlm.daemon.app.Daemon`` against the test broker; stopped at teardown.
 
     ``start_daemon(sources=[...], queue_max_size=..., engine=..., device_id=..., defaults=...,
-    mqtt=dict(...))`` returns the started daemon, already subscribed to its request topic.
+    mqtt=dict(...), **other_sections)`` (e.g. ``http={"enabled": True, "port": 0}``) returns the started daemon, already subscribed to its request topic.
     """
     from edgevlm.config import DaemonConfig
     from edgevlm.daemon.app import Daemon
@@ -166,6 +166,7 @@ def start_daemon(mosquitto: Broker, tiny_engine: Any) -> Iterator[Callable[..., 
         defaults: dict[str, Any] | None = None,
         mqtt: dict[str, Any] | None = None,
         wait: bool = True,
+        **sections: Any,
     ) -> Any:
         cfg = DaemonConfig.model_validate(
             {
@@ -180,6 +181,7 @@ def start_daemon(mosquitto: Broker, tiny_engine: Any) -> Iterator[Callable[..., 
                 "sources": sources or [],
                 "queue_max_size": queue_max_size,
                 "defaults": defaults or {"max_new_tokens": 4, "timeout_ms": 60000},
+                **sections,  # other config sections, e.g. http={...}
             }
         )
         daemon = Daemon(cfg, engine=engine if engine is not None else tiny_engine)
