@@ -183,7 +183,6 @@ class Daemon:
         from pathlib import Path
 
         from edgevlm.daemon.openai_api import OpenAIServer
-
         from edgevlm.runtime.demo import model_dir as demo_model_dir
 
         path = getattr(engine, "model_dir", None) or self.config.model.path
