@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from edgevlm.client import set_tcp_nodelay
+from edgevlm.client import request_quick_ack, set_tcp_nodelay
 from edgevlm.config import LimitsConfig, MqttConfig
 from edgevlm.daemon.mqtt_requests import MqttRequests
 from edgevlm.daemon.scheduler import Counters, Scheduler
@@ -170,6 +170,7 @@ class MqttBridge(MqttRequests):
         client.on_disconnect = self._on_disconnect
         client.on_subscribe = self._on_subscribe
         client.on_message = self._on_message
+        client.on_publish = request_quick_ack  # PUBACK of a response read: ACK it now (see there)
         client.on_socket_open = set_tcp_nodelay  # responses not held back by Nagle's algorithm
         connect_props = Properties(PacketTypes.CONNECT)
         connect_props.SessionExpiryInterval = cfg.session_expiry_s
@@ -361,6 +362,7 @@ class MqttBridge(MqttRequests):
             self.on_ready()
 
     def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
+        request_quick_ack(client)
         try:
             handler = self._handlers.get(msg.topic)
             if handler is not None:

@@ -147,6 +147,30 @@ def set_tcp_nodelay(client: Any, userdata: Any, sock: Any) -> None:
         pass
 
 
+def request_quick_ack(client: Any, *_: Any) -> None:
+    """Acknowledge what was just received at once (Linux ``TCP_QUICKACK`` on ``client``'s socket):
+    called from paho's ``on_publish`` (a PUBACK arrived) and ``on_message`` (a PUBLISH arrived),
+    i.e. on paho's network thread right after the read.
+
+    Why: a broker that keeps Nagle's algorithm on (mosquitto without ``set_tcp_nodelay true``)
+    holds its next small PUBLISH to us (the answer, or the next request) while its previous small
+    packet (the PUBACK of our publish) is unacknowledged, and Linux delays that ACK by 40 ms when
+    we have nothing to send: every answer would wait 40 ms in the broker. Setting the option sends a
+    pending delayed ACK now; it is not sticky (the kernel returns to delayed ACKs by itself), hence
+    once per received packet. A no-op where the option does not exist (macOS, Windows) or the socket
+    is not TCP. Extra arguments (paho's callback signature) are ignored."""
+    import socket
+
+    opt = getattr(socket, "TCP_QUICKACK", None)
+    sock = client.socket() if client is not None else None
+    if opt is None or sock is None:
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, opt, 1)
+    except (OSError, AttributeError, ValueError):  # closed, not TCP, or a TLS wrapper without it
+        pass
+
+
 @dataclass
 class _Pending:
     event: threading.Event = field(default_factory=threading.Event)
@@ -231,6 +255,7 @@ class Client:
         self._client.on_subscribe = self._on_subscribe
         self._client.on_disconnect = self._on_disconnect
         self._client.on_message = self._on_message
+        self._client.on_publish = request_quick_ack  # PUBACK of a request read: ACK it now (see there)
         self._client.on_socket_open = set_tcp_nodelay
         self._client.connect_timeout = connect_timeout_s
         try:
@@ -415,6 +440,7 @@ class Client:
             logger.warning("edgevlm client: connection lost (%s); reconnecting", reason_code)
 
     def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
+        request_quick_ack(client)
         try:
             if msg.topic == self.status_topic:
                 self._on_status(msg.payload)

@@ -68,6 +68,7 @@ class Broker:
                 "log_type notice",
                 "log_type information",
                 "connection_messages true",
+                "set_tcp_nodelay true",  # as every broker the project starts (daemon/demo_processes.py)
             ]
             if os.geteuid() == 0:
                 lines.append("user root")  # mosquitto would otherwise drop to 'mosquitto' and lose the log file
