@@ -298,6 +298,57 @@ class _Pending:
         return len(replies)
 
 
+def authorised(request: Any, api_key: str | None) -> bool:
+    """Whether ``request`` carries ``Authorization: Bearer <api_key>`` (always True without a key);
+    compared in constant time."""
+    if api_key is None:
+        return True
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+def unauthorised() -> Any:
+    """The 401 answer to a missing or wrong bearer token."""
+    return _http_error(401, "missing or wrong bearer token (Authorization: Bearer <key>)",
+                       type_="authentication_error", code="invalid_api_key")
+
+
+def models_body(model_id: str, created: int) -> dict[str, Any]:
+    """``GET /v1/models``: the one model served."""
+    return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "edgevlm"}]}
+
+
+async def read_chat_request(request: Any, config: HttpConfig, model_id: str, limits: Any,
+                            api_key: str | None) -> tuple[Request, bool, bool] | EdgeVLMError | Any:
+    """Authorise, read and translate a ``POST /v1/chat/completions``: ``(request, stream,
+    include_usage)``, or the wire error to answer (counted by the caller), or a ready HTTP response
+    (401, 404 ``model_not_found``, 413). The inline image passes the one admission check
+    (:func:`edgevlm.daemon.admission.check_inline_image`)."""
+    if not authorised(request, api_key):
+        return unauthorised()
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
+        return _http_error(413, f"request body of {length} bytes exceeds http.max_body_bytes={config.max_body_bytes}",
+                           code=ErrorCode.INVALID_REQUEST.value)
+    raw = await request.body()
+    if len(raw) > config.max_body_bytes:
+        return _http_error(413, f"request body exceeds http.max_body_bytes={config.max_body_bytes}",
+                           code=ErrorCode.INVALID_REQUEST.value)
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        return _invalid(f"malformed JSON ({str(exc)[:120]})", "$")
+    try:
+        req, stream, include_usage = to_request(body, model_id=model_id, multiple_images=config.multiple_images)
+        check_inline_image(req, limits)
+    except LookupError as exc:
+        return _http_error(404, f"model {exc.args[0]!r} is not served here; this server serves {model_id!r}",
+                           param="model", code="model_not_found")
+    except (InvalidRequestError, InvalidImageError) as err:
+        return err
+    return req, stream, include_usage
+
+
 class OpenAIServer:
     """The HTTP API on its own thread (uvicorn), feeding the daemon's scheduler.
 
@@ -386,17 +437,6 @@ class OpenAIServer:
             Route("/health", self._health, methods=["GET"]),
         ])
 
-    def _authorised(self, request: Any) -> bool:
-        if self.api_key is None:
-            return True
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
-
-    def _unauthorised(self) -> Any:
-        return _http_error(401, "missing or wrong bearer token (Authorization: Bearer <key>)",
-                           type_="authentication_error", code="invalid_api_key")
-
     async def _health(self, request: Any) -> Any:
         from starlette.responses import JSONResponse
 
@@ -406,36 +446,18 @@ class OpenAIServer:
     async def _models(self, request: Any) -> Any:
         from starlette.responses import JSONResponse
 
-        if not self._authorised(request):
-            return self._unauthorised()
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "edgevlm"}]})
+        if not authorised(request, self.api_key):
+            return unauthorised()
+        return JSONResponse(models_body(self.model_id, self.created))
 
     async def _chat(self, request: Any) -> Any:
-        if not self._authorised(request):
-            return self._unauthorised()
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.config.max_body_bytes:
-            return _http_error(413, f"request body of {length} bytes exceeds http.max_body_bytes="
-                               f"{self.config.max_body_bytes}", code=ErrorCode.INVALID_REQUEST.value)
-        raw = await request.body()
-        if len(raw) > self.config.max_body_bytes:
-            return _http_error(413, f"request body exceeds http.max_body_bytes={self.config.max_body_bytes}",
-                               code=ErrorCode.INVALID_REQUEST.value)
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as exc:
-            return error_response(_invalid(f"malformed JSON ({str(exc)[:120]})", "$"))
-        try:
-            req, stream, include_usage = to_request(body, model_id=self.model_id,
-                                                    multiple_images=self.config.multiple_images)
-            check_inline_image(req, self.limits)
-        except LookupError as exc:
-            return _http_error(404, f"model {exc.args[0]!r} is not served here; this daemon serves {self.model_id!r}",
-                               param="model", code="model_not_found")
-        except (InvalidRequestError, InvalidImageError) as err:
-            self._count(err.code)
-            return error_response(err)
+        parsed = await read_chat_request(request, self.config, self.model_id, self.limits, self.api_key)
+        if not isinstance(parsed, tuple):
+            if isinstance(parsed, EdgeVLMError):
+                self._count(parsed.code)
+                return error_response(parsed)
+            return parsed
+        req, stream, include_usage = parsed
         if not self._accepting:
             return error_response(BusyError("the daemon is shutting down"))
         return await (self._stream(req, include_usage) if stream else self._complete(req))
@@ -488,14 +510,8 @@ class OpenAIServer:
         queue = await self._events(req, streaming=False)
         _, response = await queue.get()
         if not response.ok:
-            return error_response(_wire_error(response))
-        cid = f"chatcmpl-{uuid.uuid4().hex}"
-        return JSONResponse({
-            "id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.model_id,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": response.text or ""},
-                         "finish_reason": _finish_reason(response), "logprobs": None}],
-            "usage": _usage(response), "edgevlm": _extension(response),
-        })
+            return error_response(wire_error(response))
+        return JSONResponse(completion_body(response, self.model_id))
 
     async def _stream(self, req: Request, include_usage: bool) -> Any:
         from starlette.responses import StreamingResponse
@@ -503,42 +519,64 @@ class OpenAIServer:
         queue = await self._events(req, streaming=True)
         first = await queue.get()  # an error before the first token is a plain HTTP error
         if first[0] == "done" and not first[1].ok:
-            return error_response(_wire_error(first[1]))
-        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+            return error_response(wire_error(first[1]))
 
-        def chunk(delta: dict, finish: str | None = None, **extra: Any) -> str:
-            body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_id,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
-            body.update(extra)
-            return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-
-        async def events() -> AsyncIterator[str]:
-            yield chunk({"role": "assistant", "content": ""})
+        async def items() -> AsyncIterator[tuple[str, Any]]:
             item = first
             while True:
-                kind, value = item
-                if kind == "delta":
-                    yield chunk({"content": value})
-                else:
-                    if value.ok:
-                        yield chunk({}, _finish_reason(value), edgevlm=_extension(value))
-                        if include_usage:  # OpenAI's usage chunk: no choices
-                            yield chunk({}, choices=[], usage=_usage(value))
-                    else:
-                        err = _wire_error(value)
-                        status, type_ = HTTP_STATUS.get(err.code, (500, "server_error"))
-                        body = {"error": {"message": err.message, "type": type_, "param": None,
-                                          "code": err.code.value, "details": _jsonable(err.details)}}
-                        yield f"data: {json.dumps(body)}\n\n"
-                    break
+                yield item
+                if item[0] == "done":
+                    return
                 item = await queue.get()
-            yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream",
+        return StreamingResponse(sse_events(items(), self.model_id, include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _wire_error(response: Response) -> EdgeVLMError:
+def completion_body(response: Response, model_id: str) -> dict[str, Any]:
+    """The ``chat.completion`` object of an ok wire :class:`Response`."""
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+        "model": model_id,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": response.text or ""},
+                     "finish_reason": _finish_reason(response), "logprobs": None}],
+        "usage": _usage(response), "edgevlm": _extension(response),
+    }
+
+
+async def sse_events(items: AsyncIterator[tuple[str, Any]], model_id: str, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events of a streamed completion from ``("delta", text)`` items and one final
+    ``("done", Response)``: a role chunk, one chunk per delta, the finish chunk (with edgevlm's stats),
+    the usage chunk when asked, then ``[DONE]``; a failed Response ends the stream with an
+    ``{"error": ...}`` event (OpenAI's shape) before ``[DONE]``."""
+    cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def chunk(delta: dict, finish: str | None = None, **extra: Any) -> str:
+        body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_id,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+        body.update(extra)
+        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+    yield chunk({"role": "assistant", "content": ""})
+    async for kind, value in items:
+        if kind == "delta":
+            yield chunk({"content": value})
+            continue
+        if value.ok:
+            yield chunk({}, _finish_reason(value), edgevlm=_extension(value))
+            if include_usage:  # OpenAI's usage chunk: no choices
+                yield chunk({}, choices=[], usage=_usage(value))
+        else:
+            err = wire_error(value)
+            _, type_ = HTTP_STATUS.get(err.code, (500, "server_error"))
+            body = {"error": {"message": err.message, "type": type_, "param": None, "code": err.code.value,
+                              "details": _jsonable(err.details)}}
+            yield f"data: {json.dumps(body)}\n\n"
+        break
+    yield "data: [DONE]\n\n"
+
+
+def wire_error(response: Response) -> EdgeVLMError:
     from edgevlm.errors import error_for_code
 
     body = response.error

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from edgevlm.config_http import HttpConfig
 from edgevlm.config_mqtt import DefaultsConfig, LimitsConfig, MqttConfig, TlsConfig
+from edgevlm.config_ray import RayConfig
 from edgevlm.config_runtime import (
     ControllerConfig,
     MetricsConfig,
@@ -68,6 +69,7 @@ __all__ = [
     "ModelConfig",
     "MonitorConfig",
     "MqttConfig",
+    "RayConfig",
     "ReloadConfig",
     "ServiceConfig",
     "SourceConfig",
@@ -113,6 +115,7 @@ class DaemonConfig(BaseModel):
     controller: ControllerConfig = Field(default_factory=ControllerConfig, description="Latency controller.")
     monitors: list[MonitorConfig] = Field(default_factory=list, description="Continuous label monitors.")
     http: HttpConfig = Field(default_factory=HttpConfig, description="OpenAI-compatible HTTP API (off by default).")
+    ray: RayConfig = Field(default_factory=RayConfig, description="Replicas under Ray Serve (edgevlm serve-ray only).")
 
     @field_validator("log_level", mode="before")
     @classmethod
