@@ -23,12 +23,23 @@ with its *Correlation Data* (MQTT v5 section 4.10, request/response).
 - Reconnect: paho's loop thread reconnects with exponential backoff between
   ``reconnect_min_delay_s`` and ``reconnect_max_delay_s``, but resets it after every successful
   CONNACK, so two daemons with one client id would kick each other off in a tight loop. A
-  session *taken over* (DISCONNECT reason 0x8E; mosquitto before 2.0.12 just closes the old
-  connection, so a connection closed less than ``FLAP_S`` after it was made counts too) is logged
-  as an error and the delay keeps doubling across such disconnects up to the cap; a connection
-  that lasts ``FLAP_S`` resets it.
-- ``session_expiry_s > 0`` keeps the session (subscription and queued QoS>=1 requests) across
-  reconnects; 0 starts clean each time.
+  connection closed less than ``FLAP_S`` after it was made doubles the delay across such
+  disconnects up to the cap; a connection that lasts ``FLAP_S`` resets it. Every disconnect is
+  logged with its cause: the DISCONNECT reason the broker sent (0x8E "session taken over", 0x8B
+  "server shutting down", ...) or, with none, that the connection broke (a crashed broker or the
+  network). It is called a takeover by another client with the same client id only for 0x8E or
+  when quick closes repeat (mosquitto before 2.0.12 closes the old connection without 0x8E). A
+  connection attempt that fails logs why (refused, unreachable, TLS certificate verification, ...).
+- ``session_expiry_s > 0``: every CONNECT, the first included, has Clean Start 0 and that Session
+  Expiry Interval, so the broker keeps the request subscription and queues QoS>=1 requests while
+  the daemon is disconnected, crashed or restarting, and the next daemon process resumes the
+  session and answers them. mosquitto (2.0) writes a session to its persistence file only when its
+  CONNECT had Clean Start 0, so a session begun with Clean Start 1 vanishes in a broker restart
+  and requests published before the daemon reconnects have no subscriber (PUBACK reason 0x10 "no
+  matching subscribers") and are discarded. ``0`` starts a clean session on every connect.
+- Responses are published at ``mqtt.qos``; a PUBACK with a failure reason code (an ACL refusal:
+  0x87 "not authorized") is logged as a warning with the topic and counted
+  (``response_refused``).
 - Shutdown: :meth:`stop_accepting` answers new requests ``BUSY``; :meth:`fail_outstanding`
   answers every request still without a response (bounded shutdown), a late worker reply to such
   a request is dropped.
@@ -37,6 +48,9 @@ with its *Correlation Data* (MQTT v5 section 4.10, request/response).
 from __future__ import annotations
 
 import logging
+import socket
+import ssl
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -44,7 +58,7 @@ from typing import Any
 
 from edgevlm.client import set_tcp_nodelay
 from edgevlm.config import LimitsConfig, MqttConfig
-from edgevlm.daemon.mqtt_requests import MqttRequests
+from edgevlm.daemon.mqtt_requests import MqttRequests, ReceiptClock, RecentAnswers
 from edgevlm.daemon.scheduler import Counters, Scheduler
 from edgevlm.errors import EdgeVLMError, InternalError
 from edgevlm.protocol import Response, StatusMessage, request_topic, status_topic
@@ -80,6 +94,26 @@ def publish_packet_size(topic: str, payload: bytes, qos: int, properties: Any = 
     props = properties.pack() if properties is not None else b"\x00"
     remaining = 2 + len(topic.encode()) + (2 if qos else 0) + len(props) + len(payload)
     return 1 + _varint_len(remaining) + remaining
+
+
+def describe_connect_error(exc: BaseException | None) -> str:
+    """Why a connection attempt to the broker failed, in a few words (TLS certificate failures,
+    refusals and name resolution named as such)."""
+    if exc is None:
+        return "unknown cause"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"TLS certificate verification failed: {exc.verify_message or exc.reason} (check mqtt.tls.ca_certs)"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS handshake failed: {exc.reason or exc}"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused (no broker listening on that port)"
+    if isinstance(exc, socket.gaierror):
+        return f"cannot resolve the host name ({exc.strerror or exc})"
+    if isinstance(exc, (TimeoutError, socket.timeout)):
+        return "timed out"
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror} ({type(exc).__name__})"
+    return f"{type(exc).__name__}: {exc}"
 
 
 class MqttBridge(MqttRequests):
@@ -136,6 +170,9 @@ class MqttBridge(MqttRequests):
         self.takeover_delays_s: list[float] = []
         self._connected_at = 0.0
         self._sub_mids: set[int] = set()
+        self.recent_answers = RecentAnswers(config.dedup_cache_size)
+        self.receipt_clock = ReceiptClock()
+        self._reply_mids: dict[int, str] = {}  # mid of a response publish -> its topic, until its PUBACK
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -170,6 +207,7 @@ class MqttBridge(MqttRequests):
         client.on_disconnect = self._on_disconnect
         client.on_subscribe = self._on_subscribe
         client.on_message = self._on_message
+        client.on_publish = self._on_publish
         client.on_socket_open = set_tcp_nodelay  # responses not held back by Nagle's algorithm
         connect_props = Properties(PacketTypes.CONNECT)
         connect_props.SessionExpiryInterval = cfg.session_expiry_s
@@ -178,10 +216,12 @@ class MqttBridge(MqttRequests):
             cfg.host,
             cfg.port,
             keepalive=cfg.keepalive_s,
-            # a kept session is resumed on reconnects, never from a previous run of the daemon
-            clean_start=True if cfg.session_expiry_s == 0 else mqtt.MQTT_CLEAN_START_FIRST_ONLY,
+            # a kept session is resumed, also from a previous run of the daemon; Clean Start 0 from the
+            # first CONNECT on, or mosquitto does not persist the session across its own restarts
+            clean_start=cfg.session_expiry_s == 0,
             properties=connect_props,
         )
+        self.receipt_clock.start()
         client.loop_start()
         logger.info("MQTT: connecting to %s:%d as %s%s", cfg.host, cfg.port, cfg.effective_client_id,
                     " (TLS)" if cfg.tls is not None else "")  # fmt: skip
@@ -230,6 +270,7 @@ class MqttBridge(MqttRequests):
                 logger.warning("MQTT: offline status not sent: %s", exc)
         client.disconnect()
         client.loop_stop()
+        self.receipt_clock.stop()
         self._client = None
         self._connected.clear()
         self._subscribed.clear()
@@ -318,7 +359,8 @@ class MqttBridge(MqttRequests):
 
     def _on_connect_fail(self, client: Any, userdata: Any) -> None:
         self.counters.inc("mqtt_connect_failures")
-        logger.warning("MQTT: cannot connect to %s:%d; retrying", self.config.host, self.config.port)
+        cause = describe_connect_error(sys.exc_info()[1])  # paho calls this inside its `except OSError`
+        logger.warning("MQTT: cannot connect to %s:%d: %s; retrying", self.config.host, self.config.port, cause)
 
     def _on_disconnect(
         self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any
@@ -330,24 +372,57 @@ class MqttBridge(MqttRequests):
         self.counters.inc("mqtt_disconnects")
         cfg = self.config
         lived_s = time.monotonic() - self._connected_at
-        taken_over = getattr(reason_code, "value", None) == SESSION_TAKEN_OVER
+        from_broker = bool(getattr(flags, "is_disconnect_packet_from_server", False))
+        taken_over = from_broker and getattr(reason_code, "value", None) == SESSION_TAKEN_OVER
+        if from_broker:
+            cause = f"the broker sent DISCONNECT: {reason_code}"
+            if properties is not None and getattr(properties, "ReasonString", None):
+                cause += f" ({properties.ReasonString})"
+        else:
+            cause = f"the connection broke without a DISCONNECT from the broker ({reason_code}: the broker " \
+                    "stopped or crashed, or the network failed)"  # fmt: skip
         if taken_over or lived_s < FLAP_S:
             self.takeovers += 1
             self.counters.inc("mqtt_session_taken_over")
             delay = min(cfg.reconnect_max_delay_s, cfg.reconnect_min_delay_s * 2 ** (self.takeovers - 1))
             self.takeover_delays_s.append(delay)
             self._set_delays(delay, max(delay, cfg.reconnect_max_delay_s), client)
-            why = ("session taken over by another client" if taken_over else
-                   f"connection closed {lived_s:.1f} s after it was made ({reason_code}); taken over by another client?")  # fmt: skip
-            logger.error(
-                "MQTT: %s with the same client id %r (another daemon with device_id %r?); reconnecting in "
-                "%.1f s (%d in a row)", why, cfg.effective_client_id, cfg.device_id, delay, self.takeovers,
-            )  # fmt: skip
+            if taken_over or self.takeovers >= 2:
+                why = ("session taken over by another client" if taken_over else
+                       f"connection closed {lived_s:.1f} s after it was made, {self.takeovers} times in a row "
+                       f"({cause}); taken over by another client")  # fmt: skip
+                logger.error(
+                    "MQTT: %s with the same client id %r (another daemon with device_id %r?); reconnecting in "
+                    "%.1f s (%d in a row)", why, cfg.effective_client_id, cfg.device_id, delay, self.takeovers,
+                )  # fmt: skip
+            else:
+                logger.warning("MQTT: connection lost %.1f s after it was made: %s; reconnecting in %.1f s",
+                               lived_s, cause, delay)  # fmt: skip
         else:
             self.takeovers = 0
-            logger.warning("MQTT: connection lost (%s); reconnecting", reason_code)
+            logger.warning("MQTT: connection lost: %s; reconnecting", cause)
         if self.on_connection is not None:
             self.on_connection(False, str(reason_code))
+
+    def track_publish(self, mid: int, topic: str) -> None:
+        """Remember the topic of a response publish until its PUBACK (to name it if refused)."""
+        with self._lock:
+            self._reply_mids[mid] = topic
+            while len(self._reply_mids) > 4096:  # PUBACKs lost with a connection: forget the oldest
+                self._reply_mids.pop(next(iter(self._reply_mids)))
+
+    def _on_publish(self, client: Any, userdata: Any, mid: int, reason_code: Any, properties: Any) -> None:
+        with self._lock:
+            topic = self._reply_mids.pop(mid, None)
+        if reason_code is not None and getattr(reason_code, "is_failure", False) and topic is not None:
+            self.counters.inc("response_refused")
+            if self.metrics is not None:
+                self.metrics.request_dropped("response_refused")
+            reason = str(reason_code)
+            if properties is not None and getattr(properties, "ReasonString", None):
+                reason += f" ({properties.ReasonString})"
+            logger.warning("MQTT: the broker refused the response on %s: PUBACK reason 0x%02X %s (check its ACL)",
+                           topic, reason_code.value, reason)  # fmt: skip
 
     def _on_subscribe(self, client: Any, userdata: Any, mid: int, reason_codes: Any, properties: Any) -> None:
         failed = [rc for rc in reason_codes if rc.is_failure]

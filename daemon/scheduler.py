@@ -20,9 +20,12 @@ the point to the budget left when it dequeues the request, runs it, feeds the me
 and reports ``operating_point``, ``budget_ms`` and ``predicted_ms`` in the response stats. Monitors
 (:mod:`edgevlm.daemon.monitors`) run on the same worker, only while no request waits.
 
-Deadlines are measured on the monotonic clock from the moment the daemon received the request
-(``timeout_ms``; :data:`~edgevlm.protocol.NO_DEADLINE_MS` = none). A request already running when
-its deadline passes is finished and answered (the work is done; the client decides).
+Deadlines are measured on the monotonic clock from the moment the daemon received the request;
+:func:`request_timeout_ms` is the one rule (``timeout_ms``, else ``defaults.timeout_ms``, capped by
+the MQTT v5 Message Expiry Interval; :data:`~edgevlm.protocol.NO_DEADLINE_MS` = none). A queued
+request whose deadline passes is answered ``DEADLINE_EXCEEDED`` at that moment by a small deadline
+thread, whatever the worker is doing. A request already running when its deadline passes is
+finished and answered (the work is done; the client decides).
 
 Continuous batching (``continuous_batching=True`` and an engine with ``max_batch_size >= 2`` cache
 rows; see :mod:`edgevlm.daemon.batching`): the worker takes as many requests off the queue as there
@@ -86,23 +89,50 @@ class Counters:
             return dict(self._values)
 
 
+def request_timeout_ms(timeout_ms: int | None, default_timeout_ms: int, message_expiry_s: int | None = None) -> int:
+    """The deadline rule, in one place: how long (ms, from the daemon's receipt) a request may take.
+
+    The request's ``timeout_ms`` (``default_timeout_ms`` when it gives none), capped by the MQTT v5
+    *Message Expiry Interval* it arrived with (OASIS MQTT 5.0 section 3.3.2.3.3: the broker forwards
+    the interval *remaining*, so time spent queued in the broker is already taken off; the SDK sets it
+    from ``timeout_s``). :data:`~edgevlm.protocol.NO_DEADLINE_MS` means no deadline. Every deadline
+    check (queue expiry, dequeue, the latency controller's budget, the frame wait, batching) uses
+    :attr:`Job.deadline_monotonic`, derived from this value only.
+    """
+    limit = default_timeout_ms if timeout_ms is None else timeout_ms
+    if message_expiry_s is not None and message_expiry_s >= 0:
+        limit = min(limit, max(1, int(message_expiry_s) * 1000))
+    return limit
+
+
 @dataclass
 class Job:
-    """One accepted request waiting for the worker."""
+    """One accepted request waiting for the worker.
+
+    ``timeout_ms`` is the request's effective deadline from ``received_monotonic``
+    (:func:`request_timeout_ms`); ``deadline_limit`` names what set it (``"timeout_ms"`` or
+    ``"message_expiry"``), for the ``DEADLINE_EXCEEDED`` message.
+    """
 
     request: Request
     reply: ReplyFn
     received_monotonic: float = field(default_factory=time.monotonic)
     timeout_ms: int = NO_DEADLINE_MS
     choice: Any = None  # edgevlm.daemon.budget.Choice made at submit time (controller on)
+    deadline_limit: str = "timeout_ms"
 
     @property
     def deadline_monotonic(self) -> float | None:
-        """Monotonic time (s) by which the request must be dequeued; None = no deadline."""
+        """Monotonic time (s) after which the request is answered ``DEADLINE_EXCEEDED`` instead of
+        being run; None = no deadline."""
         if self.timeout_ms >= NO_DEADLINE_MS:
             return None
         return self.received_monotonic + self.timeout_ms / 1000.0
 
+    def expired(self, now: float) -> bool:
+        """Whether the deadline has passed at monotonic time ``now``."""
+        deadline = self.deadline_monotonic
+        return deadline is not None and now > deadline
 
 
 class Scheduler(SchedulerWorker):
@@ -170,6 +200,7 @@ class Scheduler(SchedulerWorker):
         self._batch: Any = None  # BatchWorker of the current engine while batching
         self._batch_rows = 1  # KV-cache rows the worker batches over (1 = no batching)
         self._active: dict[int, tuple[float, float]] = {}  # batched jobs: id -> (start, predicted service ms)
+        self._expiry_thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, load_timeout_s: float | None = None) -> None:
@@ -180,6 +211,8 @@ class Scheduler(SchedulerWorker):
         """
         self._thread = threading.Thread(target=self._run, name="edgevlm-inference", daemon=True)
         self._thread.start()
+        self._expiry_thread = threading.Thread(target=self._expire_queued, name="edgevlm-deadlines", daemon=True)
+        self._expiry_thread.start()
         if not self._ready.wait(load_timeout_s):
             raise ModelLoadError(f"the model did not load within {load_timeout_s} s")
         if self._load_error is not None:
@@ -200,6 +233,9 @@ class Scheduler(SchedulerWorker):
             self._reply(
                 job, Response.failure(BusyError("the daemon is shutting down"), job.request.correlation_id)
             )
+        if self._expiry_thread is not None:
+            self._expiry_thread.join(2.0)
+            self._expiry_thread = None
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
@@ -294,6 +330,27 @@ class Scheduler(SchedulerWorker):
             self._fail(job, full)
             return False
         return True
+
+    def _expire_queued(self) -> None:
+        """Deadline thread: answer ``DEADLINE_EXCEEDED`` for every queued request whose deadline
+        passes while it waits, at that moment, whatever the worker is doing (a long request, a
+        batch step, a hot reload, :meth:`paused`)."""
+        while True:
+            with self._cond:
+                if self._stopping:
+                    return
+                now = time.monotonic()
+                expired = [j for j in self._queue if j.expired(now)]
+                for job in expired:
+                    self._queue.remove(job)
+                if not expired:
+                    deadlines = [d for j in self._queue if (d := j.deadline_monotonic) is not None]
+                    wait_s = HEARTBEAT_S if not deadlines else min(HEARTBEAT_S, max(0.0, min(deadlines) - now) + 0.001)
+                    self._cond.wait(wait_s)
+                    continue
+            for job in expired:
+                self.counters.inc("deadline_expired_queued")
+                self._fail_deadline(job, now)
 
     def predicted_wait_ms(self) -> float:
         """Predicted wait of a request submitted now: the remaining predicted time of the running

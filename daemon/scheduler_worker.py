@@ -142,7 +142,7 @@ class SchedulerWorker:
         queue_ms = (dequeued - job.received_monotonic) * 1000.0
         deadline = job.deadline_monotonic
         req = job.request
-        if deadline is not None and dequeued > deadline:
+        if job.expired(dequeued):
             self._fail_deadline(job, dequeued)
             return None
         try:
@@ -192,11 +192,13 @@ class SchedulerWorker:
 
     def _fail_deadline(self, job: Job, now: float) -> None:
         queue_ms = (now - job.received_monotonic) * 1000.0
+        limit = ("the request's Message Expiry Interval" if job.deadline_limit == "message_expiry"
+                 else "deadline")  # fmt: skip
         self._fail(
             job,
             DeadlineExceededError(
-                f"deadline of {job.timeout_ms} ms passed after {queue_ms:.0f} ms in the queue",
-                details={"timeout_ms": job.timeout_ms, "queue_ms": round(queue_ms, 3)},
+                f"{limit} of {job.timeout_ms} ms passed after {queue_ms:.0f} ms in the queue",
+                details={"timeout_ms": job.timeout_ms, "queue_ms": round(queue_ms, 3), "limit": job.deadline_limit},
             ),
         )
 
@@ -235,20 +237,15 @@ class SchedulerWorker:
                 if self._stopping and batch.idle:
                     return
                 now = time.monotonic()
-                expired = [j for j in self._queue if j.deadline_monotonic is not None and now > j.deadline_monotonic]
-                for j in expired:
-                    self._queue.remove(j)
                 jobs: list[Job] = []
                 if not self._paused and not self._stopping:
                     while self._queue and len(jobs) < batch.free_slots():
                         jobs.append(self._queue.popleft())
-                monitor_tick = batch.idle and not jobs and not expired
+                monitor_tick = batch.idle and not jobs
                 if monitor_tick:
                     self._running = (now, self.monitors.tick_ms() if self.monitors is not None else 0.0)
                 else:
                     self._running = (now, 0.0)
-            for job in expired:
-                self._fail_deadline(job, now)
             if monitor_tick:
                 try:
                     if self.monitors is not None:
