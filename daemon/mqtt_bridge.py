@@ -48,15 +48,13 @@ with its *Correlation Data* (MQTT v5 section 4.10, request/response).
 from __future__ import annotations
 
 import logging
-import socket
-import ssl
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from edgevlm.client import set_tcp_nodelay
+from edgevlm.client import describe_connect_error, set_tcp_nodelay
 from edgevlm.config import LimitsConfig, MqttConfig
 from edgevlm.daemon.mqtt_requests import MqttRequests, ReceiptClock, RecentAnswers
 from edgevlm.daemon.scheduler import Counters, Scheduler
@@ -94,26 +92,6 @@ def publish_packet_size(topic: str, payload: bytes, qos: int, properties: Any = 
     props = properties.pack() if properties is not None else b"\x00"
     remaining = 2 + len(topic.encode()) + (2 if qos else 0) + len(props) + len(payload)
     return 1 + _varint_len(remaining) + remaining
-
-
-def describe_connect_error(exc: BaseException | None) -> str:
-    """Why a connection attempt to the broker failed, in a few words (TLS certificate failures,
-    refusals and name resolution named as such)."""
-    if exc is None:
-        return "unknown cause"
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        return f"TLS certificate verification failed: {exc.verify_message or exc.reason} (check mqtt.tls.ca_certs)"
-    if isinstance(exc, ssl.SSLError):
-        return f"TLS handshake failed: {exc.reason or exc}"
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused (no broker listening on that port)"
-    if isinstance(exc, socket.gaierror):
-        return f"cannot resolve the host name ({exc.strerror or exc})"
-    if isinstance(exc, (TimeoutError, socket.timeout)):
-        return "timed out"
-    if isinstance(exc, OSError) and exc.strerror:
-        return f"{exc.strerror} ({type(exc).__name__})"
-    return f"{type(exc).__name__}: {exc}"
 
 
 class MqttBridge(MqttRequests):

@@ -91,7 +91,7 @@ class ReceiptClock:
     client gave up meanwhile is not run.
     """
 
-    def __init__(self, tick_s: float = 0.1, stall_s: float = 2.0, grace_s: float = 0.5) -> None:
+    def __init__(self, tick_s: float = 0.1, stall_s: float = 2.0, grace_s: float = 0.25) -> None:
         self.tick_s, self.stall_s, self.grace_s = tick_s, stall_s, grace_s
         self._last = time.monotonic()
         self._stall: tuple[float, float] | None = None
