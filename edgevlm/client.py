@@ -350,6 +350,20 @@ class Client:
         payload = request.model_dump_json(exclude_none=True).encode()
         return self._roundtrip(payload, timeout_s)
 
+    def request(self, payload: bytes, *, timeout_s: float | None = 30.0) -> Answer:
+        """Send an already encoded request payload (the wire JSON, see the README's topic contract)
+        as it is, with the delivery of :meth:`ask` (re-sends, Message Expiry, exactly one answer);
+        for tools that speak the wire format, and for sending what :meth:`ask` would refuse locally.
+
+        Raises:
+            The same errors as :meth:`ask`; the daemon's verdict on a malformed payload (e.g.
+            :class:`~edgevlm.errors.InvalidRequestError`).
+        """
+        if self._closed:
+            raise ConnectionError("the client is closed")
+        self._timeout_ms(timeout_s)  # the same check of timeout_s as ask
+        return self._roundtrip(bytes(payload), timeout_s)
+
     def wait_online(self, timeout_s: float = 10.0) -> bool:
         """Wait until the daemon's retained status says "online"; returns whether it does."""
         deadline = time.monotonic() + timeout_s
