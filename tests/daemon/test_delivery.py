@@ -254,7 +254,7 @@ def test_wildcard_response_topic_is_dropped_and_counted(start_daemon, raw_client
     daemon = start_daemon()
     raw = raw_client()
     raw.subscribe("resp/#")
-    with caplog.at_level(logging.WARNING, logger="edgevlm.daemon.mqtt_requests"):
+    with caplog.at_level(logging.WARNING, logger="edgevlm.daemon.mqtt_bridge"):
         _publish(raw, json.dumps(_png_body(encode_image)).encode(), response_topic=topic, correlation=b"w")
         deadline = time.monotonic() + 10
         while daemon.counters.get("invalid_response_topic") < 1 and time.monotonic() < deadline:
