@@ -309,3 +309,32 @@ def test_huge_integer_is_invalid_request_without_python_advice(start_daemon, raw
     assert error["code"] == "INVALID_REQUEST"
     assert error["message"] == "$: a JSON integer has more than 4300 digits (no field takes a number that large)"
     assert "set_int_max_str_digits" not in error["message"]
+
+
+def test_recent_answers_are_bounded_and_cover_the_json_fallback(start_daemon, raw_client, encode_image) -> None:
+    daemon = start_daemon(mqtt={"dedup_cache_size": 2})
+    legacy = raw_client(protocol=3)
+    legacy.subscribe("legacy/answers")
+
+    def ask(cid: str, n: int) -> dict:
+        body = _png_body(encode_image, reply_to="legacy/answers", correlation_id=cid)
+        legacy.publish(REQUEST_TOPIC, json.dumps(body).encode())
+        return json.loads(legacy.wait_messages("legacy/answers", n)[n - 1].payload)
+
+    first = ask("a", 1)
+    assert ask("a", 2) == first and daemon.counters.get("responses_ok") == 1  # reply_to + correlation_id
+    ask("b", 3)
+    ask("c", 4)  # the cache holds 2: "a" is evicted
+    assert daemon.counters.get("responses_ok") == 3
+    again = ask("a", 5)
+    assert again["ok"] is True and again["ts"] != first["ts"]  # ran again: no longer remembered
+    assert daemon.counters.get("responses_ok") == 4 and len(daemon.bridge.recent_answers) == 2
+
+
+def test_dedup_cache_size_must_be_a_positive_integer() -> None:
+    from edgevlm.config import DaemonConfig
+    from edgevlm.errors import ConfigError
+
+    for bad in (0, "8", 2.0):
+        with pytest.raises((ConfigError, ValueError), match="dedup_cache_size"):
+            DaemonConfig.model_validate({"mqtt": {"dedup_cache_size": bad}})
