@@ -22,6 +22,11 @@ edgevlm_operating_point                     gauge       ``name``: 1 for the poin
 edgevlm_operating_point_requests_total      counter     ``name``
 edgevlm_source_fps / _state / _frame_age_seconds gauge  ``source`` (and ``state``: 1 = current)
 edgevlm_source_reconnects_total             counter     ``source``
+edgevlm_requests_dropped_total              counter     ``reason``: a request that cannot be answered
+                                                        (invalid_response_topic, no_reply_address,
+                                                        response_refused by the broker's ACL)
+edgevlm_duplicate_requests_total            counter     ``outcome``: re-sent request answered from
+                                                        the cache (answered) or absorbed (in_flight)
 edgevlm_jetson_*                            gauge       from the newest tegrastats sample
 ==========================================  ==========  ========================================
 
@@ -58,6 +63,9 @@ from edgevlm.daemon.metrics_export import (  # noqa: F401  (re-exported: the exp
 from edgevlm.errors import ErrorCode
 
 logger = logging.getLogger(__name__)
+
+DROP_REASONS = ("invalid_response_topic", "no_reply_address", "response_refused")
+"""Why a request was dropped unanswered (``edgevlm_requests_dropped_total{reason}``)."""
 
 __all__ = [
     "E2E_BUCKETS_S",
@@ -161,6 +169,18 @@ class Metrics:
         self.source_reconnects = prom.Counter(
             "source_reconnects", "Source reconnect attempts.", ["source"], namespace=ns, registry=r
         )
+        self.requests_dropped = prom.Counter(
+            "requests_dropped", "Requests that could not be answered, by reason.", ["reason"],
+            namespace=ns, registry=r,
+        )  # fmt: skip
+        for reason in DROP_REASONS:
+            self.requests_dropped.labels(reason)
+        self.duplicate_requests = prom.Counter(
+            "duplicate_requests", "Re-sent requests (same Response Topic and Correlation Data), by outcome.",
+            ["outcome"], namespace=ns, registry=r,
+        )  # fmt: skip
+        for outcome in ("answered", "in_flight"):
+            self.duplicate_requests.labels(outcome)
         build = prom.Gauge(
             "build_info",
             "Software version and device id.",
@@ -251,6 +271,16 @@ class Metrics:
                 self._vision_s += vision / 1000
             if isinstance(exit_layer, int) and not isinstance(exit_layer, bool):
                 self._early_exits[str(exit_layer)] = self._early_exits.get(str(exit_layer), 0) + 1
+
+    def request_dropped(self, reason: str) -> None:
+        """Count a request dropped unanswered (``reason``: one of :data:`DROP_REASONS`)."""
+        if isinstance(reason, str) and reason:
+            self.requests_dropped.labels(reason).inc()
+
+    def duplicate_request(self, outcome: str) -> None:
+        """Count a re-sent request: ``"answered"`` (from the cache) or ``"in_flight"`` (absorbed)."""
+        if outcome in ("answered", "in_flight"):
+            self.duplicate_requests.labels(outcome).inc()
 
     def set_queue_depth(self, depth: int) -> None:
         """Requests currently waiting for the worker."""

@@ -23,12 +23,29 @@ with its *Correlation Data* (MQTT v5 section 4.10, request/response).
 - Reconnect: paho's loop thread reconnects with exponential backoff between
   ``reconnect_min_delay_s`` and ``reconnect_max_delay_s``, but resets it after every successful
   CONNACK, so two daemons with one client id would kick each other off in a tight loop. A
-  session *taken over* (DISCONNECT reason 0x8E; mosquitto before 2.0.12 just closes the old
-  connection, so a connection closed less than ``FLAP_S`` after it was made counts too) is logged
-  as an error and the delay keeps doubling across such disconnects up to the cap; a connection
-  that lasts ``FLAP_S`` resets it.
-- ``session_expiry_s > 0`` keeps the session (subscription and queued QoS>=1 requests) across
-  reconnects; 0 starts clean each time.
+  connection closed less than ``FLAP_S`` after it was made doubles the delay across such
+  disconnects up to the cap; a connection that lasts ``FLAP_S`` resets it. Every disconnect is
+  logged with its cause: the DISCONNECT reason the broker sent (0x8E "session taken over", 0x8B
+  "server shutting down", ...) or, with none, that the connection broke (a crashed broker or the
+  network). It is called a takeover by another client with the same client id only for 0x8E or
+  when quick closes repeat (mosquitto before 2.0.12 closes the old connection without 0x8E). A
+  connection attempt that fails logs why (refused, unreachable, TLS certificate verification, ...).
+- ``session_expiry_s > 0``: every CONNECT, the first included, has Clean Start 0 and that Session
+  Expiry Interval, so the broker keeps the request subscription and queues QoS>=1 requests while
+  the daemon is disconnected, crashed or restarting, and the next daemon process resumes the
+  session and answers them. mosquitto (2.0) writes a session to its persistence file only when its
+  CONNECT had Clean Start 0, so a session begun with Clean Start 1 vanishes in a broker restart
+  and requests published before the daemon reconnects have no subscriber (PUBACK reason 0x10 "no
+  matching subscribers") and are discarded. ``0`` starts a clean session on every connect.
+- Responses are published at ``mqtt.qos``; a PUBACK with a failure reason code (an ACL refusal:
+  0x87 "not authorized") is logged as a warning with the topic and counted
+  (``response_refused``).
+- Duplicates: a re-sent request (same reply address, Correlation Data and payload) is absorbed
+  while it runs and answered from the recent-answers cache afterwards
+  (:class:`~edgevlm.daemon.delivery.RecentAnswers`); its receipt time comes from
+  :class:`~edgevlm.daemon.delivery.ReceiptClock` and its deadline from
+  :func:`~edgevlm.daemon.scheduler.request_timeout_ms` (``timeout_ms`` capped by the Message
+  Expiry Interval).
 - Shutdown: :meth:`stop_accepting` answers new requests ``BUSY``; :meth:`fail_outstanding`
   answers every request still without a response (bounded shutdown), a late worker reply to such
   a request is dropped.
@@ -37,17 +54,30 @@ with its *Correlation Data* (MQTT v5 section 4.10, request/response).
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from edgevlm.client import request_quick_ack, set_tcp_nodelay
+from edgevlm.client import describe_connect_error, request_quick_ack, set_tcp_nodelay
 from edgevlm.config import LimitsConfig, MqttConfig
-from edgevlm.daemon.mqtt_requests import MqttRequests
-from edgevlm.daemon.scheduler import Counters, Scheduler
-from edgevlm.errors import EdgeVLMError, InternalError
-from edgevlm.protocol import Response, StatusMessage, request_topic, status_topic
+from edgevlm.daemon.admission import check_inline_image
+from edgevlm.daemon.delivery import DedupKey, ReceiptClock, RecentAnswers, payload_digest
+from edgevlm.daemon.scheduler import Counters, Job, Scheduler, request_timeout_ms
+from edgevlm.errors import BusyError, EdgeVLMError, InternalError, InvalidImageError, InvalidRequestError
+from edgevlm.protocol import (
+    NO_DEADLINE_MS,
+    Request,
+    Response,
+    StatusMessage,
+    fallback_reply_address,
+    is_valid_publish_topic,
+    parse_json_object,
+    parse_request,
+    request_topic,
+    status_topic,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +112,10 @@ def publish_packet_size(topic: str, payload: bytes, qos: int, properties: Any = 
     return 1 + _varint_len(remaining) + remaining
 
 
-class MqttBridge(MqttRequests):
-    """Connects the scheduler to the broker (request handling: the :class:`MqttRequests` mixin).
+class MqttBridge:
+    """Connects the scheduler to the broker: a request message is checked (retain flag, Response
+    Topic, duplicates, payload size, JSON, inline image limits) and submitted to the scheduler, and
+    its once-only reply function publishes the response on the request's reply address.
 
     Args:
         config: broker settings and topic layout.
@@ -136,6 +168,9 @@ class MqttBridge(MqttRequests):
         self.takeover_delays_s: list[float] = []
         self._connected_at = 0.0
         self._sub_mids: set[int] = set()
+        self.recent_answers = RecentAnswers(config.dedup_cache_size)
+        self.receipt_clock = ReceiptClock()
+        self._reply_mids: dict[int, str] = {}  # mid of a response publish -> its topic, until its PUBACK
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -170,7 +205,7 @@ class MqttBridge(MqttRequests):
         client.on_disconnect = self._on_disconnect
         client.on_subscribe = self._on_subscribe
         client.on_message = self._on_message
-        client.on_publish = request_quick_ack  # PUBACK of a response read: ACK it now (see there)
+        client.on_publish = self._on_publish
         client.on_socket_open = set_tcp_nodelay  # responses not held back by Nagle's algorithm
         connect_props = Properties(PacketTypes.CONNECT)
         connect_props.SessionExpiryInterval = cfg.session_expiry_s
@@ -179,10 +214,12 @@ class MqttBridge(MqttRequests):
             cfg.host,
             cfg.port,
             keepalive=cfg.keepalive_s,
-            # a kept session is resumed on reconnects, never from a previous run of the daemon
-            clean_start=True if cfg.session_expiry_s == 0 else mqtt.MQTT_CLEAN_START_FIRST_ONLY,
+            # a kept session is resumed, also from a previous run of the daemon; Clean Start 0 from the
+            # first CONNECT on, or mosquitto does not persist the session across its own restarts
+            clean_start=cfg.session_expiry_s == 0,
             properties=connect_props,
         )
+        self.receipt_clock.start()
         client.loop_start()
         logger.info("MQTT: connecting to %s:%d as %s%s", cfg.host, cfg.port, cfg.effective_client_id,
                     " (TLS)" if cfg.tls is not None else "")  # fmt: skip
@@ -231,6 +268,7 @@ class MqttBridge(MqttRequests):
                 logger.warning("MQTT: offline status not sent: %s", exc)
         client.disconnect()
         client.loop_stop()
+        self.receipt_clock.stop()
         self._client = None
         self._connected.clear()
         self._subscribed.clear()
@@ -286,6 +324,195 @@ class MqttBridge(MqttRequests):
         (on paho's thread: keep it short). Call before :meth:`start`."""
         self._handlers[topic] = handler
 
+    # ------------------------------------------------------------------ requests
+    @staticmethod
+    def reply_address(msg: Any, data: dict[str, Any] | None) -> tuple[str | None, bytes | None, str | None]:
+        """``(topic, correlation_data, correlation_id)`` to answer a message on: the Response Topic
+        property, else the JSON fallback ``reply_to``."""
+        props = getattr(msg, "properties", None)
+        response_topic = getattr(props, "ResponseTopic", None) if props is not None else None
+        correlation_data = getattr(props, "CorrelationData", None) if props is not None else None
+        reply_to, correlation_id = fallback_reply_address(data) if data is not None else (None, None)
+        return response_topic or reply_to, correlation_data, correlation_id
+
+    def _drop(self, reason: str, message: str, *args: Any) -> None:
+        """Count (counters and ``edgevlm_requests_dropped_total{reason}``) and log a request that
+        cannot be answered."""
+        self.counters.inc(reason)
+        if self.metrics is not None:
+            self.metrics.request_dropped(reason)
+        logger.warning(message, *args)
+
+    def _handle(self, msg: Any) -> None:
+        received = self.receipt_clock.received()
+        self.counters.inc("messages_received")
+        if msg.retain:
+            self.counters.inc("retained_ignored")
+            logger.info("MQTT: ignoring a retained request on %s", msg.topic)
+            return
+        props = getattr(msg, "properties", None)
+        response_topic = getattr(props, "ResponseTopic", None) if props is not None else None
+        if response_topic == "":
+            response_topic = None  # an empty Response Topic is no address: the JSON reply_to may give one
+        if response_topic is not None and not is_valid_publish_topic(response_topic):
+            self._drop("invalid_response_topic",
+                       "MQTT: dropping a request whose Response Topic %r cannot be published to (a wildcard, "
+                       "NUL or too long)", response_topic)  # fmt: skip
+            return
+
+        payload: bytes = msg.payload
+        data: dict[str, Any] | None = None
+        error: EdgeVLMError | None = None
+        if len(payload) > self.config.max_payload_bytes:
+            error = InvalidRequestError(
+                f"$: payload of {len(payload)} bytes exceeds max_payload_bytes={self.config.max_payload_bytes}",
+                details={"path": "$", "max_payload_bytes": self.config.max_payload_bytes},
+            )
+        else:
+            try:
+                data = parse_json_object(payload)
+            except InvalidRequestError as err:
+                error = err
+
+        topic, correlation_data, correlation_id = self.reply_address(msg, data)
+        if topic is None:
+            self._drop("no_reply_address",
+                       "MQTT: dropping a request with no Response Topic and no valid 'reply_to' field "
+                       "(MQTT 3.1.1 clients: add reply_to/correlation_id to the JSON)")  # fmt: skip
+            return
+
+        key: DedupKey | None = None
+        if correlation_data is not None:
+            key = (topic, b"D" + bytes(correlation_data))
+        elif correlation_id is not None:
+            key = (topic, b"I" + correlation_id.encode())
+        digest = payload_digest(payload)
+        if key is not None:
+            seen, cached = self.recent_answers.claim(key, digest)
+            if seen != "new":
+                self.counters.inc(f"duplicate_{seen}")
+                if self.metrics is not None:
+                    self.metrics.duplicate_request(seen)
+                if cached is not None:  # answered already: the same response again, nothing runs twice
+                    logger.info("MQTT: re-sent request on %s answered from the recent-answers cache", topic)
+                    self._publish_reply(topic, correlation_data, cached)
+                else:
+                    logger.info("MQTT: re-sent request on %s is already queued or running", topic)
+                return
+
+        request: Request | None = None
+        if error is None and data is not None:
+            try:
+                request = parse_request(data)
+                check_inline_image(request, self.limits)
+            except (InvalidRequestError, InvalidImageError) as err:
+                error = err
+        expiry_s = getattr(props, "MessageExpiryInterval", None) if props is not None else None
+        timeout_ms = NO_DEADLINE_MS
+        limit = "timeout_ms"
+        if request is not None and error is None:
+            asked_ms = request.timeout_ms if request.timeout_ms is not None else self.scheduler.defaults.timeout_ms
+            timeout_ms = request_timeout_ms(request.timeout_ms, self.scheduler.defaults.timeout_ms, expiry_s)
+            if timeout_ms < asked_ms:
+                limit = "message_expiry"
+        reply = self._make_reply(topic, correlation_data, correlation_id, received, timeout_ms,
+                                 None if key is None else (key, digest))  # fmt: skip
+        if error is None and not self._accepting:
+            error = BusyError("the daemon is shutting down")
+        if error is not None:
+            self.counters.inc("requests_received")
+            self.counters.inc(f"errors_{error.code.value}")
+            logger.info("MQTT: request refused: %s", error.message)
+            reply(Response.failure(error, correlation_id))
+            return
+        assert request is not None
+        self.scheduler.submit(Job(request=request, reply=reply, received_monotonic=received, timeout_ms=timeout_ms,
+                                  deadline_limit=limit))  # fmt: skip
+        if self.metrics is not None:
+            self.metrics.set_queue_depth(self.scheduler.queue_size())
+
+    def _make_reply(
+        self, topic: str, correlation_data: bytes | None, correlation_id: str | None, received: float,
+        timeout_ms: int, dedup: tuple[DedupKey, bytes] | None = None,
+    ) -> Callable[[Response], None]:
+        """A once-only reply function for one request (tracked until answered; its response is
+        remembered for re-sends when ``dedup`` gives its key and payload digest)."""
+        with self._lock:
+            self._next_id += 1
+            key = self._next_id
+        done = threading.Event()
+
+        def reply(response: Response) -> None:
+            with self._lock:
+                if done.is_set():
+                    self.counters.inc("late_replies_dropped")
+                    return
+                done.set()
+                self._outstanding.pop(key, None)
+            if response.correlation_id is None and correlation_id is not None:
+                response = response.model_copy(update={"correlation_id": correlation_id})
+            self._observe(response, received, timeout_ms)
+            response = self._publish_reply(topic, correlation_data, response)
+            if dedup is not None:
+                self.recent_answers.answered(dedup[0], dedup[1], response)
+
+        with self._lock:
+            self._outstanding[key] = reply
+        return reply
+
+    def _observe(self, response: Response, received: float, timeout_ms: int) -> None:
+        if self.metrics is None:
+            return
+        code = "OK" if response.ok else (response.error.code if response.error else "INTERNAL")
+        late = timeout_ms < NO_DEADLINE_MS and time.monotonic() > received + timeout_ms / 1000.0
+        self.metrics.observe_answer(response.stats, code, deadline_missed=late and response.ok)
+        if response.stats is not None and response.stats.operating_point:
+            self.metrics.set_operating_point(response.stats.operating_point)
+        self.metrics.set_queue_depth(self.scheduler.queue_size())
+
+    def _publish_reply(self, topic: str, correlation_data: bytes | None, response: Response) -> Response:
+        """Publish ``response`` (or the error that replaces it when it cannot be serialized or is
+        too large for the broker); returns the response actually sent."""
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+
+        props = Properties(PacketTypes.PUBLISH)
+        props.ContentType = "application/json"
+        if correlation_data is not None:
+            props.CorrelationData = bytes(correlation_data)
+        try:
+            payload = response.to_bytes()
+        except Exception as exc:  # noqa: BLE001 - never leave a request unanswered
+            logger.error("MQTT: response to %s cannot be serialized (%s); sending INTERNAL", topic, exc)
+            response = Response.failure(InternalError(f"the response could not be serialized: {type(exc).__name__}"))
+            payload = response.to_bytes()
+        try:
+            info = self.publish(topic, payload, properties=props)
+        except PacketTooLargeError as err:
+            logger.warning("MQTT: response too large: %s; sending an error instead", err.message)
+            response = Response.failure(
+                InternalError(f"the response ({len(payload)} bytes) exceeds the broker's maximum packet size "
+                              f"({err.details['max_packet_bytes']} bytes); ask for fewer tokens",
+                              details={**err.details, "reason": "response_too_large"}),
+                response.correlation_id,
+            )  # fmt: skip
+            try:
+                info = self.publish(topic, response.to_bytes(), properties=props)
+            except EdgeVLMError as err2:
+                self.counters.inc("responses_dropped")
+                logger.error("MQTT: response to %s dropped: %s", topic, err2.message)
+                return response
+        except InternalError:
+            self.counters.inc("responses_dropped")
+            logger.warning("MQTT: stopped; response to %s dropped", topic)
+            return response
+        self.counters.inc("responses_sent")
+        if info is not None:
+            self.track_publish(info.mid, topic)
+        if info is not None and info.rc != 0:
+            logger.warning("MQTT: response to %s queued while disconnected (rc=%s)", topic, info.rc)
+        return response
+
     # ------------------------------------------------------------------ paho callbacks
     def _on_connect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
         if reason_code.is_failure:
@@ -319,7 +546,8 @@ class MqttBridge(MqttRequests):
 
     def _on_connect_fail(self, client: Any, userdata: Any) -> None:
         self.counters.inc("mqtt_connect_failures")
-        logger.warning("MQTT: cannot connect to %s:%d; retrying", self.config.host, self.config.port)
+        cause = describe_connect_error(sys.exc_info()[1])  # paho calls this inside its `except OSError`
+        logger.warning("MQTT: cannot connect to %s:%d: %s; retrying", self.config.host, self.config.port, cause)
 
     def _on_disconnect(
         self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any
@@ -331,24 +559,58 @@ class MqttBridge(MqttRequests):
         self.counters.inc("mqtt_disconnects")
         cfg = self.config
         lived_s = time.monotonic() - self._connected_at
-        taken_over = getattr(reason_code, "value", None) == SESSION_TAKEN_OVER
+        from_broker = bool(getattr(flags, "is_disconnect_packet_from_server", False))
+        taken_over = from_broker and getattr(reason_code, "value", None) == SESSION_TAKEN_OVER
+        if from_broker:
+            cause = f"the broker sent DISCONNECT: {reason_code}"
+            if properties is not None and getattr(properties, "ReasonString", None):
+                cause += f" ({properties.ReasonString})"
+        else:
+            cause = f"the connection broke without a DISCONNECT from the broker ({reason_code}: the broker " \
+                    "stopped or crashed, or the network failed)"  # fmt: skip
         if taken_over or lived_s < FLAP_S:
             self.takeovers += 1
             self.counters.inc("mqtt_session_taken_over")
             delay = min(cfg.reconnect_max_delay_s, cfg.reconnect_min_delay_s * 2 ** (self.takeovers - 1))
             self.takeover_delays_s.append(delay)
             self._set_delays(delay, max(delay, cfg.reconnect_max_delay_s), client)
-            why = ("session taken over by another client" if taken_over else
-                   f"connection closed {lived_s:.1f} s after it was made ({reason_code}); taken over by another client?")  # fmt: skip
-            logger.error(
-                "MQTT: %s with the same client id %r (another daemon with device_id %r?); reconnecting in "
-                "%.1f s (%d in a row)", why, cfg.effective_client_id, cfg.device_id, delay, self.takeovers,
-            )  # fmt: skip
+            if taken_over or self.takeovers >= 2:
+                why = ("session taken over by another client" if taken_over else
+                       f"connection closed {lived_s:.1f} s after it was made, {self.takeovers} times in a row "
+                       f"({cause}); taken over by another client")  # fmt: skip
+                logger.error(
+                    "MQTT: %s with the same client id %r (another daemon with device_id %r?); reconnecting in "
+                    "%.1f s (%d in a row)", why, cfg.effective_client_id, cfg.device_id, delay, self.takeovers,
+                )  # fmt: skip
+            else:
+                logger.warning("MQTT: connection lost %.1f s after it was made: %s; reconnecting in %.1f s",
+                               lived_s, cause, delay)  # fmt: skip
         else:
             self.takeovers = 0
-            logger.warning("MQTT: connection lost (%s); reconnecting", reason_code)
+            logger.warning("MQTT: connection lost: %s; reconnecting", cause)
         if self.on_connection is not None:
             self.on_connection(False, str(reason_code))
+
+    def track_publish(self, mid: int, topic: str) -> None:
+        """Remember the topic of a response publish until its PUBACK (to name it if refused)."""
+        with self._lock:
+            self._reply_mids[mid] = topic
+            while len(self._reply_mids) > 4096:  # PUBACKs lost with a connection: forget the oldest
+                self._reply_mids.pop(next(iter(self._reply_mids)))
+
+    def _on_publish(self, client: Any, userdata: Any, mid: int, reason_code: Any, properties: Any) -> None:
+        request_quick_ack(client)  # a PUBACK was read: ACK it now, so the broker sends the next request at once
+        with self._lock:
+            topic = self._reply_mids.pop(mid, None)
+        if reason_code is not None and getattr(reason_code, "is_failure", False) and topic is not None:
+            self.counters.inc("response_refused")
+            if self.metrics is not None:
+                self.metrics.request_dropped("response_refused")
+            reason = str(reason_code)
+            if properties is not None and getattr(properties, "ReasonString", None):
+                reason += f" ({properties.ReasonString})"
+            logger.warning("MQTT: the broker refused the response on %s: PUBACK reason 0x%02X %s (check its ACL)",
+                           topic, reason_code.value, reason)  # fmt: skip
 
     def _on_subscribe(self, client: Any, userdata: Any, mid: int, reason_codes: Any, properties: Any) -> None:
         failed = [rc for rc in reason_codes if rc.is_failure]

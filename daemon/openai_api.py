@@ -43,7 +43,7 @@ from typing import Any
 
 from edgevlm.config import DaemonConfig, HttpConfig
 from edgevlm.daemon.admission import check_inline_image
-from edgevlm.daemon.scheduler import Job, Scheduler
+from edgevlm.daemon.scheduler import Job, Scheduler, request_timeout_ms
 from edgevlm.errors import (
     BusyError,
     EdgeVLMError,
@@ -465,7 +465,7 @@ class OpenAIServer:
     def _submit(self, req: Request, on_event: Callable[[str, Any], None], streaming: bool) -> None:
         """Queue ``req``; ``on_event("delta", text)`` for streamed text, then ``on_event("done",
         response)`` once (from the worker or the network thread)."""
-        timeout_ms = req.timeout_ms if req.timeout_ms is not None else self.default_timeout_ms
+        timeout_ms = request_timeout_ms(req.timeout_ms, self.default_timeout_ms)  # the one deadline rule
         received = time.monotonic()
         done = threading.Event()
         key = 0
@@ -479,7 +479,7 @@ class OpenAIServer:
             on_event("done", response)
 
         key = self._pending.add(reply)
-        job = Job(request=req, reply=reply, timeout_ms=timeout_ms,
+        job = Job(request=req, reply=reply, received_monotonic=received, timeout_ms=timeout_ms,
                   on_delta=(lambda d: on_event("delta", d)) if streaming else None)
         self.scheduler.submit(job)
 

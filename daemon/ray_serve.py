@@ -90,7 +90,7 @@ class EngineReplica:
         return req, decode_image(req.image_bytes)
 
     def _kwargs(self, req: Request) -> dict[str, Any]:
-        from edgevlm.daemon.scheduler_worker import sampling_kwargs
+        from edgevlm.daemon.scheduler import sampling_kwargs
 
         return {"max_new_tokens": req.max_new_tokens or self.config.defaults.max_new_tokens, **sampling_kwargs(req)}
 
@@ -172,7 +172,9 @@ class OpenAIIngress:
         if not isinstance(parsed, tuple):
             return parsed
         req, stream, include_usage = parsed
-        timeout_ms = req.timeout_ms if req.timeout_ms is not None else self.config.defaults.timeout_ms
+        from edgevlm.daemon.scheduler import request_timeout_ms
+
+        timeout_ms = request_timeout_ms(req.timeout_ms, self.config.defaults.timeout_ms)  # the one deadline rule
         deadline = None if timeout_ms >= NO_DEADLINE_MS else time.monotonic() + timeout_ms / 1000.0
         payload = req.model_dump(mode="json", exclude_none=True)
         if not stream:

@@ -7,10 +7,19 @@
 Each request carries the client's own Response Topic (``<prefix>/<device_id>/response/<token>``)
 and 16 random bytes of Correlation Data (MQTT v5 section 4.10); the reply is matched by those bytes,
 so one client may be used by many threads at once. Wire errors are raised as the typed
-exceptions of :mod:`edgevlm.errors` (``BUSY`` -> :class:`~edgevlm.errors.BusyError`, ...); no
-reply within ``timeout_s`` (plus a small grace for the daemon's own deadline answer) raises
-:class:`~edgevlm.errors.DeadlineExceededError`. A broker that cannot be reached raises the
-built-in :class:`ConnectionError`.
+exceptions of :mod:`edgevlm.errors` (``BUSY`` -> :class:`~edgevlm.errors.BusyError`, ...).
+
+Delivery: a request whose answer has not come is published again, with the same payload and the
+same Correlation Data, after every reconnect and every ``resend_interval_s``, until its deadline;
+the daemon answers a repeat from its recent-answers cache (or ignores it while the first copy runs),
+and the first answer is returned, later copies are dropped: exactly one answer per ``ask``. Every
+copy carries the MQTT v5 *Message Expiry Interval* of the time left (whole seconds, rounded up), so
+a broker or daemon that holds it longer drops it instead of running it after the caller gave up.
+
+``ask`` returns or raises within ``timeout_s`` (to a few ms): no answer by then raises
+:class:`~edgevlm.errors.DeadlineExceededError` when the broker is connected, and
+:class:`~edgevlm.errors.BrokerUnreachableError` (a :class:`ConnectionError`) naming the cause when
+it is not; the constructor raises it too when the broker cannot be reached.
 
 Torch-free and OpenCV-free: numpy images are sent as PNG, encoded here with zlib.
 """
@@ -32,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from edgevlm.errors import (
+    BrokerUnreachableError,
     DeadlineExceededError,
     EdgeVLMError,
     InternalError,
@@ -52,10 +62,10 @@ from edgevlm.types import Answer
 
 logger = logging.getLogger(__name__)
 
-RESPONSE_GRACE_S = 1.0
-"""Extra time the client waits beyond ``timeout_s`` for the daemon's own answer (s)."""
-
 CORRELATION_DATA_BYTES = 16
+
+RESEND_INTERVAL_S = 2.0
+"""Default period (s) after which an unanswered request is published again."""
 
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -171,11 +181,41 @@ def request_quick_ack(client: Any, *_: Any) -> None:
         pass
 
 
+def describe_connect_error(exc: BaseException | None) -> str:
+    """Why a connection attempt to an MQTT broker failed, in a few words (a TLS certificate
+    failure, a refusal, name resolution, a timeout named as such)."""
+    import socket
+    import ssl
+
+    if exc is None:
+        return "unknown cause"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"TLS certificate verification failed: {exc.verify_message or exc.reason} (check the CA certificates)"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS handshake failed: {exc.reason or exc}"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused (no broker listening on that port)"
+    if isinstance(exc, socket.gaierror):
+        return f"cannot resolve the host name ({exc.strerror or exc})"
+    if isinstance(exc, (TimeoutError, socket.timeout)):
+        return "timed out"
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror} ({type(exc).__name__})"
+    return f"{type(exc).__name__}: {exc}"
+
+
 @dataclass
 class _Pending:
+    """One request waiting for its answer: what to publish again, and the answer slot."""
+
+    payload: bytes
+    correlation: bytes
+    deadline: float | None  # monotonic; None = no deadline
     event: threading.Event = field(default_factory=threading.Event)
-    payload: bytes | None = None
+    response: bytes | None = None
     error: BaseException | None = None
+    sends: int = 0
+    last_sent: float = 0.0
 
 
 class Client:
@@ -192,10 +232,12 @@ class Client:
         keepalive_s: MQTT keepalive (s).
         qos: QoS of requests and of the response subscription.
         connect_timeout_s: how long the constructor waits for the connection and subscription.
+        resend_interval_s: an unanswered request is published again (same Correlation Data) this
+            often until its deadline, and after every reconnect; None = only after reconnects.
 
     Raises:
-        ConnectionError: the broker is unreachable, refuses the connection, or does not answer
-            within ``connect_timeout_s``.
+        BrokerUnreachableError: (a ``ConnectionError``) the broker is unreachable, refuses the
+            connection, or does not answer within ``connect_timeout_s``; the message names the cause.
     """
 
     def __init__(
@@ -216,6 +258,7 @@ class Client:
         keepalive_s: int = 30,
         qos: int = 1,
         connect_timeout_s: float = 10.0,
+        resend_interval_s: float | None = RESEND_INTERVAL_S,
     ) -> None:
         import paho.mqtt.client as mqtt
         from paho.mqtt.enums import CallbackAPIVersion
@@ -224,6 +267,13 @@ class Client:
             raise ValueError(f"qos must be 0, 1 or 2, got {qos}")
         self.host, self.port, self.device_id, self.prefix, self.qos = host, port, device_id, prefix, qos
         self._connect_timeout_s = connect_timeout_s
+        if resend_interval_s is not None and not resend_interval_s > 0:
+            raise ValueError(f"resend_interval_s must be > 0 or None, got {resend_interval_s!r}")
+        self.resend_interval_s = resend_interval_s
+        self.resends = 0  # requests published again (reconnects and re-send intervals)
+        self.duplicates_dropped = 0  # answers to a request already answered (or given up on)
+        self._disconnected_at: float | None = None
+        self._disconnect_cause = ""
         token = secrets.token_hex(8)
         try:
             self.request_topic = request_topic(prefix, device_id)
@@ -254,6 +304,7 @@ class Client:
         self._client.on_connect = self._on_connect
         self._client.on_subscribe = self._on_subscribe
         self._client.on_disconnect = self._on_disconnect
+        self._client.on_connect_fail = self._on_connect_fail
         self._client.on_message = self._on_message
         self._client.on_publish = request_quick_ack  # PUBACK of a request read: ACK it now (see there)
         self._client.on_socket_open = set_tcp_nodelay
@@ -261,12 +312,16 @@ class Client:
         try:
             self._client.connect(host, port, keepalive=keepalive_s, clean_start=True)
         except (OSError, ValueError) as exc:
-            raise ConnectionError(f"cannot connect to the MQTT broker at {host}:{port}: {exc}") from None
+            raise BrokerUnreachableError(
+                f"cannot connect to the MQTT broker at {host}:{port}: {describe_connect_error(exc)}",
+                details={"host": host, "port": port},
+            ) from None
         self._client.loop_start()
         if not self._ready.wait(connect_timeout_s) or self._connect_error is not None:
             reason = self._connect_error or f"no answer within {connect_timeout_s} s"
             self.close()
-            raise ConnectionError(f"MQTT broker at {host}:{port} refused the connection: {reason}")
+            raise BrokerUnreachableError(f"MQTT broker at {host}:{port} refused the connection: {reason}",
+                                         details={"host": host, "port": port})  # fmt: skip
 
     # ------------------------------------------------------------------ public API
     def ask(
@@ -296,6 +351,8 @@ class Client:
         Raises:
             InvalidRequestError, InvalidImageError, UnknownSourceError, BusyError,
             DeadlineExceededError, InternalError: the daemon's wire error, or a local check.
+            BrokerUnreachableError: (a ``ConnectionError``) no answer within ``timeout_s`` and the
+                broker is not connected; the message names the cause.
             ConnectionError: the client was closed while waiting.
         """
         if self._closed:
@@ -317,6 +374,20 @@ class Client:
         request = parse_request(body)  # local validation, same rules and messages as the daemon
         payload = request.model_dump_json(exclude_none=True).encode()
         return self._roundtrip(payload, timeout_s)
+
+    def request(self, payload: bytes, *, timeout_s: float | None = 30.0) -> Answer:
+        """Send an already encoded request payload (the wire JSON, see the README's topic contract)
+        as it is, with the delivery of :meth:`ask` (re-sends, Message Expiry, exactly one answer);
+        for tools that speak the wire format, and for sending what :meth:`ask` would refuse locally.
+
+        Raises:
+            The same errors as :meth:`ask`; the daemon's verdict on a malformed payload (e.g.
+            :class:`~edgevlm.errors.InvalidRequestError`).
+        """
+        if self._closed:
+            raise ConnectionError("the client is closed")
+        self._timeout_ms(timeout_s)  # the same check of timeout_s as ask
+        return self._roundtrip(bytes(payload), timeout_s)
 
     def wait_online(self, timeout_s: float = 10.0) -> bool:
         """Wait until the daemon's retained status says "online"; returns whether it does."""
@@ -349,6 +420,7 @@ class Client:
         self._closed = True
         with self._lock:
             pending = list(self._pending.values())
+            self._pending.clear()
         for slot in pending:
             slot.error = ConnectionError("the client was closed while waiting for a response")
             slot.event.set()
@@ -375,69 +447,124 @@ class Client:
         return max(1, math.ceil(timeout_s * 1000))
 
     def _roundtrip(self, payload: bytes, timeout_s: float | None) -> Answer:
-        from paho.mqtt.packettypes import PacketTypes
-        from paho.mqtt.properties import Properties
-
-        # After a reconnect the response topic must be subscribed again before a request goes out,
-        # or its response could arrive before the subscription and be lost.
-        wait_s = self._connect_timeout_s if timeout_s is None else min(timeout_s, self._connect_timeout_s)
-        if not self._subscribed.wait(wait_s):
-            raise ConnectionError(
-                f"not connected to the MQTT broker at {self.host}:{self.port} (reconnecting)"
-            )
-        correlation = secrets.token_bytes(CORRELATION_DATA_BYTES)
-        slot = _Pending()
+        start = time.monotonic()
+        deadline = None if timeout_s is None or math.isinf(timeout_s) else start + timeout_s
+        slot = _Pending(payload=payload, correlation=secrets.token_bytes(CORRELATION_DATA_BYTES), deadline=deadline)
         with self._lock:
-            self._pending[correlation] = slot
+            self._pending[slot.correlation] = slot
         try:
-            props = Properties(PacketTypes.PUBLISH)
-            props.ResponseTopic = self.response_topic
-            props.CorrelationData = correlation
-            props.ContentType = "application/json"
-            info = self._client.publish(self.request_topic, payload, qos=self.qos, properties=props)
-            if info.rc not in (0, 4):  # success, or queued while reconnecting (MQTT_ERR_NO_CONN)
-                raise ConnectionError(f"cannot publish the request (paho rc={info.rc})")
-            wait_s: float | None = None
-            if timeout_s is not None and timeout_s + RESPONSE_GRACE_S < threading.TIMEOUT_MAX:
-                wait_s = timeout_s + RESPONSE_GRACE_S
-            if not slot.event.wait(wait_s):
-                raise DeadlineExceededError(
-                    f"no response from device {self.device_id!r} within {timeout_s} s "
-                    f"(daemon status: {self._status.state if self._status else 'unknown'})",
-                    details={"timeout_s": timeout_s, "local": True},
-                )
+            # sent now if the response topic is subscribed; else by _on_subscribe once reconnected
+            # (a request must not go out before its answer can be received)
+            if self._subscribed.is_set():
+                self._send(slot)
+            while True:
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    break
+                wait_s = None if deadline is None else deadline - now
+                if self.resend_interval_s is not None and slot.sends:
+                    due = slot.last_sent + self.resend_interval_s - now
+                    wait_s = due if wait_s is None else min(wait_s, due)
+                if slot.event.wait(None if wait_s is None else max(0.0, min(wait_s, threading.TIMEOUT_MAX))):
+                    break
+                if (self.resend_interval_s is not None and self._subscribed.is_set() and slot.sends
+                        and time.monotonic() - slot.last_sent >= self.resend_interval_s):  # fmt: skip
+                    self._send(slot, resend=True)
         finally:
             with self._lock:
-                self._pending.pop(correlation, None)
+                self._pending.pop(slot.correlation, None)
         if slot.error is not None:
             raise slot.error
+        if slot.response is None:
+            raise self._timeout_error(timeout_s, slot)
         try:
-            response = parse_response(slot.payload or b"")
+            response = parse_response(slot.response)
         except EdgeVLMError as err:
             raise InternalError(f"malformed response from the daemon: {err.message}") from None
         return response.to_answer()
+
+    def _timeout_error(self, timeout_s: float | None, slot: _Pending) -> EdgeVLMError:
+        if not self._subscribed.is_set():
+            since = self._disconnected_at
+            how_long = f" for {time.monotonic() - since:.1f} s" if since is not None else ""
+            cause = self._disconnect_cause or "not connected"
+            return BrokerUnreachableError(
+                f"no response from device {self.device_id!r} within {timeout_s} s: the MQTT broker at "
+                f"{self.host}:{self.port} is unreachable{how_long} ({cause})",
+                details={"timeout_s": timeout_s, "local": True, "sends": slot.sends},
+            )
+        return DeadlineExceededError(
+            f"no response from device {self.device_id!r} within {timeout_s} s "
+            f"(daemon status: {self._status.state if self._status else 'unknown'}; request sent {slot.sends} time(s))",
+            details={"timeout_s": timeout_s, "local": True, "sends": slot.sends},
+        )
+
+    def _send(self, slot: _Pending, *, resend: bool = False) -> None:
+        """Publish (again) one pending request, with the Message Expiry Interval of the time left."""
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+
+        now = time.monotonic()
+        props = Properties(PacketTypes.PUBLISH)
+        props.ResponseTopic = self.response_topic
+        props.CorrelationData = slot.correlation
+        props.ContentType = "application/json"
+        if slot.deadline is not None:
+            left_s = slot.deadline - now
+            if left_s <= 0:
+                return
+            props.MessageExpiryInterval = min(4294967295, max(1, math.ceil(left_s)))
+        with self._lock:
+            if slot.event.is_set() or self._pending.get(slot.correlation) is not slot:
+                return
+            slot.sends += 1
+            slot.last_sent = now
+        if resend:
+            self.resends += 1
+        info = self._client.publish(self.request_topic, slot.payload, qos=self.qos, properties=props)
+        if info.rc not in (0, 4):  # success, or queued while reconnecting (MQTT_ERR_NO_CONN)
+            logger.warning("edgevlm client: cannot publish a request (paho rc=%s); re-sent on reconnect", info.rc)
 
     # ------------------------------------------------------------------ paho callbacks
     def _on_connect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
         if reason_code.is_failure:
             self._connect_error = str(reason_code)
+            self._disconnect_cause = f"the broker refused the connection: {reason_code}"
             self._ready.set()
             return
         client.subscribe([(self.response_topic, self.qos), (self.status_topic, 1)])
+
+    def _on_connect_fail(self, client: Any, userdata: Any) -> None:
+        import sys
+
+        self._disconnect_cause = f"cannot reconnect: {describe_connect_error(sys.exc_info()[1])}"
 
     def _on_subscribe(self, client: Any, userdata: Any, mid: int, reason_codes: Any, properties: Any) -> None:
         failed = [rc for rc in reason_codes if rc.is_failure]
         if failed:
             self._connect_error = f"subscription refused: {failed[0]}"
-        else:
-            self._subscribed.set()
+            self._ready.set()
+            return
+        self._disconnected_at = None
+        self._disconnect_cause = ""
+        self._subscribed.set()
         self._ready.set()
+        with self._lock:
+            pending = [p for p in self._pending.values() if not p.event.is_set()]
+        for slot in pending:  # what was sent before the outage may be lost: send it again
+            self._send(slot, resend=slot.sends > 0)
 
     def _on_disconnect(
         self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any
     ) -> None:
+        self._subscribed.clear()
+        if self._disconnected_at is None:
+            self._disconnected_at = time.monotonic()
+        from_broker = bool(getattr(flags, "is_disconnect_packet_from_server", False))
+        self._disconnect_cause = (f"the broker sent DISCONNECT: {reason_code}" if from_broker
+                                  else f"connection lost: {reason_code}")  # fmt: skip
         if not self._closed:
-            logger.warning("edgevlm client: connection lost (%s); reconnecting", reason_code)
+            logger.warning("edgevlm client: %s; reconnecting", self._disconnect_cause)
 
     def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
         request_quick_ack(client)
@@ -449,11 +576,14 @@ class Client:
             correlation = getattr(props, "CorrelationData", None) if props is not None else None
             with self._lock:
                 slot = self._pending.get(bytes(correlation)) if correlation is not None else None
-            if slot is None:
-                logger.debug("edgevlm client: dropping a response with unknown correlation data")
-                return
-            slot.payload = bytes(msg.payload)
-            slot.event.set()
+                first = slot is not None and not slot.event.is_set()
+                if first:
+                    slot.response = bytes(msg.payload)
+                    slot.event.set()
+                else:
+                    self.duplicates_dropped += 1
+            if not first:
+                logger.debug("edgevlm client: dropping a response that is a duplicate or has unknown correlation data")
         except Exception:  # noqa: BLE001 - never kill paho's network thread
             logger.exception("edgevlm client: error while handling a message")
 

@@ -72,10 +72,16 @@ class MqttConfig(BaseModel):
         0,
         ge=0,
         le=4294967295,
-        description="MQTT v5 Session Expiry Interval (s). 0 = a clean session on every connect; > 0 keeps "
-        "the request subscription and queued QoS>=1 requests across reconnects and (with a persistent "
-        "broker) broker restarts, so requests published during an outage are answered afterwards; each "
-        "start of the daemon still begins a clean session.",
+        description="MQTT v5 Session Expiry Interval (s). 0 = a clean session on every connect; > 0 resumes "
+        "the broker's session (Clean Start 0) on every connect, a restart of the daemon included: the "
+        "request subscription and the QoS>=1 requests queued while the daemon was away are kept (across a "
+        "broker restart too when the broker persists sessions; requests past their Message Expiry are "
+        "dropped by the broker).",
+    )
+    dedup_cache_size: int = Field(
+        1024, ge=1, le=1_000_000, strict=True,
+        description="Recent requests remembered by Response Topic + Correlation Data: a re-sent request "
+        "is answered from this cache (or absorbed while it runs) instead of running twice.",
     )
 
     @field_validator("prefix")

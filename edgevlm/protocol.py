@@ -60,6 +60,10 @@ MAX_NEW_TOKENS_LIMIT = 4096
 MAX_STOP_STRINGS = 4
 """At most this many stop strings per request (the OpenAI chat API's limit)."""
 
+MAX_INT_DIGITS = 4300
+"""Python's default limit on the digits of an integer parsed from text (``sys.get_int_max_str_digits``);
+a JSON integer longer than that is refused as ``INVALID_REQUEST``."""
+
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -349,8 +353,13 @@ def parse_json_object(payload: bytes | str) -> dict[str, Any]:
         raise InvalidRequestError(
             f"$: {msg}", details={"path": "$", "errors": [{"path": "$", "message": msg}], "pos": exc.pos}
         ) from None
-    except (ValueError, RecursionError) as exc:  # e.g. an integer with more than 4300 digits
-        msg = f"malformed JSON: {exc}"
+    except RecursionError:
+        msg = "malformed JSON: nested too deeply"
+        raise InvalidRequestError(
+            f"$: {msg}", details={"path": "$", "errors": [{"path": "$", "message": msg}]}
+        ) from None
+    except ValueError:  # Python refuses to convert an integer literal of more than 4300 digits
+        msg = f"a JSON integer has more than {MAX_INT_DIGITS} digits (no field takes a number that large)"
         raise InvalidRequestError(
             f"$: {msg}", details={"path": "$", "errors": [{"path": "$", "message": msg}]}
         ) from None
@@ -371,6 +380,12 @@ def parse_request(payload: bytes | str | dict[str, Any]) -> Request:
             holds it.
     """
     data = payload if isinstance(payload, dict) else parse_json_object(payload)
+    bad = _lone_surrogate_path(data)
+    if bad is not None:
+        raise InvalidRequestError(
+            f"{bad}: contains a lone UTF-16 surrogate (a \\udXXX escape without its pair): not valid Unicode",
+            details={"path": bad, "errors": [{"path": bad, "message": "lone surrogate"}]},
+        )
     if "schema_version" in data and data["schema_version"] != SCHEMA_VERSION:
         raise InvalidRequestError(
             f"schema_version: unsupported version {data['schema_version']!r} (this daemon speaks {SCHEMA_VERSION})",
@@ -385,15 +400,45 @@ def parse_request(payload: bytes | str | dict[str, Any]) -> Request:
         raise _validation_error(exc, "request") from None
 
 
+def _is_unicode(text: str) -> bool:
+    """False for a string holding a lone surrogate (JSON allows ``"\\udc00"``; UTF-8 cannot carry it)."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _lone_surrogate_path(value: Any, loc: tuple[Any, ...] = ()) -> str | None:
+    """The field path of the first string (key or value) holding a lone surrogate, or None."""
+    if isinstance(value, str):
+        return None if _is_unicode(value) else format_loc(loc)
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not _is_unicode(k):
+                return format_loc(loc) if loc else "$"
+            found = _lone_surrogate_path(v, (*loc, k))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _lone_surrogate_path(v, (*loc, i))
+            if found is not None:
+                return found
+    return None
+
+
 def fallback_reply_address(data: dict[str, Any]) -> tuple[str | None, str | None]:
     """The MQTT 3.1.1 fallback ``(reply_to, correlation_id)`` of a raw request object, read
     leniently so that even a request that fails validation can be answered. Invalid values
     give None."""
     reply_to = data.get("reply_to")
     corr = data.get("correlation_id")
-    if not isinstance(reply_to, str) or not is_valid_publish_topic(reply_to):
+    if not isinstance(reply_to, str) or not is_valid_publish_topic(reply_to) or not _is_unicode(reply_to):
         reply_to = None
-    if not isinstance(corr, str) or len(corr) > 1024:
+    if not isinstance(corr, str) or len(corr) > 1024 or not _is_unicode(corr):
         corr = None
     return reply_to, corr
 
