@@ -209,6 +209,22 @@ class Metrics:
         self.thermal: Any = None
 
     # -- daemon API ---------------------------------------------------------------------------------
+    def observe_response(self, response: Any, received_monotonic: float, timeout_ms: int,
+                         queue_depth: int | None = None) -> None:
+        """Count one request answered with the wire ``response`` (every transport calls this once
+        per answer): its code, its stats, whether an ok answer left after the deadline
+        (``timeout_ms`` from ``received_monotonic``; :data:`~edgevlm.protocol.NO_DEADLINE_MS` = none),
+        the operating point it ran at, and the queue depth now."""
+        from edgevlm.protocol import NO_DEADLINE_MS
+
+        code = "OK" if response.ok else (response.error.code if response.error else "INTERNAL")
+        late = timeout_ms < NO_DEADLINE_MS and time.monotonic() > received_monotonic + timeout_ms / 1000.0
+        self.observe_answer(response.stats, code, deadline_missed=late and response.ok)
+        if response.stats is not None and response.stats.operating_point:
+            self.set_operating_point(response.stats.operating_point)
+        if queue_depth is not None:
+            self.set_queue_depth(queue_depth)
+
     def observe_answer(
         self, stats: Any = None, code: ErrorCode | str = RESULT_OK, *, deadline_missed: bool = False
     ) -> None:

@@ -461,14 +461,8 @@ class MqttBridge:
         return reply
 
     def _observe(self, response: Response, received: float, timeout_ms: int) -> None:
-        if self.metrics is None:
-            return
-        code = "OK" if response.ok else (response.error.code if response.error else "INTERNAL")
-        late = timeout_ms < NO_DEADLINE_MS and time.monotonic() > received + timeout_ms / 1000.0
-        self.metrics.observe_answer(response.stats, code, deadline_missed=late and response.ok)
-        if response.stats is not None and response.stats.operating_point:
-            self.metrics.set_operating_point(response.stats.operating_point)
-        self.metrics.set_queue_depth(self.scheduler.queue_size())
+        if self.metrics is not None:
+            self.metrics.observe_response(response, received, timeout_ms, self.scheduler.queue_size())
 
     def _publish_reply(self, topic: str, correlation_data: bytes | None, response: Response) -> Response:
         """Publish ``response`` (or the error that replaces it when it cannot be serialized or is

@@ -52,7 +52,7 @@ from edgevlm.errors import (
     InvalidImageError,
     InvalidRequestError,
 )
-from edgevlm.protocol import MAX_STOP_STRINGS, NO_DEADLINE_MS, Request, Response, parse_request
+from edgevlm.protocol import MAX_STOP_STRINGS, Request, Response, parse_request
 
 logger = logging.getLogger(__name__)
 
@@ -484,11 +484,8 @@ class OpenAIServer:
         self.scheduler.submit(job)
 
     def _observe(self, response: Response, received: float, timeout_ms: int) -> None:
-        if self.metrics is None:
-            return
-        code = "OK" if response.ok else (response.error.code if response.error else "INTERNAL")
-        late = timeout_ms < NO_DEADLINE_MS and time.monotonic() > received + timeout_ms / 1000.0
-        self.metrics.observe_answer(response.stats, code, deadline_missed=late and response.ok)
+        if self.metrics is not None:
+            self.metrics.observe_response(response, received, timeout_ms, self.scheduler.queue_size())
 
     def _count(self, code: ErrorCode) -> None:
         if self.metrics is not None:
