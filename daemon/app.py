@@ -146,6 +146,7 @@ class Daemon:
             version=__version__,
             sources=self.sources.names,
             model=_model_name(config, engine),
+            pool=config.mqtt.pool,
             **({"audio": [a.name for a in config.audio]} if config.audio else {}),
         )
         self.bridge = MqttBridge(
@@ -246,7 +247,7 @@ class Daemon:
         try:
             from edgevlm.daemon.metrics import Metrics
 
-            return Metrics(device_id=self.config.mqtt.device_id, version=self.version)
+            return Metrics(device_id=self.config.mqtt.device_id, version=self.version, pool=self.config.mqtt.pool)
         except ImportError as exc:
             logger.warning("metrics disabled: %s", exc)
             return None

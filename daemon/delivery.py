@@ -60,6 +60,13 @@ class RecentAnswers:
             if entry is not None and entry[0] == digest:
                 self._entries[key] = (digest, response)
 
+    def forget(self, key: DedupKey, digest: bytes) -> None:
+        """Drop an entry: its answer was transient (``BUSY``), so a re-send must run again."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry[0] == digest:
+                del self._entries[key]
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)

@@ -85,11 +85,12 @@ class Metrics:
         device_id: this device's id (in ``edgevlm_build_info`` and the summary).
         window: how many recent requests the summary's percentiles cover.
         version: software version for ``edgevlm_build_info``.
+        pool: the pool this daemon is a member of (``mqtt.pool``), a label of ``edgevlm_build_info``.
 
     The ``observe_*``/``set_*`` methods never raise on bad input: a metric must not fail a request.
     """
 
-    def __init__(self, *, device_id: str = "", window: int = 512, version: str = "") -> None:
+    def __init__(self, *, device_id: str = "", window: int = 512, version: str = "", pool: str | None = None) -> None:
         try:
             import prometheus_client as prom
         except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -183,12 +184,12 @@ class Metrics:
             self.duplicate_requests.labels(outcome)
         build = prom.Gauge(
             "build_info",
-            "Software version and device id.",
-            ["version", "device_id"],
+            "Software version, device id and pool (empty when not a pool member).",
+            ["version", "device_id", "pool"],
             namespace=ns,
             registry=r,
         )
-        build.labels(version or "unknown", device_id).set(1)
+        build.labels(version or "unknown", device_id, pool or "").set(1)
         prom.Gauge("start_time_seconds", "UNIX time the daemon started.", namespace=ns, registry=r).set(
             self._started_s
         )

@@ -65,7 +65,14 @@ from edgevlm.config import LimitsConfig, MqttConfig
 from edgevlm.daemon.admission import check_inline_image
 from edgevlm.daemon.delivery import DedupKey, ReceiptClock, RecentAnswers, payload_digest
 from edgevlm.daemon.scheduler import Counters, Job, Scheduler, request_timeout_ms
-from edgevlm.errors import BusyError, EdgeVLMError, InternalError, InvalidImageError, InvalidRequestError
+from edgevlm.errors import (
+    BusyError,
+    EdgeVLMError,
+    ErrorCode,
+    InternalError,
+    InvalidImageError,
+    InvalidRequestError,
+)
 from edgevlm.protocol import (
     NO_DEADLINE_MS,
     Request,
@@ -75,6 +82,8 @@ from edgevlm.protocol import (
     is_valid_publish_topic,
     parse_json_object,
     parse_request,
+    pool_request_topic,
+    pool_subscription,
     request_topic,
     status_topic,
 )
@@ -150,6 +159,10 @@ class MqttBridge:
         self.on_ready = on_ready
         self.on_connection = on_connection
         self.request_topic = request_topic(config.prefix, config.device_id)
+        # a pool member also takes requests from the pool's topic, through a shared subscription
+        self.pool_topic = pool_request_topic(config.prefix, config.pool) if config.pool else None
+        self.pool_subscription = (pool_subscription(config.prefix, config.pool, config.pool_group or config.pool)
+                                  if config.pool else None)
         self.status_topic = status_topic(config.prefix, config.device_id)
         self.topic_base = f"{config.prefix}/{config.device_id}"
         self._online = online_status
@@ -197,7 +210,7 @@ class MqttBridge:
                 keyfile=str(cfg.tls.keyfile) if cfg.tls.keyfile else None,
             )
             client.tls_insecure_set(cfg.tls.insecure)
-        will = StatusMessage(state="offline", device_id=cfg.device_id).to_bytes()
+        will = StatusMessage(state="offline", device_id=cfg.device_id, pool=cfg.pool).to_bytes()
         client.will_set(self.status_topic, will, qos=cfg.qos, retain=True)
         self._set_delays(cfg.reconnect_min_delay_s, cfg.reconnect_max_delay_s, client)
         client.on_connect = self._on_connect
@@ -237,8 +250,33 @@ class MqttBridge:
         return self._connected.is_set()
 
     def stop_accepting(self) -> None:
-        """From now on, new requests are answered ``BUSY`` ("shutting down")."""
+        """From now on, new requests are answered ``BUSY`` ("shutting down"). A pool member first
+        leaves the pool (unsubscribes its shared subscription), so the broker hands the pool's
+        requests to the other members instead."""
+        self.leave_pool()
         self._accepting = False
+
+    def leave_pool(self, timeout_s: float = 2.0) -> bool:
+        """Unsubscribe from the pool's shared subscription and wait (up to ``timeout_s``) for the
+        broker's UNSUBACK; the device's own request topic stays. Returns whether the broker
+        confirmed it (False when not a member or not connected)."""
+        client = self._client
+        if self.pool_subscription is None or client is None or not self._connected.is_set():
+            return False
+        done = threading.Event()
+        previous = client.on_unsubscribe
+
+        def on_unsubscribe(*_: Any) -> None:
+            done.set()
+
+        client.on_unsubscribe = on_unsubscribe
+        try:
+            client.unsubscribe(self.pool_subscription)
+            left = done.wait(timeout_s)
+        finally:
+            client.on_unsubscribe = previous
+        logger.info("MQTT: left pool %r%s", self.config.pool, "" if left else " (no UNSUBACK in time)")
+        return left
 
     def outstanding(self) -> int:
         """Accepted requests that have not been answered yet."""
@@ -260,7 +298,8 @@ class MqttBridge:
             return
         self._stopping = True
         if self._connected.is_set():
-            offline = StatusMessage(state="offline", device_id=self.config.device_id, ts=time.time())
+            offline = StatusMessage(state="offline", device_id=self.config.device_id, ts=time.time(),
+                                    pool=self.config.pool)
             info = client.publish(self.status_topic, offline.to_bytes(), qos=self.config.qos, retain=True)
             try:
                 info.wait_for_publish(timeout_s)
@@ -454,7 +493,11 @@ class MqttBridge:
             self._observe(response, received, timeout_ms)
             response = self._publish_reply(topic, correlation_data, response)
             if dedup is not None:
-                self.recent_answers.answered(dedup[0], dedup[1], response)
+                busy = response.error is not None and response.error.code == ErrorCode.BUSY
+                if busy:  # transient: a re-send (to this daemon or, in a pool, another) runs again
+                    self.recent_answers.forget(dedup[0], dedup[1])
+                else:
+                    self.recent_answers.answered(dedup[0], dedup[1], response)
 
         with self._lock:
             self._outstanding[key] = reply
@@ -527,6 +570,8 @@ class MqttBridge:
                     self.request_topic)  # fmt: skip
         options = SubscribeOptions(qos=self.config.qos, retainHandling=SubscribeOptions.RETAIN_DO_NOT_SEND)
         topics = [(self.request_topic, options)]
+        if self.pool_subscription is not None and self._accepting:
+            topics.append((self.pool_subscription, SubscribeOptions(qos=self.config.qos)))
         topics += [(t, SubscribeOptions(qos=self.config.qos, retainHandling=2)) for t in self._handlers]
         _, mid = client.subscribe(topics)
         self._sub_mids.add(mid)

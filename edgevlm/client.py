@@ -26,6 +26,7 @@ Torch-free and OpenCV-free: numpy images are sent as PNG, encoded here with zlib
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -54,8 +55,11 @@ from edgevlm.protocol import (
     StatusMessage,
     parse_request,
     parse_response,
+    pool_request_topic,
+    pool_response_topic,
     request_topic,
     response_topic,
+    status_filter,
     status_topic,
 )
 from edgevlm.types import Answer
@@ -66,6 +70,11 @@ CORRELATION_DATA_BYTES = 16
 
 RESEND_INTERVAL_S = 2.0
 """Default period (s) after which an unanswered request is published again."""
+
+POOL_BUSY_RETRY_S = 0.05
+"""Pool mode: a member's BUSY answer (queue full, shutting down) is not delivered; the request is
+published again to the pool after this delay (the broker hands it to another member) until its
+deadline."""
 
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -204,6 +213,15 @@ def describe_connect_error(exc: BaseException | None) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _is_busy(payload: bytes) -> bool:
+    """Whether a response payload is a ``BUSY`` error (read leniently: anything else is not)."""
+    try:
+        error = json.loads(payload).get("error") or {}
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == "BUSY"
+
+
 @dataclass
 class _Pending:
     """One request waiting for its answer: what to publish again, and the answer slot."""
@@ -234,6 +252,11 @@ class Client:
         connect_timeout_s: how long the constructor waits for the connection and subscription.
         resend_interval_s: an unanswered request is published again (same Correlation Data) this
             often until its deadline, and after every reconnect; None = only after reconnects.
+        pool: ask any member of this pool (the daemons with ``mqtt.pool``) instead of one device:
+            requests go to ``<prefix>/pools/<pool>/request``, which the broker hands to one member
+            (MQTT v5 shared subscription); a member that dies mid-request is covered by the
+            re-sends, a member's BUSY answer is retried on the pool (:data:`POOL_BUSY_RETRY_S`),
+            and each answer reaches the application once. Give ``device_id`` or ``pool``.
 
     Raises:
         BrokerUnreachableError: (a ``ConnectionError``) the broker is unreachable, refuses the
@@ -259,6 +282,7 @@ class Client:
         qos: int = 1,
         connect_timeout_s: float = 10.0,
         resend_interval_s: float | None = RESEND_INTERVAL_S,
+        pool: str | None = None,
     ) -> None:
         import paho.mqtt.client as mqtt
         from paho.mqtt.enums import CallbackAPIVersion
@@ -272,13 +296,24 @@ class Client:
         self.resend_interval_s = resend_interval_s
         self.resends = 0  # requests published again (reconnects and re-send intervals)
         self.duplicates_dropped = 0  # answers to a request already answered (or given up on)
+        self.busy_retries = 0  # pool mode: BUSY answers not delivered, the request sent to the pool again
         self._disconnected_at: float | None = None
         self._disconnect_cause = ""
         token = secrets.token_hex(8)
+        if pool is not None and device_id:
+            raise ValueError("give a device_id or a pool, not both")
+        self.pool = pool
+        self._target = f"pool {pool!r}" if pool is not None else f"device {device_id!r}"
+        self._members: dict[str, StatusMessage] = {}  # pool mode: device id -> its last status
         try:
-            self.request_topic = request_topic(prefix, device_id)
-            self.status_topic = status_topic(prefix, device_id)
-            self.response_topic = response_topic(prefix, device_id, token)
+            if pool is None:
+                self.request_topic = request_topic(prefix, device_id)
+                self.status_topic = status_topic(prefix, device_id)
+                self.response_topic = response_topic(prefix, device_id, token)
+            else:  # any member of the pool (shared subscription); every daemon's status is watched
+                self.request_topic = pool_request_topic(prefix, pool)
+                self.status_topic = status_filter(prefix)
+                self.response_topic = pool_response_topic(prefix, pool, token)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
         self._lock = threading.Lock()
@@ -390,7 +425,8 @@ class Client:
         return self._roundtrip(bytes(payload), timeout_s)
 
     def wait_online(self, timeout_s: float = 10.0) -> bool:
-        """Wait until the daemon's retained status says "online"; returns whether it does."""
+        """Wait until the daemon's retained status says "online" (pool mode: any member's);
+        returns whether it does (False on timeout, never raises)."""
         deadline = time.monotonic() + timeout_s
         with self._status_cond:
             while self._status is None or self._status.state != "online":
@@ -405,6 +441,12 @@ class Client:
         """Whether the client is connected and subscribed to its response topic (it reconnects
         on its own after a broker restart)."""
         return self._subscribed.is_set()
+
+    @property
+    def pool_members(self) -> dict[str, StatusMessage]:
+        """Pool mode: each member's last retained status (device id -> status), online or not."""
+        with self._status_cond:
+            return dict(self._members)
 
     @property
     def device_status(self) -> StatusMessage | None:
@@ -489,12 +531,12 @@ class Client:
             how_long = f" for {time.monotonic() - since:.1f} s" if since is not None else ""
             cause = self._disconnect_cause or "not connected"
             return BrokerUnreachableError(
-                f"no response from device {self.device_id!r} within {timeout_s} s: the MQTT broker at "
+                f"no response from {self._target} within {timeout_s} s: the MQTT broker at "
                 f"{self.host}:{self.port} is unreachable{how_long} ({cause})",
                 details={"timeout_s": timeout_s, "local": True, "sends": slot.sends},
             )
         return DeadlineExceededError(
-            f"no response from device {self.device_id!r} within {timeout_s} s "
+            f"no response from {self._target} within {timeout_s} s "
             f"(daemon status: {self._status.state if self._status else 'unknown'}; request sent {slot.sends} time(s))",
             details={"timeout_s": timeout_s, "local": True, "sends": slot.sends},
         )
@@ -569,14 +611,21 @@ class Client:
     def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
         request_quick_ack(client)
         try:
-            if msg.topic == self.status_topic:
-                self._on_status(msg.payload)
+            if msg.topic == self.status_topic or (self.pool is not None and msg.topic.endswith("/status")):
+                self._on_status(msg.payload, msg.topic)
                 return
             props = getattr(msg, "properties", None)
             correlation = getattr(props, "CorrelationData", None) if props is not None else None
             with self._lock:
                 slot = self._pending.get(bytes(correlation)) if correlation is not None else None
                 first = slot is not None and not slot.event.is_set()
+                if first and self.pool is not None and _is_busy(msg.payload) and (
+                        slot.deadline is None or time.monotonic() + POOL_BUSY_RETRY_S < slot.deadline):
+                    self.busy_retries += 1  # another member may have room: try the pool again
+                    retry = threading.Timer(POOL_BUSY_RETRY_S, self._send, (slot,), {"resend": True})
+                    retry.daemon = True
+                    retry.start()
+                    return
                 if first:
                     slot.response = bytes(msg.payload)
                     slot.event.set()
@@ -587,7 +636,7 @@ class Client:
         except Exception:  # noqa: BLE001 - never kill paho's network thread
             logger.exception("edgevlm client: error while handling a message")
 
-    def _on_status(self, payload: bytes) -> None:
+    def _on_status(self, payload: bytes, topic: str = "") -> None:
         if not payload:
             status = None  # retained status cleared
         else:
@@ -597,5 +646,13 @@ class Client:
                 logger.warning("edgevlm client: malformed status message ignored")
                 return
         with self._status_cond:
+            if self.pool is not None:  # keep the members of our pool; the status is the best of them
+                device = topic.rsplit("/", 2)[-2] if topic.count("/") >= 2 else ""
+                if status is not None and status.pool == self.pool:
+                    self._members[device] = status
+                else:
+                    self._members.pop(device, None)
+                online = [m for m in self._members.values() if m.state == "online"]
+                status = online[0] if online else next(iter(self._members.values()), None)
             self._status = status
             self._status_cond.notify_all()

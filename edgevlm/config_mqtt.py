@@ -15,6 +15,7 @@ from edgevlm.protocol import (
     MAX_NEW_TOKENS_LIMIT,
     NO_DEADLINE_MS,
     check_device_id,
+    check_pool,
     check_prefix,
 )
 
@@ -78,6 +79,14 @@ class MqttConfig(BaseModel):
         "broker restart too when the broker persists sessions; requests past their Message Expiry are "
         "dropped by the broker).",
     )
+    pool: str | None = Field(
+        None,
+        description="Join this pool (one topic level): also take requests from <prefix>/pools/<pool>/request "
+        "through an MQTT v5 shared subscription, so the broker hands each to one member; None = no pool.",
+    )
+    pool_group: str | None = Field(
+        None, description="Shared-subscription group of the pool ($share/<group>/...); None = the pool name."
+    )
     dedup_cache_size: int = Field(
         1024, ge=1, le=1_000_000, strict=True,
         description="Recent requests remembered by Response Topic + Correlation Data: a re-sent request "
@@ -94,12 +103,19 @@ class MqttConfig(BaseModel):
     def _device_id(cls, v: str) -> str:
         return check_device_id(v)
 
+    @field_validator("pool", "pool_group")
+    @classmethod
+    def _pool(cls, v: str | None) -> str | None:
+        return check_pool(v) if v is not None else v
+
     @model_validator(mode="after")
     def _check(self) -> MqttConfig:
         if self.reconnect_max_delay_s < self.reconnect_min_delay_s:
             raise ValueError("reconnect_max_delay_s: must be >= reconnect_min_delay_s")
         if self.password is not None and self.username is None:
             raise ValueError("password: needs a username")
+        if self.pool_group is not None and self.pool is None:
+            raise ValueError("pool_group: needs a pool")
         return self
 
     @property

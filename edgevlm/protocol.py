@@ -16,6 +16,9 @@ Topics (``prefix`` defaults to ``edgevlm``)::
     <prefix>/<device_id>/events/<monitor>   monitor events (later issues)
     <prefix>/<device_id>/telemetry          periodic telemetry (later issues)
     <prefix>/<device_id>/response/<token>   the SDK's per-client response topic
+    <prefix>/pools/<pool>/request           requests to any member of a pool (shared subscription
+                                            $share/<group>/<prefix>/pools/<pool>/request)
+    <prefix>/pools/<pool>/response/<token>  a pool client's response topic
 
 Every payload is a UTF-8 JSON object with ``schema_version`` (:data:`SCHEMA_VERSION`). Parse errors
 become :class:`~edgevlm.errors.InvalidRequestError` whose message starts with the JSON field path
@@ -114,6 +117,32 @@ def telemetry_topic(prefix: str, device_id: str) -> str:
 def response_topic(prefix: str, device_id: str, token: str) -> str:
     """``<prefix>/<device_id>/response/<token>``: a per-client response topic (the SDK's)."""
     return f"{check_prefix(prefix)}/{check_device_id(device_id)}/response/{_check_level(token, 'token')}"
+
+
+def check_pool(pool: str) -> str:
+    """Validate a pool name (one topic level of ``[A-Za-z0-9_.-]``). Raises ``ValueError``."""
+    return _check_level(pool, "pool")
+
+
+def pool_request_topic(prefix: str, pool: str) -> str:
+    """``<prefix>/pools/<pool>/request``: where requests to any member of a pool are published."""
+    return f"{check_prefix(prefix)}/pools/{check_pool(pool)}/request"
+
+
+def pool_subscription(prefix: str, pool: str, group: str) -> str:
+    """``$share/<group>/<prefix>/pools/<pool>/request``: the MQTT v5 shared subscription (section
+    4.8.2) through which the broker hands each pool request to one member of ``group``."""
+    return f"$share/{_check_level(group, 'pool group')}/{pool_request_topic(prefix, pool)}"
+
+
+def pool_response_topic(prefix: str, pool: str, token: str) -> str:
+    """``<prefix>/pools/<pool>/response/<token>``: a per-client response topic of a pool client."""
+    return f"{check_prefix(prefix)}/pools/{check_pool(pool)}/response/{_check_level(token, 'token')}"
+
+
+def status_filter(prefix: str) -> str:
+    """``<prefix>/+/status``: every daemon's retained status (a pool's members carry ``pool``)."""
+    return f"{check_prefix(prefix)}/+/status"
 
 
 def is_valid_publish_topic(topic: str) -> bool:
@@ -287,6 +316,7 @@ class StatusMessage(BaseModel):
     version: str | None = Field(None, description="edgevlm version.")
     sources: list[str] = Field(default_factory=list, description="Configured source names.")
     model: str | None = Field(None, description="Model folder served.")
+    pool: str | None = Field(None, description="The pool this daemon is a member of (mqtt.pool), if any.")
 
     def to_bytes(self) -> bytes:
         return self.model_dump_json(exclude_none=True).encode()
