@@ -160,6 +160,9 @@ class Daemon:
             on_connection=self._on_connection,
         )
         self.http = self._make_http(engine)
+        self.scheduler.model_id = served_model_id(config, engine)
+        self.offload = self._make_offload()
+        self.scheduler.offloader = self.offload
         self.telemetry_topic = telemetry_topic(config.mqtt.prefix, config.mqtt.device_id)
         self.telemetry = self._make_telemetry()
         self.throttle, self.tegrastats = self._make_tegrastats()
@@ -181,15 +184,18 @@ class Daemon:
         """The OpenAI-compatible HTTP API (``edgevlm.daemon.openai_api``), when ``http.enabled``."""
         if not self.config.http.enabled:
             return None
-        from pathlib import Path
-
         from edgevlm.daemon.openai_api import OpenAIServer
-        from edgevlm.runtime.demo import model_dir as demo_model_dir
 
-        path = getattr(engine, "model_dir", None) or self.config.model.path
-        is_demo = path is None or Path(path).resolve() == demo_model_dir().resolve()
-        model_id = "edgevlm-demo" if is_demo else Path(path).name
-        return OpenAIServer(self.config.http, self.scheduler, self.config, model_id=model_id, metrics=self.metrics)
+        return OpenAIServer(self.config.http, self.scheduler, self.config, model_id=served_model_id(self.config, engine),
+                            metrics=self.metrics)
+
+    def _make_offload(self) -> Any:
+        """Edge-to-pool offload (``edgevlm.daemon.offload``), when ``offload.pool`` is set."""
+        if self.config.offload.pool is None:
+            return None
+        from edgevlm.daemon.offload import Offloader
+
+        return Offloader(self.config, self.sources, self.counters)
 
     def _make_monitors(self) -> Any:
         """The label monitors (``edgevlm.daemon.monitors``), publishing through the bridge."""
@@ -356,6 +362,8 @@ class Daemon:
             self._start_metrics(self.config.metrics.listen)
         if self.http is not None:
             self._start_http()
+        if self.offload is not None:
+            self.offload.start()
         if self.telemetry is not None:
             self.telemetry.start()
         if self.tegrastats is not None:
@@ -420,6 +428,8 @@ class Daemon:
             logger.warning("shutdown: %d request(s) in flight answered BUSY", failed)
         if self.http is not None:
             self.http.stop()
+        if self.offload is not None:
+            self.offload.stop()
         self.bridge.stop(MQTT_STOP_TIMEOUT_S)
         self.sources.stop()
         if self.audio is not None:
@@ -435,6 +445,22 @@ class Daemon:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def served_model_id(config: DaemonConfig, engine: Any = None) -> str:
+    """The id of the model served, one rule for every front end (the HTTP API's ``model``, the wire
+    request's ``model``, Ray Serve): ``http.model_name`` when set, else the model folder's name,
+    ``edgevlm-demo`` for the shipped demo model."""
+    from pathlib import Path
+
+    from edgevlm.runtime.demo import model_dir as demo_model_dir
+
+    if config.http.model_name:
+        return config.http.model_name
+    path = getattr(engine, "model_dir", None) or config.model.path
+    if path is None or Path(path).resolve() == demo_model_dir().resolve():
+        return "edgevlm-demo"
+    return Path(path).name
 
 
 def _model_name(config: DaemonConfig, engine: Any) -> str:

@@ -366,7 +366,7 @@ class OpenAIServer:
         self.scheduler = scheduler
         self.limits = daemon_config.limits
         self.default_timeout_ms = daemon_config.defaults.timeout_ms
-        self.model_id = config.model_name or model_id
+        self.model_id = model_id
         self.metrics = metrics
         self.api_key = config.api_key()
         self.created = int(time.time())

@@ -261,14 +261,6 @@ class OpenAIIngress:
                 return
 
 
-def _model_id(config: DaemonConfig) -> str:
-    from pathlib import Path
-
-    if config.http.model_name:
-        return config.http.model_name
-    return Path(config.model.path).name if config.model.path is not None else "edgevlm-demo"
-
-
 def build_app(config: DaemonConfig, *, cluster_gpus: float = 0.0) -> Any:
     """The Ray Serve application (``openai`` ingress bound to ``engine`` replicas) for ``config``.
 
@@ -291,7 +283,9 @@ def build_app(config: DaemonConfig, *, cluster_gpus: float = 0.0) -> Any:
                                                   "target_ongoing_requests": r.target_ongoing_requests})
     ingress = serve.deployment(OpenAIIngress, name="openai", ray_actor_options={"num_cpus": 0})
     payload = config.model_dump(mode="json")
-    return ingress.bind(engine.bind(payload), payload, _model_id(config))
+    from edgevlm.daemon.app import served_model_id
+
+    return ingress.bind(engine.bind(payload), payload, served_model_id(config))
 
 
 def app_builder(args: dict[str, str]) -> Any:

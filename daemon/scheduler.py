@@ -56,6 +56,7 @@ from edgevlm.errors import (
     DeadlineExceededError,
     EdgeVLMError,
     InternalError,
+    InvalidRequestError,
     ModelLoadError,
 )
 from edgevlm.protocol import NO_DEADLINE_MS, Frame, Request, Response
@@ -223,6 +224,8 @@ class Scheduler:
         self._running: tuple[float, float] | None = None  # (start monotonic, predicted service ms)
         self.continuous_batching = continuous_batching
         self.prefill_token_budget = prefill_token_budget
+        self.offloader: Any = None  # edgevlm.daemon.offload.Offloader, set by the daemon (offload.pool)
+        self.model_id: str | None = None  # the model served, for requests naming a 'model' (set by the daemon)
         self._batch: Any = None  # BatchWorker of the current engine while batching
         self._batch_rows = 1  # KV-cache rows the worker batches over (1 = no batching)
         self._active: dict[int, tuple[float, float]] = {}  # batched jobs: id -> (start, predicted service ms)
@@ -339,9 +342,18 @@ class Scheduler:
         except EdgeVLMError as err:
             self._fail(job, err)
             return False
+        offload = self.offloader
+        if req.model is not None and self.model_id is not None and req.model != self.model_id:
+            if offload is not None and offload.cfg.on_unknown_model and offload.available():
+                offload.submit(job, "unknown_model")
+                return True
+            self._fail(job, InvalidRequestError(
+                f"model: {req.model!r} is not served here (this daemon serves {self.model_id!r})",
+                details={"path": "model", "served": self.model_id}))
+            return False
         with self._cond:
             if self._stopping:
-                full: BusyError | None = BusyError("the daemon is shutting down")
+                full: EdgeVLMError | None = BusyError("the daemon is shutting down")
             elif len(self._queue) >= self.queue_max_size:
                 full = BusyError(
                     f"queue full ({self.queue_max_size} waiting); retry later",
@@ -352,6 +364,10 @@ class Scheduler:
                 if full is None:
                     self._queue.append(job)
                     self._cond.notify_all()
+        if (isinstance(full, DeadlineExceededError) and offload is not None and offload.cfg.on_budget_miss
+                and offload.available()):  # the cheapest point misses the budget here: the pool may not
+            offload.submit(job, "budget_miss")
+            return True
         if full is not None:
             self._fail(job, full)
             return False

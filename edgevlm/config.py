@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from edgevlm.config_http import HttpConfig
 from edgevlm.config_mqtt import DefaultsConfig, LimitsConfig, MqttConfig, TlsConfig
-from edgevlm.config_ray import RayConfig
+from edgevlm.config_ray import OffloadConfig, RayConfig
 from edgevlm.config_runtime import (
     ControllerConfig,
     MetricsConfig,
@@ -69,6 +69,7 @@ __all__ = [
     "ModelConfig",
     "MonitorConfig",
     "MqttConfig",
+    "OffloadConfig",
     "RayConfig",
     "ReloadConfig",
     "ServiceConfig",
@@ -116,6 +117,7 @@ class DaemonConfig(BaseModel):
     monitors: list[MonitorConfig] = Field(default_factory=list, description="Continuous label monitors.")
     http: HttpConfig = Field(default_factory=HttpConfig, description="OpenAI-compatible HTTP API (off by default).")
     ray: RayConfig = Field(default_factory=RayConfig, description="Replicas under Ray Serve (edgevlm serve-ray only).")
+    offload: OffloadConfig = Field(default_factory=OffloadConfig, description="Forward to a pool what the edge cannot serve.")
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -44,3 +44,30 @@ class RayConfig(BaseModel):
         if self.max_replicas is not None and self.max_replicas < max(1, self.min_replicas):
             raise ValueError(f"max_replicas: {self.max_replicas} is below min_replicas {self.min_replicas}")
         return self
+
+
+class OffloadConfig(BaseModel):
+    """Edge-to-pool offload (:mod:`edgevlm.daemon.offload`): requests this daemon cannot serve in
+    time, or that name a model it does not have, are answered by a pool of daemons instead."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pool: StrictStr | None = Field(None, min_length=1, description="Pool to forward to (mqtt.pool of its members); None = off.")
+    host: StrictStr | None = Field(
+        None, min_length=1,
+        description="Broker the pool's requests go to; None = mqtt.host (one broker, or an edge broker bridged "
+        "to the cloud broker).",
+    )
+    port: StrictInt | None = Field(None, ge=1, le=65535, description="Its port; None = mqtt.port.")
+    on_budget_miss: bool = Field(
+        True, strict=True,
+        description="Forward a request when even the cheapest operating point is predicted to miss its budget.",
+    )
+    on_unknown_model: bool = Field(
+        True, strict=True, description="Forward a request whose 'model' is not the model this daemon serves."
+    )
+    margin_ms: StrictInt = Field(
+        30, ge=0, le=600000,
+        description="Taken off the request's budget and timeout for the extra hop before they are forwarded.",
+    )
+    max_in_flight: StrictInt = Field(32, ge=1, le=4096, description="Forwarded requests waiting at once; more are refused as today.")

@@ -200,6 +200,11 @@ class Request(BaseModel):
         None, max_length=MAX_STOP_STRINGS, description="Strings that end the answer (not included in it)."
     )
     seed: StrictInt | None = Field(None, ge=0, le=INT64_MAX, description="Sampling seed (temperature > 0).")
+    model: StrictStr | None = Field(
+        None, min_length=1, max_length=256,
+        description="The model to answer with (its folder name, 'edgevlm-demo' for the demo model); None = the "
+        "daemon's. A daemon that does not serve it forwards the request to its offload pool, else refuses it.",
+    )
     reply_to: StrictStr | None = Field(
         None,
         min_length=1,
