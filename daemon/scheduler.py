@@ -519,12 +519,12 @@ class Scheduler:
     def _generate(self, job: Job, started: _Started) -> Answer:
         """Run one request on the engine; a streaming job gets each text delta as it is made."""
         req = job.request
-        stream = self._engine.stream(
-            started.image, req.prompt, max_new_tokens=started.max_new_tokens, operating_point=started.point,
-            **sampling_kwargs(req))
+        kwargs = {"max_new_tokens": started.max_new_tokens, "operating_point": started.point, **sampling_kwargs(req)}
+        if job.on_delta is None:
+            return self._engine.ask(started.image, req.prompt, **kwargs)
+        stream = self._engine.stream(started.image, req.prompt, **kwargs)
         for delta in stream:
-            if job.on_delta is not None:
-                job.on_delta(delta)
+            job.on_delta(delta)
         return stream.answer
 
     def _guarded(self, job: Job, what: str, fn: Callable[[], Any]) -> tuple[bool, Any]:
