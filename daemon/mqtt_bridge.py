@@ -62,7 +62,7 @@ from typing import Any
 
 from edgevlm.client import describe_connect_error, set_tcp_nodelay
 from edgevlm.config import LimitsConfig, MqttConfig
-from edgevlm.daemon.delivery import DedupKey, ReceiptClock, RecentAnswers, payload_digest
+from edgevlm.daemon.delivery import RECEIVE_MAXIMUM, DedupKey, ReceiptClock, RecentAnswers, payload_digest
 from edgevlm.daemon.scheduler import Counters, Job, Scheduler, request_timeout_ms
 from edgevlm.errors import BusyError, EdgeVLMError, InternalError, InvalidImageError, InvalidRequestError
 from edgevlm.protocol import (
@@ -208,6 +208,7 @@ class MqttBridge:
         client.on_socket_open = set_tcp_nodelay  # responses not held back by Nagle's algorithm
         connect_props = Properties(PacketTypes.CONNECT)
         connect_props.SessionExpiryInterval = cfg.session_expiry_s
+        connect_props.ReceiveMaximum = RECEIVE_MAXIMUM  # bounds what can wait in our socket (delivery.py)
         self._client = client
         client.connect_async(
             cfg.host,
@@ -343,7 +344,7 @@ class MqttBridge:
         logger.warning(message, *args)
 
     def _handle(self, msg: Any) -> None:
-        received = self.receipt_clock.received()
+        received = self.receipt_clock.received(getattr(msg, "qos", 1))
         self.counters.inc("messages_received")
         if msg.retain:
             self.counters.inc("retained_ignored")
