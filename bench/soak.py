@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         "sources": [{"name": SOURCE, "uri": CAMERA_PIPELINE, "capture": "subprocess",
                      "gst_launch": str(camera_wrapper(work, flag)), "read_timeout_s": 2.0, "open_timeout_s": 5.0,
                      "reopen_delay_s": 0.5, "reconnect_max_delay_s": 4.0, "max_frame_age_s": 2.0}],
-        "queue_max_size": 128,
+        "queue_max_size": 32,
         # robustness, not latency: a generous budget keeps the latency controller from refusing
         # requests on a slow, shared CPU (DEADLINE_EXCEEDED is still counted if it happens)
         "controller": {"default_budget_ms": 30000},

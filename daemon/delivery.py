@@ -72,20 +72,34 @@ class RecentAnswers:
             return len(self._entries)
 
 
+RECEIVE_MAXIMUM = 16
+"""The daemon's MQTT v5 Receive Maximum (CONNECT property, OASIS MQTT 5.0 section 3.1.2.11.3): the
+broker sends at most this many QoS 1/2 requests the daemon has not acknowledged, so at most this
+many can wait in its socket while its process is stopped; the rest wait in the broker, where their
+Message Expiry Interval keeps counting."""
+
+
 class ReceiptClock:
     """Monotonic receipt times that survive the daemon's process being stopped.
 
     A ticker thread records the time every ``tick_s``; a gap longer than ``stall_s`` means the
-    process did not run (SIGSTOP, a suspended VM or container). A message handled while such a gap
-    is still open, or less than ``grace_s`` after it closed, waited in the socket: its receipt time
-    is the last tick before the gap (the earliest it can have arrived unread), so a request whose
-    client gave up meanwhile is not run.
+    process did not run (SIGSTOP, a suspended VM or container). Requests read while such a gap is
+    still open, or less than ``grace_s`` after it closed, may have waited in the socket all along:
+    the first ``in_socket_max`` of them at QoS >= 1 (the broker sends no more unacknowledged ones, see
+    :data:`RECEIVE_MAXIMUM`) and every QoS 0 one are dated from the last tick before the gap (the
+    earliest they can have arrived unread), so a request whose client gave up meanwhile is not run.
+    Later QoS >= 1 requests waited in the broker instead, whose forwarded Message Expiry Interval
+    already counts that wait: they are dated now.
     """
 
-    def __init__(self, tick_s: float = 0.1, stall_s: float = 2.0, grace_s: float = 0.25) -> None:
-        self.tick_s, self.stall_s, self.grace_s = tick_s, stall_s, grace_s
+    def __init__(self, tick_s: float = 0.1, stall_s: float = 2.0, grace_s: float = 0.5,
+                 in_socket_max: int = RECEIVE_MAXIMUM) -> None:  # fmt: skip
+        self.tick_s, self.stall_s, self.grace_s, self.in_socket_max = tick_s, stall_s, grace_s, in_socket_max
         self._last = time.monotonic()
         self._stall: tuple[float, float] | None = None
+        self._lock = threading.Lock()
+        self._episode: float | None = None  # start of the stall whose socket backlog is being dated
+        self._left = 0
         self.stalls = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -105,21 +119,31 @@ class ReceiptClock:
             if now - self._last > self.stall_s:
                 self._stall = (self._last, now)
                 self.stalls += 1
-                logger.warning("the daemon's process did not run for %.1f s (stopped?); requests read now are "
-                               "dated from when it stopped", now - self._last)  # fmt: skip
+                logger.warning("the daemon's process did not run for %.1f s (stopped?); requests that waited in "
+                               "its socket are dated from when it stopped", now - self._last)  # fmt: skip
             self._last = now
 
-    def received(self) -> float:
-        """The receipt time (monotonic s) of a message handled now."""
+    def received(self, qos: int = 1) -> float:
+        """The receipt time (monotonic s) of a request message of ``qos`` handled now."""
         now = time.monotonic()
         if self._thread is None:
             return now
         last = self._last
         if now - last > self.stall_s:
-            return last
-        stall = self._stall
-        if stall is not None and now - stall[1] < self.grace_s:
-            return stall[0]
+            start = last  # stopped, and the ticker has not run since
+        else:
+            stall = self._stall
+            if stall is None or now - stall[1] >= self.grace_s:
+                return now
+            start = stall[0]
+        with self._lock:
+            if self._episode != start:
+                self._episode, self._left = start, self.in_socket_max
+            if qos == 0:
+                return start
+            if self._left > 0:
+                self._left -= 1
+                return start
         return now
 
 

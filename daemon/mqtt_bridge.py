@@ -63,7 +63,7 @@ from typing import Any
 from edgevlm.client import describe_connect_error, request_quick_ack, set_tcp_nodelay
 from edgevlm.config import LimitsConfig, MqttConfig
 from edgevlm.daemon.admission import check_inline_image
-from edgevlm.daemon.delivery import DedupKey, ReceiptClock, RecentAnswers, payload_digest
+from edgevlm.daemon.delivery import RECEIVE_MAXIMUM, DedupKey, ReceiptClock, RecentAnswers, payload_digest
 from edgevlm.daemon.scheduler import Counters, Job, Scheduler, request_timeout_ms
 from edgevlm.errors import (
     BusyError,
@@ -222,6 +222,7 @@ class MqttBridge:
         client.on_socket_open = set_tcp_nodelay  # responses not held back by Nagle's algorithm
         connect_props = Properties(PacketTypes.CONNECT)
         connect_props.SessionExpiryInterval = cfg.session_expiry_s
+        connect_props.ReceiveMaximum = RECEIVE_MAXIMUM  # bounds what can wait in our socket (delivery.py)
         self._client = client
         client.connect_async(
             cfg.host,
@@ -383,7 +384,7 @@ class MqttBridge:
         logger.warning(message, *args)
 
     def _handle(self, msg: Any) -> None:
-        received = self.receipt_clock.received()
+        received = self.receipt_clock.received(getattr(msg, "qos", 1))
         self.counters.inc("messages_received")
         if msg.retain:
             self.counters.inc("retained_ignored")
@@ -400,6 +401,16 @@ class MqttBridge:
             return
 
         payload: bytes = msg.payload
+        digest = payload_digest(payload)
+        prop_correlation = getattr(props, "CorrelationData", None) if props is not None else None
+        if response_topic is not None and prop_correlation is not None:
+            # the address is in the properties: a re-send is recognised before any JSON is parsed
+            if self._duplicate((response_topic, b"D" + bytes(prop_correlation)), digest, response_topic,
+                               prop_correlation):  # fmt: skip
+                return
+            early_key: DedupKey | None = (response_topic, b"D" + bytes(prop_correlation))
+        else:
+            early_key = None
         data: dict[str, Any] | None = None
         error: EdgeVLMError | None = None
         if len(payload) > self.config.max_payload_bytes:
@@ -420,23 +431,13 @@ class MqttBridge:
                        "(MQTT 3.1.1 clients: add reply_to/correlation_id to the JSON)")  # fmt: skip
             return
 
-        key: DedupKey | None = None
-        if correlation_data is not None:
-            key = (topic, b"D" + bytes(correlation_data))
-        elif correlation_id is not None:
-            key = (topic, b"I" + correlation_id.encode())
-        digest = payload_digest(payload)
-        if key is not None:
-            seen, cached = self.recent_answers.claim(key, digest)
-            if seen != "new":
-                self.counters.inc(f"duplicate_{seen}")
-                if self.metrics is not None:
-                    self.metrics.duplicate_request(seen)
-                if cached is not None:  # answered already: the same response again, nothing runs twice
-                    logger.info("MQTT: re-sent request on %s answered from the recent-answers cache", topic)
-                    self._publish_reply(topic, correlation_data, cached)
-                else:
-                    logger.info("MQTT: re-sent request on %s is already queued or running", topic)
+        key = early_key
+        if key is None:
+            if correlation_data is not None:
+                key = (topic, b"D" + bytes(correlation_data))
+            elif correlation_id is not None:
+                key = (topic, b"I" + correlation_id.encode())
+            if key is not None and self._duplicate(key, digest, topic, correlation_data):
                 return
 
         request: Request | None = None
@@ -469,6 +470,22 @@ class MqttBridge:
                                   deadline_limit=limit))  # fmt: skip
         if self.metrics is not None:
             self.metrics.set_queue_depth(self.scheduler.queue_size())
+
+    def _duplicate(self, key: DedupKey, digest: bytes, topic: str, correlation_data: bytes | None) -> bool:
+        """Record a request in the recent-answers cache; for a re-send of one already there, answer
+        it from the cache (or absorb it while it runs) and return True."""
+        seen, cached = self.recent_answers.claim(key, digest)
+        if seen == "new":
+            return False
+        self.counters.inc(f"duplicate_{seen}")
+        if self.metrics is not None:
+            self.metrics.duplicate_request(seen)
+        if cached is not None:  # answered already: the same response again, nothing runs twice
+            logger.debug("MQTT: re-sent request on %s answered from the recent-answers cache", topic)
+            self._publish_reply(topic, correlation_data, cached)
+        else:
+            logger.debug("MQTT: re-sent request on %s is already queued or running", topic)
+        return True
 
     def _make_reply(
         self, topic: str, correlation_data: bytes | None, correlation_id: str | None, received: float,

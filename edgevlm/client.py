@@ -10,7 +10,9 @@ so one client may be used by many threads at once. Wire errors are raised as the
 exceptions of :mod:`edgevlm.errors` (``BUSY`` -> :class:`~edgevlm.errors.BusyError`, ...).
 
 Delivery: a request whose answer has not come is published again, with the same payload and the
-same Correlation Data, after every reconnect and every ``resend_interval_s``, until its deadline;
+same Correlation Data, after every reconnect, when the daemon's retained status turns "online" again
+(a restarted daemon), and after ``resend_interval_s``, doubling up to ``4 * resend_interval_s``
+between periodic copies, until its deadline;
 the daemon answers a repeat from its recent-answers cache (or ignores it while the first copy runs),
 and the first answer is returned, later copies are dropped: exactly one answer per ``ask``. Every
 copy carries the MQTT v5 *Message Expiry Interval* of the time left (whole seconds, rounded up), so
@@ -251,7 +253,9 @@ class Client:
         qos: QoS of requests and of the response subscription.
         connect_timeout_s: how long the constructor waits for the connection and subscription.
         resend_interval_s: an unanswered request is published again (same Correlation Data) this
-            often until its deadline, and after every reconnect; None = only after reconnects.
+            long after it was sent, then after twice, then four times as long (the cap), until its
+            deadline; also at once after every reconnect and when the daemon comes back online.
+            None = only after reconnects and daemon restarts.
         pool: ask any member of this pool (the daemons with ``mqtt.pool``) instead of one device:
             requests go to ``<prefix>/pools/<pool>/request``, which the broker hands to one member
             (MQTT v5 shared subscription); a member that dies mid-request is covered by the
@@ -505,12 +509,12 @@ class Client:
                     break
                 wait_s = None if deadline is None else deadline - now
                 if self.resend_interval_s is not None and slot.sends:
-                    due = slot.last_sent + self.resend_interval_s - now
+                    due = slot.last_sent + self._resend_after_s(slot) - now
                     wait_s = due if wait_s is None else min(wait_s, due)
                 if slot.event.wait(None if wait_s is None else max(0.0, min(wait_s, threading.TIMEOUT_MAX))):
                     break
                 if (self.resend_interval_s is not None and self._subscribed.is_set() and slot.sends
-                        and time.monotonic() - slot.last_sent >= self.resend_interval_s):  # fmt: skip
+                        and time.monotonic() - slot.last_sent >= self._resend_after_s(slot)):  # fmt: skip
                     self._send(slot, resend=True)
         finally:
             with self._lock:
@@ -524,6 +528,18 @@ class Client:
         except EdgeVLMError as err:
             raise InternalError(f"malformed response from the daemon: {err.message}") from None
         return response.to_answer()
+
+    def _resend_after_s(self, slot: _Pending) -> float:
+        """Time after the last copy before the next periodic one: the interval, doubling with each
+        copy up to four times it (a request waiting in a long queue is not re-sent every interval)."""
+        assert self.resend_interval_s is not None
+        return self.resend_interval_s * 2 ** min(2, max(0, slot.sends - 1))
+
+    def _resend_all(self) -> None:
+        with self._lock:
+            pending = [p for p in self._pending.values() if not p.event.is_set()]
+        for slot in pending:  # what was sent before the outage may be lost: send it again
+            self._send(slot, resend=slot.sends > 0)
 
     def _timeout_error(self, timeout_s: float | None, slot: _Pending) -> EdgeVLMError:
         if not self._subscribed.is_set():
@@ -591,10 +607,7 @@ class Client:
         self._disconnect_cause = ""
         self._subscribed.set()
         self._ready.set()
-        with self._lock:
-            pending = [p for p in self._pending.values() if not p.event.is_set()]
-        for slot in pending:  # what was sent before the outage may be lost: send it again
-            self._send(slot, resend=slot.sends > 0)
+        self._resend_all()
 
     def _on_disconnect(
         self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any
@@ -654,5 +667,9 @@ class Client:
                     self._members.pop(device, None)
                 online = [m for m in self._members.values() if m.state == "online"]
                 status = online[0] if online else next(iter(self._members.values()), None)
-            self._status = status
+            previous, self._status = self._status, status
             self._status_cond.notify_all()
+        if (status is not None and status.state == "online" and previous is not None
+                and previous.state == "offline" and self._subscribed.is_set()):  # fmt: skip
+            # the daemon restarted (its last will said offline): what it held in memory is gone
+            self._resend_all()
