@@ -292,7 +292,8 @@ def test_answer_lost_in_a_broker_restart_is_recovered_by_the_resend(start_daemon
         assert 1 <= client.resends <= 2  # on its reconnect (and when the status turned online again)
     assert daemon.counters.get("responses_ok") == 1  # never run twice
     if not client_back_first:  # the usual order: the daemon reconnects in 0.2 s, the client in 1 s
-        assert daemon.counters.get("duplicate_answered") == 1
+        # every copy that arrived after the answer was answered from the cache (1 or 2 copies)
+        assert 1 <= daemon.counters.get("duplicate_answered") <= client.resends
 
 
 def test_request_held_by_a_daemon_that_died_is_resent_when_it_is_back_online(start_daemon, mosquitto, tiny_engine,
