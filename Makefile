@@ -13,7 +13,7 @@
 # first so that the `runtime` extra does not pull another build; on a Jetson (aarch64 with
 # /etc/nv_tegra_release) torch comes from JetPack and is never installed or replaced: the venv is
 # created with --system-site-packages so JetPack's torch is visible, and pip gets a constraint
-# pinning torch to that exact version. Then `pip install -e '.[runtime,onnx,metrics,audio,dev]'`. A stamp file makes the set-up a no-op until pyproject.toml changes.
+# pinning torch to that exact version. Then `pip install -e '.[runtime,onnx,metrics,audio,http,dev]'`. A stamp file makes the set-up a no-op until pyproject.toml changes.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -53,8 +53,8 @@ $(STAMP): pyproject.toml
 			$(BIN)/python -m pip install "torch==$(TORCH_VERSION)"; \
 		fi; \
 	fi; \
-	echo "+ pip install -e '.[runtime,onnx,metrics,audio,dev]' $${constraint:-}"; \
-	$(BIN)/python -m pip install -e '.[runtime,onnx,metrics,audio,dev]' $${constraint:-}; \
+	echo "+ pip install -e '.[runtime,onnx,metrics,audio,http,dev]' $${constraint:-}"; \
+	$(BIN)/python -m pip install -e '.[runtime,onnx,metrics,audio,http,dev]' $${constraint:-}; \
 	touch $@
 
 # Prerequisites run left to right: the system packages (python3-venv among them) before the venv.

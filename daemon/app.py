@@ -146,6 +146,7 @@ class Daemon:
             version=__version__,
             sources=self.sources.names,
             model=_model_name(config, engine),
+            pool=config.mqtt.pool,
             **({"audio": [a.name for a in config.audio]} if config.audio else {}),
         )
         self.bridge = MqttBridge(
@@ -158,6 +159,10 @@ class Daemon:
             on_ready=self._on_broker_ready,
             on_connection=self._on_connection,
         )
+        self.http = self._make_http(engine)
+        self.scheduler.model_id = served_model_id(config, engine)
+        self.offload = self._make_offload()
+        self.scheduler.offloader = self.offload
         self.telemetry_topic = telemetry_topic(config.mqtt.prefix, config.mqtt.device_id)
         self.telemetry = self._make_telemetry()
         self.throttle, self.tegrastats = self._make_tegrastats()
@@ -174,6 +179,23 @@ class Daemon:
         from edgevlm.daemon.budget import build_controller
 
         return build_controller(self.config, engine)
+
+    def _make_http(self, engine: Any) -> Any:
+        """The OpenAI-compatible HTTP API (``edgevlm.daemon.openai_api``), when ``http.enabled``."""
+        if not self.config.http.enabled:
+            return None
+        from edgevlm.daemon.openai_api import OpenAIServer
+
+        return OpenAIServer(self.config.http, self.scheduler, self.config, model_id=served_model_id(self.config, engine),
+                            metrics=self.metrics)
+
+    def _make_offload(self) -> Any:
+        """Edge-to-pool offload (``edgevlm.daemon.offload``), when ``offload.pool`` is set."""
+        if self.config.offload.pool is None:
+            return None
+        from edgevlm.daemon.offload import Offloader
+
+        return Offloader(self.config, self.sources, self.counters)
 
     def _make_monitors(self) -> Any:
         """The label monitors (``edgevlm.daemon.monitors``), publishing through the bridge."""
@@ -231,7 +253,7 @@ class Daemon:
         try:
             from edgevlm.daemon.metrics import Metrics
 
-            return Metrics(device_id=self.config.mqtt.device_id, version=self.version)
+            return Metrics(device_id=self.config.mqtt.device_id, version=self.version, pool=self.config.mqtt.pool)
         except ImportError as exc:
             logger.warning("metrics disabled: %s", exc)
             return None
@@ -338,11 +360,26 @@ class Daemon:
         self.watchdog.start()
         if self.metrics is not None and self.config.metrics.listen is not None:
             self._start_metrics(self.config.metrics.listen)
+        if self.http is not None:
+            self._start_http()
+        if self.offload is not None:
+            self.offload.start()
         if self.telemetry is not None:
             self.telemetry.start()
         if self.tegrastats is not None:
             self.tegrastats.start()
         self.reload.start()
+
+    def _start_http(self) -> None:
+        """Serve the HTTP API; an address that cannot be bound is one ERROR naming the config keys:
+        the daemon serves MQTT without it."""
+        try:
+            self.http.start()
+        except OSError as exc:
+            logger.error("http: cannot listen on %s port %d (%s); the HTTP API is off, MQTT is served as usual "
+                         "(set http.host/http.port to a free address)", self.config.http.host, self.config.http.port,
+                         exc.strerror or exc)
+            self.http = None
 
     def _start_metrics(self, listen: str) -> None:
         """Serve ``/metrics`` on ``listen``; an address that cannot be bound (the port in use,
@@ -372,6 +409,8 @@ class Daemon:
         bound_s = self.config.service.shutdown_timeout_s
         self.notifier.stopping("shutting down")
         self.bridge.stop_accepting()
+        if self.http is not None:
+            self.http.stop_accepting()
         self.reload.stop()
         if self.tegrastats is not None:
             self.tegrastats.stop()
@@ -382,8 +421,15 @@ class Daemon:
         failed = self.bridge.fail_outstanding(
             BusyError(f"the daemon is shutting down; the request did not finish within {bound_s} s")
         )
+        if self.http is not None:
+            failed += self.http.fail_outstanding(
+                BusyError(f"the daemon is shutting down; the request did not finish within {bound_s} s"))
         if failed:
             logger.warning("shutdown: %d request(s) in flight answered BUSY", failed)
+        if self.http is not None:
+            self.http.stop()
+        if self.offload is not None:
+            self.offload.stop()
         self.bridge.stop(MQTT_STOP_TIMEOUT_S)
         self.sources.stop()
         if self.audio is not None:
@@ -399,6 +445,22 @@ class Daemon:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def served_model_id(config: DaemonConfig, engine: Any = None) -> str:
+    """The id of the model served, one rule for every front end (the HTTP API's ``model``, the wire
+    request's ``model``, Ray Serve): ``http.model_name`` when set, else the model folder's name,
+    ``edgevlm-demo`` for the shipped demo model."""
+    from pathlib import Path
+
+    from edgevlm.runtime.demo import model_dir as demo_model_dir
+
+    if config.http.model_name:
+        return config.http.model_name
+    path = getattr(engine, "model_dir", None) or config.model.path
+    if path is None or Path(path).resolve() == demo_model_dir().resolve():
+        return "edgevlm-demo"
+    return Path(path).name
 
 
 def _model_name(config: DaemonConfig, engine: Any) -> str:

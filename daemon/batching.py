@@ -16,10 +16,11 @@ request to a :class:`BatchWorker`, which drives an
   is answered at once, with an :class:`~edgevlm.types.Answer` built like ``Engine.ask``'s: the same
   text for greedy decoding (batched logits equal the single-request ones within float error).
 
-Every wire request can run batched: the MQTT protocol has no streaming, sampling or stop strings,
-and an operating point with early exit or token pruning has its image encoded on its own (the
-adaptive encoder) while its prefill and decode join the batch. Different resolutions share a
-batch (the vision encoder batches per input size).
+Every wire request can run batched: sampling knobs (``temperature``, ``top_p``, ``seed``) and stop
+strings are applied per row, streamed text deltas (the HTTP API's ``stream: true``) are handed out as
+each row's tokens are decoded, and an operating point with early exit or token pruning has its image
+encoded on its own (the adaptive encoder) while its prefill and decode join the batch. Different
+resolutions share a batch (the vision encoder batches per input size).
 
 Stats of a batched answer: ``vision_ms`` / ``prefill_ms`` are those of the prefill group the
 request was admitted in (shared by the group); ``ttft_ms`` / ``e2e_ms`` run from the moment the
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +65,7 @@ class _Item:
     submit_s: float  # monotonic time it was handed to the batcher
     text: Any  # TextAssembler
     decoder: Any  # IncrementalDecoder
+    on_delta: Callable[[str], None] | None = None  # streaming consumer of the text deltas
 
 
 class BatchWorker:
@@ -103,10 +106,14 @@ class BatchWorker:
         return max(0, self.rows - len(self._items))
 
     def add(self, tag: Any, image: np.ndarray, prompt: str, *, max_new_tokens: int,
-            operating_point: OperatingPoint | None, deadline_s: float | None) -> None:
+            operating_point: OperatingPoint | None, deadline_s: float | None,
+            on_delta: Callable[[str], None] | None = None, temperature: float = 0.0, top_p: float = 1.0,
+            stop: list[str] | None = None, seed: int | None = None) -> None:
         """Validate, tokenise and preprocess a request (as ``Engine.ask`` does) and queue it for the
         next admission. ``deadline_s`` (monotonic): still waiting for a row after it, the request
         comes back from :meth:`step` with answer None. ``tag`` is returned with the answer.
+        ``on_delta`` is called with each text delta as the request's tokens are decoded (streaming);
+        ``temperature``, ``top_p``, ``stop`` and ``seed`` are ``Engine.ask``'s sampling knobs.
 
         Raises:
             InvalidImageError: ``image`` is not an ``(H, W, 3)`` uint8 array.
@@ -121,7 +128,8 @@ class BatchWorker:
 
         eng = self.engine
         start = time.monotonic()
-        prepared = eng.prepare(image, prompt, max_new_tokens=max_new_tokens, operating_point=operating_point)
+        prepared = eng.prepare(image, prompt, max_new_tokens=max_new_tokens, operating_point=operating_point,
+                               temperature=temperature, top_p=top_p, stop=stop, seed=seed)
         op, params, resolution_px = prepared.operating_point, prepared.params, prepared.resolution_px
         n_vision, ids = prepared.n_vision, prepared.ids
         t0 = time.monotonic()
@@ -132,14 +140,16 @@ class BatchWorker:
         text, decoder = TextAssembler(params.stop), IncrementalDecoder(eng.tokenizer)
 
         def on_token(token: int) -> bool:  # detokenise as the single-request path does
-            text.add(decoder.push(token))
+            delta = text.add(decoder.push(token))
+            if delta and on_delta is not None:
+                on_delta(delta)
             return text.stopped
 
         req = GenerationRequest(ids, torch.from_numpy(pixels)[None], max_new_tokens=params.max_new_tokens,
-                                eos_token_ids=eng.eos_token_ids, deadline_s=deadline_s,
+                                eos_token_ids=eng.eos_token_ids, deadline_s=deadline_s, params=params,
                                 operating_point=op, on_token=on_token)
         self.batcher.submit(req)  # InvalidRequestError: cannot fit the KV cache
-        self._items[id(req)] = _Item(tag, stats, start, time.monotonic(), text, decoder)
+        self._items[id(req)] = _Item(tag, stats, start, time.monotonic(), text, decoder, on_delta)
 
     def step(self) -> list[tuple[Any, Answer | None]]:
         """One batcher iteration (expire, admit one prefill group, one decode step). Returns
@@ -175,5 +185,7 @@ class BatchWorker:
             stats.exit_confidence = info.exit_confidences[0]
             stats.vision_tokens = info.tokens_kept
         stats.batch_size = res.batch_size  # extra field (Stats allows extras)
-        item.text.finish()
+        tail = item.text.finish()
+        if tail and item.on_delta is not None:
+            item.on_delta(tail)
         return Answer(text=item.text.final_text, stats=stats)

@@ -22,6 +22,11 @@ edgevlm_operating_point                     gauge       ``name``: 1 for the poin
 edgevlm_operating_point_requests_total      counter     ``name``
 edgevlm_source_fps / _state / _frame_age_seconds gauge  ``source`` (and ``state``: 1 = current)
 edgevlm_source_reconnects_total             counter     ``source``
+edgevlm_requests_dropped_total              counter     ``reason``: a request that cannot be answered
+                                                        (invalid_response_topic, no_reply_address,
+                                                        response_refused by the broker's ACL)
+edgevlm_duplicate_requests_total            counter     ``outcome``: re-sent request answered from
+                                                        the cache (answered) or absorbed (in_flight)
 edgevlm_jetson_*                            gauge       from the newest tegrastats sample
 ==========================================  ==========  ========================================
 
@@ -59,6 +64,9 @@ from edgevlm.errors import ErrorCode
 
 logger = logging.getLogger(__name__)
 
+DROP_REASONS = ("invalid_response_topic", "no_reply_address", "response_refused")
+"""Why a request was dropped unanswered (``edgevlm_requests_dropped_total{reason}``)."""
+
 __all__ = [
     "E2E_BUCKETS_S",
     "RESULT_CODES",
@@ -77,11 +85,12 @@ class Metrics:
         device_id: this device's id (in ``edgevlm_build_info`` and the summary).
         window: how many recent requests the summary's percentiles cover.
         version: software version for ``edgevlm_build_info``.
+        pool: the pool this daemon is a member of (``mqtt.pool``), a label of ``edgevlm_build_info``.
 
     The ``observe_*``/``set_*`` methods never raise on bad input: a metric must not fail a request.
     """
 
-    def __init__(self, *, device_id: str = "", window: int = 512, version: str = "") -> None:
+    def __init__(self, *, device_id: str = "", window: int = 512, version: str = "", pool: str | None = None) -> None:
         try:
             import prometheus_client as prom
         except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -161,14 +170,26 @@ class Metrics:
         self.source_reconnects = prom.Counter(
             "source_reconnects", "Source reconnect attempts.", ["source"], namespace=ns, registry=r
         )
+        self.requests_dropped = prom.Counter(
+            "requests_dropped", "Requests that could not be answered, by reason.", ["reason"],
+            namespace=ns, registry=r,
+        )  # fmt: skip
+        for reason in DROP_REASONS:
+            self.requests_dropped.labels(reason)
+        self.duplicate_requests = prom.Counter(
+            "duplicate_requests", "Re-sent requests (same Response Topic and Correlation Data), by outcome.",
+            ["outcome"], namespace=ns, registry=r,
+        )  # fmt: skip
+        for outcome in ("answered", "in_flight"):
+            self.duplicate_requests.labels(outcome)
         build = prom.Gauge(
             "build_info",
-            "Software version and device id.",
-            ["version", "device_id"],
+            "Software version, device id and pool (empty when not a pool member).",
+            ["version", "device_id", "pool"],
             namespace=ns,
             registry=r,
         )
-        build.labels(version or "unknown", device_id).set(1)
+        build.labels(version or "unknown", device_id, pool or "").set(1)
         prom.Gauge("start_time_seconds", "UNIX time the daemon started.", namespace=ns, registry=r).set(
             self._started_s
         )
@@ -189,6 +210,22 @@ class Metrics:
         self.thermal: Any = None
 
     # -- daemon API ---------------------------------------------------------------------------------
+    def observe_response(self, response: Any, received_monotonic: float, timeout_ms: int,
+                         queue_depth: int | None = None) -> None:
+        """Count one request answered with the wire ``response`` (every transport calls this once
+        per answer): its code, its stats, whether an ok answer left after the deadline
+        (``timeout_ms`` from ``received_monotonic``; :data:`~edgevlm.protocol.NO_DEADLINE_MS` = none),
+        the operating point it ran at, and the queue depth now."""
+        from edgevlm.protocol import NO_DEADLINE_MS
+
+        code = "OK" if response.ok else (response.error.code if response.error else "INTERNAL")
+        late = timeout_ms < NO_DEADLINE_MS and time.monotonic() > received_monotonic + timeout_ms / 1000.0
+        self.observe_answer(response.stats, code, deadline_missed=late and response.ok)
+        if response.stats is not None and response.stats.operating_point:
+            self.set_operating_point(response.stats.operating_point)
+        if queue_depth is not None:
+            self.set_queue_depth(queue_depth)
+
     def observe_answer(
         self, stats: Any = None, code: ErrorCode | str = RESULT_OK, *, deadline_missed: bool = False
     ) -> None:
@@ -251,6 +288,16 @@ class Metrics:
                 self._vision_s += vision / 1000
             if isinstance(exit_layer, int) and not isinstance(exit_layer, bool):
                 self._early_exits[str(exit_layer)] = self._early_exits.get(str(exit_layer), 0) + 1
+
+    def request_dropped(self, reason: str) -> None:
+        """Count a request dropped unanswered (``reason``: one of :data:`DROP_REASONS`)."""
+        if isinstance(reason, str) and reason:
+            self.requests_dropped.labels(reason).inc()
+
+    def duplicate_request(self, outcome: str) -> None:
+        """Count a re-sent request: ``"answered"`` (from the cache) or ``"in_flight"`` (absorbed)."""
+        if outcome in ("answered", "in_flight"):
+            self.duplicate_requests.labels(outcome).inc()
 
     def set_queue_depth(self, depth: int) -> None:
         """Requests currently waiting for the worker."""

@@ -23,12 +23,29 @@ with its *Correlation Data* (MQTT v5 section 4.10, request/response).
 - Reconnect: paho's loop thread reconnects with exponential backoff between
   ``reconnect_min_delay_s`` and ``reconnect_max_delay_s``, but resets it after every successful
   CONNACK, so two daemons with one client id would kick each other off in a tight loop. A
-  session *taken over* (DISCONNECT reason 0x8E; mosquitto before 2.0.12 just closes the old
-  connection, so a connection closed less than ``FLAP_S`` after it was made counts too) is logged
-  as an error and the delay keeps doubling across such disconnects up to the cap; a connection
-  that lasts ``FLAP_S`` resets it.
-- ``session_expiry_s > 0`` keeps the session (subscription and queued QoS>=1 requests) across
-  reconnects; 0 starts clean each time.
+  connection closed less than ``FLAP_S`` after it was made doubles the delay across such
+  disconnects up to the cap; a connection that lasts ``FLAP_S`` resets it. Every disconnect is
+  logged with its cause: the DISCONNECT reason the broker sent (0x8E "session taken over", 0x8B
+  "server shutting down", ...) or, with none, that the connection broke (a crashed broker or the
+  network). It is called a takeover by another client with the same client id only for 0x8E or
+  when quick closes repeat (mosquitto before 2.0.12 closes the old connection without 0x8E). A
+  connection attempt that fails logs why (refused, unreachable, TLS certificate verification, ...).
+- ``session_expiry_s > 0``: every CONNECT, the first included, has Clean Start 0 and that Session
+  Expiry Interval, so the broker keeps the request subscription and queues QoS>=1 requests while
+  the daemon is disconnected, crashed or restarting, and the next daemon process resumes the
+  session and answers them. mosquitto (2.0) writes a session to its persistence file only when its
+  CONNECT had Clean Start 0, so a session begun with Clean Start 1 vanishes in a broker restart
+  and requests published before the daemon reconnects have no subscriber (PUBACK reason 0x10 "no
+  matching subscribers") and are discarded. ``0`` starts a clean session on every connect.
+- Responses are published at ``mqtt.qos``; a PUBACK with a failure reason code (an ACL refusal:
+  0x87 "not authorized") is logged as a warning with the topic and counted
+  (``response_refused``).
+- Duplicates: a re-sent request (same reply address, Correlation Data and payload) is absorbed
+  while it runs and answered from the recent-answers cache afterwards
+  (:class:`~edgevlm.daemon.delivery.RecentAnswers`); its receipt time comes from
+  :class:`~edgevlm.daemon.delivery.ReceiptClock` and its deadline from
+  :func:`~edgevlm.daemon.scheduler.request_timeout_ms` (``timeout_ms`` capped by the Message
+  Expiry Interval).
 - Shutdown: :meth:`stop_accepting` answers new requests ``BUSY``; :meth:`fail_outstanding`
   answers every request still without a response (bounded shutdown), a late worker reply to such
   a request is dropped.
@@ -37,17 +54,39 @@ with its *Correlation Data* (MQTT v5 section 4.10, request/response).
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from edgevlm.client import set_tcp_nodelay
+from edgevlm.client import describe_connect_error, request_quick_ack, set_tcp_nodelay
 from edgevlm.config import LimitsConfig, MqttConfig
-from edgevlm.daemon.mqtt_requests import MqttRequests
-from edgevlm.daemon.scheduler import Counters, Scheduler
-from edgevlm.errors import EdgeVLMError, InternalError
-from edgevlm.protocol import Response, StatusMessage, request_topic, status_topic
+from edgevlm.daemon.admission import check_inline_image
+from edgevlm.daemon.delivery import RECEIVE_MAXIMUM, DedupKey, ReceiptClock, RecentAnswers, payload_digest
+from edgevlm.daemon.scheduler import Counters, Job, Scheduler, request_timeout_ms
+from edgevlm.errors import (
+    BusyError,
+    EdgeVLMError,
+    ErrorCode,
+    InternalError,
+    InvalidImageError,
+    InvalidRequestError,
+)
+from edgevlm.protocol import (
+    NO_DEADLINE_MS,
+    Request,
+    Response,
+    StatusMessage,
+    fallback_reply_address,
+    is_valid_publish_topic,
+    parse_json_object,
+    parse_request,
+    pool_request_topic,
+    pool_subscription,
+    request_topic,
+    status_topic,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +121,10 @@ def publish_packet_size(topic: str, payload: bytes, qos: int, properties: Any = 
     return 1 + _varint_len(remaining) + remaining
 
 
-class MqttBridge(MqttRequests):
-    """Connects the scheduler to the broker (request handling: the :class:`MqttRequests` mixin).
+class MqttBridge:
+    """Connects the scheduler to the broker: a request message is checked (retain flag, Response
+    Topic, duplicates, payload size, JSON, inline image limits) and submitted to the scheduler, and
+    its once-only reply function publishes the response on the request's reply address.
 
     Args:
         config: broker settings and topic layout.
@@ -118,6 +159,10 @@ class MqttBridge(MqttRequests):
         self.on_ready = on_ready
         self.on_connection = on_connection
         self.request_topic = request_topic(config.prefix, config.device_id)
+        # a pool member also takes requests from the pool's topic, through a shared subscription
+        self.pool_topic = pool_request_topic(config.prefix, config.pool) if config.pool else None
+        self.pool_subscription = (pool_subscription(config.prefix, config.pool, config.pool_group or config.pool)
+                                  if config.pool else None)
         self.status_topic = status_topic(config.prefix, config.device_id)
         self.topic_base = f"{config.prefix}/{config.device_id}"
         self._online = online_status
@@ -136,6 +181,9 @@ class MqttBridge(MqttRequests):
         self.takeover_delays_s: list[float] = []
         self._connected_at = 0.0
         self._sub_mids: set[int] = set()
+        self.recent_answers = RecentAnswers(config.dedup_cache_size)
+        self.receipt_clock = ReceiptClock()
+        self._reply_mids: dict[int, str] = {}  # mid of a response publish -> its topic, until its PUBACK
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -162,7 +210,7 @@ class MqttBridge(MqttRequests):
                 keyfile=str(cfg.tls.keyfile) if cfg.tls.keyfile else None,
             )
             client.tls_insecure_set(cfg.tls.insecure)
-        will = StatusMessage(state="offline", device_id=cfg.device_id).to_bytes()
+        will = StatusMessage(state="offline", device_id=cfg.device_id, pool=cfg.pool).to_bytes()
         client.will_set(self.status_topic, will, qos=cfg.qos, retain=True)
         self._set_delays(cfg.reconnect_min_delay_s, cfg.reconnect_max_delay_s, client)
         client.on_connect = self._on_connect
@@ -170,18 +218,22 @@ class MqttBridge(MqttRequests):
         client.on_disconnect = self._on_disconnect
         client.on_subscribe = self._on_subscribe
         client.on_message = self._on_message
+        client.on_publish = self._on_publish
         client.on_socket_open = set_tcp_nodelay  # responses not held back by Nagle's algorithm
         connect_props = Properties(PacketTypes.CONNECT)
         connect_props.SessionExpiryInterval = cfg.session_expiry_s
+        connect_props.ReceiveMaximum = RECEIVE_MAXIMUM  # bounds what can wait in our socket (delivery.py)
         self._client = client
         client.connect_async(
             cfg.host,
             cfg.port,
             keepalive=cfg.keepalive_s,
-            # a kept session is resumed on reconnects, never from a previous run of the daemon
-            clean_start=True if cfg.session_expiry_s == 0 else mqtt.MQTT_CLEAN_START_FIRST_ONLY,
+            # a kept session is resumed, also from a previous run of the daemon; Clean Start 0 from the
+            # first CONNECT on, or mosquitto does not persist the session across its own restarts
+            clean_start=cfg.session_expiry_s == 0,
             properties=connect_props,
         )
+        self.receipt_clock.start()
         client.loop_start()
         logger.info("MQTT: connecting to %s:%d as %s%s", cfg.host, cfg.port, cfg.effective_client_id,
                     " (TLS)" if cfg.tls is not None else "")  # fmt: skip
@@ -199,8 +251,33 @@ class MqttBridge(MqttRequests):
         return self._connected.is_set()
 
     def stop_accepting(self) -> None:
-        """From now on, new requests are answered ``BUSY`` ("shutting down")."""
+        """From now on, new requests are answered ``BUSY`` ("shutting down"). A pool member first
+        leaves the pool (unsubscribes its shared subscription), so the broker hands the pool's
+        requests to the other members instead."""
+        self.leave_pool()
         self._accepting = False
+
+    def leave_pool(self, timeout_s: float = 2.0) -> bool:
+        """Unsubscribe from the pool's shared subscription and wait (up to ``timeout_s``) for the
+        broker's UNSUBACK; the device's own request topic stays. Returns whether the broker
+        confirmed it (False when not a member or not connected)."""
+        client = self._client
+        if self.pool_subscription is None or client is None or not self._connected.is_set():
+            return False
+        done = threading.Event()
+        previous = client.on_unsubscribe
+
+        def on_unsubscribe(*_: Any) -> None:
+            done.set()
+
+        client.on_unsubscribe = on_unsubscribe
+        try:
+            client.unsubscribe(self.pool_subscription)
+            left = done.wait(timeout_s)
+        finally:
+            client.on_unsubscribe = previous
+        logger.info("MQTT: left pool %r%s", self.config.pool, "" if left else " (no UNSUBACK in time)")
+        return left
 
     def outstanding(self) -> int:
         """Accepted requests that have not been answered yet."""
@@ -222,7 +299,8 @@ class MqttBridge(MqttRequests):
             return
         self._stopping = True
         if self._connected.is_set():
-            offline = StatusMessage(state="offline", device_id=self.config.device_id, ts=time.time())
+            offline = StatusMessage(state="offline", device_id=self.config.device_id, ts=time.time(),
+                                    pool=self.config.pool)
             info = client.publish(self.status_topic, offline.to_bytes(), qos=self.config.qos, retain=True)
             try:
                 info.wait_for_publish(timeout_s)
@@ -230,6 +308,7 @@ class MqttBridge(MqttRequests):
                 logger.warning("MQTT: offline status not sent: %s", exc)
         client.disconnect()
         client.loop_stop()
+        self.receipt_clock.stop()
         self._client = None
         self._connected.clear()
         self._subscribed.clear()
@@ -285,6 +364,209 @@ class MqttBridge(MqttRequests):
         (on paho's thread: keep it short). Call before :meth:`start`."""
         self._handlers[topic] = handler
 
+    # ------------------------------------------------------------------ requests
+    @staticmethod
+    def reply_address(msg: Any, data: dict[str, Any] | None) -> tuple[str | None, bytes | None, str | None]:
+        """``(topic, correlation_data, correlation_id)`` to answer a message on: the Response Topic
+        property, else the JSON fallback ``reply_to``."""
+        props = getattr(msg, "properties", None)
+        response_topic = getattr(props, "ResponseTopic", None) if props is not None else None
+        correlation_data = getattr(props, "CorrelationData", None) if props is not None else None
+        reply_to, correlation_id = fallback_reply_address(data) if data is not None else (None, None)
+        return response_topic or reply_to, correlation_data, correlation_id
+
+    def _drop(self, reason: str, message: str, *args: Any) -> None:
+        """Count (counters and ``edgevlm_requests_dropped_total{reason}``) and log a request that
+        cannot be answered."""
+        self.counters.inc(reason)
+        if self.metrics is not None:
+            self.metrics.request_dropped(reason)
+        logger.warning(message, *args)
+
+    def _handle(self, msg: Any) -> None:
+        received = self.receipt_clock.received(getattr(msg, "qos", 1))
+        self.counters.inc("messages_received")
+        if msg.retain:
+            self.counters.inc("retained_ignored")
+            logger.info("MQTT: ignoring a retained request on %s", msg.topic)
+            return
+        props = getattr(msg, "properties", None)
+        response_topic = getattr(props, "ResponseTopic", None) if props is not None else None
+        if response_topic == "":
+            response_topic = None  # an empty Response Topic is no address: the JSON reply_to may give one
+        if response_topic is not None and not is_valid_publish_topic(response_topic):
+            self._drop("invalid_response_topic",
+                       "MQTT: dropping a request whose Response Topic %r cannot be published to (a wildcard, "
+                       "NUL or too long)", response_topic)  # fmt: skip
+            return
+
+        payload: bytes = msg.payload
+        digest = payload_digest(payload)
+        prop_correlation = getattr(props, "CorrelationData", None) if props is not None else None
+        if response_topic is not None and prop_correlation is not None:
+            # the address is in the properties: a re-send is recognised before any JSON is parsed
+            if self._duplicate((response_topic, b"D" + bytes(prop_correlation)), digest, response_topic,
+                               prop_correlation):  # fmt: skip
+                return
+            early_key: DedupKey | None = (response_topic, b"D" + bytes(prop_correlation))
+        else:
+            early_key = None
+        data: dict[str, Any] | None = None
+        error: EdgeVLMError | None = None
+        if len(payload) > self.config.max_payload_bytes:
+            error = InvalidRequestError(
+                f"$: payload of {len(payload)} bytes exceeds max_payload_bytes={self.config.max_payload_bytes}",
+                details={"path": "$", "max_payload_bytes": self.config.max_payload_bytes},
+            )
+        else:
+            try:
+                data = parse_json_object(payload)
+            except InvalidRequestError as err:
+                error = err
+
+        topic, correlation_data, correlation_id = self.reply_address(msg, data)
+        if topic is None:
+            self._drop("no_reply_address",
+                       "MQTT: dropping a request with no Response Topic and no valid 'reply_to' field "
+                       "(MQTT 3.1.1 clients: add reply_to/correlation_id to the JSON)")  # fmt: skip
+            return
+
+        key = early_key
+        if key is None:
+            if correlation_data is not None:
+                key = (topic, b"D" + bytes(correlation_data))
+            elif correlation_id is not None:
+                key = (topic, b"I" + correlation_id.encode())
+            if key is not None and self._duplicate(key, digest, topic, correlation_data):
+                return
+
+        request: Request | None = None
+        if error is None and data is not None:
+            try:
+                request = parse_request(data)
+                check_inline_image(request, self.limits)
+            except (InvalidRequestError, InvalidImageError) as err:
+                error = err
+        expiry_s = getattr(props, "MessageExpiryInterval", None) if props is not None else None
+        timeout_ms = NO_DEADLINE_MS
+        limit = "timeout_ms"
+        if request is not None and error is None:
+            asked_ms = request.timeout_ms if request.timeout_ms is not None else self.scheduler.defaults.timeout_ms
+            timeout_ms = request_timeout_ms(request.timeout_ms, self.scheduler.defaults.timeout_ms, expiry_s)
+            if timeout_ms < asked_ms:
+                limit = "message_expiry"
+        reply = self._make_reply(topic, correlation_data, correlation_id, received, timeout_ms,
+                                 None if key is None else (key, digest))  # fmt: skip
+        if error is None and not self._accepting:
+            error = BusyError("the daemon is shutting down")
+        if error is not None:
+            self.counters.inc("requests_received")
+            self.counters.inc(f"errors_{error.code.value}")
+            logger.info("MQTT: request refused: %s", error.message)
+            reply(Response.failure(error, correlation_id))
+            return
+        assert request is not None
+        self.scheduler.submit(Job(request=request, reply=reply, received_monotonic=received, timeout_ms=timeout_ms,
+                                  deadline_limit=limit))  # fmt: skip
+        if self.metrics is not None:
+            self.metrics.set_queue_depth(self.scheduler.queue_size())
+
+    def _duplicate(self, key: DedupKey, digest: bytes, topic: str, correlation_data: bytes | None) -> bool:
+        """Record a request in the recent-answers cache; for a re-send of one already there, answer
+        it from the cache (or absorb it while it runs) and return True."""
+        seen, cached = self.recent_answers.claim(key, digest)
+        if seen == "new":
+            return False
+        self.counters.inc(f"duplicate_{seen}")
+        if self.metrics is not None:
+            self.metrics.duplicate_request(seen)
+        if cached is not None:  # answered already: the same response again, nothing runs twice
+            logger.debug("MQTT: re-sent request on %s answered from the recent-answers cache", topic)
+            self._publish_reply(topic, correlation_data, cached)
+        else:
+            logger.debug("MQTT: re-sent request on %s is already queued or running", topic)
+        return True
+
+    def _make_reply(
+        self, topic: str, correlation_data: bytes | None, correlation_id: str | None, received: float,
+        timeout_ms: int, dedup: tuple[DedupKey, bytes] | None = None,
+    ) -> Callable[[Response], None]:
+        """A once-only reply function for one request (tracked until answered; its response is
+        remembered for re-sends when ``dedup`` gives its key and payload digest)."""
+        with self._lock:
+            self._next_id += 1
+            key = self._next_id
+        done = threading.Event()
+
+        def reply(response: Response) -> None:
+            with self._lock:
+                if done.is_set():
+                    self.counters.inc("late_replies_dropped")
+                    return
+                done.set()
+                self._outstanding.pop(key, None)
+            if response.correlation_id is None and correlation_id is not None:
+                response = response.model_copy(update={"correlation_id": correlation_id})
+            self._observe(response, received, timeout_ms)
+            response = self._publish_reply(topic, correlation_data, response)
+            if dedup is not None:
+                busy = response.error is not None and response.error.code == ErrorCode.BUSY
+                if busy:  # transient: a re-send (to this daemon or, in a pool, another) runs again
+                    self.recent_answers.forget(dedup[0], dedup[1])
+                else:
+                    self.recent_answers.answered(dedup[0], dedup[1], response)
+
+        with self._lock:
+            self._outstanding[key] = reply
+        return reply
+
+    def _observe(self, response: Response, received: float, timeout_ms: int) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_response(response, received, timeout_ms, self.scheduler.queue_size())
+
+    def _publish_reply(self, topic: str, correlation_data: bytes | None, response: Response) -> Response:
+        """Publish ``response`` (or the error that replaces it when it cannot be serialized or is
+        too large for the broker); returns the response actually sent."""
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+
+        props = Properties(PacketTypes.PUBLISH)
+        props.ContentType = "application/json"
+        if correlation_data is not None:
+            props.CorrelationData = bytes(correlation_data)
+        try:
+            payload = response.to_bytes()
+        except Exception as exc:  # noqa: BLE001 - never leave a request unanswered
+            logger.error("MQTT: response to %s cannot be serialized (%s); sending INTERNAL", topic, exc)
+            response = Response.failure(InternalError(f"the response could not be serialized: {type(exc).__name__}"))
+            payload = response.to_bytes()
+        try:
+            info = self.publish(topic, payload, properties=props)
+        except PacketTooLargeError as err:
+            logger.warning("MQTT: response too large: %s; sending an error instead", err.message)
+            response = Response.failure(
+                InternalError(f"the response ({len(payload)} bytes) exceeds the broker's maximum packet size "
+                              f"({err.details['max_packet_bytes']} bytes); ask for fewer tokens",
+                              details={**err.details, "reason": "response_too_large"}),
+                response.correlation_id,
+            )  # fmt: skip
+            try:
+                info = self.publish(topic, response.to_bytes(), properties=props)
+            except EdgeVLMError as err2:
+                self.counters.inc("responses_dropped")
+                logger.error("MQTT: response to %s dropped: %s", topic, err2.message)
+                return response
+        except InternalError:
+            self.counters.inc("responses_dropped")
+            logger.warning("MQTT: stopped; response to %s dropped", topic)
+            return response
+        self.counters.inc("responses_sent")
+        if info is not None:
+            self.track_publish(info.mid, topic)
+        if info is not None and info.rc != 0:
+            logger.warning("MQTT: response to %s queued while disconnected (rc=%s)", topic, info.rc)
+        return response
+
     # ------------------------------------------------------------------ paho callbacks
     def _on_connect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
         if reason_code.is_failure:
@@ -305,6 +587,8 @@ class MqttBridge(MqttRequests):
                     self.request_topic)  # fmt: skip
         options = SubscribeOptions(qos=self.config.qos, retainHandling=SubscribeOptions.RETAIN_DO_NOT_SEND)
         topics = [(self.request_topic, options)]
+        if self.pool_subscription is not None and self._accepting:
+            topics.append((self.pool_subscription, SubscribeOptions(qos=self.config.qos)))
         topics += [(t, SubscribeOptions(qos=self.config.qos, retainHandling=2)) for t in self._handlers]
         _, mid = client.subscribe(topics)
         self._sub_mids.add(mid)
@@ -318,7 +602,8 @@ class MqttBridge(MqttRequests):
 
     def _on_connect_fail(self, client: Any, userdata: Any) -> None:
         self.counters.inc("mqtt_connect_failures")
-        logger.warning("MQTT: cannot connect to %s:%d; retrying", self.config.host, self.config.port)
+        cause = describe_connect_error(sys.exc_info()[1])  # paho calls this inside its `except OSError`
+        logger.warning("MQTT: cannot connect to %s:%d: %s; retrying", self.config.host, self.config.port, cause)
 
     def _on_disconnect(
         self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any
@@ -330,24 +615,58 @@ class MqttBridge(MqttRequests):
         self.counters.inc("mqtt_disconnects")
         cfg = self.config
         lived_s = time.monotonic() - self._connected_at
-        taken_over = getattr(reason_code, "value", None) == SESSION_TAKEN_OVER
+        from_broker = bool(getattr(flags, "is_disconnect_packet_from_server", False))
+        taken_over = from_broker and getattr(reason_code, "value", None) == SESSION_TAKEN_OVER
+        if from_broker:
+            cause = f"the broker sent DISCONNECT: {reason_code}"
+            if properties is not None and getattr(properties, "ReasonString", None):
+                cause += f" ({properties.ReasonString})"
+        else:
+            cause = f"the connection broke without a DISCONNECT from the broker ({reason_code}: the broker " \
+                    "stopped or crashed, or the network failed)"  # fmt: skip
         if taken_over or lived_s < FLAP_S:
             self.takeovers += 1
             self.counters.inc("mqtt_session_taken_over")
             delay = min(cfg.reconnect_max_delay_s, cfg.reconnect_min_delay_s * 2 ** (self.takeovers - 1))
             self.takeover_delays_s.append(delay)
             self._set_delays(delay, max(delay, cfg.reconnect_max_delay_s), client)
-            why = ("session taken over by another client" if taken_over else
-                   f"connection closed {lived_s:.1f} s after it was made ({reason_code}); taken over by another client?")  # fmt: skip
-            logger.error(
-                "MQTT: %s with the same client id %r (another daemon with device_id %r?); reconnecting in "
-                "%.1f s (%d in a row)", why, cfg.effective_client_id, cfg.device_id, delay, self.takeovers,
-            )  # fmt: skip
+            if taken_over or self.takeovers >= 2:
+                why = ("session taken over by another client" if taken_over else
+                       f"connection closed {lived_s:.1f} s after it was made, {self.takeovers} times in a row "
+                       f"({cause}); taken over by another client")  # fmt: skip
+                logger.error(
+                    "MQTT: %s with the same client id %r (another daemon with device_id %r?); reconnecting in "
+                    "%.1f s (%d in a row)", why, cfg.effective_client_id, cfg.device_id, delay, self.takeovers,
+                )  # fmt: skip
+            else:
+                logger.warning("MQTT: connection lost %.1f s after it was made: %s; reconnecting in %.1f s",
+                               lived_s, cause, delay)  # fmt: skip
         else:
             self.takeovers = 0
-            logger.warning("MQTT: connection lost (%s); reconnecting", reason_code)
+            logger.warning("MQTT: connection lost: %s; reconnecting", cause)
         if self.on_connection is not None:
             self.on_connection(False, str(reason_code))
+
+    def track_publish(self, mid: int, topic: str) -> None:
+        """Remember the topic of a response publish until its PUBACK (to name it if refused)."""
+        with self._lock:
+            self._reply_mids[mid] = topic
+            while len(self._reply_mids) > 4096:  # PUBACKs lost with a connection: forget the oldest
+                self._reply_mids.pop(next(iter(self._reply_mids)))
+
+    def _on_publish(self, client: Any, userdata: Any, mid: int, reason_code: Any, properties: Any) -> None:
+        request_quick_ack(client)  # a PUBACK was read: ACK it now, so the broker sends the next request at once
+        with self._lock:
+            topic = self._reply_mids.pop(mid, None)
+        if reason_code is not None and getattr(reason_code, "is_failure", False) and topic is not None:
+            self.counters.inc("response_refused")
+            if self.metrics is not None:
+                self.metrics.request_dropped("response_refused")
+            reason = str(reason_code)
+            if properties is not None and getattr(properties, "ReasonString", None):
+                reason += f" ({properties.ReasonString})"
+            logger.warning("MQTT: the broker refused the response on %s: PUBACK reason 0x%02X %s (check its ACL)",
+                           topic, reason_code.value, reason)  # fmt: skip
 
     def _on_subscribe(self, client: Any, userdata: Any, mid: int, reason_codes: Any, properties: Any) -> None:
         failed = [rc for rc in reason_codes if rc.is_failure]
@@ -361,6 +680,7 @@ class MqttBridge(MqttRequests):
             self.on_ready()
 
     def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
+        request_quick_ack(client)
         try:
             handler = self._handlers.get(msg.topic)
             if handler is not None:

@@ -20,9 +20,12 @@ the point to the budget left when it dequeues the request, runs it, feeds the me
 and reports ``operating_point``, ``budget_ms`` and ``predicted_ms`` in the response stats. Monitors
 (:mod:`edgevlm.daemon.monitors`) run on the same worker, only while no request waits.
 
-Deadlines are measured on the monotonic clock from the moment the daemon received the request
-(``timeout_ms``; :data:`~edgevlm.protocol.NO_DEADLINE_MS` = none). A request already running when
-its deadline passes is finished and answered (the work is done; the client decides).
+Deadlines are measured on the monotonic clock from the moment the daemon received the request;
+:func:`request_timeout_ms` is the one rule (``timeout_ms``, else ``defaults.timeout_ms``, capped by
+the MQTT v5 Message Expiry Interval; :data:`~edgevlm.protocol.NO_DEADLINE_MS` = none). A queued
+request whose deadline passes is answered ``DEADLINE_EXCEEDED`` at that moment by a small deadline
+thread, whatever the worker is doing. A request already running when its deadline passes is
+finished and answered (the work is done; the client decides).
 
 Continuous batching (``continuous_batching=True`` and an engine with ``max_batch_size >= 2`` cache
 rows; see :mod:`edgevlm.daemon.batching`): the worker takes as many requests off the queue as there
@@ -47,23 +50,41 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edgevlm.config import DefaultsConfig
-from edgevlm.daemon.scheduler_worker import (  # noqa: F401  (re-exported: constants of the worker)
-    FRAME_WAIT_S,
-    HEARTBEAT_S,
-    SchedulerWorker,
-)
-from edgevlm.daemon.sources import SourceManager
+from edgevlm.daemon.sources import CapturedFrame, SourceManager
 from edgevlm.errors import (
     BusyError,
     DeadlineExceededError,
     EdgeVLMError,
+    InternalError,
+    InvalidRequestError,
     ModelLoadError,
 )
-from edgevlm.protocol import NO_DEADLINE_MS, Request, Response
+from edgevlm.protocol import NO_DEADLINE_MS, Frame, Request, Response
+from edgevlm.types import Answer
 
 logger = logging.getLogger(__name__)
 
 ReplyFn = Callable[[Response], None]
+
+HEARTBEAT_S = 1.0
+"""Period of the idle worker's heartbeat (s)."""
+
+FRAME_WAIT_S = 5.0
+"""How long a request waits for a source's first frame (bounded by its deadline)."""
+
+
+@dataclass
+class _Started:
+    """A dequeued job being served: what :meth:`Scheduler._begin` resolved for it."""
+
+    dequeued: float  # monotonic
+    queue_ms: float
+    image: Any
+    frame: CapturedFrame | None
+    max_new_tokens: int
+    point: Any = None  # OperatingPoint chosen by the controller (None = the model's default)
+    predicted_ms: float | None = None
+    service_ms: float = 0.0  # predicted worker time (batched: for the queue-wait prediction)
 
 
 class Counters:
@@ -86,26 +107,62 @@ class Counters:
             return dict(self._values)
 
 
+def request_timeout_ms(timeout_ms: int | None, default_timeout_ms: int, message_expiry_s: int | None = None) -> int:
+    """The deadline rule, in one place: how long (ms, from the daemon's receipt) a request may take.
+
+    The request's ``timeout_ms`` (``default_timeout_ms`` when it gives none), capped by the MQTT v5
+    *Message Expiry Interval* it arrived with (OASIS MQTT 5.0 section 3.3.2.3.3: the broker forwards
+    the interval *remaining*, so time spent queued in the broker is already taken off; the SDK sets it
+    from ``timeout_s``). :data:`~edgevlm.protocol.NO_DEADLINE_MS` means no deadline. Every deadline
+    check (queue expiry, dequeue, the latency controller's budget, the frame wait, batching) uses
+    :attr:`Job.deadline_monotonic`, derived from this value only.
+    """
+    limit = default_timeout_ms if timeout_ms is None else timeout_ms
+    if message_expiry_s is not None and message_expiry_s >= 0:
+        limit = min(limit, max(1, int(message_expiry_s) * 1000))
+    return limit
+
+
+def sampling_kwargs(req: Request) -> dict[str, Any]:
+    """The sampling knobs a request sets (``temperature``, ``top_p``, ``stop``, ``seed``), as
+    keyword arguments of ``Engine.stream`` / ``BatchWorker.add``; unset ones are left out so the
+    engine's defaults (greedy, no stop string) apply."""
+    knobs = {"temperature": req.temperature, "top_p": req.top_p, "stop": req.stop, "seed": req.seed}
+    return {k: v for k, v in knobs.items() if v is not None}
+
+
 @dataclass
 class Job:
-    """One accepted request waiting for the worker."""
+    """One accepted request waiting for the worker.
+
+    ``timeout_ms`` is the request's effective deadline from ``received_monotonic``
+    (:func:`request_timeout_ms`); ``deadline_limit`` names what set it (``"timeout_ms"`` or
+    ``"message_expiry"``), for the ``DEADLINE_EXCEEDED`` message.
+    """
 
     request: Request
     reply: ReplyFn
     received_monotonic: float = field(default_factory=time.monotonic)
     timeout_ms: int = NO_DEADLINE_MS
     choice: Any = None  # edgevlm.daemon.budget.Choice made at submit time (controller on)
+    deadline_limit: str = "timeout_ms"
+    on_delta: Callable[[str], None] | None = None  # streaming: called with each text delta, on the worker
 
     @property
     def deadline_monotonic(self) -> float | None:
-        """Monotonic time (s) by which the request must be dequeued; None = no deadline."""
+        """Monotonic time (s) after which the request is answered ``DEADLINE_EXCEEDED`` instead of
+        being run; None = no deadline."""
         if self.timeout_ms >= NO_DEADLINE_MS:
             return None
         return self.received_monotonic + self.timeout_ms / 1000.0
 
+    def expired(self, now: float) -> bool:
+        """Whether the deadline has passed at monotonic time ``now``."""
+        deadline = self.deadline_monotonic
+        return deadline is not None and now > deadline
 
 
-class Scheduler(SchedulerWorker):
+class Scheduler:
     """Bounded FIFO + one inference worker.
 
     Args:
@@ -167,9 +224,12 @@ class Scheduler(SchedulerWorker):
         self._running: tuple[float, float] | None = None  # (start monotonic, predicted service ms)
         self.continuous_batching = continuous_batching
         self.prefill_token_budget = prefill_token_budget
+        self.offloader: Any = None  # edgevlm.daemon.offload.Offloader, set by the daemon (offload.pool)
+        self.model_id: str | None = None  # the model served, for requests naming a 'model' (set by the daemon)
         self._batch: Any = None  # BatchWorker of the current engine while batching
         self._batch_rows = 1  # KV-cache rows the worker batches over (1 = no batching)
         self._active: dict[int, tuple[float, float]] = {}  # batched jobs: id -> (start, predicted service ms)
+        self._expiry_thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, load_timeout_s: float | None = None) -> None:
@@ -180,6 +240,8 @@ class Scheduler(SchedulerWorker):
         """
         self._thread = threading.Thread(target=self._run, name="edgevlm-inference", daemon=True)
         self._thread.start()
+        self._expiry_thread = threading.Thread(target=self._expire_queued, name="edgevlm-deadlines", daemon=True)
+        self._expiry_thread.start()
         if not self._ready.wait(load_timeout_s):
             raise ModelLoadError(f"the model did not load within {load_timeout_s} s")
         if self._load_error is not None:
@@ -200,6 +262,9 @@ class Scheduler(SchedulerWorker):
             self._reply(
                 job, Response.failure(BusyError("the daemon is shutting down"), job.request.correlation_id)
             )
+        if self._expiry_thread is not None:
+            self._expiry_thread.join(2.0)
+            self._expiry_thread = None
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
@@ -277,9 +342,18 @@ class Scheduler(SchedulerWorker):
         except EdgeVLMError as err:
             self._fail(job, err)
             return False
+        offload = self.offloader
+        if req.model is not None and self.model_id is not None and req.model != self.model_id:
+            if offload is not None and offload.cfg.on_unknown_model and offload.available():
+                offload.submit(job, "unknown_model")
+                return True
+            self._fail(job, InvalidRequestError(
+                f"model: {req.model!r} is not served here (this daemon serves {self.model_id!r})",
+                details={"path": "model", "served": self.model_id}))
+            return False
         with self._cond:
             if self._stopping:
-                full: BusyError | None = BusyError("the daemon is shutting down")
+                full: EdgeVLMError | None = BusyError("the daemon is shutting down")
             elif len(self._queue) >= self.queue_max_size:
                 full = BusyError(
                     f"queue full ({self.queue_max_size} waiting); retry later",
@@ -290,10 +364,35 @@ class Scheduler(SchedulerWorker):
                 if full is None:
                     self._queue.append(job)
                     self._cond.notify_all()
+        if (isinstance(full, DeadlineExceededError) and offload is not None and offload.cfg.on_budget_miss
+                and offload.available()):  # the cheapest point misses the budget here: the pool may not
+            offload.submit(job, "budget_miss")
+            return True
         if full is not None:
             self._fail(job, full)
             return False
         return True
+
+    def _expire_queued(self) -> None:
+        """Deadline thread: answer ``DEADLINE_EXCEEDED`` for every queued request whose deadline
+        passes while it waits, at that moment, whatever the worker is doing (a long request, a
+        batch step, a hot reload, :meth:`paused`)."""
+        while True:
+            with self._cond:
+                if self._stopping:
+                    return
+                now = time.monotonic()
+                expired = [j for j in self._queue if j.expired(now)]
+                for job in expired:
+                    self._queue.remove(job)
+                if not expired:
+                    deadlines = [d for j in self._queue if (d := j.deadline_monotonic) is not None]
+                    wait_s = HEARTBEAT_S if not deadlines else min(HEARTBEAT_S, max(0.0, min(deadlines) - now) + 0.001)
+                    self._cond.wait(wait_s)
+                    continue
+            for job in expired:
+                self.counters.inc("deadline_expired_queued")
+                self._fail_deadline(job, now)
 
     def predicted_wait_ms(self) -> float:
         """Predicted wait of a request submitted now: the remaining predicted time of the running
@@ -342,3 +441,290 @@ class Scheduler(SchedulerWorker):
             self.counters.inc("deadline_refused")
             return err
         return None
+
+    # ------------------------------------------------------------------ worker side
+    def _run(self) -> None:
+        if self._engine is None:
+            try:
+                self._engine = self._engine_loader()  # type: ignore[misc]  # checked in __init__
+            except BaseException as exc:  # noqa: BLE001 - reported to start()
+                self._load_error = exc
+                self._ready.set()
+                return
+        try:
+            if self._controller_factory is not None:
+                self.controller = self._controller_factory(self._engine)
+            if self.monitors is not None:
+                self.monitors.attach(self._engine)
+        except BaseException as exc:  # noqa: BLE001 - reported to start()
+            self._load_error = exc
+            self._ready.set()
+            return
+        batching = self._batching_engine() is not None  # before ready: submit() predicts with the rows
+        self._ready.set()
+        if batching:
+            self._run_batched()
+            return
+        self._run_single()
+
+    def _wait_locked(self, idle: Callable[[], bool]) -> None:
+        """Wait on the condition (held) while ``idle()`` and not stopping, beating the heartbeat
+        every ``HEARTBEAT_S``; return early when a monitor is due."""
+        while not self._stopping and idle():
+            if self._heartbeat is not None:
+                self._heartbeat.beat()
+            due = self.monitors.next_due() if self.monitors is not None and not self._paused else None
+            now = time.monotonic()
+            if due is not None and due <= now:
+                return
+            self._cond.wait(HEARTBEAT_S if due is None else min(HEARTBEAT_S, due - now))
+
+    def _run_single(self) -> None:
+        while True:
+            with self._cond:
+                self._wait_locked(lambda: self._paused or not self._queue)
+                if self._stopping:
+                    return
+                if self._paused or not self._queue:
+                    self._running = (time.monotonic(), self.monitors.tick_ms())
+                    job = None
+                else:
+                    job = self._queue.popleft()
+                    self._running = (time.monotonic(), job.choice.service_ms if job.choice is not None else 0.0)
+            if job is None:  # a monitor is due and no request waits: monitors yield to requests
+                try:
+                    self.monitors.run_due(self._engine)
+                finally:
+                    with self._cond:
+                        self._running = None
+                continue
+            try:
+                if self._heartbeat is not None:
+                    with self._heartbeat.busy():
+                        self._process(job)
+                else:
+                    self._process(job)
+            finally:
+                with self._cond:
+                    self._running = None
+
+    def _process(self, job: Job) -> None:
+        started = self._begin(job)
+        if started is None:
+            return
+        ok, answer = self._guarded(job, "inference", lambda: self._generate(job, started))
+        if ok:
+            self._complete(job, started, answer)
+
+    def _generate(self, job: Job, started: _Started) -> Answer:
+        """Run one request on the engine; a streaming job gets each text delta as it is made."""
+        req = job.request
+        kwargs = {"max_new_tokens": started.max_new_tokens, "operating_point": started.point, **sampling_kwargs(req)}
+        if job.on_delta is None:
+            return self._engine.ask(started.image, req.prompt, **kwargs)
+        stream = self._engine.stream(started.image, req.prompt, **kwargs)
+        for delta in stream:
+            job.on_delta(delta)
+        return stream.answer
+
+    def _guarded(self, job: Job, what: str, fn: Callable[[], Any]) -> tuple[bool, Any]:
+        """``(True, fn())``; or, when ``fn`` raises, ``(False, None)`` after answering ``job`` with
+        the typed error (an unexpected exception becomes INTERNAL, logged: never a dead daemon)."""
+        try:
+            return True, fn()
+        except EdgeVLMError as err:
+            self._fail(job, err)
+        except Exception as exc:  # noqa: BLE001 - never a dead daemon
+            logger.exception("%s failed with an unexpected error", what)
+            self._fail(job, InternalError(f"internal error: {type(exc).__name__}: {exc}"))
+        return False, None
+
+    def _begin(self, job: Job) -> _Started | None:
+        """Dequeue-time work of a job: the deadline check, its image, and (with a controller) its
+        operating point refitted to the budget left. Answers the job and returns None on failure."""
+        dequeued = time.monotonic()
+        queue_ms = (dequeued - job.received_monotonic) * 1000.0
+        deadline = job.deadline_monotonic
+        req = job.request
+        if job.expired(dequeued):
+            self._fail_deadline(job, dequeued)
+            return None
+        try:
+            image, frame = self._resolve_image(req, deadline)
+            started = _Started(dequeued, queue_ms, image, frame, req.max_new_tokens or self.defaults.max_new_tokens)
+            if job.choice is not None and self.controller is not None:
+                # the wait may differ from the prediction: refit the point to the budget left
+                elapsed_ms = (time.monotonic() - job.received_monotonic) * 1000.0
+                planned_tokens = self.controller.expected_tokens(req.prompt, started.max_new_tokens)
+                started.point, started.service_ms = self.controller.refit(
+                    job.choice, job.choice.budget_ms - elapsed_ms, max_new_tokens=planned_tokens)
+                # the prediction the point was chosen on: at submit, or now if the refit changed it
+                started.predicted_ms = (job.choice.predicted_ms if started.point == job.choice.point
+                                        else elapsed_ms + started.service_ms)
+        except EdgeVLMError as err:
+            self._fail(job, err)
+            return None
+        except Exception as exc:  # noqa: BLE001 - never a dead daemon
+            logger.exception("request preparation failed with an unexpected error")
+            self._fail(job, InternalError(f"internal error: {type(exc).__name__}: {exc}"))
+            return None
+        return started
+
+    def _complete(self, job: Job, started: _Started, answer: Answer) -> None:
+        """Answer a job that ran: stats, controller feedback, the response."""
+        req = job.request
+        try:
+            answer.stats.queue_ms = started.queue_ms
+            point = started.point
+            if point is not None:
+                self.controller.observe(point, answer.stats, prompt=req.prompt)
+                answer.stats.budget_ms = round(job.choice.budget_ms, 3)
+                answer.stats.predicted_ms = round(started.predicted_ms, 3)
+            wire_frame = None
+            if started.frame is not None:
+                f = started.frame
+                wire_frame = Frame(source=f.source, ts=f.ts, pos_ms=f.pos_ms, index=f.index)
+            response = Response.success(answer, wire_frame, req.correlation_id)
+        except Exception as exc:  # noqa: BLE001 - never a dead daemon
+            logger.exception("answering failed with an unexpected error")
+            self._fail(job, InternalError(f"internal error: {type(exc).__name__}: {exc}"))
+            return
+        self.counters.inc("responses_ok")
+        self._reply(job, response)
+        if point is not None:  # the worker's time around the engine call: decode, frame, reply
+            self.controller.observe_overhead((time.monotonic() - started.dequeued) * 1000.0 - answer.stats.e2e_ms)
+
+    def _fail_deadline(self, job: Job, now: float) -> None:
+        queue_ms = (now - job.received_monotonic) * 1000.0
+        limit = ("the request's Message Expiry Interval" if job.deadline_limit == "message_expiry"
+                 else "deadline")  # fmt: skip
+        self._fail(
+            job,
+            DeadlineExceededError(
+                f"{limit} of {job.timeout_ms} ms passed after {queue_ms:.0f} ms in the queue",
+                details={"timeout_ms": job.timeout_ms, "queue_ms": round(queue_ms, 3), "limit": job.deadline_limit},
+            ),
+        )
+
+    # ------------------------------------------------------------------ continuous batching
+    def _batching_engine(self) -> Any:
+        """The BatchWorker for the current engine (rebuilt after a hot reload), or None when the
+        worker runs one request at a time."""
+        from edgevlm.daemon.batching import BatchWorker, batch_rows
+
+        engine = self._engine
+        if not self.continuous_batching or engine is None:
+            return None
+        if self._batch is not None and self._batch.engine is engine:
+            return self._batch
+        rows = batch_rows(engine)
+        if rows < 2:
+            logger.warning("continuous batching is on but the engine has %d KV-cache row(s) and/or no batched "
+                           "entry points (backend %s): one request at a time", rows,
+                           getattr(engine, "backend_name", "?"))
+            self._batch, self._batch_rows = None, 1
+            return None
+        self._batch = BatchWorker(engine, self.prefill_token_budget)
+        self._batch_rows = rows
+        logger.info("continuous batching: %d KV-cache rows, prefill groups of <= %d tokens",
+                    rows, self.prefill_token_budget)
+        return self._batch
+
+    def _run_batched(self) -> None:
+        while True:
+            batch = self._batching_engine()
+            if batch is None:  # a hot reload brought an engine that cannot batch
+                self._run_single()
+                return
+            with self._cond:
+                self._wait_locked(lambda batch=batch: batch.idle and (self._paused or not self._queue))
+                if self._stopping and batch.idle:
+                    return
+                now = time.monotonic()
+                jobs: list[Job] = []
+                if not self._paused and not self._stopping:
+                    while self._queue and len(jobs) < batch.free_slots():
+                        jobs.append(self._queue.popleft())
+                monitor_tick = batch.idle and not jobs
+                if monitor_tick:
+                    self._running = (now, self.monitors.tick_ms() if self.monitors is not None else 0.0)
+                else:
+                    self._running = (now, 0.0)
+            if monitor_tick:
+                try:
+                    if self.monitors is not None:
+                        self.monitors.run_due(self._engine)
+                finally:
+                    with self._cond:
+                        self._running = None
+                continue
+            for job in jobs:
+                self._admit(batch, job)
+            if not batch.idle:
+                self._step(batch)
+            if self._heartbeat is not None:
+                self._heartbeat.beat()
+            with self._cond:
+                if batch.idle:
+                    self._running = None
+
+    def _admit(self, batch: Any, job: Job) -> None:
+        started = self._begin(job)
+        if started is None:
+            return
+        ok, _ = self._guarded(job, "request preparation", lambda: batch.add(
+            (job, started), started.image, job.request.prompt, max_new_tokens=started.max_new_tokens,
+            operating_point=started.point, deadline_s=job.deadline_monotonic, on_delta=job.on_delta,
+            **sampling_kwargs(job.request)))
+        if not ok:
+            return
+        with self._cond:
+            self._active[id(job)] = (started.dequeued, started.service_ms)
+        self.counters.inc("batched_requests")
+
+    def _step(self, batch: Any) -> None:
+        joins = batch.batcher.joins
+        try:
+            if self._heartbeat is not None:
+                with self._heartbeat.busy():
+                    finished = batch.step()
+            else:
+                finished = batch.step()
+        except Exception as exc:  # noqa: BLE001 - never a dead daemon: fail the batch, keep serving
+            logger.exception("batched inference step failed; answering its %d request(s) INTERNAL", batch.n_active)
+            err = InternalError(f"internal error: {type(exc).__name__}: {exc}")
+            finished = [(tag, err) for tag in batch.abort()]
+        if batch.batcher.joins > joins:
+            self.counters.inc("batch_joins", batch.batcher.joins - joins)
+        for (job, started), answer in finished:
+            with self._cond:
+                self._active.pop(id(job), None)
+            if answer is None:
+                self._fail_deadline(job, time.monotonic())
+            elif isinstance(answer, EdgeVLMError):
+                self._fail(job, answer)
+            else:
+                self._complete(job, started, answer)
+
+    def _resolve_image(self, req: Request, deadline: float | None) -> tuple[Any, CapturedFrame | None]:
+        if req.image_bytes is not None:
+            from edgevlm.runtime.image import decode_image
+
+            return decode_image(req.image_bytes), None
+        assert req.source is not None  # guaranteed by Request validation
+        src = self.sources.get(req.source)
+        wait_s = FRAME_WAIT_S if deadline is None else max(0.0, min(FRAME_WAIT_S, deadline - time.monotonic()))
+        # a fresh frame (max_frame_age_s), else InternalError with reason no_frame / stale_frame
+        frame = src.frame_for_request(wait_s)
+        return frame.image, frame
+
+    def _fail(self, job: Job, err: EdgeVLMError) -> None:
+        self.counters.inc(f"errors_{err.code.value}")
+        logger.info("request failed: %s: %s", err.code.value, err.message)
+        self._reply(job, Response.failure(err, job.request.correlation_id))
+
+    def _reply(self, job: Job, response: Response) -> None:
+        try:
+            job.reply(response)
+        except Exception:  # noqa: BLE001 - a failed publish must not kill the worker
+            logger.exception("could not send a response")

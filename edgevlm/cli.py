@@ -5,6 +5,7 @@ Subcommands::
     edgevlm ask --image PATH [--model DIR] [--backend NAME] [--resolution PX] [--max-new-tokens N] "question"
     edgevlm serve --config FILE          # run the MQTT daemon (blocks until SIGTERM/SIGINT)
     edgevlm serve --check-config FILE    # validate a daemon config and exit
+    edgevlm serve-ray --config FILE      # the engine under Ray Serve behind the OpenAI-compatible API
     edgevlm demo                         # private broker + daemon + questions, prints a table
 
 Every failure the user can cause (bad arguments, a missing or corrupt image, a bad config, a model
@@ -135,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--config", metavar="FILE", help="daemon config YAML; runs until SIGTERM/SIGINT")
     mode.add_argument("--check-config", metavar="FILE", help="validate the config file and exit")
     serve.set_defaults(func=_cmd_serve)
+
+    serve_ray = sub.add_parser("serve-ray", parents=[common],
+                               help="serve the model under Ray Serve behind the OpenAI-compatible HTTP API")
+    serve_ray.add_argument("--config", metavar="FILE", required=True,
+                           help="daemon config YAML (model:, http:, ray:); runs until SIGTERM/SIGINT")
+    serve_ray.set_defaults(func=_cmd_serve_ray)
 
     demo = sub.add_parser(
         "demo",
@@ -308,6 +315,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"model: cannot load {where} on {cfg.model.device}: {exc.message}") from exc
 
 
+def _cmd_serve_ray(args: argparse.Namespace) -> int:
+    from edgevlm.config import load_daemon_config
+    from edgevlm.model_folder import check_config_model_path
+
+    cfg = load_daemon_config(args.config)
+    check_config_model_path(cfg)
+    if args.verbose == 0:
+        logging.getLogger().setLevel(cfg.log_level)
+    from edgevlm.daemon.ray_serve import run
+
+    return int(run(cfg))
+
+
 def _cmd_delegate(args: argparse.Namespace) -> int:
     import importlib
 
@@ -327,7 +347,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _setup_logging(verbose: int, command: str | None) -> None:
     if verbose >= 2:
         level = logging.DEBUG
-    elif verbose == 1 or command == "serve":
+    elif verbose == 1 or command in ("serve", "serve-ray"):
         level = logging.INFO
     else:
         level = logging.WARNING

@@ -7,16 +7,28 @@
 Each request carries the client's own Response Topic (``<prefix>/<device_id>/response/<token>``)
 and 16 random bytes of Correlation Data (MQTT v5 section 4.10); the reply is matched by those bytes,
 so one client may be used by many threads at once. Wire errors are raised as the typed
-exceptions of :mod:`edgevlm.errors` (``BUSY`` -> :class:`~edgevlm.errors.BusyError`, ...); no
-reply within ``timeout_s`` (plus a small grace for the daemon's own deadline answer) raises
-:class:`~edgevlm.errors.DeadlineExceededError`. A broker that cannot be reached raises the
-built-in :class:`ConnectionError`.
+exceptions of :mod:`edgevlm.errors` (``BUSY`` -> :class:`~edgevlm.errors.BusyError`, ...).
+
+Delivery: a request whose answer has not come is published again, with the same payload and the
+same Correlation Data, after every reconnect, when the daemon's retained status turns "online" again
+(a restarted daemon), and after ``resend_interval_s``, doubling up to ``4 * resend_interval_s``
+between periodic copies, until its deadline;
+the daemon answers a repeat from its recent-answers cache (or ignores it while the first copy runs),
+and the first answer is returned, later copies are dropped: exactly one answer per ``ask``. Every
+copy carries the MQTT v5 *Message Expiry Interval* of the time left (whole seconds, rounded up), so
+a broker or daemon that holds it longer drops it instead of running it after the caller gave up.
+
+``ask`` returns or raises within ``timeout_s`` (to a few ms): no answer by then raises
+:class:`~edgevlm.errors.DeadlineExceededError` when the broker is connected, and
+:class:`~edgevlm.errors.BrokerUnreachableError` (a :class:`ConnectionError`) naming the cause when
+it is not; the constructor raises it too when the broker cannot be reached.
 
 Torch-free and OpenCV-free: numpy images are sent as PNG, encoded here with zlib.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -32,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from edgevlm.errors import (
+    BrokerUnreachableError,
     DeadlineExceededError,
     EdgeVLMError,
     InternalError,
@@ -44,18 +57,26 @@ from edgevlm.protocol import (
     StatusMessage,
     parse_request,
     parse_response,
+    pool_request_topic,
+    pool_response_topic,
     request_topic,
     response_topic,
+    status_filter,
     status_topic,
 )
 from edgevlm.types import Answer
 
 logger = logging.getLogger(__name__)
 
-RESPONSE_GRACE_S = 1.0
-"""Extra time the client waits beyond ``timeout_s`` for the daemon's own answer (s)."""
-
 CORRELATION_DATA_BYTES = 16
+
+RESEND_INTERVAL_S = 2.0
+"""Default period (s) after which an unanswered request is published again."""
+
+POOL_BUSY_RETRY_S = 0.05
+"""Pool mode: a member's BUSY answer (queue full, shutting down) is not delivered; the request is
+published again to the pool after this delay (the broker hands it to another member) until its
+deadline."""
 
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -147,11 +168,74 @@ def set_tcp_nodelay(client: Any, userdata: Any, sock: Any) -> None:
         pass
 
 
+def request_quick_ack(client: Any, *_: Any) -> None:
+    """Acknowledge what was just received at once (Linux ``TCP_QUICKACK`` on ``client``'s socket):
+    called from paho's ``on_publish`` (a PUBACK arrived) and ``on_message`` (a PUBLISH arrived),
+    i.e. on paho's network thread right after the read.
+
+    Why: a broker that keeps Nagle's algorithm on (mosquitto without ``set_tcp_nodelay true``)
+    holds its next small PUBLISH to us (the answer, or the next request) while its previous small
+    packet (the PUBACK of our publish) is unacknowledged, and Linux delays that ACK by 40 ms when
+    we have nothing to send: every answer would wait 40 ms in the broker. Setting the option sends a
+    pending delayed ACK now; it is not sticky (the kernel returns to delayed ACKs by itself), hence
+    once per received packet. A no-op where the option does not exist (macOS, Windows) or the socket
+    is not TCP. Extra arguments (paho's callback signature) are ignored."""
+    import socket
+
+    opt = getattr(socket, "TCP_QUICKACK", None)
+    sock = client.socket() if client is not None else None
+    if opt is None or sock is None:
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, opt, 1)
+    except (OSError, AttributeError, ValueError):  # closed, not TCP, or a TLS wrapper without it
+        pass
+
+
+def describe_connect_error(exc: BaseException | None) -> str:
+    """Why a connection attempt to an MQTT broker failed, in a few words (a TLS certificate
+    failure, a refusal, name resolution, a timeout named as such)."""
+    import socket
+    import ssl
+
+    if exc is None:
+        return "unknown cause"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"TLS certificate verification failed: {exc.verify_message or exc.reason} (check the CA certificates)"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS handshake failed: {exc.reason or exc}"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused (no broker listening on that port)"
+    if isinstance(exc, socket.gaierror):
+        return f"cannot resolve the host name ({exc.strerror or exc})"
+    if isinstance(exc, (TimeoutError, socket.timeout)):
+        return "timed out"
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror} ({type(exc).__name__})"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _is_busy(payload: bytes) -> bool:
+    """Whether a response payload is a ``BUSY`` error (read leniently: anything else is not)."""
+    try:
+        error = json.loads(payload).get("error") or {}
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == "BUSY"
+
+
 @dataclass
 class _Pending:
+    """One request waiting for its answer: what to publish again, and the answer slot."""
+
+    payload: bytes
+    correlation: bytes
+    deadline: float | None  # monotonic; None = no deadline
     event: threading.Event = field(default_factory=threading.Event)
-    payload: bytes | None = None
+    response: bytes | None = None
     error: BaseException | None = None
+    sends: int = 0
+    last_sent: float = 0.0
 
 
 class Client:
@@ -168,10 +252,19 @@ class Client:
         keepalive_s: MQTT keepalive (s).
         qos: QoS of requests and of the response subscription.
         connect_timeout_s: how long the constructor waits for the connection and subscription.
+        resend_interval_s: an unanswered request is published again (same Correlation Data) this
+            long after it was sent, then after twice, then four times as long (the cap), until its
+            deadline; also at once after every reconnect and when the daemon comes back online.
+            None = only after reconnects and daemon restarts.
+        pool: ask any member of this pool (the daemons with ``mqtt.pool``) instead of one device:
+            requests go to ``<prefix>/pools/<pool>/request``, which the broker hands to one member
+            (MQTT v5 shared subscription); a member that dies mid-request is covered by the
+            re-sends, a member's BUSY answer is retried on the pool (:data:`POOL_BUSY_RETRY_S`),
+            and each answer reaches the application once. Give ``device_id`` or ``pool``.
 
     Raises:
-        ConnectionError: the broker is unreachable, refuses the connection, or does not answer
-            within ``connect_timeout_s``.
+        BrokerUnreachableError: (a ``ConnectionError``) the broker is unreachable, refuses the
+            connection, or does not answer within ``connect_timeout_s``; the message names the cause.
     """
 
     def __init__(
@@ -192,6 +285,8 @@ class Client:
         keepalive_s: int = 30,
         qos: int = 1,
         connect_timeout_s: float = 10.0,
+        resend_interval_s: float | None = RESEND_INTERVAL_S,
+        pool: str | None = None,
     ) -> None:
         import paho.mqtt.client as mqtt
         from paho.mqtt.enums import CallbackAPIVersion
@@ -200,11 +295,29 @@ class Client:
             raise ValueError(f"qos must be 0, 1 or 2, got {qos}")
         self.host, self.port, self.device_id, self.prefix, self.qos = host, port, device_id, prefix, qos
         self._connect_timeout_s = connect_timeout_s
+        if resend_interval_s is not None and not resend_interval_s > 0:
+            raise ValueError(f"resend_interval_s must be > 0 or None, got {resend_interval_s!r}")
+        self.resend_interval_s = resend_interval_s
+        self.resends = 0  # requests published again (reconnects and re-send intervals)
+        self.duplicates_dropped = 0  # answers to a request already answered (or given up on)
+        self.busy_retries = 0  # pool mode: BUSY answers not delivered, the request sent to the pool again
+        self._disconnected_at: float | None = None
+        self._disconnect_cause = ""
         token = secrets.token_hex(8)
+        if pool is not None and device_id:
+            raise ValueError("give a device_id or a pool, not both")
+        self.pool = pool
+        self._target = f"pool {pool!r}" if pool is not None else f"device {device_id!r}"
+        self._members: dict[str, StatusMessage] = {}  # pool mode: device id -> its last status
         try:
-            self.request_topic = request_topic(prefix, device_id)
-            self.status_topic = status_topic(prefix, device_id)
-            self.response_topic = response_topic(prefix, device_id, token)
+            if pool is None:
+                self.request_topic = request_topic(prefix, device_id)
+                self.status_topic = status_topic(prefix, device_id)
+                self.response_topic = response_topic(prefix, device_id, token)
+            else:  # any member of the pool (shared subscription); every daemon's status is watched
+                self.request_topic = pool_request_topic(prefix, pool)
+                self.status_topic = status_filter(prefix)
+                self.response_topic = pool_response_topic(prefix, pool, token)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
         self._lock = threading.Lock()
@@ -230,18 +343,24 @@ class Client:
         self._client.on_connect = self._on_connect
         self._client.on_subscribe = self._on_subscribe
         self._client.on_disconnect = self._on_disconnect
+        self._client.on_connect_fail = self._on_connect_fail
         self._client.on_message = self._on_message
+        self._client.on_publish = request_quick_ack  # PUBACK of a request read: ACK it now (see there)
         self._client.on_socket_open = set_tcp_nodelay
         self._client.connect_timeout = connect_timeout_s
         try:
             self._client.connect(host, port, keepalive=keepalive_s, clean_start=True)
         except (OSError, ValueError) as exc:
-            raise ConnectionError(f"cannot connect to the MQTT broker at {host}:{port}: {exc}") from None
+            raise BrokerUnreachableError(
+                f"cannot connect to the MQTT broker at {host}:{port}: {describe_connect_error(exc)}",
+                details={"host": host, "port": port},
+            ) from None
         self._client.loop_start()
         if not self._ready.wait(connect_timeout_s) or self._connect_error is not None:
             reason = self._connect_error or f"no answer within {connect_timeout_s} s"
             self.close()
-            raise ConnectionError(f"MQTT broker at {host}:{port} refused the connection: {reason}")
+            raise BrokerUnreachableError(f"MQTT broker at {host}:{port} refused the connection: {reason}",
+                                         details={"host": host, "port": port})  # fmt: skip
 
     # ------------------------------------------------------------------ public API
     def ask(
@@ -271,6 +390,8 @@ class Client:
         Raises:
             InvalidRequestError, InvalidImageError, UnknownSourceError, BusyError,
             DeadlineExceededError, InternalError: the daemon's wire error, or a local check.
+            BrokerUnreachableError: (a ``ConnectionError``) no answer within ``timeout_s`` and the
+                broker is not connected; the message names the cause.
             ConnectionError: the client was closed while waiting.
         """
         if self._closed:
@@ -293,8 +414,23 @@ class Client:
         payload = request.model_dump_json(exclude_none=True).encode()
         return self._roundtrip(payload, timeout_s)
 
+    def request(self, payload: bytes, *, timeout_s: float | None = 30.0) -> Answer:
+        """Send an already encoded request payload (the wire JSON, see the README's topic contract)
+        as it is, with the delivery of :meth:`ask` (re-sends, Message Expiry, exactly one answer);
+        for tools that speak the wire format, and for sending what :meth:`ask` would refuse locally.
+
+        Raises:
+            The same errors as :meth:`ask`; the daemon's verdict on a malformed payload (e.g.
+            :class:`~edgevlm.errors.InvalidRequestError`).
+        """
+        if self._closed:
+            raise ConnectionError("the client is closed")
+        self._timeout_ms(timeout_s)  # the same check of timeout_s as ask
+        return self._roundtrip(bytes(payload), timeout_s)
+
     def wait_online(self, timeout_s: float = 10.0) -> bool:
-        """Wait until the daemon's retained status says "online"; returns whether it does."""
+        """Wait until the daemon's retained status says "online" (pool mode: any member's);
+        returns whether it does (False on timeout, never raises)."""
         deadline = time.monotonic() + timeout_s
         with self._status_cond:
             while self._status is None or self._status.state != "online":
@@ -311,6 +447,12 @@ class Client:
         return self._subscribed.is_set()
 
     @property
+    def pool_members(self) -> dict[str, StatusMessage]:
+        """Pool mode: each member's last retained status (device id -> status), online or not."""
+        with self._status_cond:
+            return dict(self._members)
+
+    @property
     def device_status(self) -> StatusMessage | None:
         """The daemon's last status seen (retained ``.../status``), or None."""
         with self._status_cond:
@@ -324,6 +466,7 @@ class Client:
         self._closed = True
         with self._lock:
             pending = list(self._pending.values())
+            self._pending.clear()
         for slot in pending:
             slot.error = ConnectionError("the client was closed while waiting for a response")
             slot.event.set()
@@ -350,88 +493,163 @@ class Client:
         return max(1, math.ceil(timeout_s * 1000))
 
     def _roundtrip(self, payload: bytes, timeout_s: float | None) -> Answer:
-        from paho.mqtt.packettypes import PacketTypes
-        from paho.mqtt.properties import Properties
-
-        # After a reconnect the response topic must be subscribed again before a request goes out,
-        # or its response could arrive before the subscription and be lost.
-        wait_s = self._connect_timeout_s if timeout_s is None else min(timeout_s, self._connect_timeout_s)
-        if not self._subscribed.wait(wait_s):
-            raise ConnectionError(
-                f"not connected to the MQTT broker at {self.host}:{self.port} (reconnecting)"
-            )
-        correlation = secrets.token_bytes(CORRELATION_DATA_BYTES)
-        slot = _Pending()
+        start = time.monotonic()
+        deadline = None if timeout_s is None or math.isinf(timeout_s) else start + timeout_s
+        slot = _Pending(payload=payload, correlation=secrets.token_bytes(CORRELATION_DATA_BYTES), deadline=deadline)
         with self._lock:
-            self._pending[correlation] = slot
+            self._pending[slot.correlation] = slot
         try:
-            props = Properties(PacketTypes.PUBLISH)
-            props.ResponseTopic = self.response_topic
-            props.CorrelationData = correlation
-            props.ContentType = "application/json"
-            info = self._client.publish(self.request_topic, payload, qos=self.qos, properties=props)
-            if info.rc not in (0, 4):  # success, or queued while reconnecting (MQTT_ERR_NO_CONN)
-                raise ConnectionError(f"cannot publish the request (paho rc={info.rc})")
-            wait_s: float | None = None
-            if timeout_s is not None and timeout_s + RESPONSE_GRACE_S < threading.TIMEOUT_MAX:
-                wait_s = timeout_s + RESPONSE_GRACE_S
-            if not slot.event.wait(wait_s):
-                raise DeadlineExceededError(
-                    f"no response from device {self.device_id!r} within {timeout_s} s "
-                    f"(daemon status: {self._status.state if self._status else 'unknown'})",
-                    details={"timeout_s": timeout_s, "local": True},
-                )
+            # sent now if the response topic is subscribed; else by _on_subscribe once reconnected
+            # (a request must not go out before its answer can be received)
+            if self._subscribed.is_set():
+                self._send(slot)
+            while True:
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    break
+                wait_s = None if deadline is None else deadline - now
+                if self.resend_interval_s is not None and slot.sends:
+                    due = slot.last_sent + self._resend_after_s(slot) - now
+                    wait_s = due if wait_s is None else min(wait_s, due)
+                if slot.event.wait(None if wait_s is None else max(0.0, min(wait_s, threading.TIMEOUT_MAX))):
+                    break
+                if (self.resend_interval_s is not None and self._subscribed.is_set() and slot.sends
+                        and time.monotonic() - slot.last_sent >= self._resend_after_s(slot)):  # fmt: skip
+                    self._send(slot, resend=True)
         finally:
             with self._lock:
-                self._pending.pop(correlation, None)
+                self._pending.pop(slot.correlation, None)
         if slot.error is not None:
             raise slot.error
+        if slot.response is None:
+            raise self._timeout_error(timeout_s, slot)
         try:
-            response = parse_response(slot.payload or b"")
+            response = parse_response(slot.response)
         except EdgeVLMError as err:
             raise InternalError(f"malformed response from the daemon: {err.message}") from None
         return response.to_answer()
+
+    def _resend_after_s(self, slot: _Pending) -> float:
+        """Time after the last copy before the next periodic one: the interval, doubling with each
+        copy up to four times it (a request waiting in a long queue is not re-sent every interval)."""
+        assert self.resend_interval_s is not None
+        return self.resend_interval_s * 2 ** min(2, max(0, slot.sends - 1))
+
+    def _resend_all(self) -> None:
+        with self._lock:
+            pending = [p for p in self._pending.values() if not p.event.is_set()]
+        for slot in pending:  # what was sent before the outage may be lost: send it again
+            self._send(slot, resend=slot.sends > 0)
+
+    def _timeout_error(self, timeout_s: float | None, slot: _Pending) -> EdgeVLMError:
+        if not self._subscribed.is_set():
+            since = self._disconnected_at
+            how_long = f" for {time.monotonic() - since:.1f} s" if since is not None else ""
+            cause = self._disconnect_cause or "not connected"
+            return BrokerUnreachableError(
+                f"no response from {self._target} within {timeout_s} s: the MQTT broker at "
+                f"{self.host}:{self.port} is unreachable{how_long} ({cause})",
+                details={"timeout_s": timeout_s, "local": True, "sends": slot.sends},
+            )
+        return DeadlineExceededError(
+            f"no response from {self._target} within {timeout_s} s "
+            f"(daemon status: {self._status.state if self._status else 'unknown'}; request sent {slot.sends} time(s))",
+            details={"timeout_s": timeout_s, "local": True, "sends": slot.sends},
+        )
+
+    def _send(self, slot: _Pending, *, resend: bool = False) -> None:
+        """Publish (again) one pending request, with the Message Expiry Interval of the time left."""
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+
+        now = time.monotonic()
+        props = Properties(PacketTypes.PUBLISH)
+        props.ResponseTopic = self.response_topic
+        props.CorrelationData = slot.correlation
+        props.ContentType = "application/json"
+        if slot.deadline is not None:
+            left_s = slot.deadline - now
+            if left_s <= 0:
+                return
+            props.MessageExpiryInterval = min(4294967295, max(1, math.ceil(left_s)))
+        with self._lock:
+            if slot.event.is_set() or self._pending.get(slot.correlation) is not slot:
+                return
+            slot.sends += 1
+            slot.last_sent = now
+        if resend:
+            self.resends += 1
+        info = self._client.publish(self.request_topic, slot.payload, qos=self.qos, properties=props)
+        if info.rc not in (0, 4):  # success, or queued while reconnecting (MQTT_ERR_NO_CONN)
+            logger.warning("edgevlm client: cannot publish a request (paho rc=%s); re-sent on reconnect", info.rc)
 
     # ------------------------------------------------------------------ paho callbacks
     def _on_connect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
         if reason_code.is_failure:
             self._connect_error = str(reason_code)
+            self._disconnect_cause = f"the broker refused the connection: {reason_code}"
             self._ready.set()
             return
         client.subscribe([(self.response_topic, self.qos), (self.status_topic, 1)])
+
+    def _on_connect_fail(self, client: Any, userdata: Any) -> None:
+        import sys
+
+        self._disconnect_cause = f"cannot reconnect: {describe_connect_error(sys.exc_info()[1])}"
 
     def _on_subscribe(self, client: Any, userdata: Any, mid: int, reason_codes: Any, properties: Any) -> None:
         failed = [rc for rc in reason_codes if rc.is_failure]
         if failed:
             self._connect_error = f"subscription refused: {failed[0]}"
-        else:
-            self._subscribed.set()
+            self._ready.set()
+            return
+        self._disconnected_at = None
+        self._disconnect_cause = ""
+        self._subscribed.set()
         self._ready.set()
+        self._resend_all()
 
     def _on_disconnect(
         self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any
     ) -> None:
+        self._subscribed.clear()
+        if self._disconnected_at is None:
+            self._disconnected_at = time.monotonic()
+        from_broker = bool(getattr(flags, "is_disconnect_packet_from_server", False))
+        self._disconnect_cause = (f"the broker sent DISCONNECT: {reason_code}" if from_broker
+                                  else f"connection lost: {reason_code}")  # fmt: skip
         if not self._closed:
-            logger.warning("edgevlm client: connection lost (%s); reconnecting", reason_code)
+            logger.warning("edgevlm client: %s; reconnecting", self._disconnect_cause)
 
     def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
+        request_quick_ack(client)
         try:
-            if msg.topic == self.status_topic:
-                self._on_status(msg.payload)
+            if msg.topic == self.status_topic or (self.pool is not None and msg.topic.endswith("/status")):
+                self._on_status(msg.payload, msg.topic)
                 return
             props = getattr(msg, "properties", None)
             correlation = getattr(props, "CorrelationData", None) if props is not None else None
             with self._lock:
                 slot = self._pending.get(bytes(correlation)) if correlation is not None else None
-            if slot is None:
-                logger.debug("edgevlm client: dropping a response with unknown correlation data")
-                return
-            slot.payload = bytes(msg.payload)
-            slot.event.set()
+                first = slot is not None and not slot.event.is_set()
+                if first and self.pool is not None and _is_busy(msg.payload) and (
+                        slot.deadline is None or time.monotonic() + POOL_BUSY_RETRY_S < slot.deadline):
+                    self.busy_retries += 1  # another member may have room: try the pool again
+                    retry = threading.Timer(POOL_BUSY_RETRY_S, self._send, (slot,), {"resend": True})
+                    retry.daemon = True
+                    retry.start()
+                    return
+                if first:
+                    slot.response = bytes(msg.payload)
+                    slot.event.set()
+                else:
+                    self.duplicates_dropped += 1
+            if not first:
+                logger.debug("edgevlm client: dropping a response that is a duplicate or has unknown correlation data")
         except Exception:  # noqa: BLE001 - never kill paho's network thread
             logger.exception("edgevlm client: error while handling a message")
 
-    def _on_status(self, payload: bytes) -> None:
+    def _on_status(self, payload: bytes, topic: str = "") -> None:
         if not payload:
             status = None  # retained status cleared
         else:
@@ -441,5 +659,17 @@ class Client:
                 logger.warning("edgevlm client: malformed status message ignored")
                 return
         with self._status_cond:
-            self._status = status
+            if self.pool is not None:  # keep the members of our pool; the status is the best of them
+                device = topic.rsplit("/", 2)[-2] if topic.count("/") >= 2 else ""
+                if status is not None and status.pool == self.pool:
+                    self._members[device] = status
+                else:
+                    self._members.pop(device, None)
+                online = [m for m in self._members.values() if m.state == "online"]
+                status = online[0] if online else next(iter(self._members.values()), None)
+            previous, self._status = self._status, status
             self._status_cond.notify_all()
+        if (status is not None and status.state == "online" and previous is not None
+                and previous.state == "offline" and self._subscribed.is_set()):  # fmt: skip
+            # the daemon restarted (its last will said offline): what it held in memory is gone
+            self._resend_all()

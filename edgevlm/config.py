@@ -33,7 +33,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from edgevlm.config_http import HttpConfig
 from edgevlm.config_mqtt import DefaultsConfig, LimitsConfig, MqttConfig, TlsConfig
+from edgevlm.config_ray import OffloadConfig, RayConfig
 from edgevlm.config_runtime import (
     ControllerConfig,
     MetricsConfig,
@@ -67,11 +69,14 @@ __all__ = [
     "CsiConfig",
     "DaemonConfig",
     "DefaultsConfig",
+    "HttpConfig",
     "LimitsConfig",
     "MetricsConfig",
     "ModelConfig",
     "MonitorConfig",
     "MqttConfig",
+    "OffloadConfig",
+    "RayConfig",
     "ReloadConfig",
     "ServiceConfig",
     "SourceConfig",
@@ -114,6 +119,9 @@ class DaemonConfig(StrictModel):
     )
     controller: ControllerConfig = Field(default_factory=ControllerConfig, description="Latency controller.")
     monitors: list[MonitorConfig] = Field(default_factory=list, description="Continuous label monitors.")
+    http: HttpConfig = Field(default_factory=HttpConfig, description="OpenAI-compatible HTTP API (off by default).")
+    ray: RayConfig = Field(default_factory=RayConfig, description="Replicas under Ray Serve (edgevlm serve-ray only).")
+    offload: OffloadConfig = Field(default_factory=OffloadConfig, description="Forward to a pool what the edge cannot serve.")
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -14,6 +14,7 @@ from edgevlm.protocol import (
     MAX_NEW_TOKENS_LIMIT,
     NO_DEADLINE_MS,
     check_device_id,
+    check_pool,
     check_prefix,
 )
 from edgevlm.validation import ConfigPath, StrictModel
@@ -68,10 +69,24 @@ class MqttConfig(StrictModel):
         0,
         ge=0,
         le=4294967295,
-        description="MQTT v5 Session Expiry Interval (s). 0 = a clean session on every connect; > 0 keeps "
-        "the request subscription and queued QoS>=1 requests across reconnects and (with a persistent "
-        "broker) broker restarts, so requests published during an outage are answered afterwards; each "
-        "start of the daemon still begins a clean session.",
+        description="MQTT v5 Session Expiry Interval (s). 0 = a clean session on every connect; > 0 resumes "
+        "the broker's session (Clean Start 0) on every connect, a restart of the daemon included: the "
+        "request subscription and the QoS>=1 requests queued while the daemon was away are kept (across a "
+        "broker restart too when the broker persists sessions; requests past their Message Expiry are "
+        "dropped by the broker).",
+    )
+    pool: str | None = Field(
+        None,
+        description="Join this pool (one topic level): also take requests from <prefix>/pools/<pool>/request "
+        "through an MQTT v5 shared subscription, so the broker hands each to one member; None = no pool.",
+    )
+    pool_group: str | None = Field(
+        None, description="Shared-subscription group of the pool ($share/<group>/...); None = the pool name."
+    )
+    dedup_cache_size: int = Field(
+        1024, ge=1, le=1_000_000, strict=True,
+        description="Recent requests remembered by Response Topic + Correlation Data: a re-sent request "
+        "is answered from this cache (or absorbed while it runs) instead of running twice.",
     )
 
     @field_validator("prefix")
@@ -84,12 +99,19 @@ class MqttConfig(StrictModel):
     def _device_id(cls, v: str) -> str:
         return check_device_id(v)
 
+    @field_validator("pool", "pool_group")
+    @classmethod
+    def _pool(cls, v: str | None) -> str | None:
+        return check_pool(v) if v is not None else v
+
     @model_validator(mode="after")
     def _check(self) -> MqttConfig:
         if self.reconnect_max_delay_s < self.reconnect_min_delay_s:
             raise ValueError("reconnect_max_delay_s: must be >= reconnect_min_delay_s")
         if self.password is not None and self.username is None:
             raise ValueError("password: needs a username")
+        if self.pool_group is not None and self.pool is None:
+            raise ValueError("pool_group: needs a pool")
         return self
 
     @property

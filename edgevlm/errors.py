@@ -61,6 +61,13 @@ class InternalError(EdgeVLMError):
     code = ErrorCode.INTERNAL
 
 
+class BrokerUnreachableError(EdgeVLMError, ConnectionError):
+    """The SDK cannot reach the MQTT broker (refused, unreachable, TLS failure, or not reconnected
+    in time). A local error: it never crosses the wire (``code`` is ``INTERNAL``)."""
+
+    code = ErrorCode.INTERNAL
+
+
 class ModelLoadError(EdgeVLMError):
     """A model folder or bundle cannot be loaded (missing file, bad config, hash mismatch)."""
 

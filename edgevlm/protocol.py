@@ -16,6 +16,9 @@ Topics (``prefix`` defaults to ``edgevlm``)::
     <prefix>/<device_id>/events/<monitor>   monitor events (later issues)
     <prefix>/<device_id>/telemetry          periodic telemetry (later issues)
     <prefix>/<device_id>/response/<token>   the SDK's per-client response topic
+    <prefix>/pools/<pool>/request           requests to any member of a pool (shared subscription
+                                            $share/<group>/<prefix>/pools/<pool>/request)
+    <prefix>/pools/<pool>/response/<token>  a pool client's response topic
 
 Every payload is a UTF-8 JSON object with ``schema_version`` (:data:`SCHEMA_VERSION`). Parse errors
 become :class:`~edgevlm.errors.InvalidRequestError` whose message starts with the JSON field path
@@ -36,6 +39,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    StrictFloat,
     StrictInt,
     StrictStr,
     ValidationError,
@@ -56,6 +60,12 @@ NO_DEADLINE_MS = INT64_MAX
 DEFAULT_PREFIX = "edgevlm"
 MAX_PROMPT_CHARS = 8192
 MAX_NEW_TOKENS_LIMIT = 4096
+MAX_STOP_STRINGS = 4
+"""At most this many stop strings per request (the OpenAI chat API's limit)."""
+
+MAX_INT_DIGITS = 4300
+"""Python's default limit on the digits of an integer parsed from text (``sys.get_int_max_str_digits``);
+a JSON integer longer than that is refused as ``INVALID_REQUEST``."""
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
@@ -109,6 +119,32 @@ def response_topic(prefix: str, device_id: str, token: str) -> str:
     return f"{check_prefix(prefix)}/{check_device_id(device_id)}/response/{_check_level(token, 'token')}"
 
 
+def check_pool(pool: str) -> str:
+    """Validate a pool name (one topic level of ``[A-Za-z0-9_.-]``). Raises ``ValueError``."""
+    return _check_level(pool, "pool")
+
+
+def pool_request_topic(prefix: str, pool: str) -> str:
+    """``<prefix>/pools/<pool>/request``: where requests to any member of a pool are published."""
+    return f"{check_prefix(prefix)}/pools/{check_pool(pool)}/request"
+
+
+def pool_subscription(prefix: str, pool: str, group: str) -> str:
+    """``$share/<group>/<prefix>/pools/<pool>/request``: the MQTT v5 shared subscription (section
+    4.8.2) through which the broker hands each pool request to one member of ``group``."""
+    return f"$share/{_check_level(group, 'pool group')}/{pool_request_topic(prefix, pool)}"
+
+
+def pool_response_topic(prefix: str, pool: str, token: str) -> str:
+    """``<prefix>/pools/<pool>/response/<token>``: a per-client response topic of a pool client."""
+    return f"{check_prefix(prefix)}/pools/{check_pool(pool)}/response/{_check_level(token, 'token')}"
+
+
+def status_filter(prefix: str) -> str:
+    """``<prefix>/+/status``: every daemon's retained status (a pool's members carry ``pool``)."""
+    return f"{check_prefix(prefix)}/+/status"
+
+
 def is_valid_publish_topic(topic: str) -> bool:
     """True if ``topic`` may be published to: non-empty, no wildcard (``+``/``#``), no NUL,
     at most 65535 UTF-8 bytes (MQTT v5 sections 4.7.1 and 1.5.4)."""
@@ -153,6 +189,21 @@ class Request(BaseModel):
         description="Latency budget (ms), queue wait included: the daemon runs the most accurate operating "
         "point predicted to fit it, or answers DEADLINE_EXCEEDED at once when even the cheapest does not; "
         "None = the profile's default budget.",
+    )
+    temperature: StrictFloat | StrictInt | None = Field(
+        None, ge=0, le=2, description="Sampling temperature; 0 or None = greedy decoding."
+    )
+    top_p: StrictFloat | StrictInt | None = Field(
+        None, gt=0, le=1, description="Nucleus sampling mass (with temperature > 0); None = 1."
+    )
+    stop: list[StrictStr] | None = Field(
+        None, max_length=MAX_STOP_STRINGS, description="Strings that end the answer (not included in it)."
+    )
+    seed: StrictInt | None = Field(None, ge=0, le=INT64_MAX, description="Sampling seed (temperature > 0).")
+    model: StrictStr | None = Field(
+        None, min_length=1, max_length=256,
+        description="The model to answer with (its folder name, 'edgevlm-demo' for the demo model); None = the "
+        "daemon's. A daemon that does not serve it forwards the request to its offload pool, else refuses it.",
     )
     reply_to: StrictStr | None = Field(
         None,
@@ -270,6 +321,7 @@ class StatusMessage(BaseModel):
     version: str | None = Field(None, description="edgevlm version.")
     sources: list[str] = Field(default_factory=list, description="Configured source names.")
     model: str | None = Field(None, description="Model folder served.")
+    pool: str | None = Field(None, description="The pool this daemon is a member of (mqtt.pool), if any.")
 
     def to_bytes(self) -> bytes:
         return self.model_dump_json(exclude_none=True).encode()
@@ -336,8 +388,13 @@ def parse_json_object(payload: bytes | str) -> dict[str, Any]:
         raise InvalidRequestError(
             f"$: {msg}", details={"path": "$", "errors": [{"path": "$", "message": msg}], "pos": exc.pos}
         ) from None
-    except (ValueError, RecursionError) as exc:  # e.g. an integer with more than 4300 digits
-        msg = f"malformed JSON: {exc}"
+    except RecursionError:
+        msg = "malformed JSON: nested too deeply"
+        raise InvalidRequestError(
+            f"$: {msg}", details={"path": "$", "errors": [{"path": "$", "message": msg}]}
+        ) from None
+    except ValueError:  # Python refuses to convert an integer literal of more than 4300 digits
+        msg = f"a JSON integer has more than {MAX_INT_DIGITS} digits (no field takes a number that large)"
         raise InvalidRequestError(
             f"$: {msg}", details={"path": "$", "errors": [{"path": "$", "message": msg}]}
         ) from None
@@ -358,6 +415,12 @@ def parse_request(payload: bytes | str | dict[str, Any]) -> Request:
             holds it.
     """
     data = payload if isinstance(payload, dict) else parse_json_object(payload)
+    bad = _lone_surrogate_path(data)
+    if bad is not None:
+        raise InvalidRequestError(
+            f"{bad}: contains a lone UTF-16 surrogate (a \\udXXX escape without its pair): not valid Unicode",
+            details={"path": bad, "errors": [{"path": bad, "message": "lone surrogate"}]},
+        )
     if "schema_version" in data and data["schema_version"] != SCHEMA_VERSION:
         raise InvalidRequestError(
             f"schema_version: unsupported version {data['schema_version']!r} (this daemon speaks {SCHEMA_VERSION})",
@@ -372,15 +435,45 @@ def parse_request(payload: bytes | str | dict[str, Any]) -> Request:
         raise _validation_error(exc, "request") from None
 
 
+def _is_unicode(text: str) -> bool:
+    """False for a string holding a lone surrogate (JSON allows ``"\\udc00"``; UTF-8 cannot carry it)."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _lone_surrogate_path(value: Any, loc: tuple[Any, ...] = ()) -> str | None:
+    """The field path of the first string (key or value) holding a lone surrogate, or None."""
+    if isinstance(value, str):
+        return None if _is_unicode(value) else format_loc(loc)
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not _is_unicode(k):
+                return format_loc(loc) if loc else "$"
+            found = _lone_surrogate_path(v, (*loc, k))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _lone_surrogate_path(v, (*loc, i))
+            if found is not None:
+                return found
+    return None
+
+
 def fallback_reply_address(data: dict[str, Any]) -> tuple[str | None, str | None]:
     """The MQTT 3.1.1 fallback ``(reply_to, correlation_id)`` of a raw request object, read
     leniently so that even a request that fails validation can be answered. Invalid values
     give None."""
     reply_to = data.get("reply_to")
     corr = data.get("correlation_id")
-    if not isinstance(reply_to, str) or not is_valid_publish_topic(reply_to):
+    if not isinstance(reply_to, str) or not is_valid_publish_topic(reply_to) or not _is_unicode(reply_to):
         reply_to = None
-    if not isinstance(corr, str) or len(corr) > 1024:
+    if not isinstance(corr, str) or len(corr) > 1024 or not _is_unicode(corr):
         corr = None
     return reply_to, corr
 

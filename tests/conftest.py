@@ -43,8 +43,9 @@ class Broker:
 
     host = "127.0.0.1"
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, *, persistence: bool = False) -> None:
         self.workdir = workdir
+        self.persistence = persistence
         self.port: int | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = workdir / "mosquitto.log"
@@ -61,13 +62,15 @@ class Broker:
             lines = [
                 f"listener {use_port} 127.0.0.1",
                 "allow_anonymous true",
-                "persistence false",
+                *(["persistence true", f"persistence_location {workdir_db(self.workdir)}/", "autosave_interval 1"]
+                  if self.persistence else ["persistence false"]),
                 f"log_dest file {self.log_path}",
                 "log_type error",
                 "log_type warning",
                 "log_type notice",
                 "log_type information",
                 "connection_messages true",
+                "set_tcp_nodelay true",  # as every broker the project starts (daemon/demo_processes.py)
             ]
             if os.geteuid() == 0:
                 lines.append("user root")  # mosquitto would otherwise drop to 'mosquitto' and lose the log file
@@ -94,11 +97,15 @@ class Broker:
                 time.sleep(0.2)  # same port still held by the old process (TIME_WAIT): try again
         raise RuntimeError(f"mosquitto did not start: {last_error}")
 
-    def stop(self) -> None:
+    def stop(self, *, kill: bool = False) -> None:
+        """SIGTERM (a persistent broker saves its database), or SIGKILL with ``kill``."""
         proc, self.proc = self.proc, None
         if proc is None:
             return
-        proc.terminate()
+        if kill:
+            proc.kill()
+        else:
+            proc.terminate()
         try:
             proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -107,15 +114,35 @@ class Broker:
         if proc.stderr is not None:
             proc.stderr.close()
 
-    def restart(self) -> None:
-        """Stop the broker and start it again on the same port (clients see the connection drop;
-        nothing is persisted, so retained messages and sessions are gone)."""
+    def restart(self, *, kill: bool = False, down_s: float = 0.0) -> None:
+        """Stop the broker (SIGKILL with ``kill``), wait ``down_s``, start it again on the same port
+        (clients see the connection drop; without ``persistence`` retained messages and sessions
+        are gone)."""
         port = self.port
-        self.stop()
+        self.stop(kill=kill)
+        time.sleep(down_s)
         self.start(port=port)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def workdir_db(workdir: Path) -> Path:
+    path = workdir / "db"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+@pytest.fixture
+def persistent_mosquitto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
+    """A mosquitto broker with persistence (sessions and queued messages survive a restart;
+    autosaved every second)."""
+    broker = Broker(tmp_path_factory.mktemp("mosquitto_persistent"), persistence=True)
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
 
 
 @pytest.fixture
@@ -150,7 +177,7 @@ def start_daemon(mosquitto: Broker, tiny_engine: Any) -> Iterator[Callable[..., 
     """Start an ``edgevlm.daemon.app.Daemon`` against the test broker; stopped at teardown.
 
     ``start_daemon(sources=[...], queue_max_size=..., engine=..., device_id=..., defaults=...,
-    mqtt=dict(...))`` returns the started daemon, already subscribed to its request topic.
+    mqtt=dict(...), **other_sections)`` (e.g. ``http={"enabled": True, "port": 0}``) returns the started daemon, already subscribed to its request topic.
     """
     from edgevlm.config import DaemonConfig
     from edgevlm.daemon.app import Daemon
@@ -166,6 +193,7 @@ def start_daemon(mosquitto: Broker, tiny_engine: Any) -> Iterator[Callable[..., 
         defaults: dict[str, Any] | None = None,
         mqtt: dict[str, Any] | None = None,
         wait: bool = True,
+        **sections: Any,
     ) -> Any:
         cfg = DaemonConfig.model_validate(
             {
@@ -180,6 +208,7 @@ def start_daemon(mosquitto: Broker, tiny_engine: Any) -> Iterator[Callable[..., 
                 "sources": sources or [],
                 "queue_max_size": queue_max_size,
                 "defaults": defaults or {"max_new_tokens": 4, "timeout_ms": 60000},
+                **sections,  # other config sections, e.g. http={...}
             }
         )
         daemon = Daemon(cfg, engine=engine if engine is not None else tiny_engine)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import pytest
 import edgevlm
 from edgevlm.client import Client, encode_png, image_to_bytes
 from edgevlm.errors import (
+    BrokerUnreachableError,
     BusyError,
     DeadlineExceededError,
     InvalidImageError,
@@ -75,8 +77,9 @@ def test_connection_refused_is_connection_error() -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}"):
+    with pytest.raises(BrokerUnreachableError, match=f"127.0.0.1:{port}: connection refused") as info:
         Client("127.0.0.1", port, "dev1", connect_timeout_s=2)
+    assert isinstance(info.value, ConnectionError)
 
 
 def test_client_is_exported_lazily() -> None:
@@ -224,3 +227,94 @@ def test_client_survives_broker_restart(start_daemon, mosquitto, tiny_engine, wa
             what="both to reconnect",
         )
         assert client.ask(PROMPT, image=img, timeout_s=30).text == first
+
+
+@pytest.mark.parametrize("timeout_s", [0.3, 1.5])
+def test_timeouts_are_exact(start_daemon, mosquitto, timeout_s) -> None:
+    daemon = start_daemon()
+    with Client(mosquitto.host, mosquitto.port, "dev1") as client, daemon.scheduler.paused():
+        start = time.monotonic()
+        with pytest.raises(DeadlineExceededError, match="daemon status: online"):
+            client.ask(PROMPT, image=_image(1), timeout_s=timeout_s)
+        took = time.monotonic() - start
+    assert timeout_s <= took < timeout_s + 0.08, took
+
+
+def test_broker_down_is_broker_unreachable_within_the_timeout(start_daemon, mosquitto) -> None:
+    start_daemon()
+    with Client(mosquitto.host, mosquitto.port, "dev1") as client:
+        assert client.wait_online(10)
+        mosquitto.stop()
+        start = time.monotonic()
+        with pytest.raises(BrokerUnreachableError, match=f"broker at 127.0.0.1:{mosquitto.port} is unreachable") as info:
+            client.ask(PROMPT, image=_image(1), timeout_s=1.0)
+        took = time.monotonic() - start
+        assert isinstance(info.value, ConnectionError) and "daemon status" not in str(info.value)
+    assert 1.0 <= took < 1.1, took
+
+
+def test_unanswered_request_is_resent_until_answered_and_answered_once(start_daemon, mosquitto, tiny_engine) -> None:
+    # The daemon holds the request (worker paused) while the client re-sends it every 0.2 s: the
+    # copies are absorbed, the engine runs it once, and ask returns one answer.
+    daemon = start_daemon()
+    img = _image(4)
+    with Client(mosquitto.host, mosquitto.port, "dev1", resend_interval_s=0.2) as client:
+        got: list[object] = []
+        with daemon.scheduler.paused():
+            t = threading.Thread(target=lambda: got.append(client.ask(PROMPT, image=img, timeout_s=30)))
+            t.start()
+            deadline = time.monotonic() + 20
+            while daemon.counters.get("duplicate_in_flight") < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        t.join(30)
+        assert [a.text for a in got] == [tiny_engine.ask(img, PROMPT, max_new_tokens=4).text]  # type: ignore[attr-defined]
+        assert client.resends >= 3
+    assert daemon.counters.get("responses_ok") == 1
+
+
+def test_answer_lost_in_a_broker_restart_is_recovered_by_the_resend(start_daemon, mosquitto, tiny_engine,
+                                                                     wait_until) -> None:  # fmt: skip
+    # The answer is published while the client is still reconnecting (nobody subscribed): lost on
+    # the wire. The client re-sends on reconnect; the daemon answers from its recent-answers cache.
+    daemon = start_daemon()
+    img = _image(6)
+    with Client(mosquitto.host, mosquitto.port, "dev1", resend_interval_s=None) as client:
+        got: list[object] = []
+        with daemon.scheduler.paused():
+            t = threading.Thread(target=lambda: got.append(client.ask(PROMPT, image=img, timeout_s=60)))
+            t.start()
+            wait_until(lambda: daemon.scheduler.queue_size() == 1, what="the request queued")
+            mosquitto.restart()
+            wait_until(lambda: daemon.bridge.wait_ready(0), timeout_s=20, what="the daemon to reconnect")
+            client_back_first = client.connected
+        t.join(60)
+        assert [a.text for a in got] == [tiny_engine.ask(img, PROMPT, max_new_tokens=4).text]  # type: ignore[attr-defined]
+        assert 1 <= client.resends <= 2  # on its reconnect (and when the status turned online again)
+    assert daemon.counters.get("responses_ok") == 1  # never run twice
+    if not client_back_first:  # the usual order: the daemon reconnects in 0.2 s, the client in 1 s
+        # every copy that arrived after the answer was answered from the cache (1 or 2 copies)
+        assert 1 <= daemon.counters.get("duplicate_answered") <= client.resends
+
+
+def test_request_held_by_a_daemon_that_died_is_resent_when_it_is_back_online(start_daemon, mosquitto, tiny_engine,
+                                                                             wait_until) -> None:  # fmt: skip
+    # The first daemon takes the request and goes away without answering (its last will says
+    # offline); the client stays connected and re-sends when the next daemon's status says online.
+    first = start_daemon(device_id="dev1", mqtt={"session_expiry_s": 0})
+    img = _image(8)
+    with Client(mosquitto.host, mosquitto.port, "dev1", resend_interval_s=None) as client:
+        assert client.wait_online(10)
+        got: list[object] = []
+        with first.scheduler.paused():
+            t = threading.Thread(target=lambda: got.append(client.ask(PROMPT, image=img, timeout_s=60)))
+            t.start()
+            wait_until(lambda: first.scheduler.queue_size() == 1, what="the request queued")
+            first.bridge._client.loop_stop()  # the daemon stops talking to the broker: no answer, no DISCONNECT
+            first.bridge._client.socket().close()
+            wait_until(lambda: client.device_status is not None and client.device_status.state == "offline",
+                       timeout_s=60, what="the last will")  # fmt: skip
+            second = start_daemon(device_id="dev1")
+            t.join(60)
+        assert [a.text for a in got] == [tiny_engine.ask(img, PROMPT, max_new_tokens=4).text]  # type: ignore[attr-defined]
+        assert client.resends == 1 and client.connected
+    assert second.counters.get("responses_ok") == 1

@@ -92,6 +92,16 @@ def test_non_utf8_payload() -> None:
 def test_huge_integer_literal_is_invalid_request_not_a_crash() -> None:
     err = _err('{"prompt": "p", "source": "s", "timeout_ms": ' + "9" * 5000 + "}")
     assert err.details["path"] == "$"
+    assert str(err) == "$: a JSON integer has more than 4300 digits (no field takes a number that large)"
+
+
+@pytest.mark.parametrize("field", ["correlation_id", "prompt", "reply_to", "source"])
+def test_lone_surrogate_is_invalid_request_naming_the_field(field: str) -> None:
+    body = {"prompt": "p", "source": "s", field: "x\udc00"}
+    err = _err(json.dumps(body))
+    assert err.details["path"] == field and "lone UTF-16 surrogate" in str(err)
+    # a surrogate *pair* is a valid character
+    assert parse_request(json.dumps({"prompt": "\ud83d\ude00", "source": "s"})).prompt == "\U0001f600"
 
 
 @pytest.mark.parametrize(

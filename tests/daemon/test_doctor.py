@@ -216,6 +216,7 @@ def auth_broker(tmp_path):
         "allow_anonymous false",
         f"password_file {pw}",
         "persistence false",
+        "set_tcp_nodelay true",
     ]
     if os.geteuid() == 0:
         lines.append("user root")
@@ -262,7 +263,7 @@ def tls_broker(tmp_path):
     _openssl("x509", "-req", "-in", "srv.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
              "-days", "2", "-extfile", "ext.cnf", "-out", "srv.crt", cwd=tmp_path)  # fmt: skip
     port = _free_port()
-    lines = [f"listener {port} 127.0.0.1", "allow_anonymous true", "persistence false",
+    lines = [f"listener {port} 127.0.0.1", "allow_anonymous true", "persistence false", "set_tcp_nodelay true",
              f"cafile {tmp_path / 'ca.crt'}", f"certfile {tmp_path / 'srv.crt'}", f"keyfile {tmp_path / 'srv.key'}"]  # fmt: skip
     if os.geteuid() == 0:
         lines.append("user root")
@@ -290,7 +291,7 @@ def test_broker_over_tls(tls_broker):
         ca_certs, certfile, keyfile, insecure = ca, None, None, False
 
     ok = mqtt_probe("127.0.0.1", port, tls=Tls(), timeout_s=5)
-    assert ok.verdict is Verdict.OK and ok.detail.endswith(", TLS"), ok.detail
+    assert ok.verdict is Verdict.OK and ", TLS, QoS 1 request/response round trip " in ok.detail, ok.detail
 
     class UnknownCa(Tls):
         ca_certs = None  # the system trust store does not know the test CA
@@ -489,3 +490,35 @@ def test_microphone_warning_says_what_to_install(tmp_path, fault, hint):
     assert out.returncode == 0, out.stderr
     verdict, detail = out.stdout.strip().splitlines()[-1].split("|", 1)
     assert verdict == "WARN" and detail.startswith(hint), detail
+
+
+@pytest.mark.parametrize("tuned", [True, False], ids=["set_tcp_nodelay", "mosquitto-defaults"])
+def test_broker_row_names_the_delayed_ack_fix(tmp_path, tuned):
+    """A broker with Nagle's algorithm on holds each answer behind the request's PUBACK until the
+    client's 40 ms delayed ACK: the doctor measures a real request/response round trip between two
+    connections and, seeing that signature, names the mosquitto setting that removes it."""
+    port = _free_port()
+    lines = [f"listener {port} 127.0.0.1", "allow_anonymous true", "persistence false"]
+    lines += ["set_tcp_nodelay true"] if tuned else []
+    lines += ["user root"] if os.geteuid() == 0 else []
+    (tmp_path / "m.conf").write_text("\n".join(lines) + "\n")
+    proc = subprocess.Popen([MOSQUITTO, "-c", str(tmp_path / "m.conf")], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(500):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.02)
+        r = mqtt_probe("127.0.0.1", port)
+    finally:
+        proc.terminate()
+        proc.wait(5)
+    rtt_ms = float(r.detail.split("request/response round trip ")[1].split(" ms")[0])
+    if tuned:
+        assert r.verdict is Verdict.OK, r.detail
+        assert rtt_ms < 30.0
+    else:
+        assert r.verdict is Verdict.WARN, r.detail
+        assert rtt_ms >= 30.0 and "'set_tcp_nodelay true' to mosquitto.conf" in r.detail

@@ -94,7 +94,7 @@ def test_answer_fields_land_in_their_metrics(metrics):
     assert m[("edgevlm_operating_point_requests_total", (("name", "fast-224"),))] == 2
     assert m[("edgevlm_queue_wait_seconds_count", ())] == 3  # every answer with stats
     assert m[("edgevlm_e2e_seconds_count", ())] == 3
-    assert m[("edgevlm_build_info", (("device_id", "robot-7"), ("version", "0.1.0")))] == 1
+    assert m[("edgevlm_build_info", (("device_id", "robot-7"), ("pool", ""), ("version", "0.1.0")))] == 1
 
 
 def test_gauges_for_queue_operating_point_and_sources(metrics):

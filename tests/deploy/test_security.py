@@ -277,3 +277,54 @@ def test_model_folders_never_run_code_or_unpickle(tmp_path) -> None:
     (pickled / "pytorch_model.bin").write_bytes(b"\x80\x04\x95")
     with pytest.raises(ModelLoadError, match="only safetensors weights are accepted"):
         Engine.load(pickled)
+
+
+@needs_openssl
+def test_response_refused_by_the_acl_is_logged_with_the_puback_reason(custom_broker, make_daemon, watcher, pki,
+                                                                      tmp_path, image_b64, caplog,
+                                                                      wait_until) -> None:  # fmt: skip
+    users = {"dev1": "pw-dev1", "planner": "pw-planner"}
+    port = _start_example_broker(custom_broker, tmp_path, pki, users)
+    with caplog.at_level(logging.WARNING, logger="edgevlm.daemon.mqtt_bridge"):
+        daemon = make_daemon({"mqtt": {"port": port, "username": "dev1", "password": "pw-dev1",
+                                       "tls": {"ca_certs": str(pki["ca_crt"])}}})  # fmt: skip
+        planner = watcher(port, **_tls(pki, username="planner", password="pw-planner"))
+        # dev1 may write only under edgevlm/dev1/: the response on planner/inbox is refused
+        planner.publish("edgevlm/dev1/request", json.dumps({"prompt": "what?", "image_b64": image_b64()}).encode(),
+                        response_topic="planner/inbox", correlation=b"acl")  # fmt: skip
+        wait_until(lambda: daemon.counters.get("response_refused") == 1, what="the refused PUBACK")
+    assert ("MQTT: the broker refused the response on planner/inbox: PUBACK reason 0x87 Not authorized "
+            "(check its ACL)") in caplog.text
+    assert 'edgevlm_requests_dropped_total{reason="response_refused"} 1.0' in daemon.metrics.exposition().decode()
+    assert all(r.levelno <= logging.WARNING for r in caplog.records if "refused the response" in r.getMessage())
+    # still serving the allowed address
+    assert planner.ask("dev1", {"prompt": "what?", "image_b64": image_b64()},
+                       response_prefix="edgevlm/dev1/response")["ok"] is True  # fmt: skip
+
+
+@needs_openssl
+def test_tls_certificate_failure_is_named_when_connecting(custom_broker, make_daemon, pki, caplog,
+                                                          wait_until) -> None:  # fmt: skip
+    port = custom_broker.start([f"cafile {pki['ca_crt']}", f"certfile {pki['broker_crt']}",
+                                f"keyfile {pki['broker_key']}", "allow_anonymous true"], name="tls")  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="edgevlm.daemon.mqtt_bridge"):
+        daemon = make_daemon({"mqtt": {"port": port, "tls": {"ca_certs": str(pki["rogue_ca_crt"])}}}, wait=False)
+        wait_until(lambda: daemon.counters.get("mqtt_connect_failures") >= 1, what="a failed connect")
+    assert (f"MQTT: cannot connect to 127.0.0.1:{port}: TLS certificate verification failed: self-signed "
+            "certificate in certificate chain (check the CA certificates); retrying") in caplog.text
+
+
+def test_broker_crash_is_logged_as_a_broken_connection_not_a_takeover(mosquitto, make_daemon, caplog,
+                                                                       wait_until) -> None:  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="edgevlm.daemon.mqtt_bridge"):
+        daemon = make_daemon()
+        port = mosquitto.port
+        mosquitto.stop(kill=True)
+        wait_until(lambda: daemon.counters.get("mqtt_connect_failures") >= 1, what="a failed reconnect")
+        mosquitto.start(port=port)
+        wait_until(lambda: daemon.wait_ready(0), timeout_s=20, what="the reconnect")
+    assert "the connection broke without a DISCONNECT from the broker" in caplog.text
+    assert f"MQTT: cannot connect to 127.0.0.1:{port}: connection refused (no broker listening on that port)" \
+        in caplog.text
+    assert "taken over" not in caplog.text and "same client id" not in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
