@@ -147,7 +147,8 @@ def summary(result) -> tuple[str, dict]:
         ("decoder linear weights", f"{data['decoder_linear_int4_mb']:.2f} MB INT4 vs "
                                    f"{data['decoder_linear_16bit_mb']:.2f} MB 16-bit ({100 * ratio:.1f}%)"),
         ("bundle size", f"{data['bundle_mb']:.2f} MB in {n_files} files"),
-        ("resolution ladder", ", ".join(str(r) for r in m.resolution_ladder) + " px"),
+        ("resolution ladder", ", ".join(str(r) for r in m.resolution_ladder) + " px" if m.resolution_ladder
+         else "none (the family's own preprocessing)"),
         ("quantize time", f"{s['quantize_time_s']:.1f} s"),
         ("peak RAM (RSS)", f"{s['peak_rss_mb']:.0f} MB"),
     ]

@@ -154,7 +154,7 @@ def test_vision_int4_is_one_line_exit_2(checkpoint, tmp_path, capsys):
     assert not (tmp_path / "b").exists()
 
 
-def test_config_keeps_the_familys_ladder(checkpoint, tmp_path):
+def test_config_keeps_the_ladder_and_onnx_backend_refuses(checkpoint, tmp_path):
     family, src = checkpoint
     result = build_bundle(src, tmp_path / "bundle", BuildOptions(method="rtn", group_size=32, onnx=False,
                                                                  tensorrt=False))
@@ -162,6 +162,10 @@ def test_config_keeps_the_familys_ladder(checkpoint, tmp_path):
     src_raw = json.loads((src / "config.json").read_text())
     assert raw.get("edgevlm", {}).get("resolution_ladder") == (result.manifest.resolution_ladder or
                                                                src_raw.get("edgevlm", {}).get("resolution_ladder"))
+    from edgevlm.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match=f"the onnx backend runs llava bundles only; .* is a {family} bundle"):
+        Engine.load(result.bundle_dir, backend="onnx")
 
 
 @pytest.mark.parametrize("flags", [["--exit-layer", "1"], ["--exit-threshold", "0.9"], ["--keep-ratio", "0.5"]])
