@@ -194,3 +194,29 @@ def test_quantize_cli_builds_the_bundle(checkpoint, tmp_path, capsys):
     assert rc == 0
     data = json.loads(out[-1])
     assert data["int4_layers"] > 0 and (tmp_path / "b" / "manifest.json").is_file()
+
+
+def test_llava_awq_runner_uses_the_checkpoints_rope(tmp_path):
+    """LLaVA's AWQ calibration replays the decoder layers with the text config's own RoPE
+    frequencies (``rope_inv_freq``: Llama-3's scaling here), so the replay reproduces the 16-bit
+    prefill logits; default-theta tables would not."""
+    from edgevlm.quantize.build import _calibration_inputs, _decoder_runner
+    from edgevlm.quantize.shards import CheckpointReader
+    from edgevlm.runtime.loader import read_model_files
+
+    llava = _module("test_llava")
+    vision, text_cls, extra = llava.VARIANTS["clip-llama3"]
+    src = llava.build_llava(tmp_path / "llama3", vision, text_cls, extra)
+    files = read_model_files(src)
+    assert files.config.text.rope_type == "llama3"
+    opts = BuildOptions(method="awq", calib="demo", calib_samples=1)
+    xs, _, _ = _calibration_inputs(files, CheckpointReader(files), opts, list(files.config.resolution_ladder), False)
+    run = _decoder_runner(files, [x.shape[1] for x in xs])
+    model = Engine.load(src, device="cpu", dtype="float32").backend.model
+    with torch.no_grad():
+        want = model.prefill(xs[0])
+        x = xs[0]
+        for i, layer in enumerate(model.language_model.layers):
+            x = run.add_after(i, 0, run(layer, 0, x))
+        got = model.language_model.lm_head(model.language_model.norm(x[:, -1]))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
