@@ -390,8 +390,9 @@ def build_bundle(model_dir: str | Path, out_dir: str | Path, opts: BuildOptions 
     Raises:
         ModelLoadError: the model folder is missing, invalid, or already a bundle; its tokenizer or
             chat template does not load (checked first); the ONNX graphs do not match PyTorch.
-        ConfigError: bad options, ``out_dir`` exists and is not empty (without ``overwrite``),
-            an unknown profile, or unusable calibration data.
+        ConfigError: bad options (``vision="int4"`` for a family other than llava), ``out_dir``
+            exists and is not empty (without ``overwrite``), an unknown profile, or unusable
+            calibration data.
     """
     opts = opts or BuildOptions()
     _check_options(opts)
