@@ -207,6 +207,12 @@ def _cmd_ask(args: argparse.Namespace) -> int:
             f"{patch} (the model's resolution ladder: {ladder} px)"
         )
 
+    adaptive = {"--exit-layer": args.exit_layer, "--exit-threshold": args.exit_threshold,
+                "--keep-ratio": args.keep_ratio if args.keep_ratio is not None and args.keep_ratio < 1.0 else None}
+    asked = [flag for flag, v in adaptive.items() if v is not None]
+    if asked and not engine.family.adaptive_vision:  # before any LLaVA-only config field is read
+        raise _UsageError(f"{' / '.join(asked)}: early exit and token pruning are not supported for the "
+                          f"{engine.family.name} family (supported: llava)")
     points = engine.exit_points
     if args.exit_layer is not None and args.exit_layer not in points:
         if points:

@@ -1,4 +1,12 @@
-"""Build an INT4 engine bundle from a Hugging Face-format LLaVA checkpoint, one block at a time.
+"""Build an INT4 engine bundle from a Hugging Face-format checkpoint of any registered family, one
+block at a time.
+
+The layers are listed from the family's own runtime model (``family.build_model`` on the meta
+device); W4A16 covers the shared decoder's linears (``language_model.layers.*``). LLaVA's vision
+encoder may be INT4 too (``--vision int4``) and its AWQ calibration runs the tower directly; every
+other family keeps its vision tower and connector 16-bit and is calibrated through its
+``VLMModel`` / ``Processor`` interfaces (:func:`_family_calibration_inputs`). ONNX / TensorRT
+artifacts are built for LLaVA only; other families get a one-line note and the torch bundle.
 
 Pipeline (:func:`build_bundle`):
 
@@ -112,11 +120,10 @@ def peak_rss_mb() -> float:
 
 
 def list_linears(files: ModelFiles, source: CheckpointReader) -> list[LinearInfo]:
-    """Every ``nn.Linear`` of the runtime's LlavaModel present in the checkpoint, in module order."""
-    from edgevlm.runtime.models.llava.model import LlavaModel
-
+    """Every ``nn.Linear`` of the family's runtime model (``files.family.build_model``, built on the
+    meta device) present in the checkpoint, in module order."""
     with torch.device("meta"):
-        model = LlavaModel(files.config)
+        model = files.family.build_model(files.config)
     out = []
     for name, m in model.named_modules():
         key = name + ".weight"
@@ -208,20 +215,123 @@ def _calibration_inputs(files: ModelFiles, source: CheckpointReader, opts: Build
     return dec_inputs, vis_inputs, info
 
 
+class _Captured(Exception):
+    """Raised by the pre-hook on the decoder once its inputs are recorded (the layers are not built)."""
+
+
+def _family_calibration_inputs(files: ModelFiles, source: CheckpointReader, opts: BuildOptions, ladder: list[int]
+                               ) -> tuple[list[torch.Tensor], _DecoderRunner, CalibrationInfo]:
+    """Decoder inputs of any registered family, through its own interfaces (the ``Engine``'s path):
+    ``processor.prepare`` (rungs of ``ladder`` in turn, or the checkpoint's own preprocessing when
+    the ladder is empty), ``tokenizer.encode_request``, ``model.encode_vision``,
+    ``model.position_ids``, ``model.embed`` and ``model.prefill``; a forward pre-hook on the shared
+    ``Decoder`` records what reaches it (embeds ``(1, T, D)`` float32, the ``rope`` tables of
+    multimodal RoPE, DeepStack's ``layer_adds``) and stops before the first layer. Only the tensors
+    outside ``language_model.layers.`` are read (vision tower, connector, embeddings, norm, head).
+
+    Raises:
+        ConfigError / InvalidImageError: unusable calibration data (see :mod:`.calib`).
+    """
+    from edgevlm.quantize.calib import load_samples
+    from edgevlm.runtime.tokenizer import VLMTokenizer
+
+    cfg = files.config
+    samples = load_samples(opts.calib, opts.calib_samples)
+    tok = VLMTokenizer.from_dir(files.model_dir, cfg.image_token_id)
+    processor = files.family.make_processor(files)
+    rungs = list(ladder) or [None]
+    prepared = []
+    for i, s in enumerate(samples):
+        vision = processor.prepare([s.image], resolution_px=rungs[i % len(rungs)])
+        ids = tok.encode_request(s.prompt, vision, processor)
+        if s.answer:
+            ids += tok.tok.encode(" " + s.answer, add_special_tokens=False).ids
+        prepared.append((vision, ids))
+    with torch.device("meta"):
+        model = files.family.build_model(cfg)
+    needed = [n for n in source.src_of if not n.startswith("language_model.layers.")]
+    state = {n: t.float() for n, t in source.read(needed).items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    del state
+    if cfg.tie_word_embeddings:
+        model.language_model.lm_head.weight = model.language_model.embed_tokens.weight
+    model.eval().requires_grad_(False)
+    model.setup_caches(1, max(len(ids) for _, ids in prepared))  # RoPE tables (the layers stay on meta)
+    seen: dict = {}
+
+    def capture(module, args, kwargs):
+        seen["args"], seen["kwargs"] = args, kwargs
+        raise _Captured
+
+    hook = model.language_model.register_forward_pre_hook(capture, with_kwargs=True)
+    dec_inputs, tables, adds, tokens = [], [], [], 0
+    lm = model.language_model
+    try:
+        with torch.no_grad():
+            for vision, ids in prepared:
+                input_ids = torch.tensor([ids])
+                feats = model.encode_vision(vision)
+                pos, _ = model.position_ids(input_ids, vision)
+                embeds = model.embed(input_ids, feats)
+                try:
+                    model.prefill(embeds) if pos is None else model.prefill(embeds, position_ids=pos)
+                except _Captured:
+                    pass
+                x, input_pos = seen["args"][0], seen["args"][1]
+                rope = seen["kwargs"].get("rope")
+                if rope is None:
+                    rope = (lm.rope_cos[input_pos].float(), lm.rope_sin[input_pos].float())
+                dec_inputs.append(x.float())
+                tables.append((rope[0].float(), rope[1].float()))
+                adds.append(seen["kwargs"].get("layer_adds"))
+                tokens += len(ids)
+    finally:
+        hook.remove()
+    info = CalibrationInfo(source=str(opts.calib), samples=len(samples), tokens=tokens)
+    return dec_inputs, _DecoderRunner(cfg.text, tables, adds), info
+
+
 # ------------------------------------------------------------------------------ blocks
-def _decoder_runner(files: ModelFiles, max_len: int):
-    from edgevlm.runtime.decoder import rope_tables
-    from edgevlm.runtime.kv_cache import KVCache
+class _DecoderRunner:
+    """Runs one :class:`~edgevlm.runtime.decoder.DecoderLayer` on the calibration samples as the
+    shared :class:`~edgevlm.runtime.decoder.Decoder` would: sample ``j``'s RoPE tables
+    ``(T, Dh)`` or ``(1, T, Dh)`` float32 (1-D RoPE of :func:`~edgevlm.runtime.decoder.rope_inv_freq`,
+    or the family's multimodal RoPE), and after layer ``i`` its ``layer_adds[i]`` (DeepStack)."""
+
+    def __init__(self, tc, tables: list[tuple[torch.Tensor, torch.Tensor]],
+                 adds: list[list | None] | None = None) -> None:
+        self.tc, self.tables = tc, tables
+        self.adds = adds or [None] * len(tables)
+
+    def __call__(self, block: nn.Module, j: int, x: torch.Tensor) -> torch.Tensor:
+        from edgevlm.runtime.kv_cache import KVCache
+
+        tc, t = self.tc, x.shape[1]
+        cos, sin = (v.to(x.dtype) for v in self.tables[j])
+        if cos.dim() == 3:  # (B, T, Dh) -> (B, 1, T, Dh): broadcast over heads (as Decoder.forward)
+            cos, sin = cos[:, None], sin[:, None]
+        block.self_attn.kv_cache = KVCache(1, tc.num_key_value_heads, t, tc.head_dim, dtype=x.dtype, device="cpu")
+        return block(x, cos, sin, torch.arange(t), None)
+
+    def add_after(self, i: int, j: int, x: torch.Tensor) -> torch.Tensor:
+        """Sample ``j``'s ``h[mask] += feats`` after layer ``i`` (what the Decoder adds: DeepStack)."""
+        adds = self.adds[j]
+        add = adds[i] if adds is not None and i < len(adds) else None
+        return x if add is None else x.index_put((add[0],), add[1].to(x.dtype), accumulate=True)
+
+    def after_layer(self, i: int, outputs: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        """:meth:`add_after` on every sample's output of layer ``i``."""
+        return None if outputs is None else [self.add_after(i, j, x) for j, x in enumerate(outputs)]
+
+
+def _decoder_runner(files: ModelFiles, lengths: list[int]) -> _DecoderRunner:
+    """The LLaVA runner: 1-D RoPE at slots ``0..T_j-1`` of the text config's own frequencies
+    (:func:`~edgevlm.runtime.decoder.rope_inv_freq`: llama3 / linear scaling included)."""
+    from edgevlm.runtime.decoder import rope_inv_freq, rope_tables
 
     tc = files.config.text
-    cos, sin = rope_tables(tc.head_dim, max_len, tc.rope_theta, "cpu")
-
-    def run(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[1]
-        block.self_attn.kv_cache = KVCache(1, tc.num_key_value_heads, t, tc.head_dim, dtype=x.dtype, device="cpu")
-        return block(x, cos[:t], sin[:t], torch.arange(t), None)
-
-    return run
+    cos, sin = rope_tables(tc.head_dim, max(lengths, default=1), tc.rope_theta, "cpu", rope_inv_freq(tc))
+    return _DecoderRunner(tc, [(cos[:t], sin[:t]) for t in lengths])
 
 
 def _on_meta(cls, cfg) -> nn.Module:
@@ -246,7 +356,7 @@ def _process_block(block: nn.Module, prefix: str, decisions: dict[str, LayerDeci
     if opts.method == "awq" and sizes:
         st = awq.prepare(block, sizes, fold=True, max_rows=opts.awq_max_tokens, seed=0)
         with torch.no_grad():
-            outputs = [run(block, x) for x in inputs]
+            outputs = [run(block, j, x) for j, x in enumerate(inputs)]
         results = awq.search(block, st, opts.awq_grid)
         st.remove_hooks()
         apply_awq(block, st, results)
@@ -259,7 +369,7 @@ def _process_block(block: nn.Module, prefix: str, decisions: dict[str, LayerDeci
     else:
         if inputs is not None:
             with torch.no_grad():
-                outputs = [run(block, x) for x in inputs]
+                outputs = [run(block, j, x) for j, x in enumerate(inputs)]
         for rel, g in sizes.items():
             parent, _, child = rel.rpartition(".")
             setattr(block.get_submodule(parent), child, Int4Linear.from_linear(block.get_submodule(rel), g))
@@ -280,8 +390,9 @@ def build_bundle(model_dir: str | Path, out_dir: str | Path, opts: BuildOptions 
     Raises:
         ModelLoadError: the model folder is missing, invalid, or already a bundle; its tokenizer or
             chat template does not load (checked first); the ONNX graphs do not match PyTorch.
-        ConfigError: bad options, ``out_dir`` exists and is not empty (without ``overwrite``),
-            an unknown profile, or unusable calibration data.
+        ConfigError: bad options (``vision="int4"`` for a family other than llava), ``out_dir``
+            exists and is not empty (without ``overwrite``), an unknown profile, or unusable
+            calibration data.
     """
     opts = opts or BuildOptions()
     _check_options(opts)
@@ -298,6 +409,9 @@ def build_bundle(model_dir: str | Path, out_dir: str | Path, opts: BuildOptions 
     if out_dir == model_dir or model_dir in out_dir.parents:
         raise ConfigError(f"output folder {out_dir} must not be inside the model folder")
     cfg = files.config
+    if opts.vision == "int4" and files.family.name != "llava":
+        raise ConfigError(f"--vision int4 is not supported for the {files.family.name} family (its vision encoder "
+                          "stays 16-bit; INT4 vision: llava); use --vision fp16")
     ladder = _resolve_ladder(files, opts)
     progress = progress or (lambda stage, done, total: None)
     keep_dtype = getattr(torch, opts.keep_dtype)
@@ -319,11 +433,15 @@ def build_bundle(model_dir: str | Path, out_dir: str | Path, opts: BuildOptions 
     try:
         writer = ShardWriter(partial, int(opts.max_shard_mb * 1024 * 1024))
         vision_int4 = any(d.action == "int4" and d.name.startswith("vision_tower.encoder.") for d in by_name.values())
-        dec_in = vis_in = None
+        dec_in = vis_in = run = None
         calib_info = CalibrationInfo()
         if opts.method == "awq":
             progress("calibrate", 0, 1)
-            dec_in, vis_in, calib_info = _calibration_inputs(files, source, opts, ladder, vision_int4)
+            if files.family.name == "llava":
+                dec_in, vis_in, calib_info = _calibration_inputs(files, source, opts, ladder, vision_int4)
+                run = _decoder_runner(files, [x.shape[1] for x in dec_in])
+            else:
+                dec_in, run, calib_info = _family_calibration_inputs(files, source, opts, ladder)
             progress("calibrate", 1, 1)
         from edgevlm.runtime.decoder import DecoderLayer
         from edgevlm.runtime.vision import VisionBlock
@@ -333,13 +451,13 @@ def build_bundle(model_dir: str | Path, out_dir: str | Path, opts: BuildOptions 
         total = n_vis + n_dec + 1
         for i in range(n_vis):
             vis_in = _process_block(_on_meta(VisionBlock, cfg.vision), f"vision_tower.encoder.layers.{i}.", by_name, source,
-                                    writer, opts, vis_in, lambda b, x: b(x), keep_dtype)
+                                    writer, opts, vis_in, lambda b, j, x: b(x), keep_dtype)
             progress("quantize", i + 1, total)
         vis_in = None
-        run = _decoder_runner(files, max((x.shape[1] for x in dec_in), default=1)) if dec_in else None
         for i in range(n_dec):
             dec_in = _process_block(_on_meta(DecoderLayer, cfg.text), f"language_model.layers.{i}.", by_name, source, writer,
                                     opts, dec_in, run, keep_dtype)
+            dec_in = run.after_layer(i, dec_in) if run is not None else None
             progress("quantize", n_vis + i + 1, total)
             _malloc_trim()  # hand the freed block buffers back: RSS tracks what is really held
         dec_in = None
@@ -355,7 +473,7 @@ def build_bundle(model_dir: str | Path, out_dir: str | Path, opts: BuildOptions 
         weight_names = writer.close()
         progress("quantize", total, total)
         notes = _copy_side_files(files, partial, ladder)
-        notes += _build_artifacts(partial, opts, ladder)
+        notes += _build_artifacts(files, partial, opts, ladder)
         _write_readme(files, partial, opts, by_name, ladder, notes)
         manifest = _write_manifest(files, partial, opts, by_name, ladder, calib_info, writer, t0, notes, weight_names)
         if (partial / "onnx" / "vision.onnx").is_file():
@@ -472,7 +590,8 @@ def _copy_side_files(files: ModelFiles, out: Path, ladder: list[int]) -> list[st
     """config.json (with the bundle's ladder) and every other top-level file of the source except
     its weights and :data:`_NOT_COPIED`; returns notes on what was left out."""
     raw = json.loads(json.dumps(files.raw_config))
-    raw.setdefault("edgevlm", {})["resolution_ladder"] = ladder
+    if ladder:  # an empty ladder (SmolVLM, Qwen without edgevlm.resolution_ladder): the family's own rule
+        raw.setdefault("edgevlm", {})["resolution_ladder"] = ladder
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     weights = {p.name for p in files.weight_files}
     skipped = []
@@ -491,9 +610,19 @@ def _copy_side_files(files: ModelFiles, out: Path, ladder: list[int]) -> list[st
     return []
 
 
-def _build_artifacts(out: Path, opts: BuildOptions, ladder: list[int]) -> list[str]:
-    """ONNX and TensorRT artifacts; returns one-line notes for what was not built."""
+#: families whose vision tower and decoder :mod:`edgevlm.quantize.onnx_export` exports
+ONNX_FAMILIES = ("llava",)
+
+
+def _build_artifacts(files: ModelFiles, out: Path, opts: BuildOptions, ladder: list[int]) -> list[str]:
+    """ONNX and TensorRT artifacts; returns one-line notes for what was not built (a family
+    without an ONNX export gets one WARNING line and the torch bundle)."""
     notes = []
+    if files.family.name not in ONNX_FAMILIES and (opts.onnx or opts.tensorrt):
+        note = (f"onnx: not built (no ONNX export for the {files.family.name} family; supported: "
+                f"{', '.join(ONNX_FAMILIES)} with CLIP or SigLIP towers); the torch bundle is built")
+        logger.warning("%s", note)
+        return [note] + (["tensorrt: not built (needs the ONNX export)"] if opts.tensorrt else [])
     if opts.onnx:
         try:
             from edgevlm.quantize.onnx_export import export_bundle_onnx

@@ -25,7 +25,7 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``quantize`` arguments to ``p`` (a subparser of the ``edgevlm`` command)."""
-    p.add_argument("model_dir", metavar="MODEL_DIR", help="16-bit Hugging Face LLaVA checkpoint folder")
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="16-bit Hugging Face checkpoint folder (any registered family: llava, qwen2_5_vl, qwen3_vl, smolvlm)")
     p.add_argument("--out", required=True, metavar="BUNDLE_DIR", help="bundle folder to create (must be new or empty)")
     p.add_argument("--method", choices=("awq", "rtn"), default=None, help="default: the profile's, else awq")
     p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=None,
@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def build_parser(prog: str = "edgevlm quantize") -> argparse.ArgumentParser:
-    parser = OneLineParser(prog=prog, description="Quantize a LLaVA checkpoint into an INT4 (W4A16) engine bundle.")
+    parser = OneLineParser(prog=prog, description="Quantize a checkpoint into an INT4 (W4A16) engine bundle.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="-v info logging, -vv debug")
     return add_arguments(parser)
 
@@ -147,7 +147,8 @@ def summary(result) -> tuple[str, dict]:
         ("decoder linear weights", f"{data['decoder_linear_int4_mb']:.2f} MB INT4 vs "
                                    f"{data['decoder_linear_16bit_mb']:.2f} MB 16-bit ({100 * ratio:.1f}%)"),
         ("bundle size", f"{data['bundle_mb']:.2f} MB in {n_files} files"),
-        ("resolution ladder", ", ".join(str(r) for r in m.resolution_ladder) + " px"),
+        ("resolution ladder", ", ".join(str(r) for r in m.resolution_ladder) + " px" if m.resolution_ladder
+         else "none (the family's own preprocessing)"),
         ("quantize time", f"{s['quantize_time_s']:.1f} s"),
         ("peak RAM (RSS)", f"{s['peak_rss_mb']:.0f} MB"),
     ]

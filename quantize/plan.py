@@ -55,7 +55,8 @@ def choose_group_size(in_features: int, requested: int) -> tuple[int | None, str
 
 
 def layer_role(name: str) -> str:
-    """``decoder``, ``lm_head``, ``vision``, ``projector`` or ``other`` for a LlavaModel module name."""
+    """``decoder``, ``lm_head``, ``vision``, ``projector``, ``vision_fixed`` (another family's tower or
+    connector: always 16-bit) or ``other`` for a module name of a family's runtime model."""
     if name.startswith("language_model.layers."):
         return "decoder"
     if name == "language_model.lm_head":
@@ -64,6 +65,8 @@ def layer_role(name: str) -> str:
         return "vision"
     if name.startswith("vision_tower.projector."):
         return "projector"
+    if not name.startswith("language_model."):  # other families' towers / connectors (vision_model., visual.)
+        return "vision_fixed"
     return "other"
 
 
@@ -87,6 +90,7 @@ def plan_layers(
             "lm_head": "lm_head stays 16-bit (quantize it with --lm-head int4)",
             "vision": "vision encoder stays 16-bit (quantize it with --vision int4)",
             "projector": "projector stays 16-bit",
+            "vision_fixed": "vision encoder / connector stays 16-bit",
             "other": "not a decoder layer: stays 16-bit",
         }.get(role)
         wanted = role == "decoder" or (role == "vision" and vision == "int4") or (role == "lm_head" and lm_head)

@@ -38,7 +38,6 @@ if TYPE_CHECKING:
     import torch
 
     from edgevlm.runtime.loader import ModelFiles
-    from edgevlm.runtime.models.llava.model import LlavaModel
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +65,7 @@ class LayerDecision(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(description="Module name in the runtime's LlavaModel, e.g. language_model.layers.0.mlp.up_proj.")
+    name: str = Field(description="Module name in the family's runtime model, e.g. language_model.layers.0.mlp.up_proj.")
     source_key: str = Field(description="Weight tensor prefix in the source checkpoint (without '.weight').")
     in_features: int = Field(gt=0, description="Input channels (K).")
     out_features: int = Field(gt=0, description="Output channels (N).")
@@ -274,8 +273,9 @@ def swap_int4_layers(model: torch.nn.Module, manifest: BundleManifest, *, device
 
 
 def load_bundle_model(files: ModelFiles, *, device: torch.device, dtype: torch.dtype, max_seq_len: int,
-                      max_batch_size: int = 1) -> LlavaModel:
-    """Verify a bundle and build its :class:`LlavaModel` with :class:`Int4Linear` layers.
+                      max_batch_size: int = 1) -> torch.nn.Module:
+    """Verify a bundle and build its family's model (``files.family.build_model``, any registered
+    family) with :class:`Int4Linear` layers where the manifest says ``int4``.
 
     INT4 tensors keep their stored dtypes (uint8 codes/zeros, fp16 scales, fp32 input scales);
     other floating tensors are converted to ``dtype``.
@@ -286,12 +286,10 @@ def load_bundle_model(files: ModelFiles, *, device: torch.device, dtype: torch.d
     import torch
 
     from edgevlm.runtime.loader import load_weights
-    from edgevlm.runtime.models.llava.model import LlavaModel
 
     manifest = verify_bundle(files.model_dir)
-    cfg = files.config
     with torch.device("meta"):
-        model = LlavaModel(cfg)
+        model = files.family.build_model(files.config)
     n_int4 = swap_int4_layers(model, manifest, device="meta", dtype=dtype)
     load_weights(model, files, device=device, dtype=dtype, keep_suffixes=INT4_SUFFIXES, what="bundle")
     model.setup_caches(max_batch_size, max_seq_len)

@@ -28,7 +28,8 @@ the exit head mapping into the *frozen* projector's input space instead of a tas
   A classifier may also sit on the last block (``classifier_blocks`` lists where).
 
 Pooled heads (confidence, classifier) see ``[mean(LN(patches)), max(LN(patches)), LN(CLS),
-max(LN(patches)) of each image quadrant, s]`` where ``s = sqrt(N) / grid_side`` tells them the
+max(LN(patches)) of each image quadrant, s]`` (a tower without a CLS token, SigLIP: ``LN(mean(patches))``
+in the CLS slot, ``has_cls_token: false`` in ``exits.json``) where ``s = sqrt(N) / grid_side`` tells them the
 input resolution; the quadrant maxima keep where things are (left/right, top/bottom labels); a
 question-conditioned confidence head appends ``LN(question embedding)``.
 
@@ -112,6 +113,9 @@ class ExitsSpec(BaseModel):
     vision_hidden_size: int = Field(gt=0, description="Hidden size D of the vision encoder.")
     vision_blocks: int = Field(gt=0, description="Vision blocks the full encoder runs.")
     grid_side: int = Field(gt=0, description="Patches per side of the trained position grid.")
+    has_cls_token: bool = Field(
+        True, description="The tower's hidden states start with a CLS token (CLIP); False (SigLIP): the pooled "
+        "heads read LN(mean of the patch tokens) in its place.")
     feature_dim: int = Field(gt=0, description="Projector input size F (D x selected layers).")
     layer_norm_eps: float = Field(1e-5, gt=0, description="LayerNorm epsilon of the heads.")
     exit_blocks: list[int] = Field(description="Blocks after which an exit is possible, ascending.")
@@ -201,9 +205,11 @@ class PooledHead(nn.Module):
     """Token-pooled MLP: ``[mean, max over LN(patches), LN(CLS), quadrant maxima, sqrt(N)/grid_side
     (, LN(query))] -> n_out``."""
 
-    def __init__(self, dim: int, hidden: int, n_out: int, grid_side: int, eps: float, query_dim: int = 0) -> None:
+    def __init__(self, dim: int, hidden: int, n_out: int, grid_side: int, eps: float, query_dim: int = 0,
+                 has_cls: bool = True) -> None:
         super().__init__()
         self.grid_side = grid_side
+        self.has_cls = has_cls
         self.query_dim = query_dim
         self.norm = nn.LayerNorm(dim, eps=eps)
         if query_dim:
@@ -213,11 +219,14 @@ class PooledHead(nn.Module):
 
     def pool(self, x: torch.Tensor, grid_hw: tuple[int, int]) -> torch.Tensor:
         """``(B, 1 + h*w, D)`` (CLS first, patches in raster order of the ``grid_hw = (h, w)``
-        patch grid) -> ``(B, 7D + 1)``."""
-        b, n, d = x.shape[0], x.shape[1] - 1, x.shape[2]
+        patch grid; ``(B, h*w, D)`` without a CLS token) -> ``(B, 7D + 1)``."""
+        c = int(self.has_cls)
+        b, n, d = x.shape[0], x.shape[1] - c, x.shape[2]
         gh, gw = grid_hw
         if gh * gw != n:
             raise ValueError(f"{n} patch tokens do not form a {gh}x{gw} grid")
+        if not c:  # the pooled token in the CLS slot: mean over the patch tokens, then the head's LN
+            x = torch.cat([x.mean(dim=1, keepdim=True), x], dim=1)  # (B, 1 + N, D)
         h = self.norm(x)
         patches = h[:, 1:]  # (B, N, D)
         grid = patches.reshape(b, gh, gw, d)
@@ -255,11 +264,12 @@ class ExitHeads(nn.Module):
             for b in spec.exit_blocks
         })
         q = spec.confidence_query_dim
-        self.confidence = nn.ModuleDict({str(b): PooledHead(d, spec.head_hidden, 1, g, eps, q)
+        self.confidence = nn.ModuleDict({str(b): PooledHead(d, spec.head_hidden, 1, g, eps, q, spec.has_cls_token)
                                          for b in spec.exit_blocks})
         n_labels = len(spec.labels)
         self.classifiers = nn.ModuleDict(
-            {str(b): PooledHead(d, spec.head_hidden, n_labels, g, eps) for b in spec.classifier_blocks}
+            {str(b): PooledHead(d, spec.head_hidden, n_labels, g, eps, has_cls=spec.has_cls_token)
+             for b in spec.classifier_blocks}
             if n_labels
             else {}
         )
@@ -335,6 +345,7 @@ def make_spec(cfg, *, exit_blocks: list[int], labels: list[str], adapter_hidden:
         vision_hidden_size=d,
         vision_blocks=n,
         grid_side=cfg.vision.grid_side,
+        has_cls_token=cfg.vision_has_cls,
         feature_dim=d * len(cfg.vision_feature_layer),
         layer_norm_eps=cfg.vision.layer_norm_eps,
         exit_blocks=blocks,

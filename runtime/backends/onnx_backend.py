@@ -62,6 +62,9 @@ class OnnxBackend(Backend):
             raise ModelLoadError(f"{root} is not an engine bundle: the onnx backend runs bundles built by "
                                  "`edgevlm quantize` (ONNX artifacts in onnx/)")
         verify_bundle(root)
+        if files.family.name != "llava":
+            raise ModelLoadError(f"the onnx backend runs llava bundles only; {root} is a {files.family.name} bundle "
+                                 "(use --backend torch)")
         for name in ("vision.onnx", "decoder.onnx"):
             if not (root / ONNX_DIR / name).is_file():
                 raise ModelLoadError(f"bundle {root} has no {ONNX_DIR}/{name} (rebuild it without --no-onnx)")

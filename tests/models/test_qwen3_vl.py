@@ -195,6 +195,12 @@ class Checkpoint:
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Checkpoint:
     folder = tmp_path_factory.mktemp("qwen3_vl")
+    return Checkpoint(folder, write_tiny_qwen3_vl(folder))
+
+
+def write_tiny_qwen3_vl(folder: Path) -> dict[str, int]:
+    """Write the tiny Qwen3-VL checkpoint (transformers' own model, saved) into ``folder``; returns
+    the special-token ids."""
     ids = _tokenizer_builder()(folder, chat_template=QWEN3_VL_CHAT_TEMPLATE)
     config = transformers.Qwen3VLConfig(
         vision_config=dict(depth=4, hidden_size=64, intermediate_size=96, num_heads=2, patch_size=16,
@@ -221,7 +227,7 @@ def ckpt(tmp_path_factory) -> Checkpoint:
     (folder / "generation_config.json").write_text(json.dumps({
         "bos_token_id": ids["<|endoftext|>"], "pad_token_id": ids["<|endoftext|>"], "do_sample": True,
         "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]], "top_k": 20, "top_p": 0.8, "temperature": 0.7}))
-    return Checkpoint(folder, ids)
+    return ids
 
 
 def _ours(ck: Checkpoint) -> Qwen3VLModel:
