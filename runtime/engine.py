@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -33,6 +33,16 @@ from edgevlm.types import Answer, OperatingPoint, Stats
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SEQ_LEN = 4096
+
+
+#: Frames one request may send to a video-capable family (each costs vision tokens and encoder time).
+MAX_VIDEO_FRAMES = 64
+
+
+def _asks_adaptive(op: OperatingPoint) -> bool:
+    """Whether ``op`` asks for early exit or token pruning."""
+    return op.exit_layer is not None or op.exit_threshold is not None or (
+        op.keep_ratio is not None and op.keep_ratio < 1.0)
 
 
 def _ms(t0: float, t1: float) -> float:
@@ -173,24 +183,33 @@ class Engine:
         return cls(be, tokenizer, files, eos)
 
     # ---- requests ----------------------------------------------------------------------------
-    def ask(self, image: np.ndarray, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0,
-            top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None,
-            operating_point: OperatingPoint | None = None) -> Answer:
-        """Answer ``prompt`` about ``image`` (``(H, W, 3)`` uint8 RGB).
+    def ask(self, image: np.ndarray | Sequence[np.ndarray], prompt: str, *, max_new_tokens: int = 64,
+            temperature: float = 0.0, top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None,
+            operating_point: OperatingPoint | None = None,
+            frame_timestamps_s: Sequence[float] | None = None) -> Answer:
+        """Answer ``prompt`` about ``image``: one ``(H, W, 3)`` uint8 RGB array, or a list of them
+        (several recent frames of one source, oldest first). A list goes to a video-capable family
+        (``family.supports_video``: Qwen2.5-VL, Qwen3-VL) as one video whose frame capture times are
+        ``frame_timestamps_s`` (seconds, increasing; None = the family's default frame rate), and to
+        other families as several images, up to ``family.max_images``; a list of one frame is one
+        image.
 
         Raises:
-            InvalidImageError: ``image`` is not an ``(H, W, 3)`` uint8 array.
-            InvalidRequestError: bad prompt/knobs, or prompt + vision tokens do not fit the KV cache.
+            InvalidImageError: an image is not an ``(H, W, 3)`` uint8 array.
+            InvalidRequestError: bad prompt/knobs, more frames than the model takes (the message names
+                the limit), bad ``frame_timestamps_s``, or prompt + vision tokens do not fit the KV cache.
         """
         stream = self.stream(image, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                             top_p=top_p, stop=stop, seed=seed, operating_point=operating_point)
+                             top_p=top_p, stop=stop, seed=seed, operating_point=operating_point,
+                             frame_timestamps_s=frame_timestamps_s)
         for _ in stream:
             pass
         return stream.answer
 
-    def stream(self, image: np.ndarray, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0,
-               top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None,
-               operating_point: OperatingPoint | None = None) -> Stream:
+    def stream(self, image: np.ndarray | Sequence[np.ndarray], prompt: str, *, max_new_tokens: int = 64,
+               temperature: float = 0.0, top_p: float = 1.0, stop: list[str] | None = None,
+               seed: int | None = None, operating_point: OperatingPoint | None = None,
+               frame_timestamps_s: Sequence[float] | None = None) -> Stream:
         """Like :meth:`ask`, but returns a :class:`Stream` of text deltas. Arguments are validated
         here, before the first delta; the deltas concatenate to ``stream.answer.text``. The engine
         is held from the first ``next()`` until the stream is exhausted or closed (its timings
@@ -198,32 +217,40 @@ class Engine:
         a stream is open raises InvalidRequestError."""
         t_start = time.perf_counter()
         p = self.prepare(image, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                         stop=stop, seed=seed, operating_point=operating_point)
+                         stop=stop, seed=seed, operating_point=operating_point,
+                         frame_timestamps_s=frame_timestamps_s)
         return Stream(self._generate(p, t_start))
 
-    def prepare(self, image: np.ndarray, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0,
-                top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None,
-                operating_point: OperatingPoint | None = None) -> PreparedRequest:
+    def prepare(self, image: np.ndarray | Sequence[np.ndarray], prompt: str, *, max_new_tokens: int = 64,
+                temperature: float = 0.0, top_p: float = 1.0, stop: list[str] | None = None,
+                seed: int | None = None, operating_point: OperatingPoint | None = None,
+                frame_timestamps_s: Sequence[float] | None = None) -> PreparedRequest:
         """Validate a request and tokenise its prompt (what :meth:`stream` does before generating;
         also used by the daemon's batch worker): returns the operating point, sampling parameters,
         resolution rung (px), vision-token count, prompt ids (vision placeholders included) and the
-        preprocessed image.
+        preprocessed image(s). ``image`` / ``frame_timestamps_s``: as in :meth:`ask`.
 
         Raises:
-            InvalidImageError: ``image`` is not an ``(H, W, 3)`` uint8 array, or the family cannot
+            InvalidImageError: an image is not an ``(H, W, 3)`` uint8 array, or the family cannot
                 resize it.
-            InvalidRequestError: bad prompt/knobs, or prompt + vision tokens do not fit the KV cache.
+            InvalidRequestError: bad prompt/knobs/frames, or prompt + vision tokens do not fit the KV cache.
         """
         op = self._check_operating_point(operating_point)
-        self._check_image(image)
+        images, video, video_ts = self._vision_items(image, frame_timestamps_s)
         if not isinstance(prompt, str):
             raise InvalidRequestError(f"prompt must be a string, got {type(prompt).__name__}")
         if op.max_new_tokens is not None and isinstance(max_new_tokens, int):
             max_new_tokens = min(max_new_tokens, op.max_new_tokens)
         params = SamplingParams.validate(max_new_tokens, temperature, top_p, stop, seed)
         t0 = time.perf_counter()
-        vision = self.processor.prepare([image], resolution_px=op.resolution_px)
+        if video is None:
+            vision = self.processor.prepare(images, resolution_px=op.resolution_px)
+        else:
+            vision = self.processor.prepare([], resolution_px=op.resolution_px, video=video,
+                                            video_timestamps_s=video_ts)
         preprocess_ms = _ms(t0, time.perf_counter())
+        if len(vision.tokens_per_item) > 1 and _asks_adaptive(op):
+            raise InvalidRequestError(f"operating point {op.name!r}: early exit and token pruning take one image")
         n_vision = self._adaptive_vision_tokens(vision.num_tokens, op)
         in_prompt = vision if n_vision == vision.num_tokens else replace(vision, tokens_per_item=[n_vision])
         ids = self.tokenizer.encode_request(prompt, in_prompt, self.processor)
@@ -263,9 +290,7 @@ class Engine:
         from edgevlm.runtime.pruning import pruned_count
         from edgevlm.runtime.vision import exit_plan
 
-        asks = op.exit_layer is not None or op.exit_threshold is not None or (
-            op.keep_ratio is not None and op.keep_ratio < 1.0)
-        if asks and not self.family.adaptive_vision:
+        if _asks_adaptive(op) and not self.family.adaptive_vision:
             raise InvalidRequestError(f"operating point {op.name!r}: early exit and token pruning are not "
                                       f"supported for the {self.family.name} family")
         if op.exit_layer is not None or op.exit_threshold is not None:
@@ -307,6 +332,46 @@ class Engine:
         """Vision tokens for an encoder input of ``height_px x width_px`` (LLaVA-style families: the
         config's ``num_vision_tokens``)."""
         return self.config.num_vision_tokens(height_px, width_px)
+
+    @property
+    def max_frames(self) -> int:
+        """The most frames one request may carry: :data:`MAX_VIDEO_FRAMES` for a video-capable
+        family, else the family's ``max_images`` (1: a single image only)."""
+        return MAX_VIDEO_FRAMES if self.family.supports_video else max(1, int(self.family.max_images))
+
+    def _vision_items(self, image, timestamps_s) -> tuple[list[np.ndarray], list[np.ndarray] | None,
+                                                          list[float] | None]:
+        """``(images, video frames | None, video timestamps | None)`` for the processor (see :meth:`ask`)."""
+        if isinstance(image, np.ndarray):
+            if timestamps_s is not None:
+                raise InvalidRequestError("frame_timestamps_s is for a list of frames, not one image")
+            self._check_image(image)
+            return [image], None, None
+        if not isinstance(image, list | tuple):
+            raise InvalidImageError(f"image must be a numpy array or a list of them, got {type(image).__name__}")
+        frames = list(image)
+        if not frames:
+            raise InvalidRequestError("no frames: give at least one image")
+        for f in frames:
+            self._check_image(f)
+        if len(frames) > self.max_frames:
+            what = "a video" if self.family.supports_video else (
+                "several images" if self.max_frames > 1 else "one image per request: neither video nor several images")
+            raise InvalidRequestError(f"{len(frames)} frames: the {self.family.name} family takes {what}, "
+                                      f"at most {self.max_frames} frame(s)")
+        ts = None
+        if timestamps_s is not None:
+            if not isinstance(timestamps_s, list | tuple) or len(timestamps_s) != len(frames) or not all(
+                    isinstance(t, int | float) and not isinstance(t, bool) and np.isfinite(t) for t in timestamps_s):
+                raise InvalidRequestError(f"frame_timestamps_s must be {len(frames)} finite numbers (one per frame)")
+            ts = [float(t) for t in timestamps_s]
+            if any(b <= a for a, b in zip(ts, ts[1:], strict=False)):
+                raise InvalidRequestError("frame_timestamps_s must increase")
+        if len(frames) == 1:
+            return frames, None, None
+        if self.family.supports_video:
+            return [], frames, ts
+        return frames, None, None
 
     @staticmethod
     def _check_image(image) -> None:
