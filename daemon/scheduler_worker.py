@@ -37,12 +37,24 @@ class _Started:
 
     dequeued: float  # monotonic
     queue_ms: float
-    image: Any
-    frame: CapturedFrame | None
+    image: Any  # (H, W, 3) uint8 RGB, or a list of them (a frames / frames_s request, oldest first)
+    frame: CapturedFrame | None  # the (newest) source frame, None for an inline image
     max_new_tokens: int
     point: Any = None  # OperatingPoint chosen by the controller (None = the model's default)
     predicted_ms: float | None = None
     service_ms: float = 0.0  # predicted worker time (batched: for the queue-wait prediction)
+    frames: list[CapturedFrame] | None = None  # a frames / frames_s request's frames, oldest first
+
+    @property
+    def frame_timestamps_s(self) -> list[float] | None:
+        """Times of several frames, seconds relative to the oldest (None for one image): a video
+        file's media positions when they increase (one loop), else the capture clock."""
+        if self.frames is None:
+            return None
+        pos = [f.pos_ms for f in self.frames]
+        if None not in pos and all(b > a for a, b in zip(pos, pos[1:], strict=False)):
+            return [(p - pos[0]) / 1e3 for p in pos]
+        return [f.monotonic_s - self.frames[0].monotonic_s for f in self.frames]
 
 
 class SchedulerWorker:
@@ -119,7 +131,8 @@ class SchedulerWorker:
         if started is None:
             return
         ok, answer = self._guarded(job, "inference", lambda: self._engine.ask(
-            started.image, job.request.prompt, max_new_tokens=started.max_new_tokens, operating_point=started.point))
+            started.image, job.request.prompt, max_new_tokens=started.max_new_tokens, operating_point=started.point,
+            **({"frame_timestamps_s": started.frame_timestamps_s} if started.frames is not None else {})))
         if ok:
             self._complete(job, started, answer)
 
@@ -146,8 +159,9 @@ class SchedulerWorker:
             self._fail_deadline(job, dequeued)
             return None
         try:
-            image, frame = self._resolve_image(req, deadline)
-            started = _Started(dequeued, queue_ms, image, frame, req.max_new_tokens or self.defaults.max_new_tokens)
+            image, frame, frames = self._resolve_image(req, deadline)
+            started = _Started(dequeued, queue_ms, image, frame, req.max_new_tokens or self.defaults.max_new_tokens,
+                               frames=frames)
             if job.choice is not None and self.controller is not None:
                 # the wait may differ from the prediction: refit the point to the budget left
                 elapsed_ms = (time.monotonic() - job.received_monotonic) * 1000.0
@@ -179,7 +193,10 @@ class SchedulerWorker:
             wire_frame = None
             if started.frame is not None:
                 f = started.frame
-                wire_frame = Frame(source=f.source, ts=f.ts, pos_ms=f.pos_ms, index=f.index)
+                several = started.frames is not None
+                wire_frame = Frame(source=f.source, ts=f.ts, pos_ms=f.pos_ms, index=f.index,
+                                   frames=len(started.frames) if several else None,
+                                   first_ts=started.frames[0].ts if several else None)
             response = Response.success(answer, wire_frame, req.correlation_id)
         except Exception as exc:  # noqa: BLE001 - never a dead daemon
             logger.exception("answering failed with an unexpected error")
@@ -304,17 +321,23 @@ class SchedulerWorker:
             else:
                 self._complete(job, started, answer)
 
-    def _resolve_image(self, req: Request, deadline: float | None) -> tuple[Any, CapturedFrame | None]:
+    def _resolve_image(self, req: Request, deadline: float | None
+                       ) -> tuple[Any, CapturedFrame | None, list[CapturedFrame] | None]:
+        """``(image or list of frames' images, newest source frame, the frames of a frames /
+        frames_s request)``."""
         if req.image_bytes is not None:
             from edgevlm.runtime.image import decode_image
 
-            return decode_image(req.image_bytes), None
+            return decode_image(req.image_bytes), None, None
         assert req.source is not None  # guaranteed by Request validation
         src = self.sources.get(req.source)
         wait_s = FRAME_WAIT_S if deadline is None else max(0.0, min(FRAME_WAIT_S, deadline - time.monotonic()))
         # a fresh frame (max_frame_age_s), else InternalError with reason no_frame / stale_frame
+        if req.frames is not None or req.frames_s is not None:
+            frames = src.recent_frames(wait_s, count=req.frames, window_s=req.frames_s)
+            return [f.image for f in frames], frames[-1], frames
         frame = src.frame_for_request(wait_s)
-        return frame.image, frame
+        return frame.image, frame, None
 
     def _fail(self, job: Job, err: EdgeVLMError) -> None:
         self.counters.inc(f"errors_{err.code.value}")
