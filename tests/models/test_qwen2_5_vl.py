@@ -685,3 +685,18 @@ def test_engine_frames_bad_values_are_invalid_request(engine):
         engine.ask([frames[0]] * 65, QUESTION)
     with pytest.raises(InvalidImageError):
         engine.ask([frames[0], np.zeros((4, 4), np.uint8)], QUESTION)
+
+
+def test_vision_cache_answers_as_without_it_for_images_and_video(engine):
+    """M-RoPE families: cached vision tokens (image, and a video with its times) give the uncached answers."""
+    img, frames, ts = image(120, 200, seed=4), video_frames(4), [0.0, 0.5, 1.0, 1.5]
+    questions = [QUESTION, "describe the scene.", "what color is the triangle?", "yes or no?"]
+    off = [engine.ask(img, q, max_new_tokens=6).text for q in questions]
+    off_video = [engine.ask(frames, q, max_new_tokens=6, frame_timestamps_s=ts).text for q in questions[:2]]
+    engine.set_vision_cache(16)
+    try:
+        assert [engine.ask(img, q, max_new_tokens=6).text for q in questions] == off
+        assert [engine.ask(frames, q, max_new_tokens=6, frame_timestamps_s=ts).text for q in questions[:2]] == off_video
+        assert (engine.vision_cache.misses, engine.vision_cache.hits) == (2, 4)
+    finally:
+        engine.set_vision_cache(None)

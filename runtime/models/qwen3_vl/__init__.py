@@ -40,4 +40,5 @@ FAMILY = ModelFamily(
     build_model=Qwen3VLModel,
     make_processor=_make_processor,
     supports_video=True,
+    vision_state_free=False,  # DeepStack features stashed by encode_vision for prefill
 )
