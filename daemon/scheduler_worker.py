@@ -130,9 +130,16 @@ class SchedulerWorker:
         started = self._begin(job)
         if started is None:
             return
+        extra: dict[str, Any] = {}
+        if started.frames is not None:
+            extra["frame_timestamps_s"] = started.frame_timestamps_s
+        if started.frame is not None and getattr(self._engine, "vision_cache", None) is not None:
+            # a source frame is named by its seq: the vision cache needs no pixel hash
+            seqs = tuple(f.seq for f in started.frames) if started.frames is not None else (started.frame.seq,)
+            extra["vision_key"] = ("source", started.frame.source, seqs)
         ok, answer = self._guarded(job, "inference", lambda: self._engine.ask(
             started.image, job.request.prompt, max_new_tokens=started.max_new_tokens, operating_point=started.point,
-            **({"frame_timestamps_s": started.frame_timestamps_s} if started.frames is not None else {})))
+            **extra))
         if ok:
             self._complete(job, started, answer)
 

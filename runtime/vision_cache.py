@@ -48,6 +48,11 @@ class VisionCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def keys(self) -> list[Hashable]:
+        """The cached keys, least recently used first."""
+        with self._lock:
+            return list(self._entries)
+
     def get(self, key: Hashable) -> tuple[torch.Tensor, Any] | None:
         """The cached ``(features, info)`` for ``key`` (now most recently used), or None."""
         with self._lock:

@@ -125,3 +125,29 @@ def test_frames_to_a_one_image_model_is_invalid_request_naming_the_limit(start_d
     assert "at most 1 frame" in resp["error"]["message"]
     time.sleep(0.05)
     assert _roundtrip(raw, {"prompt": PROMPT, "source": "cam", "frames": 1})["ok"]  # one frame is one image
+
+
+def test_questions_about_one_source_frame_share_its_vision_tokens(start_daemon, qwen_engine, make_video,
+                                                                 raw_client, wait_until):
+    """With the engine's vision cache on, the daemon names a source frame by its seq: a second
+    question about the same frame reuses the vision tokens, answering as without the cache."""
+    path = make_video(n_frames=6, fps=10.0, size=(112, 84))
+    daemon = start_daemon(engine=qwen_engine, sources=[{"name": "cam", "uri": str(path), "fps": 0.5}],
+                          defaults={"max_new_tokens": 6, "timeout_ms": 60000})
+    wait_until(lambda: daemon.sources.get("cam").latest() is not None, 20, "a frame")
+    raw = raw_client()
+    qwen_engine.set_vision_cache(16)
+    try:
+        for _ in range(3):
+            first = _roundtrip(raw, {"prompt": PROMPT, "source": "cam"})
+            second = _roundtrip(raw, {"prompt": "describe the scene.", "source": "cam"})
+            if first["frame"]["ts"] == second["frame"]["ts"]:
+                break
+        assert first["frame"]["ts"] == second["frame"]["ts"], "no two answers about one frame"
+        assert qwen_engine.vision_cache.hits >= 1
+        assert {k[0][:2] for k in qwen_engine.vision_cache.keys()} == {("source", "cam")}  # named by seq, not hash
+        frame = _decoded(path)[first["frame"]["index"]]
+        qwen_engine.set_vision_cache(None)
+        assert second["text"] == qwen_engine.ask(frame, "describe the scene.", max_new_tokens=6).text
+    finally:
+        qwen_engine.set_vision_cache(None)
