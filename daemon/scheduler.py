@@ -79,12 +79,24 @@ class _Started:
 
     dequeued: float  # monotonic
     queue_ms: float
-    image: Any
-    frame: CapturedFrame | None
+    image: Any  # (H, W, 3) uint8 RGB, or a list of them (a frames / frames_s request, oldest first)
+    frame: CapturedFrame | None  # the (newest) source frame, None for an inline image
     max_new_tokens: int
     point: Any = None  # OperatingPoint chosen by the controller (None = the model's default)
     predicted_ms: float | None = None
     service_ms: float = 0.0  # predicted worker time (batched: for the queue-wait prediction)
+    frames: list[CapturedFrame] | None = None  # a frames / frames_s request's frames, oldest first
+
+    @property
+    def frame_timestamps_s(self) -> list[float] | None:
+        """Times of several frames, seconds relative to the oldest (None for one image): a video
+        file's media positions when they increase (one loop), else the capture clock."""
+        if self.frames is None:
+            return None
+        pos = [f.pos_ms for f in self.frames]
+        if None not in pos and all(b > a for a, b in zip(pos, pos[1:], strict=False)):
+            return [(p - pos[0]) / 1e3 for p in pos]
+        return [f.monotonic_s - self.frames[0].monotonic_s for f in self.frames]
 
 
 class Counters:
@@ -342,7 +354,9 @@ class Scheduler:
         except EdgeVLMError as err:
             self._fail(job, err)
             return False
-        offload = self.offloader
+        # a frames / frames_s request stays here (the offload sends one inline image)
+        several = req.frames is not None or req.frames_s is not None
+        offload = None if several else self.offloader
         if req.model is not None and self.model_id is not None and req.model != self.model_id:
             if offload is not None and offload.cfg.on_unknown_model and offload.available():
                 offload.submit(job, "unknown_model")
@@ -520,6 +534,12 @@ class Scheduler:
         """Run one request on the engine; a streaming job gets each text delta as it is made."""
         req = job.request
         kwargs = {"max_new_tokens": started.max_new_tokens, "operating_point": started.point, **sampling_kwargs(req)}
+        if started.frames is not None:
+            kwargs["frame_timestamps_s"] = started.frame_timestamps_s
+        if started.frame is not None and getattr(self._engine, "vision_cache", None) is not None:
+            # a source frame is named by its seq: the vision cache needs no pixel hash
+            seqs = tuple(f.seq for f in started.frames) if started.frames is not None else (started.frame.seq,)
+            kwargs["vision_key"] = ("source", started.frame.source, seqs)
         if job.on_delta is None:
             return self._engine.ask(started.image, req.prompt, **kwargs)
         stream = self._engine.stream(started.image, req.prompt, **kwargs)
@@ -550,8 +570,9 @@ class Scheduler:
             self._fail_deadline(job, dequeued)
             return None
         try:
-            image, frame = self._resolve_image(req, deadline)
-            started = _Started(dequeued, queue_ms, image, frame, req.max_new_tokens or self.defaults.max_new_tokens)
+            image, frame, frames = self._resolve_image(req, deadline)
+            started = _Started(dequeued, queue_ms, image, frame, req.max_new_tokens or self.defaults.max_new_tokens,
+                               frames=frames)
             if job.choice is not None and self.controller is not None:
                 # the wait may differ from the prediction: refit the point to the budget left
                 elapsed_ms = (time.monotonic() - job.received_monotonic) * 1000.0
@@ -583,7 +604,10 @@ class Scheduler:
             wire_frame = None
             if started.frame is not None:
                 f = started.frame
-                wire_frame = Frame(source=f.source, ts=f.ts, pos_ms=f.pos_ms, index=f.index)
+                several = started.frames is not None
+                wire_frame = Frame(source=f.source, ts=f.ts, pos_ms=f.pos_ms, index=f.index,
+                                   frames=len(started.frames) if several else None,
+                                   first_ts=started.frames[0].ts if several else None)
             response = Response.success(answer, wire_frame, req.correlation_id)
         except Exception as exc:  # noqa: BLE001 - never a dead daemon
             logger.exception("answering failed with an unexpected error")
@@ -706,17 +730,23 @@ class Scheduler:
             else:
                 self._complete(job, started, answer)
 
-    def _resolve_image(self, req: Request, deadline: float | None) -> tuple[Any, CapturedFrame | None]:
+    def _resolve_image(self, req: Request, deadline: float | None
+                       ) -> tuple[Any, CapturedFrame | None, list[CapturedFrame] | None]:
+        """``(image or list of frames' images, newest source frame, the frames of a frames /
+        frames_s request)``."""
         if req.image_bytes is not None:
             from edgevlm.runtime.image import decode_image
 
-            return decode_image(req.image_bytes), None
+            return decode_image(req.image_bytes), None, None
         assert req.source is not None  # guaranteed by Request validation
         src = self.sources.get(req.source)
         wait_s = FRAME_WAIT_S if deadline is None else max(0.0, min(FRAME_WAIT_S, deadline - time.monotonic()))
         # a fresh frame (max_frame_age_s), else InternalError with reason no_frame / stale_frame
+        if req.frames is not None or req.frames_s is not None:
+            frames = src.recent_frames(wait_s, count=req.frames, window_s=req.frames_s)
+            return [f.image for f in frames], frames[-1], frames
         frame = src.frame_for_request(wait_s)
-        return frame.image, frame
+        return frame.image, frame, None
 
     def _fail(self, job: Job, err: EdgeVLMError) -> None:
         self.counters.inc(f"errors_{err.code.value}")

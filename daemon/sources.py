@@ -46,6 +46,7 @@ import numpy as np
 from edgevlm.config import SourceConfig
 from edgevlm.daemon.capture import CaptureBackend, GstSubprocessCapture, capture_path, make_backend
 from edgevlm.errors import InternalError, UnknownSourceError
+from edgevlm.protocol import MAX_REQUEST_FRAMES
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,11 @@ SOURCE_STATES = (STARTING, STREAMING, FROZEN, STALLED, RECONNECTING, STOPPED)
 _TIMEOUT_SHARE = 0.9  # a backend call that failed after this share of its timeout timed out
 
 StateListener = Callable[["FrameSource", dict[str, Any]], None]
+
+
+RECENT_FRAMES = MAX_REQUEST_FRAMES
+"""Frames each source keeps (a ring) for requests about several recent frames (``frames`` /
+``frames_s``)."""
 
 
 def _cv2() -> Any:
@@ -136,6 +142,7 @@ class FrameSource:
         self.listener = listener
         self._cond = threading.Condition()
         self._latest: CapturedFrame | None = None
+        self._recent: collections.deque[CapturedFrame] = collections.deque(maxlen=RECENT_FRAMES)
         self._seq = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -239,6 +246,26 @@ class FrameSource:
             details=details,
         )
 
+    def recent_frames(self, wait_s: float, *, count: int | None = None,
+                      window_s: float | None = None) -> list[CapturedFrame]:
+        """Several recent frames for one request, oldest first, ending with the frame
+        :meth:`frame_for_request` returns: the last ``count`` frames (fewer while the source has
+        delivered fewer), or those captured within ``window_s`` seconds before the newest one (the
+        newest :data:`RECENT_FRAMES` of them). The ring holds the last :data:`RECENT_FRAMES` frames
+        (RGB arrays shared, not copied).
+
+        Raises:
+            InternalError: as :meth:`frame_for_request` (no / stale / frozen newest frame).
+        """
+        newest = self.frame_for_request(wait_s)
+        with self._cond:
+            ring = [f for f in self._recent if f.seq <= newest.seq]
+        if count is not None:
+            return ring[-count:]
+        if window_s is None:
+            return [newest]
+        return [f for f in ring if newest.monotonic_s - f.monotonic_s <= window_s]
+
     def _check_frozen(self) -> None:
         if self.state != FROZEN:
             return
@@ -309,6 +336,7 @@ class FrameSource:
                     self._same_since = None
             self._seq += 1
             self._latest = CapturedFrame(self.name, rgb, ts, pos_ms, index, self._seq, now)
+            self._recent.append(self._latest)
             self._frame_times.append(now)
             self._cond.notify_all()
         if self.frozen_checked:

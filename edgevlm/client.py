@@ -372,6 +372,8 @@ class Client:
         timeout_s: float | None = 30.0,
         max_new_tokens: int | None = None,
         budget_ms: int | None = None,
+        frames: int | None = None,
+        frames_s: float | None = None,
     ) -> Answer:
         """Ask a question about the newest frame of ``source`` or about ``image``.
 
@@ -382,6 +384,8 @@ class Client:
             timeout_s: deadline (s) from the daemon's receipt; None = no deadline.
             max_new_tokens: cap on generated tokens (None = the daemon's default).
             budget_ms: latency budget for operating-point selection.
+            frames: ask about the last N frames of ``source`` (1..32; the request's ``frames`` field).
+            frames_s: ask about the frames of ``source`` from the last S seconds (the ``frames_s`` field).
 
         Returns:
             The :class:`~edgevlm.types.Answer`, with ``frame_ts``/``source``/``frame_pos_ms`` of the
@@ -410,6 +414,10 @@ class Client:
             body["max_new_tokens"] = max_new_tokens
         if budget_ms is not None:
             body["budget_ms"] = budget_ms
+        if frames is not None:
+            body["frames"] = frames
+        if frames_s is not None:
+            body["frames_s"] = frames_s
         request = parse_request(body)  # local validation, same rules and messages as the daemon
         payload = request.model_dump_json(exclude_none=True).encode()
         return self._roundtrip(payload, timeout_s)

@@ -66,6 +66,10 @@ MAX_STOP_STRINGS = 4
 MAX_INT_DIGITS = 4300
 """Python's default limit on the digits of an integer parsed from text (``sys.get_int_max_str_digits``);
 a JSON integer longer than that is refused as ``INVALID_REQUEST``."""
+MAX_REQUEST_FRAMES = 32
+"""The most recent frames of a source one request may ask about (``frames``); sources keep that many."""
+MAX_REQUEST_FRAMES_S = 10.0
+"""The longest window of recent frames (``frames_s``, seconds) one request may ask about."""
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
@@ -205,6 +209,17 @@ class Request(BaseModel):
         description="The model to answer with (its folder name, 'edgevlm-demo' for the demo model); None = the "
         "daemon's. A daemon that does not serve it forwards the request to its offload pool, else refuses it.",
     )
+    frames: StrictInt | None = Field(
+        None, ge=1, le=MAX_REQUEST_FRAMES,
+        description="Ask about the last N frames of ``source`` (oldest first; fewer if the source has not "
+        "delivered N yet): a Qwen-family model sees them as one video with their capture times, other "
+        "families as several images; a model that takes neither answers INVALID_REQUEST naming its limit.",
+    )
+    frames_s: StrictFloat | StrictInt | None = Field(
+        None, gt=0, le=MAX_REQUEST_FRAMES_S,
+        description="Ask about the frames of ``source`` captured in the last S seconds (up to the newest "
+        f"frame; at most {MAX_REQUEST_FRAMES} frames, the newest kept), as ``frames``.",
+    )
     reply_to: StrictStr | None = Field(
         None,
         min_length=1,
@@ -223,6 +238,10 @@ class Request(BaseModel):
     def _check(self) -> Request:
         if (self.source is None) == (self.image_b64 is None):
             raise ValueError("source: give exactly one of 'source' and 'image_b64'")
+        if self.frames is not None and self.frames_s is not None:
+            raise ValueError("frames: give at most one of 'frames' and 'frames_s'")
+        if (self.frames is not None or self.frames_s is not None) and self.source is None:
+            raise ValueError("frames: 'frames' / 'frames_s' ask about recent frames of a 'source'")
         if self.image_b64 is not None:
             try:
                 self._image_bytes = base64.b64decode(self.image_b64, validate=True)
@@ -254,6 +273,10 @@ class Frame(BaseModel):
     ts: float = Field(description="Capture timestamp, UNIX seconds.")
     pos_ms: float | None = Field(None, description="Media position in a video file (ms), else None.")
     index: int | None = Field(None, description="Frame index within the video file's current loop.")
+    frames: int | None = Field(None, description="How many frames the answer is about, for a ``frames`` / "
+                               "``frames_s`` request (ts / pos_ms / index are the newest one's); None = one frame.")
+    first_ts: float | None = Field(None, description="Capture timestamp of the oldest of several frames, "
+                                   "UNIX seconds (None for one frame).")
 
 
 class ErrorBody(BaseModel):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Hashable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -28,11 +28,22 @@ from edgevlm.runtime.models.base import VisionInput
 from edgevlm.runtime.preprocess import CLIP_MEAN, CLIP_STD, preprocess
 from edgevlm.runtime.sampling import SamplingParams, TextAssembler, make_generator, select_token
 from edgevlm.runtime.tokenizer import IncrementalDecoder, VLMTokenizer
+from edgevlm.runtime.vision_cache import VisionCache, content_key
 from edgevlm.types import Answer, OperatingPoint, Stats
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SEQ_LEN = 4096
+
+
+#: Frames one request may send to a video-capable family (each costs vision tokens and encoder time).
+MAX_VIDEO_FRAMES = 64
+
+
+def _asks_adaptive(op: OperatingPoint) -> bool:
+    """Whether ``op`` asks for early exit or token pruning."""
+    return op.exit_layer is not None or op.exit_threshold is not None or (
+        op.keep_ratio is not None and op.keep_ratio < 1.0)
 
 
 def _ms(t0: float, t1: float) -> float:
@@ -83,6 +94,7 @@ class PreparedRequest:
     ids: list[int]
     vision: VisionInput | None = None
     preprocess_ms: float = 0.0
+    vision_key: Hashable | None = None  # the vision cache's key (None: not cached)
 
 
 class Engine:
@@ -118,6 +130,27 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self._lock = threading.Lock()
         self._owner: int | None = None  # thread id of the request holding the engine
+        self.vision_cache: VisionCache | None = None
+        """Per-frame vision features (:meth:`set_vision_cache`); None = off."""
+
+    def set_vision_cache(self, budget_mb: float | None) -> None:
+        """Cache vision features per (frame, operating point) within ``budget_mb`` MiB (LRU), so that
+        several questions about one frame run the vision encoder once; None or 0 turns it off. A
+        frame is identified by the ``vision_key`` given to :meth:`ask` (e.g. a source's
+        ``(name, seq)``) or else by the content hash of its pixels. Requests whose vision depends on
+        the question (``exit_threshold``) and families whose encoder leaves state for the prefill
+        (``family.vision_state_free`` False: Qwen3-VL) are not cached.
+
+        Raises:
+            InvalidRequestError: ``budget_mb`` is not a number >= 0.
+        """
+        if budget_mb is None or budget_mb == 0:
+            self.vision_cache = None
+            return
+        if isinstance(budget_mb, bool) or not isinstance(budget_mb, int | float) or not budget_mb > 0 \
+                or budget_mb == float("inf"):
+            raise InvalidRequestError(f"vision cache budget must be a number of MiB >= 0, got {budget_mb!r}")
+        self.vision_cache = VisionCache(max(1, int(budget_mb * 2**20)))
 
     @property
     def max_seq_len(self) -> int:
@@ -125,7 +158,8 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | Path | None = None, *, device: str = "cpu", dtype=None, backend: str = "torch",
-             max_seq_len: int | None = None, backend_options: dict | None = None) -> Engine:
+             max_seq_len: int | None = None, backend_options: dict | None = None,
+             vision_cache_mb: float | None = None) -> Engine:
         """Load a checkpoint folder of any registered model family (None = the shipped demo model).
 
         Args:
@@ -137,6 +171,8 @@ class Engine:
             backend_options: backend-specific keyword arguments (torch: ``cuda_graphs``,
                 ``kv_cache_dtype``, ``max_batch_size``, ``fused_vision_stem``; see
                 :mod:`edgevlm.runtime.backends.torch_backend`).
+            vision_cache_mb: per-frame vision feature cache budget in MiB (None = off; see
+                :meth:`set_vision_cache`).
         Raises:
             ModelLoadError: bad folder/files, device unavailable, backend dependencies missing.
             InvalidRequestError: bad ``device``/``dtype``/``backend``/``max_seq_len`` argument.
@@ -170,27 +206,39 @@ class Engine:
             eos.append(eos_from_tokenizer)
         be = load_backend(backend, files, device=dev, dtype=torch_dtype, max_seq_len=max_seq_len,
                           **(backend_options or {}))
-        return cls(be, tokenizer, files, eos)
+        engine = cls(be, tokenizer, files, eos)
+        engine.set_vision_cache(vision_cache_mb)
+        return engine
 
     # ---- requests ----------------------------------------------------------------------------
-    def ask(self, image: np.ndarray, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0,
-            top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None,
-            operating_point: OperatingPoint | None = None) -> Answer:
-        """Answer ``prompt`` about ``image`` (``(H, W, 3)`` uint8 RGB).
+    def ask(self, image: np.ndarray | Sequence[np.ndarray], prompt: str, *, max_new_tokens: int = 64,
+            temperature: float = 0.0, top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None,
+            operating_point: OperatingPoint | None = None,
+            frame_timestamps_s: Sequence[float] | None = None, vision_key: Hashable | None = None) -> Answer:
+        """Answer ``prompt`` about ``image``: one ``(H, W, 3)`` uint8 RGB array, or a list of them
+        (several recent frames of one source, oldest first). A list goes to a video-capable family
+        (``family.supports_video``: Qwen2.5-VL, Qwen3-VL) as one video whose frame capture times are
+        ``frame_timestamps_s`` (seconds, increasing; None = the family's default frame rate), and to
+        other families as several images, up to ``family.max_images``; a list of one frame is one
+        image. ``vision_key``: identifies the frame(s) for the vision cache (:meth:`set_vision_cache`;
+        default: the pixels' content hash).
 
         Raises:
-            InvalidImageError: ``image`` is not an ``(H, W, 3)`` uint8 array.
-            InvalidRequestError: bad prompt/knobs, or prompt + vision tokens do not fit the KV cache.
+            InvalidImageError: an image is not an ``(H, W, 3)`` uint8 array.
+            InvalidRequestError: bad prompt/knobs, more frames than the model takes (the message names
+                the limit), bad ``frame_timestamps_s``, or prompt + vision tokens do not fit the KV cache.
         """
         stream = self.stream(image, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                             top_p=top_p, stop=stop, seed=seed, operating_point=operating_point)
+                             top_p=top_p, stop=stop, seed=seed, operating_point=operating_point,
+                             frame_timestamps_s=frame_timestamps_s, vision_key=vision_key)
         for _ in stream:
             pass
         return stream.answer
 
-    def stream(self, image: np.ndarray, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0,
-               top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None,
-               operating_point: OperatingPoint | None = None) -> Stream:
+    def stream(self, image: np.ndarray | Sequence[np.ndarray], prompt: str, *, max_new_tokens: int = 64,
+               temperature: float = 0.0, top_p: float = 1.0, stop: list[str] | None = None,
+               seed: int | None = None, operating_point: OperatingPoint | None = None,
+               frame_timestamps_s: Sequence[float] | None = None, vision_key: Hashable | None = None) -> Stream:
         """Like :meth:`ask`, but returns a :class:`Stream` of text deltas. Arguments are validated
         here, before the first delta; the deltas concatenate to ``stream.answer.text``. The engine
         is held from the first ``next()`` until the stream is exhausted or closed (its timings
@@ -198,32 +246,41 @@ class Engine:
         a stream is open raises InvalidRequestError."""
         t_start = time.perf_counter()
         p = self.prepare(image, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                         stop=stop, seed=seed, operating_point=operating_point)
+                         stop=stop, seed=seed, operating_point=operating_point,
+                         frame_timestamps_s=frame_timestamps_s, vision_key=vision_key)
         return Stream(self._generate(p, t_start))
 
-    def prepare(self, image: np.ndarray, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0,
-                top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None,
-                operating_point: OperatingPoint | None = None) -> PreparedRequest:
+    def prepare(self, image: np.ndarray | Sequence[np.ndarray], prompt: str, *, max_new_tokens: int = 64,
+                temperature: float = 0.0, top_p: float = 1.0, stop: list[str] | None = None,
+                seed: int | None = None, operating_point: OperatingPoint | None = None,
+                frame_timestamps_s: Sequence[float] | None = None,
+                vision_key: Hashable | None = None) -> PreparedRequest:
         """Validate a request and tokenise its prompt (what :meth:`stream` does before generating;
         also used by the daemon's batch worker): returns the operating point, sampling parameters,
         resolution rung (px), vision-token count, prompt ids (vision placeholders included) and the
-        preprocessed image.
+        preprocessed image(s). ``image`` / ``frame_timestamps_s``: as in :meth:`ask`.
 
         Raises:
-            InvalidImageError: ``image`` is not an ``(H, W, 3)`` uint8 array, or the family cannot
+            InvalidImageError: an image is not an ``(H, W, 3)`` uint8 array, or the family cannot
                 resize it.
-            InvalidRequestError: bad prompt/knobs, or prompt + vision tokens do not fit the KV cache.
+            InvalidRequestError: bad prompt/knobs/frames, or prompt + vision tokens do not fit the KV cache.
         """
         op = self._check_operating_point(operating_point)
-        self._check_image(image)
+        images, video, video_ts = self._vision_items(image, frame_timestamps_s)
         if not isinstance(prompt, str):
             raise InvalidRequestError(f"prompt must be a string, got {type(prompt).__name__}")
         if op.max_new_tokens is not None and isinstance(max_new_tokens, int):
             max_new_tokens = min(max_new_tokens, op.max_new_tokens)
         params = SamplingParams.validate(max_new_tokens, temperature, top_p, stop, seed)
         t0 = time.perf_counter()
-        vision = self.processor.prepare([image], resolution_px=op.resolution_px)
+        if video is None:
+            vision = self.processor.prepare(images, resolution_px=op.resolution_px)
+        else:
+            vision = self.processor.prepare([], resolution_px=op.resolution_px, video=video,
+                                            video_timestamps_s=video_ts)
         preprocess_ms = _ms(t0, time.perf_counter())
+        if len(vision.tokens_per_item) > 1 and _asks_adaptive(op):
+            raise InvalidRequestError(f"operating point {op.name!r}: early exit and token pruning take one image")
         n_vision = self._adaptive_vision_tokens(vision.num_tokens, op)
         in_prompt = vision if n_vision == vision.num_tokens else replace(vision, tokens_per_item=[n_vision])
         ids = self.tokenizer.encode_request(prompt, in_prompt, self.processor)
@@ -233,8 +290,13 @@ class Engine:
                 f"prompt is {len(ids)} tokens ({len(ids) - n_vision} text + {n_vision} vision at {tw}x{th} px); "
                 f"the KV cache holds {self.max_seq_len} positions"
             )
+        key = None
+        if self.vision_cache is not None and self.family.vision_state_free and op.exit_threshold is None:
+            frame_id = vision_key if vision_key is not None else content_key(
+                images + (video or []), tuple(video_ts) if video_ts is not None else None)
+            key = (frame_id, tuple(vision.kinds), op.resolution_px, op.exit_layer, op.keep_ratio)
         return PreparedRequest(op, params, op.resolution_px or self.image_size_px, n_vision, ids, vision,
-                               preprocess_ms)
+                               preprocess_ms, key)
 
     def warmup(self, resolutions: list[int] | None = None) -> None:
         """Run one 2-token request per rung (default: the resolution ladder), so that the first real
@@ -263,9 +325,7 @@ class Engine:
         from edgevlm.runtime.pruning import pruned_count
         from edgevlm.runtime.vision import exit_plan
 
-        asks = op.exit_layer is not None or op.exit_threshold is not None or (
-            op.keep_ratio is not None and op.keep_ratio < 1.0)
-        if asks and not self.family.adaptive_vision:
+        if _asks_adaptive(op) and not self.family.adaptive_vision:
             raise InvalidRequestError(f"operating point {op.name!r}: early exit and token pruning are not "
                                       f"supported for the {self.family.name} family")
         if op.exit_layer is not None or op.exit_threshold is not None:
@@ -308,6 +368,46 @@ class Engine:
         config's ``num_vision_tokens``)."""
         return self.config.num_vision_tokens(height_px, width_px)
 
+    @property
+    def max_frames(self) -> int:
+        """The most frames one request may carry: :data:`MAX_VIDEO_FRAMES` for a video-capable
+        family, else the family's ``max_images`` (1: a single image only)."""
+        return MAX_VIDEO_FRAMES if self.family.supports_video else max(1, int(self.family.max_images))
+
+    def _vision_items(self, image, timestamps_s) -> tuple[list[np.ndarray], list[np.ndarray] | None,
+                                                          list[float] | None]:
+        """``(images, video frames | None, video timestamps | None)`` for the processor (see :meth:`ask`)."""
+        if isinstance(image, np.ndarray):
+            if timestamps_s is not None:
+                raise InvalidRequestError("frame_timestamps_s is for a list of frames, not one image")
+            self._check_image(image)
+            return [image], None, None
+        if not isinstance(image, list | tuple):
+            raise InvalidImageError(f"image must be a numpy array or a list of them, got {type(image).__name__}")
+        frames = list(image)
+        if not frames:
+            raise InvalidRequestError("no frames: give at least one image")
+        for f in frames:
+            self._check_image(f)
+        if len(frames) > self.max_frames:
+            what = "a video" if self.family.supports_video else (
+                "several images" if self.max_frames > 1 else "one image per request: neither video nor several images")
+            raise InvalidRequestError(f"{len(frames)} frames: the {self.family.name} family takes {what}, "
+                                      f"at most {self.max_frames} frame(s)")
+        ts = None
+        if timestamps_s is not None:
+            if not isinstance(timestamps_s, list | tuple) or len(timestamps_s) != len(frames) or not all(
+                    isinstance(t, int | float) and not isinstance(t, bool) and np.isfinite(t) for t in timestamps_s):
+                raise InvalidRequestError(f"frame_timestamps_s must be {len(frames)} finite numbers (one per frame)")
+            ts = [float(t) for t in timestamps_s]
+            if any(b <= a for a, b in zip(ts, ts[1:], strict=False)):
+                raise InvalidRequestError("frame_timestamps_s must increase")
+        if len(frames) == 1:
+            return frames, None, None
+        if self.family.supports_video:
+            return [], frames, ts
+        return frames, None, None
+
     @staticmethod
     def _check_image(image) -> None:
         if not isinstance(image, np.ndarray):
@@ -345,14 +445,22 @@ class Engine:
         if vision.input_sizes_px:
             stats.input_height_px, stats.input_width_px = vision.input_sizes_px[0]
         t1 = time.perf_counter()
-        if op.exit_threshold is not None:  # question-conditioned exit confidence reads the prompt
-            feats = be.encode_vision(vision, operating_point=op, prompt_ids=torch.tensor([ids], dtype=torch.long))
+        cache = self.vision_cache if p.vision_key is not None else None
+        cached = cache.get(p.vision_key) if cache is not None else None
+        if cached is not None:  # this frame at this operating point was encoded already
+            feats, info = cached
         else:
-            feats = be.encode_vision(vision, operating_point=op)  # vision tokens in the embed's layout
+            if op.exit_threshold is not None:  # question-conditioned exit confidence reads the prompt
+                feats = be.encode_vision(vision, operating_point=op,
+                                         prompt_ids=torch.tensor([ids], dtype=torch.long))
+            else:
+                feats = be.encode_vision(vision, operating_point=op)  # vision tokens in the embed's layout
+            info = getattr(be, "last_vision_info", None)  # set by backends that ran early exit / pruning
+            if cache is not None:
+                cache.put(p.vision_key, feats.clone(), info)  # a copy: backends may reuse output buffers
         be.synchronize()
         t2 = time.perf_counter()
         stats.vision_ms = _ms(t1, t2)
-        info = getattr(be, "last_vision_info", None)  # set by backends that ran early exit / pruning
         if info is not None:
             stats.exit_layer = info.exit_layers[0]
             stats.exit_confidence = info.exit_confidences[0]

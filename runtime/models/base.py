@@ -37,7 +37,13 @@ class ModelFamily:
         build_model: family config -> the model (a :class:`VLMModel`), called under
             ``torch.device("meta")``; the loader fills the weights.
         make_processor: :class:`~edgevlm.runtime.loader.ModelFiles` -> :class:`Processor`.
-        supports_video: whether the processor takes video.
+        supports_video: whether the processor takes video (the Engine sends several frames of a
+            request as one video).
+        vision_state_free: ``encode_vision``'s result is all ``prefill`` needs, so the Engine may
+            cache it per frame (False: the model keeps side features of ``encode_vision`` for the
+            next ``prefill``, e.g. Qwen3-VL's DeepStack features).
+        max_images: the most images one request may carry when the family takes no video (the
+            Engine sends several frames as that many images; 1 = one image only).
         optional_prefixes: parameter-name prefixes the model may not build (e.g. vision blocks past
             the deepest feature layer): checkpoint tensors mapped under them are skipped when the
             model lacks them instead of being reported as unknown.
@@ -57,6 +63,8 @@ class ModelFamily:
     supports_video: bool = False
     optional_prefixes: tuple[str, ...] = ()
     adaptive_vision: bool = False
+    max_images: int = 1
+    vision_state_free: bool = True
 
 
 @dataclass

@@ -653,3 +653,53 @@ def test_tokenizer_and_model_with_image_and_video_equal_transformers(ckpt, proc,
                          video_grid_thw=want["video_grid_thw"],
                          second_per_grid_ts=want["second_per_grid_ts"]).logits
     assert rel_err(got, ref_logits) <= REL_TOL
+
+
+# ---- several frames through the Engine: one video --------------------------------------------------------
+
+def test_engine_ask_about_frames_answers_as_transformers_video(ckpt, ref, hf_tok, engine):
+    """A list of frames with capture times goes to Qwen2.5-VL as one video (video pads, M-RoPE over
+    time from second_per_grid_ts): the Engine's answer equals transformers' generate on that video."""
+    frames, ts = video_frames(4), [10.0, 10.5, 11.0, 11.5]
+    answer = engine.ask(frames, QUESTION, max_new_tokens=12, frame_timestamps_s=ts)
+    vision = engine.processor.prepare([], video=frames, video_timestamps_s=ts)
+    assert vision.kinds == ["video"] and vision.extras["second_per_grid_ts"] == [1.0]  # 2 frames per patch at 2 fps
+    kw = ref_inputs(ckpt, hf_tok, vision, engine.processor.expand_prompt(chat_text(hf_tok, ["video"]), vision))
+    with torch.no_grad():
+        out = ref.generate(**kw, max_new_tokens=12, do_sample=False)[0, kw["input_ids"].shape[1]:].tolist()
+    assert answer.text == engine.tokenizer.decode(out).strip()
+    assert answer.stats.new_tokens == len(out) and answer.stats.vision_tokens == vision.num_tokens
+    # the frame rate reaches the model: the same frames at 1 fps prefill other positions
+    slow = engine.prepare(frames, QUESTION, frame_timestamps_s=[0.0, 1.0, 2.0, 3.0])
+    assert slow.vision.extras["second_per_grid_ts"] == [2.0]
+
+
+def test_engine_frames_bad_values_are_invalid_request(engine):
+    frames = video_frames(2)
+    with pytest.raises(InvalidRequestError, match="must increase"):
+        engine.ask(frames, QUESTION, frame_timestamps_s=[1.0, 1.0])
+    with pytest.raises(InvalidRequestError, match="one per frame"):
+        engine.ask(frames, QUESTION, frame_timestamps_s=[1.0])
+    with pytest.raises(InvalidRequestError, match="not one image"):
+        engine.ask(frames[0], QUESTION, frame_timestamps_s=[1.0])
+    with pytest.raises(InvalidRequestError, match="no frames"):
+        engine.ask([], QUESTION)
+    with pytest.raises(InvalidRequestError, match="at most 64 frame"):
+        engine.ask([frames[0]] * 65, QUESTION)
+    with pytest.raises(InvalidImageError):
+        engine.ask([frames[0], np.zeros((4, 4), np.uint8)], QUESTION)
+
+
+def test_vision_cache_answers_as_without_it_for_images_and_video(engine):
+    """M-RoPE families: cached vision tokens (image, and a video with its times) give the uncached answers."""
+    img, frames, ts = image(120, 200, seed=4), video_frames(4), [0.0, 0.5, 1.0, 1.5]
+    questions = [QUESTION, "describe the scene.", "what color is the triangle?", "yes or no?"]
+    off = [engine.ask(img, q, max_new_tokens=6).text for q in questions]
+    off_video = [engine.ask(frames, q, max_new_tokens=6, frame_timestamps_s=ts).text for q in questions[:2]]
+    engine.set_vision_cache(16)
+    try:
+        assert [engine.ask(img, q, max_new_tokens=6).text for q in questions] == off
+        assert [engine.ask(frames, q, max_new_tokens=6, frame_timestamps_s=ts).text for q in questions[:2]] == off_video
+        assert (engine.vision_cache.misses, engine.vision_cache.hits) == (2, 4)
+    finally:
+        engine.set_vision_cache(None)

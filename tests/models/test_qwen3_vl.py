@@ -564,3 +564,23 @@ def test_cli_ask_with_the_checkpoint(ckpt, tmp_path):
     res = _cli("ask", "--image", str(path), "--model", str(ckpt.folder), "--exit-layer", "2", QUESTION)
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
     assert res.stderr.startswith("edgevlm: error:") and "not supported for the qwen3_vl family" in res.stderr
+
+
+def test_engine_ask_about_frames_answers_as_transformers_video(ckpt):
+    """A list of frames with capture times goes to Qwen3-VL as one video (timestamps in the prompt,
+    M-RoPE over time): the Engine's answer equals transformers' generate on that video."""
+    from edgevlm.runtime import Engine
+
+    engine = Engine.load(ckpt.folder)
+    answer = engine.ask(_video(), QUESTION, max_new_tokens=12, frame_timestamps_s=VIDEO_TIMES_S)
+    vision = _processor(ckpt).prepare([], video=_video(), video_timestamps_s=VIDEO_TIMES_S)
+    ref_in = _hf_inputs(ckpt, [], vision)
+    with torch.no_grad():
+        out = ckpt.hf.generate(**ref_in, do_sample=False, max_new_tokens=12)
+    expected = transformers.AutoTokenizer.from_pretrained(ckpt.folder).decode(
+        out[0, ref_in["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert answer.text == expected.strip()
+    assert answer.stats.vision_tokens == vision.num_tokens
+    engine.set_vision_cache(16)  # Qwen3-VL's DeepStack state: never cached, same answer
+    assert engine.ask(_video(), QUESTION, max_new_tokens=12, frame_timestamps_s=VIDEO_TIMES_S).text == answer.text
+    assert len(engine.vision_cache) == 0

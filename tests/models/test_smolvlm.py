@@ -541,3 +541,25 @@ def test_processor_image_seq_len_mismatch_names_the_key(ckpt, tmp_path):
     cfg = parse_config(json.loads((folder / "config.json").read_text()))
     with pytest.raises(ModelLoadError, match="image_seq_len 64 disagrees"):
         SmolVLMProcessor.from_dir(folder, cfg)
+
+
+# ---- several frames through the Engine: several images ------------------------------------------------
+
+def test_engine_ask_about_frames_answers_as_transformers_images(engine, hf):
+    """SmolVLM takes no video: a list of frames is several images, one <image> part each, in order."""
+    hf_model, hf_proc = hf
+    frames = [_image(100, 150, seed=5), _image(100, 150, seed=6)]
+    answer = engine.ask(frames, QUESTION, max_new_tokens=12, frame_timestamps_s=[0.0, 0.5])
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                             {"type": "text", "text": QUESTION}]}]
+    text = hf_proc.tokenizer.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, tokenize=False,
+                                                 add_generation_prompt=True)
+    ref = hf_proc(text=[text], images=[frames], return_tensors="pt")
+    with torch.no_grad():
+        out = hf_model.generate(**ref, max_new_tokens=12, do_sample=False)
+    expected = hf_proc.tokenizer.decode(out[0, ref["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert _same_answer(answer.text, expected), (answer.text, expected)
+    assert answer.stats.vision_tokens == engine.processor.prepare(frames).num_tokens
+    assert answer.stats.vision_tokens > engine.ask(frames[0], QUESTION, max_new_tokens=1).stats.vision_tokens
+    with pytest.raises(InvalidRequestError, match="smolvlm family takes several images, at most 8 frame"):
+        engine.ask(frames * 5, QUESTION)

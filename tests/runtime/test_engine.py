@@ -205,3 +205,12 @@ def test_write_tiny_checkpoint_is_deterministic(tmp_path):
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
     assert (a / "model.safetensors").stat().st_size < 2_000_000
+
+
+def test_several_frames_to_a_single_image_model_is_invalid_request_naming_the_limit(engine, image):
+    """LLaVA (max_images 1, no video): two frames are refused, naming the limit; one frame in a list is
+    the same request as the bare image."""
+    with pytest.raises(InvalidRequestError, match="llava family takes one image per request: neither video "
+                                                  "nor several images, at most 1 frame"):
+        engine.ask([image, image], PROMPT, max_new_tokens=2)
+    assert engine.ask([image], PROMPT, max_new_tokens=6).text == engine.ask(image, PROMPT, max_new_tokens=6).text

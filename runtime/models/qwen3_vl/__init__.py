@@ -49,4 +49,5 @@ FAMILY = ModelFamily(
     build_model=build_model,
     make_processor=_make_processor,
     supports_video=True,
+    vision_state_free=False,  # DeepStack features stashed by encode_vision for prefill
 )

@@ -51,4 +51,5 @@ FAMILY = ModelFamily(
     build_model=build_model,
     make_processor=make_processor,
     supports_video=False,
+    max_images=8,
 )

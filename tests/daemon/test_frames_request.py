@@ -1,0 +1,153 @@
+"""Requests about several recent frames of a source (``frames`` / ``frames_s``) through a real daemon,
+a real mosquitto and a real video file: the tiny Qwen2.5-VL checkpoint gets them as one video (its
+answer equals the Engine's on the same decoded frames and media times, which tests/models checks
+against transformers' generate); the tiny LLaVA model (one image only) answers INVALID_REQUEST
+naming the limit; bad values are INVALID_REQUEST on the wire."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+
+from edgevlm.client import Client  # noqa: E402
+from tests.models.test_qwen2_5_vl import write_tiny_qwen2_5_vl  # noqa: E402
+
+REQUEST_TOPIC = "edgevlm/dev1/request"
+PROMPT = "What is happening in this video?"
+
+
+@pytest.fixture(scope="module")
+def qwen_engine(tmp_path_factory):
+    from edgevlm.runtime import Engine
+
+    return Engine.load(write_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen_frames")))
+
+
+def _decoded(path) -> list[np.ndarray]:
+    """The video's frames as the source decodes them (OpenCV, RGB)."""
+    import cv2
+
+    cap = cv2.VideoCapture(str(path))
+    frames = []
+    while True:
+        ok, bgr = cap.read()
+        if not ok:
+            break
+        frames.append(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB))
+    cap.release()
+    return frames
+
+
+def _roundtrip(raw, body: dict) -> dict:
+    reply = f"test/replies/{uuid.uuid4().hex}"
+    raw.subscribe(reply)
+    raw.publish(REQUEST_TOPIC, json.dumps(body).encode(), response_topic=reply, correlation=b"c")
+    return json.loads(raw.wait_messages(reply, 1, timeout_s=60)[0].payload)
+
+
+def _expected(engine, decoded, newest: int, n: int, max_new_tokens: int) -> str:
+    frames = decoded[newest - n + 1:newest + 1]
+    return engine.ask(frames, PROMPT, max_new_tokens=max_new_tokens,
+                      frame_timestamps_s=[0.1 * i for i in range(n)] if n > 1 else None).text
+
+
+def _ask_in_one_loop(raw, body: dict, n_min: int) -> dict:
+    """The response to ``body`` whose frames lie within one pass of the looping file (retried)."""
+    for _ in range(3):
+        resp = _roundtrip(raw, body)
+        assert resp["ok"], resp
+        if resp["frame"]["index"] >= resp["frame"]["frames"] - 1 >= n_min - 1:
+            return resp
+    raise AssertionError(f"no response within one loop of the file: {resp}")
+
+
+def test_frames_and_frames_s_answer_as_the_engine_on_those_frames(start_daemon, qwen_engine, make_video,
+                                                                  raw_client, mosquitto, wait_until):
+    path = make_video(n_frames=60, fps=10.0, size=(112, 84))
+    daemon = start_daemon(engine=qwen_engine, sources=[{"name": "cam", "uri": str(path)}],
+                          defaults={"max_new_tokens": 6, "timeout_ms": 60000})
+    src = daemon.sources.get("cam")
+    wait_until(lambda: (f := src.latest()) is not None and f.index is not None and f.index >= 6, 20, "6 frames")
+    decoded = _decoded(path)
+    raw = raw_client()
+
+    resp = _ask_in_one_loop(raw, {"prompt": PROMPT, "source": "cam", "frames": 4}, 4)
+    f = resp["frame"]
+    assert f["frames"] == 4 and f["first_ts"] < f["ts"]
+    assert resp["text"] == _expected(qwen_engine, decoded, f["index"], 4, 6)
+
+    resp = _ask_in_one_loop(raw, {"prompt": PROMPT, "source": "cam", "frames_s": 0.25}, 2)
+    f = resp["frame"]
+    assert 2 <= f["frames"] <= 4  # 10 fps paced playback: about 3 frames in 0.25 s
+    assert f["ts"] - f["first_ts"] <= 0.25 + 1e-6
+    assert resp["text"] == _expected(qwen_engine, decoded, f["index"], f["frames"], 6)
+
+    with Client(mosquitto.host, mosquitto.port, "dev1") as client:  # the SDK's frames=
+        for _ in range(3):
+            answer = client.ask(PROMPT, source="cam", frames=3, timeout_s=60)
+            newest = round(answer.frame_pos_ms / 100.0)
+            if newest >= 2:
+                break
+        assert answer.text == _expected(qwen_engine, decoded, newest, 3, 6)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ({"frames": 0}, "frames"), ({"frames": 33}, "frames"), ({"frames": 2.0}, "frames"), ({"frames": "2"}, "frames"),
+    ({"frames": True}, "frames"), ({"frames_s": 0}, "frames_s"), ({"frames_s": 10.5}, "frames_s"),
+    ({"frames_s": "1"}, "frames_s"), ({"frames": 2, "frames_s": 1.0}, "at most one of"),
+])
+def test_bad_frames_values_are_invalid_request(start_daemon, raw_client, make_video, extra, needle):
+    start_daemon(sources=[{"name": "cam", "uri": str(make_video())}])
+    resp = _roundtrip(raw_client(), {"prompt": PROMPT, "source": "cam", **extra})
+    assert not resp["ok"] and resp["error"]["code"] == "INVALID_REQUEST" and needle in resp["error"]["message"]
+
+
+def test_frames_of_an_inline_image_is_invalid_request(start_daemon, raw_client):
+    start_daemon()
+    resp = _roundtrip(raw_client(), {"prompt": PROMPT, "image_b64": "aGk=", "frames": 2})
+    assert resp["error"]["code"] == "INVALID_REQUEST" and "of a 'source'" in resp["error"]["message"]
+
+
+def test_frames_to_a_one_image_model_is_invalid_request_naming_the_limit(start_daemon, raw_client, make_video,
+                                                                         wait_until):
+    daemon = start_daemon(sources=[{"name": "cam", "uri": str(make_video(n_frames=30))}])  # the tiny LLaVA
+    wait_until(lambda: (f := daemon.sources.get("cam").latest()) is not None and f.seq >= 3, 20, "3 frames")
+    raw = raw_client()
+    resp = _roundtrip(raw, {"prompt": PROMPT, "source": "cam", "frames": 3})
+    assert resp["error"]["code"] == "INVALID_REQUEST"
+    assert "llava family takes one image per request" in resp["error"]["message"]
+    assert "at most 1 frame" in resp["error"]["message"]
+    time.sleep(0.05)
+    assert _roundtrip(raw, {"prompt": PROMPT, "source": "cam", "frames": 1})["ok"]  # one frame is one image
+
+
+def test_questions_about_one_source_frame_share_its_vision_tokens(start_daemon, qwen_engine, make_video,
+                                                                 raw_client, wait_until):
+    """With the engine's vision cache on, the daemon names a source frame by its seq: a second
+    question about the same frame reuses the vision tokens, answering as without the cache."""
+    path = make_video(n_frames=6, fps=10.0, size=(112, 84))
+    daemon = start_daemon(engine=qwen_engine, sources=[{"name": "cam", "uri": str(path), "fps": 0.5}],
+                          defaults={"max_new_tokens": 6, "timeout_ms": 60000})
+    wait_until(lambda: daemon.sources.get("cam").latest() is not None, 20, "a frame")
+    raw = raw_client()
+    qwen_engine.set_vision_cache(16)
+    try:
+        for _ in range(3):
+            first = _roundtrip(raw, {"prompt": PROMPT, "source": "cam"})
+            second = _roundtrip(raw, {"prompt": "describe the scene.", "source": "cam"})
+            if first["frame"]["ts"] == second["frame"]["ts"]:
+                break
+        assert first["frame"]["ts"] == second["frame"]["ts"], "no two answers about one frame"
+        assert qwen_engine.vision_cache.hits >= 1
+        assert {k[0][:2] for k in qwen_engine.vision_cache.keys()} == {("source", "cam")}  # named by seq, not hash
+        frame = _decoded(path)[first["frame"]["index"]]
+        qwen_engine.set_vision_cache(None)
+        assert second["text"] == qwen_engine.ask(frame, "describe the scene.", max_new_tokens=6).text
+    finally:
+        qwen_engine.set_vision_cache(None)

@@ -1,0 +1,87 @@
+"""The per-frame vision cache (issue 13 §4): several questions about one frame run the vision encoder
+once per operating point, with answers identical to the uncached engine; LRU within the budget."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from edgevlm.errors import InvalidRequestError  # noqa: E402
+from edgevlm.runtime.vision_cache import VisionCache, content_key  # noqa: E402
+from edgevlm.types import OperatingPoint  # noqa: E402
+
+QUESTIONS = ["what colour is the small circle ?", "how many shapes are there ?", "is there a square ?",
+             "where is the red circle ?"]
+
+
+@pytest.fixture
+def cached_engine(tiny_dir):
+    """A private engine (the vision cache is engine state), with the encoder calls counted."""
+    from edgevlm.runtime import Engine
+
+    eng = Engine.load(tiny_dir, device="cpu")
+    real = eng.backend.encode_vision
+    calls = []
+
+    def counting(vision, **kw):
+        calls.append(tuple(vision.pixel_values.shape))
+        return real(vision, **kw)
+
+    eng.backend.encode_vision = counting
+    return eng, calls
+
+
+def test_four_questions_about_one_frame_encode_once_and_answer_as_without_cache(cached_engine, image):
+    eng, calls = cached_engine
+    off = [eng.ask(image, q, max_new_tokens=8) for q in QUESTIONS]
+    assert len(calls) == 4
+    eng.set_vision_cache(16)
+    calls.clear()
+    on = [eng.ask(image.copy(), q, max_new_tokens=8) for q in QUESTIONS]  # same pixels, new arrays
+    assert len(calls) == 1
+    assert [a.text for a in on] == [a.text for a in off]
+    assert [a.stats.vision_tokens for a in on] == [a.stats.vision_tokens for a in off]
+    assert (eng.vision_cache.hits, eng.vision_cache.misses, len(eng.vision_cache)) == (3, 1, 1)
+
+
+def test_another_frame_or_operating_point_or_key_is_encoded_again(cached_engine, image):
+    eng, calls = cached_engine
+    eng.set_vision_cache(16)
+    eng.ask(image, QUESTIONS[0], max_new_tokens=2)
+    other = image.copy()
+    other[0, 0, 0] ^= 1  # one pixel differs
+    eng.ask(other, QUESTIONS[0], max_new_tokens=2)
+    low = OperatingPoint(name="low", resolution_px=32)
+    eng.ask(image, QUESTIONS[0], max_new_tokens=2, operating_point=low)
+    eng.ask(image, QUESTIONS[1], max_new_tokens=2, operating_point=low)  # hit
+    eng.ask(image, QUESTIONS[0], max_new_tokens=2, vision_key=("front", 7))
+    eng.ask(other, QUESTIONS[1], max_new_tokens=2, vision_key=("front", 7))  # the key names the frame
+    assert len(calls) == 4 and eng.vision_cache.hits == 2
+
+
+def test_lru_eviction_keeps_the_budget():
+    cache = VisionCache(3 * 400)  # three (10, 10) float32 entries
+    feats = [torch.full((10, 10), float(i)) for i in range(4)]
+    for i in range(3):
+        cache.put(i, feats[i])
+    assert cache.get(0) is not None  # 0 is now the most recently used
+    cache.put(3, feats[3])  # evicts 1
+    assert cache.get(1) is None and cache.get(2) is not None and cache.get(3)[0].equal(feats[3])
+    assert cache.bytes_used == 3 * 400 and cache.evictions == 1
+    cache.put("big", torch.zeros(100, 100))  # larger than the budget: not stored, nothing evicted
+    assert cache.get("big") is None and len(cache) == 3
+
+
+def test_content_key_is_the_pixels_not_the_array():
+    a = np.zeros((4, 5, 3), np.uint8)
+    assert content_key([a]) == content_key([a.copy()]) != content_key([a[:, :4]])
+    assert content_key([a, a]) != content_key([a]) and content_key([a], (0.0, 0.5)) != content_key([a])
+
+
+@pytest.mark.parametrize("bad", [-1, "16", True, float("nan"), float("inf")])
+def test_bad_budget_is_invalid_request(engine, bad):
+    with pytest.raises(InvalidRequestError, match="vision cache budget"):
+        engine.set_vision_cache(bad)
+    assert engine.vision_cache is None
