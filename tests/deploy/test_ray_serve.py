@@ -154,6 +154,6 @@ def test_replica_killed_mid_load_loses_nothing(ray_app, tiny_engine) -> None:
     # requests the victim held were sent to the other replica by the ingress (replica_retries) or,
     # when not yet started there, re-routed by Ray's own router: either way none was lost
     health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30).read())
-    assert health["status"] == "ok" and health["replica_retries"] >= 0
+    assert health["status"] == "ok" and isinstance(health["replica_retries"], int)
     for i, (_, img) in enumerate(inputs):
         assert results[i] == tiny_engine.ask(img, "what is in the picture ?", max_new_tokens=6).text
