@@ -500,3 +500,25 @@ class Decoder(nn.Module):
         t = embeds.shape[1]
         input_pos = torch.arange(t, device=embeds.device)
         return self(embeds, input_pos, prefill=True, rows=rows, last_index=lengths - 1)
+
+
+class DecoderVLM(nn.Module):
+    """Base of every family's model (:class:`edgevlm.runtime.models.base.VLMModel`): a vision part
+    feeding ``language_model``, the shared :class:`Decoder`. Gives the parts every accelerator
+    reaches through the decoder: the model's dtype and device (those of the token embeddings) and
+    the KV-cache set-up."""
+
+    language_model: Decoder
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.language_model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.language_model.embed_tokens.weight.device
+
+    def setup_caches(self, max_batch_size: int, max_seq_len: int, **kwargs) -> None:
+        """Allocate the decoder's static KV caches and RoPE tables (see :meth:`Decoder.setup_caches`;
+        ``kwargs``: its KV precision and layout options)."""
+        self.language_model.setup_caches(max_batch_size, max_seq_len, **kwargs)

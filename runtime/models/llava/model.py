@@ -15,7 +15,7 @@ import logging
 import torch
 from torch import nn
 
-from edgevlm.runtime.decoder import Decoder, rope_cos_sin
+from edgevlm.runtime.decoder import Decoder, DecoderVLM, rope_cos_sin
 from edgevlm.runtime.exits import ExitHeads
 from edgevlm.runtime.models.base import VisionInput
 from edgevlm.runtime.models.blocks.siglip import (
@@ -63,7 +63,7 @@ class SiglipFeatureEncoder(nn.Module):
         return [states[i] for i in feature_indices]
 
 
-class LlavaModel(nn.Module):
+class LlavaModel(DecoderVLM):
     """Vision tower + decoder. Canonical parameter names (what :data:`WEIGHT_RULES` maps every
     checkpoint layout to)::
 
@@ -88,18 +88,6 @@ class LlavaModel(nn.Module):
         self.prune_positions = "original"
         self._pruned: tuple[list[int], int, int] | None = None  # (kept patches, N patches, CLS kept)
         self._rope_positions: torch.Tensor | None = None  # (T,) positions for the next prefill
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.language_model.embed_tokens.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.language_model.embed_tokens.weight.device
-
-    def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
-        """Allocate the decoder's static KV caches (see :meth:`Decoder.setup_caches`)."""
-        self.language_model.setup_caches(max_batch_size, max_seq_len)
 
     def encode_image(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``(B, 3, H, W)`` normalised pixels -> ``(B, N, D_text)`` vision tokens (model dtype)."""

@@ -14,15 +14,14 @@ through :data:`WEIGHT_RULES`.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from edgevlm.runtime.decoder import Decoder
+from edgevlm.runtime.decoder import Decoder, DecoderVLM
 from edgevlm.runtime.models.qwen2_5_vl.config import Qwen25VLConfig
 from edgevlm.runtime.models.qwen2_5_vl.vision import Qwen25VisionTower
 from edgevlm.runtime.models.qwen_vl.rope import VisionSpan, mrope_cos_sin, mrope_position_ids
 
 
-class Qwen25VLModel(nn.Module):
+class Qwen25VLModel(DecoderVLM):
     """Qwen2.5-VL for generation: ``encode_vision`` -> ``embed`` -> ``position_ids`` -> ``prefill`` ->
     ``decode`` (the model-family interface of ``runtime/models``)."""
 
@@ -31,18 +30,6 @@ class Qwen25VLModel(nn.Module):
         self.cfg = cfg
         self.visual = Qwen25VisionTower(cfg.vision)
         self.language_model = Decoder(cfg.text, tie_word_embeddings=cfg.tie_word_embeddings)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.language_model.embed_tokens.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.language_model.embed_tokens.weight.device
-
-    def setup_caches(self, max_batch_size: int, max_seq_len: int, **kwargs) -> None:
-        """Allocate the decoder's KV caches and RoPE tables (see :meth:`Decoder.setup_caches`)."""
-        self.language_model.setup_caches(max_batch_size, max_seq_len, **kwargs)
 
     def encode_vision(self, vision) -> torch.Tensor:
         """``vision`` (a ``VisionInput`` with ``pixel_values (N_patches, C*tp*p*p)`` and ``grid_thw``

@@ -21,9 +21,8 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch import nn
 
-from edgevlm.runtime.decoder import Decoder, rope_inv_freq
+from edgevlm.runtime.decoder import Decoder, DecoderVLM, rope_inv_freq
 from edgevlm.runtime.models.qwen3_vl.config import Qwen3VLConfig
 from edgevlm.runtime.models.qwen3_vl.vision import Qwen3VLVisionTower
 from edgevlm.runtime.models.qwen_vl.rope import VisionSpan, mrope_cos_sin, mrope_position_ids
@@ -31,7 +30,7 @@ from edgevlm.runtime.models.qwen_vl.rope import VisionSpan, mrope_cos_sin, mrope
 logger = logging.getLogger(__name__)
 
 
-class Qwen3VLModel(nn.Module):
+class Qwen3VLModel(DecoderVLM):
     """Vision tower + shared decoder. Parameter names (what the family's ``weight_rules`` map a
     checkpoint to)::
 
@@ -46,18 +45,6 @@ class Qwen3VLModel(nn.Module):
         self.language_model = Decoder(cfg.text, cfg.tie_word_embeddings)
         self._deepstack: list[torch.Tensor] = []  # from the last encode_vision, for the next prefill
         self._vision_mask: torch.Tensor | None = None  # (1, T) bool, from the last embed with vision
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.language_model.embed_tokens.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.language_model.embed_tokens.weight.device
-
-    def setup_caches(self, max_batch_size: int, max_seq_len: int, **kwargs) -> None:
-        """Allocate the decoder's static KV caches (see :meth:`Decoder.setup_caches`)."""
-        self.language_model.setup_caches(max_batch_size, max_seq_len, **kwargs)
 
     # ---- vision ---------------------------------------------------------------------------------
     def encode_vision(self, vision) -> torch.Tensor:

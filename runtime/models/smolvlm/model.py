@@ -17,16 +17,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
-from edgevlm.runtime.decoder import Decoder
+from edgevlm.runtime.decoder import Decoder, DecoderVLM
 from edgevlm.runtime.models.smolvlm.config import SmolVLMConfig
 from edgevlm.runtime.models.smolvlm.vision import Connector, SmolVLMVisionTransformer, patch_attention_mask
 
 if TYPE_CHECKING:
     from edgevlm.runtime.models.base import VisionInput
 
-class SmolVLMModel(nn.Module):
+class SmolVLMModel(DecoderVLM):
     """The whole model; build under ``torch.device("meta")`` and let the loader fill the weights."""
 
     def __init__(self, cfg: SmolVLMConfig) -> None:
@@ -35,18 +34,6 @@ class SmolVLMModel(nn.Module):
         self.vision_model = SmolVLMVisionTransformer(cfg.vision)
         self.connector = Connector(cfg)
         self.language_model = Decoder(cfg.text, tie_word_embeddings=cfg.tie_word_embeddings)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.language_model.embed_tokens.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.language_model.embed_tokens.weight.device
-
-    def setup_caches(self, max_batch_size: int, max_seq_len: int, **kwargs) -> None:
-        """Allocate the decoder's static KV caches (see :meth:`Decoder.setup_caches`)."""
-        self.language_model.setup_caches(max_batch_size, max_seq_len, **kwargs)
 
     def encode_tiles(self, pixel_values: torch.Tensor, pixel_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Tiles ``(N, 3, T, T)`` float (``pixel_mask`` ``(N, T, T)``: nonzero = real pixel, None = all
