@@ -225,3 +225,20 @@ def parse_text_config(tc: dict, where: str = "text_config.") -> TextConfig:
         raise ModelLoadError(f"config.json: {w}rope_parameters.mrope_section {list(cfg.mrope_section)} "
                              f"must sum to head_dim / 2 = {cfg.head_dim // 2}")
     return cfg
+
+
+def parse_resolution_ladder(raw: dict, default: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """The resolution ladder of a checkpoint: ``config.json``'s ``edgevlm.resolution_ladder`` (rungs
+    in px, sorted, duplicates dropped), else ``default``. One rule for every family.
+
+    Raises:
+        ModelLoadError: ``edgevlm`` is not an object, or the ladder is not a list of positive ints.
+    """
+    extra = raw.get("edgevlm") or {}
+    if not isinstance(extra, dict):
+        raise ModelLoadError("config.json: edgevlm must be an object")
+    ladder = extra.get("resolution_ladder") or list(default)
+    if not isinstance(ladder, list) or not all(isinstance(r, int) and not isinstance(r, bool) and r > 0
+                                               for r in ladder):
+        raise ModelLoadError(f"config.json: edgevlm.resolution_ladder must be a list of positive ints, got {ladder!r}")
+    return tuple(sorted(set(ladder)))

@@ -13,7 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edgevlm.errors import ModelLoadError
-from edgevlm.runtime.config import SUPPORTED_ACTIVATIONS, TextConfig, get_typed, int_list, parse_text_config
+from edgevlm.runtime.config import (
+    SUPPORTED_ACTIVATIONS,
+    TextConfig,
+    get_typed,
+    int_list,
+    parse_resolution_ladder,
+    parse_text_config,
+)
 from edgevlm.runtime.models.blocks.siglip_config import SiglipVisionConfig, parse_siglip_vision_config
 
 #: vision tower model types a LLaVA checkpoint may have
@@ -153,12 +160,7 @@ def parse_config(raw: dict) -> LlavaConfig:
     if act not in SUPPORTED_ACTIVATIONS:
         raise ModelLoadError(f"config.json: projector_hidden_act {act!r} is not supported")
     tie = bool(raw.get("tie_word_embeddings", False)) or bool(raw["text_config"].get("tie_word_embeddings", False))
-    extra = raw.get("edgevlm") or {}
-    if not isinstance(extra, dict):
-        raise ModelLoadError("config.json: edgevlm must be an object")
-    ladder = extra.get("resolution_ladder") or [vision.image_size]
-    if not isinstance(ladder, list) or not all(isinstance(r, int) and r > 0 for r in ladder):
-        raise ModelLoadError(f"config.json: edgevlm.resolution_ladder must be a list of positive ints, got {ladder!r}")
+    ladder = parse_resolution_ladder(raw, (vision.image_size,))
     return LlavaConfig(
         vision=vision,
         text=text,
@@ -168,5 +170,5 @@ def parse_config(raw: dict) -> LlavaConfig:
         vision_feature_layer=tuple(layers),
         vision_feature_select_strategy=strategy,
         tie_word_embeddings=tie,
-        resolution_ladder=tuple(sorted(set(ladder))),
+        resolution_ladder=ladder,
     )

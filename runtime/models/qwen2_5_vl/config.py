@@ -12,7 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from edgevlm.errors import ModelLoadError
-from edgevlm.runtime.config import SUPPORTED_ACTIVATIONS, TextConfig, parse_text_config
+from edgevlm.runtime.config import (
+    SUPPORTED_ACTIVATIONS,
+    TextConfig,
+    parse_resolution_ladder,
+    parse_text_config,
+)
 
 #: transformers' ``Qwen2_5_VLTextConfig`` keys that are decoder keys (the 4.x top-level layout).
 _LEGACY_TEXT_KEYS = (
@@ -185,12 +190,6 @@ def parse_config(raw: dict) -> Qwen25VLConfig:
                                  f"(vocab_size {text.vocab_size})")
         ids[key] = value
     tie = bool(raw.get("tie_word_embeddings", False)) or bool(tc.get("tie_word_embeddings", False))
-    extra = raw.get("edgevlm") or {}
-    if not isinstance(extra, dict):
-        raise ModelLoadError("config.json: edgevlm must be an object")
-    ladder = extra.get("resolution_ladder") or []
-    if not isinstance(ladder, list) or not all(isinstance(r, int) and not isinstance(r, bool) and r > 0
-                                               for r in ladder):
-        raise ModelLoadError(f"config.json: edgevlm.resolution_ladder must be a list of positive ints, got {ladder!r}")
+    ladder = parse_resolution_ladder(raw, ())
     return Qwen25VLConfig(vision=vision, text=text, tie_word_embeddings=tie,
-                          resolution_ladder=tuple(sorted(set(ladder))), **ids)
+                          resolution_ladder=ladder, **ids)

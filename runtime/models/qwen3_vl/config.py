@@ -14,7 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from edgevlm.errors import ModelLoadError
-from edgevlm.runtime.config import SUPPORTED_ACTIVATIONS, TextConfig, parse_text_config
+from edgevlm.runtime.config import (
+    SUPPORTED_ACTIVATIONS,
+    TextConfig,
+    parse_resolution_ladder,
+    parse_text_config,
+)
 
 MODEL_TYPES = ("qwen3_vl",)
 
@@ -178,12 +183,6 @@ def parse_config(raw: dict) -> Qwen3VLConfig:
         if not 0 <= value < text.vocab_size:
             raise ModelLoadError(f"config.json: {key} {value} is not a token id of the vocabulary")
         ids[key] = value
-    extra = raw.get("edgevlm") or {}
-    if not isinstance(extra, dict):
-        raise ModelLoadError("config.json: edgevlm must be an object")
-    ladder = extra.get("resolution_ladder") or []
-    if not isinstance(ladder, list) or not all(isinstance(r, int) and not isinstance(r, bool) and r > 0
-                                               for r in ladder):
-        raise ModelLoadError(f"config.json: edgevlm.resolution_ladder must be a list of positive ints, got {ladder!r}")
+    ladder = parse_resolution_ladder(raw, ())
     return Qwen3VLConfig(vision=vision, text=text, tie_word_embeddings=tie,
-                         resolution_ladder=tuple(sorted(set(ladder))), **ids)
+                         resolution_ladder=ladder, **ids)

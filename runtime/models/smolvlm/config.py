@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edgevlm.errors import ModelLoadError
-from edgevlm.runtime.config import TextConfig, get_typed, parse_text_config
+from edgevlm.runtime.config import TextConfig, get_typed, parse_resolution_ladder, parse_text_config
 from edgevlm.runtime.models.blocks.siglip_config import SiglipVisionConfig, parse_siglip_vision_config
 
 MODEL_TYPES = ("smolvlm", "idefics3")
@@ -95,19 +95,13 @@ def parse_config(raw: dict) -> SmolVLMConfig:
             f"config.json: image_token_id {image_token_id} is not a token id of the vocabulary "
             f"(text_config.vocab_size {text.vocab_size})"
         )
-    extra = raw.get("edgevlm") or {}
-    if not isinstance(extra, dict):
-        raise ModelLoadError("config.json: edgevlm must be an object")
-    ladder = extra.get("resolution_ladder") or []
-    if not isinstance(ladder, list) or not all(isinstance(r, int) and not isinstance(r, bool) and r > 0
-                                               for r in ladder):
-        raise ModelLoadError(f"config.json: edgevlm.resolution_ladder must be a list of positive ints, got {ladder!r}")
+    ladder = parse_resolution_ladder(raw, ())
     return SmolVLMConfig(
         vision=vision,
         text=text,
         scale_factor=scale,
         image_token_id=image_token_id,
         tie_word_embeddings=get_typed(raw, "tie_word_embeddings", False, bool, ""),
-        resolution_ladder=tuple(sorted(set(ladder))),
+        resolution_ladder=ladder,
         model_type=model_type,
     )
