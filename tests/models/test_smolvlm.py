@@ -513,8 +513,6 @@ def test_hub_smolvlm2_500m_config_reads_as_transformers_does(tmp_path):
     ({"scale_factor": "2"}, "scale_factor has type str"),
     ({"image_token_id": 10**6}, "image_token_id 1000000 is not a token id"),
     ({"vision_config": {"model_type": "clip_vision_model"}}, "vision_config.model_type 'clip_vision_model'"),
-    ({"vision_config": {"model_type": "smolvlm_vision", "image_size": 72, "patch_size": 16}},
-     "vision_config.image_size is not a multiple of vision_config.patch_size"),
     ({"text_config": {"model_type": "gpt2"}}, "text_config.model_type 'gpt2' is not supported"),
     ({"text_config": []}, "text_config must be an object"),
 ])
@@ -522,6 +520,20 @@ def test_bad_config_names_the_key(ckpt, patch, message):
     raw = json.loads((ckpt / "config.json").read_text())
     with pytest.raises(ModelLoadError, match=re.escape(message)):
         parse_config({**raw, **patch})
+
+
+def test_image_size_not_a_multiple_of_the_patch_is_floored_as_transformers_does():
+    """SmolVLM2-2.2B's tower: 384 px at patch 14 is a 27 x 27 grid (the last 6 px are not read), as
+    transformers' Idefics3 vision embeddings floor it; 27 / scale_factor 3 = 9 -> 81 tokens a tile."""
+    raw = {"model_type": "smolvlm", "scale_factor": 3,
+           "vision_config": {"model_type": "smolvlm_vision", "image_size": 384, "patch_size": 14, "hidden_size": 64,
+                             "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4},
+           "text_config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+                           "num_attention_heads": 4, "vocab_size": 50000}, "image_token_id": 49190}
+    ref = transformers.SmolVLMConfig(**raw)
+    cfg = parse_config(raw)
+    assert cfg.vision.grid_side == ref.vision_config.image_size // ref.vision_config.patch_size == 27
+    assert cfg.image_seq_len == int(27**2 / ref.scale_factor**2) == 81
 
 
 def test_registry_serves_smolvlm_and_idefics3_and_names_them_when_refusing():

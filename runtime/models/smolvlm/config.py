@@ -76,9 +76,8 @@ def parse_config(raw: dict) -> SmolVLMConfig:
                                         defaults=_VISION_DEFAULTS)
     if vision.vision_use_head:
         vision = SiglipVisionConfig(**{**vision.__dict__, "vision_use_head": False})
-    if vision.image_size % vision.patch_size:
-        raise ModelLoadError("config.json: vision_config.image_size is not a multiple of vision_config.patch_size "
-                             "(SmolVLM's tiles must be whole patch grids)")
+    # an image_size that is not a multiple of the patch (SmolVLM2-2.2B: 384 px, patch 14) is floored to
+    # whole patches (27 x 27), as transformers' Idefics3 vision embeddings do (vision.grid_side)
     tc = dict(raw.get("text_config") or {})
     tc.setdefault("model_type", "llama")
     tc.setdefault("rms_norm_eps", 1e-5)  # SmolVLMConfig builds its default text config with this eps
