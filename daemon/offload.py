@@ -67,7 +67,15 @@ class Offloader:
             try:
                 client = Client(host, port, pool=self.cfg.pool, prefix=m.prefix, username=m.username,
                                 password=m.password, connect_timeout_s=5.0, resend_interval_s=1.0)
-            except (BrokerUnreachableError, OSError) as exc:
+            except EdgeVLMError as exc:
+                if not isinstance(exc, BrokerUnreachableError):  # a setting no retry can fix: one line, stop
+                    logger.error("offload: pool %r cannot be used: %s; offload is off", self.cfg.pool, exc.message)
+                    return
+                logger.warning("offload: cannot reach the broker of pool %r at %s:%d (%s); retrying",
+                               self.cfg.pool, host, port, exc.message)
+                time.sleep(2.0)
+                continue
+            except OSError as exc:
                 logger.warning("offload: cannot reach the broker of pool %r at %s:%d (%s); retrying",
                                self.cfg.pool, host, port, getattr(exc, "message", exc))
                 time.sleep(2.0)

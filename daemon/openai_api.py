@@ -52,7 +52,7 @@ from edgevlm.errors import (
     InvalidImageError,
     InvalidRequestError,
 )
-from edgevlm.protocol import MAX_STOP_STRINGS, Request, Response, parse_request
+from edgevlm.protocol import MAX_NEW_TOKENS_LIMIT, MAX_STOP_STRINGS, Request, Response, parse_request
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,15 @@ def _http_error(status: int, message: str, *, type_: str = "invalid_request_erro
     if retry:
         headers["Retry-After"] = "1"
     return JSONResponse({"error": body}, status_code=status, headers=headers)
+
+
+async def _not_found(request: Any, exc: Any) -> Any:
+    return _http_error(404, f"no route {request.url.path} (POST /v1/chat/completions, GET /v1/models, GET /health)",
+                       code="not_found")
+
+
+async def _not_allowed(request: Any, exc: Any) -> Any:
+    return _http_error(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed")
 
 
 def error_response(err: EdgeVLMError) -> Any:
@@ -169,6 +178,10 @@ def _text_of(content: Any, param: str) -> tuple[list[str], list[tuple[str, str]]
 
 def _image_fields(url: str, param: str) -> dict[str, str]:
     """``{"source": name}`` or ``{"image_b64": ...}`` for one ``image_url.url``."""
+    if url.startswith("edgevlm://") and not url.startswith(SOURCE_URI_PREFIX):
+        raise _invalid(f"{url!r}: edgevlm:// URIs name a camera: {SOURCE_URI_PREFIX}<name>", param)
+    if url.startswith("data:") and _DATA_URI.match(url) is None:
+        raise _invalid("data URIs must be base64 images: data:image/<type>;base64,<data>", param)
     if url.startswith(SOURCE_URI_PREFIX):
         name = url[len(SOURCE_URI_PREFIX):]
         if not name or "/" in name:
@@ -248,9 +261,10 @@ def to_request(body: Any, *, model_id: str, multiple_images: str = "refuse") -> 
     if stop is not None and (not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS
                              or not all(isinstance(s, str) and s for s in stop)):
         raise _invalid(f"must be a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty strings", "stop")
-    max_tokens = _integer(body, "max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _integer(body, name)
+    if max_tokens is not None and not 1 <= max_tokens <= MAX_NEW_TOKENS_LIMIT:
+        raise _invalid(f"must be between 1 and {MAX_NEW_TOKENS_LIMIT}, got {max_tokens}", name)
     stream = body.get("stream", False)
     if not isinstance(stream, bool) and stream is not None:
         raise _invalid("must be a boolean", "stream")
@@ -330,7 +344,13 @@ async def read_chat_request(request: Any, config: HttpConfig, model_id: str, lim
     if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
         return _http_error(413, f"request body of {length} bytes exceeds http.max_body_bytes={config.max_body_bytes}",
                            code=ErrorCode.INVALID_REQUEST.value)
-    raw = await request.body()
+    from starlette.requests import ClientDisconnect
+
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # the client went away mid-body: nobody to answer, nothing to log twice
+        logger.info("HTTP: client disconnected before sending the whole request body")
+        return _http_error(400, "the client disconnected before sending the whole body", code="INVALID_REQUEST")
     if len(raw) > config.max_body_bytes:
         return _http_error(413, f"request body exceeds http.max_body_bytes={config.max_body_bytes}",
                            code=ErrorCode.INVALID_REQUEST.value)
@@ -435,7 +455,7 @@ class OpenAIServer:
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/health", self._health, methods=["GET"]),
-        ])
+        ], exception_handlers={404: _not_found, 405: _not_allowed})
 
     async def _health(self, request: Any) -> Any:
         from starlette.responses import JSONResponse

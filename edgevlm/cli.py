@@ -200,6 +200,11 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     load_ms = (time.perf_counter() - t0) * 1000.0
     logger.info("loaded %s in %.0f ms", engine.model_dir, load_ms)
     patch = int(engine.patch_size_px)
+    from edgevlm.types import MAX_RESOLUTION_PX
+
+    if args.resolution is not None and args.resolution > MAX_RESOLUTION_PX:
+        raise _UsageError(f"--resolution {args.resolution} px is above the largest input resolution, "
+                          f"{MAX_RESOLUTION_PX} px")
     if args.resolution is not None and args.resolution < patch:
         ladder = ", ".join(str(r) for r in engine.resolution_ladder)
         raise _UsageError(

@@ -99,10 +99,15 @@ class MqttConfig(StrictModel):
     def _device_id(cls, v: str) -> str:
         return check_device_id(v)
 
-    @field_validator("pool", "pool_group")
+    @field_validator("pool")
     @classmethod
     def _pool(cls, v: str | None) -> str | None:
         return check_pool(v) if v is not None else v
+
+    @field_validator("pool_group")
+    @classmethod
+    def _pool_group(cls, v: str | None) -> str | None:
+        return check_pool(v, what="pool_group") if v is not None else v
 
     @model_validator(mode="after")
     def _check(self) -> MqttConfig:

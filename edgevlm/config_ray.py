@@ -6,7 +6,18 @@ HTTP front end its ``http:`` (host, port, model name, token), the limits and def
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
+
+from edgevlm.protocol import check_pool
 
 
 class RayConfig(BaseModel):
@@ -71,3 +82,8 @@ class OffloadConfig(BaseModel):
         description="Taken off the request's budget and timeout for the extra hop before they are forwarded.",
     )
     max_in_flight: StrictInt = Field(32, ge=1, le=4096, description="Forwarded requests waiting at once; more are refused as today.")
+
+    @field_validator("pool")
+    @classmethod
+    def _pool(cls, v: str | None) -> str | None:
+        return check_pool(v) if v is not None else v

@@ -123,9 +123,10 @@ def response_topic(prefix: str, device_id: str, token: str) -> str:
     return f"{check_prefix(prefix)}/{check_device_id(device_id)}/response/{_check_level(token, 'token')}"
 
 
-def check_pool(pool: str) -> str:
-    """Validate a pool name (one topic level of ``[A-Za-z0-9_.-]``). Raises ``ValueError``."""
-    return _check_level(pool, "pool")
+def check_pool(pool: str, what: str = "pool") -> str:
+    """Validate a pool name or group (one topic level of ``[A-Za-z0-9_.-]``; ``what`` names it in
+    the error). Raises ``ValueError``."""
+    return _check_level(pool, what)
 
 
 def pool_request_topic(prefix: str, pool: str) -> str:

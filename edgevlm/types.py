@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+MAX_RESOLUTION_PX = 8192
+"""The largest input resolution (longer side, px) an operating point may ask for; a larger one would
+allocate gigabytes for one image before any other check could refuse it."""
+
 
 class OperatingPoint(BaseModel):
     """The knobs of one inference call. ``None`` means "the engine's default".
@@ -21,6 +25,7 @@ class OperatingPoint(BaseModel):
     resolution_px: int | None = Field(
         None,
         gt=0,
+        le=MAX_RESOLUTION_PX,
         description="Target input resolution: the longer image side after resizing, in pixels, "
         "rounded to the vision encoder's patch size. None = the model's native image size.",
     )

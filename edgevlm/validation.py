@@ -82,6 +82,17 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# YAML 1.2 booleans only: PyYAML resolves YAML 1.1's yes/no/on/off (any case) to booleans, so
+# `enabled: yes` would pass a strict boolean field; here only true/false are booleans and the rest
+# stay strings (refused by the strict schemas with the key path).
+_UniqueKeyLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
 def load_yaml(text: str) -> Any:
     """Parse YAML like ``yaml.safe_load``, but a key given twice in one mapping is an error.
 

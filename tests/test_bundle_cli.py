@@ -181,6 +181,14 @@ def test_ask_resolution_below_the_patch_size(tiny_src, image_path, resolution, c
                                        "use at least 16 (the model's resolution ladder: 32, 64 px)")
 
 
+@pytest.mark.parametrize("resolution", [8193, 100000])
+def test_ask_resolution_above_the_largest_is_refused_before_any_allocation(tiny_src, image_path, resolution, capsys):
+    code = main(["ask", "--image", str(image_path), "--model", str(tiny_src), "--resolution", str(resolution),
+                 QUESTION])
+    assert code == 2
+    assert _one_line_error(capsys) == f"--resolution {resolution} px is above the largest input resolution, 8192 px"
+
+
 def test_ask_resolution_at_the_patch_size_runs(tiny_src, image_path, capsys):
     code = main(["ask", "--json", "--image", str(image_path), "--model", str(tiny_src), "--resolution", "16",
                  "--max-new-tokens", "2", QUESTION])

@@ -130,6 +130,11 @@ def test_client_id_unique_per_device(tmp_path: Path) -> None:
          "$: duplicate key 'port' at line 4 column 3 (first at line 2)"),
         ("queue_max_size: 4\nqueue_max_size: 8\n", "$: duplicate key 'queue_max_size' at line 2 column 1 (first at line 1)"),
         ("sources:\n  - name: a\n    uri: 0\n    name: b\n", "$: duplicate key 'name' at line 4 column 5 (first at line 2)"),
+        # YAML 1.1's yes/on are not booleans (YAML 1.2, and the README: only true/false)
+        ("http:\n  enabled: yes\n", "http.enabled"),
+        ("http:\n  enabled: on\n", "http.enabled"),
+        ("offload:\n  pool: '#'\n", "offload.pool"),
+        ("mqtt:\n  pool: gpu\n  pool_group: a/b\n", "mqtt.pool_group: pool_group must be"),
     ],
 )
 def test_errors_name_the_key_path(tmp_path: Path, text: str, expected: str) -> None:

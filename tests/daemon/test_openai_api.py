@@ -10,6 +10,7 @@ import asyncio
 import base64
 import json
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -220,6 +221,9 @@ def test_bad_inputs_are_openai_errors_with_edgevlm_codes(http_daemon, frames) ->
         (ask(model="gpt-4o"), 404, "model_not_found", "edgevlm-demo"),
         (ask([{"role": "assistant", "content": "hi"}, *user(QUESTION, uri)]), 400, "INVALID_REQUEST", "role"),
         (ask(extra_body={"timeout_ms": 1}), 504, "DEADLINE_EXCEEDED", "timeout_ms"),
+        (ask(max_tokens=-1), 400, "INVALID_REQUEST", "max_tokens: must be between 1 and 4096"),
+        (ask(user(QUESTION, "data:image/png,abc")), 400, "INVALID_REQUEST", "data URIs must be base64"),
+        (ask(user(QUESTION, "edgevlm://other/front")), 400, "INVALID_REQUEST", "edgevlm:// URIs name a camera"),
     ]
     for call, status, code, needle in cases:
         got_status, body = _error(call)
@@ -249,6 +253,37 @@ def test_raw_http_errors(http_daemon) -> None:
             urllib.request.urlopen(req, timeout=30)
         assert info.value.code == status
         assert needle in json.loads(info.value.read())["error"]["message"]
+
+
+def test_unknown_routes_and_methods_are_openai_errors(http_daemon) -> None:
+    import urllib.error
+    import urllib.request
+
+    daemon = http_daemon()
+    base = f"http://127.0.0.1:{daemon.http.port}"
+    for req, status, code in [(urllib.request.Request(f"{base}/v1/nothing"), 404, "not_found"),
+                              (urllib.request.Request(f"{base}/v1/chat/completions"), 405, "method_not_allowed")]:
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=30)
+        assert info.value.code == status and json.loads(info.value.read())["error"]["code"] == code
+
+
+def test_client_that_disconnects_mid_body_leaves_no_traceback(http_daemon, caplog) -> None:
+    import logging
+    import socket
+
+    caplog.set_level(logging.INFO)
+    daemon = http_daemon()
+    with socket.create_connection(("127.0.0.1", daemon.http.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\":")
+    deadline = time.monotonic() + 10
+    while "disconnected before sending the whole request body" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "disconnected before sending the whole request body" in caplog.text
+    assert "Traceback" not in caplog.text and "Exception in ASGI application" not in caplog.text
+    assert json.loads(subprocess.run(["curl", "-sS", f"http://127.0.0.1:{daemon.http.port}/health"], check=True,
+                                     capture_output=True, text=True, timeout=30).stdout)["status"] == "ok"
 
 
 def test_bearer_token(http_daemon, frames, monkeypatch) -> None:
