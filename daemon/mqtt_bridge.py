@@ -582,9 +582,11 @@ class MqttBridge:
             # back to the normal backoff; a further takeover raises it again (see _on_disconnect)
             self._set_delays(self.config.reconnect_min_delay_s, self.config.reconnect_max_delay_s, client)
         self.counters.inc("mqtt_connects")
-        logger.info("MQTT: connected%s; subscribing to %s",
+        logger.info("MQTT: connected%s; subscribing to %s%s",
                     f" (broker max packet {self.max_packet_bytes} B)" if self.max_packet_bytes else "",
-                    self.request_topic)  # fmt: skip
+                    self.request_topic,
+                    f" and, as a member of pool {self.config.pool!r}, {self.pool_subscription}"
+                    if self.pool_subscription is not None and self._accepting else "")  # fmt: skip
         options = SubscribeOptions(qos=self.config.qos, retainHandling=SubscribeOptions.RETAIN_DO_NOT_SEND)
         topics = [(self.request_topic, options)]
         if self.pool_subscription is not None and self._accepting:

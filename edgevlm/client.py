@@ -374,6 +374,7 @@ class Client:
         budget_ms: int | None = None,
         frames: int | None = None,
         frames_s: float | None = None,
+        model: str | None = None,
     ) -> Answer:
         """Ask a question about the newest frame of ``source`` or about ``image``.
 
@@ -386,6 +387,8 @@ class Client:
             budget_ms: latency budget for operating-point selection.
             frames: ask about the last N frames of ``source`` (1..32; the request's ``frames`` field).
             frames_s: ask about the frames of ``source`` from the last S seconds (the ``frames_s`` field).
+            model: the model to answer with (the ``model`` field; a daemon that does not serve it
+                forwards the request to its offload pool, else refuses it).
 
         Returns:
             The :class:`~edgevlm.types.Answer`, with ``frame_ts``/``source``/``frame_pos_ms`` of the
@@ -418,6 +421,8 @@ class Client:
             body["frames"] = frames
         if frames_s is not None:
             body["frames_s"] = frames_s
+        if model is not None:
+            body["model"] = model
         request = parse_request(body)  # local validation, same rules and messages as the daemon
         payload = request.model_dump_json(exclude_none=True).encode()
         return self._roundtrip(payload, timeout_s)

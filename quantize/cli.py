@@ -111,12 +111,35 @@ def _check_input(model_dir: str) -> None:
             broken config.json / safetensors file, or ``X is already an engine bundle``.
     """
     from edgevlm.errors import ModelLoadError
-    from edgevlm.model_folder import check_model_folder
+    from edgevlm.model_folder import check_model_folder, read_json
+    from edgevlm.runtime.models import family_for
 
     path = Path(model_dir).expanduser()
     check_model_folder(path)
     if (path / "manifest.json").is_file():
         raise ModelLoadError(f"{path} is already an engine bundle; quantize the 16-bit source model")
+    raw = read_json(path / "config.json")
+    family_for(raw).parse_config(raw)  # an unsupported family or a bad config.json first, before any option
+
+
+def _check_output(out: str) -> None:
+    """``--out``'s parent folder exists and is writable (checked before any work is done).
+
+    Raises:
+        ConfigError: naming the folder.
+    """
+    import os
+    import tempfile
+
+    from edgevlm.errors import ConfigError
+
+    parent = Path(out).expanduser().absolute().parent
+    if not parent.is_dir():
+        raise ConfigError(f"--out {out}: the folder {parent} does not exist")
+    try:  # a real probe: permission bits do not tell for root, read-only mounts or /proc
+        os.rmdir(tempfile.mkdtemp(prefix=".edgevlm-write-probe-", dir=parent))
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: cannot write in {parent} ({exc.strerror or exc})") from None
 
 
 def summary(result) -> tuple[str, dict]:
@@ -174,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
 
     _check_input(args.model_dir)  # before the options: a missing folder is the first thing to report
     opts = _resolve(args)
+    _check_output(args.out)
     result = build_bundle(args.model_dir, args.out, opts, on_plan=lambda text: print(text, flush=True),
                           progress=_ProgressBar())
     table, data = summary(result)

@@ -96,6 +96,25 @@ def test_quantize_awq_without_calib_still_says_so(tiny_src, tmp_path, capsys):
     assert _one_line_error(capsys).startswith("AWQ needs calibration data: --calib DIR")
 
 
+def test_quantize_names_an_unsupported_family_before_the_options(tmp_path, tiny_src, capsys):
+    import json
+    import shutil
+
+    src = tmp_path / "gemma"
+    shutil.copytree(tiny_src, src)
+    (src / "config.json").write_text(json.dumps({"model_type": "gemma3"}))
+    assert main(["quantize", str(src), "--out", str(tmp_path / "b")]) == 2  # awq without --calib, too
+    assert _one_line_error(capsys).startswith("config.json: model_type 'gemma3' is not supported; supported: llava")
+
+
+def test_quantize_checks_the_output_folder_before_any_work(tmp_path, tiny_src, capsys):
+    for out, why in [(tmp_path / "missing" / "b", "does not exist"), (Path("/proc/edgevlm-b"), "cannot write in /proc")]:
+        assert main(["quantize", str(tiny_src), "--out", str(out), "--method", "rtn"]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""  # no plan: nothing was quantized
+        assert captured.err.startswith(f"edgevlm: error: --out {out}: ") and why in captured.err
+
+
 def test_quantize_checks_the_chat_template_before_any_work(tmp_path, capsys):
     """issue 11: a checkpoint whose template does not compile used to become a bundle that cannot answer."""
     from edgevlm.runtime.testing import write_tiny_checkpoint

@@ -91,7 +91,7 @@ def test_offload_through_a_bridge(custom_broker, scene) -> None:
             assert answer.text.strip() == truth  # answered by the pool's model (the edge's is too slow)
             # a model only the pool serves
             body = {"prompt": QUESTION, "image_b64": png, "model": "big-model", "timeout_ms": 30000}
-            other = client.request(json.dumps(body).encode(), timeout_s=30)
+            other = client.ask(QUESTION, image=frame, model="big-model", timeout_s=30)
             assert other.stats.offloaded_to == "gpu" and other.text
             # the pool is gone: the edge refuses as without offload
             member.stop()

@@ -102,6 +102,7 @@ def test_pool_loses_nothing_when_members_die(mosquitto, members, tiny_engine) ->
             assert text == tiny_engine.ask(_image(i), PROMPT, max_new_tokens=4).text
         assert members[1].proc.wait(30) == 0  # the SIGTERM'd member shut down cleanly
         assert "left pool 'gpu'" in _log(members[1])
+        assert "as a member of pool 'gpu', $share/gpu/edgevlm/pools/gpu/request" in _log(members[2])
         while time.monotonic() < deadline and watcher.pool_members.get("m0", None) is not None \
                 and watcher.pool_members["m0"].state != "offline":
             time.sleep(0.1)
