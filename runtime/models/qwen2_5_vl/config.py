@@ -9,7 +9,6 @@ A key the runtime cannot run raises :class:`~edgevlm.errors.ModelLoadError` nami
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from edgevlm.errors import ModelLoadError
 from edgevlm.runtime.config import (
@@ -18,6 +17,7 @@ from edgevlm.runtime.config import (
     parse_resolution_ladder,
     parse_text_config,
 )
+from edgevlm.runtime.models.qwen_vl.tokens import parse_vision_token_ids
 
 #: transformers' ``Qwen2_5_VLTextConfig`` keys that are decoder keys (the 4.x top-level layout).
 _LEGACY_TEXT_KEYS = (
@@ -181,14 +181,7 @@ def parse_config(raw: dict) -> Qwen25VLConfig:
     if vision.out_hidden_size != text.hidden_size:
         raise ModelLoadError(f"config.json: vision_config.out_hidden_size {vision.out_hidden_size} differs from "
                              f"the decoder's hidden_size {text.hidden_size}")
-    ids: dict[str, Any] = {}
-    for key, default in (("image_token_id", 151655), ("video_token_id", 151656),
-                         ("vision_start_token_id", 151652), ("vision_end_token_id", 151653)):
-        value = raw.get(key, default)
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < text.vocab_size:
-            raise ModelLoadError(f"config.json: {key} {value!r} is not a token id of the vocabulary "
-                                 f"(vocab_size {text.vocab_size})")
-        ids[key] = value
+    ids = parse_vision_token_ids(raw, text.vocab_size)
     tie = bool(raw.get("tie_word_embeddings", False)) or bool(tc.get("tie_word_embeddings", False))
     ladder = parse_resolution_ladder(raw, ())
     return Qwen25VLConfig(vision=vision, text=text, tie_word_embeddings=tie,

@@ -20,6 +20,7 @@ from edgevlm.runtime.config import (
     parse_resolution_ladder,
     parse_text_config,
 )
+from edgevlm.runtime.models.qwen_vl.tokens import parse_vision_token_ids
 
 MODEL_TYPES = ("qwen3_vl",)
 
@@ -176,13 +177,7 @@ def parse_config(raw: dict) -> Qwen3VLConfig:
             f"{text.hidden_size}")
     if len(vision.deepstack_visual_indexes) > text.num_hidden_layers:
         raise ModelLoadError("config.json: vision_config.deepstack_visual_indexes has more entries than decoder layers")
-    ids = {}
-    for key, default in (("image_token_id", 151655), ("video_token_id", 151656),
-                         ("vision_start_token_id", 151652), ("vision_end_token_id", 151653)):
-        value = _get(raw, key, default, int, "")
-        if not 0 <= value < text.vocab_size:
-            raise ModelLoadError(f"config.json: {key} {value} is not a token id of the vocabulary")
-        ids[key] = value
+    ids = parse_vision_token_ids(raw, text.vocab_size)
     ladder = parse_resolution_ladder(raw, ())
     return Qwen3VLConfig(vision=vision, text=text, tie_word_embeddings=tie,
                          resolution_ladder=ladder, **ids)
