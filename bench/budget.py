@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
 def plot_timeline(adaptive: Scenario, fixed: Scenario, path: str) -> Path:
     """Latency of every request (adaptive blue, fixed grey, misses red), the budget line, and the
     resolution the controller chose (orange steps, right axis) against time."""
-    from edgevlm.runtime.plot import BLUE, GREY, ORANGE, RED, Chart
+    from edgevlm.quantize.plot import BLUE, GREY, ORANGE, RED, Chart
 
     ok_a = [r for r in adaptive.records if r["ok"]]
     ok_f = [r for r in fixed.records if r["ok"]]

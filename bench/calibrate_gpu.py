@@ -7,7 +7,7 @@ The shipped heads come from early-exit training instead (``bench/train_demo_exit
 starts its adapters from heads made by this script for the previous weights); this script is the
 recipe for a model whose weights stay as they are.
 
-Runs :func:`edgevlm.runtime.calibrate.main` on the shipped demo model (``runtime/demo/model``)
+Runs :func:`edgevlm.quantize.calibrate.main` on the shipped demo model (``runtime/demo/model``)
 from this checkout without installing it (``edgevlm`` and ``edgevlm.runtime`` are imported from
 the source folders), with the recipe below, and writes ``exits.safetensors``, ``exits.json`` and
 ``calibrate.log`` into ``$OUT``; copy the first two into ``runtime/demo/model/`` and run
@@ -45,7 +45,7 @@ def bootstrap_imports() -> None:
     """Import ``edgevlm`` and ``edgevlm.runtime`` from this checkout even without ``pip install -e .``."""
     sys.path.insert(0, str(REPO))
     try:
-        import edgevlm.runtime.calibrate  # noqa: F401
+        import edgevlm.quantize.calibrate  # noqa: F401
         return
     except ImportError:
         pass
@@ -65,7 +65,7 @@ def main(argv: list[str]) -> int:
     bootstrap_imports()
     import torch
 
-    from edgevlm.runtime import calibrate
+    from edgevlm.quantize import calibrate
 
     if device == "cuda" and "--device" not in argv:
         print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}", flush=True)

@@ -34,8 +34,8 @@ import time
 import numpy as np
 import torch
 
-from edgevlm.runtime.bench_measure import event_ms, measure_ceilings, wall_ms
-from edgevlm.runtime.bench_models import decoder_weight_bytes, init_random_, quantize_decoder_w4
+from edgevlm.quantize.bench_measure import event_ms, measure_ceilings, wall_ms
+from edgevlm.quantize.bench_models import decoder_weight_bytes, init_random_, quantize_decoder_w4
 from edgevlm.runtime.loader import ModelFiles, compile_weight_rules, map_weight_name
 from edgevlm.runtime.models import family_for
 

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 def profile_step(be, kv_len: int, steps: int = 10) -> tuple[float, list[tuple[str, float, int]]]:
     from torch.profiler import ProfilerActivity, profile
 
-    from edgevlm.runtime.benchmark import event_ms
+    from edgevlm.quantize.benchmark import event_ms
 
     be.graphs.tokens[:1].fill_(7)
     be.graphs.positions[:1].fill_(kv_len // 2)
@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=18)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))
+    from edgevlm.quantize.bench_models import build_models, quantize_decoder_w4
     from edgevlm.runtime.backends.torch_backend import TorchBackend
-    from edgevlm.runtime.bench_models import build_models, quantize_decoder_w4
 
     if not torch.cuda.is_available():
         print("gpu_profile_decode: needs a CUDA GPU", file=sys.stderr)

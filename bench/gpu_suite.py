@@ -14,7 +14,7 @@ Correctness (bf16 on the GPU against the eager path and a float64 reference; fre
 * demo-set accuracy per KV precision (bench/gpu_kv_accuracy.py, 150 items) when the demo model is shipped.
 
 Timings (CUDA events, warm-up, medians): eager vs graph decode step, fused vs unfused stem at
-ViT-L/14 batch 32, then ``edgevlm bench`` (runtime/benchmark.py) on the small model, LLaVA-1.5-7B
+ViT-L/14 batch 32, then ``edgevlm bench`` (quantize/benchmark.py) on the small model, LLaVA-1.5-7B
 and the demo model, side by side with transformers, as time allows.
 
 Every section runs in its own try/except; the partial JSON is rewritten to ``$OUT/gpu_suite.json``
@@ -109,7 +109,7 @@ def rel(a, b) -> float:
 
 # ---------------------------------------------------------------------------------- checks
 def check_spec():
-    from edgevlm.runtime.bench_models import ModelSpec
+    from edgevlm.quantize.bench_models import ModelSpec
 
     # ViT with 196 patches + a 4-layer decoder shaped like the small model's layers (GQA 14/2)
     return ModelSpec(256, 2, 4, 1024, 224, 16, 896, 4, 14, 2, 4864, 32064)
@@ -135,9 +135,9 @@ def run_seq(be, ids, pixels, n_steps, forced=None):
 def check_decode(ctx):
     import torch
 
+    from edgevlm.quantize.bench_models import build_models, shallow_copy_model
+    from edgevlm.quantize.benchmark import event_ms, make_inputs
     from edgevlm.runtime.backends.torch_backend import TorchBackend
-    from edgevlm.runtime.bench_models import build_models, shallow_copy_model
-    from edgevlm.runtime.benchmark import event_ms, make_inputs
 
     dev = torch.device(DEV)
     model, _, cfg = build_models(check_spec(), device=dev, dtype=torch.bfloat16, max_seq_len=512, with_hf=False, seed=3)
@@ -180,8 +180,8 @@ def check_decode(ctx):
 def check_batched(ctx):
     import torch
 
+    from edgevlm.quantize.benchmark import make_inputs
     from edgevlm.runtime.backends.torch_backend import TorchBackend
-    from edgevlm.runtime.benchmark import make_inputs
 
     model, cfg = ctx["model"], ctx["cfg"]
     prompts = [make_inputs(cfg, 6 + 7 * i, seed=20 + i) for i in range(4)]
@@ -308,7 +308,7 @@ def check_fused_encoder(ctx):
 def time_fused_stem(ctx):
     import torch
 
-    from edgevlm.runtime.benchmark import event_ms
+    from edgevlm.quantize.benchmark import event_ms
     from edgevlm.runtime.kernels.patch_embed_ln import FusedVisionStem
 
     emb, ln = ctx["stem"]
@@ -364,7 +364,7 @@ def kv_accuracy_demo():
 
 
 def run_bench(ceilings):
-    from edgevlm.runtime import benchmark
+    from edgevlm.quantize import benchmark
 
     plan = (("small", 150), ("llava-7b", 110), ("demo", 25)) if DEV == "cuda" else (("tiny", 0),)
     for name, need in plan:
@@ -389,7 +389,7 @@ def main() -> int:
     if DEV == "cuda" and not torch.cuda.is_available():
         print("gpu_suite: CUDA is not available (GPU_SUITE_DEVICE=cpu for a dry run)", file=sys.stderr)
         return 2
-    from edgevlm.runtime import benchmark
+    from edgevlm.quantize import benchmark
 
     cuda = DEV == "cuda"
     RESULTS.update(gpu=torch.cuda.get_device_name() if cuda else "cpu (dry run)",

@@ -35,7 +35,7 @@ python3 -m edgevlm.runtime.demo.train --out "$OUT/model" --init "$INIT" --exit-i
   --warmup 100 --steps "$STEPS" --max-minutes "${TRAIN_MINUTES:-5}" --workers "$WORKERS" --eval-every 1000 \
   --eval-n 900 --checkpoint-every 0 2>&1 | tee "$OUT/train.log"
 chmod 644 "$OUT"/model/*
-timeout "${CALIBRATE_TIMEOUT_S:-200}" python3 -m edgevlm.runtime.calibrate "$OUT/model" --init "$OUT/model" \
+timeout "${CALIBRATE_TIMEOUT_S:-200}" python3 -m edgevlm.quantize.calibrate "$OUT/model" --init "$OUT/model" \
   --keep-adapters --steps 1000 --batch-size 64 --agreement-images 6000 --questions-per-image 4 \
   --rungs 384 384 256 192 128 --max-answer-change 0.01 --dtype float32 --device cuda --workers "$WORKERS" \
   --time-budget-s 170 --no-frontier 2>&1 | tee "$OUT/calibrate.log"

@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_decode() -> list[dict]:
     """Whole-model decode (LLaVA-1.5-7B shape, W4A16 weights, batch 1 and 8), the kernel off then on."""
-    from edgevlm.runtime import benchmark
+    from edgevlm.quantize import benchmark
 
     out = []
     for flag in ("0", "1"):

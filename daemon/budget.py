@@ -399,7 +399,7 @@ def build_controller(config: Any, engine: Any) -> BudgetController | None:
                            ", ".join(dropped))
         if not ok:
             raise ConfigError(f"controller: no operating point of {source} can run on this model")
-        from edgevlm.runtime.frontier import pareto
+        from edgevlm.profile import pareto
 
         # the stored frontier also carries the full-depth points' own frontier (for models without exit
         # heads); among the points this model runs, a dominated one would only slow the ceiling's step-up

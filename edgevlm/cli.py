@@ -166,8 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
 # (subcommand, "module:function" taking argv and returning an exit status, help)
 _DELEGATED = (
     ("quantize", "edgevlm.quantize.cli:main", "quantize a Hugging Face VLM folder into an INT4 engine bundle"),
-    ("calibrate", "edgevlm.runtime.calibrate:main", "train early-exit heads and measure operating points"),
-    ("bench", "edgevlm.runtime.benchmark:main", "benchmark edgevlm against Hugging Face transformers"),
+    ("calibrate", "edgevlm.quantize.calibrate:main", "train early-exit heads and measure operating points"),
+    ("bench", "edgevlm.quantize.benchmark:main", "benchmark edgevlm against Hugging Face transformers"),
     ("doctor", "edgevlm.daemon.doctor:main", "check CUDA, TensorRT, cameras, microphones, the broker"),
 )
 

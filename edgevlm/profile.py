@@ -45,7 +45,7 @@ class WeightsConfig(StrictModel):
 class FrontierPoint(StrictModel):
     """One measured operating point: its knobs, its accuracy on the demo evaluation set and its
     per-stage latency on the device that measured it (``edgevlm calibrate`` /
-    :mod:`edgevlm.runtime.frontier`). The latency controller (``edgevlm.runtime.policy``) starts
+    :mod:`edgevlm.quantize.frontier`). The latency controller (``edgevlm.runtime.policy``) starts
     from these figures and then learns the live ones."""
 
     name: str = Field(min_length=1, max_length=64, description="Unique name, e.g. 'r256-x0.8-k0.5'.")
@@ -121,7 +121,7 @@ class OperatingPointsConfig(StrictModel):
 
 
 class FrontierFile(StrictModel):
-    """``frontier.json`` beside a model or in a bundle, written by :mod:`edgevlm.runtime.frontier`."""
+    """``frontier.json`` beside a model or in a bundle, written by :mod:`edgevlm.quantize.frontier`."""
 
     format: Literal["edgevlm-frontier"] = Field("edgevlm-frontier", description="Magic string.")
     format_version: Literal[1] = Field(1, description="Format version.")
@@ -146,6 +146,28 @@ class FrontierFile(StrictModel):
             raise ValueError("frontier: needs at least one point")
         _check_frontier(self.frontier, "frontier")
         return self
+
+
+def latency_ms(p: FrontierPoint) -> float:
+    """The frontier's latency of a point: ``worst_case_ms``, else ``e2e_ms``, else vision + prefill."""
+    if p.worst_case_ms is not None:
+        return p.worst_case_ms
+    return p.e2e_ms if p.e2e_ms is not None else p.vision_ms + p.prefill_ms
+
+
+def pareto(points: list[FrontierPoint]) -> list[FrontierPoint]:
+    """The points no other point dominates (accuracy >= and latency <=, one of them strictly),
+    sorted by latency (:func:`latency_ms`). Ties on both keep the first."""
+    lat = latency_ms
+
+    ordered = sorted(points, key=lambda p: (lat(p), -p.accuracy))
+    out: list[FrontierPoint] = []
+    best = -1.0
+    for p in ordered:
+        if p.accuracy > best:
+            out.append(p)
+            best = p.accuracy
+    return out
 
 
 def load_frontier(path: str | Path) -> FrontierFile:

@@ -1,7 +1,7 @@
 """Exit heads of the vision encoder: early exit with a confidence estimate, and closed-set labels.
 
 At each exit point (after vision block ``k``) a calibrated model carries three small heads, trained
-offline by :mod:`edgevlm.runtime.calibrate` (distillation from the full encoder on calibration
+offline by :mod:`edgevlm.quantize.calibrate` (distillation from the full encoder on calibration
 data, in the spirit of DeeBERT / BERxiT-style early exit — Xin et al., ACL 2020 / EACL 2021 — with
 the exit head mapping into the *frozen* projector's input space instead of a task output):
 
@@ -22,7 +22,7 @@ the exit head mapping into the *frozen* projector's input space instead of a tas
   point whose confidence reaches the operating point's ``exit_threshold``; ``exits.json`` records
   the ``recommended_threshold`` certified on held-out pairs by Learn then Test (true answer-change
   rate <= ``max_answer_change`` with probability >= 1 - ``risk_delta``; see
-  :mod:`edgevlm.runtime.exit_confidence`) and the whole held-out ``cascade`` table.
+  :mod:`edgevlm.quantize.exit_confidence`) and the whole held-out ``cascade`` table.
 - **classifier** ``(B, T, D) -> (B, L)`` logits of L closed-set binary labels (for the demo
   model: colours, shapes, sizes, halves and colour-shape pairs present), used by daemon monitors.
   A classifier may also sit on the last block (``classifier_blocks`` lists where).

@@ -81,8 +81,8 @@ def test_the_demo_frontiers_t16_points_answer_in_full_under_a_large_budget():
     # The demo model's real frontier: every point on it is a 't16' point (capped at 16 tokens),
     # the uncapped twin has the same accuracy and per-token latency but a worse worst case.
     from edgevlm.profile import load_frontier
+    from edgevlm.quantize.frontier import point_profiles
     from edgevlm.runtime.demo import model_dir
-    from edgevlm.runtime.frontier import point_profiles
 
     record = load_frontier(model_dir() / "frontier.json")
     assert all(p.max_new_tokens == 16 for p in record.frontier)

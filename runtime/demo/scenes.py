@@ -377,3 +377,11 @@ def vocabulary() -> list[str]:
     words |= set(SHAPES) | set(SHAPE_PLURALS.values()) | set(COLOUR_NAMES) | set(SIZES)
     words |= {str(d) for d in range(10)}
     return sorted(words)
+
+
+def demo_labels() -> list[str]:
+    """Closed-set labels of the demo scenes: colours, shapes, sizes, halves with any object, halves
+    with a large object, and colour-shape pairs (each true when such an object is present)."""
+    halves = ["left", "right", "top", "bottom"]
+    return [*COLOUR_NAMES, *SHAPES, *SIZES, *halves, *[f"large {h}" for h in halves],
+            *[f"{c} {s}" for c in COLOUR_NAMES for s in SHAPES]]

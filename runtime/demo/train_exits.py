@@ -47,7 +47,7 @@ def build_exit_heads(model, exit_blocks: list[int], *, adapter_hidden: int, adap
     ``init``: a folder with ``exits.json`` + ``exits.safetensors`` for this architecture whose
     weights are the starting point (the weights fingerprint is *not* checked: the encoder is about
     to change anyway); otherwise adapters start as the identity. Confidence heads are question-
-    conditioned; classifiers cover :func:`~edgevlm.runtime.calibrate_data.demo_labels`.
+    conditioned; classifiers cover :func:`~edgevlm.runtime.demo.scenes.demo_labels`.
 
     Raises:
         ValueError: exit blocks out of range; ``init`` heads of another architecture or other blocks.
@@ -55,7 +55,7 @@ def build_exit_heads(model, exit_blocks: list[int], *, adapter_hidden: int, adap
     import torch
     from safetensors.torch import load_file
 
-    from edgevlm.runtime.calibrate_data import demo_labels
+    from edgevlm.runtime.demo.scenes import demo_labels
     from edgevlm.runtime.exits import EXITS_WEIGHTS, ExitHeads, make_spec, read_spec
 
     cfg = runtime_config(model)

@@ -21,7 +21,7 @@ def onnx_engine(tmp_path_factory, exit_model_dir):
 
     bundle = tmp_path_factory.mktemp("onnx") / "bundle"
     build_bundle(exit_model_dir, bundle, BuildOptions(method="rtn", onnx=True, calib=None))
-    from edgevlm.runtime.calibrate import _add_to_manifest
+    from edgevlm.quantize.calibrate import _add_to_manifest
 
     for name in ("exits.json", "exits.safetensors"):
         shutil.copy(exit_model_dir / name, bundle / name)

@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from edgevlm.runtime import calibrate  # noqa: E402
+from edgevlm.quantize import calibrate  # noqa: E402
 from edgevlm.runtime.demo import scenes  # noqa: E402
 from edgevlm.types import OperatingPoint  # noqa: E402
 

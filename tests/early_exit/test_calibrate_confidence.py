@@ -1,4 +1,4 @@
-"""Phase 2 of `edgevlm calibrate` (runtime/exit_confidence.py) and the new calibrate options: the
+"""Phase 2 of `edgevlm calibrate` (quantize/exit_confidence.py) and the new calibrate options: the
 cascade simulation and threshold choice on hand-made numbers, batched greedy decoding against the
 KV-cache path, the worker pool's batches against inline ones, question-conditioned calibration,
 the time budget, and one-line CLI errors."""
@@ -12,8 +12,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from edgevlm.runtime import calibrate, calibrate_data  # noqa: E402
-from edgevlm.runtime import exit_confidence as ec  # noqa: E402
+from edgevlm.quantize import calibrate, calibrate_data  # noqa: E402
+from edgevlm.quantize import exit_confidence as ec  # noqa: E402
 
 FAST = ["--steps", "2", "--batch-size", "2", "--agreement-images", "6", "--questions-per-image", "2",
         "--no-frontier", "--threads", "1", "--kd-steps", "0"]

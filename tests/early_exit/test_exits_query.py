@@ -114,7 +114,7 @@ def test_heads_for_another_text_width_are_refused(tmp_path, plain_model_dir):
 
 
 def test_frontier_grid_includes_recommended_threshold(query_engine):
-    from edgevlm.runtime import frontier
+    from edgevlm.quantize import frontier
 
     assert frontier.recommended_threshold(query_engine) == 0.5
     assert 0.5 in frontier.grid_from_profile(query_engine, None)["thresholds"]

@@ -13,7 +13,7 @@ from edgevlm.profile import FrontierPoint, load_frontier, load_profile
 
 torch = pytest.importorskip("torch")
 
-from edgevlm.runtime import frontier  # noqa: E402
+from edgevlm.quantize import frontier  # noqa: E402
 
 
 def P(name, acc, e2e, **kw):
@@ -60,7 +60,7 @@ def test_plot_png(tmp_path):
 
 
 def test_nice_ticks():
-    from edgevlm.runtime.plot import nice_ticks
+    from edgevlm.quantize.plot import nice_ticks
 
     assert nice_ticks(0, 100) == [0, 20, 40, 60, 80, 100]
     assert nice_ticks(60, 100, 4) == [60, 70, 80, 90, 100]

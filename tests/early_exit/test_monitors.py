@@ -30,8 +30,8 @@ def _frame(rgb, rng, noise=12.0):
 @pytest.fixture(scope="module")
 def monitor_model(tmp_path_factory, plain_model_dir):
     """The tiny checkpoint plus exit heads whose classifiers detect red / green / blue frames."""
+    from edgevlm.quantize.calibrate import fit_classifier
     from edgevlm.runtime import Engine
-    from edgevlm.runtime.calibrate import fit_classifier
     from edgevlm.runtime.exits import ExitHeads, make_spec, save_exit_heads
 
     d = tmp_path_factory.mktemp("monitor_model") / "m"

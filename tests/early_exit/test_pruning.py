@@ -107,7 +107,7 @@ def test_pruned_tokens_keep_their_rope_distances(exit_engine, frames):
     """The prompt's positions after pruning: vision tokens at (first slot + original index - pruned),
     everything else at its slot; the prefill equals a manual decoder pass at positions shifted to
     be non-negative (RoPE attention only sees differences), read from the decoder's own tables."""
-    from edgevlm.runtime.calibrate import decoder_logits
+    from edgevlm.quantize.calibrate import decoder_logits
 
     model = exit_engine.backend.model
     px = torch.from_numpy(preprocess(frames[2], 64, 16, CLIP_MEAN, CLIP_STD))[None]

@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from edgevlm.runtime import calibrate  # noqa: E402
+from edgevlm.quantize import calibrate  # noqa: E402
 from edgevlm.runtime.exits import PooledHead  # noqa: E402
 from edgevlm.types import OperatingPoint  # noqa: E402
 

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 
 def test_bench_runs_on_cpu_and_saves_results(tmp_path, capsys):
-    from edgevlm.runtime.benchmark import VARIANTS, main
+    from edgevlm.quantize.benchmark import VARIANTS, main
 
     pytest.importorskip("transformers")
     code = main(["--device", "cpu", "--models", "tiny", "--new-tokens", "2", "--batch-sizes", "1,2",
@@ -35,7 +35,7 @@ def test_bench_runs_on_cpu_and_saves_results(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv", [["--models", "nope"], ["--batch-sizes", "0"], ["--variants", "x"]])
 def test_bench_bad_arguments_exit_2(argv, capsys):
-    from edgevlm.runtime.benchmark import main
+    from edgevlm.quantize.benchmark import main
 
     with pytest.raises(SystemExit) as exc:
         main(["--device", "cpu", *argv])
@@ -55,14 +55,14 @@ def test_bench_bad_arguments_exit_2(argv, capsys):
     ],
 )
 def test_bench_bad_values_return_2(argv, line, capsys):
-    from edgevlm.runtime.benchmark import main
+    from edgevlm.quantize.benchmark import main
 
     assert main(argv) == 2
     assert capsys.readouterr().err == line
 
 
 def test_bench_cuda_without_cuda_returns_2(capsys):
-    from edgevlm.runtime.benchmark import main
+    from edgevlm.quantize.benchmark import main
 
     if torch.cuda.is_available():
         pytest.skip("CUDA is present")

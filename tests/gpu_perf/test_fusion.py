@@ -58,7 +58,7 @@ def test_fused_decoder_equals_unfused(make_backend, kv):
 
 
 def test_decoder_weight_bytes_counts_fused_storage_once(make_backend):
-    from edgevlm.runtime.bench_models import decoder_weight_bytes
+    from edgevlm.quantize.bench_models import decoder_weight_bytes
 
     plain = decoder_weight_bytes(make_backend().model)
     assert decoder_weight_bytes(make_backend(fuse_projections=True).model) == plain

@@ -1,6 +1,6 @@
 """Operating points: measure a knob grid, keep the Pareto frontier, print it, plot it, store it.
 
-    python -m edgevlm.runtime.frontier MODEL [--n 90] [--profile cpu] [--rungs 384 256 ...]
+    python -m edgevlm.quantize.frontier MODEL [--n 90] [--profile cpu] [--rungs 384 256 ...]
         [--thresholds 0.9 0.75] [--keep-ratios 1 0.5] [--caps 16] [--out DIR] [--device cpu]
 
 (``edgevlm calibrate`` runs it after training the exit heads.) For every grid point — resolution
@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from edgevlm.profile import FrontierFile, FrontierPoint
+from edgevlm.profile import FrontierFile, FrontierPoint, latency_ms, pareto  # noqa: F401  (pareto re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -121,21 +121,6 @@ def measure_grid(engine, items, *, rungs: list[int], thresholds: list[float | No
     return out
 
 
-def pareto(points: list[FrontierPoint]) -> list[FrontierPoint]:
-    """The points no other point dominates (accuracy >= and latency <=, one of them strictly),
-    sorted by latency (:func:`latency_ms`). Ties on both keep the first."""
-    lat = latency_ms
-
-    ordered = sorted(points, key=lambda p: (lat(p), -p.accuracy))
-    out: list[FrontierPoint] = []
-    best = -1.0
-    for p in ordered:
-        if p.accuracy > best:
-            out.append(p)
-            best = p.accuracy
-    return out
-
-
 def frontier_points(points: list[FrontierPoint]) -> list[FrontierPoint]:
     """What ``frontier.json`` stores: the Pareto frontier of all points, plus that of the points
     without early exit (what a model or backend without exit heads can still run, e.g. an INT4
@@ -145,13 +130,6 @@ def frontier_points(points: list[FrontierPoint]) -> list[FrontierPoint]:
     full_depth = [p for p in points if p.exit_threshold is None and p.exit_layer is None]
     keep = {id(p) for p in pareto(points)} | {id(p) for p in pareto(full_depth)}
     return sorted((p for p in points if id(p) in keep), key=lambda p: (latency_ms(p), -p.accuracy))
-
-
-def latency_ms(p: FrontierPoint) -> float:
-    """The frontier's latency of a point: ``worst_case_ms``, else ``e2e_ms``, else vision + prefill."""
-    if p.worst_case_ms is not None:
-        return p.worst_case_ms
-    return p.e2e_ms if p.e2e_ms is not None else p.vision_ms + p.prefill_ms
 
 
 def point_profiles(points: list[FrontierPoint]):
@@ -178,7 +156,7 @@ def format_table(points: list[FrontierPoint]) -> str:
 def plot(points: list[FrontierPoint], frontier: list[FrontierPoint], path: str | Path, title: str = "") -> Path:
     """PNG: accuracy (%) against latency (ms, :func:`latency_ms`); all points grey, the frontier
     blue and named."""
-    from edgevlm.runtime.plot import BLUE, GREY, Chart
+    from edgevlm.quantize.plot import BLUE, GREY, Chart
 
     xs = [latency_ms(p) for p in points]
     ys = [100 * p.accuracy for p in points]
@@ -260,7 +238,7 @@ def run(engine, out_dir: str | Path, *, n: int = 90, seed: int = EVAL_SEED, prof
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry. Returns 0, or 2 after a one-line error."""
-    ap = argparse.ArgumentParser(prog="python -m edgevlm.runtime.frontier", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m edgevlm.quantize.frontier", description=__doc__.split("\n")[0])
     ap.add_argument("model", help="model folder or engine bundle")
     ap.add_argument("--n", type=int, default=90, help="evaluation items per grid point")
     ap.add_argument("--seed", type=int, default=EVAL_SEED)

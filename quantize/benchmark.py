@@ -1,6 +1,6 @@
 """``edgevlm bench``: edgevlm vs Hugging Face transformers, side by side, on the same weights.
 
-For each model (:mod:`edgevlm.runtime.bench_models`: random weights in LLaVA-1.5-7B's and a
+For each model (:mod:`edgevlm.quantize.bench_models`: random weights in LLaVA-1.5-7B's and a
 ViT-B/16 + 0.5B decoder's sizes, the tiny test model, the demo model) and each implementation —
 transformers' ``LlavaForConditionalGeneration`` (SDPA attention, ``generate`` with its dynamic and
 its static cache, the faster reported) and edgevlm variants (16-bit or W4A16 decoder weights; 16-bit,
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from edgevlm.cli_args import OneLineParser, fail
-from edgevlm.runtime.bench_measure import (  # noqa: F401  (re-exported: the measurements, for bench/*.py)
+from edgevlm.quantize.bench_measure import (  # noqa: F401  (re-exported: the measurements, for bench/*.py)
     bench_edgevlm,
     bench_hf,
     event_ms,
@@ -81,7 +81,7 @@ def run_model(name: str, *, device, dtype, variants: list[str], with_hf: bool, n
     """All rows of one model; a variant that fails gives a row with ``error`` (the others still run)."""
     import torch
 
-    from edgevlm.runtime.bench_models import (
+    from edgevlm.quantize.bench_models import (
         build_models,
         decoder_weight_bytes,
         quantize_decoder_w4,
@@ -260,7 +260,7 @@ def _csv_choice(choices):
 def main(argv: list[str] | None = None) -> int:
     """``edgevlm bench`` entry point; returns the exit code (2 for bad arguments / no CUDA, after
     one line ``edgevlm: error: ...`` on stderr)."""
-    from edgevlm.runtime.bench_models import MODEL_NAMES
+    from edgevlm.quantize.bench_models import MODEL_NAMES
 
     ap = OneLineParser(prog="edgevlm bench", description=__doc__.split("\n")[0])
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")

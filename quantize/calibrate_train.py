@@ -1,4 +1,4 @@
-"""Training phases 1 and 2 of ``edgevlm calibrate`` (:mod:`edgevlm.runtime.calibrate`): adapter
+"""Training phases 1 and 2 of ``edgevlm calibrate`` (:mod:`edgevlm.quantize.calibrate`): adapter
 distillation + closed-set classifiers on the full encoder's features, then answer distillation
 through the frozen projector and decoder. See the driver's module doc for the losses and sources.
 """
@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from edgevlm.runtime.calibrate_data import (
+from edgevlm.quantize.calibrate_data import (
     BatchStream,
     _pixels,
     calibration_scene,
@@ -21,7 +21,7 @@ from edgevlm.runtime.calibrate_data import (
     scene_labels,
     selected_features,
 )
-from edgevlm.runtime.exit_confidence import decoder_logits
+from edgevlm.quantize.exit_confidence import decoder_logits
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ def distill_answers(engine, heads, *, steps: int, batch_size: int, seed: int, lr
     import torch
     import torch.nn.functional as F
 
-    from edgevlm.runtime.exit_confidence import sequence_embeds
+    from edgevlm.quantize.exit_confidence import sequence_embeds
 
     model = engine.backend.model
     dec = model.language_model

@@ -1,6 +1,6 @@
 """Minimal PNG charts drawn with OpenCV (no plotting library needed on the device).
 
-Used for the operating-point frontier plot (:mod:`edgevlm.runtime.frontier`) and the controller
+Used for the operating-point frontier plot (:mod:`edgevlm.quantize.frontier`) and the controller
 timeline of ``bench/budget.py``: axes with "nice" ticks (1-2-5 steps), lines, scatter points,
 horizontal reference lines, a legend, and an optional right-hand axis.
 

@@ -295,7 +295,7 @@ def collect_pairs(engine, heads, batches, *, progress: Callable[[str], None] = l
 
     Args:
         batches: iterable of dicts ``{"pixels": (B, 3, H, W) float32 ndarray, "qas": B lists of
-            (question, answer, kind)}`` (see :class:`edgevlm.runtime.calibrate_data.BatchStream`).
+            (question, answer, kind)}`` (see :class:`edgevlm.quantize.calibrate_data.BatchStream`).
         deadline: ``time.perf_counter()`` value after which no further batch is started.
     Returns:
         ``{"pooled": {k: (n_img, 7D + 1) tensor}, "query": (n_pairs, Q) tensor or None, "image":
@@ -304,7 +304,7 @@ def collect_pairs(engine, heads, batches, *, progress: Callable[[str], None] = l
     """
     import torch
 
-    from edgevlm.runtime.calibrate_data import encoder_states, selected_features
+    from edgevlm.quantize.calibrate_data import encoder_states, selected_features
     from edgevlm.runtime.exits import query_embedding
 
     model = engine.backend.model

@@ -1,9 +1,9 @@
-"""The measurements of ``edgevlm bench`` (:mod:`edgevlm.runtime.benchmark`): timing, ceilings, inputs.
+"""The measurements of ``edgevlm bench`` (:mod:`edgevlm.quantize.benchmark`): timing, ceilings, inputs.
 
 Timers (wall clock, CUDA events), the device's copy-bandwidth and matmul ceilings, the benchmark
 inputs and FLOP counts, and the measurement of one model by one implementation
 (:func:`bench_edgevlm`, :func:`bench_hf`), each giving one result row whose metrics the module
-docstring of :mod:`edgevlm.runtime.benchmark` defines.
+docstring of :mod:`edgevlm.quantize.benchmark` defines.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Calibration data of ``edgevlm calibrate`` (:mod:`edgevlm.runtime.calibrate`): demo scenes, their
+"""Calibration data of ``edgevlm calibrate`` (:mod:`edgevlm.quantize.calibrate`): demo scenes, their
 closed-set labels, batches rendered by a worker pool, and the encoder states the exit heads read.
 
 The calibration stream is the demo scene generator (:mod:`edgevlm.runtime.demo.scenes`) seeded
@@ -15,16 +15,6 @@ import numpy as np
 CALIB_DOMAIN = 3  # SeedSequence domain of the calibration stream (train 0, eval 1, video 2)
 NOISE_SIGMA = 2.0
 
-
-
-def demo_labels() -> list[str]:
-    """Closed-set labels of the demo scenes: colours, shapes, sizes, halves with any object, halves
-    with a large object, and colour-shape pairs (each true when such an object is present)."""
-    from edgevlm.runtime.demo import scenes
-
-    halves = ["left", "right", "top", "bottom"]
-    return [*scenes.COLOUR_NAMES, *scenes.SHAPES, *scenes.SIZES, *halves, *[f"large {h}" for h in halves],
-            *[f"{c} {s}" for c in scenes.COLOUR_NAMES for s in scenes.SHAPES]]
 
 
 def scene_labels(scene, labels: list[str]) -> np.ndarray:

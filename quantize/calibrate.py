@@ -7,9 +7,9 @@
         [--device cpu|cuda] [--dtype float32|bfloat16] [--threads N] [--no-frontier] [--frontier-n 90]
         [--profile NAME] [--out DIR]
 
-(also ``python -m edgevlm.runtime.calibrate ...``). Writes ``exits.safetensors`` + ``exits.json``
+(also ``python -m edgevlm.quantize.calibrate ...``). Writes ``exits.safetensors`` + ``exits.json``
 (:mod:`edgevlm.runtime.exits`) and, unless ``--no-frontier``, ``frontier.json`` + ``frontier.png``
-(:mod:`edgevlm.runtime.frontier`) into the model folder (or ``--out``). For an engine bundle the
+(:mod:`edgevlm.quantize.frontier`) into the model folder (or ``--out``). For an engine bundle the
 new files are added to ``manifest.json`` with their SHA-256.
 
 Calibration data: the demo scene generator (:mod:`edgevlm.runtime.demo.scenes`, its own seeded
@@ -28,7 +28,7 @@ bfloat16 autocast when the model is bfloat16).
    ground-truth answer (teacher = decoder on the full features, student = decoder on the adapted
    ones; Hinton et al., "Distilling the Knowledge in a Neural Network", 2015), plus 0.25 x the
    phase-1 feature loss as an anchor.
-3. **Confidence + threshold** (:mod:`edgevlm.runtime.exit_confidence`): per (image, question)
+3. **Confidence + threshold** (:mod:`edgevlm.quantize.exit_confidence`): per (image, question)
    pair, whether the greedy answer from each exit equals the full encoder's; the confidence heads
    learn it (``--question-conditioned``: they also read the question), and the cascade threshold
    certified by Learn then Test on the held-out 20% of images (true answer-change rate <=
@@ -56,20 +56,19 @@ from pathlib import Path
 
 import numpy as np
 
-from edgevlm.runtime.calibrate_data import (  # noqa: F401  (re-exported: used by tests and monitors)
+from edgevlm.quantize.calibrate_data import (  # noqa: F401  (re-exported: used by tests and monitors)
     CALIB_DOMAIN,
     NOISE_SIGMA,
     BatchStream,
     _pixels,
     calibration_scene,
-    demo_labels,
     encoder_states,
     grid_of,
     make_batch,
     scene_labels,
     selected_features,
 )
-from edgevlm.runtime.calibrate_train import (  # noqa: F401  (phases 1-2; re-exported)
+from edgevlm.quantize.calibrate_train import (  # noqa: F401  (phases 1-2; re-exported)
     KD_OFFSET,
     _autocast,
     _phase1_metrics,
@@ -79,7 +78,7 @@ from edgevlm.runtime.calibrate_train import (  # noqa: F401  (phases 1-2; re-exp
     fit_classifier,
     train_adapters,
 )
-from edgevlm.runtime.exit_confidence import (  # noqa: F401  (re-exported: used by tests and benches)
+from edgevlm.quantize.exit_confidence import (  # noqa: F401  (re-exported: used by tests and benches)
     MAX_ANSWER_TOKENS,
     THRESHOLDS,
     decoder_logits,
@@ -87,6 +86,7 @@ from edgevlm.runtime.exit_confidence import (  # noqa: F401  (re-exported: used 
     reproduces,
     threshold_table,
 )
+from edgevlm.runtime.demo.scenes import demo_labels  # noqa: F401  (re-exported: used by tests)
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def calibrate(engine, *, exit_blocks: list[int] | None = None, steps: int = 300,
     """
     import torch
 
-    from edgevlm.runtime import exit_confidence as ec
+    from edgevlm.quantize import exit_confidence as ec
     from edgevlm.runtime.exits import (
         CascadeRow,
         ExitHeads,
@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is None and is_bundle(out):  # listed at once: a bundle loads no file its manifest lacks
             _add_to_manifest(out, written)
         if not args.no_frontier:
-            from edgevlm.runtime import frontier
+            from edgevlm.quantize import frontier
 
             engine.backend.model.attach_exit_heads(load_exit_heads(out, engine.config, device=engine.backend.device,
                                                                    dtype=engine.backend.dtype,
