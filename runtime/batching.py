@@ -170,7 +170,8 @@ class _Running:
 
 class ContinuousBatcher:
     """Iteration-level scheduler over a backend with batched entry points (``encode_images``,
-    ``embed``, ``prefill_batch``, ``decode_batch``, ``max_batch_size``, ``max_seq_len``).
+    ``encode_vision_state``, ``position_ids``, ``embed``, ``prefill_batch``, ``decode_batch``,
+    ``max_batch_size``, ``max_seq_len``).
 
     Not thread-safe: one thread calls :meth:`submit`/:meth:`step` (the daemon's inference worker).
     """

@@ -7,6 +7,7 @@ video for the Qwen families, two images for SmolVLM)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from functools import cache
 from pathlib import Path
 
@@ -31,7 +32,12 @@ def _module(file: str):
 
 
 def write_checkpoint(family: str, folder: Path) -> Path:
-    """Write ``family``'s tiny checkpoint into ``folder`` (created) and return it."""
+    """Write ``family``'s tiny checkpoint into ``folder`` (created) and return it. With
+    ``EDGEVLM_FAMILY_CKPTS`` set (a folder holding one written checkpoint per family, e.g. carried
+    to a GPU machine whose transformers differs), its ``<family>`` subfolder is returned instead."""
+    ready = os.environ.get("EDGEVLM_FAMILY_CKPTS")
+    if ready and (Path(ready) / family / "config.json").is_file():
+        return Path(ready) / family
     file, name = _BUILDERS[family]
     folder.mkdir(parents=True, exist_ok=True)
     getattr(_module(file), name)(folder)
