@@ -313,6 +313,7 @@ class ContinuousBatcher:
                 prompt = torch.tensor([r.input_ids], dtype=torch.long) if op.exit_threshold is not None else None
                 feat_of[i] = be.encode_vision(r.vision, operating_point=op, prompt_ids=prompt)
                 info_of[i] = getattr(be, "last_vision_info", None)
+                self._take_state(state_of, i)
                 continue
             feat_of[i], state = be.encode_vision_state(r.vision)  # (N, D_text), side state
             if state is not None:
@@ -325,7 +326,14 @@ class ContinuousBatcher:
             prompt = torch.tensor([r.input_ids], dtype=torch.long) if op.exit_threshold is not None else None
             feat_of[i] = be.encode_image(r.pixel_values, operating_point=op, prompt_ids=prompt)  # (1, N', D)
             info_of[i] = getattr(be, "last_vision_info", None)
+            self._take_state(state_of, i)  # pruned tokens keep their unpruned RoPE positions
         return feat_of, info_of, state_of
+
+    def _take_state(self, state_of: dict[int, Any], i: int) -> None:
+        take = getattr(self.backend, "take_vision_state", None)
+        state = take() if take is not None else None
+        if state is not None:
+            state_of[i] = state
 
     def _decode(self) -> list[GenerationResult]:
         n = max(i for i, r in enumerate(self._rows) if r is not None) + 1

@@ -540,6 +540,14 @@ class DecoderVLM(nn.Module):
         slots; families with 1-D RoPE never get any (their ``position_ids`` is None)."""
         raise ValueError(f"{type(self).__name__} uses 1-D RoPE: position_ids must be None")
 
+    def row_rope(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None,
+                 vision_state) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One row of a batched prefill: its RoPE ``(cos, sin)`` ``(T_i, head_dim)`` (any float
+        dtype) from its ``position_ids`` (:meth:`rope_tables`), or None for the slots. ``input_ids``
+        ``(1, T_i)`` and ``vision_state`` are there for families whose positions come from the
+        vision state (LLaVA's pruned tokens)."""
+        return None if position_ids is None else self.rope_tables(position_ids)
+
     def batch_layer_adds(self, input_ids: torch.Tensor, vision_states: list) -> list | None:
         """The decoder's ``layer_adds`` for a right-padded batch ``input_ids`` ``(B, T)`` (padding
         -1) and each row's :meth:`take_vision_state`; None = nothing to add."""
@@ -562,15 +570,18 @@ class DecoderVLM(nn.Module):
         t = max(lengths)
         dev = embeds[0].device
         x = torch.cat([F.pad(e, (0, 0, 0, t - e.shape[1])) for e in embeds])  # (B, T, D)
+        ropes = [self.row_rope(input_ids[i] if input_ids is not None else None,
+                               position_ids[i] if position_ids is not None else None,
+                               vision_states[i] if vision_states is not None else None) for i in range(n)]
         rope = None
-        if position_ids is not None and any(p is not None for p in position_ids):
+        if any(r is not None for r in ropes):
             slots = torch.arange(t, device=dev)
             cos_rows, sin_rows = [], []
-            for p, length in zip(position_ids, lengths, strict=True):
-                if p is None:  # 1-D positions: the decoder's own tables at the slots
+            for r, length in zip(ropes, lengths, strict=True):
+                if r is None:  # 1-D positions: the decoder's own tables at the slots
                     cos, sin = lm.rope_cos[slots].float(), lm.rope_sin[slots].float()
                 else:
-                    cos, sin = (r.to(dev).float() for r in self.rope_tables(p))  # (T_i, Dh)
+                    cos, sin = (x.to(dev).float() for x in r)  # (T_i, Dh)
                     cos, sin = F.pad(cos, (0, 0, 0, t - length)), F.pad(sin, (0, 0, 0, t - length))
                 cos_rows.append(cos)
                 sin_rows.append(sin)

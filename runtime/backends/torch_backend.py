@@ -226,6 +226,11 @@ class TorchBackend(Backend):
         feats = self.model.encode_vision(vision)  # (N_total, D_text)
         return feats, self.model.take_vision_state()
 
+    def take_vision_state(self) -> object:
+        """The side state of the last encode (e.g. after an adaptive :meth:`encode_image`: LLaVA's
+        pruned-token positions), handed over for :meth:`prefill_batch`; None when there is none."""
+        return self.model.take_vision_state()
+
     @torch.inference_mode()
     def prefill_batch(self, embeds: list[torch.Tensor], rows: list[int], *,
                       input_ids: list[torch.Tensor] | None = None,

@@ -172,3 +172,30 @@ def test_batched_prefill_refuses_inconsistent_inputs(family_dir):
         short = [s[:-1] for s in state]
         with pytest.raises(ValueError, match="DeepStack features"):
             be.prefill_batch([embeds], [0], input_ids=[ids], vision_states=[short])
+
+
+def test_pruned_llava_requests_batched_keep_their_unpruned_rope_positions(tmp_path):
+    """LLaVA token pruning (``keep_ratio``) in a batch: each pruned request's vision tokens keep
+    their unpruned RoPE distances (``prune_positions`` "original"), as in ``Engine.ask``."""
+    import numpy as np
+
+    from edgevlm.runtime.testing import write_tiny_checkpoint
+    from edgevlm.types import OperatingPoint
+
+    folder = write_tiny_checkpoint(tmp_path, seed=0)
+    single, batched = _load(folder), _load(folder, max_batch_size=3)
+    op = OperatingPoint(name="pruned", keep_ratio=0.5)
+    cases = [(np.random.default_rng(s).integers(0, 256, (h, 64, 3), dtype=np.uint8), point)
+             for s, h, point in ((1, 64, op), (2, 48, op), (3, 64, None))]
+    reqs = []
+    for im, point in cases:
+        prep = batched.prepare(im, "what colour is the circle ?", max_new_tokens=10, operating_point=point)
+        reqs.append(GenerationRequest(prep.ids, prep.vision.pixel_values, max_new_tokens=10, operating_point=point,
+                                      eos_token_ids=batched.eos_token_ids))
+    results = ContinuousBatcher(batched.backend).run(reqs)
+    assert max(r.batch_size for r in results) == 3
+    for (im, point), res in zip(cases, results, strict=True):
+        answer = single.ask(im, "what colour is the circle ?", max_new_tokens=10, operating_point=point)
+        assert _text(single, res.tokens) == answer.text
+        assert len(res.tokens) + int(res.eos) == answer.stats.new_tokens
+    assert results[0].vision_info.tokens_kept < results[0].vision_info.tokens_total  # it did prune
