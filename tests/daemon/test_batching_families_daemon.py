@@ -70,3 +70,26 @@ def test_batched_daemon_answers_like_engine_ask(family_dir, mosquitto, raw_clien
         assert c.get("batched_requests") == 3 and c.get("responses_ok") == 3 and c.get("batch_joins") >= 1
     finally:
         daemon.stop()
+
+
+def test_batch_worker_takes_frames_like_engine_ask(family_dir):
+    """The worker's own path (no broker): a list of frames (a Qwen video, two SmolVLM images) joins
+    the batch through ``Engine.prepare`` and is answered as ``Engine.ask`` answers it."""
+    from edgevlm.daemon.batching import BatchWorker
+    from edgevlm.runtime import Engine
+
+    single = Engine.load(family_dir)
+    worker = BatchWorker(Engine.load(family_dir, backend_options={"max_batch_size": 2}), token_budget=1024)
+    cases = fs.requests(single.family.name)
+    deltas: dict[int, list[str]] = {i: [] for i in range(len(cases))}
+    for i, (im, p, n) in enumerate(cases):
+        worker.add(i, im, p, max_new_tokens=n, operating_point=None, deadline_s=None, on_delta=deltas[i].append)
+    answers = {}
+    while not worker.idle:
+        answers.update(worker.step())
+    for i, (im, p, n) in enumerate(cases):
+        ref = single.ask(im, p, max_new_tokens=n)
+        assert answers[i].text == ref.text == "".join(deltas[i])
+        assert answers[i].stats.vision_tokens == ref.stats.vision_tokens
+        assert answers[i].stats.new_tokens == ref.stats.new_tokens
+    assert worker.batcher.joins == 1
