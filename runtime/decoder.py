@@ -581,7 +581,7 @@ class DecoderVLM(nn.Module):
                 if r is None:  # 1-D positions: the decoder's own tables at the slots
                     cos, sin = lm.rope_cos[slots].float(), lm.rope_sin[slots].float()
                 else:
-                    cos, sin = (x.to(dev).float() for x in r)  # (T_i, Dh)
+                    cos, sin = (table.to(dev).float() for table in r)  # (T_i, Dh)
                     cos, sin = F.pad(cos, (0, 0, 0, t - length)), F.pad(sin, (0, 0, 0, t - length))
                 cos_rows.append(cos)
                 sin_rows.append(sin)
