@@ -50,8 +50,8 @@ class ModelFamily:
         adaptive_vision: the model has LLaVA's pixel path: ``encode_image`` of ``(B, 3, H, W)``
             pixels with 1-D RoPE, and ``encode_image_adaptive`` (early exit with exit heads, token
             pruning). Operating points may then set ``exit_layer`` / ``exit_threshold`` /
-            ``keep_ratio``, and the torch backend offers the daemon's continuous batching
-            (``max_batch_size > 1``); other families serve one request at a time (a WARNING).
+            ``keep_ratio``, and continuous batching encodes its plain images as one batch per
+            input size (other families batch too, encoding each request's ``VisionInput`` alone).
     """
 
     name: str

@@ -241,9 +241,10 @@ def test_int4_bundle_onnx_graphs_match_torch(name, tmp_path):
         ort_engine.ask(_image(36, 60), QUESTION, max_new_tokens=6).text
 
 
-def test_a_family_without_the_llava_pixel_path_serves_one_request_at_a_time(monkeypatch, caplog, tmp_path):
+def test_a_family_without_the_llava_pixel_path_batches_and_refuses_adaptive_knobs(monkeypatch, caplog, tmp_path):
     """A family with ``adaptive_vision=False`` (here LLaVA's own parts under that flag): the torch
-    backend drops continuous batching with a WARNING, and early exit / pruning knobs are refused."""
+    backend keeps its ``max_batch_size`` cache rows (every family batches, no fallback WARNING), and
+    early exit / pruning knobs are refused."""
     import dataclasses
 
     from edgevlm.errors import InvalidRequestError
@@ -255,8 +256,8 @@ def test_a_family_without_the_llava_pixel_path_serves_one_request_at_a_time(monk
     monkeypatch.setattr("edgevlm.runtime.loader.family_for", lambda raw: plain)
     with caplog.at_level(logging.WARNING, logger="edgevlm.runtime.backends.torch_backend"):
         engine = Engine.load(write_tiny_checkpoint(tmp_path), backend_options={"max_batch_size": 4})
-    assert engine.backend.max_batch_size == 1
-    assert any("continuous batching is not supported for the plain family" in r.getMessage() for r in caplog.records)
+    assert engine.backend.max_batch_size == 4
+    assert not [r for r in caplog.records if "one request at a time" in r.getMessage()]
     with pytest.raises(InvalidRequestError, match="not supported for the plain family"):
         engine.prepare(_image(40, 40), "hi", operating_point=OperatingPoint(name="p", keep_ratio=0.5))
     assert engine.ask(_image(40, 40), "hi", max_new_tokens=2).stats.new_tokens >= 1

@@ -165,18 +165,18 @@ class LlavaModel(DecoderVLM):
             )
         feats = image_features.to(embeds.device, embeds.dtype)
         if self._pruned is not None and input_ids.shape[0] == 1:
-            self._rope_positions = self._pruned_positions(is_image[0])
+            self._rope_positions = self._pruned_positions(is_image[0], self._pruned)
         self._pruned = None
         return embeds.masked_scatter(is_image[..., None], feats)
 
-    def _pruned_positions(self, is_image: torch.Tensor) -> torch.Tensor | None:
+    def _pruned_positions(self, is_image: torch.Tensor, pruned: tuple[list[int], int, int]) -> torch.Tensor | None:
         """RoPE positions ``(T,)`` for a prompt whose vision tokens were pruned: every token keeps
         its slot as position except the vision tokens, which get ``slot_of_first + original index -
         pruned`` — so the distance from each text token (and every generated token) to each vision
         token is exactly what it would be without pruning, which is how a decoder trained on full
         grids reads rows (top/bottom) off the image. Vision tokens may get positions below the
         prefix (even negative): RoPE only sees differences."""
-        kept, n_patches, has_cls = self._pruned  # type: ignore[misc]
+        kept, n_patches, has_cls = pruned
         slots = is_image.nonzero()[:, 0]
         if len(slots) != len(kept) + has_cls:
             return None
@@ -205,6 +205,26 @@ class LlavaModel(DecoderVLM):
         # keys are cached already rotated, and decoding resumes at slot T with the normal tables.
         rope = rope_cos_sin(dec.inv_freq, positions)  # (T, Dh) float32 each
         return dec(embeds, input_pos, prefill=True, all_logits=all_logits, rope=rope)
+
+    # ---- batched prefill (edgevlm.runtime.batching) ---------------------------------------------
+    def take_vision_state(self) -> tuple[list[int], int, int] | None:
+        """What the last pruned :meth:`encode_image_adaptive` kept (``(kept patches, N patches,
+        CLS kept)``, for its unpruned RoPE positions), handed over for a batched prefill and
+        forgotten here; None when the last encode pruned nothing (or ``prune_positions`` is
+        "compact")."""
+        state, self._pruned = self._pruned, None
+        return state
+
+    def row_rope(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None,
+                 vision_state) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One row of a batched prefill: the unpruned-distance RoPE tables ``(T, Dh)`` float32 of a
+        pruned request (``vision_state`` from :meth:`take_vision_state`, ``input_ids`` ``(1, T)``),
+        as :meth:`prefill` uses them; None = the slots."""
+        if vision_state is None or input_ids is None:
+            return None
+        ids = input_ids.reshape(-1)
+        positions = self._pruned_positions(ids[ids >= 0] == self.cfg.image_token_id, vision_state)
+        return None if positions is None else rope_cos_sin(self.language_model.inv_freq, positions)
 
     # ---- the family interface (edgevlm.runtime.models.base.VLMModel) -------------------------
     def encode_vision(self, vision: VisionInput) -> torch.Tensor:
