@@ -152,11 +152,13 @@ class TorchBackend(Backend):
     @torch.inference_mode()
     def encode_vision(self, vision: VisionInput, *, operating_point: OperatingPoint | None = None,
                       prompt_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The family model's ``encode_vision``: ``(N_total, D_text)`` vision tokens (with LLaVA's
-        early exit / token pruning when ``operating_point`` asks for them)."""
+        """The family model's ``encode_vision``: ``(N_total, D_text)`` vision tokens (with its
+        ``encode_vision_adaptive``, early exit / token pruning, when ``operating_point`` asks for
+        them; ``prompt_ids`` ``(1, T)`` for question-conditioned exit confidence heads)."""
         op = operating_point
         if op is not None and (op.exit_layer, op.exit_threshold, op.keep_ratio) != (None, None, None):
-            return self.encode_image(vision.pixel_values, operating_point=op, prompt_ids=prompt_ids).flatten(0, 1)
+            feats, self.last_vision_info = self.model.encode_vision_adaptive(vision, op, prompt_ids)
+            return feats  # (N', D_text)
         self.last_vision_info = None
         return self.model.encode_vision(vision)  # (N_total, D_text)
 
@@ -286,7 +288,7 @@ def load(files: ModelFiles, *, device: torch.device, dtype: torch.dtype, max_seq
                               "int4_kernel"}
     if unknown:
         raise InvalidRequestError(f"unknown torch backend option(s): {', '.join(sorted(unknown))}")
-    if max_batch_size > 1 and not files.family.adaptive_vision:
+    if max_batch_size > 1 and not files.family.batched_pixels:
         # the batched entry points (encode_images, prefill_batch) are LLaVA's pixel path with 1-D RoPE
         logger.warning("continuous batching is not supported for the %s family yet: serving one request "
                        "at a time (max_batch_size 1)", files.family.name)
