@@ -227,7 +227,7 @@ def _cmd_ask(args: argparse.Namespace) -> int:
             raise _UsageError(f"--exit-layer {args.exit_layer} is not an exit point of this model (exit points: "
                               f"{', '.join(map(str, points))})")
         if args.exit_layer >= engine.config.exit_geometry.vision_blocks:  # below that the engine says the same
-            raise _UsageError("this model has no exit heads (run `edgevlm calibrate` on it)")
+            raise _UsageError(engine.no_exit_heads_reason)
     knobs = {"resolution_px": args.resolution, "exit_layer": args.exit_layer,
              "exit_threshold": args.exit_threshold, "keep_ratio": args.keep_ratio}
     op = OperatingPoint(name="cli", **knobs) if any(v is not None for v in knobs.values()) else None

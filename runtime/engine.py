@@ -314,6 +314,17 @@ class Engine:
         return heads.exit_blocks if heads is not None else []
 
     @property
+    def no_exit_heads_reason(self) -> str:
+        """Why this model runs no early exit (one line): no ``exits.json``, or heads calibrated
+        for other weights (their ``weights_fingerprint`` differs; logged at load, not used)."""
+        from edgevlm.runtime.exits import has_exit_heads
+
+        if has_exit_heads(self.model_dir):
+            return (f"the exit heads in {self.model_dir} were calibrated for other weights and are not used "
+                    "(rerun `edgevlm calibrate`)")
+        return "this model has no exit heads (run `edgevlm calibrate` on it)"
+
+    @property
     def labels(self) -> list[str]:
         """Closed-set labels of the exit classifier ([] without one)."""
         heads = getattr(self.backend, "exit_heads", None)
@@ -336,7 +347,8 @@ class Engine:
             except ValueError as exc:
                 if not hasattr(self.backend, "exit_heads"):
                     raise InvalidRequestError(f"backend {self.backend_name!r} does not support early exit") from None
-                raise InvalidRequestError(f"operating point {op.name!r}: {exc}") from None
+                reason = exc if self.exit_points else self.no_exit_heads_reason
+                raise InvalidRequestError(f"operating point {op.name!r}: {reason}") from None
         if op.keep_ratio is None or op.keep_ratio >= 1.0:
             return n_vision
         if not getattr(self.backend, "supports_pruning", False):
