@@ -126,6 +126,14 @@ def train_vit_adapters(engine, heads, *, steps: int, batch_size: int, seed: int,
     return out
 
 
+def _answer(engine, image, question: str, rung: int | None, exit_layer: int | None, max_new_tokens: int) -> str:
+    """The engine's greedy answer at ``rung`` with a forced exit at ``exit_layer`` (None: full depth)."""
+    from edgevlm.types import OperatingPoint
+
+    op = OperatingPoint(name="calibrate", resolution_px=rung, exit_layer=exit_layer)
+    return engine.ask(image, question, max_new_tokens=max_new_tokens, operating_point=op).text
+
+
 def collect_vit_pairs(engine, heads, *, seed: int, offset: int, images: int, questions: int,
                       rungs: list[int] | None = None, max_new_tokens: int = 24, deadline: float | None = None,
                       progress: Callable[[str], None] = logger.info) -> dict:
@@ -168,13 +176,10 @@ def collect_vit_pairs(engine, heads, *, seed: int, offset: int, images: int, que
                     x, grid = run.pooled_view(states[k])
                     pooled[k].append(heads.confidence[str(k)].pool(x.to(hd), grid).float())  # (1, 7D + 1)
             for qa in qas:
-                def ask(k: int | None) -> str:
-                    op = OperatingPoint(name="calibrate", resolution_px=rung, exit_layer=k)
-                    return engine.ask(image, qa.question, max_new_tokens=max_new_tokens, operating_point=op).text
-                full = ask(None)
+                full = _answer(engine, image, qa.question, rung, None, max_new_tokens)
                 correct_full.append(float(full.strip() == qa.answer))
                 for k in spec.exit_blocks:
-                    text = ask(k)
+                    text = _answer(engine, image, qa.question, rung, k, max_new_tokens)
                     agree[k].append(float(text == full))
                     correct_exit[k].append(float(text.strip() == qa.answer))
                 if spec.confidence_query_dim:

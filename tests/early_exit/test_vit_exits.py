@@ -441,11 +441,10 @@ def test_heads_of_other_weights_or_another_model_are_refused(calibrated, tmp_pat
     """Heads calibrated for other weights: logged, not used, and an exit asked for is one line;
     heads of another architecture: a one-line load error."""
     from PIL import Image
+    from safetensors.torch import load_file, save_file
 
     from edgevlm.cli import main
     from edgevlm.errors import ModelLoadError
-
-    from safetensors.torch import load_file, save_file
 
     family, model = calibrated
     other = tmp_path / "other"
@@ -475,7 +474,7 @@ def test_heads_of_other_weights_or_another_model_are_refused(calibrated, tmp_pat
 
 
 def test_profile_points_with_exit_knobs_are_runnable(calibrated):
-    from daemon.budget import runnable
+    from edgevlm.daemon.budget import runnable
     from edgevlm.profile import FrontierPoint
 
     _, model = calibrated

@@ -209,8 +209,7 @@ class Qwen25VisionTower(nn.Module):
 def window_to_raster(layout: VisionLayout, grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
     """``(N,)`` int64 index that puts patch states in window order into raster order (per item,
     frame-major, row-major inside a frame): ``x_raster = x_window[index]``."""
-    unit = merge * merge
-    units, base_p, base_u = [], 0, 0
+    units, base_p = [], 0
     for t, h, w in grid_thw.tolist():
         lh, lw = h // merge, w // merge
         u = torch.arange(t * lh * lw)
@@ -219,7 +218,6 @@ def window_to_raster(layout: VisionLayout, grid_thw: torch.Tensor, merge: int) -
         pos = frame[:, None] * h * w + (r[:, None] * merge + a) * w + c[:, None] * merge + b  # (units, unit)
         units.append(pos + base_p)
         base_p += t * h * w
-        base_u += t * lh * lw
     raster_of_unit_patch = torch.cat(units)  # (units, unit): raster position of each merge-order patch
     window = layout.window_index.cpu()
     pos = raster_of_unit_patch[window].reshape(-1)  # raster position of each window-order patch

@@ -205,7 +205,7 @@ class Qwen3VLProcessor:
         merge2 = self.image.merge_size**2
         times = iter(vision.extras.get("patch_times_s", []))
         runs = []
-        for kind, (t, h, w), n in zip(vision.kinds, vision.grid_thw.tolist(), vision.tokens_per_item, strict=True):
+        for kind, (_, h, w), n in zip(vision.kinds, vision.grid_thw.tolist(), vision.tokens_per_item, strict=True):
             per_frame = h * w // merge2
             if kind == "image":
                 runs.append(IMAGE_TOKEN * n)  # t * per_frame, or fewer after token pruning
