@@ -35,6 +35,13 @@ bfloat16 autocast when the model is bfloat16).
    ``--max-answer-change`` with probability >= 1 - ``--risk-delta``) is recorded as
    ``recommended_threshold``. ``--init DIR --steps 0 --kd-steps 0`` redoes only this step.
 
+**Qwen2.5-VL, Qwen3-VL, SmolVLM** (models with an ``exit_run``, towers without CLS): phases 1 and 3
+run through the family's block-by-block exit run and ``Engine.ask`` (:mod:`edgevlm.quantize.calibrate_vit`:
+adapters distilled against the connector's output, Qwen3-VL's DeepStack features included; agreement
+pairs on the deployed request path); phase 2 (``--kd-steps``), ``--adapter-blocks`` and the closed-set
+label classifiers are LLaVA's (refused in one line / not trained). The confidence heads and the
+certified threshold are fitted the same way for every family.
+
 For a model trained with early-exit losses (its adapters trained with it, e.g. the demo model by
 :mod:`edgevlm.runtime.demo.train_exits`), ``--init DIR --keep-adapters`` keeps the adapters: phase 1
 trains only the classifiers, phase 2 is skipped, phase 3 runs as above. The init heads may be made

@@ -6,7 +6,9 @@ data, in the spirit of DeeBERT / BERxiT-style early exit — Xin et al., ACL 202
 the exit head mapping into the *frozen* projector's input space instead of a task output):
 
 - **adapter** ``(B, T, D) -> (B, T, F)``: maps block ``k``'s hidden states to the features the
-  projector expects (``F = D * len(vision_feature_layer)``). Optionally first one narrow pre-LN
+  projector expects (LLaVA: ``F = D * len(vision_feature_layer)``; Qwen2.5-VL, Qwen3-VL, SmolVLM:
+  ``F = D``, the last block's states that the family's connector reads, see
+  :mod:`edgevlm.runtime.adaptive`; the dims come from the family config's ``exit_geometry``). Optionally first one narrow pre-LN
   self-attention layer ``x + o(attn(q, k, v of LN(x)))`` with ``attn_dim`` < D inner channels (the
   cross-patch mixing the skipped blocks would have done, at a fraction of a block's cost), then
   ``skip(x) + fc2(gelu(fc1(LN(x))))``; initialised to the identity (``o`` and ``fc2`` zero,
@@ -28,8 +30,9 @@ the exit head mapping into the *frozen* projector's input space instead of a tas
   A classifier may also sit on the last block (``classifier_blocks`` lists where).
 
 Pooled heads (confidence, classifier) see ``[mean(LN(patches)), max(LN(patches)), LN(CLS),
-max(LN(patches)) of each image quadrant, s]`` (a tower without a CLS token, SigLIP: ``LN(mean(patches))``
-in the CLS slot, ``has_cls_token: false`` in ``exits.json``) where ``s = sqrt(N) / grid_side`` tells them the
+max(LN(patches)) of each image quadrant, s]`` (a tower without a CLS token — SigLIP, Qwen2.5-VL,
+Qwen3-VL, SmolVLM: ``LN(mean(patches))`` in the CLS slot, ``has_cls_token: false`` in ``exits.json``;
+the patches in raster order) where ``s = sqrt(N) / grid_side`` tells them the
 input resolution; the quadrant maxima keep where things are (left/right, top/bottom labels); a
 question-conditioned confidence head appends ``LN(question embedding)``.
 
@@ -293,8 +296,8 @@ class ExitHeads(nn.Module):
 
     def confidence_at(self, block: int, hidden: torch.Tensor, grid_hw: tuple[int, int],
                       query: torch.Tensor | None = None) -> torch.Tensor:
-        """``(B, 1 + h*w, D)`` (and ``(B, Q)`` question embedding) -> ``(B,)`` float32 probability
-        that the answer stays the same. Question-conditioned heads without a query return zeros
+        """``(B, 1 + h*w, D)`` (``(B, h*w, D)`` without a CLS token; and ``(B, Q)`` question
+        embedding) -> ``(B,)`` float32 probability that the answer stays the same. Question-conditioned heads without a query return zeros
         (an unknown question never exits on confidence)."""
         if self.needs_query and query is None:
             return torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
