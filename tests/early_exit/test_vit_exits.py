@@ -487,11 +487,17 @@ def test_profile_points_with_exit_knobs_are_runnable(calibrated):
     assert runnable(engine, point(keep_ratio=0.5)) and not runnable(engine, point(exit_layer=3))
 
 
-def test_calibrate_refuses_llava_only_options(checkpoint, capsys):
+@pytest.mark.parametrize("flags, needle", [
+    (["--kd-steps", "5"], "--kd-steps: answer distillation and ViT-block adapters are LLaVA's; the {family}"),
+    (["--adapter-blocks", "1"], "--adapter-blocks: answer distillation and ViT-block adapters are LLaVA's"),
+    (["--exit-blocks", "9"], "exit blocks must be ascending, distinct, within 1..{last}; got [9]"),
+])
+def test_calibrate_bad_options_are_one_line(checkpoint, engine, flags, needle, capsys):
     family, src = checkpoint
-    rc = calibrate.main([str(src), *FAST, "--kd-steps", "5"])
+    last = engine.config.exit_geometry.vision_blocks - 1
+    rc = calibrate.main([str(src), *FAST, *flags])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and "--kd-steps" in err[0] and family in err[0]
+    assert rc == 2 and len(err) == 1 and needle.format(family=family, last=last) in err[0], err
     assert not (src / "exits.json").exists()
 
 
