@@ -1,5 +1,5 @@
-"""PyTorch backend: any registered model family's model (:mod:`edgevlm.runtime.models`; LLaVA's
-:class:`~edgevlm.runtime.models.llava.model.LlavaModel` with early exit and pruning) on CPU fp32/bf16
+"""PyTorch backend: any registered model family's model (:mod:`edgevlm.runtime.models`; early exit
+and pruning through the model's ``encode_vision_adaptive`` for families with ``adaptive_vision``) on CPU fp32/bf16
 or CUDA fp16/bf16, with
 its static KV cache, CUDA-graph decode, a choice of KV cache precision, and batched entry points
 for several concurrent requests (used by :mod:`edgevlm.runtime.batching`).
