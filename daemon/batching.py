@@ -138,7 +138,7 @@ class BatchWorker:
         # LLaVA's one image: pixels, batched with the group's other images of its size; any other
         # family (M-RoPE, DeepStack, tiles, several images, video): its VisionInput, encoded alone
         pixels = None
-        if eng.family.adaptive_vision and vision is not None and vision.kinds == ["image"]:
+        if eng.family.batched_pixels and vision is not None and vision.kinds == ["image"]:
             pixels, vision = vision.pixel_values, None  # (1, 3, H, W)
         text, decoder = TextAssembler(params.stop), IncrementalDecoder(eng.tokenizer)
 

@@ -215,16 +215,19 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     adaptive = {"--exit-layer": args.exit_layer, "--exit-threshold": args.exit_threshold,
                 "--keep-ratio": args.keep_ratio if args.keep_ratio is not None and args.keep_ratio < 1.0 else None}
     asked = [flag for flag, v in adaptive.items() if v is not None]
-    if asked and not engine.family.adaptive_vision:  # before any LLaVA-only config field is read
+    if asked and not engine.family.adaptive_vision:  # before the config's exit_geometry is read
+        from edgevlm.runtime.models import FAMILIES, get_family
+
+        ok = ", ".join(n for n in FAMILIES if get_family(n).adaptive_vision)
         raise _UsageError(f"{' / '.join(asked)}: early exit and token pruning are not supported for the "
-                          f"{engine.family.name} family (supported: llava)")
+                          f"{engine.family.name} family (supported: {ok})")
     points = engine.exit_points
     if args.exit_layer is not None and args.exit_layer not in points:
         if points:
             raise _UsageError(f"--exit-layer {args.exit_layer} is not an exit point of this model (exit points: "
                               f"{', '.join(map(str, points))})")
-        if args.exit_layer >= engine.config.vision_blocks_needed:  # below that the engine says the same
-            raise _UsageError("this model has no exit heads (run `edgevlm calibrate` on it)")
+        if args.exit_layer >= engine.config.exit_geometry.vision_blocks:  # below that the engine says the same
+            raise _UsageError(engine.no_exit_heads_reason)
     knobs = {"resolution_px": args.resolution, "exit_layer": args.exit_layer,
              "exit_threshold": args.exit_threshold, "keep_ratio": args.keep_ratio}
     op = OperatingPoint(name="cli", **knobs) if any(v is not None for v in knobs.values()) else None

@@ -35,6 +35,13 @@ bfloat16 autocast when the model is bfloat16).
    ``--max-answer-change`` with probability >= 1 - ``--risk-delta``) is recorded as
    ``recommended_threshold``. ``--init DIR --steps 0 --kd-steps 0`` redoes only this step.
 
+**Qwen2.5-VL, Qwen3-VL, SmolVLM** (models with an ``exit_run``, towers without CLS): phases 1 and 3
+run through the family's block-by-block exit run and ``Engine.ask`` (:mod:`edgevlm.quantize.calibrate_vit`:
+adapters distilled against the connector's output, Qwen3-VL's DeepStack features included; agreement
+pairs on the deployed request path); phase 2 (``--kd-steps``), ``--adapter-blocks`` and the closed-set
+label classifiers are LLaVA's (refused in one line / not trained). The confidence heads and the
+certified threshold are fitted the same way for every family.
+
 For a model trained with early-exit losses (its adapters trained with it, e.g. the demo model by
 :mod:`edgevlm.runtime.demo.train_exits`), ``--init DIR --keep-adapters`` keeps the adapters: phase 1
 trains only the classifiers, phase 2 is skipped, phase 3 runs as above. The init heads may be made
@@ -155,7 +162,14 @@ def calibrate(engine, *, exit_blocks: list[int] | None = None, steps: int = 300,
         raise ValueError(f"rungs must be >= the patch size ({engine.patch_size_px} px), got {rungs}")
     model = engine.backend.model
     dev = engine.backend.device
-    n_blocks = model.cfg.vision_blocks_needed
+    if not engine.family.adaptive_vision:
+        raise ValueError(f"the {engine.family.name} family has no early exit (exit heads need adaptive_vision)")
+    vit = hasattr(model, "exit_run")  # a CLS-free native-resolution ViT (edgevlm.quantize.calibrate_vit)
+    if vit and (kd_steps or adapter_blocks):
+        raise ValueError(f"{'--kd-steps' if kd_steps else '--adapter-blocks'}: answer distillation and ViT-block "
+                         f"adapters are LLaVA's; the {engine.family.name} family calibrates with --kd-steps 0 "
+                         "--adapter-blocks 0")
+    n_blocks = model.cfg.exit_geometry.vision_blocks
     blocks = list(exit_blocks) if exit_blocks else default_exit_blocks(n_blocks)
     torch.manual_seed(seed)
     if init is not None:
@@ -163,11 +177,12 @@ def calibrate(engine, *, exit_blocks: list[int] | None = None, steps: int = 300,
         spec = heads.spec
         blocks = list(spec.exit_blocks)
     else:
-        spec = make_spec(model.cfg, exit_blocks=blocks, labels=demo_labels(), adapter_hidden=adapter_hidden,
-                         adapter_attn_dim=adapter_attn_dim, adapter_blocks=adapter_blocks,
-                         confidence_query=question_conditioned)
+        # closed-set label classifiers (daemon monitors) are LLaVA's: the ViT families get exits only
+        spec = make_spec(model.cfg, exit_blocks=blocks, labels=[] if vit else demo_labels(),
+                         adapter_hidden=adapter_hidden, adapter_attn_dim=adapter_attn_dim,
+                         adapter_blocks=adapter_blocks, confidence_query=question_conditioned)
         heads = ExitHeads(spec, model.cfg.vision).to(dev, torch.float32)
-        layers = model.vision_tower.encoder.layers
+        layers = model.vision_tower.encoder.layers if adapter_blocks else []
         for k in spec.exit_blocks:
             adapter = heads.adapters[str(k)]
             adapter.reset_to_identity()
@@ -188,24 +203,22 @@ def calibrate(engine, *, exit_blocks: list[int] | None = None, steps: int = 300,
 
     kd_run = 0
     try:
-        if steps > 0:
-            p1 = train_adapters(engine, heads, steps=steps, batch_size=batch_size, seed=seed, lr=lr, rungs=rungs,
-                                workers=workers, deadline=due(0.45), progress=progress,
-                                adapters=not keep_adapters)
+        if vit:
+            from edgevlm.quantize import calibrate_vit
+
+            p1 = calibrate_vit.train_vit_adapters(engine, heads, steps=steps, batch_size=batch_size, seed=seed,
+                                                  lr=lr, rungs=rungs, deadline=due(0.45), progress=progress,
+                                                  adapters=not keep_adapters)
+            t1 = time.perf_counter()
+            data = calibrate_vit.collect_vit_pairs(engine, heads, seed=seed, offset=AGREEMENT_OFFSET,
+                                                   images=agreement_images, questions=questions_per_image,
+                                                   rungs=rungs, max_new_tokens=MAX_ANSWER_TOKENS,
+                                                   deadline=due(0.95), progress=progress)
         else:
-            p1 = {**_phase1_metrics(engine, heads, seed=seed + 1, n=min(64, max(2 * batch_size, 16))), "steps_run": 0}
-        if kd_steps > 0:
-            kd_run = distill_answers(engine, heads, steps=kd_steps, batch_size=batch_size, seed=seed, rungs=rungs,
-                                     workers=workers, deadline=due(0.80), progress=progress)
-            p1.update({k: v for k, v in _phase1_metrics(engine, heads, seed=seed + 1,
-                                                        n=min(64, max(2 * batch_size, 16))).items()})
-        t1 = time.perf_counter()
-        per_batch = max(1, min(batch_size, 64))
-        stream = BatchStream(engine, seed=seed, offset=AGREEMENT_OFFSET, steps=math.ceil(agreement_images / per_batch),
-                             batch_size=per_batch, rungs=rungs or list(engine.resolution_ladder), labels=[],
-                             questions=questions_per_image, workers=workers, total=agreement_images)
-        data = ec.collect_pairs(engine, heads, stream, progress=progress, total=agreement_images,
-                                deadline=due(0.95))
+            p1, kd_run, t1, data = _llava_phases(
+                engine, heads, steps=steps, kd_steps=kd_steps, batch_size=batch_size, seed=seed, lr=lr,
+                rungs=rungs, workers=workers, agreement_images=agreement_images,
+                questions_per_image=questions_per_image, keep_adapters=keep_adapters, due=due, progress=progress)
     finally:
         for p in frozen:
             p.requires_grad_(True)
@@ -276,6 +289,33 @@ def calibrate(engine, *, exit_blocks: list[int] | None = None, steps: int = 300,
     return heads
 
 
+def _llava_phases(engine, heads, *, steps: int, kd_steps: int, batch_size: int, seed: int, lr: float, rungs,
+                  workers: int, agreement_images: int, questions_per_image: int, keep_adapters: bool, due,
+                  progress: Callable[[str], None]):
+    """Phases 1-3 of a LLaVA model (see the module doc): ``(phase-1 metrics, answer-distillation
+    steps run, phase-3 start time, agreement pairs)``."""
+    from edgevlm.quantize import exit_confidence as ec
+
+    if steps > 0:
+        p1 = train_adapters(engine, heads, steps=steps, batch_size=batch_size, seed=seed, lr=lr, rungs=rungs,
+                            workers=workers, deadline=due(0.45), progress=progress, adapters=not keep_adapters)
+    else:
+        p1 = {**_phase1_metrics(engine, heads, seed=seed + 1, n=min(64, max(2 * batch_size, 16))), "steps_run": 0}
+    kd_run = 0
+    if kd_steps > 0:
+        kd_run = distill_answers(engine, heads, steps=kd_steps, batch_size=batch_size, seed=seed, rungs=rungs,
+                                 workers=workers, deadline=due(0.80), progress=progress)
+        p1.update({k: v for k, v in _phase1_metrics(engine, heads, seed=seed + 1,
+                                                    n=min(64, max(2 * batch_size, 16))).items()})
+    t1 = time.perf_counter()
+    per_batch = max(1, min(batch_size, 64))
+    stream = BatchStream(engine, seed=seed, offset=AGREEMENT_OFFSET, steps=math.ceil(agreement_images / per_batch),
+                         batch_size=per_batch, rungs=rungs or list(engine.resolution_ladder), labels=[],
+                         questions=questions_per_image, workers=workers, total=agreement_images)
+    data = ec.collect_pairs(engine, heads, stream, progress=progress, total=agreement_images, deadline=due(0.95))
+    return p1, kd_run, t1, data
+
+
 def _initial_heads(engine, folder: Path, *, other_weights_ok: bool = False,
                    progress: Callable[[str], None] = logger.info):
     """Exit heads of ``engine``'s model saved in ``folder`` (``--init``), float32 on its device.
@@ -296,8 +336,9 @@ def _initial_heads(engine, folder: Path, *, other_weights_ok: bool = False,
         raise ValueError(f"--init {folder}: not a folder (give the folder holding exits.json)")
     spec = read_spec(folder)
     cfg = model.cfg
-    if (spec.vision_hidden_size, spec.vision_blocks, spec.grid_side) != (
-            cfg.vision.hidden_size, cfg.vision_blocks_needed, cfg.vision.grid_side):
+    geo = cfg.exit_geometry
+    if (spec.vision_hidden_size, spec.vision_blocks, spec.grid_side, spec.feature_dim) != (
+            geo.vision_hidden_size, geo.vision_blocks, geo.grid_side, geo.feature_dim):
         raise ValueError(f"--init {folder}: exit heads of another architecture")
     if spec.weights_fingerprint and spec.weights_fingerprint != weights_fingerprint(engine.model_dir):
         if not other_weights_ok:
@@ -343,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="full ViT blocks in each adapter, initialised from the encoder's last blocks")
     ap.add_argument("--kd-steps", type=non_negative_int, default=None,
                     help="answer-distillation steps through the frozen decoder after the feature loss "
-                         "(default 100; 0 with --keep-adapters)")
+                         "(LLaVA; default 100, 0 with --keep-adapters and for the Qwen / SmolVLM families)")
     ap.add_argument("--agreement-images", type=positive_int, default=300, help="images for the confidence heads")
     ap.add_argument("--questions-per-image", type=positive_int, default=3)
     ap.add_argument("--question-conditioned", action="store_true",
@@ -395,8 +436,6 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--keep-adapters needs --init (the folder whose adapters to keep)")
         if args.keep_adapters and args.kd_steps:
             raise ValueError("--keep-adapters trains no adapter: leave out --kd-steps")
-        if args.kd_steps is None:
-            args.kd_steps = 0 if args.keep_adapters else 100
         if args.agreement_images < 5:
             raise ValueError(f"--agreement-images must be >= 5, got {args.agreement_images}")
         if not 0.0 <= args.risk_delta < 1.0:
@@ -417,6 +456,8 @@ def main(argv: list[str] | None = None) -> int:
         from edgevlm.runtime.exits import EXITS_JSON, EXITS_WEIGHTS, load_exit_heads, save_exit_heads
 
         engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
+        if args.kd_steps is None:  # answer distillation is LLaVA's (a ViT family's model has exit_run)
+            args.kd_steps = 0 if args.keep_adapters or hasattr(engine.backend.model, "exit_run") else 100
         heads = calibrate(engine, exit_blocks=args.exit_blocks, steps=args.steps, batch_size=args.batch_size,
                           agreement_images=args.agreement_images, questions_per_image=args.questions_per_image,
                           seed=args.seed, kd_steps=max(0, args.kd_steps), adapter_hidden=args.adapter_hidden,

@@ -192,7 +192,7 @@ def recommended_threshold(engine) -> float | None:
 
 def grid_from_profile(engine, profile: str | None) -> dict[str, list]:
     """The knob grid: the profile's ``operating_points`` (default values without a profile), rungs
-    from the engine's resolution ladder; thresholds only if the model has exit heads, and then
+    from the engine's resolution ladder (``[None]``, the checkpoint's own preprocessing, without one); thresholds only if the model has exit heads, and then
     always the heads' ``recommended_threshold`` (:func:`recommended_threshold`) too."""
     from edgevlm.profile import OperatingPointsConfig, load_profile
 
@@ -203,7 +203,9 @@ def grid_from_profile(engine, profile: str | None) -> dict[str, list]:
         rec = recommended_threshold(engine)
         if rec is not None and rec not in thresholds:
             thresholds.append(rec)
-    return {"rungs": sorted(engine.resolution_ladder, reverse=True), "thresholds": thresholds,
+    # no ladder (a Qwen or SmolVLM checkpoint without edgevlm.resolution_ladder): the checkpoint's own
+    # preprocessing is the one rung (None; points named "native")
+    return {"rungs": sorted(engine.resolution_ladder, reverse=True) or [None], "thresholds": thresholds,
             "keep_ratios": list(ops.keep_ratios), "caps": list(ops.max_new_tokens_caps)}
 
 

@@ -281,7 +281,7 @@ class Engine:
         preprocess_ms = _ms(t0, time.perf_counter())
         if len(vision.tokens_per_item) > 1 and _asks_adaptive(op):
             raise InvalidRequestError(f"operating point {op.name!r}: early exit and token pruning take one image")
-        n_vision = self._adaptive_vision_tokens(vision.num_tokens, op)
+        n_vision = self._adaptive_vision_tokens(vision, op)
         in_prompt = vision if n_vision == vision.num_tokens else replace(vision, tokens_per_item=[n_vision])
         ids = self.tokenizer.encode_request(prompt, in_prompt, self.processor)
         if len(ids) >= self.max_seq_len:
@@ -314,33 +314,68 @@ class Engine:
         return heads.exit_blocks if heads is not None else []
 
     @property
+    def no_exit_heads_reason(self) -> str:
+        """Why this model runs no early exit (one line): no ``exits.json``, or heads calibrated
+        for other weights (their ``weights_fingerprint`` differs; logged at load, not used)."""
+        from edgevlm.runtime.exits import has_exit_heads
+
+        if has_exit_heads(self.model_dir):
+            return (f"the exit heads in {self.model_dir} were calibrated for other weights and are not used "
+                    "(rerun `edgevlm calibrate`)")
+        return "this model has no exit heads (run `edgevlm calibrate` on it)"
+
+    @property
     def labels(self) -> list[str]:
         """Closed-set labels of the exit classifier ([] without one)."""
         heads = getattr(self.backend, "exit_heads", None)
         return heads.labels if heads is not None else []
 
-    def _adaptive_vision_tokens(self, n_vision: int, op: OperatingPoint) -> int:
-        """Vision tokens after ``op.keep_ratio`` pruning; checks ``op``'s exit fields against the
-        model's exit points. Raises InvalidRequestError for knobs this model/backend cannot run."""
-        from edgevlm.runtime.pruning import pruned_count
+    def _adaptive_vision_tokens(self, vision: VisionInput, op: OperatingPoint) -> int:
+        """Vision tokens of ``vision`` after ``op.keep_ratio`` pruning; checks ``op``'s exit fields
+        against the model's exit points. Raises InvalidRequestError for knobs this model/backend
+        cannot run."""
+        from edgevlm.runtime.pruning import pruned_count, pruned_tokens_per_item
         from edgevlm.runtime.vision import exit_plan
 
+        n_vision = vision.num_tokens
         if _asks_adaptive(op) and not self.family.adaptive_vision:
             raise InvalidRequestError(f"operating point {op.name!r}: early exit and token pruning are not "
                                       f"supported for the {self.family.name} family")
         if op.exit_layer is not None or op.exit_threshold is not None:
             try:
-                exit_plan(self.exit_points, self.config.vision_blocks_needed, op.exit_layer, op.exit_threshold)
+                exit_plan(self.exit_points, self.config.exit_geometry.vision_blocks, op.exit_layer, op.exit_threshold)
             except ValueError as exc:
                 if not hasattr(self.backend, "exit_heads"):
                     raise InvalidRequestError(f"backend {self.backend_name!r} does not support early exit") from None
-                raise InvalidRequestError(f"operating point {op.name!r}: {exc}") from None
+                reason = exc if self.exit_points else self.no_exit_heads_reason
+                raise InvalidRequestError(f"operating point {op.name!r}: {reason}") from None
         if op.keep_ratio is None or op.keep_ratio >= 1.0:
             return n_vision
         if not getattr(self.backend, "supports_pruning", False):
             raise InvalidRequestError(f"backend {self.backend_name!r} does not support token pruning (keep_ratio)")
-        has_cls = int(self.config.cls_feature)
-        return pruned_count(n_vision - has_cls, op.keep_ratio) + has_cls
+        if "video" in vision.kinds:
+            raise InvalidRequestError(f"operating point {op.name!r}: token pruning takes an image, not a video")
+        has_cls = int(self.config.exit_geometry.cls_feature)
+        if has_cls or vision.token_groups is None:
+            return pruned_count(n_vision - has_cls, op.keep_ratio) + has_cls
+        return sum(pruned_tokens_per_item(vision, op.keep_ratio))
+
+    def _pruned_positions(self, ids: list[int], vision: VisionInput, kept: list[int]):
+        """Multimodal-RoPE positions ``((3, 1, T), rope_delta)`` of a prompt whose vision tokens
+        were pruned to ``kept`` (indices into the unpruned run): every kept token keeps its own
+        unpruned ``(t, h, w)`` position (:func:`edgevlm.runtime.pruning.pruned_position_ids`).
+        1-D RoPE families never come here (SmolVLM: consecutive slots; LLaVA places its pruned
+        tokens itself in prefill)."""
+        from edgevlm.runtime.pruning import expand_vision_run, pruned_position_ids
+
+        cfg = self.config
+        vision_ids = {cfg.image_token_id} | ({cfg.video_token_id} if cfg.video_token_id is not None else set())
+        full_ids, start, _ = expand_vision_run(ids, vision_ids, vision.num_tokens)
+        be = self.backend
+        full, _ = be.position_ids(torch.tensor([full_ids], dtype=torch.long, device=be.device), vision)
+        if full is None:  # no multimodal RoPE after all
+            return None, 0
+        return pruned_position_ids(full, start, vision.num_tokens, kept)
 
     def classify(self, image: np.ndarray, *, resolution_px: int | None = None,
                  block: int | None = None) -> dict[str, float]:
@@ -466,7 +501,11 @@ class Engine:
             stats.exit_confidence = info.exit_confidences[0]
             stats.vision_tokens = info.tokens_kept
         input_ids = torch.tensor([ids], dtype=torch.long, device=be.device)  # (1, T)
-        position_ids, rope_delta = be.position_ids(input_ids, vision)  # (None, 0) for 1-D RoPE
+        if info is not None and info.kept_index is not None and vision.grid_thw is not None \
+                and n_vision < vision.num_tokens:  # pruned, multimodal RoPE (the grids give the positions)
+            position_ids, rope_delta = self._pruned_positions(ids, vision, info.kept_index[0])
+        else:
+            position_ids, rope_delta = be.position_ids(input_ids, vision)  # (None, 0) for 1-D RoPE
         embeds = be.embed(input_ids, feats)  # (1, T, D)
         if position_ids is None:
             logits = be.prefill(embeds, operating_point=op)  # (1, V)

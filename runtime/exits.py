@@ -6,7 +6,9 @@ data, in the spirit of DeeBERT / BERxiT-style early exit — Xin et al., ACL 202
 the exit head mapping into the *frozen* projector's input space instead of a task output):
 
 - **adapter** ``(B, T, D) -> (B, T, F)``: maps block ``k``'s hidden states to the features the
-  projector expects (``F = D * len(vision_feature_layer)``). Optionally first one narrow pre-LN
+  projector expects (LLaVA: ``F = D * len(vision_feature_layer)``; Qwen2.5-VL, Qwen3-VL, SmolVLM:
+  ``F = D``, the last block's states that the family's connector reads, see
+  :mod:`edgevlm.runtime.adaptive`; the dims come from the family config's ``exit_geometry``). Optionally first one narrow pre-LN
   self-attention layer ``x + o(attn(q, k, v of LN(x)))`` with ``attn_dim`` < D inner channels (the
   cross-patch mixing the skipped blocks would have done, at a fraction of a block's cost), then
   ``skip(x) + fc2(gelu(fc1(LN(x))))``; initialised to the identity (``o`` and ``fc2`` zero,
@@ -28,8 +30,9 @@ the exit head mapping into the *frozen* projector's input space instead of a tas
   A classifier may also sit on the last block (``classifier_blocks`` lists where).
 
 Pooled heads (confidence, classifier) see ``[mean(LN(patches)), max(LN(patches)), LN(CLS),
-max(LN(patches)) of each image quadrant, s]`` (a tower without a CLS token, SigLIP: ``LN(mean(patches))``
-in the CLS slot, ``has_cls_token: false`` in ``exits.json``) where ``s = sqrt(N) / grid_side`` tells them the
+max(LN(patches)) of each image quadrant, s]`` (a tower without a CLS token — SigLIP, Qwen2.5-VL,
+Qwen3-VL, SmolVLM: ``LN(mean(patches))`` in the CLS slot, ``has_cls_token: false`` in ``exits.json``;
+the patches in raster order) where ``s = sqrt(N) / grid_side`` tells them the
 input resolution; the quadrant maxima keep where things are (left/right, top/bottom labels); a
 question-conditioned confidence head appends ``LN(question embedding)``.
 
@@ -293,8 +296,8 @@ class ExitHeads(nn.Module):
 
     def confidence_at(self, block: int, hidden: torch.Tensor, grid_hw: tuple[int, int],
                       query: torch.Tensor | None = None) -> torch.Tensor:
-        """``(B, 1 + h*w, D)`` (and ``(B, Q)`` question embedding) -> ``(B,)`` float32 probability
-        that the answer stays the same. Question-conditioned heads without a query return zeros
+        """``(B, 1 + h*w, D)`` (``(B, h*w, D)`` without a CLS token; and ``(B, Q)`` question
+        embedding) -> ``(B,)`` float32 probability that the answer stays the same. Question-conditioned heads without a query return zeros
         (an unknown question never exits on confidence)."""
         if self.needs_query and query is None:
             return torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
@@ -326,7 +329,8 @@ def query_embedding(embed_tokens: nn.Embedding, prompt_ids: torch.Tensor, image_
 def make_spec(cfg, *, exit_blocks: list[int], labels: list[str], adapter_hidden: int | None = None,
               head_hidden: int = 128, classifier_blocks: list[int] | None = None, adapter_attn_dim: int = 0,
               adapter_attn_heads: int = 4, adapter_blocks: int = 0, confidence_query: bool = False) -> ExitsSpec:
-    """An :class:`ExitsSpec` for a :class:`~edgevlm.runtime.config.LlavaConfig`.
+    """An :class:`ExitsSpec` for a family config with ``exit_geometry``
+    (:class:`~edgevlm.runtime.models.base.ExitGeometry`: LLaVA, Qwen2.5-VL, Qwen3-VL, SmolVLM).
 
     Raises:
         ValueError: exit blocks not ascending, not in ``1..vision_blocks-1``; an attention width
@@ -334,27 +338,28 @@ def make_spec(cfg, *, exit_blocks: list[int], labels: list[str], adapter_hidden:
     """
     if adapter_attn_dim % adapter_attn_heads:
         raise ValueError(f"adapter_attn_dim {adapter_attn_dim} is not a multiple of {adapter_attn_heads} heads")
-    n = cfg.vision_blocks_needed
+    geo = cfg.exit_geometry
+    n = geo.vision_blocks
     blocks = sorted(set(exit_blocks))
     if not blocks or blocks != list(exit_blocks) or blocks[0] < 1 or blocks[-1] >= n:
         raise ValueError(f"exit blocks must be ascending, distinct, within 1..{n - 1}; got {exit_blocks}")
-    d = cfg.vision.hidden_size
+    d = geo.vision_hidden_size
     if classifier_blocks is None:
         classifier_blocks = blocks + [n]
     return ExitsSpec(
         vision_hidden_size=d,
         vision_blocks=n,
-        grid_side=cfg.vision.grid_side,
-        has_cls_token=cfg.vision_has_cls,
-        feature_dim=d * len(cfg.vision_feature_layer),
-        layer_norm_eps=cfg.vision.layer_norm_eps,
+        grid_side=geo.grid_side,
+        has_cls_token=geo.has_cls_token,
+        feature_dim=geo.feature_dim,
+        layer_norm_eps=getattr(cfg.vision, "layer_norm_eps", 1e-6),
         exit_blocks=blocks,
         adapter_hidden=adapter_hidden or d,
         adapter_attn_dim=adapter_attn_dim,
         adapter_attn_heads=adapter_attn_heads,
         adapter_blocks=adapter_blocks,
         head_hidden=head_hidden,
-        confidence_query_dim=cfg.text.hidden_size if confidence_query else 0,
+        confidence_query_dim=geo.text_hidden_size if confidence_query else 0,
         labels=list(labels),
         classifier_blocks=sorted(set(classifier_blocks)) if labels else [],
     )
@@ -421,14 +426,16 @@ def load_exit_heads(model_dir: str | Path, cfg, *, device: torch.device | str = 
     if not has_exit_heads(model_dir):
         return None
     spec = read_spec(model_dir)
+    geo = cfg.exit_geometry
     want = {
-        "vision_hidden_size": cfg.vision.hidden_size,
-        "vision_blocks": cfg.vision_blocks_needed,
-        "feature_dim": cfg.vision.hidden_size * len(cfg.vision_feature_layer),
-        "grid_side": cfg.vision.grid_side,
+        "vision_hidden_size": geo.vision_hidden_size,
+        "vision_blocks": geo.vision_blocks,
+        "feature_dim": geo.feature_dim,
+        "grid_side": geo.grid_side,
+        "has_cls_token": geo.has_cls_token,
     }
     if spec.confidence_query_dim:
-        want["confidence_query_dim"] = cfg.text.hidden_size
+        want["confidence_query_dim"] = geo.text_hidden_size
     for key, value in want.items():
         if getattr(spec, key) != value:
             raise ModelLoadError(

@@ -1,5 +1,5 @@
-"""PyTorch backend: any registered model family's model (:mod:`edgevlm.runtime.models`; LLaVA's
-:class:`~edgevlm.runtime.models.llava.model.LlavaModel` with early exit and pruning) on CPU fp32/bf16
+"""PyTorch backend: any registered model family's model (:mod:`edgevlm.runtime.models`; early exit
+and pruning through the model's ``encode_vision_adaptive`` for families with ``adaptive_vision``) on CPU fp32/bf16
 or CUDA fp16/bf16, with
 its static KV cache, CUDA-graph decode, a choice of KV cache precision, and batched entry points
 for several concurrent requests (used by :mod:`edgevlm.runtime.batching`).
@@ -152,11 +152,13 @@ class TorchBackend(Backend):
     @torch.inference_mode()
     def encode_vision(self, vision: VisionInput, *, operating_point: OperatingPoint | None = None,
                       prompt_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The family model's ``encode_vision``: ``(N_total, D_text)`` vision tokens (with LLaVA's
-        early exit / token pruning when ``operating_point`` asks for them)."""
+        """The family model's ``encode_vision``: ``(N_total, D_text)`` vision tokens (with its
+        ``encode_vision_adaptive``, early exit / token pruning, when ``operating_point`` asks for
+        them; ``prompt_ids`` ``(1, T)`` for question-conditioned exit confidence heads)."""
         op = operating_point
         if op is not None and (op.exit_layer, op.exit_threshold, op.keep_ratio) != (None, None, None):
-            return self.encode_image(vision.pixel_values, operating_point=op, prompt_ids=prompt_ids).flatten(0, 1)
+            feats, self.last_vision_info = self.model.encode_vision_adaptive(vision, op, prompt_ids)
+            return feats  # (N', D_text)
         self.last_vision_info = None
         return self.model.encode_vision(vision)  # (N_total, D_text)
 

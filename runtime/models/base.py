@@ -47,11 +47,15 @@ class ModelFamily:
         optional_prefixes: parameter-name prefixes the model may not build (e.g. vision blocks past
             the deepest feature layer): checkpoint tensors mapped under them are skipped when the
             model lacks them instead of being reported as unknown.
-        adaptive_vision: the model has LLaVA's pixel path: ``encode_image`` of ``(B, 3, H, W)``
-            pixels with 1-D RoPE, and ``encode_image_adaptive`` (early exit with exit heads, token
-            pruning). Operating points may then set ``exit_layer`` / ``exit_threshold`` /
-            ``keep_ratio``, and continuous batching encodes its plain images as one batch per
-            input size (other families batch too, encoding each request's ``VisionInput`` alone).
+        adaptive_vision: early exit and token pruning (:mod:`edgevlm.runtime.exits`,
+            :mod:`edgevlm.runtime.pruning`): the model has ``encode_vision_adaptive`` (see
+            :class:`VLMModel`), exit heads from ``edgevlm calibrate`` attach to it, and the family
+            config has ``exit_geometry`` (:class:`ExitGeometry`). Operating points may then set
+            ``exit_layer`` / ``exit_threshold`` / ``keep_ratio``; without it those knobs are refused
+            in one line.
+        batched_pixels: the model has LLaVA's pixel path (``encode_image`` of ``(B, 3, H, W)``
+            pixels, 1-D RoPE), so continuous batching encodes its plain images as one batch per
+            input size; other families batch too, encoding each request's ``VisionInput`` alone.
     """
 
     name: str
@@ -63,8 +67,38 @@ class ModelFamily:
     supports_video: bool = False
     optional_prefixes: tuple[str, ...] = ()
     adaptive_vision: bool = False
+    batched_pixels: bool = False
     max_images: int = 1
     vision_state_free: bool = True
+
+
+@dataclass(frozen=True)
+class ExitGeometry:
+    """What the exit heads of a family's ViT see (``cfg.exit_geometry`` of a family config with
+    ``adaptive_vision``); ``exits.json`` records it and heads of another geometry are refused.
+
+    Attributes:
+        vision_hidden_size: width D of the ViT's hidden states (what the pooled heads read).
+        vision_blocks: ViT blocks a full encode runs; exit points lie in ``1 .. vision_blocks - 1``
+            (an exit "after block k" has run blocks ``1..k``).
+        feature_dim: width F of the adapter's output: what the connector reads (LLaVA: D times the
+            selected layers; Qwen / SmolVLM: D, the last block's output before the merger / the
+            post-layernorm + pixel shuffle).
+        grid_side: patches per side the pooled heads' scale feature is relative to (the trained
+            position grid; Qwen2.5-VL, which has none: one attention window).
+        has_cls_token: the hidden states start with a CLS token (CLIP); otherwise the pooled heads
+            read the mean of the patch tokens in its place.
+        cls_feature: the first vision token fed to the decoder is that CLS token (pruning keeps it).
+        text_hidden_size: the decoder width (question-conditioned confidence heads read it).
+    """
+
+    vision_hidden_size: int
+    vision_blocks: int
+    feature_dim: int
+    grid_side: int
+    has_cls_token: bool
+    text_hidden_size: int
+    cls_feature: bool = False
 
 
 @dataclass
@@ -79,6 +113,9 @@ class VisionInput:
         grid_thw: ``(N_items, 3)`` int64 patch grids (Qwen families), else None.
         input_sizes_px: ``(H, W)`` fed to the encoder per item (stats).
         extras: family-specific (SmolVLM rows/cols, attention masks, Qwen video timestamps, ...).
+        token_groups: vision tokens of each token-pruning group in prompt order (SmolVLM: one
+            tile's ``image_seq_len`` per tile, each tile keeping its own share); None: each item is
+            one group. See :func:`edgevlm.runtime.pruning.pruned_tokens_per_item`.
     """
 
     pixel_values: torch.Tensor
@@ -87,6 +124,7 @@ class VisionInput:
     grid_thw: torch.Tensor | None = None
     input_sizes_px: list[tuple[int, int]] = field(default_factory=list)
     extras: dict = field(default_factory=dict)
+    token_groups: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -122,6 +160,16 @@ class VLMModel(Protocol):
 
     def encode_vision(self, vision: VisionInput) -> torch.Tensor:
         """``(N_total, D_text)`` vision tokens in prompt order, model dtype."""
+        ...
+
+    def encode_vision_adaptive(self, vision: VisionInput, operating_point: Any = None,
+                               prompt_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+        """Families with ``adaptive_vision``: :meth:`encode_vision` with the operating point's
+        early exit (``exit_layer`` / ``exit_threshold``, the attached exit heads) and token pruning
+        (``keep_ratio``): ``((N', D_text) vision tokens, VisionInfo)`` (``N'`` =
+        :func:`~edgevlm.runtime.pruning.pruned_tokens_per_item`'s sum); ``prompt_ids`` ``(1, T)``
+        for question-conditioned confidence heads. Raises ValueError for an exit the heads cannot
+        serve (see :func:`edgevlm.runtime.vision.exit_plan`)."""
         ...
 
     def embed(self, input_ids: torch.Tensor, vision_features: torch.Tensor | None = None) -> torch.Tensor:

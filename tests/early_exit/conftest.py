@@ -20,7 +20,14 @@ def random_heads(model_dir: Path, *, seed: int = 0, exit_blocks=EXIT_BLOCKS, lab
     from edgevlm.runtime.loader import read_model_files
 
     cfg = read_model_files(model_dir).config
-    heads = ExitHeads(make_spec(cfg, exit_blocks=list(exit_blocks), labels=list(labels), head_hidden=16))
+    heads = randomize(ExitHeads(make_spec(cfg, exit_blocks=list(exit_blocks), labels=list(labels), head_hidden=16)),
+                      seed)
+    save_exit_heads(heads, model_dir)
+    return heads
+
+
+def randomize(heads, seed: int = 0):
+    """``heads`` with random weights (N(0, 0.2); LayerNorm gains 1), in place; returns them."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in heads.named_parameters():
@@ -28,7 +35,6 @@ def random_heads(model_dir: Path, *, seed: int = 0, exit_blocks=EXIT_BLOCKS, lab
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    save_exit_heads(heads, model_dir)
     return heads
 
 
@@ -108,3 +114,9 @@ def run_daemon(mosquitto):
     yield _start
     for d in reversed(started):
         d.stop()
+
+
+@pytest.fixture(scope="session")
+def randomize_heads():
+    """:func:`randomize`, for test modules (conftest is not importable by name)."""
+    return randomize

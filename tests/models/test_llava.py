@@ -242,9 +242,9 @@ def test_int4_bundle_onnx_graphs_match_torch(name, tmp_path):
 
 
 def test_a_family_without_the_llava_pixel_path_batches_and_refuses_adaptive_knobs(monkeypatch, caplog, tmp_path):
-    """A family with ``adaptive_vision=False`` (here LLaVA's own parts under that flag): the torch
-    backend keeps its ``max_batch_size`` cache rows (every family batches, no fallback WARNING), and
-    early exit / pruning knobs are refused."""
+    """A family with ``adaptive_vision=False`` and ``batched_pixels=False`` (here LLaVA's own parts
+    under those flags): the torch backend keeps its ``max_batch_size`` cache rows (every family
+    batches, no fallback WARNING), and early exit / pruning knobs are refused."""
     import dataclasses
 
     from edgevlm.errors import InvalidRequestError
@@ -252,7 +252,7 @@ def test_a_family_without_the_llava_pixel_path_batches_and_refuses_adaptive_knob
     from edgevlm.runtime.models.llava import FAMILY
     from edgevlm.runtime.testing import write_tiny_checkpoint
 
-    plain = dataclasses.replace(FAMILY, name="plain", adaptive_vision=False)
+    plain = dataclasses.replace(FAMILY, name="plain", adaptive_vision=False, batched_pixels=False)
     monkeypatch.setattr("edgevlm.runtime.loader.family_for", lambda raw: plain)
     with caplog.at_level(logging.WARNING, logger="edgevlm.runtime.backends.torch_backend"):
         engine = Engine.load(write_tiny_checkpoint(tmp_path), backend_options={"max_batch_size": 4})

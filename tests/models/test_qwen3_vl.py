@@ -560,10 +560,10 @@ def test_cli_ask_with_the_checkpoint(ckpt, tmp_path):
     res = _cli("ask", "--image", str(path), "--model", str(ckpt.folder), "--max-new-tokens", "8", QUESTION)
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines()[0] == expected.strip()
-    # early exit is LLaVA's (exit heads): refused with one line, exit 2
+    # early exit needs exit heads (`edgevlm calibrate`): without them, one line, exit 2
     res = _cli("ask", "--image", str(path), "--model", str(ckpt.folder), "--exit-layer", "2", QUESTION)
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
-    assert res.stderr.startswith("edgevlm: error:") and "not supported for the qwen3_vl family" in res.stderr
+    assert res.stderr.startswith("edgevlm: error:") and "no exit heads" in res.stderr
 
 
 def test_engine_ask_about_frames_answers_as_transformers_video(ckpt):

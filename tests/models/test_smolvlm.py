@@ -383,12 +383,16 @@ def test_engine_answers_extreme_images(engine, hf, size):
         assert _same_answer(answer.text, _hf_answer(hf, img, 8))
 
 
-def test_engine_refuses_early_exit_for_smolvlm(engine):
+def test_early_exit_needs_exit_heads_and_pruning_runs(engine):
+    """SmolVLM has early exit (tests/early_exit/test_vit_exits.py): without exit heads an exit is
+    refused; token pruning needs none."""
     from edgevlm.types import OperatingPoint
 
-    with pytest.raises(InvalidRequestError, match="smolvlm"):
-        engine.ask(_image(64, 64), QUESTION, max_new_tokens=2,
-                   operating_point=OperatingPoint(name="x", keep_ratio=0.5))
+    with pytest.raises(InvalidRequestError, match="no exit heads"):
+        engine.ask(_image(64, 64), QUESTION, max_new_tokens=2, operating_point=OperatingPoint(name="x", exit_layer=1))
+    full = engine.ask(_image(64, 64), QUESTION, max_new_tokens=2)
+    half = engine.ask(_image(64, 64), QUESTION, max_new_tokens=2, operating_point=OperatingPoint(name="x", keep_ratio=0.5))
+    assert half.stats.vision_tokens * 2 == full.stats.vision_tokens
 
 
 def test_cli_ask_answers_as_transformers(ckpt, hf, tmp_path, capsys):

@@ -37,6 +37,7 @@ FAMILY = ModelFamily(
     supports_video=False,
     optional_prefixes=OPTIONAL_PREFIXES,
     adaptive_vision=True,
+    batched_pixels=True,
 )
 
 __all__ = ["FAMILY"]

@@ -100,6 +100,17 @@ class LlavaConfig:
         """Encoder blocks that must run to produce every selected feature layer."""
         return max(self.vision_feature_indices)
 
+    @property
+    def exit_geometry(self):
+        """What the exit heads see (:class:`~edgevlm.runtime.models.base.ExitGeometry`): the
+        adapter maps block k's states to the projector input, D times the selected layers."""
+        from edgevlm.runtime.models.base import ExitGeometry
+
+        return ExitGeometry(vision_hidden_size=self.vision.hidden_size, vision_blocks=self.vision_blocks_needed,
+                            feature_dim=self.vision.hidden_size * len(self.vision_feature_layer),
+                            grid_side=self.vision.grid_side, has_cls_token=self.vision_has_cls,
+                            text_hidden_size=self.text.hidden_size, cls_feature=self.cls_feature)
+
 
 def _vision_config(vc: dict) -> VisionConfig | SiglipVisionConfig:
     w = "vision_config."

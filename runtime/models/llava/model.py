@@ -132,6 +132,13 @@ class LlavaModel(DecoderVLM):
             self._pruned = (info.kept_index[0], info.tokens_total - has_cls, has_cls)
         return feats, info
 
+    def encode_vision_adaptive(self, vision: VisionInput, operating_point: OperatingPoint | None = None,
+                               prompt_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, VisionInfo]:
+        """The family interface's adaptive encode: :meth:`encode_image_adaptive` of ``vision``'s
+        pixels, flattened to ``(N_img * N', D_text)``."""
+        feats, info = self.encode_image_adaptive(vision.pixel_values, operating_point, prompt_ids)
+        return feats.flatten(0, 1), info
+
     def classify_image(self, pixel_values: torch.Tensor, block: int | None = None) -> torch.Tensor:
         """Closed-set label probabilities ``(B, L)`` float32 from the exit classifier at ``block``
         (None = the earliest classifier), running the encoder only up to that block.

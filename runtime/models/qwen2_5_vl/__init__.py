@@ -28,4 +28,5 @@ FAMILY = ModelFamily(
     build_model=build_model,
     make_processor=make_processor,
     supports_video=True,
+    adaptive_vision=True,  # exit heads + pruning on the CLS-free ViT (edgevlm.runtime.adaptive)
 )

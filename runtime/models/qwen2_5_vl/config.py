@@ -71,6 +71,24 @@ class Qwen25VLConfig:
     tie_word_embeddings: bool = False
     resolution_ladder: tuple[int, ...] = ()
 
+    @property
+    def vision_blocks_needed(self) -> int:
+        """ViT blocks one encoding runs (all of them: the merger reads the last block)."""
+        return self.vision.depth
+
+    @property
+    def exit_geometry(self):
+        """What the exit heads see (:class:`~edgevlm.runtime.models.base.ExitGeometry`): per-patch
+        states, no CLS; the adapter maps block k's states to the last block's, which the 2x2
+        merger reads. No trained position grid: the heads' scale is relative to one attention
+        window (``window_size / patch_size`` patches a side)."""
+        from edgevlm.runtime.models.base import ExitGeometry
+
+        v = self.vision
+        return ExitGeometry(vision_hidden_size=v.hidden_size, vision_blocks=v.depth, feature_dim=v.hidden_size,
+                            grid_side=max(1, v.window_size // v.patch_size), has_cls_token=False,
+                            text_hidden_size=self.text.hidden_size)
+
 
 def _int(d: dict, key: str, default: int, where: str, minimum: int = 1) -> int:
     value = d.get(key, default)

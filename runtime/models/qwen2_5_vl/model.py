@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from edgevlm.runtime import adaptive
 from edgevlm.runtime.decoder import Decoder, DecoderVLM
 from edgevlm.runtime.models.qwen2_5_vl.config import Qwen25VLConfig
-from edgevlm.runtime.models.qwen2_5_vl.vision import Qwen25VisionTower
+from edgevlm.runtime.models.qwen2_5_vl.vision import Qwen25ExitRun, Qwen25VisionTower
 from edgevlm.runtime.models.qwen_vl.rope import VisionSpan, mrope_cos_sin, mrope_position_ids
 
 
@@ -30,6 +31,28 @@ class Qwen25VLModel(DecoderVLM):
         self.cfg = cfg
         self.visual = Qwen25VisionTower(cfg.vision)
         self.language_model = Decoder(cfg.text, tie_word_embeddings=cfg.tie_word_embeddings)
+        self.exit_heads = None  # ExitHeads of `edgevlm calibrate` (attach_exit_heads)
+
+    def attach_exit_heads(self, heads) -> None:
+        """Use ``heads`` (:func:`edgevlm.runtime.exits.load_exit_heads`) for early exit; None detaches."""
+        self.exit_heads = adaptive.attach(self, heads)
+
+    def exit_run(self, vision) -> Qwen25ExitRun:
+        """A block-by-block encode of ``vision`` (exit hooks, :mod:`edgevlm.runtime.adaptive`)."""
+        w = self.visual.patch_embed.proj.weight
+        if vision.grid_thw is None:
+            raise ValueError("Qwen2.5-VL vision input needs grid_thw")
+        return Qwen25ExitRun(self.visual, vision.pixel_values.to(w.device, w.dtype), vision.grid_thw.cpu())
+
+    def encode_vision_adaptive(self, vision, operating_point=None, prompt_ids=None):
+        """:meth:`encode_vision` with early exit and token pruning (:func:`edgevlm.runtime.adaptive.encode_adaptive`):
+        ``((N', D_text) vision tokens, VisionInfo)``."""
+        op = operating_point
+        tokens, _, info = adaptive.encode_adaptive(
+            self.exit_run(vision), self.exit_heads, exit_layer=getattr(op, "exit_layer", None),
+            exit_threshold=getattr(op, "exit_threshold", None), keep_ratio=getattr(op, "keep_ratio", None),
+            query=adaptive.question_embedding(self, prompt_ids))
+        return tokens, info
 
     def encode_vision(self, vision) -> torch.Tensor:
         """``vision`` (a ``VisionInput`` with ``pixel_values (N_patches, C*tp*p*p)`` and ``grid_thw``

@@ -201,3 +201,61 @@ class Qwen25VisionTower(nn.Module):
             x = block(x, layout.cos, layout.sin, cu)
         merged = self.merger(x)  # (N / unit, D_out), window order
         return merged[torch.argsort(layout.window_index)]
+
+
+# ---- exit hooks (early exit, edgevlm.runtime.adaptive) -----------------------------------------
+
+
+def window_to_raster(layout: VisionLayout, grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
+    """``(N,)`` int64 index that puts patch states in window order into raster order (per item,
+    frame-major, row-major inside a frame): ``x_raster = x_window[index]``."""
+    units, base_p = [], 0
+    for t, h, w in grid_thw.tolist():
+        lh, lw = h // merge, w // merge
+        u = torch.arange(t * lh * lw)
+        frame, r, c = u // (lh * lw), (u % (lh * lw)) // lw, u % lw
+        a, b = torch.arange(merge).repeat_interleave(merge), torch.arange(merge).repeat(merge)  # (unit,)
+        pos = frame[:, None] * h * w + (r[:, None] * merge + a) * w + c[:, None] * merge + b  # (units, unit)
+        units.append(pos + base_p)
+        base_p += t * h * w
+    raster_of_unit_patch = torch.cat(units)  # (units, unit): raster position of each merge-order patch
+    window = layout.window_index.cpu()
+    pos = raster_of_unit_patch[window].reshape(-1)  # raster position of each window-order patch
+    return torch.argsort(pos).to(layout.window_index.device)
+
+
+class Qwen25ExitRun:
+    """One block-by-block encode of :class:`Qwen25VisionTower` (the :class:`edgevlm.runtime.adaptive.ViTRun`
+    protocol): the tower's own stem, blocks (window or full attention as in ``forward``) and
+    merger, so a run without an exit equals ``forward`` exactly; an exit may follow any block."""
+
+    def __init__(self, tower: Qwen25VisionTower, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> None:
+        w = tower.patch_embed.proj.weight
+        self.tower, self.grid_thw = tower, grid_thw
+        self.layout = vision_layout(grid_thw, tower.cfg, w.device)
+        unit = tower.cfg.spatial_merge_size ** 2
+        x = tower.patch_embed(pixel_values.to(w.device))  # (N, D)
+        self.x = x.reshape(-1, unit, x.shape[-1])[self.layout.window_index].reshape(x.shape)  # window order
+        self.n_blocks = len(tower.blocks)
+        self.blocks_run = 0
+        self.token_groups = [t * h * w // unit for t, h, w in grid_thw.tolist()]
+
+    def step(self) -> torch.Tensor:
+        i = self.blocks_run
+        cu = self.layout.cu_seqlens if i in self.tower.full_attention else self.layout.cu_window_seqlens
+        self.x = self.tower.blocks[i](self.x, self.layout.cos, self.layout.sin, cu)
+        self.blocks_run += 1
+        return self.x[None]  # (1, N, D), window order
+
+    def pooled_view(self, hidden: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+        if self.grid_thw.shape[0] != 1:
+            raise ValueError("exit confidence reads one image or video at a time")
+        t, h, w = self.grid_thw[0].tolist()
+        index = window_to_raster(self.layout, self.grid_thw, self.tower.cfg.spatial_merge_size)
+        return hidden[:, index], (t * h, w)  # frames stacked top to bottom
+
+    def finish(self, hidden: torch.Tensor, exit_block: int | None = None, adapter=None
+               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        x = hidden if adapter is None else adapter(hidden)  # (1, N, D)
+        merged = self.tower.merger(x[0].to(hidden.dtype))  # (N / unit, D_out), window order
+        return merged[torch.argsort(self.layout.window_index)], []

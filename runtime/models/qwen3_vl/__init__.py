@@ -50,4 +50,5 @@ FAMILY = ModelFamily(
     make_processor=_make_processor,
     supports_video=True,
     vision_state_free=False,  # DeepStack features stashed by encode_vision for prefill
+    adaptive_vision=True,  # exit heads + pruning on the CLS-free ViT (edgevlm.runtime.adaptive)
 )

@@ -77,6 +77,17 @@ class Qwen3VLConfig:
         """ViT blocks one encoding runs (all of them: the merger reads the last block)."""
         return self.vision.depth
 
+    @property
+    def exit_geometry(self):
+        """What the exit heads see (:class:`~edgevlm.runtime.models.base.ExitGeometry`): per-patch
+        states, no CLS; the adapter maps block k's states to the last block's, which the merger
+        (and the DeepStack mergers past k) read."""
+        from edgevlm.runtime.models.base import ExitGeometry
+
+        v = self.vision
+        return ExitGeometry(vision_hidden_size=v.hidden_size, vision_blocks=v.depth, feature_dim=v.hidden_size,
+                            grid_side=v.grid_side, has_cls_token=False, text_hidden_size=self.text.hidden_size)
+
 
 def _get(d: dict, key: str, default: Any, typ: type, where: str) -> Any:
     value = d.get(key, default)

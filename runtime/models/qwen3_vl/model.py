@@ -22,9 +22,10 @@ import logging
 
 import torch
 
+from edgevlm.runtime import adaptive
 from edgevlm.runtime.decoder import Decoder, DecoderVLM, rope_inv_freq
 from edgevlm.runtime.models.qwen3_vl.config import Qwen3VLConfig
-from edgevlm.runtime.models.qwen3_vl.vision import Qwen3VLVisionTower
+from edgevlm.runtime.models.qwen3_vl.vision import Qwen3ExitRun, Qwen3VLVisionTower
 from edgevlm.runtime.models.qwen_vl.rope import VisionSpan, mrope_cos_sin, mrope_position_ids
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,27 @@ class Qwen3VLModel(DecoderVLM):
         self.language_model = Decoder(cfg.text, cfg.tie_word_embeddings)
         self._deepstack: list[torch.Tensor] = []  # from the last encode_vision, for the next prefill
         self._vision_mask: torch.Tensor | None = None  # (1, T) bool, from the last embed with vision
+        self.exit_heads = None  # ExitHeads of `edgevlm calibrate` (attach_exit_heads)
+
+    def attach_exit_heads(self, heads) -> None:
+        """Use ``heads`` (:func:`edgevlm.runtime.exits.load_exit_heads`) for early exit; None detaches."""
+        self.exit_heads = adaptive.attach(self, heads)
+
+    def exit_run(self, vision) -> Qwen3ExitRun:
+        """A block-by-block encode of ``vision`` (exit hooks, :mod:`edgevlm.runtime.adaptive`)."""
+        return Qwen3ExitRun(self.visual, vision.pixel_values.to(self.device, self.dtype),
+                            vision.grid_thw.to(self.device))
+
+    def encode_vision_adaptive(self, vision, operating_point=None, prompt_ids=None):
+        """:meth:`encode_vision` with early exit and token pruning (:func:`edgevlm.runtime.adaptive.encode_adaptive`):
+        ``((N', D_text) vision tokens, VisionInfo)``; the DeepStack features (those past an exit
+        from the adapter's output, pruned like the tokens) are kept for the next :meth:`prefill`."""
+        op = operating_point
+        tokens, self._deepstack, info = adaptive.encode_adaptive(
+            self.exit_run(vision), self.exit_heads, exit_layer=getattr(op, "exit_layer", None),
+            exit_threshold=getattr(op, "exit_threshold", None), keep_ratio=getattr(op, "keep_ratio", None),
+            query=adaptive.question_embedding(self, prompt_ids))
+        return tokens, info
 
     # ---- vision ---------------------------------------------------------------------------------
     def encode_vision(self, vision) -> torch.Tensor:

@@ -205,10 +205,10 @@ class Qwen3VLProcessor:
         merge2 = self.image.merge_size**2
         times = iter(vision.extras.get("patch_times_s", []))
         runs = []
-        for kind, (t, h, w) in zip(vision.kinds, vision.grid_thw.tolist(), strict=True):
+        for kind, (_, h, w), n in zip(vision.kinds, vision.grid_thw.tolist(), vision.tokens_per_item, strict=True):
             per_frame = h * w // merge2
             if kind == "image":
-                runs.append(IMAGE_TOKEN * (t * per_frame))
+                runs.append(IMAGE_TOKEN * n)  # t * per_frame, or fewer after token pruning
                 continue
             stamps = next(times)
             runs.append("".join(f"<{s:.1f} seconds>{VISION_START}{VIDEO_TOKEN * per_frame}{VISION_END}"

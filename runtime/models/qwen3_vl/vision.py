@@ -196,3 +196,66 @@ class Qwen3VLVisionTower(nn.Module):
             if i in self.cfg.deepstack_visual_indexes:
                 deepstack.append(self.deepstack_merger_list[self.cfg.deepstack_visual_indexes.index(i)](x))
         return self.merger(x), deepstack
+
+
+# ---- exit hooks (early exit, edgevlm.runtime.adaptive) -----------------------------------------
+
+
+def block_to_raster(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
+    """``(N,)`` int64 index that puts patch states in the tower's merge-block order into raster
+    order (per item, frame-major): ``x_raster = x_block[index]``."""
+    rc = block_order_hw(grid_thw, merge)  # (N, 2)
+    pos, base = [], 0
+    for t, h, w in grid_thw.tolist():
+        n = t * h * w
+        local = rc[base:base + n]
+        frame = torch.arange(n, device=rc.device) // (h * w)
+        pos.append(base + frame * h * w + local[:, 0] * w + local[:, 1])
+        base += n
+    return torch.argsort(torch.cat(pos))
+
+
+class Qwen3ExitRun:
+    """One block-by-block encode of :class:`Qwen3VLVisionTower` (the
+    :class:`edgevlm.runtime.adaptive.ViTRun` protocol): the tower's own stem, blocks, merger and
+    DeepStack mergers, so a run without an exit equals ``forward`` exactly. After an exit at block
+    k, the DeepStack features of layers up to k are the real ones and those of deeper layers are
+    their mergers applied to the adapter's output (see :mod:`edgevlm.runtime.adaptive`)."""
+
+    def __init__(self, tower: Qwen3VLVisionTower, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> None:
+        grid_thw = grid_thw.to(device=pixel_values.device, dtype=torch.long)
+        if int(grid_thw.prod(-1).sum()) != pixel_values.shape[0]:
+            raise ValueError(f"{pixel_values.shape[0]} patches do not match grid_thw {grid_thw.tolist()}")
+        self.tower, self.grid_thw = tower, grid_thw
+        x = tower.patch_embed(pixel_values)
+        self.x = x + tower.position_embeddings(grid_thw).to(x.dtype)
+        self.cos, self.sin = tower.rotary(grid_thw)
+        self.seg_lens = [h * w for t, h, w in grid_thw.tolist() for _ in range(t)]
+        self.deepstack: dict[int, torch.Tensor] = {}  # 0-based block index -> its merged features
+        self.n_blocks = len(tower.blocks)
+        self.blocks_run = 0
+        unit = tower.cfg.spatial_merge_size ** 2
+        self.token_groups = [t * h * w // unit for t, h, w in grid_thw.tolist()]
+
+    def step(self) -> torch.Tensor:
+        i = self.blocks_run
+        self.x = self.tower.blocks[i](self.x, self.cos, self.sin, self.seg_lens)
+        indexes = self.tower.cfg.deepstack_visual_indexes
+        if i in indexes:
+            self.deepstack[i] = self.tower.deepstack_merger_list[indexes.index(i)](self.x)
+        self.blocks_run += 1
+        return self.x[None]  # (1, N, D), merge-block order
+
+    def pooled_view(self, hidden: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+        if self.grid_thw.shape[0] != 1:
+            raise ValueError("exit confidence reads one image or video at a time")
+        t, h, w = self.grid_thw[0].tolist()
+        return hidden[:, block_to_raster(self.grid_thw, self.tower.cfg.spatial_merge_size)], (t * h, w)
+
+    def finish(self, hidden: torch.Tensor, exit_block: int | None = None, adapter=None
+               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        x = (hidden if adapter is None else adapter(hidden).to(hidden.dtype))[0]  # (N, D)
+        done = self.n_blocks if exit_block is None else exit_block  # blocks 0..done-1 ran for real
+        side = [self.deepstack[i] if i < done else self.tower.deepstack_merger_list[j](x)
+                for j, i in enumerate(self.tower.cfg.deepstack_visual_indexes)]
+        return self.tower.merger(x), side

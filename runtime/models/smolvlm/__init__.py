@@ -52,4 +52,5 @@ FAMILY = ModelFamily(
     make_processor=make_processor,
     supports_video=False,
     max_images=8,
+    adaptive_vision=True,  # exit heads + pruning on the CLS-free ViT (edgevlm.runtime.adaptive)
 )

@@ -51,6 +51,23 @@ class SmolVLMConfig:
         return self.vision.num_positions // (self.scale_factor**2)
 
     @property
+    def vision_blocks_needed(self) -> int:
+        """ViT blocks one encoding runs (all of them)."""
+        return self.vision.num_hidden_layers
+
+    @property
+    def exit_geometry(self):
+        """What the exit heads see (:class:`~edgevlm.runtime.models.base.ExitGeometry`): per-patch
+        states of each tile, no CLS; the adapter maps block k's states to the last block's, which
+        the post-layernorm and the pixel-shuffle connector read."""
+        from edgevlm.runtime.models.base import ExitGeometry
+
+        v = self.vision
+        return ExitGeometry(vision_hidden_size=v.hidden_size, vision_blocks=v.num_hidden_layers,
+                            feature_dim=v.hidden_size, grid_side=v.grid_side, has_cls_token=False,
+                            text_hidden_size=self.text.hidden_size)
+
+    @property
     def tile_px(self) -> int:
         """Side of one square tile the encoder takes (``vision_config.image_size``)."""
         return self.vision.image_size

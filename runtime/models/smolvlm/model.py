@@ -18,9 +18,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from edgevlm.runtime import adaptive
 from edgevlm.runtime.decoder import Decoder, DecoderVLM
 from edgevlm.runtime.models.smolvlm.config import SmolVLMConfig
-from edgevlm.runtime.models.smolvlm.vision import Connector, SmolVLMVisionTransformer, patch_attention_mask
+from edgevlm.runtime.models.smolvlm.vision import (
+    Connector,
+    SmolVLMExitRun,
+    SmolVLMVisionTransformer,
+    patch_attention_mask,
+)
 
 if TYPE_CHECKING:
     from edgevlm.runtime.models.base import VisionInput
@@ -34,6 +40,30 @@ class SmolVLMModel(DecoderVLM):
         self.vision_model = SmolVLMVisionTransformer(cfg.vision)
         self.connector = Connector(cfg)
         self.language_model = Decoder(cfg.text, tie_word_embeddings=cfg.tie_word_embeddings)
+        self.exit_heads = None  # ExitHeads of `edgevlm calibrate` (attach_exit_heads)
+
+    def attach_exit_heads(self, heads) -> None:
+        """Use ``heads`` (:func:`edgevlm.runtime.exits.load_exit_heads`) for early exit; None detaches."""
+        self.exit_heads = adaptive.attach(self, heads)
+
+    def exit_run(self, vision: VisionInput) -> SmolVLMExitRun:
+        """A block-by-block encode of ``vision``'s tiles (exit hooks, :mod:`edgevlm.runtime.adaptive`)."""
+        w = self.vision_model.embeddings.patch_embedding.weight
+        pixel_mask = vision.extras.get("pixel_attention_mask")
+        patch_mask = None
+        if pixel_mask is not None:
+            patch_mask = patch_attention_mask(pixel_mask.to(w.device), self.cfg.vision.patch_size)
+        return SmolVLMExitRun(self.vision_model, self.connector, vision.pixel_values.to(w.device, w.dtype), patch_mask)
+
+    def encode_vision_adaptive(self, vision: VisionInput, operating_point=None, prompt_ids=None):
+        """:meth:`encode_vision` with early exit and token pruning (:func:`edgevlm.runtime.adaptive.encode_adaptive`):
+        ``((N', D_text) vision tokens, VisionInfo)``; each tile keeps its own share of tokens."""
+        op = operating_point
+        tokens, _, info = adaptive.encode_adaptive(
+            self.exit_run(vision), self.exit_heads, exit_layer=getattr(op, "exit_layer", None),
+            exit_threshold=getattr(op, "exit_threshold", None), keep_ratio=getattr(op, "keep_ratio", None),
+            query=adaptive.question_embedding(self, prompt_ids))
+        return tokens, info
 
     def encode_tiles(self, pixel_values: torch.Tensor, pixel_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Tiles ``(N, 3, T, T)`` float (``pixel_mask`` ``(N, T, T)``: nonzero = real pixel, None = all

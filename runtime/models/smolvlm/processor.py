@@ -316,6 +316,7 @@ class SmolVLMProcessor:
             kinds=["image"] * len(per_image),
             input_sizes_px=[p.resized_px for p in per_image],
             extras={"rows": [p.rows for p in per_image], "cols": [p.cols for p in per_image]},
+            token_groups=[seq] * int(pixel_values.shape[0]),  # token pruning: each tile keeps its share
         )
 
     # -- prompt ----------------------------------------------------------------------------------
@@ -331,9 +332,10 @@ class SmolVLMProcessor:
         rows, cols = vision.extras.get("rows", []), vision.extras.get("cols", [])
         if len(parts) - 1 != len(rows):
             raise InvalidRequestError(f"prompt has {len(parts) - 1} {IMAGE_TOKEN} placeholders for {len(rows)} images")
-        seq = self.image_cfg.image_seq_len
         out = [parts[0]]
         for i, rest in enumerate(parts[1:]):
+            tiles = rows[i] * cols[i] + 1 if rows[i] or cols[i] else 1
+            seq = vision.tokens_per_item[i] // tiles  # image_seq_len, or fewer after token pruning
             out.append(image_prompt(rows[i], cols[i], seq))
             out.append(rest)
         return "".join(out)

@@ -129,3 +129,43 @@ class Connector(nn.Module):
         """``(N, S*S, D_vision)`` -> ``(N, image_seq_len, D_text)``."""
         return self.modality_projection(pixel_shuffle(x, self.scale_factor))
 
+
+
+# ---- exit hooks (early exit, edgevlm.runtime.adaptive) -----------------------------------------
+
+
+class SmolVLMExitRun:
+    """One block-by-block encode of one image's tiles (the :class:`edgevlm.runtime.adaptive.ViTRun`
+    protocol): the tower's own embeddings, blocks (padded patches masked as keys), post-layernorm
+    and connector, so a run without an exit equals ``connector(tower(...))`` exactly. The pooled
+    heads read the last tile, the global image (the whole frame at tile size); pruning keeps each
+    tile's own share of its ``image_seq_len`` tokens."""
+
+    def __init__(self, tower: SmolVLMVisionTransformer, connector: Connector, pixel_values: torch.Tensor,
+                 patch_mask: torch.Tensor | None = None) -> None:
+        p = tower.cfg.patch_size
+        n, _, h, w = pixel_values.shape
+        if patch_mask is None:
+            patch_mask = torch.ones(n, h // p, w // p, dtype=torch.bool, device=pixel_values.device)
+        self.tower, self.connector = tower, connector
+        self.grid = (h // p, w // p)
+        self.x = tower.embeddings(pixel_values, patch_mask)  # (N_tiles, h*w, D)
+        self.key_mask = None if bool(patch_mask.all()) else patch_mask.reshape(n, -1)
+        self.n_blocks = len(tower.encoder.layers)
+        self.blocks_run = 0
+        seq = (h // p) * (w // p) // connector.scale_factor ** 2
+        self.token_groups = [seq] * n
+
+    def step(self) -> torch.Tensor:
+        self.x = self.tower.encoder.layers[self.blocks_run](self.x, self.key_mask)
+        self.blocks_run += 1
+        return self.x  # (N_tiles, h*w, D), raster order per tile
+
+    def pooled_view(self, hidden: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+        return hidden[-1:], self.grid  # the global image
+
+    def finish(self, hidden: torch.Tensor, exit_block: int | None = None, adapter=None
+               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        x = hidden if adapter is None else adapter(hidden).to(hidden.dtype)
+        feats = self.connector(self.tower.post_layernorm(x))  # (N_tiles, image_seq_len, D_text)
+        return feats.reshape(-1, feats.shape[-1]), []
