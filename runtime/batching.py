@@ -267,7 +267,9 @@ class ContinuousBatcher:
         embeds, ids_of, positions, deltas = [], [], [], []
         for i, (_, r) in enumerate(chosen):
             ids = torch.tensor([r.input_ids], dtype=torch.long, device=be.device)  # (1, T)
-            pos_ids, delta = be.position_ids(ids, r.vision) if r.vision is not None else (None, 0)
+            info = info_of.get(i)
+            kept = info.kept_index[0] if info is not None and info.kept_index is not None else None
+            pos_ids, delta = be.position_ids(ids, r.vision, kept_index=kept) if r.vision is not None else (None, 0)
             embeds.append(be.embed(ids, feat_of.get(i)))
             ids_of.append(ids)
             positions.append(pos_ids)  # M-RoPE (3, 1, T) or None

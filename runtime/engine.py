@@ -360,23 +360,6 @@ class Engine:
             return pruned_count(n_vision - has_cls, op.keep_ratio) + has_cls
         return sum(pruned_tokens_per_item(vision, op.keep_ratio))
 
-    def _pruned_positions(self, ids: list[int], vision: VisionInput, kept: list[int]):
-        """Multimodal-RoPE positions ``((3, 1, T), rope_delta)`` of a prompt whose vision tokens
-        were pruned to ``kept`` (indices into the unpruned run): every kept token keeps its own
-        unpruned ``(t, h, w)`` position (:func:`edgevlm.runtime.pruning.pruned_position_ids`).
-        1-D RoPE families never come here (SmolVLM: consecutive slots; LLaVA places its pruned
-        tokens itself in prefill)."""
-        from edgevlm.runtime.pruning import expand_vision_run, pruned_position_ids
-
-        cfg = self.config
-        vision_ids = {cfg.image_token_id} | ({cfg.video_token_id} if cfg.video_token_id is not None else set())
-        full_ids, start, _ = expand_vision_run(ids, vision_ids, vision.num_tokens)
-        be = self.backend
-        full, _ = be.position_ids(torch.tensor([full_ids], dtype=torch.long, device=be.device), vision)
-        if full is None:  # no multimodal RoPE after all
-            return None, 0
-        return pruned_position_ids(full, start, vision.num_tokens, kept)
-
     def classify(self, image: np.ndarray, *, resolution_px: int | None = None,
                  block: int | None = None) -> dict[str, float]:
         """Closed-set label probabilities of the exit classifier for ``image`` (``(H, W, 3)`` uint8
@@ -501,11 +484,8 @@ class Engine:
             stats.exit_confidence = info.exit_confidences[0]
             stats.vision_tokens = info.tokens_kept
         input_ids = torch.tensor([ids], dtype=torch.long, device=be.device)  # (1, T)
-        if info is not None and info.kept_index is not None and vision.grid_thw is not None \
-                and n_vision < vision.num_tokens:  # pruned, multimodal RoPE (the grids give the positions)
-            position_ids, rope_delta = self._pruned_positions(ids, vision, info.kept_index[0])
-        else:
-            position_ids, rope_delta = be.position_ids(input_ids, vision)  # (None, 0) for 1-D RoPE
+        kept = info.kept_index[0] if info is not None and info.kept_index is not None else None
+        position_ids, rope_delta = be.position_ids(input_ids, vision, kept_index=kept)  # (None, 0) for 1-D RoPE
         embeds = be.embed(input_ids, feats)  # (1, T, D)
         if position_ids is None:
             logits = be.prefill(embeds, operating_point=op)  # (1, V)

@@ -72,9 +72,12 @@ class Backend(ABC):
         the torch backend runs any family's ``encode_vision``."""
         return self.encode_image(vision.pixel_values, operating_point=operating_point)
 
-    def position_ids(self, input_ids: torch.Tensor, vision: VisionInput | None) -> tuple[torch.Tensor | None, int]:
+    def position_ids(self, input_ids: torch.Tensor, vision: VisionInput | None, *,
+                     kept_index: list[int] | None = None) -> tuple[torch.Tensor | None, int]:
         """RoPE positions of a prompt other than its slots, and the decode offset (``rope_delta``):
-        ``(None, 0)`` for 1-D RoPE (the default); multimodal RoPE families return ``(3, 1, T)``."""
+        ``(None, 0)`` for 1-D RoPE (the default); multimodal RoPE families return ``(3, 1, T)``.
+        ``kept_index``: the vision tokens token pruning kept (indices into the unpruned run,
+        ascending), when ``input_ids`` holds only those: each keeps its unpruned position."""
         return None, 0
 
     @abstractmethod

@@ -162,8 +162,25 @@ class TorchBackend(Backend):
         self.last_vision_info = None
         return self.model.encode_vision(vision)  # (N_total, D_text)
 
-    def position_ids(self, input_ids: torch.Tensor, vision: VisionInput | None) -> tuple[torch.Tensor | None, int]:
-        return self.model.position_ids(input_ids.to(self.device), vision)
+    def position_ids(self, input_ids: torch.Tensor, vision: VisionInput | None, *,
+                     kept_index: list[int] | None = None) -> tuple[torch.Tensor | None, int]:
+        """See :meth:`Backend.position_ids`. A pruned multimodal-RoPE prompt (``kept_index`` given and
+        fewer vision tokens in ``input_ids`` than ``vision`` has): the positions of the unpruned
+        prompt, of which every kept token keeps its own ``(t, h, w)``
+        (:func:`edgevlm.runtime.pruning.pruned_position_ids`). 1-D RoPE families return ``(None, 0)``
+        (SmolVLM: consecutive slots; LLaVA places its pruned tokens itself in prefill)."""
+        input_ids = input_ids.to(self.device)
+        if kept_index is None or vision is None or vision.grid_thw is None or len(kept_index) >= vision.num_tokens:
+            return self.model.position_ids(input_ids, vision)
+        from edgevlm.runtime.pruning import expand_vision_run, pruned_position_ids
+
+        cfg = self.model.cfg
+        vision_ids = {cfg.image_token_id} | ({cfg.video_token_id} if cfg.video_token_id is not None else set())
+        full_ids, start, _ = expand_vision_run(input_ids[0].tolist(), vision_ids, vision.num_tokens)
+        full, _ = self.model.position_ids(torch.tensor([full_ids], dtype=torch.long, device=self.device), vision)
+        if full is None:  # no multimodal RoPE after all
+            return None, 0
+        return pruned_position_ids(full, start, vision.num_tokens, kept_index)
 
     @torch.inference_mode()
     def classify_image(self, pixel_values: torch.Tensor, block: int | None = None) -> torch.Tensor:

@@ -199,3 +199,26 @@ def test_pruned_llava_requests_batched_keep_their_unpruned_rope_positions(tmp_pa
         assert _text(single, res.tokens) == answer.text
         assert len(res.tokens) + int(res.eos) == answer.stats.new_tokens
     assert results[0].vision_info.tokens_kept < results[0].vision_info.tokens_total  # it did prune
+
+
+def test_pruned_requests_of_every_family_batched_answer_as_engine_ask(family_dir):
+    """Token pruning (``keep_ratio`` 0.5) on a Qwen / SmolVLM request inside a batch: its kept
+    vision tokens keep the positions ``Engine.ask`` gives them (Qwen: their own (t, h, w) M-RoPE
+    positions), so the batched text equals the one-at-a-time text."""
+    from edgevlm.types import OperatingPoint
+
+    single, batched = _load(family_dir), _load(family_dir, max_batch_size=3)
+    op = OperatingPoint(name="pruned", keep_ratio=0.5)
+    (im0, p0, n0), (im1, p1, n1), _ = fs.requests(single.family.name)
+    cases = [(im0, p0, n0, op), (im1, p1, n1, None), (im1, "what color is the shape?", 6, op)]
+    reqs = []
+    for im, p, n, point in cases:
+        prep = batched.prepare(im, p, max_new_tokens=n, operating_point=point)
+        reqs.append(GenerationRequest(prep.ids, vision=prep.vision, max_new_tokens=n, operating_point=point,
+                                      eos_token_ids=batched.eos_token_ids))
+    results = ContinuousBatcher(batched.backend).run(reqs)
+    assert max(r.batch_size for r in results) >= 2
+    for (im, p, n, point), res in zip(cases, results, strict=True):
+        answer = single.ask(im, p, max_new_tokens=n, operating_point=point)
+        assert _text(single, res.tokens) == answer.text
+    assert results[0].vision_info.tokens_kept < results[0].vision_info.tokens_total  # it did prune
