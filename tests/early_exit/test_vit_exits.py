@@ -286,7 +286,7 @@ def test_pruned_qwen_prompt_keeps_each_tokens_mrope_position(checkpoint, engine,
     with torch.no_grad():
         _, info = model.encode_vision_adaptive(p.vision, op)
     kept = info.kept_index[0]
-    pos, delta = engine._pruned_positions(p.ids, p.vision, kept)
+    pos, delta = engine.backend.position_ids(torch.tensor([p.ids]), p.vision, kept_index=kept)
     full_pos, _ = model.position_ids(torch.tensor([full_p.ids]), full_p.vision)
     img = engine.config.image_token_id
     start = p.ids.index(img)
