@@ -553,8 +553,9 @@ def _write_readme(files: ModelFiles, out: Path, opts: BuildOptions, decisions: d
     n4 = sum(d.action == "int4" for d in decisions.values())
     kept = len(decisions) - n4
     vision = "INT4" if opts.vision == "int4" else f"16-bit ({opts.keep_dtype})"
-    artifacts = ["`onnx/` (vision.onnx, decoder.onnx; checked against PyTorch, see `onnx_check` in manifest.json)"
-                 if (out / "onnx").is_dir() else "no ONNX artifacts"]
+    graphs = ", ".join(sorted(p.name for p in (out / "onnx").glob("*.onnx"))) if (out / "onnx").is_dir() else ""
+    artifacts = [f"`onnx/` ({graphs}; checked against PyTorch, see `onnx_check` in manifest.json)"
+                 if graphs else "no ONNX artifacts"]
     if (out / "tensorrt").is_dir():
         artifacts.append("`tensorrt/` engines")
     lines = [
@@ -612,15 +613,20 @@ def _copy_side_files(files: ModelFiles, out: Path, ladder: list[int]) -> list[st
 
 #: families whose vision tower and decoder :mod:`edgevlm.quantize.onnx_export` exports
 ONNX_FAMILIES = ("llava",)
+#: families with only ``onnx/vision.onnx`` (:mod:`edgevlm.quantize.onnx_vision_export`); the decoder stays torch
+ONNX_VISION_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "smolvlm")
 
 
 def _build_artifacts(files: ModelFiles, out: Path, opts: BuildOptions, ladder: list[int]) -> list[str]:
-    """ONNX and TensorRT artifacts; returns one-line notes for what was not built (a family
-    without an ONNX export gets one WARNING line and the torch bundle)."""
+    """ONNX and TensorRT artifacts; returns one-line notes for what was not built (each also one
+    WARNING line): a family without an ONNX export gets the torch bundle only, a vision-only family
+    (:data:`ONNX_VISION_FAMILIES`) ``onnx/vision.onnx`` and no decoder graph or TensorRT engine."""
+    family = files.family.name
+    supported = ONNX_FAMILIES + ONNX_VISION_FAMILIES
     notes = []
-    if files.family.name not in ONNX_FAMILIES and (opts.onnx or opts.tensorrt):
-        note = (f"onnx: not built (no ONNX export for the {files.family.name} family; supported: "
-                f"{', '.join(ONNX_FAMILIES)} with CLIP or SigLIP towers); the torch bundle is built")
+    if family not in supported and (opts.onnx or opts.tensorrt):
+        note = (f"onnx: not built (no ONNX export for the {family} family; supported: "
+                f"{', '.join(supported)}); the torch bundle is built")
         logger.warning("%s", note)
         return [note] + (["tensorrt: not built (needs the ONNX export)"] if opts.tensorrt else [])
     if opts.onnx:
@@ -630,7 +636,14 @@ def _build_artifacts(files: ModelFiles, out: Path, opts: BuildOptions, ladder: l
             notes.append(f"onnx: not built ({exc.name} is not installed: pip install 'edgevlm[onnx]')")
         else:
             export_bundle_onnx(out, ladder)
-    if opts.tensorrt:
+            if family in ONNX_VISION_FAMILIES:
+                note = (f"onnx: onnx/vision.onnx only (the ONNX decoder graph is LLaVA-only; the {family} decoder "
+                        "runs on the torch backend)")
+                logger.warning("%s", note)
+                notes.append(note)
+    if opts.tensorrt and family in ONNX_VISION_FAMILIES:
+        notes.append(f"tensorrt: not built (the TensorRT build is LLaVA-only; {family} has no engine)")
+    elif opts.tensorrt:
         from edgevlm.quantize.tensorrt_build import build_tensorrt_engines
 
         note = build_tensorrt_engines(out, ladder)
@@ -666,13 +679,13 @@ def _write_manifest(files: ModelFiles, out: Path, opts: BuildOptions, decisions:
         "weights_bytes": float(sum(writer.bytes_by_name.values())),
     }
     artifacts = {"safetensors": ", ".join(weight_names)}
-    if (out / "onnx").is_dir():
-        artifacts["onnx"] = "onnx/"
-    if (out / "tensorrt").is_dir():
-        artifacts["tensorrt"] = "tensorrt/"
-    for note in notes:
+    for note in notes:  # a note on a built artifact ("onnx: onnx/vision.onnx only ...") describes it
         backend, _, text = note.partition(": ")
         artifacts.setdefault(backend, text)
+    if (out / "onnx").is_dir():
+        artifacts.setdefault("onnx", "onnx/")
+    if (out / "tensorrt").is_dir():
+        artifacts.setdefault("tensorrt", "tensorrt/")
     manifest = BundleManifest(
         created_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         source=SourceInfo(path=str(files.model_dir), sha256=hashlib.sha256(digest.encode()).hexdigest(),

@@ -102,10 +102,15 @@ class CalibrationInfo(BaseModel):
 class OnnxVisionCheck(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    height_px: int = Field(gt=0, description="Input height H of pixel_values (1, 3, H, W).")
+    height_px: int = Field(gt=0, description="Input height H of pixel_values (1, 3, H, W); Qwen: grid h * patch.")
     width_px: int = Field(gt=0, description="Input width W.")
-    max_error: float = Field(ge=0, description="max|onnx - torch| / max(1, max|torch|) of image_features.")
+    max_error: float = Field(ge=0, description="max|onnx - torch| / max(1, max|torch|) of image_features "
+                                               "(and of every DeepStack output, the largest).")
     max_abs_torch: float = Field(ge=0, description="max|torch| of image_features (the error's scale).")
+    grid_thw: list[list[int]] | None = Field(None, description="Qwen families: the (t, h, w) patch grid of each "
+                                                               "item fed (None: LLaVA, SmolVLM).")
+    n_tiles: int | None = Field(None, description="SmolVLM: tiles of height_px x width_px fed (None: others).")
+    padded: bool = Field(False, description="SmolVLM: a tile had padded pixels (pixel_attention_mask).")
 
 
 class OnnxDecoderCheck(BaseModel):
@@ -128,8 +133,17 @@ class OnnxCheck(BaseModel):
     providers: list[str] = Field(description="Execution providers used.")
     tolerance: float = Field(gt=0, description="Largest accepted relative max error.")
     vision: list[OnnxVisionCheck] = Field(description="One entry per input size checked.")
-    decoder: OnnxDecoderCheck = Field(description="Prefill and decode logits on a short prompt.")
+    decoder: OnnxDecoderCheck | None = Field(None, description="Prefill and decode logits on a short prompt "
+                                                                "(None: the bundle has no decoder graph).")
     passed: bool = Field(description="Every error within the tolerance (a failed check refuses the bundle).")
+
+    @property
+    def max_error(self) -> float:
+        """The worst error of every output checked."""
+        errors = [v.max_error for v in self.vision]
+        if self.decoder is not None:
+            errors += [self.decoder.prefill_max_error, self.decoder.decode_max_error]
+        return max(errors, default=0.0)
 
 
 class BundleManifest(BaseModel):

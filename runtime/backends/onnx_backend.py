@@ -1,9 +1,15 @@
 """onnxruntime backend: runs an engine bundle's ``onnx/vision.onnx`` and ``onnx/decoder.onnx``
-(written by ``edgevlm quantize``, see :mod:`edgevlm.quantize.onnx_export` for the graph contract).
+(written by ``edgevlm quantize``, see :mod:`edgevlm.quantize.onnx_export` and
+:mod:`edgevlm.quantize.onnx_vision_export` for the graph contracts).
+
+LLaVA bundles (:class:`OnnxBackend`) run both graphs. Qwen2.5-VL, Qwen3-VL and SmolVLM2 bundles
+(:class:`OnnxVisionBackend`) have a vision graph only: the vision tower runs on onnxruntime
+(:class:`~edgevlm.runtime.backends.onnx_vision.VisionGraph`, host-side feeds for the request's grid),
+the decoder on the torch backend (its KV cache, M-RoPE positions and Qwen3-VL's DeepStack adds).
 
 Execution providers: CPU here; on ``device="cuda"`` the TensorRT and CUDA providers are put first
-when this onnxruntime build has them. The vision graph has dynamic height/width, so every rung of
-the resolution ladder runs without reloading. The KV cache is the decoder's ``present.*`` outputs
+when this onnxruntime build has them. The vision graphs have dynamic shapes, so every rung of
+the resolution ladder runs without reloading. LLaVA's KV cache is the decoder's ``present.*`` outputs
 fed back as ``past.*`` (numpy arrays growing by one position per decode step); :meth:`prefill`
 starts a new sequence. Token embeddings are looked up on the host from the bundle's
 ``embed_tokens`` tensor. Logits and features come back as float32 CPU torch tensors.
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnxruntime as ort
@@ -25,6 +32,9 @@ from edgevlm.runtime.backends import Backend
 from edgevlm.runtime.bundle import is_bundle, verify_bundle
 from edgevlm.runtime.loader import ModelFiles, canonical_key
 from edgevlm.types import OperatingPoint
+
+if TYPE_CHECKING:
+    from edgevlm.runtime.models.base import VisionInput
 
 logger = logging.getLogger(__name__)
 
@@ -58,16 +68,7 @@ class OnnxBackend(Backend):
 
     def __init__(self, files: ModelFiles, *, device: torch.device, max_seq_len: int) -> None:
         root = Path(files.model_dir)
-        if not is_bundle(root):
-            raise ModelLoadError(f"{root} is not an engine bundle: the onnx backend runs bundles built by "
-                                 "`edgevlm quantize` (ONNX artifacts in onnx/)")
-        verify_bundle(root)
-        if files.family.name != "llava":
-            raise ModelLoadError(f"the onnx backend runs llava bundles only; {root} is a {files.family.name} bundle "
-                                 "(use --backend torch)")
-        for name in ("vision.onnx", "decoder.onnx"):
-            if not (root / ONNX_DIR / name).is_file():
-                raise ModelLoadError(f"bundle {root} has no {ONNX_DIR}/{name} (rebuild it without --no-onnx)")
+        _check_bundle(root, ("vision.onnx", "decoder.onnx"))
         self.device = torch.device("cpu") if device.type == "cpu" else device
         self.dtype = torch.float32
         self._max_seq_len = max_seq_len
@@ -146,6 +147,73 @@ class OnnxBackend(Backend):
         self._past, self._len = {}, 0
 
 
+class OnnxVisionBackend(Backend):
+    """A Qwen2.5-VL / Qwen3-VL / SmolVLM2 bundle: the vision tower on onnxruntime
+    (``onnx/vision.onnx``), the decoder on ``decoder`` (the torch backend of the same bundle)."""
+
+    name = "onnx"
+
+    def __init__(self, files: ModelFiles, decoder: Backend, providers: list[str]) -> None:
+        from edgevlm.runtime.backends.onnx_vision import VisionGraph
+
+        self.family = files.family.name
+        self.decoder = decoder
+        self.device, self.dtype = decoder.device, decoder.dtype
+        self.providers = providers
+        self.vision = VisionGraph(Path(files.model_dir) / ONNX_DIR / "vision.onnx", files, providers)
+        logger.info("onnx backend: %s vision on %s, decoder on torch", self.family, ", ".join(providers))
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.decoder.max_seq_len
+
+    def encode_image(self, pixel_values: torch.Tensor, *, operating_point: OperatingPoint | None = None
+                     ) -> torch.Tensor:
+        raise ValueError(f"the {self.family} family encodes a VisionInput (encode_vision), not bare pixels")
+
+    def encode_vision(self, vision: VisionInput, *, operating_point: OperatingPoint | None = None,
+                      prompt_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Vision tokens ``(N_tokens, D_text)`` in the decoder's dtype, from the ONNX graph; Qwen3-VL's
+        DeepStack outputs go to the decoder for the next prefill."""
+        outs = self.vision.run(vision.pixel_values, grid_thw=vision.grid_thw,
+                               pixel_mask=vision.extras.get("pixel_attention_mask"))
+        model = self.decoder.model
+        if self.family == "qwen3_vl":
+            model.set_deepstack(outs[1:])
+        return outs[0].reshape(-1, outs[0].shape[-1]).to(self.device, self.dtype)  # SmolVLM: tiles flattened
+
+    def position_ids(self, input_ids: torch.Tensor, vision: VisionInput | None) -> tuple[torch.Tensor | None, int]:
+        return self.decoder.position_ids(input_ids, vision)
+
+    def embed(self, input_ids: torch.Tensor, image_features: torch.Tensor | None) -> torch.Tensor:
+        return self.decoder.embed(input_ids, image_features)
+
+    def prefill(self, embeds: torch.Tensor, *, operating_point: OperatingPoint | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.decoder.prefill(embeds, operating_point=operating_point, position_ids=position_ids)
+
+    def decode(self, token_id: int, pos: int, *, operating_point: OperatingPoint | None = None,
+               rope_offset: int = 0) -> torch.Tensor:
+        return self.decoder.decode(token_id, pos, operating_point=operating_point, rope_offset=rope_offset)
+
+    def reset(self) -> None:
+        self.decoder.reset()
+
+    def synchronize(self) -> None:
+        self.decoder.synchronize()
+
+
+def _check_bundle(root: Path, graphs: tuple[str, ...]) -> None:
+    """``root`` is a verified engine bundle with ``onnx/<graph>`` for each of ``graphs``."""
+    if not is_bundle(root):
+        raise ModelLoadError(f"{root} is not an engine bundle: the onnx backend runs bundles built by "
+                             "`edgevlm quantize` (ONNX artifacts in onnx/)")
+    verify_bundle(root)
+    for name in graphs:
+        if not (root / ONNX_DIR / name).is_file():
+            raise ModelLoadError(f"bundle {root} has no {ONNX_DIR}/{name} (rebuild it without --no-onnx)")
+
+
 def check_options(backend: str, options: dict) -> None:
     """Raise InvalidRequestError for options this backend does not take (it takes none)."""
     if options:
@@ -156,13 +224,28 @@ def check_options(backend: str, options: dict) -> None:
 
 def load(files: ModelFiles, *, device: torch.device, dtype: torch.dtype, max_seq_len: int,
          **options) -> OnnxBackend:
-    """Load a bundle's ONNX artifacts (``dtype`` is ignored: the graphs compute in float32).
+    """Load a bundle's ONNX artifacts (LLaVA: ``dtype`` is ignored, the graphs compute in float32;
+    the vision-only families: ``dtype`` is the torch decoder's).
 
     Raises:
-        ModelLoadError: not a bundle, hash mismatch, ONNX files missing or not loadable.
+        ModelLoadError: not a bundle, hash mismatch, ONNX files missing or not loadable, a family
+            without ONNX artifacts.
         InvalidRequestError: any backend option (this backend takes none).
     """
+    from edgevlm.runtime.backends.onnx_vision import VISION_FAMILIES
+
     check_options("onnx", options)
+    family = files.family.name
+    if family in VISION_FAMILIES:
+        root = Path(files.model_dir)
+        _check_bundle(root, ("vision.onnx",))
+        from edgevlm.runtime.backends.torch_backend import load as load_torch
+
+        decoder = load_torch(files, device=device, dtype=dtype, max_seq_len=max_seq_len)
+        return OnnxVisionBackend(files, decoder, providers_for(device))
+    if family != "llava":
+        raise ModelLoadError(f"the onnx backend runs llava, {', '.join(VISION_FAMILIES)} bundles; "
+                             f"{files.model_dir} is a {family} bundle (use --backend torch)")
     if dtype != torch.float32:
         logger.info("onnx backend computes in float32 (requested %s)", dtype)
     return OnnxBackend(files, device=device, max_seq_len=max_seq_len)

@@ -4,8 +4,10 @@ Tiny random checkpoints from the families' own test builders (transformers' mode
 quantized W4A16 (RTN and AWQ with the demo calibration scenes, group size 32 because the tiny
 decoders' in_features are 64/128) with the vision encoder kept 16-bit; the bundle loads through the
 registry (``Engine.load``) and answers, and its prefill logits stay within a tolerance of the 16-bit
-model's on the same image and prompt. The ONNX export is refused for these families with one
-WARNING line while the torch bundle is still built; ``--vision int4`` is one line, exit 2.
+model's on the same image and prompt. ``onnx/vision.onnx`` is built for every family (one WARNING
+line: the decoder graph is LLaVA-only), checked against the PyTorch tower at build time (recorded in
+the manifest), equals the tower on real images at two resolution rungs, and a corrupted graph
+refuses the bundle; ``--vision int4`` is one line, exit 2.
 """
 
 from __future__ import annotations
@@ -79,11 +81,13 @@ def test_bundle_loads_answers_and_keeps_the_logits(checkpoint, method, tmp_path,
     opts = BuildOptions(method=method, group_size=32, calib="demo", calib_samples=2, awq_grid=4)
     with caplog.at_level("WARNING", logger="edgevlm.quantize.build"):
         result = build_bundle(src, tmp_path / "bundle", opts)
-    # ONNX: one warning line naming the family and what is supported; the torch bundle is built
-    warned = [r.getMessage() for r in caplog.records if "ONNX export" in r.getMessage()]
-    assert len(warned) == 1 and family in warned[0] and "llava" in warned[0]
+    # ONNX: vision.onnx only, one warning line naming the family; the torch bundle runs the decoder
+    warned = [r.getMessage() for r in caplog.records if "onnx" in r.getMessage()]
+    assert warned == [f"onnx: onnx/vision.onnx only (the ONNX decoder graph is LLaVA-only; the {family} decoder "
+                      "runs on the torch backend)"]
     manifest = read_manifest(result.bundle_dir)
-    assert "onnx" in manifest.artifacts and "not built" in manifest.artifacts["onnx"]
+    assert manifest.artifacts["onnx"].startswith("onnx/vision.onnx only")
+    assert manifest.onnx_check is not None and manifest.onnx_check.passed
     int4 = [d for d in manifest.layers if d.action == "int4"]
     assert int4 and all(d.name.startswith("language_model.layers.") for d in int4)
     assert all(d.group_size == 32 and d.method == method for d in int4)
@@ -154,7 +158,7 @@ def test_vision_int4_is_one_line_exit_2(checkpoint, tmp_path, capsys):
     assert not (tmp_path / "b").exists()
 
 
-def test_config_keeps_the_ladder_and_onnx_backend_refuses(checkpoint, tmp_path):
+def test_config_keeps_the_ladder_and_onnx_backend_needs_the_graph(checkpoint, tmp_path):
     family, src = checkpoint
     result = build_bundle(src, tmp_path / "bundle", BuildOptions(method="rtn", group_size=32, onnx=False,
                                                                  tensorrt=False))
@@ -164,8 +168,10 @@ def test_config_keeps_the_ladder_and_onnx_backend_refuses(checkpoint, tmp_path):
                                                                src_raw.get("edgevlm", {}).get("resolution_ladder"))
     from edgevlm.errors import ModelLoadError
 
-    with pytest.raises(ModelLoadError, match=f"the onnx backend runs llava bundles only; .* is a {family} bundle"):
+    with pytest.raises(ModelLoadError, match=r"bundle .* has no onnx/vision.onnx \(rebuild it without --no-onnx\)"):
         Engine.load(result.bundle_dir, backend="onnx")
+    with pytest.raises(ModelLoadError, match="is not an engine bundle"):
+        Engine.load(src, backend="onnx")
 
 
 @pytest.mark.parametrize("flags", [["--exit-layer", "1"], ["--exit-threshold", "0.9"], ["--keep-ratio", "0.5"]])
@@ -220,3 +226,150 @@ def test_llava_awq_runner_uses_the_checkpoints_rope(tmp_path):
             x = run.add_after(i, 0, run(layer, 0, x))
         got = model.language_model.lm_head(model.language_model.norm(x[:, -1]))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------ ONNX vision graphs
+ort = pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+
+#: ORT vs PyTorch on these tiny towers, both float32 (measured 4e-7 .. 3e-6 of the output scale)
+ONNX_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def onnx_bundle(checkpoint, tmp_path_factory) -> tuple[str, Path]:
+    family, src = checkpoint
+    out = tmp_path_factory.mktemp(f"onnx_{family}") / "bundle"
+    return family, build_bundle(src, out, BuildOptions(method="rtn", group_size=32)).bundle_dir
+
+
+def test_vision_onnx_is_built_and_the_check_recorded(onnx_bundle):
+    from edgevlm.quantize.onnx_check import TOLERANCE
+
+    family, bundle = onnx_bundle
+    m = read_manifest(bundle)
+    assert (bundle / "onnx" / "vision.onnx").is_file() and not (bundle / "onnx" / "decoder.onnx").exists()
+    assert {"onnx/vision.onnx", "onnx/vision.onnx.data"} <= {f.path for f in m.files}
+    check = m.onnx_check
+    assert check.passed and check.decoder is None and check.onnxruntime == ort.__version__
+    assert check.tolerance == TOLERANCE and len(check.vision) >= 2
+    assert all(v.max_error < ONNX_TOL and v.max_abs_torch > 0.1 for v in check.vision)
+    if family == "smolvlm":  # tile counts: one tile, several, and a padded one
+        assert [v.n_tiles for v in check.vision] == [1, 3, 2] and check.vision[-1].padded
+    else:  # patch grids: a square image, a non-square one, a two-frame video
+        grids = [v.grid_thw[0] for v in check.vision]
+        assert grids[0][1] == grids[0][2] and grids[1][1] != grids[1][2] and grids[2][0] == 2
+        patch = _files(bundle).config.vision.patch_size
+        assert all((v.height_px, v.width_px) == (g[1] * patch, g[2] * patch) for v, g in zip(check.vision, grids, strict=True))
+    # one shape-generic graph: every input dimension but the channels is symbolic
+    graph = onnx.load(str(bundle / "onnx" / "vision.onnx"), load_external_data=False).graph
+    pixels = next(i for i in graph.input if i.name == "pixel_values")
+    dims = [d.dim_param or d.dim_value for d in pixels.type.tensor_type.shape.dim]
+    assert dims[0] in ("n_patches", "n_tiles") and isinstance(dims[0], str)
+    outputs = [o.name for o in graph.output]
+    assert outputs == (["image_features", "deepstack.0", "deepstack.1"] if family == "qwen3_vl" else ["image_features"])
+
+
+@pytest.mark.parametrize("rungs", [(64, 112)])
+def test_vision_onnx_equals_pytorch_at_two_rungs(onnx_bundle, rungs):
+    """The processor's real input for a non-square image at two ladder rungs (different patch grids /
+    tile counts) through ONE vision.onnx session equals the PyTorch tower of the same bundle."""
+    from edgevlm.runtime.backends.onnx_vision import VisionGraph
+
+    family, bundle = onnx_bundle
+    engine = Engine.load(bundle, device="cpu", dtype="float32")
+    model = engine.backend.model
+    graph = VisionGraph(bundle / "onnx" / "vision.onnx", _files(bundle), ["CPUExecutionProvider"])
+    image = _image()  # 96 x 128: non-square
+    shapes = set()
+    for rung in rungs:
+        vision = engine.processor.prepare([image], resolution_px=rung)
+        with torch.no_grad():
+            if family == "smolvlm":
+                want = [model.encode_tiles(vision.pixel_values)]
+            else:
+                out = model.visual(vision.pixel_values, vision.grid_thw)
+                want = [out] if family == "qwen2_5_vl" else [out[0], *out[1]]
+        got = graph.run(vision.pixel_values, grid_thw=vision.grid_thw)
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b.float(), rtol=ONNX_TOL, atol=ONNX_TOL * float(b.abs().max()))
+        shapes.add(tuple(vision.pixel_values.shape))
+        if family != "smolvlm":
+            t, h, w = vision.grid_thw[0].tolist()
+            assert h != w  # the non-square image keeps a non-square grid
+    assert len(shapes) == 2  # the two rungs fed different shapes to the same session
+
+
+def _files(bundle):
+    from edgevlm.runtime.loader import read_model_files
+
+    return read_model_files(bundle)
+
+
+def _negate_patch_weight(model):
+    """A corrupted weight: the patch embedding's signs flipped (raw 16- or 32-bit floats)."""
+    init = next(i for i in model.graph.initializer if i.name.startswith("patch_w"))
+    raw = np.frombuffer(init.raw_data, dtype=np.uint16 if init.data_type != onnx.TensorProto.FLOAT else np.uint32)
+    init.raw_data = (raw ^ raw.dtype.type(1 << (8 * raw.itemsize - 1))).tobytes()
+    return model
+
+
+def _rope_sin_as_cos(model):
+    """The classic rotary bug: the cos table fed where the sin table belongs."""
+    for node in model.graph.node:
+        node.input[:] = ["rope_cos" if i == "rope_sin" else i for i in node.input]
+    return model
+
+
+@pytest.mark.parametrize("fault", [_negate_patch_weight, _rope_sin_as_cos])
+def test_a_corrupted_vision_graph_refuses_the_bundle(checkpoint, fault, monkeypatch, tmp_path):
+    from edgevlm.errors import ModelLoadError
+    from edgevlm.quantize import onnx_vision_export
+
+    family, src = checkpoint
+    if fault is _rope_sin_as_cos and family == "smolvlm":
+        pytest.skip("SmolVLM's tower has no rotary embedding")
+    real = onnx_vision_export.VISION_GRAPHS[family]
+    monkeypatch.setitem(onnx_vision_export.VISION_GRAPHS, family, lambda *a: fault(real(*a)))
+    out = tmp_path / "bundle"
+    first = "1 tiles of 64x64 px" if family == "smolvlm" else r"grid_thw 1x\d+x\d+ \(image of \d+x\d+ px\)"
+    with pytest.raises(ModelLoadError, match=r"ONNX export check failed: onnx/vision.onnx (image_features|deepstack.0) "
+                                             rf"at {first} differs from PyTorch by [0-9.e+-]+ of its scale"):
+        build_bundle(src, out, BuildOptions(method="rtn", group_size=32))
+    assert not out.exists() and not (tmp_path / "bundle.partial").exists()
+
+
+def test_onnx_backend_answers_as_the_torch_backend(onnx_bundle):
+    """``--backend onnx`` on these bundles: the vision tower on onnxruntime (Qwen3-VL's DeepStack
+    outputs handed to the torch decoder), the decoder on torch: the same vision tokens within
+    float32 rounding, the same prefill logits, the same greedy answer."""
+    family, bundle = onnx_bundle
+    t = Engine.load(bundle, device="cpu", dtype="float32")
+    o = Engine.load(bundle, device="cpu", dtype="float32", backend="onnx")
+    image, question = _image(), "how many shapes are there?"
+    vision = t.processor.prepare([image])
+    with torch.no_grad():
+        want = t.backend.encode_vision(vision)
+    got = o.backend.encode_vision(vision)
+    torch.testing.assert_close(got, want, rtol=ONNX_TOL, atol=ONNX_TOL * float(want.abs().max()))
+    a, b = _prefill_logits(t, image, question), _prefill_logits_backend(o, image, question)
+    torch.testing.assert_close(b, a, rtol=ONNX_TOL, atol=ONNX_TOL * float(a.abs().max()))
+    ta = t.ask(image, question, max_new_tokens=4)
+    oa = o.ask(image, question, max_new_tokens=4)
+    assert oa.text == ta.text and oa.stats.backend == "onnx" and ta.stats.backend == "torch"
+    with pytest.raises(ValueError, match="encodes a VisionInput"):
+        o.backend.encode_image(torch.zeros(1, 3, 64, 64))
+
+
+def _prefill_logits_backend(engine: Engine, image: np.ndarray, question: str) -> torch.Tensor:
+    """Last-position prefill logits ``(V,)`` through the Backend interface (what the Engine calls)."""
+    be = engine.backend
+    vision = engine.processor.prepare([image])
+    ids = engine.tokenizer.encode_request(question, vision, engine.processor)
+    input_ids = torch.tensor([ids])
+    with torch.no_grad():
+        feats = be.encode_vision(vision)
+        pos, _ = be.position_ids(input_ids, vision)
+        logits = be.prefill(be.embed(input_ids, feats), position_ids=pos)
+    return logits[0].float()
