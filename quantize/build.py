@@ -611,22 +611,21 @@ def _copy_side_files(files: ModelFiles, out: Path, ladder: list[int]) -> list[st
     return []
 
 
-#: families whose vision tower and decoder :mod:`edgevlm.quantize.onnx_export` exports
-ONNX_FAMILIES = ("llava",)
-#: families with only ``onnx/vision.onnx`` (:mod:`edgevlm.quantize.onnx_vision_export`); the decoder stays torch
-ONNX_VISION_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "smolvlm")
+#: families whose vision tower and decoder :mod:`edgevlm.quantize.onnx_export` exports (the vision graphs of
+#: the last three: :mod:`edgevlm.quantize.onnx_vision_export`)
+ONNX_FAMILIES = ("llava", "qwen2_5_vl", "qwen3_vl", "smolvlm")
+#: families with a TensorRT build (:mod:`edgevlm.quantize.tensorrt_build`: LLaVA's vision profile)
+TENSORRT_FAMILIES = ("llava",)
 
 
 def _build_artifacts(files: ModelFiles, out: Path, opts: BuildOptions, ladder: list[int]) -> list[str]:
-    """ONNX and TensorRT artifacts; returns one-line notes for what was not built (each also one
-    WARNING line): a family without an ONNX export gets the torch bundle only, a vision-only family
-    (:data:`ONNX_VISION_FAMILIES`) ``onnx/vision.onnx`` and no decoder graph or TensorRT engine."""
+    """ONNX and TensorRT artifacts; returns one-line notes for what was not built (a family
+    without an ONNX export gets one WARNING line and the torch bundle)."""
     family = files.family.name
-    supported = ONNX_FAMILIES + ONNX_VISION_FAMILIES
     notes = []
-    if family not in supported and (opts.onnx or opts.tensorrt):
+    if family not in ONNX_FAMILIES and (opts.onnx or opts.tensorrt):
         note = (f"onnx: not built (no ONNX export for the {family} family; supported: "
-                f"{', '.join(supported)}); the torch bundle is built")
+                f"{', '.join(ONNX_FAMILIES)}); the torch bundle is built")
         logger.warning("%s", note)
         return [note] + (["tensorrt: not built (needs the ONNX export)"] if opts.tensorrt else [])
     if opts.onnx:
@@ -636,13 +635,8 @@ def _build_artifacts(files: ModelFiles, out: Path, opts: BuildOptions, ladder: l
             notes.append(f"onnx: not built ({exc.name} is not installed: pip install 'edgevlm[onnx]')")
         else:
             export_bundle_onnx(out, ladder)
-            if family in ONNX_VISION_FAMILIES:
-                note = (f"onnx: onnx/vision.onnx only (the ONNX decoder graph is LLaVA-only; the {family} decoder "
-                        "runs on the torch backend)")
-                logger.warning("%s", note)
-                notes.append(note)
-    if opts.tensorrt and family in ONNX_VISION_FAMILIES:
-        notes.append(f"tensorrt: not built (the TensorRT build is LLaVA-only; {family} has no engine)")
+    if opts.tensorrt and family not in TENSORRT_FAMILIES:
+        notes.append(f"tensorrt: not built (the TensorRT build is LLaVA-only; no engine for {family})")
     elif opts.tensorrt:
         from edgevlm.quantize.tensorrt_build import build_tensorrt_engines
 

@@ -111,7 +111,7 @@ def check_bundle_onnx(bundle_dir: str | Path) -> OnnxCheck:
     files = read_model_files(root)
     if files.family.name == "llava":
         return _check_llava(root)
-    return _check_vision_only(root, files)
+    return _check_family(root, files)
 
 
 def _check_llava(root: Path) -> OnnxCheck:
@@ -213,10 +213,6 @@ def vision_check_cases(family: str, cfg) -> list[VisionCase]:
     raise ValueError(f"no ONNX vision check for the {family} family")
 
 
-def _vision_modules(model, family: str) -> list[torch.nn.Module]:
-    return [model.visual] if family in ("qwen2_5_vl", "qwen3_vl") else [model.vision_model, model.connector]
-
-
 def _torch_vision(model, family: str, pixels: torch.Tensor, grid: torch.Tensor | None,
                   mask: torch.Tensor | None) -> list[torch.Tensor]:
     """The PyTorch tower's outputs, in the graph's output order."""
@@ -244,23 +240,20 @@ def _case_inputs(family: str, cfg, case: VisionCase, gen: torch.Generator):
     return pixels, None, mask
 
 
-def _check_vision_only(root: Path, files) -> OnnxCheck:
-    """The vision graph of a Qwen2.5-VL / Qwen3-VL / SmolVLM2 bundle against the tower (module doc)."""
+def _check_family(root: Path, files) -> OnnxCheck:
+    """The vision and decoder graphs of a Qwen2.5-VL / Qwen3-VL / SmolVLM2 bundle against the
+    PyTorch modules (module doc)."""
     import onnxruntime as ort
 
     from edgevlm.runtime import Engine
-    from edgevlm.runtime.backends.onnx_backend import providers_for
-    from edgevlm.runtime.backends.onnx_vision import VisionGraph
-    from edgevlm.runtime.bundle import read_manifest
+    from edgevlm.runtime.int4 import set_int4_kernel
 
     family, cfg = files.family.name, files.config
-    keep = getattr(torch, read_manifest(root).keep_dtype)  # the vision tower's stored dtype: exact upcast
-    ref = Engine.load(root, device="cpu", dtype=keep, max_seq_len=MAX_SEQ_LEN)
+    ref = Engine.load(root, device="cpu", dtype=torch.float32, max_seq_len=MAX_SEQ_LEN)
     model = ref.backend.model
-    for module in _vision_modules(model, family):
-        module.float()
-    providers = providers_for(torch.device("cpu"))
-    graph = VisionGraph(root / "onnx" / "vision.onnx", files, providers)
+    set_int4_kernel(model, "dequant")  # float32 reference path, like the graphs
+    onnx = Engine.load(root, backend="onnx", max_seq_len=MAX_SEQ_LEN)
+    graph, providers = onnx.backend.vision, list(onnx.backend.providers)
     patch_px = cfg.vision.patch_size
     gen = torch.Generator().manual_seed(0)
     vision: list[OnnxVisionCheck] = []
@@ -283,9 +276,46 @@ def _check_vision_only(root: Path, files) -> OnnxCheck:
                 height_px=h, width_px=w, max_error=worst, max_abs_torch=scale,
                 grid_thw=[list(g) for g in case.grid_thw] if case.grid_thw is not None else None,
                 n_tiles=case.n_tiles, padded=case.padded))
+        decoder = _check_family_decoder(ref, onnx, family)
     record = OnnxCheck(onnxruntime=ort.__version__, providers=providers, tolerance=TOLERANCE, vision=vision,
-                       decoder=None, passed=True)
-    logger.info("ONNX check passed: %s vision.onnx at %d inputs (%s); worst error %.2g (tolerance %g)", family,
-                len(vision), "; ".join(c.label(patch_px) for c in vision_check_cases(family, cfg)), record.max_error,
+                       decoder=decoder, passed=True)
+    logger.info("ONNX check passed: %s vision.onnx at %d inputs (%s)%s; worst error %.2g (tolerance %g)", family,
+                len(vision), "; ".join(c.label(patch_px) for c in vision_check_cases(family, cfg)),
+                f", decoder.onnx prefill + {DECODE_STEPS} decode steps" if decoder else "", record.max_error,
                 TOLERANCE)
     return record
+
+
+def _check_family_decoder(ref, onnx, family: str) -> OnnxDecoderCheck:
+    """decoder.onnx of a Qwen / SmolVLM bundle, end to end through the onnx backend (vision graph,
+    host-side embedding and M-RoPE positions, decoder graph with Qwen3-VL's DeepStack ``layer_add``)
+    against the torch backend: the prefill logits of :data:`PROMPT` with a small random non-square
+    image, then :data:`DECODE_STEPS` greedy steps (RoPE position = slot + ``rope_delta``)."""
+    import numpy as np
+
+    tb, ob, cfg = ref.backend, onnx.backend, ref.config
+    image = np.random.default_rng(0).integers(0, 256, (96, 128, 3), dtype=np.uint8)
+    rung = cfg.vision.image_size if family == "smolvlm" else 4 * cfg.vision.patch_size * cfg.vision.spatial_merge_size
+    vision_in = ref.processor.prepare([image], resolution_px=rung)
+    ids = ref.tokenizer.encode_request(PROMPT, vision_in, ref.processor)
+    input_ids = torch.tensor([ids])
+    logits = []
+    for be in (tb, ob):
+        pos, delta = be.position_ids(input_ids, vision_in)
+        logits.append(be.prefill(be.embed(input_ids, be.encode_vision(vision_in)), position_ids=pos))
+    logits_t, logits_o = logits
+    prefill_error, scale = _error(logits_o, logits_t)
+    if prefill_error > TOLERANCE:
+        raise _fail(f"onnx/decoder.onnx prefill ({len(ids)} positions)", prefill_error)
+    decode_error = 0.0
+    step = len(ids)
+    for _ in range(DECODE_STEPS):
+        token = int(logits_t.argmax(-1))
+        logits_t, logits_o = tb.decode(token, step, rope_offset=delta), ob.decode(token, step, rope_offset=delta)
+        step_error, _ = _error(logits_o, logits_t)
+        decode_error = max(decode_error, step_error)
+        if step_error > TOLERANCE:
+            raise _fail(f"onnx/decoder.onnx decode step at position {step}", step_error)
+        step += 1
+    return OnnxDecoderCheck(prompt_tokens=len(ids), decode_steps=DECODE_STEPS, prefill_max_error=prefill_error,
+                            decode_max_error=decode_error, max_abs_torch=scale)

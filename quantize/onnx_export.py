@@ -1,21 +1,39 @@
 """ONNX artifacts of an engine bundle, written node by node with ``onnx.helper`` from the bundle's
-tensors (no tracing): ``onnx/vision.onnx`` and ``onnx/decoder.onnx`` (+ ``.data`` external weights).
+tensors (no tracing, see :mod:`edgevlm.quantize.onnx_graph` for why): ``onnx/vision.onnx`` and
+``onnx/decoder.onnx`` (+ ``.data`` external weights) for every family of
+:data:`edgevlm.quantize.build.ONNX_FAMILIES`. This module holds LLaVA's vision graph, the decoder graph
+of all four families and :func:`export_bundle_onnx`; the Qwen2.5-VL, Qwen3-VL and SmolVLM2 vision
+graphs (and their contract) are in :mod:`edgevlm.quantize.onnx_vision_export`.
 
-``vision.onnx`` (opset 17): ``pixel_values`` float32 ``(1, 3, H, W)`` with *dynamic* H and W
+LLaVA ``vision.onnx`` (opset 17): ``pixel_values`` float32 ``(1, 3, H, W)`` with *dynamic* H and W
 (multiples of the patch size) -> ``image_features`` ``(1, N, D_text)``. The learned position
 embeddings are resized inside the graph with ``Resize`` (cubic, ``cubic_coeff_a = -0.75``,
 ``half_pixel`` coordinates), which is what PyTorch's bicubic ``interpolate(align_corners=False)``
 computes, so one graph serves every rung of the resolution ladder.
 
-``decoder.onnx`` (opset 17 + ``com.microsoft`` 1): inputs ``inputs_embeds (1, T, D)``,
-``position_ids (1, T)`` int64 (``P .. P+T-1``) and per layer ``past.{i}.key``/``past.{i}.value``
-``(1, n_kv_heads, P, head_dim)``; outputs ``logits (1, V)`` of the last position and
-``present.{i}.key``/``.value`` ``(1, n_kv_heads, P+T, head_dim)``. INT4 layers are
-``com.microsoft::MatMulNBits`` (onnxruntime contrib operator spec: attributes ``K``, ``N``,
-``bits=4``, ``block_size``; ``B`` uint8 ``(N, K/block, block/2)`` with the low nibble first — the
+``decoder.onnx`` (opset 17 + ``com.microsoft`` 1): inputs ``inputs_embeds (1, T, D)`` float32 (vision
+tokens already in place: the host embeds), ``position_ids`` int64 and per layer
+``past.{i}.key``/``past.{i}.value`` ``(1, n_kv_heads, P, head_dim)``; outputs ``logits (1, V)`` of the
+last position and ``present.{i}.key``/``.value`` ``(1, n_kv_heads, P+T, head_dim)``. The new tokens sit
+in cache slots ``P .. P+T-1`` (causal mask by slot).
+
+- 1-D RoPE (LLaVA, SmolVLM2): ``position_ids (1, T)`` = the slots, gathered from float32 tables of
+  ``max_position_embeddings`` rows (the runtime's ``rope_tables``, with the config's RoPE scaling);
+- M-RoPE (Qwen2.5-VL, Qwen3-VL; a text config with ``mrope_section``): ``position_ids (3, 1, T)``
+  (temporal, height, width rows, as the model's ``position_ids``; in decode all three rows are
+  ``slot + rope_delta``); the graph computes ``angle_j = position_ids[row_j, 0, t] * inv_freq_j`` with
+  the frequency -> row map of :func:`mrope_rows` (sequential for Qwen2.5-VL, interleaved for Qwen3-VL),
+  then ``cos``/``sin`` of ``[angles, angles]``;
+- Qwen3-VL: per-head q/k RMSNorm, and inputs ``layer_add.{i}`` float32 ``(1, T, D)`` for ``i <
+  len(deepstack_visual_indexes)``, added to the hidden states after layer ``i`` (the DeepStack feature
+  ``i`` at the vision positions, zeros elsewhere and in decode).
+
+INT4 layers are ``com.microsoft::MatMulNBits`` (onnxruntime contrib operator spec: attributes ``K``,
+``N``, ``bits=4``, ``block_size``; ``B`` uint8 ``(N, K/block, block/2)`` with the low nibble first — the
 canonical bundle layout byte for byte; ``scales`` ``(N, K/block)``; ``zero_points`` uint8
 ``(N, ceil(K/block / 2))``, two 4-bit zero points per byte, low nibble first). An AWQ input scale
-becomes a ``Mul`` in front. Everything else is float32.
+becomes a ``Mul`` in front. q/k/v biases (Qwen2) are read when the bundle has them. Everything else
+is float32.
 """
 
 from __future__ import annotations
@@ -25,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import torch
 from onnx import TensorProto, helper
 
 from edgevlm.quantize.onnx_graph import (
@@ -99,26 +118,57 @@ def build_vision_graph(w: BundleTensors, cfg: LlavaConfig) -> onnx.ModelProto:
 
 
 # ------------------------------------------------------------------------------------ decoder
-def build_decoder_graph(w: BundleTensors, cfg: LlavaConfig, max_positions: int) -> onnx.ModelProto:
-    """The Llama decoder with past key/values (see the module docstring)."""
+def mrope_rows(tc) -> np.ndarray:
+    """``(head_dim / 2,)`` int64: the M-RoPE position row (0 t, 1 h, 2 w) each RoPE frequency reads,
+    taken from :func:`edgevlm.runtime.models.qwen_vl.rope.mrope_cos_sin` itself (positions 0, 1, 2 on
+    the three rows with unit frequencies: the angle of frequency ``j`` is its row), so the graph
+    follows the runtime's sequential / interleaved rule."""
+    from edgevlm.runtime.models.qwen_vl.rope import mrope_cos_sin
+
+    half = tc.head_dim // 2
+    cos, _ = mrope_cos_sin(torch.tensor([[0], [1], [2]]), torch.ones(half), tc.mrope_section, tc.mrope_interleaved)
+    return torch.round(torch.acos(cos[0, :half].double())).to(torch.int64).numpy()
+
+
+def build_decoder_graph(w: BundleTensors, cfg, max_positions: int, *, n_layer_adds: int = 0) -> onnx.ModelProto:
+    """The Llama-family decoder with past key/values (see the module docstring): 1-D RoPE from
+    tables gathered at ``position_ids`` (LLaVA, SmolVLM2), or, when the text config has an
+    ``mrope_section`` (Qwen2.5-VL, Qwen3-VL), M-RoPE computed in the graph from ``position_ids``
+    ``(3, 1, T)``; ``n_layer_adds`` inputs ``layer_add.{i}`` added after layer ``i`` (DeepStack)."""
     from edgevlm.runtime.decoder import rope_inv_freq, rope_tables
 
     tc, g = cfg.text, GraphBuilder()
     hd, nh, nkv = tc.head_dim, tc.num_attention_heads, tc.num_key_value_heads
-    cos_t, sin_t = rope_tables(hd, max_positions, tc.rope_theta, "cpu", rope_inv_freq(tc))
-    cos = g.op("Unsqueeze", g.op("Gather", g.const(cos_t.numpy(), "cos"), "position_ids"), g.ints([1]))  # (1,1,T,Dh)
-    sin = g.op("Unsqueeze", g.op("Gather", g.const(sin_t.numpy(), "sin"), "position_ids"), g.ints([1]))
-    # causal mask over [past; new] keys: key j is visible to the query at position p iff j <= p
-    total = g.op("Slice", g.op("Shape", "past.0.key"), g.ints([2]), g.ints([3]))
-    total = g.op("Add", total, g.op("Slice", g.op("Shape", "position_ids"), g.ints([1]), g.ints([2])))
-    keys = g.op("Range", g.ints(0), g.op("Squeeze", total, g.ints([0])), g.ints(1))  # (S,)
+    past = g.op("Slice", g.op("Shape", "past.0.key"), g.ints([2]), g.ints([3]))  # (1,) P
+    new = g.op("Slice", g.op("Shape", "inputs_embeds"), g.ints([1]), g.ints([2]))  # (1,) T
+    if tc.mrope_section:
+        # angle of frequency j at token t: position_ids[row_j, 0, t] * inv_freq_j; [freqs, freqs] (half rotation)
+        pos = g.op("Cast", g.op("Reshape", "position_ids", g.ints([3, -1])), to=TensorProto.FLOAT)  # (3, T)
+        sel = g.op("Transpose", g.op("Gather", pos, g.ints(mrope_rows(tc)), axis=0), perm=[1, 0])  # (T, Dh/2)
+        freqs = g.op("Mul", sel, g.const(rope_inv_freq(tc).float().numpy(), "inv_freq"))
+        emb = g.op("Concat", freqs, freqs, axis=-1)  # (T, Dh)
+        cos, sin = (g.op("Unsqueeze", g.op(f, emb), g.ints([0, 1])) for f in ("Cos", "Sin"))  # (1, 1, T, Dh)
+        slots = g.op("Unsqueeze", g.op("Range", g.op("Squeeze", past, g.ints([0])),
+                                       g.op("Squeeze", g.op("Add", past, new), g.ints([0])), g.ints(1)),
+                     g.ints([0]))  # (1, T): cache slots P .. P+T-1
+        pos_info = helper.make_tensor_value_info("position_ids", TensorProto.INT64, [3, 1, "seq"])
+    else:
+        cos_t, sin_t = rope_tables(hd, max_positions, tc.rope_theta, "cpu", rope_inv_freq(tc))
+        cos = g.op("Unsqueeze", g.op("Gather", g.const(cos_t.numpy(), "cos"), "position_ids"), g.ints([1]))  # (1,1,T,Dh)
+        sin = g.op("Unsqueeze", g.op("Gather", g.const(sin_t.numpy(), "sin"), "position_ids"), g.ints([1]))
+        slots = "position_ids"  # the slots are the positions
+        pos_info = helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "seq"])
+    # causal mask over [past; new] keys: key j is visible to the query in slot s iff j <= s
+    keys = g.op("Range", g.ints(0), g.op("Squeeze", g.op("Add", past, new), g.ints([0])), g.ints(1))  # (S,)
     visible = g.op("LessOrEqual", g.op("Unsqueeze", keys, g.ints([0, 1])),
-                   g.op("Unsqueeze", "position_ids", g.ints([2])))  # (1, T, S)
+                   g.op("Unsqueeze", slots, g.ints([2])))  # (1, T, S)
     mask = g.op("Unsqueeze", g.op("Where", visible, g.const(0.0), g.const(np.finfo(np.float32).min)), g.ints([1]))
     scale = g.const(hd ** -0.5)
     x = "inputs_embeds"
     inputs = [helper.make_tensor_value_info("inputs_embeds", TensorProto.FLOAT, [1, "seq", tc.hidden_size]),
-              helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "seq"])]
+              pos_info]
+    inputs += [helper.make_tensor_value_info(f"layer_add.{i}", TensorProto.FLOAT, [1, "seq", tc.hidden_size])
+               for i in range(n_layer_adds)]
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, tc.vocab_size])]
     for i in range(tc.num_hidden_layers):
         b = f"language_model.layers.{i}."
@@ -127,8 +177,12 @@ def build_decoder_graph(w: BundleTensors, cfg: LlavaConfig, max_positions: int) 
             outputs.append(helper.make_tensor_value_info(f"present.{i}.{kv}", TensorProto.FLOAT,
                                                          [1, nkv, "total", hd]))
         h = rmsnorm(g, w, x, b + "input_layernorm", tc.rms_norm_eps)
-        q = rope(g, heads(g, linear(g, w, h, b + "self_attn.q_proj"), nh, hd), cos, sin, hd // 2)
-        k = rope(g, heads(g, linear(g, w, h, b + "self_attn.k_proj"), nkv, hd), cos, sin, hd // 2)
+        q = heads(g, linear(g, w, h, b + "self_attn.q_proj"), nh, hd)  # (1, H, T, Dh)
+        k = heads(g, linear(g, w, h, b + "self_attn.k_proj"), nkv, hd)
+        if tc.qk_norm:  # Qwen3: RMSNorm over each head's Dh before RoPE
+            q = rmsnorm(g, w, q, b + "self_attn.q_norm", tc.rms_norm_eps)
+            k = rmsnorm(g, w, k, b + "self_attn.k_norm", tc.rms_norm_eps)
+        q, k = rope(g, q, cos, sin, hd // 2), rope(g, k, cos, sin, hd // 2)
         v = heads(g, linear(g, w, h, b + "self_attn.v_proj"), nkv, hd)
         k = g.op("Concat", f"past.{i}.key", k, axis=2, out=f"present.{i}.key")  # (1, Hkv, S, Dh)
         v = g.op("Concat", f"past.{i}.value", v, axis=2, out=f"present.{i}.value")
@@ -142,6 +196,8 @@ def build_decoder_graph(w: BundleTensors, cfg: LlavaConfig, max_positions: int) 
         h = rmsnorm(g, w, x, b + "post_attention_layernorm", tc.rms_norm_eps)
         gate = act(g, tc.hidden_act, linear(g, w, h, b + "mlp.gate_proj"))
         x = g.op("Add", x, linear(g, w, g.op("Mul", gate, linear(g, w, h, b + "mlp.up_proj")), b + "mlp.down_proj"))
+        if i < n_layer_adds:
+            x = g.op("Add", x, f"layer_add.{i}")
     last = g.op("Gather", x, g.ints(-1), axis=1)  # (1, D)
     last = rmsnorm(g, w, last, "language_model.norm", tc.rms_norm_eps)
     head = "language_model.lm_head"
@@ -162,21 +218,23 @@ def export_bundle_onnx(bundle_dir: str | Path, ladder: list[int] | None = None, 
         ModelLoadError: an unreadable bundle config/weights.
         ValueError: a family with no ONNX export.
     """
-    from edgevlm.quantize.onnx_vision_export import VISION_GRAPHS, vision_prefixes
+    from edgevlm.quantize.onnx_vision_export import VISION_GRAPHS
     from edgevlm.runtime.loader import read_model_files
 
     root = Path(bundle_dir)
     files = read_model_files(root)
     cfg, family = files.config, files.family.name
     out = root / ONNX_DIR
+    max_positions = max_positions or cfg.text.max_position_embeddings
     if family == "llava":
         w = BundleTensors(files)
-        max_positions = max_positions or cfg.text.max_position_embeddings
         graphs = [("vision.onnx", lambda: build_vision_graph(w, cfg)),
                   ("decoder.onnx", lambda: build_decoder_graph(w, cfg, max_positions))]
     elif family in VISION_GRAPHS:
-        w = BundleTensors(files, vision_prefixes(family))
-        graphs = [("vision.onnx", lambda: VISION_GRAPHS[family](w, cfg))]
+        w = BundleTensors(files)
+        n_adds = len(cfg.vision.deepstack_visual_indexes) if family == "qwen3_vl" else 0
+        graphs = [("vision.onnx", lambda: VISION_GRAPHS[family](w, cfg)),
+                  ("decoder.onnx", lambda: build_decoder_graph(w, cfg, max_positions, n_layer_adds=n_adds))]
     else:
         raise ValueError(f"no ONNX export for the {family} family (supported: llava, {', '.join(VISION_GRAPHS)})")
     out.mkdir(exist_ok=True)

@@ -66,7 +66,7 @@ from edgevlm.quantize.onnx_graph import (
 )
 
 __all__ = ["VISION_GRAPHS", "build_qwen2_5_vl_vision_graph", "build_qwen3_vl_vision_graph",
-           "build_smolvlm_vision_graph", "vision_prefixes"]
+           "build_smolvlm_vision_graph"]
 
 _F, _I = TensorProto.FLOAT, TensorProto.INT64
 _QWEN3_LN_EPS = 1e-6  # fixed in transformers' Qwen3-VL vision blocks and mergers
@@ -225,9 +225,3 @@ VISION_GRAPHS = {
     "qwen3_vl": build_qwen3_vl_vision_graph,
     "smolvlm": build_smolvlm_vision_graph,
 }
-_PREFIXES = {"qwen2_5_vl": ("visual.",), "qwen3_vl": ("visual.",), "smolvlm": ("vision_model.", "connector.")}
-
-
-def vision_prefixes(family: str) -> tuple[str, ...]:
-    """Runtime parameter-name prefixes of ``family``'s vision side (the tensors the graph reads)."""
-    return _PREFIXES[family]

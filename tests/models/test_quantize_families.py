@@ -4,10 +4,10 @@ Tiny random checkpoints from the families' own test builders (transformers' mode
 quantized W4A16 (RTN and AWQ with the demo calibration scenes, group size 32 because the tiny
 decoders' in_features are 64/128) with the vision encoder kept 16-bit; the bundle loads through the
 registry (``Engine.load``) and answers, and its prefill logits stay within a tolerance of the 16-bit
-model's on the same image and prompt. ``onnx/vision.onnx`` is built for every family (one WARNING
-line: the decoder graph is LLaVA-only), checked against the PyTorch tower at build time (recorded in
-the manifest), equals the tower on real images at two resolution rungs, and a corrupted graph
-refuses the bundle; ``--vision int4`` is one line, exit 2.
+model's on the same image and prompt. ``onnx/vision.onnx`` and ``onnx/decoder.onnx`` are built for
+every family, checked against the PyTorch modules at build time (recorded in the manifest); the
+vision graph equals the tower on real images at two resolution rungs, a corrupted graph refuses the
+bundle, and ``--backend onnx`` answers as the torch backend; ``--vision int4`` is one line, exit 2.
 """
 
 from __future__ import annotations
@@ -81,13 +81,12 @@ def test_bundle_loads_answers_and_keeps_the_logits(checkpoint, method, tmp_path,
     opts = BuildOptions(method=method, group_size=32, calib="demo", calib_samples=2, awq_grid=4)
     with caplog.at_level("WARNING", logger="edgevlm.quantize.build"):
         result = build_bundle(src, tmp_path / "bundle", opts)
-    # ONNX: vision.onnx only, one warning line naming the family; the torch bundle runs the decoder
-    warned = [r.getMessage() for r in caplog.records if "onnx" in r.getMessage()]
-    assert warned == [f"onnx: onnx/vision.onnx only (the ONNX decoder graph is LLaVA-only; the {family} decoder "
-                      "runs on the torch backend)"]
+    # ONNX: vision.onnx + decoder.onnx, checked at build time, no warning; TensorRT is LLaVA-only
+    assert not [r for r in caplog.records if "onnx" in r.getMessage().lower()]
     manifest = read_manifest(result.bundle_dir)
-    assert manifest.artifacts["onnx"].startswith("onnx/vision.onnx only")
-    assert manifest.onnx_check is not None and manifest.onnx_check.passed
+    assert manifest.artifacts["onnx"] == "onnx/"
+    assert manifest.artifacts["tensorrt"] == f"not built (the TensorRT build is LLaVA-only; no engine for {family})"
+    assert manifest.onnx_check is not None and manifest.onnx_check.passed and manifest.onnx_check.decoder
     int4 = [d for d in manifest.layers if d.action == "int4"]
     assert int4 and all(d.name.startswith("language_model.layers.") for d in int4)
     assert all(d.group_size == 32 and d.method == method for d in int4)
@@ -243,17 +242,28 @@ def onnx_bundle(checkpoint, tmp_path_factory) -> tuple[str, Path]:
     return family, build_bundle(src, out, BuildOptions(method="rtn", group_size=32)).bundle_dir
 
 
-def test_vision_onnx_is_built_and_the_check_recorded(onnx_bundle):
-    from edgevlm.quantize.onnx_check import TOLERANCE
+def test_onnx_graphs_are_built_and_the_check_recorded(onnx_bundle):
+    from edgevlm.quantize.onnx_check import DECODE_STEPS, TOLERANCE
 
     family, bundle = onnx_bundle
     m = read_manifest(bundle)
-    assert (bundle / "onnx" / "vision.onnx").is_file() and not (bundle / "onnx" / "decoder.onnx").exists()
-    assert {"onnx/vision.onnx", "onnx/vision.onnx.data"} <= {f.path for f in m.files}
+    paths = {f.path for f in m.files}
+    assert {"onnx/vision.onnx", "onnx/vision.onnx.data", "onnx/decoder.onnx", "onnx/decoder.onnx.data"} <= paths
     check = m.onnx_check
-    assert check.passed and check.decoder is None and check.onnxruntime == ort.__version__
+    assert check.passed and check.onnxruntime == ort.__version__
     assert check.tolerance == TOLERANCE and len(check.vision) >= 2
     assert all(v.max_error < ONNX_TOL and v.max_abs_torch > 0.1 for v in check.vision)
+    dec = check.decoder
+    assert dec.decode_steps == DECODE_STEPS and dec.prompt_tokens > 10 and dec.max_abs_torch > 0.1
+    assert dec.prefill_max_error < ONNX_TOL and dec.decode_max_error < ONNX_TOL
+    # decoder graph: INT4 layers as MatMulNBits, M-RoPE positions (3, 1, T), Qwen3-VL's DeepStack inputs
+    graph = onnx.load(str(bundle / "onnx" / "decoder.onnx"), load_external_data=False).graph
+    n_int4 = sum(d.action == "int4" and d.name.startswith("language_model.") for d in m.layers)
+    assert sum(n.op_type == "MatMulNBits" for n in graph.node) == n_int4 > 0
+    inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.input}
+    assert inputs["position_ids"] == ([1, "seq"] if family == "smolvlm" else [3, 1, "seq"])
+    assert sorted(n for n in inputs if n.startswith("layer_add.")) == (
+        ["layer_add.0", "layer_add.1"] if family == "qwen3_vl" else [])
     if family == "smolvlm":  # tile counts: one tile, several, and a padded one
         assert [v.n_tiles for v in check.vision] == [1, 3, 2] and check.vision[-1].padded
     else:  # patch grids: a square image, a non-square one, a two-frame video
@@ -322,6 +332,37 @@ def _rope_sin_as_cos(model):
     return model
 
 
+def _swap_first_nibbles(model):
+    """The classic INT4 packing bug: high and low nibble swapped in one MatMulNBits weight."""
+    from onnx import numpy_helper
+
+    node = next(n for n in model.graph.node if n.op_type == "MatMulNBits")
+    init = next(i for i in model.graph.initializer if i.name == node.input[1])
+    b = numpy_helper.to_array(init)
+    init.CopyFrom(numpy_helper.from_array(((b << 4) | (b >> 4)).astype(np.uint8), init.name))
+    return model
+
+
+@pytest.mark.parametrize("fault", ["nibbles", "1-d rope"])
+def test_a_wrong_decoder_graph_refuses_the_bundle(checkpoint, fault, monkeypatch, tmp_path):
+    from edgevlm.errors import ModelLoadError
+    from edgevlm.quantize import onnx_export
+
+    family, src = checkpoint
+    if fault == "nibbles":
+        real = onnx_export.build_decoder_graph
+        monkeypatch.setattr(onnx_export, "build_decoder_graph", lambda *a, **k: _swap_first_nibbles(real(*a, **k)))
+    elif family == "smolvlm":
+        pytest.skip("SmolVLM's decoder has 1-D RoPE")
+    else:  # every frequency reads the temporal row: plain RoPE, wrong at the image tokens
+        monkeypatch.setattr(onnx_export, "mrope_rows", lambda tc: np.zeros(tc.head_dim // 2, np.int64))
+    out = tmp_path / "bundle"
+    with pytest.raises(ModelLoadError, match=r"ONNX export check failed: onnx/decoder.onnx prefill \(\d+ positions\) "
+                                             r"differs from PyTorch by [0-9.e+-]+ of its scale \(tolerance 0.002\)"):
+        build_bundle(src, out, BuildOptions(method="rtn", group_size=32))
+    assert not out.exists() and not (tmp_path / "bundle.partial").exists()
+
+
 @pytest.mark.parametrize("fault", [_negate_patch_weight, _rope_sin_as_cos])
 def test_a_corrupted_vision_graph_refuses_the_bundle(checkpoint, fault, monkeypatch, tmp_path):
     from edgevlm.errors import ModelLoadError
@@ -341,12 +382,14 @@ def test_a_corrupted_vision_graph_refuses_the_bundle(checkpoint, fault, monkeypa
 
 
 def test_onnx_backend_answers_as_the_torch_backend(onnx_bundle):
-    """``--backend onnx`` on these bundles: the vision tower on onnxruntime (Qwen3-VL's DeepStack
-    outputs handed to the torch decoder), the decoder on torch: the same vision tokens within
-    float32 rounding, the same prefill logits, the same greedy answer."""
+    """``--backend onnx`` on these bundles runs both graphs on onnxruntime (M-RoPE positions, Qwen3-VL's
+    DeepStack as layer_add inputs; no decoder weights in torch): the same vision tokens within float32
+    rounding, the same prefill logits, the same greedy answer."""
     family, bundle = onnx_bundle
     t = Engine.load(bundle, device="cpu", dtype="float32")
-    o = Engine.load(bundle, device="cpu", dtype="float32", backend="onnx")
+    o = Engine.load(bundle, device="cpu", dtype="float32", backend="onnx", max_seq_len=512)
+    host = dict(o.backend.host.named_parameters())
+    assert all(p.is_meta for n, p in host.items() if n != "language_model.embed_tokens.weight")
     image, question = _image(), "how many shapes are there?"
     vision = t.processor.prepare([image])
     with torch.no_grad():
@@ -360,6 +403,13 @@ def test_onnx_backend_answers_as_the_torch_backend(onnx_bundle):
     assert oa.text == ta.text and oa.stats.backend == "onnx" and ta.stats.backend == "torch"
     with pytest.raises(ValueError, match="encodes a VisionInput"):
         o.backend.encode_image(torch.zeros(1, 3, 64, 64))
+    with pytest.raises(ValueError, match="skips past the cached sequence"):
+        o.backend.decode(5, 400)
+    with pytest.raises(ValueError, match="exceeds the KV cache"):
+        o.backend.prefill(torch.zeros(1, 513, t.config.text.hidden_size))
+    if family == "smolvlm":
+        with pytest.raises(ValueError, match="takes the slots as RoPE positions only"):
+            o.backend.decode(5, 3, rope_offset=2)
 
 
 def _prefill_logits_backend(engine: Engine, image: np.ndarray, question: str) -> torch.Tensor:

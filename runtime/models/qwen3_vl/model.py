@@ -56,12 +56,6 @@ class Qwen3VLModel(DecoderVLM):
         self._deepstack = deepstack
         return main
 
-    def set_deepstack(self, features: list[torch.Tensor]) -> None:
-        """DeepStack features (``(N_tokens, D_text)`` each, ``deepstack_visual_indexes`` order) for the
-        next :meth:`prefill`, from a tower run elsewhere (the ONNX vision graph); what
-        :meth:`encode_vision` keeps itself."""
-        self._deepstack = [f.to(self.device, self.dtype) for f in features]
-
     def _vision_token_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
         mask = input_ids == self.cfg.image_token_id
         if self.cfg.video_token_id is not None:
