@@ -184,9 +184,8 @@ def summary(result) -> tuple[str, dict]:
         c = m.onnx_check
         worst = c.max_error
         sizes = ", ".join(f"{v.height_px}x{v.width_px}" for v in c.vision)
-        decoder = f"prefill + {c.decoder.decode_steps} decode steps" if c.decoder is not None else "no decoder graph"
         rows.append(("ONNX vs PyTorch", f"max error {worst:.2g} (tolerance {c.tolerance:g}): vision at {sizes} px, "
-                                        f"{decoder}; onnxruntime {c.onnxruntime}"))
+                                        f"prefill + {c.decoder.decode_steps} decode steps; onnxruntime {c.onnxruntime}"))
         data["onnx_check_max_error"] = worst
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows), data

@@ -21,8 +21,10 @@ manifest written, so both load it the way ``Engine.load`` does) and compares:
   one is partly padding (``pixel_attention_mask``: bucketed positions and masked keys), against
   ``SmolVLMModel.encode_tiles``.
 
-These families' decoders have no graph yet (the M-RoPE decoder is LLaVA-only work not done): their
-record has ``decoder`` None.
+- **Qwen / SmolVLM decoder**, end to end through the onnx backend against the torch backend (vision
+  graph, host-side embedding and M-RoPE positions, decoder graph with Qwen3-VL's DeepStack
+  ``layer_add`` inputs): the prefill logits of :data:`PROMPT` with a small random non-square image,
+  then :data:`DECODE_STEPS` greedy steps at RoPE position slot + ``rope_delta``.
 
 Both sides compute in float32: PyTorch with the INT4 layers on the ``dequant`` reference kernel
 (:func:`edgevlm.runtime.int4.set_int4_kernel`) and a 16-bit vision tower upcast exactly,
@@ -279,10 +281,10 @@ def _check_family(root: Path, files) -> OnnxCheck:
         decoder = _check_family_decoder(ref, onnx, family)
     record = OnnxCheck(onnxruntime=ort.__version__, providers=providers, tolerance=TOLERANCE, vision=vision,
                        decoder=decoder, passed=True)
-    logger.info("ONNX check passed: %s vision.onnx at %d inputs (%s)%s; worst error %.2g (tolerance %g)", family,
-                len(vision), "; ".join(c.label(patch_px) for c in vision_check_cases(family, cfg)),
-                f", decoder.onnx prefill + {DECODE_STEPS} decode steps" if decoder else "", record.max_error,
-                TOLERANCE)
+    logger.info("ONNX check passed: %s vision.onnx at %d inputs (%s), decoder.onnx prefill + %d decode steps; "
+                "worst error %.2g (tolerance %g)", family, len(vision),
+                "; ".join(c.label(patch_px) for c in vision_check_cases(family, cfg)), DECODE_STEPS,
+                record.max_error, TOLERANCE)
     return record
 
 

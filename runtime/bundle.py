@@ -133,17 +133,14 @@ class OnnxCheck(BaseModel):
     providers: list[str] = Field(description="Execution providers used.")
     tolerance: float = Field(gt=0, description="Largest accepted relative max error.")
     vision: list[OnnxVisionCheck] = Field(description="One entry per input size checked.")
-    decoder: OnnxDecoderCheck | None = Field(None, description="Prefill and decode logits on a short prompt "
-                                                                "(None: the bundle has no decoder graph).")
+    decoder: OnnxDecoderCheck = Field(description="Prefill and decode logits on a short prompt.")
     passed: bool = Field(description="Every error within the tolerance (a failed check refuses the bundle).")
 
     @property
     def max_error(self) -> float:
         """The worst error of every output checked."""
-        errors = [v.max_error for v in self.vision]
-        if self.decoder is not None:
-            errors += [self.decoder.prefill_max_error, self.decoder.decode_max_error]
-        return max(errors, default=0.0)
+        d = self.decoder
+        return max([v.max_error for v in self.vision] + [d.prefill_max_error, d.decode_max_error])
 
 
 class BundleManifest(BaseModel):

@@ -2,14 +2,15 @@
 (written by ``edgevlm quantize``, see :mod:`edgevlm.quantize.onnx_export` and
 :mod:`edgevlm.quantize.onnx_vision_export` for the graph contracts).
 
-LLaVA bundles (:class:`OnnxBackend`) run both graphs. Qwen2.5-VL, Qwen3-VL and SmolVLM2 bundles
-(:class:`OnnxVisionBackend`) have a vision graph only: the vision tower runs on onnxruntime
-(:class:`~edgevlm.runtime.backends.onnx_vision.VisionGraph`, host-side feeds for the request's grid),
-the decoder on the torch backend (its KV cache, M-RoPE positions and Qwen3-VL's DeepStack adds).
+LLaVA bundles run on :class:`OnnxBackend`; Qwen2.5-VL, Qwen3-VL and SmolVLM2 bundles on
+:class:`OnnxFamilyBackend` (the vision graph through
+:class:`~edgevlm.runtime.backends.onnx_vision.VisionGraph` with host-side feeds for the request's grid,
+M-RoPE ``position_ids (3, 1, T)``, Qwen3-VL's DeepStack features as the decoder's ``layer_add`` inputs).
+Both keep the decoder's KV cache in :class:`DecoderSession`.
 
 Execution providers: CPU here; on ``device="cuda"`` the TensorRT and CUDA providers are put first
 when this onnxruntime build has them. The vision graphs have dynamic shapes, so every rung of
-the resolution ladder runs without reloading. LLaVA's KV cache is the decoder's ``present.*`` outputs
+the resolution ladder runs without reloading. The KV cache is the decoder's ``present.*`` outputs
 fed back as ``past.*`` (numpy arrays growing by one position per decode step); :meth:`prefill`
 starts a new sequence. Token embeddings are looked up on the host from the bundle's
 ``embed_tokens`` tensor. Logits and features come back as float32 CPU torch tensors.
