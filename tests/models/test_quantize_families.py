@@ -199,6 +199,7 @@ def test_quantize_cli_builds_the_bundle(checkpoint, tmp_path, capsys):
     assert rc == 0
     data = json.loads(out[-1])
     assert data["int4_layers"] > 0 and (tmp_path / "b" / "manifest.json").is_file()
+    assert 0 < data["onnx_check_max_error"] < 1e-4  # both graphs checked against PyTorch by the CLI build
 
 
 def test_llava_awq_runner_uses_the_checkpoints_rope(tmp_path):
@@ -401,6 +402,10 @@ def test_onnx_backend_answers_as_the_torch_backend(onnx_bundle):
     ta = t.ask(image, question, max_new_tokens=4)
     oa = o.ask(image, question, max_new_tokens=4)
     assert oa.text == ta.text and oa.stats.backend == "onnx" and ta.stats.backend == "torch"
+    frames = [np.random.default_rng(k).integers(0, 256, (64, 96, 3), dtype=np.uint8) for k in range(4)]
+    ta = t.ask(frames, "what is happening?", max_new_tokens=4)  # a video (Qwen) or 4 images (SmolVLM)
+    oa = o.ask(frames, "what is happening?", max_new_tokens=4)
+    assert oa.text == ta.text and oa.stats.new_tokens == ta.stats.new_tokens >= 1
     with pytest.raises(ValueError, match="encodes a VisionInput"):
         o.backend.encode_image(torch.zeros(1, 3, 64, 64))
     with pytest.raises(ValueError, match="skips past the cached sequence"):
@@ -423,3 +428,31 @@ def _prefill_logits_backend(engine: Engine, image: np.ndarray, question: str) ->
         pos, _ = be.position_ids(input_ids, vision)
         logits = be.prefill(be.embed(input_ids, feats), position_ids=pos)
     return logits[0].float()
+
+
+def test_segment_tables_gather_and_scatter_back():
+    """The attention-segment feeds: every patch appears once in its segment's row, the bias marks
+    exactly the padding, and the scatter index puts every row back (the window layout of a 2-frame
+    grid whose windows do not tile it)."""
+    from edgevlm.runtime.backends.onnx_vision import segment_tables
+
+    order = torch.tensor([4, 0, 3, 1, 2, 6, 5])  # segment position -> patch
+    cu = torch.tensor([0, 3, 4, 7])  # segments of 3, 1 and 3 patches
+    t = segment_tables("window", order, cu)
+    assert t["window_index"].shape == (3, 3) and t["window_bias"].shape == (3, 3)
+    assert t["window_index"].tolist() == [[4, 0, 3], [1, 0, 0], [2, 6, 5]]
+    assert (t["window_bias"] == 0).tolist() == [[True] * 3, [True, False, False], [True] * 3]
+    assert float(t["window_bias"].min()) == float(np.finfo(np.float32).min)
+    rows = t["window_index"].reshape(-1)
+    assert rows[t["window_scatter"]].tolist() == list(range(7))  # scatter inverts the gather
+
+
+def test_vision_feeds_refuse_bad_inputs():
+    from edgevlm.runtime.backends.onnx_vision import vision_feeds
+
+    with pytest.raises(ValueError, match="needs grid_thw"):
+        vision_feeds("qwen2_5_vl", None, torch.zeros(4, 1176))
+    with pytest.raises(ValueError, match="4 patches do not match grid_thw"):
+        vision_feeds("qwen3_vl", None, torch.zeros(4, 1536), grid_thw=torch.tensor([[1, 4, 4]]))
+    with pytest.raises(ValueError, match="no ONNX vision graph for the llava family"):
+        vision_feeds("llava", None, torch.zeros(1, 3, 64, 64))
