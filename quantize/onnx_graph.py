@@ -90,6 +90,13 @@ class BundleTensors:
                     if name is not None and (prefixes is None or name.startswith(prefixes)):
                         self.t[name] = f.get_tensor(key)
 
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> BundleTensors:
+        """Tensors already in memory, by runtime name (benchmarks of modules built in memory)."""
+        self = cls.__new__(cls)
+        self.t = dict(tensors)
+        return self
+
     def has(self, name: str) -> bool:
         return name in self.t
 

@@ -200,7 +200,7 @@ class OnnxFamilyBackend(Backend):
         self.device = torch.device("cpu") if device.type == "cpu" else device
         self.dtype = torch.float32
         self.providers = providers_for(device)
-        self.vision = VisionGraph(root / ONNX_DIR / "vision.onnx", files, self.providers)
+        self.vision = VisionGraph(root / ONNX_DIR / "vision.onnx", self.family, self.cfg, self.providers)
         self.decoder = DecoderSession(root / ONNX_DIR / "decoder.onnx", self.providers, self.cfg.text, max_seq_len)
         self.mrope = self.cfg.text.mrope_section is not None
         self.embed_tokens = _embedding_table(files)  # (V, D) float32

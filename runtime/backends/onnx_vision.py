@@ -139,16 +139,17 @@ def vision_feeds(family: str, cfg, pixel_values: torch.Tensor, *, grid_thw: torc
 class VisionGraph:
     """An onnxruntime session of a bundle's vision.onnx with its host-side feeds.
 
-    ``path``: the graph; ``files``: the bundle's :class:`~edgevlm.runtime.loader.ModelFiles`;
-    ``providers``: onnxruntime execution providers, best first.
+    ``path``: the graph; ``family``: the bundle's family name; ``cfg``: its parsed config (the
+    ``files.config`` of :class:`~edgevlm.runtime.loader.ModelFiles`); ``providers``: onnxruntime
+    execution providers, best first.
 
-    Raises ModelLoadError when onnxruntime cannot load the graph."""
+    Raises ModelLoadError for another family or when onnxruntime cannot load the graph."""
 
-    def __init__(self, path: str | Path, files, providers: list[str]) -> None:
-        self.family = files.family.name
+    def __init__(self, path: str | Path, family: str, cfg, providers: list[str]) -> None:
+        self.family = family
         if self.family not in VISION_FAMILIES:
             raise ModelLoadError(f"no ONNX vision graph for the {self.family} family")
-        self.cfg = files.config
+        self.cfg = cfg
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         try:

@@ -290,7 +290,7 @@ def test_vision_onnx_equals_pytorch_at_two_rungs(onnx_bundle, rungs):
     family, bundle = onnx_bundle
     engine = Engine.load(bundle, device="cpu", dtype="float32")
     model = engine.backend.model
-    graph = VisionGraph(bundle / "onnx" / "vision.onnx", _files(bundle), ["CPUExecutionProvider"])
+    graph = VisionGraph(bundle / "onnx" / "vision.onnx", family, _files(bundle).config, ["CPUExecutionProvider"])
     image = _image()  # 96 x 128: non-square
     shapes = set()
     for rung in rungs:
