@@ -226,7 +226,7 @@ def _torch_vision(model, family: str, pixels: torch.Tensor, grid: torch.Tensor |
     return [model.encode_tiles(pixels, mask)]
 
 
-def _case_inputs(family: str, cfg, case: VisionCase, gen: torch.Generator):
+def _case_inputs(cfg, case: VisionCase, gen: torch.Generator):
     """Random normalised-scale pixels for ``case``: ``(pixels, grid_thw | None, pixel_mask | None)``."""
     if case.grid_thw is not None:
         vc = cfg.vision
@@ -261,7 +261,7 @@ def _check_family(root: Path, files) -> OnnxCheck:
     vision: list[OnnxVisionCheck] = []
     with torch.no_grad():
         for case in vision_check_cases(family, cfg):
-            pixels, grid, mask = _case_inputs(family, cfg, case, gen)
+            pixels, grid, mask = _case_inputs(cfg, case, gen)
             want = _torch_vision(model, family, pixels, grid, mask)
             got = graph.run(pixels, grid_thw=grid, pixel_mask=mask)
             errors = {}
