@@ -553,8 +553,9 @@ def _write_readme(files: ModelFiles, out: Path, opts: BuildOptions, decisions: d
     n4 = sum(d.action == "int4" for d in decisions.values())
     kept = len(decisions) - n4
     vision = "INT4" if opts.vision == "int4" else f"16-bit ({opts.keep_dtype})"
-    artifacts = ["`onnx/` (vision.onnx, decoder.onnx; checked against PyTorch, see `onnx_check` in manifest.json)"
-                 if (out / "onnx").is_dir() else "no ONNX artifacts"]
+    graphs = ", ".join(sorted(p.name for p in (out / "onnx").glob("*.onnx"))) if (out / "onnx").is_dir() else ""
+    artifacts = [f"`onnx/` ({graphs}; checked against PyTorch, see `onnx_check` in manifest.json)"
+                 if graphs else "no ONNX artifacts"]
     if (out / "tensorrt").is_dir():
         artifacts.append("`tensorrt/` engines")
     lines = [
@@ -610,17 +611,21 @@ def _copy_side_files(files: ModelFiles, out: Path, ladder: list[int]) -> list[st
     return []
 
 
-#: families whose vision tower and decoder :mod:`edgevlm.quantize.onnx_export` exports
-ONNX_FAMILIES = ("llava",)
+#: families whose vision tower and decoder :mod:`edgevlm.quantize.onnx_export` exports (the vision graphs of
+#: the last three: :mod:`edgevlm.quantize.onnx_vision_export`)
+ONNX_FAMILIES = ("llava", "qwen2_5_vl", "qwen3_vl", "smolvlm")
+#: families with a TensorRT build (:mod:`edgevlm.quantize.tensorrt_build`: LLaVA's vision profile)
+TENSORRT_FAMILIES = ("llava",)
 
 
 def _build_artifacts(files: ModelFiles, out: Path, opts: BuildOptions, ladder: list[int]) -> list[str]:
     """ONNX and TensorRT artifacts; returns one-line notes for what was not built (a family
     without an ONNX export gets one WARNING line and the torch bundle)."""
+    family = files.family.name
     notes = []
-    if files.family.name not in ONNX_FAMILIES and (opts.onnx or opts.tensorrt):
-        note = (f"onnx: not built (no ONNX export for the {files.family.name} family; supported: "
-                f"{', '.join(ONNX_FAMILIES)} with CLIP or SigLIP towers); the torch bundle is built")
+    if family not in ONNX_FAMILIES and (opts.onnx or opts.tensorrt):
+        note = (f"onnx: not built (no ONNX export for the {family} family; supported: "
+                f"{', '.join(ONNX_FAMILIES)}); the torch bundle is built")
         logger.warning("%s", note)
         return [note] + (["tensorrt: not built (needs the ONNX export)"] if opts.tensorrt else [])
     if opts.onnx:
@@ -630,7 +635,9 @@ def _build_artifacts(files: ModelFiles, out: Path, opts: BuildOptions, ladder: l
             notes.append(f"onnx: not built ({exc.name} is not installed: pip install 'edgevlm[onnx]')")
         else:
             export_bundle_onnx(out, ladder)
-    if opts.tensorrt:
+    if opts.tensorrt and family not in TENSORRT_FAMILIES:
+        notes.append(f"tensorrt: not built (the TensorRT build is LLaVA-only; no engine for {family})")
+    elif opts.tensorrt:
         from edgevlm.quantize.tensorrt_build import build_tensorrt_engines
 
         note = build_tensorrt_engines(out, ladder)
@@ -666,13 +673,13 @@ def _write_manifest(files: ModelFiles, out: Path, opts: BuildOptions, decisions:
         "weights_bytes": float(sum(writer.bytes_by_name.values())),
     }
     artifacts = {"safetensors": ", ".join(weight_names)}
-    if (out / "onnx").is_dir():
-        artifacts["onnx"] = "onnx/"
-    if (out / "tensorrt").is_dir():
-        artifacts["tensorrt"] = "tensorrt/"
-    for note in notes:
+    for note in notes:  # a note on a built artifact ("onnx: onnx/vision.onnx only ...") describes it
         backend, _, text = note.partition(": ")
         artifacts.setdefault(backend, text)
+    if (out / "onnx").is_dir():
+        artifacts.setdefault("onnx", "onnx/")
+    if (out / "tensorrt").is_dir():
+        artifacts.setdefault("tensorrt", "tensorrt/")
     manifest = BundleManifest(
         created_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         source=SourceInfo(path=str(files.model_dir), sha256=hashlib.sha256(digest.encode()).hexdigest(),

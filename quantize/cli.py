@@ -182,7 +182,7 @@ def summary(result) -> tuple[str, dict]:
         rows.append((f"artifacts: {backend}", what))
     if m.onnx_check is not None:
         c = m.onnx_check
-        worst = max([v.max_error for v in c.vision] + [c.decoder.prefill_max_error, c.decoder.decode_max_error])
+        worst = c.max_error
         sizes = ", ".join(f"{v.height_px}x{v.width_px}" for v in c.vision)
         rows.append(("ONNX vs PyTorch", f"max error {worst:.2g} (tolerance {c.tolerance:g}): vision at {sizes} px, "
                                         f"prefill + {c.decoder.decode_steps} decode steps; onnxruntime {c.onnxruntime}"))

@@ -102,10 +102,15 @@ class CalibrationInfo(BaseModel):
 class OnnxVisionCheck(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    height_px: int = Field(gt=0, description="Input height H of pixel_values (1, 3, H, W).")
+    height_px: int = Field(gt=0, description="Input height H of pixel_values (1, 3, H, W); Qwen: grid h * patch.")
     width_px: int = Field(gt=0, description="Input width W.")
-    max_error: float = Field(ge=0, description="max|onnx - torch| / max(1, max|torch|) of image_features.")
+    max_error: float = Field(ge=0, description="max|onnx - torch| / max(1, max|torch|) of image_features "
+                                               "(and of every DeepStack output, the largest).")
     max_abs_torch: float = Field(ge=0, description="max|torch| of image_features (the error's scale).")
+    grid_thw: list[list[int]] | None = Field(None, description="Qwen families: the (t, h, w) patch grid of each "
+                                                               "item fed (None: LLaVA, SmolVLM).")
+    n_tiles: int | None = Field(None, description="SmolVLM: tiles of height_px x width_px fed (None: others).")
+    padded: bool = Field(False, description="SmolVLM: a tile had padded pixels (pixel_attention_mask).")
 
 
 class OnnxDecoderCheck(BaseModel):
@@ -130,6 +135,12 @@ class OnnxCheck(BaseModel):
     vision: list[OnnxVisionCheck] = Field(description="One entry per input size checked.")
     decoder: OnnxDecoderCheck = Field(description="Prefill and decode logits on a short prompt.")
     passed: bool = Field(description="Every error within the tolerance (a failed check refuses the bundle).")
+
+    @property
+    def max_error(self) -> float:
+        """The worst error of every output checked."""
+        d = self.decoder
+        return max([v.max_error for v in self.vision] + [d.prefill_max_error, d.decode_max_error])
 
 
 class BundleManifest(BaseModel):

@@ -4,7 +4,7 @@
 computed (tokenising, preprocessing, sampling, stop strings, streaming, stats) and talks to a
 :class:`Backend` for the model calls of generation: vision encoding, embedding, prefill, decode.
 The torch backend runs every registered model family (:mod:`edgevlm.runtime.models`); the ONNX
-and TensorRT backends run LLaVA engine bundles.
+backend runs the engine bundles of all four families, the TensorRT backend LLaVA engine bundles.
 
 A backend lives in ``edgevlm.runtime.backends.<module>`` and is registered in :data:`BACKENDS`;
 the module is imported only when that backend is asked for, so optional dependencies (onnxruntime,

@@ -153,6 +153,12 @@ class Qwen3VLVisionTower(nn.Module):
 
     def position_embeddings(self, grid_thw: torch.Tensor) -> torch.Tensor:
         """Learned position embeddings resampled to each grid: ``(N_patches, D)`` float32."""
+        idx, weights = self.position_taps(grid_thw)
+        return (self.pos_embed(idx).float() * weights[:, :, None]).sum(1)
+
+    def position_taps(self, grid_thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bilinear taps :meth:`position_embeddings` sums: ``pos_embed`` rows ``(N_patches, 4)``
+        int64 and their weights ``(N_patches, 4)`` float32 (no weights read: the ONNX graph's feed)."""
         g = self.cfg.grid_side
         rc = block_order_hw(grid_thw, self.cfg.spatial_merge_size)  # (N, 2)
         counts = grid_thw.prod(-1)
@@ -162,7 +168,7 @@ class Qwen3VLVisionTower(nn.Module):
         w_taps, w_w = bilinear_taps(rc[:, 1], widths, g)
         idx = (h_taps[:, :, None] * g + w_taps[:, None, :]).reshape(-1, 4)  # (N, 4)
         weights = (h_w[:, :, None] * w_w[:, None, :]).reshape(-1, 4)  # (N, 4) float32
-        return (self.pos_embed(idx).float() * weights[:, :, None]).sum(1)
+        return idx, weights
 
     def rotary(self, grid_thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """2-D rotary ``cos``/``sin`` ``(N_patches, head_dim)`` float32."""
