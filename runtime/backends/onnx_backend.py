@@ -229,7 +229,10 @@ class OnnxFamilyBackend(Backend):
         self._deepstack = outs[1:]
         return outs[0].reshape(-1, outs[0].shape[-1])
 
-    def position_ids(self, input_ids: torch.Tensor, vision: VisionInput | None) -> tuple[torch.Tensor | None, int]:
+    def position_ids(self, input_ids: torch.Tensor, vision: VisionInput | None, *,
+                     kept_index: list[int] | None = None) -> tuple[torch.Tensor | None, int]:
+        if kept_index is not None:  # the engine refuses pruning on this backend before it gets here
+            raise ValueError("the ONNX backend does not prune vision tokens")
         return self.host.position_ids(input_ids.detach().cpu(), vision)
 
     def embed(self, input_ids: torch.Tensor, image_features: torch.Tensor | None) -> torch.Tensor:
