@@ -30,6 +30,7 @@ from collections.abc import Callable
 import numpy as np
 
 from edgevlm.quantize.calibrate_data import calibration_scene
+from edgevlm.quantize.exit_confidence import pairs_record
 
 logger = logging.getLogger(__name__)
 
@@ -196,12 +197,4 @@ def collect_vit_pairs(engine, heads, *, seed: int, offset: int, images: int, que
         model.attach_exit_heads(previous)
     if not kinds:
         raise ValueError("no calibration pairs were collected (time budget too small?)")
-    return {
-        "pooled": {k: torch.cat(v) for k, v in pooled.items()},
-        "query": torch.cat(queries) if queries else None,
-        "image": np.asarray(image_idx),
-        "agree": {k: np.asarray(v, np.float32) for k, v in agree.items()},
-        "correct_full": np.asarray(correct_full, np.float32),
-        "correct_exit": {k: np.asarray(v, np.float32) for k, v in correct_exit.items()},
-        "kinds": kinds,
-    }
+    return pairs_record(pooled, queries, image_idx, agree, correct_full, correct_exit, kinds)

@@ -289,6 +289,24 @@ def recommend_threshold(rows: list[dict], max_answer_change: float, delta: float
     return best
 
 
+def pairs_record(pooled: dict, queries: list, image_idx: list, agree: dict, correct_full: list, correct_exit: dict,
+                 kinds: list[str]) -> dict:
+    """The calibration pairs as :func:`collect_pairs` returns them: per exit block the pooled exit
+    features ``(P, D)`` float32 and 0/1 agreement / correctness arrays ``(P,)``; the question
+    embeddings ``(P, Q)`` (or None), each pair's image index and question kind."""
+    import torch
+
+    return {
+        "pooled": {k: torch.cat(v) for k, v in pooled.items()},
+        "query": torch.cat(queries) if queries else None,
+        "image": np.asarray(image_idx),
+        "agree": {k: np.asarray(v, np.float32) for k, v in agree.items()},
+        "correct_full": np.asarray(correct_full, np.float32),
+        "correct_exit": {k: np.asarray(v, np.float32) for k, v in correct_exit.items()},
+        "kinds": kinds,
+    }
+
+
 def collect_pairs(engine, heads, batches, *, progress: Callable[[str], None] = logger.info, total: int = 0,
                   deadline: float | None = None) -> dict:
     """Answer agreement of every exit on calibration pairs.
@@ -365,12 +383,4 @@ def collect_pairs(engine, heads, batches, *, progress: Callable[[str], None] = l
             if b_i % 10 == 0:
                 progress(f"calibrate: agreement {n_img}{'/' + str(total) if total else ''} images, {len(kinds)} pairs "
                          f"({time.perf_counter() - t0:.0f} s)")
-    return {
-        "pooled": {k: torch.cat(v) for k, v in pooled.items()},
-        "query": torch.cat(queries) if queries else None,
-        "image": np.asarray(image_idx),
-        "agree": {k: np.asarray(v, np.float32) for k, v in agree.items()},
-        "correct_full": np.asarray(correct_full, np.float32),
-        "correct_exit": {k: np.asarray(v, np.float32) for k, v in correct_exit.items()},
-        "kinds": kinds,
-    }
+    return pairs_record(pooled, queries, image_idx, agree, correct_full, correct_exit, kinds)
