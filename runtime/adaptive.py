@@ -118,6 +118,17 @@ def encode_adaptive(run: ViTRun, heads, *, exit_layer: int | None = None, exit_t
     return tokens, side, info
 
 
+def encode_model_adaptive(model, vision, operating_point=None, prompt_ids: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, list[torch.Tensor], VisionInfo]:
+    """:func:`encode_adaptive` over ``model.exit_run(vision)`` with ``model.exit_heads`` and the
+    operating point's knobs (None: the full tower, every token); ``prompt_ids`` ``(1, T)`` int64
+    feed question-conditioned confidence heads. Returns what :func:`encode_adaptive` returns."""
+    op = operating_point
+    return encode_adaptive(model.exit_run(vision), model.exit_heads, exit_layer=getattr(op, "exit_layer", None),
+                           exit_threshold=getattr(op, "exit_threshold", None),
+                           keep_ratio=getattr(op, "keep_ratio", None), query=question_embedding(model, prompt_ids))
+
+
 def question_embedding(model, prompt_ids: torch.Tensor | None) -> torch.Tensor | None:
     """The question embedding ``(1, Q)`` the model's question-conditioned confidence heads read
     (:func:`edgevlm.runtime.exits.query_embedding` over ``prompt_ids`` ``(1, T)``, vision

@@ -61,11 +61,7 @@ class Qwen3VLModel(DecoderVLM):
         """:meth:`encode_vision` with early exit and token pruning (:func:`edgevlm.runtime.adaptive.encode_adaptive`):
         ``((N', D_text) vision tokens, VisionInfo)``; the DeepStack features (those past an exit
         from the adapter's output, pruned like the tokens) are kept for the next :meth:`prefill`."""
-        op = operating_point
-        tokens, self._deepstack, info = adaptive.encode_adaptive(
-            self.exit_run(vision), self.exit_heads, exit_layer=getattr(op, "exit_layer", None),
-            exit_threshold=getattr(op, "exit_threshold", None), keep_ratio=getattr(op, "keep_ratio", None),
-            query=adaptive.question_embedding(self, prompt_ids))
+        tokens, self._deepstack, info = adaptive.encode_model_adaptive(self, vision, operating_point, prompt_ids)
         return tokens, info
 
     # ---- vision ---------------------------------------------------------------------------------
