@@ -8,9 +8,10 @@ mostly idle GPU). The plain layer runs ~17 kernels; with these three it runs ~10
   the unfused ``x + delta`` is) and ``RMSNorm(s) * weight`` in one pass (two kernels -> one; it
   takes the place of each residual add and the norm that follows it).
 * :func:`rope_kv_write` — rotary embedding of q and k (the half-rotation layout of transformers'
-  Llama; Su et al., "RoFormer", 2021) for each row's position, q written ``(B, H, 1, Dh)`` and the
-  rotated k and the v written straight into the static KV cache at that position (about five
-  kernels -> one).
+  Llama; Su et al., "RoFormer", 2021) for each row's RoPE position (the cache slot, or slot +
+  ``rope_delta`` for multimodal RoPE), optionally after Qwen3's per-head q/k RMSNorm, q written
+  ``(B, H, 1, Dh)`` and the rotated k and the v written straight into the static KV cache at the
+  slot (five kernels -> one; eight with q/k norm).
 * :func:`silu_mul` — SwiGLU's ``silu(gate) * up`` from the fused gate/up projection (Shazeer,
   "GLU Variants Improve Transformer", 2020) (two kernels -> one).
 
@@ -50,19 +51,27 @@ def _kernels():
         tl.store(y_ptr + row * D + offs, (sf * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, H, HKV, S,
-                       HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+    def rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, rpos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr,
+                       H, HKV, S, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr):
         b = tl.program_id(0)
         head = tl.program_id(1)  # 0..H-1: q heads, H..H+HKV-1: k heads, then v heads
         n_all = H + 2 * HKV
-        pos = tl.load(pos_ptr + b)
+        pos = tl.load(pos_ptr + b)  # cache slot
         offs = tl.arange(0, HALF)
         src = qkv_ptr + (b * n_all + head) * HEAD_DIM
         x1 = tl.load(src + offs).to(tl.float32)  # (Dh/2,) first half
         x2 = tl.load(src + HALF + offs).to(tl.float32)  # second half
         if head < H + HKV:
-            c = tl.load(cos_ptr + pos * HEAD_DIM + offs).to(tl.float32)  # cos[j] == cos[j + Dh/2]
-            s = tl.load(sin_ptr + pos * HEAD_DIM + offs).to(tl.float32)
+            if QK_NORM:  # per-head RMSNorm (Qwen3), rounded to the activation dtype as the unfused norm
+                rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)
+                w_ptr = qw_ptr if head < H else kw_ptr
+                w1 = tl.load(w_ptr + offs).to(tl.float32)
+                w2 = tl.load(w_ptr + HALF + offs).to(tl.float32)
+                x1 = (x1 * rstd * w1).to(q_ptr.dtype.element_ty).to(tl.float32)
+                x2 = (x2 * rstd * w2).to(q_ptr.dtype.element_ty).to(tl.float32)
+            rpos = tl.load(rpos_ptr + b)  # RoPE position (slot + M-RoPE offset)
+            c = tl.load(cos_ptr + rpos * HEAD_DIM + offs).to(tl.float32)  # cos[j] == cos[j + Dh/2]
+            s = tl.load(sin_ptr + rpos * HEAD_DIM + offs).to(tl.float32)
             o1 = x1 * c - x2 * s
             o2 = x2 * c + x1 * s
             if head < H:
@@ -107,27 +116,40 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 
 
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv_heads: int) -> torch.Tensor:
-    """Decode-step RoPE + KV-cache write.
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv_heads: int, *,
+                  rope_pos: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
+                  k_norm: torch.Tensor | None = None, norm_eps: float = 1e-6) -> torch.Tensor:
+    """Decode-step (q/k RMSNorm +) RoPE + KV-cache write.
 
     ``qkv (B, (H + 2 Hkv) * Dh)`` — the fused q/k/v projection of one token per row; ``cos``/``sin``
-    ``(S, Dh)`` the RoPE tables; ``input_pos (B,)`` int64 each row's position; ``k_cache``/``v_cache``
-    ``(B_max, Hkv, S, Dh)`` contiguous (rows ``0..B-1`` are written at ``input_pos``). Returns the
-    rotated queries ``(B, H, 1, Dh)`` in ``qkv.dtype``. Raises ``ValueError`` for mismatched shapes
-    or an odd / non-power-of-two head dimension."""
+    ``(P, Dh)`` the RoPE tables (``P`` positions); ``input_pos (B,)`` int64 each row's cache slot;
+    ``k_cache``/``v_cache`` ``(B_max, Hkv, S, Dh)`` contiguous (rows ``0..B-1`` are written at
+    ``input_pos``). ``rope_pos (B,)`` int64: the RoPE position of each row when it is not the slot
+    (multimodal RoPE decode: slot + ``rope_delta``; None = ``input_pos``), below ``P``.
+    ``q_norm``/``k_norm`` ``(Dh,)``: Qwen3's per-head RMSNorm of q and k before RoPE (eps
+    ``norm_eps``; both or neither). Returns the rotated queries ``(B, H, 1, Dh)`` in ``qkv.dtype``.
+    Raises ``ValueError`` for mismatched shapes or an odd / non-power-of-two head dimension."""
     b = qkv.shape[0]
     hkv, s, dh = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     if hkv != n_kv_heads or qkv.dim() != 2 or qkv.shape[1] != (n_heads + 2 * hkv) * dh:
         raise ValueError(f"rope_kv_write: qkv {tuple(qkv.shape)} does not match {n_heads} + 2 x {hkv} heads of {dh}")
     if dh % 2 or dh & (dh - 1) or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("rope_kv_write needs a power-of-two head_dim and contiguous caches")
-    if tuple(cos.shape) != (s, dh) or tuple(sin.shape) != (s, dh) or input_pos.shape != (b,):
-        raise ValueError("rope_kv_write: cos/sin must be (S, Dh) and input_pos (B,)")
+    if cos.dim() != 2 or cos.shape[1] != dh or sin.shape != cos.shape or cos.shape[0] < s \
+            or input_pos.shape != (b,):
+        raise ValueError("rope_kv_write: cos/sin must be (P >= S, Dh) and input_pos (B,)")
+    if rope_pos is not None and rope_pos.shape != (b,):
+        raise ValueError(f"rope_kv_write: rope_pos must be (B,) = ({b},), got {tuple(rope_pos.shape)}")
+    if (q_norm is None) != (k_norm is None) or (q_norm is not None and (q_norm.shape != (dh,) or k_norm.shape != (dh,))):
+        raise ValueError("rope_kv_write: q_norm and k_norm must both be (Dh,) or both None")
     qkv = qkv.contiguous()
     q = torch.empty(b, n_heads, 1, dh, dtype=qkv.dtype, device=qkv.device)
     kernel = _kernels()[1]
-    kernel[(b, n_heads + 2 * hkv)](qkv, cos, sin, input_pos, q, k_cache, v_cache, n_heads, hkv, s,
-                                   HEAD_DIM=dh, HALF=dh // 2, num_warps=1)
+    qk_norm = q_norm is not None
+    kernel[(b, n_heads + 2 * hkv)](qkv, cos, sin, input_pos, input_pos if rope_pos is None else rope_pos,
+                                   q_norm if qk_norm else cos, k_norm if qk_norm else cos, q, k_cache, v_cache,
+                                   n_heads, hkv, s, float(norm_eps), HEAD_DIM=dh, HALF=dh // 2, QK_NORM=qk_norm,
+                                   num_warps=1)
     return q
 
 

@@ -83,18 +83,36 @@ class VisionAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg_lens: list[int]) -> torch.Tensor:
         """``x`` ``(N, D)``, ``cos``/``sin`` ``(N, Dh)`` float32; attention within each segment of ``seg_lens``."""
         n, d = x.shape
-        q, k, v = self.qkv(x).view(n, 3, self.n_heads, -1).permute(1, 2, 0, 3).unbind(0)  # (H, N, Dh) each
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        if len(seg_lens) == 1:
-            y = F.scaled_dot_product_attention(q, k, v)
-        else:
-            y = torch.cat([F.scaled_dot_product_attention(qs, ks, vs) for qs, ks, vs in
-                           zip(q.split(seg_lens, 1), k.split(seg_lens, 1), v.split(seg_lens, 1), strict=True)], dim=1)
-        return self.proj(y.transpose(0, 1).reshape(n, d))
+        qkv = self.qkv(x).view(n, 3, self.n_heads, -1)  # (N, 3, H, Dh)
+        qk = _rotate(qkv[:, :2], cos[:, None, None], sin[:, None, None])  # q and k in one pass: (N, 2, H, Dh)
+        y = frame_attention(qk[:, 0], qk[:, 1], qkv[:, 2], seg_lens)  # (N, H, Dh)
+        return self.proj(y.reshape(n, d))
+
+
+def frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lens: list[int]) -> torch.Tensor:
+    """Bidirectional attention of ``q``/``k``/``v`` ``(N, H, Dh)`` (any strides, last dim dense)
+    within consecutive segments of ``seg_lens`` (sum N) -> ``(N, H, Dh)``.
+
+    SDPA always gets 4-D ``(B, H, L, Dh)`` inputs: its fused (flash / memory-efficient) kernels take
+    only 4-D tensors, and a 3-D call falls back to the math path, which materialises the
+    ``H x L x L`` score matrix (the cost that grew with resolution). Equal segments (one image, or
+    the frames of a video) go in one call as a batch; segments of different lengths one call each."""
+    n, h, dh = q.shape
+    if len(set(seg_lens)) == 1:
+        s, length = len(seg_lens), seg_lens[0]
+
+        def batched(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(s, length, h, dh).transpose(1, 2)  # (S, H, L, Dh)
+
+        return F.scaled_dot_product_attention(batched(q), batched(k), batched(v)).transpose(1, 2).reshape(n, h, dh)
+    outs = [F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None])
+            for qs, ks, vs in zip(q.split(seg_lens), k.split(seg_lens), v.split(seg_lens), strict=True)]
+    return torch.cat([o[0].transpose(0, 1) for o in outs])
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-rotation RoPE on ``x`` ``(H, N, Dh)`` in fp32, cast back to ``x.dtype``."""
+    """Half-rotation RoPE on ``x`` ``(..., Dh)`` with ``cos``/``sin`` broadcastable to it, in fp32,
+    cast back to ``x.dtype``."""
     xf = x.float()
     half = xf.shape[-1] // 2
     return (xf * cos + torch.cat([-xf[..., half:], xf[..., :half]], -1) * sin).to(x.dtype)
