@@ -465,7 +465,7 @@ class Decoder(nn.Module):
         cache slots ``pos (B,)`` int64, additive ``mask (B, 1, 1, kv_len)``, RoPE positions
         ``rope_pos (B,)`` int64 (None = ``pos``) -> logits ``(B, V)``. Same math as the layer loop
         (residual adds rounded to the activation dtype, fp32 norm statistics)."""
-        from edgevlm.runtime.kernels.decode_fused import add_rms_norm, rope_kv_write, silu_mul
+        from edgevlm.runtime.kernels.decode_fused import add_rms_norm, decode_attention, rope_kv_write, silu_mul
 
         b, d = embeds.shape[0], embeds.shape[2]
         x = embeds.reshape(b, d)  # (B, D) residual stream
@@ -479,8 +479,11 @@ class Decoder(nn.Module):
             q = rope_kv_write(attn.qkv_proj(h), self.rope_cos, self.rope_sin, pos, cache.k, cache.v,
                               attn.n_heads, attn.n_kv_heads, rope_pos=rope_pos, q_norm=qn[0], k_norm=qn[1],
                               norm_eps=qn[2] or 1e-6)  # (B, H, 1, Dh); k, v stored at pos
-            k_all, v_all = cache.read(b, kv_len, q.dtype)  # (B, Hkv, kv_len, Dh) views
-            y = attn._masked_sdpa(q, k_all, v_all, mask)  # (B, H, 1, Dh)
+            if cache.k.dtype == q.dtype:  # split-K Triton attention over the cache, keys 0..pos per row
+                y = decode_attention(q, cache.k, cache.v, pos, kv_len)  # (B, H, 1, Dh)
+            else:
+                k_all, v_all = cache.read(b, kv_len, q.dtype)  # (B, Hkv, kv_len, Dh)
+                y = attn._masked_sdpa(q, k_all, v_all, mask)  # (B, H, 1, Dh)
             x, h = add_rms_norm(x, attn.o_proj(y.reshape(b, -1)), layer.post_attention_layernorm.weight,
                                 layer.post_attention_layernorm.eps)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < n else self.norm

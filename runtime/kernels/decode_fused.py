@@ -95,7 +95,58 @@ def _kernels():
         y = g / (1.0 + tl.exp(-g)) * u
         tl.store(y_ptr + row * INTER + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
-    return add_rms_norm_kernel, rope_kv_kernel, silu_mul_kernel
+    @triton.jit
+    def attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, H, HKV, S, CHUNK, scale,
+                          REP: tl.constexpr, REP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                          NSPLIT: tl.constexpr):
+        bg = tl.program_id(0)  # row b, KV head g
+        split = tl.program_id(1)
+        b = bg // HKV
+        g = bg % HKV
+        n_keys = tl.load(pos_ptr + b) + 1  # keys 0..pos (decode_mask's rule)
+        rows = tl.arange(0, REP_PAD)
+        d = tl.arange(0, HEAD_DIM)
+        head = g * REP + rows  # the query heads sharing KV head g
+        q = tl.load(q_ptr + (b * H + head)[:, None] * HEAD_DIM + d[None, :], mask=rows[:, None] < REP, other=0.0)
+        m = tl.full([REP_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([REP_PAD], tl.float32)
+        acc = tl.zeros([REP_PAD, HEAD_DIM], tl.float32)
+        base = (b * HKV + g).to(tl.int64) * S * HEAD_DIM
+        start = split * CHUNK
+        stop = tl.minimum(start + CHUNK, n_keys)
+        for lo in range(start, stop, BLOCK_N):
+            keys = lo + tl.arange(0, BLOCK_N)
+            valid = keys < stop
+            k = tl.load(k_ptr + base + keys[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
+            sc = tl.dot(q, tl.trans(k)) * scale  # (REP_PAD, BLOCK_N) fp32
+            sc = tl.where(valid[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, 1))
+            p = tl.exp(sc - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            v = tl.load(v_ptr + base + keys[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            l = l * alpha + tl.sum(p, 1)
+            m = m_new
+        out = (b * H + head) * NSPLIT + split  # partials (B * H, NSPLIT, ...)
+        keep = rows < REP
+        tl.store(o_ptr + out[:, None] * HEAD_DIM + d[None, :], acc, mask=keep[:, None])
+        tl.store(m_ptr + out, m, mask=keep)
+        tl.store(l_ptr + out, l, mask=keep)
+
+    @triton.jit
+    def attn_combine_kernel(o_ptr, m_ptr, l_ptr, y_ptr, HEAD_DIM: tl.constexpr, NSPLIT: tl.constexpr):
+        bh = tl.program_id(0)
+        sp = tl.arange(0, NSPLIT)
+        d = tl.arange(0, HEAD_DIM)
+        m = tl.load(m_ptr + bh * NSPLIT + sp)  # (NSPLIT,); -inf for a split without keys
+        l = tl.load(l_ptr + bh * NSPLIT + sp)
+        m_all = tl.max(m, 0)
+        w = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)
+        o = tl.load(o_ptr + (bh * NSPLIT + sp)[:, None] * HEAD_DIM + d[None, :])
+        y = tl.sum(o * w[:, None], 0) / tl.sum(l * w, 0)
+        tl.store(y_ptr + bh * HEAD_DIM + d, y.to(y_ptr.dtype.element_ty))
+
+    return add_rms_norm_kernel, rope_kv_kernel, silu_mul_kernel, attn_split_kernel, attn_combine_kernel
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
@@ -163,4 +214,42 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     y = torch.empty(r, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _kernels()[2][(r, -(-inter // block))](gate_up, y, inter, BLOCK=block, num_warps=4)
+    return y
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,
+                     kv_len: int, block_n: int = 64, max_splits: int = 16) -> torch.Tensor:
+    """One-token grouped-query attention over the static KV cache, split over the keys
+    (flash-decoding: Dao et al., "Flash-Decoding for long-context inference", 2023; online softmax,
+    Milakov & Gimelshein 2018) and combined in a second kernel.
+
+    ``q`` ``(B, H, 1, Dh)`` contiguous; ``k_cache``/``v_cache`` ``(B_max, Hkv, S, Dh)`` contiguous, same
+    dtype as ``q``; row ``b`` attends to its keys ``0..input_pos[b]`` (``input_pos (B,)`` int64, the
+    rule of :func:`~edgevlm.runtime.kv_cache.decode_mask`), never past ``kv_len`` (static: the splits
+    cover ``[0, kv_len)``, so one CUDA graph serves every position below it). Query head ``h`` reads
+    KV head ``h // (H / Hkv)``, as transformers' ``repeat_kv``. Scale ``Dh ** -0.5``, fp32 softmax and
+    accumulation. Returns ``(B, H, 1, Dh)`` in ``q.dtype``. Raises ``ValueError`` for mismatched
+    shapes or dtypes, a head count not divisible by ``Hkv``, or a non-power-of-two ``Dh``."""
+    b, h, t, dh = q.shape
+    hkv, s = k_cache.shape[1], k_cache.shape[2]
+    if t != 1 or k_cache.shape != v_cache.shape or k_cache.shape[3] != dh or k_cache.shape[0] < b \
+            or h % hkv or input_pos.shape != (b,) or not 1 <= kv_len <= s:
+        raise ValueError(f"decode_attention: q {tuple(q.shape)}, cache {tuple(k_cache.shape)}, "
+                         f"input_pos {tuple(input_pos.shape)}, kv_len {kv_len} do not match")
+    if dh & (dh - 1) or dh < 16 or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype \
+            or not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("decode_attention needs contiguous q/k/v of one dtype and a power-of-two head_dim >= 16")
+    rep = h // hkv
+    n_blocks = -(-kv_len // block_n)
+    nsplit = min(max_splits, _next_pow2(n_blocks))
+    chunk = block_n * -(-n_blocks // nsplit)
+    part = torch.empty(b * h, nsplit, dh, dtype=torch.float32, device=q.device)
+    m = torch.empty(b * h, nsplit, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b * h, nsplit, dtype=torch.float32, device=q.device)
+    split_k, combine = _kernels()[3], _kernels()[4]
+    split_k[(b * hkv, nsplit)](q, k_cache, v_cache, input_pos, part, m, lse, h, hkv, s, chunk, dh ** -0.5,
+                               REP=rep, REP_PAD=max(16, _next_pow2(rep)), HEAD_DIM=dh, BLOCK_N=block_n,
+                               NSPLIT=nsplit, num_warps=4)
+    y = torch.empty_like(q)
+    combine[(b * h,)](part, m, lse, y, HEAD_DIM=dh, NSPLIT=nsplit, num_warps=1)
     return y

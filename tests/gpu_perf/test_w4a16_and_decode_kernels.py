@@ -168,6 +168,48 @@ DECODE_SCRIPT = """
 """
 
 
+ATTN_SCRIPT = """
+    import json, torch
+    from edgevlm.runtime.kernels.decode_fused import decode_attention
+    torch.manual_seed(0)
+    out = []
+    for b, h, hkv, dh, s, kv_len, pos, dtype in [(1, 4, 2, 16, 64, 40, [17], torch.float32),
+                                                (2, 8, 2, 32, 300, 300, [0, 299], torch.float32),
+                                                (3, 4, 4, 16, 2048, 1100, [1099, 5, 640], torch.float16)]:
+        q = torch.randn(b, h, 1, dh).to(dtype)
+        k = torch.randn(b + 1, hkv, s, dh).to(dtype)
+        v = torch.randn(b + 1, hkv, s, dh).to(dtype)
+        y = decode_attention(q, k, v, torch.tensor(pos), kv_len, block_n=16 if dh == 16 else 32)
+        rep = h // hkv
+        ref = torch.stack([torch.nn.functional.scaled_dot_product_attention(
+            q[i].double(), k[i, :, : pos[i] + 1].double().repeat_interleave(rep, 0),
+            v[i, :, : pos[i] + 1].double().repeat_interleave(rep, 0)) for i in range(b)])
+        out.append([float((y.double() - ref).norm() / ref.norm()), bool(torch.isfinite(y).all()), str(dtype)])
+    print(json.dumps({"rel": out}))
+"""
+
+
+@needs_triton
+def test_decode_attention_matches_float64_in_the_interpreter():
+    """GQA (rep 2 and 4) and plain heads, rows at different positions, a kv_len that is not a
+    multiple of the key block, positions 0 and kv_len - 1; fp32 and fp16."""
+    res = run_interpreted(ATTN_SCRIPT)
+    for err, finite, dtype in res["rel"]:
+        assert finite and err < (1e-5 if dtype == "torch.float32" else 2e-3), (err, dtype)
+
+
+def test_decode_attention_rejects_bad_shapes():
+    from edgevlm.runtime.kernels.decode_fused import decode_attention
+
+    q, cache = torch.zeros(1, 4, 1, 16), torch.zeros(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="do not match"):
+        decode_attention(q, cache, cache, torch.tensor([0]), 9)  # kv_len past the cache
+    with pytest.raises(ValueError, match="do not match"):
+        decode_attention(torch.zeros(1, 3, 1, 16), cache, cache, torch.tensor([0]), 8)  # 3 heads over 2
+    with pytest.raises(ValueError, match="one dtype"):
+        decode_attention(q.half(), cache, cache, torch.tensor([0]), 8)
+
+
 @needs_triton
 @pytest.mark.parametrize("case", ["llama", "qwen"])
 def test_fused_decode_step_matches_the_layer_loop_in_the_interpreter(case):
