@@ -45,6 +45,7 @@ class Qwen3VLModel(DecoderVLM):
         self.language_model = Decoder(cfg.text, cfg.tie_word_embeddings)
         self._deepstack: list[torch.Tensor] = []  # from the last encode_vision, for the next prefill
         self._vision_mask: torch.Tensor | None = None  # (1, T) bool, from the last embed with vision
+        self.vision_graphs = None  # VisionGraphs of the tower (enable_vision_graphs), CUDA only
 
     # ---- vision ---------------------------------------------------------------------------------
     def encode_vision(self, vision) -> torch.Tensor:
@@ -52,9 +53,22 @@ class Qwen3VLModel(DecoderVLM):
         ``VisionInput`` (``pixel_values`` ``(N_patches, C*T*p*p)``, ``grid_thw`` ``(N_items, 3)``).
         The DeepStack features of the same call are kept for the next :meth:`prefill`."""
         pixels = vision.pixel_values.to(self.device, self.dtype)
-        main, deepstack = self.visual(pixels, vision.grid_thw.to(self.device))
-        self._deepstack = deepstack
+        grid = vision.grid_thw.cpu()  # indices are built on the device from the grid's ints: no syncs
+        tower = self.vision_graphs if self.vision_graphs is not None and pixels.is_cuda else self.visual
+        main, deepstack = tower(pixels, grid)
+        self._deepstack = list(deepstack)
         return main
+
+    def enable_vision_graphs(self, enabled: bool = True, max_graphs: int = 4) -> bool:
+        """Replay the vision tower from CUDA graphs, one per input geometry
+        (:class:`~edgevlm.runtime.vision_graphs.VisionGraphs`; same results, ~600 launches become
+        one). Only on CUDA; returns whether it is on."""
+        self.vision_graphs = None
+        if enabled and self.device.type == "cuda":
+            from edgevlm.runtime.vision_graphs import VisionGraphs
+
+            self.vision_graphs = VisionGraphs(self.visual, self.device, max_graphs)
+        return self.vision_graphs is not None
 
     def _vision_token_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
         mask = input_ids == self.cfg.image_token_id
