@@ -26,6 +26,15 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+def vision_graphs_for(tower: Callable, device: torch.device, enabled: bool = True,
+                      max_graphs: int = 4) -> VisionGraphs | None:
+    """A family model's ``enable_vision_graphs``: :class:`VisionGraphs` of ``tower`` when ``enabled`` and
+    ``device`` is CUDA, else None (the eager tower)."""
+    if not enabled or torch.device(device).type != "cuda":
+        return None
+    return VisionGraphs(tower, device, max_graphs)
+
+
 def _clone(out):
     if isinstance(out, torch.Tensor):
         return out.clone()

@@ -94,7 +94,7 @@ class TorchBackend(Backend):
             from edgevlm.runtime.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(dec)
-            if hasattr(model, "enable_vision_graphs"):  # the tower per input geometry (Qwen3-VL)
+            if hasattr(model, "enable_vision_graphs"):  # the tower per input geometry (Qwen2.5-VL, Qwen3-VL)
                 model.enable_vision_graphs()
         if fused_vision_stem:
             self.enable_fused_vision_stem()

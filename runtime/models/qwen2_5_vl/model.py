@@ -30,6 +30,7 @@ class Qwen25VLModel(DecoderVLM):
         self.cfg = cfg
         self.visual = Qwen25VisionTower(cfg.vision)
         self.language_model = Decoder(cfg.text, tie_word_embeddings=cfg.tie_word_embeddings)
+        self.vision_graphs = None  # VisionGraphs of the tower (enable_vision_graphs), CUDA only
 
     def encode_vision(self, vision) -> torch.Tensor:
         """``vision`` (a ``VisionInput`` with ``pixel_values (N_patches, C*tp*p*p)`` and ``grid_thw``
@@ -38,7 +39,17 @@ class Qwen25VLModel(DecoderVLM):
         w = self.visual.patch_embed.proj.weight
         if vision.grid_thw is None:
             raise ValueError("Qwen2.5-VL vision input needs grid_thw")
-        return self.visual(vision.pixel_values.to(w.device, w.dtype), vision.grid_thw.cpu())
+        pixels = vision.pixel_values.to(w.device, w.dtype)
+        tower = self.vision_graphs if self.vision_graphs is not None and pixels.is_cuda else self.visual
+        return tower(pixels, vision.grid_thw.cpu())
+
+    def enable_vision_graphs(self, enabled: bool = True, max_graphs: int = 4) -> bool:
+        """Replay the vision tower from CUDA graphs, one per input geometry
+        (:class:`~edgevlm.runtime.vision_graphs.VisionGraphs`). Only on CUDA; returns whether it is on."""
+        from edgevlm.runtime.vision_graphs import vision_graphs_for
+
+        self.vision_graphs = vision_graphs_for(self.visual, self.device, enabled, max_graphs)
+        return self.vision_graphs is not None
 
     def embed(self, input_ids: torch.Tensor, vision_features: torch.Tensor | None = None) -> torch.Tensor:
         """``input_ids`` ``(1, T)`` -> embeddings ``(1, T, D)``; the image placeholder tokens take the

@@ -257,10 +257,22 @@ class Qwen25VisionTower(nn.Module):
         self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg)
         self.full_attention = frozenset(cfg.fullatt_block_indexes)
+        self._layouts: dict[tuple, VisionLayout] = {}  # per (grid, device): the forward is then sync free
+
+    def layout(self, grid_thw: torch.Tensor, device: torch.device) -> VisionLayout:
+        """:func:`vision_layout` of ``grid_thw``, cached per geometry (at most 8): a repeated frame size
+        needs no host work or host-to-device copies, so the forward is CUDA-graph safe
+        (:mod:`edgevlm.runtime.vision_graphs`) once its geometry was seen."""
+        key = (tuple(map(tuple, grid_thw.tolist())), str(device))
+        if key not in self._layouts:
+            if len(self._layouts) >= 8:
+                self._layouts.pop(next(iter(self._layouts)))
+            self._layouts[key] = vision_layout(grid_thw, self.cfg, device)
+        return self._layouts[key]
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         w = self.patch_embed.proj.weight
-        layout = vision_layout(grid_thw, self.cfg, w.device)
+        layout = self.layout(grid_thw, w.device)
         unit = self.cfg.spatial_merge_size ** 2
         x = self.patch_embed(pixel_values.to(w.device))  # (N, D)
         x = x.reshape(-1, unit, x.shape[-1])[layout.window_index].reshape(x.shape)  # window order

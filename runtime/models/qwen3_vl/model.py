@@ -63,11 +63,9 @@ class Qwen3VLModel(DecoderVLM):
         """Replay the vision tower from CUDA graphs, one per input geometry
         (:class:`~edgevlm.runtime.vision_graphs.VisionGraphs`; same results, ~600 launches become
         one). Only on CUDA; returns whether it is on."""
-        self.vision_graphs = None
-        if enabled and self.device.type == "cuda":
-            from edgevlm.runtime.vision_graphs import VisionGraphs
+        from edgevlm.runtime.vision_graphs import vision_graphs_for
 
-            self.vision_graphs = VisionGraphs(self.visual, self.device, max_graphs)
+        self.vision_graphs = vision_graphs_for(self.visual, self.device, enabled, max_graphs)
         return self.vision_graphs is not None
 
     def _vision_token_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
