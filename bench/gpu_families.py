@@ -341,8 +341,12 @@ def parity(ours, hf, files, ids, vision, device, dtype) -> dict:
             "argmax_equal": int(ours_logits.argmax()) == int(ref.argmax())}
 
 
+#: the implementations of a row (edgevlm-w4 last: it quantizes our model in place)
+IMPLS = ("transformers", "edgevlm", "edgevlm-w4")
+
 def run(models: list[str], sizes: list[tuple[int, int]], *, device: str = "cuda", new_tokens: int = 32,
-        do_parity: bool = False, w4: bool = True, batches: tuple[int, ...] = (1,)) -> dict:
+        do_parity: bool = False, w4: bool = True, batches: tuple[int, ...] = (1,),
+        impls: tuple[str, ...] = IMPLS) -> dict:
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     ceilings = measure_ceilings(dev)
@@ -363,7 +367,7 @@ def run(models: list[str], sizes: list[tuple[int, int]], *, device: str = "cuda"
             except Exception as exc:  # noqa: BLE001
                 logger.exception("parity %s", name)
                 par[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-        for impl in ("transformers", "edgevlm", *(["edgevlm-w4"] if w4 else [])):
+        for impl in [i for i in IMPLS if i in impls and (w4 or i != "edgevlm-w4")]:
             if impl == "edgevlm-w4":
                 try:
                     quantize_decoder_w4(ours)
@@ -422,12 +426,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parity", action="store_true")
     ap.add_argument("--no-w4", action="store_true")
     ap.add_argument("--batches", default="1", help="decode batch sizes, comma-separated (e.g. 1,8)")
+    ap.add_argument("--impls", default=",".join(IMPLS), help=f"subset of {','.join(IMPLS)}")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     sizes = [tuple(int(v) for v in s.lower().split("x")) for s in args.sizes.split(",")]
     summary = run(args.models.split(","), sizes, device=args.device, new_tokens=args.new_tokens,
                   do_parity=args.parity, w4=not args.no_w4,
-                  batches=tuple(int(b) for b in args.batches.split(",")))
+                  batches=tuple(int(b) for b in args.batches.split(",")), impls=tuple(args.impls.split(",")))
     print(f"device={summary['gpu'] or summary['device']} copy={summary['copy_gbps']:.0f} GB/s")
     print(format_table(summary))
     line = json.dumps(summary)
