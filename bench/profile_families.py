@@ -75,84 +75,92 @@ def kernels_of(fn, top: int = 8) -> dict:
             "top": [(e.key[:70], round(e.self_device_time_total / 1e3, 3), e.count) for e in rows[:top]]}
 
 
-def decode_rows(model, files, ids, vision, device, new_tokens: int, label: str) -> list[dict]:
+def decode_row(model, ids, vision, device, new_tokens: int, label: str, fused: bool) -> dict:
+    """TPOT, graph-replay time and eager kernels of one decode configuration (``fused``: the Triton step)."""
     from edgevlm.runtime.backends.torch_backend import TorchBackend
 
-    out = []
-    for fused in (False, True):
-        be = TorchBackend(model, fused_decode=fused)
-        ids_dev = ids.to(device)
-        feats = be.encode_vision(vision)
-        pos, delta = be.position_ids(ids_dev, vision)
-        tok0 = int(be.prefill(be.embed(ids_dev, feats), position_ids=pos)[0].argmax())
-        t = ids.shape[1]
+    be = TorchBackend(model, fused_decode=fused)
+    ids_dev = ids.to(device)
+    feats = be.encode_vision(vision)
+    pos, delta = be.position_ids(ids_dev, vision)
+    tok0 = int(be.prefill(be.embed(ids_dev, feats), position_ids=pos)[0].argmax())
+    t = ids.shape[1]
 
-        def loop():
-            tok, p = tok0, t
-            for _ in range(new_tokens):
-                tok = int(be.decode(tok, p, rope_offset=delta)[0].argmax())
-                p += 1
+    def loop():
+        tok, p = tok0, t
+        for _ in range(new_tokens):
+            tok = int(be.decode(tok, p, rope_offset=delta)[0].argmax())
+            p += 1
 
-        tpot = wall_ms(loop, device, warmup=1, iters=5) / new_tokens
-        kv_len = be.kv_len_for(t + 1)
-        be.graphs.tokens[:1].fill_(tok0)
-        be.graphs.positions[:1].fill_(t)
-        be.graphs.rope_offsets[:1].fill_(delta)
-        replay_ms = event_ms(lambda: be.graphs.replay(1, kv_len), device, warmup=3, iters=20)
-        dec = model.language_model
-        tok_t = torch.tensor([[tok0]], device=device)
-        pos_t = torch.tensor([t], device=device)
-        off = torch.tensor([delta], device=device)
-        eager = kernels_of(lambda: dec.decode_step(tok_t, pos_t, kv_len, off))
-        w = decoder_weight_bytes(model)
-        out.append({"model": label, "fused_decode": dec.fused_decode, "tpot_ms": tpot, "tok_s": 1e3 / tpot,
-                    "graph_replay_ms": replay_ms, "host_ms_per_step": tpot - replay_ms,
-                    "eager_kernels": eager["kernels"], "eager_gpu_ms": eager["gpu_ms"],
-                    "weight_mb": w / 2**20, "replay_gbps": w / replay_ms / 1e6, "top": eager["top"]})
-        be.graphs = None
-    return out
+    tpot = wall_ms(loop, device, warmup=1, iters=5) / new_tokens
+    kv_len = be.kv_len_for(t + 1)
+    be.graphs.tokens[:1].fill_(tok0)
+    be.graphs.positions[:1].fill_(t)
+    be.graphs.rope_offsets[:1].fill_(delta)
+    replay_ms = event_ms(lambda: be.graphs.replay(1, kv_len), device, warmup=3, iters=20)
+    dec = model.language_model
+    tok_t = torch.tensor([[tok0]], device=device)
+    pos_t = torch.tensor([t], device=device)
+    off = torch.tensor([delta], device=device)
+    eager = kernels_of(lambda: dec.decode_step(tok_t, pos_t, kv_len, off))
+    w = decoder_weight_bytes(model)
+    be.graphs = None
+    return {"model": label, "fused_decode": dec.fused_decode, "tpot_ms": tpot, "tok_s": 1e3 / tpot,
+            "graph_replay_ms": replay_ms, "host_ms_per_step": tpot - replay_ms,
+            "eager_kernels": eager["kernels"], "eager_gpu_ms": eager["gpu_ms"],
+            "weight_mb": w / 2**20, "replay_gbps": w / replay_ms / 1e6, "top": eager["top"]}
+
+
+def decode_rows(model, files, ids, vision, device, new_tokens: int, label: str) -> list[dict]:
+    return [decode_row(model, ids, vision, device, new_tokens, label, fused) for fused in (False, True)]
+
+
+def vision_row(be, model, files, size: tuple[int, int], device, label: str) -> dict:
+    """Vision time (events, wall, kernels), positions + embed, prefill and TTFT at input ``size`` (W, H)."""
+    ids, vision = gf.make_request(files, size)
+    ids_dev = ids.to(device)
+    deepstack = hasattr(model, "_deepstack")  # Qwen3-VL: prefill consumes the last encode's features
+    vis_ms = event_ms(lambda: be.encode_vision(vision), device, warmup=2, iters=5)
+    vis_wall = wall_ms(lambda: be.encode_vision(vision), device, warmup=1, iters=5)
+    k = kernels_of(lambda: be.encode_vision(vision))
+    feats = be.encode_vision(vision)
+
+    def pos_embed():
+        pos, _ = be.position_ids(ids_dev, vision)
+        return be.embed(ids_dev, feats), pos
+
+    pe_ms = wall_ms(pos_embed, device, warmup=1, iters=5)
+
+    def prefill():
+        if deepstack:
+            be.encode_vision(vision)
+        e, pos = pos_embed()
+        return int(be.prefill(e, position_ids=pos)[0].argmax())
+
+    both_ms = wall_ms(prefill, device, warmup=1, iters=5)
+
+    def first():
+        f = be.encode_vision(vision)
+        pos, _ = be.position_ids(ids_dev, vision)
+        return int(be.prefill(be.embed(ids_dev, f), position_ids=pos)[0].argmax())
+
+    ttft = wall_ms(first, device, warmup=2, iters=5)
+    e, pos = pos_embed()
+    pk = kernels_of(lambda: be.prefill(e, position_ids=pos))
+    w, h = size
+    return {"model": label, "size": f"{w}x{h}", "vision_tokens": vision.num_tokens, "prompt": ids.shape[1],
+            "vision_ms": vis_ms, "vision_wall_ms": vis_wall, "vision_kernels": k["kernels"],
+            "vision_gpu_ms": k["gpu_ms"], "vision_syncs": k["host_syncs"], "pos_embed_ms": pe_ms,
+            "prefill_ms_est": both_ms - pe_ms - (vis_wall if deepstack else 0),
+            "prefill_kernels": pk["kernels"], "prefill_gpu_ms": pk["gpu_ms"], "ttft_ms": ttft,
+            "vision_top": k["top"], "prefill_top": pk["top"]}
 
 
 def vision_rows(model, files, sizes, device, label) -> list[dict]:
     from edgevlm.runtime.backends.torch_backend import TorchBackend
 
     be = TorchBackend(model)
-    out = []
-    for w, h in sizes:
-        ids, vision = gf.make_request(files, (w, h))
-        ids_dev = ids.to(device)
-        vis_ms = event_ms(lambda: be.encode_vision(vision), device, warmup=2, iters=5)
-        vis_wall = wall_ms(lambda: be.encode_vision(vision), device, warmup=1, iters=5)
-        k = kernels_of(lambda: be.encode_vision(vision))
-        feats = be.encode_vision(vision)
-
-        def pos_embed():
-            pos, _ = be.position_ids(ids_dev, vision)
-            return be.embed(ids_dev, feats), pos
-
-        pe_ms = wall_ms(pos_embed, device, warmup=1, iters=5)
-
-        def prefill():
-            be.encode_vision(vision) if hasattr(model, "_deepstack") else None
-            e, pos = pos_embed()
-            return int(be.prefill(e, position_ids=pos)[0].argmax())
-
-        both_ms = wall_ms(prefill, device, warmup=1, iters=5)
-
-        def first():
-            f = be.encode_vision(vision)
-            pos, _ = be.position_ids(ids_dev, vision)
-            return int(be.prefill(be.embed(ids_dev, f), position_ids=pos)[0].argmax())
-
-        ttft = wall_ms(first, device, warmup=2, iters=5)
-        e, pos = pos_embed()
-        pk = kernels_of(lambda: be.prefill(e, position_ids=pos))
-        out.append({"model": label, "size": f"{w}x{h}", "vision_tokens": vision.num_tokens, "prompt": ids.shape[1],
-                    "vision_ms": vis_ms, "vision_wall_ms": vis_wall, "vision_kernels": k["kernels"],
-                    "vision_gpu_ms": k["gpu_ms"], "vision_syncs": k["host_syncs"], "pos_embed_ms": pe_ms,
-                    "prefill_ms_est": both_ms - pe_ms - (vis_wall if hasattr(model, "_deepstack") else 0),
-                    "prefill_kernels": pk["kernels"], "prefill_gpu_ms": pk["gpu_ms"], "ttft_ms": ttft,
-                    "vision_top": k["top"], "prefill_top": pk["top"]})
+    out = [vision_row(be, model, files, size, device, label) for size in sizes]
     be.graphs = None
     return out
 

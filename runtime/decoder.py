@@ -465,7 +465,12 @@ class Decoder(nn.Module):
         cache slots ``pos (B,)`` int64, additive ``mask (B, 1, 1, kv_len)``, RoPE positions
         ``rope_pos (B,)`` int64 (None = ``pos``) -> logits ``(B, V)``. Same math as the layer loop
         (residual adds rounded to the activation dtype, fp32 norm statistics)."""
-        from edgevlm.runtime.kernels.decode_fused import add_rms_norm, decode_attention, rope_kv_write, silu_mul
+        from edgevlm.runtime.kernels.decode_fused import (
+            add_rms_norm,
+            decode_attention,
+            rope_kv_write,
+            silu_mul,
+        )
 
         b, d = embeds.shape[0], embeds.shape[2]
         x = embeds.reshape(b, d)  # (B, D) residual stream

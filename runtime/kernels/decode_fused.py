@@ -109,7 +109,7 @@ def _kernels():
         head = g * REP + rows  # the query heads sharing KV head g
         q = tl.load(q_ptr + (b * H + head)[:, None] * HEAD_DIM + d[None, :], mask=rows[:, None] < REP, other=0.0)
         m = tl.full([REP_PAD], float("-inf"), tl.float32)
-        l = tl.zeros([REP_PAD], tl.float32)
+        den = tl.zeros([REP_PAD], tl.float32)  # softmax denominator
         acc = tl.zeros([REP_PAD, HEAD_DIM], tl.float32)
         base = (b * HKV + g).to(tl.int64) * S * HEAD_DIM
         start = split * CHUNK
@@ -125,13 +125,13 @@ def _kernels():
             alpha = tl.exp(m - m_new)
             v = tl.load(v_ptr + base + keys[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            l = l * alpha + tl.sum(p, 1)
+            den = den * alpha + tl.sum(p, 1)
             m = m_new
         out = (b * H + head) * NSPLIT + split  # partials (B * H, NSPLIT, ...)
         keep = rows < REP
         tl.store(o_ptr + out[:, None] * HEAD_DIM + d[None, :], acc, mask=keep[:, None])
         tl.store(m_ptr + out, m, mask=keep)
-        tl.store(l_ptr + out, l, mask=keep)
+        tl.store(l_ptr + out, den, mask=keep)
 
     @triton.jit
     def attn_combine_kernel(o_ptr, m_ptr, l_ptr, y_ptr, HEAD_DIM: tl.constexpr, NSPLIT: tl.constexpr):
@@ -139,11 +139,11 @@ def _kernels():
         sp = tl.arange(0, NSPLIT)
         d = tl.arange(0, HEAD_DIM)
         m = tl.load(m_ptr + bh * NSPLIT + sp)  # (NSPLIT,); -inf for a split without keys
-        l = tl.load(l_ptr + bh * NSPLIT + sp)
+        den = tl.load(l_ptr + bh * NSPLIT + sp)
         m_all = tl.max(m, 0)
         w = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)
         o = tl.load(o_ptr + (bh * NSPLIT + sp)[:, None] * HEAD_DIM + d[None, :])
-        y = tl.sum(o * w[:, None], 0) / tl.sum(l * w, 0)
+        y = tl.sum(o * w[:, None], 0) / tl.sum(den * w, 0)
         tl.store(y_ptr + bh * HEAD_DIM + d, y.to(y_ptr.dtype.element_ty))
 
     return add_rms_norm_kernel, rope_kv_kernel, silu_mul_kernel, attn_split_kernel, attn_combine_kernel

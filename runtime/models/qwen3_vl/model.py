@@ -42,10 +42,10 @@ class Qwen3VLModel(DecoderVLM):
         super().__init__()
         self.cfg = cfg
         self.visual = Qwen3VLVisionTower(cfg.vision)
+        self.vision_graphs = None  # VisionGraphs of the tower (enable_vision_graphs), CUDA only
         self.language_model = Decoder(cfg.text, cfg.tie_word_embeddings)
         self._deepstack: list[torch.Tensor] = []  # from the last encode_vision, for the next prefill
         self._vision_mask: torch.Tensor | None = None  # (1, T) bool, from the last embed with vision
-        self.vision_graphs = None  # VisionGraphs of the tower (enable_vision_graphs), CUDA only
 
     # ---- vision ---------------------------------------------------------------------------------
     def encode_vision(self, vision) -> torch.Tensor:
