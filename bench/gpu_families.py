@@ -10,7 +10,9 @@ At each input size (random uint8 frame, the family's own preprocessing at its de
 * ``vision_ms``: ``encode_vision`` (transformers: ``get_image_features``), CUDA events;
 * ``ttft_ms``: vision + embed + prefill + argmax to the host (transformers: one forward);
 * ``decode_tok_s``: greedy loop, token through the host each step (transformers: ``generate``,
-  dynamic cache, ``(t(n) - t(1)) / (n - 1)``);
+  dynamic cache, ``(t(n) - t(1)) / (n - 1)``); at ``--batches`` above 1, that many copies of the
+  request decode together (ours: ``decode_batch``, one CUDA graph; tok/s counts every row; vision
+  and TTFT are measured at batch 1 only);
 * ``peak_mb``: the implementation's weights plus the peak of what it allocated while running;
 * ``copy_frac``: decoder weight bytes + attended KV per step / TPOT over the measured copy bandwidth;
 * parity (``--parity``): last-position prefill logits, ``||x - ref|| / ||ref||`` against transformers
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import logging
 import sys
@@ -207,18 +210,23 @@ def make_request(files: ModelFiles, size: tuple[int, int], n_text: int = 32, see
     return torch.tensor([ids]), vision
 
 
-def _hf_inputs(hf, files, ids, vision, device, dtype) -> dict:
+def _hf_inputs(hf, files, ids, vision, device, dtype, batch: int = 1) -> dict:
+    """transformers' inputs for ``batch`` copies of the request (pixels and grids repeated)."""
     px = vision.pixel_values.to(device, dtype)
+    ids = ids.expand(batch, -1)
     kw = {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids, device=device)}
     if vision.grid_thw is not None:
         mm = (ids == files.config.image_token_id).long().to(device)  # what the processor returns
-        kw.update(pixel_values=px, image_grid_thw=vision.grid_thw.to(device), mm_token_type_ids=mm)
+        kw.update(pixel_values=px.repeat(batch, 1), image_grid_thw=vision.grid_thw.repeat(batch, 1).to(device),
+                  mm_token_type_ids=mm)
     else:
-        kw.update(pixel_values=px.unsqueeze(0))
+        kw.update(pixel_values=px.unsqueeze(0).repeat(batch, *([1] * px.dim())))
     return kw
 
 
-def bench_ours(model, files, ids, vision, *, new_tokens, device, ceilings) -> dict:
+def bench_ours(model, files, ids, vision, *, new_tokens, device, ceilings, batch: int = 1) -> dict:
+    """One row of ours at ``batch`` (1: vision, TTFT and decode; > 1: ``batch`` copies of the request
+    decoding together through ``decode_batch``, the prompt prefilled once and its KV cache rows copied)."""
     from edgevlm.runtime.backends.torch_backend import TorchBackend
 
     cuda = device.type == "cuda"
@@ -226,7 +234,7 @@ def bench_ours(model, files, ids, vision, *, new_tokens, device, ceilings) -> di
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device) if cuda else 0
-    be = TorchBackend(model)
+    be = TorchBackend(model, max_batch_size=batch)
     ids_dev = ids.to(device)
     row: dict = {}
 
@@ -235,47 +243,62 @@ def bench_ours(model, files, ids, vision, *, new_tokens, device, ceilings) -> di
         pos, delta = be.position_ids(ids_dev, vision)
         return int(be.prefill(be.embed(ids_dev, feats), position_ids=pos)[0].argmax()), delta
 
-    row["vision_ms"] = event_ms(lambda: be.encode_vision(vision), device, warmup=2, iters=5)
-    row["ttft_ms"] = wall_ms(first, device, warmup=2, iters=5)
+    if batch == 1:
+        row["vision_ms"] = event_ms(lambda: be.encode_vision(vision), device, warmup=2, iters=5)
+        row["ttft_ms"] = wall_ms(first, device, warmup=2, iters=5)
     tok0, delta = first()
     t = ids.shape[1]
+    if batch > 1:  # the same request in every row: copy row 0's keys and values
+        for layer in model.language_model.layers:
+            cache = layer.self_attn.kv_cache
+            for buf in (cache.k, cache.v):
+                buf[1:batch, :, :t] = buf[:1, :, :t]
 
     def loop():
         tok, pos = tok0, t
         for _ in range(new_tokens):
-            tok = int(be.decode(tok, pos, rope_offset=delta)[0].argmax())
+            if batch == 1:
+                tok = int(be.decode(tok, pos, rope_offset=delta)[0].argmax())
+            else:
+                toks = be.decode_batch([tok] * batch, [pos] * batch, [delta] * batch).argmax(-1).tolist()
+                tok = toks[0]
             pos += 1
 
     row["tpot_ms"] = wall_ms(loop, device, warmup=1, iters=3) / new_tokens
-    row["decode_tok_s"] = 1e3 / row["tpot_ms"]
+    row["decode_tok_s"] = batch * 1e3 / row["tpot_ms"]
     w_bytes = decoder_weight_bytes(model)
     kv_tok = sum(layer.self_attn.kv_cache.bytes_per_token() for layer in model.language_model.layers)
-    step = w_bytes + be.kv_len_for(t + new_tokens) * kv_tok
+    step = w_bytes + batch * be.kv_len_for(t + new_tokens) * kv_tok
     row.update(weight_bytes=w_bytes, bytes_per_step_mb=step / 2**20, gbps=step / row["tpot_ms"] / 1e6)
     row["copy_frac"] = row["gbps"] / ceilings["copy_gbps"]
     if cuda:
         own = sum(p.numel() * p.element_size() for p in model.parameters())
         row["peak_mb"] = (torch.cuda.max_memory_allocated(device) - base + own) / 2**20
     be.graphs = None
+    if batch > 1:
+        model.language_model.setup_caches(1, model.language_model.max_seq_len)  # back to one row
     return row
 
 
-def bench_hf(hf, files, ids, vision, *, new_tokens, device, dtype) -> dict:
+def bench_hf(hf, files, ids, vision, *, new_tokens, device, dtype, batch: int = 1) -> dict:
+    """One row of transformers at ``batch`` (1: vision, TTFT and ``generate``; > 1: ``generate`` over
+    ``batch`` copies of the request)."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device) if cuda else 0
-    kw = _hf_inputs(hf, files, ids, vision, device, dtype)
+    kw = _hf_inputs(hf, files, ids, vision, device, dtype, batch)
     row: dict = {}
     with torch.inference_mode():
-        try:
-            vis_kw = {k: v for k, v in kw.items() if k in ("pixel_values", "image_grid_thw")}
-            row["vision_ms"] = event_ms(lambda: hf.model.get_image_features(**vis_kw), device, warmup=2, iters=5)
-        except Exception as exc:  # noqa: BLE001 - API differences between releases
-            row["error_vision"] = f"{type(exc).__name__}: {exc}"[:200]
-        row["ttft_ms"] = wall_ms(lambda: int(hf(**kw, logits_to_keep=1).logits[0, -1].argmax()), device,
-                                 warmup=2, iters=5)
+        if batch == 1:
+            try:
+                vis_kw = {k: v for k, v in kw.items() if k in ("pixel_values", "image_grid_thw")}
+                row["vision_ms"] = event_ms(lambda: hf.model.get_image_features(**vis_kw), device, warmup=2, iters=5)
+            except Exception as exc:  # noqa: BLE001 - API differences between releases
+                row["error_vision"] = f"{type(exc).__name__}: {exc}"[:200]
+            row["ttft_ms"] = wall_ms(lambda: int(hf(**kw, logits_to_keep=1).logits[0, -1].argmax()), device,
+                                     warmup=2, iters=5)
 
         def gen(n):
             return hf.generate(**kw, max_new_tokens=n, min_new_tokens=n, do_sample=False, disable_compile=True,
@@ -287,7 +310,7 @@ def bench_hf(hf, files, ids, vision, *, new_tokens, device, dtype) -> dict:
     tpot = (tn - t1) / (new_tokens - 1)
     if tpot > 0:
         row["tpot_ms"] = tpot
-        row["decode_tok_s"] = 1e3 / tpot
+        row["decode_tok_s"] = batch * 1e3 / tpot
     if cuda:
         own = sum(p.numel() * p.element_size() for p in hf.parameters())
         row["peak_mb"] = (torch.cuda.max_memory_allocated(device) - base + own) / 2**20
@@ -318,8 +341,12 @@ def parity(ours, hf, files, ids, vision, device, dtype) -> dict:
             "argmax_equal": int(ours_logits.argmax()) == int(ref.argmax())}
 
 
+#: the implementations of a row (edgevlm-w4 last: it quantizes our model in place)
+IMPLS = ("transformers", "edgevlm", "edgevlm-w4")
+
 def run(models: list[str], sizes: list[tuple[int, int]], *, device: str = "cuda", new_tokens: int = 32,
-        do_parity: bool = False, w4: bool = True) -> dict:
+        do_parity: bool = False, w4: bool = True, batches: tuple[int, ...] = (1,),
+        impls: tuple[str, ...] = IMPLS) -> dict:
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     ceilings = measure_ceilings(dev)
@@ -340,22 +367,23 @@ def run(models: list[str], sizes: list[tuple[int, int]], *, device: str = "cuda"
             except Exception as exc:  # noqa: BLE001
                 logger.exception("parity %s", name)
                 par[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-        for impl in ("transformers", "edgevlm", *(["edgevlm-w4"] if w4 else [])):
+        for impl in [i for i in IMPLS if i in impls and (w4 or i != "edgevlm-w4")]:
             if impl == "edgevlm-w4":
                 try:
                     quantize_decoder_w4(ours)
                 except Exception as exc:  # noqa: BLE001
                     rows.append({"model": name, "impl": impl, "error": f"{type(exc).__name__}: {exc}"[:300]})
                     continue
-            for size, (ids, vision) in reqs.items():
-                common = {"model": name, "impl": impl, "size": size, "prompt_tokens": ids.shape[1],
+            for (size, (ids, vision)), batch in itertools.product(reqs.items(), batches):
+                common = {"model": name, "impl": impl, "size": size, "batch": batch, "prompt_tokens": ids.shape[1],
                           "vision_tokens": vision.num_tokens}
                 try:
                     if impl == "transformers":
-                        row = bench_hf(hf, files, ids, vision, new_tokens=new_tokens, device=dev, dtype=dtype)
+                        row = bench_hf(hf, files, ids, vision, new_tokens=new_tokens, device=dev, dtype=dtype,
+                                       batch=batch)
                     else:
                         row = bench_ours(ours, files, ids, vision, new_tokens=new_tokens, device=dev,
-                                         ceilings=ceilings)
+                                         ceilings=ceilings, batch=batch)
                 except Exception as exc:  # noqa: BLE001 - one impl failing keeps the others
                     logger.exception("%s %s %s", name, impl, size)
                     row = {"error": f"{type(exc).__name__}: {exc}"[:300]}
@@ -370,7 +398,7 @@ def run(models: list[str], sizes: list[tuple[int, int]], *, device: str = "cuda"
             "rows": rows, "parity": par, "wall_s": round(time.perf_counter() - t0, 1)}
 
 
-COLUMNS = ("model", "impl", "size", "vision_tokens", "vision_ms", "ttft_ms", "tpot_ms", "decode_tok_s", "peak_mb",
+COLUMNS = ("model", "impl", "size", "batch", "vision_tokens", "vision_ms", "ttft_ms", "tpot_ms", "decode_tok_s", "peak_mb",
            "copy_frac")
 
 
@@ -397,11 +425,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--parity", action="store_true")
     ap.add_argument("--no-w4", action="store_true")
+    ap.add_argument("--batches", default="1", help="decode batch sizes, comma-separated (e.g. 1,8)")
+    ap.add_argument("--impls", default=",".join(IMPLS), help=f"subset of {','.join(IMPLS)}")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     sizes = [tuple(int(v) for v in s.lower().split("x")) for s in args.sizes.split(",")]
     summary = run(args.models.split(","), sizes, device=args.device, new_tokens=args.new_tokens,
-                  do_parity=args.parity, w4=not args.no_w4)
+                  do_parity=args.parity, w4=not args.no_w4,
+                  batches=tuple(int(b) for b in args.batches.split(",")), impls=tuple(args.impls.split(",")))
     print(f"device={summary['gpu'] or summary['device']} copy={summary['copy_gbps']:.0f} GB/s")
     print(format_table(summary))
     line = json.dumps(summary)

@@ -192,17 +192,25 @@ def _build_demo(*, device, dtype, max_seq_len, with_hf, hf_attn):
 
 def quantize_decoder_w4(model: LlavaModel, group_size: int = 128) -> int:
     """Replace the decoder layers' linears by RTN W4A16 :class:`~edgevlm.runtime.int4.Int4Linear`
-    (in place; ``lm_head``, embeddings and the vision tower stay 16-bit). Returns the count."""
+    (in place; ``lm_head``, embeddings and the vision tower stay 16-bit). Fused projections
+    (``qkv_proj``, ``gate_up_proj``) are dropped, not quantized a second time: the next
+    ``fuse_projections`` (a new ``TorchBackend``) fuses the int4 parts. Returns the count."""
     from edgevlm.runtime.int4 import Int4Linear
 
     n = 0
     for layer in model.language_model.layers:
         for parent in (layer.self_attn, layer.mlp):
             for attr, mod in list(parent.named_children()):
-                if isinstance(mod, nn.Linear) and mod.in_features % group_size == 0:
+                if attr in _FUSED:  # fused q/k/v and gate/up: dropped here, re-fused from the int4 parts
+                    setattr(parent, attr, None)
+                elif isinstance(mod, nn.Linear) and mod.in_features % group_size == 0:
                     setattr(parent, attr, Int4Linear.from_linear(mod, group_size).to(mod.weight.device))
                     n += 1
     return n
+
+
+#: the fused projections of :meth:`Decoder.fuse_projections` (views of the parts' weights)
+_FUSED = ("qkv_proj", "gate_up_proj")
 
 
 def shallow_copy_model(model: LlavaModel, max_seq_len: int) -> LlavaModel:

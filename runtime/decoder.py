@@ -427,8 +427,9 @@ class Decoder(nn.Module):
             mask.masked_fill_(allowed, 0.0)
             if self.fused_decode and embeds.shape[1] == 1 and type(self.layers[0].self_attn.kv_cache) is KVCache \
                     and input_pos.dim() == 2 and not all_logits and rows is not None and rope is None \
-                    and not shifted and layer_adds is None:
-                return self._fused_decode(embeds, input_pos[:, 0], mask)
+                    and layer_adds is None:
+                slot = input_pos[:, 0]  # (B,); M-RoPE: RoPE position = slot + offset
+                return self._fused_decode(embeds, slot, mask, rope_pos[:, 0].expand(slot.shape) if shifted else None)
         x = embeds
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, input_pos, mask, rows, sin_signed)
@@ -446,23 +447,30 @@ class Decoder(nn.Module):
         """Use the fused Triton decode kernels (:mod:`edgevlm.runtime.kernels.decode_fused`) for
         one-token steps where they apply: CUDA (or Triton's CPU interpreter), fused q/k/v and
         gate/up projections (:meth:`fuse_projections`), SiLU MLP, 16-bit KV caches, power-of-two
-        head dim, no q/k norm; steps with a ``rope_offset`` or ``rope`` tables run the layer loop.
+        head dim (q/k norm and a ``rope_offset`` are fused too); steps with ``rope`` tables run the
+        layer loop.
         Returns whether the fused path is now on."""
         from edgevlm.runtime.kernels import kernels_usable
 
         ok = enabled and len(self.layers) > 0 and kernels_usable(self.embed_tokens.weight.device) \
             and self.cfg.hidden_act == "silu" and self.cfg.head_dim & (self.cfg.head_dim - 1) == 0 \
-            and not self.cfg.qk_norm \
             and all(layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
                     and type(layer.self_attn.kv_cache) is KVCache for layer in self.layers)
         self.fused_decode = bool(ok)
         return self.fused_decode
 
-    def _fused_decode(self, embeds: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _fused_decode(self, embeds: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+                      rope_pos: torch.Tensor | None = None) -> torch.Tensor:
         """One-token decode step of rows ``0..B-1`` with the fused kernels: ``embeds (B, 1, D)``,
-        ``pos (B,)`` int64, additive ``mask (B, 1, 1, kv_len)`` -> logits ``(B, V)``. Same math as
-        the layer loop (residual adds rounded to the activation dtype, fp32 norm statistics)."""
-        from edgevlm.runtime.kernels.decode_fused import add_rms_norm, rope_kv_write, silu_mul
+        cache slots ``pos (B,)`` int64, additive ``mask (B, 1, 1, kv_len)``, RoPE positions
+        ``rope_pos (B,)`` int64 (None = ``pos``) -> logits ``(B, V)``. Same math as the layer loop
+        (residual adds rounded to the activation dtype, fp32 norm statistics)."""
+        from edgevlm.runtime.kernels.decode_fused import (
+            add_rms_norm,
+            decode_attention,
+            rope_kv_write,
+            silu_mul,
+        )
 
         b, d = embeds.shape[0], embeds.shape[2]
         x = embeds.reshape(b, d)  # (B, D) residual stream
@@ -472,10 +480,15 @@ class Decoder(nn.Module):
         n = len(self.layers)
         for i, layer in enumerate(self.layers):
             attn, cache = layer.self_attn, layer.self_attn.kv_cache
+            qn = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.q_norm is not None else (None,) * 3
             q = rope_kv_write(attn.qkv_proj(h), self.rope_cos, self.rope_sin, pos, cache.k, cache.v,
-                              attn.n_heads, attn.n_kv_heads)  # (B, H, 1, Dh); k, v stored at pos
-            k_all, v_all = cache.read(b, kv_len, q.dtype)  # (B, Hkv, kv_len, Dh) views
-            y = attn._masked_sdpa(q, k_all, v_all, mask)  # (B, H, 1, Dh)
+                              attn.n_heads, attn.n_kv_heads, rope_pos=rope_pos, q_norm=qn[0], k_norm=qn[1],
+                              norm_eps=qn[2] or 1e-6)  # (B, H, 1, Dh); k, v stored at pos
+            if cache.k.dtype == q.dtype:  # split-K Triton attention over the cache, keys 0..pos per row
+                y = decode_attention(q, cache.k, cache.v, pos, kv_len)  # (B, H, 1, Dh)
+            else:
+                k_all, v_all = cache.read(b, kv_len, q.dtype)  # (B, Hkv, kv_len, Dh)
+                y = attn._masked_sdpa(q, k_all, v_all, mask)  # (B, H, 1, Dh)
             x, h = add_rms_norm(x, attn.o_proj(y.reshape(b, -1)), layer.post_attention_layernorm.weight,
                                 layer.post_attention_layernorm.eps)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < n else self.norm

@@ -16,11 +16,12 @@ REPO = Path(__file__).resolve().parents[1]
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 
-def run_interpreted(script: str) -> dict:
-    """Run ``script`` in a fresh Python with ``TRITON_INTERPRET=1`` (kernels on the CPU); return
-    the JSON object its last stdout line prints. Fails the test with the script's stderr."""
+def run_interpreted(script: str, *args: str) -> dict:
+    """Run ``script`` (with ``args`` as ``sys.argv[1:]``) in a fresh Python with ``TRITON_INTERPRET=1``
+    (kernels on the CPU); return the JSON object its last stdout line prints. Fails the test with the
+    script's stderr."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, cwd=REPO, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], env=env, cwd=REPO, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

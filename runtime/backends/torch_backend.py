@@ -8,7 +8,8 @@ Options (``load(..., **options)`` / :class:`TorchBackend` keyword arguments; pro
 cloud profiles):
 
 * ``cuda_graphs`` (default: True on CUDA): decode steps replay CUDA graphs
-  (:mod:`edgevlm.runtime.cuda_graphs`); ignored on CPU (eager).
+  (:mod:`edgevlm.runtime.cuda_graphs`), and so does the vision tower of families that offer it
+  (``enable_vision_graphs``, :mod:`edgevlm.runtime.vision_graphs`); ignored on CPU (eager).
 * ``kv_cache_dtype``: ``bf16``/``fp16``/``fp32``/``int4``/``fp8_e4m3`` (default: the model dtype),
   see :mod:`edgevlm.runtime.kv_cache`.
 * ``max_batch_size`` (default 1): KV cache rows, i.e. requests decoded together (every
@@ -93,6 +94,8 @@ class TorchBackend(Backend):
             from edgevlm.runtime.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(dec)
+            if hasattr(model, "enable_vision_graphs"):  # the tower per input geometry (Qwen2.5-VL, Qwen3-VL)
+                model.enable_vision_graphs()
         if fused_vision_stem:
             self.enable_fused_vision_stem()
         self._pos = torch.zeros(1, dtype=torch.long, device=self.device)  # eager decode input buffers

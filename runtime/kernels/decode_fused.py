@@ -8,9 +8,10 @@ mostly idle GPU). The plain layer runs ~17 kernels; with these three it runs ~10
   the unfused ``x + delta`` is) and ``RMSNorm(s) * weight`` in one pass (two kernels -> one; it
   takes the place of each residual add and the norm that follows it).
 * :func:`rope_kv_write` — rotary embedding of q and k (the half-rotation layout of transformers'
-  Llama; Su et al., "RoFormer", 2021) for each row's position, q written ``(B, H, 1, Dh)`` and the
-  rotated k and the v written straight into the static KV cache at that position (about five
-  kernels -> one).
+  Llama; Su et al., "RoFormer", 2021) for each row's RoPE position (the cache slot, or slot +
+  ``rope_delta`` for multimodal RoPE), optionally after Qwen3's per-head q/k RMSNorm, q written
+  ``(B, H, 1, Dh)`` and the rotated k and the v written straight into the static KV cache at the
+  slot (five kernels -> one; eight with q/k norm).
 * :func:`silu_mul` — SwiGLU's ``silu(gate) * up`` from the fused gate/up projection (Shazeer,
   "GLU Variants Improve Transformer", 2020) (two kernels -> one).
 
@@ -50,19 +51,27 @@ def _kernels():
         tl.store(y_ptr + row * D + offs, (sf * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, H, HKV, S,
-                       HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+    def rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, rpos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr,
+                       H, HKV, S, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr):
         b = tl.program_id(0)
         head = tl.program_id(1)  # 0..H-1: q heads, H..H+HKV-1: k heads, then v heads
         n_all = H + 2 * HKV
-        pos = tl.load(pos_ptr + b)
+        pos = tl.load(pos_ptr + b)  # cache slot
         offs = tl.arange(0, HALF)
         src = qkv_ptr + (b * n_all + head) * HEAD_DIM
         x1 = tl.load(src + offs).to(tl.float32)  # (Dh/2,) first half
         x2 = tl.load(src + HALF + offs).to(tl.float32)  # second half
         if head < H + HKV:
-            c = tl.load(cos_ptr + pos * HEAD_DIM + offs).to(tl.float32)  # cos[j] == cos[j + Dh/2]
-            s = tl.load(sin_ptr + pos * HEAD_DIM + offs).to(tl.float32)
+            if QK_NORM:  # per-head RMSNorm (Qwen3), rounded to the activation dtype as the unfused norm
+                rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)
+                w_ptr = qw_ptr if head < H else kw_ptr
+                w1 = tl.load(w_ptr + offs).to(tl.float32)
+                w2 = tl.load(w_ptr + HALF + offs).to(tl.float32)
+                x1 = (x1 * rstd * w1).to(q_ptr.dtype.element_ty).to(tl.float32)
+                x2 = (x2 * rstd * w2).to(q_ptr.dtype.element_ty).to(tl.float32)
+            rpos = tl.load(rpos_ptr + b)  # RoPE position (slot + M-RoPE offset)
+            c = tl.load(cos_ptr + rpos * HEAD_DIM + offs).to(tl.float32)  # cos[j] == cos[j + Dh/2]
+            s = tl.load(sin_ptr + rpos * HEAD_DIM + offs).to(tl.float32)
             o1 = x1 * c - x2 * s
             o2 = x2 * c + x1 * s
             if head < H:
@@ -86,7 +95,58 @@ def _kernels():
         y = g / (1.0 + tl.exp(-g)) * u
         tl.store(y_ptr + row * INTER + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
-    return add_rms_norm_kernel, rope_kv_kernel, silu_mul_kernel
+    @triton.jit
+    def attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, H, HKV, S, CHUNK, scale,
+                          REP: tl.constexpr, REP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                          NSPLIT: tl.constexpr):
+        bg = tl.program_id(0)  # row b, KV head g
+        split = tl.program_id(1)
+        b = bg // HKV
+        g = bg % HKV
+        n_keys = tl.load(pos_ptr + b) + 1  # keys 0..pos (decode_mask's rule)
+        rows = tl.arange(0, REP_PAD)
+        d = tl.arange(0, HEAD_DIM)
+        head = g * REP + rows  # the query heads sharing KV head g
+        q = tl.load(q_ptr + (b * H + head)[:, None] * HEAD_DIM + d[None, :], mask=rows[:, None] < REP, other=0.0)
+        m = tl.full([REP_PAD], float("-inf"), tl.float32)
+        den = tl.zeros([REP_PAD], tl.float32)  # softmax denominator
+        acc = tl.zeros([REP_PAD, HEAD_DIM], tl.float32)
+        base = (b * HKV + g).to(tl.int64) * S * HEAD_DIM
+        start = split * CHUNK
+        stop = tl.minimum(start + CHUNK, n_keys)
+        for lo in range(start, stop, BLOCK_N):
+            keys = lo + tl.arange(0, BLOCK_N)
+            valid = keys < stop
+            k = tl.load(k_ptr + base + keys[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
+            sc = tl.dot(q, tl.trans(k)) * scale  # (REP_PAD, BLOCK_N) fp32
+            sc = tl.where(valid[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, 1))
+            p = tl.exp(sc - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            v = tl.load(v_ptr + base + keys[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            den = den * alpha + tl.sum(p, 1)
+            m = m_new
+        out = (b * H + head) * NSPLIT + split  # partials (B * H, NSPLIT, ...)
+        keep = rows < REP
+        tl.store(o_ptr + out[:, None] * HEAD_DIM + d[None, :], acc, mask=keep[:, None])
+        tl.store(m_ptr + out, m, mask=keep)
+        tl.store(l_ptr + out, den, mask=keep)
+
+    @triton.jit
+    def attn_combine_kernel(o_ptr, m_ptr, l_ptr, y_ptr, HEAD_DIM: tl.constexpr, NSPLIT: tl.constexpr):
+        bh = tl.program_id(0)
+        sp = tl.arange(0, NSPLIT)
+        d = tl.arange(0, HEAD_DIM)
+        m = tl.load(m_ptr + bh * NSPLIT + sp)  # (NSPLIT,); -inf for a split without keys
+        den = tl.load(l_ptr + bh * NSPLIT + sp)
+        m_all = tl.max(m, 0)
+        w = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)
+        o = tl.load(o_ptr + (bh * NSPLIT + sp)[:, None] * HEAD_DIM + d[None, :])
+        y = tl.sum(o * w[:, None], 0) / tl.sum(den * w, 0)
+        tl.store(y_ptr + bh * HEAD_DIM + d, y.to(y_ptr.dtype.element_ty))
+
+    return add_rms_norm_kernel, rope_kv_kernel, silu_mul_kernel, attn_split_kernel, attn_combine_kernel
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
@@ -107,27 +167,40 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 
 
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv_heads: int) -> torch.Tensor:
-    """Decode-step RoPE + KV-cache write.
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv_heads: int, *,
+                  rope_pos: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
+                  k_norm: torch.Tensor | None = None, norm_eps: float = 1e-6) -> torch.Tensor:
+    """Decode-step (q/k RMSNorm +) RoPE + KV-cache write.
 
     ``qkv (B, (H + 2 Hkv) * Dh)`` — the fused q/k/v projection of one token per row; ``cos``/``sin``
-    ``(S, Dh)`` the RoPE tables; ``input_pos (B,)`` int64 each row's position; ``k_cache``/``v_cache``
-    ``(B_max, Hkv, S, Dh)`` contiguous (rows ``0..B-1`` are written at ``input_pos``). Returns the
-    rotated queries ``(B, H, 1, Dh)`` in ``qkv.dtype``. Raises ``ValueError`` for mismatched shapes
-    or an odd / non-power-of-two head dimension."""
+    ``(P, Dh)`` the RoPE tables (``P`` positions); ``input_pos (B,)`` int64 each row's cache slot;
+    ``k_cache``/``v_cache`` ``(B_max, Hkv, S, Dh)`` contiguous (rows ``0..B-1`` are written at
+    ``input_pos``). ``rope_pos (B,)`` int64: the RoPE position of each row when it is not the slot
+    (multimodal RoPE decode: slot + ``rope_delta``; None = ``input_pos``), below ``P``.
+    ``q_norm``/``k_norm`` ``(Dh,)``: Qwen3's per-head RMSNorm of q and k before RoPE (eps
+    ``norm_eps``; both or neither). Returns the rotated queries ``(B, H, 1, Dh)`` in ``qkv.dtype``.
+    Raises ``ValueError`` for mismatched shapes or an odd / non-power-of-two head dimension."""
     b = qkv.shape[0]
     hkv, s, dh = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     if hkv != n_kv_heads or qkv.dim() != 2 or qkv.shape[1] != (n_heads + 2 * hkv) * dh:
         raise ValueError(f"rope_kv_write: qkv {tuple(qkv.shape)} does not match {n_heads} + 2 x {hkv} heads of {dh}")
     if dh % 2 or dh & (dh - 1) or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("rope_kv_write needs a power-of-two head_dim and contiguous caches")
-    if tuple(cos.shape) != (s, dh) or tuple(sin.shape) != (s, dh) or input_pos.shape != (b,):
-        raise ValueError("rope_kv_write: cos/sin must be (S, Dh) and input_pos (B,)")
+    if cos.dim() != 2 or cos.shape[1] != dh or sin.shape != cos.shape or cos.shape[0] < s \
+            or input_pos.shape != (b,):
+        raise ValueError("rope_kv_write: cos/sin must be (P >= S, Dh) and input_pos (B,)")
+    if rope_pos is not None and rope_pos.shape != (b,):
+        raise ValueError(f"rope_kv_write: rope_pos must be (B,) = ({b},), got {tuple(rope_pos.shape)}")
+    if (q_norm is None) != (k_norm is None) or (q_norm is not None and (q_norm.shape != (dh,) or k_norm.shape != (dh,))):
+        raise ValueError("rope_kv_write: q_norm and k_norm must both be (Dh,) or both None")
     qkv = qkv.contiguous()
     q = torch.empty(b, n_heads, 1, dh, dtype=qkv.dtype, device=qkv.device)
     kernel = _kernels()[1]
-    kernel[(b, n_heads + 2 * hkv)](qkv, cos, sin, input_pos, q, k_cache, v_cache, n_heads, hkv, s,
-                                   HEAD_DIM=dh, HALF=dh // 2, num_warps=1)
+    qk_norm = q_norm is not None
+    kernel[(b, n_heads + 2 * hkv)](qkv, cos, sin, input_pos, input_pos if rope_pos is None else rope_pos,
+                                   q_norm if qk_norm else cos, k_norm if qk_norm else cos, q, k_cache, v_cache,
+                                   n_heads, hkv, s, float(norm_eps), HEAD_DIM=dh, HALF=dh // 2, QK_NORM=qk_norm,
+                                   num_warps=1)
     return q
 
 
@@ -141,4 +214,42 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     y = torch.empty(r, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _kernels()[2][(r, -(-inter // block))](gate_up, y, inter, BLOCK=block, num_warps=4)
+    return y
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,
+                     kv_len: int, block_n: int = 64, max_splits: int = 16) -> torch.Tensor:
+    """One-token grouped-query attention over the static KV cache, split over the keys
+    (flash-decoding: Dao et al., "Flash-Decoding for long-context inference", 2023; online softmax,
+    Milakov & Gimelshein 2018) and combined in a second kernel.
+
+    ``q`` ``(B, H, 1, Dh)`` contiguous; ``k_cache``/``v_cache`` ``(B_max, Hkv, S, Dh)`` contiguous, same
+    dtype as ``q``; row ``b`` attends to its keys ``0..input_pos[b]`` (``input_pos (B,)`` int64, the
+    rule of :func:`~edgevlm.runtime.kv_cache.decode_mask`), never past ``kv_len`` (static: the splits
+    cover ``[0, kv_len)``, so one CUDA graph serves every position below it). Query head ``h`` reads
+    KV head ``h // (H / Hkv)``, as transformers' ``repeat_kv``. Scale ``Dh ** -0.5``, fp32 softmax and
+    accumulation. Returns ``(B, H, 1, Dh)`` in ``q.dtype``. Raises ``ValueError`` for mismatched
+    shapes or dtypes, a head count not divisible by ``Hkv``, or a non-power-of-two ``Dh``."""
+    b, h, t, dh = q.shape
+    hkv, s = k_cache.shape[1], k_cache.shape[2]
+    if t != 1 or k_cache.shape != v_cache.shape or k_cache.shape[3] != dh or k_cache.shape[0] < b \
+            or h % hkv or input_pos.shape != (b,) or not 1 <= kv_len <= s:
+        raise ValueError(f"decode_attention: q {tuple(q.shape)}, cache {tuple(k_cache.shape)}, "
+                         f"input_pos {tuple(input_pos.shape)}, kv_len {kv_len} do not match")
+    if dh & (dh - 1) or dh < 16 or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype \
+            or not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("decode_attention needs contiguous q/k/v of one dtype and a power-of-two head_dim >= 16")
+    rep = h // hkv
+    n_blocks = -(-kv_len // block_n)
+    nsplit = min(max_splits, _next_pow2(n_blocks))
+    chunk = block_n * -(-n_blocks // nsplit)
+    part = torch.empty(b * h, nsplit, dh, dtype=torch.float32, device=q.device)
+    m = torch.empty(b * h, nsplit, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b * h, nsplit, dtype=torch.float32, device=q.device)
+    split_k, combine = _kernels()[3], _kernels()[4]
+    split_k[(b * hkv, nsplit)](q, k_cache, v_cache, input_pos, part, m, lse, h, hkv, s, chunk, dh ** -0.5,
+                               REP=rep, REP_PAD=max(16, _next_pow2(rep)), HEAD_DIM=dh, BLOCK_N=block_n,
+                               NSPLIT=nsplit, num_warps=4)
+    y = torch.empty_like(q)
+    combine[(b * h,)](part, m, lse, y, HEAD_DIM=dh, NSPLIT=nsplit, num_warps=1)
     return y

@@ -45,6 +45,13 @@ def test_decode_kernels_reject_bad_shapes():
     odd = torch.zeros(1, 2, 8, 12)
     with pytest.raises(ValueError, match="power-of-two head_dim"):
         rope_kv_write(torch.randn(1, 96), torch.ones(8, 12), torch.ones(8, 12), torch.tensor([0]), odd, odd, 4, 2)
+    qkv, tab = torch.randn(1, 128), torch.ones(16, 16)
+    with pytest.raises(ValueError, match=r"P >= S"):
+        rope_kv_write(qkv, torch.ones(4, 16), torch.ones(4, 16), torch.tensor([0]), cache, cache, 4, 2)
+    with pytest.raises(ValueError, match="rope_pos must be"):
+        rope_kv_write(qkv, tab, tab, torch.tensor([0]), cache, cache, 4, 2, rope_pos=torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="both be"):
+        rope_kv_write(qkv, tab, tab, torch.tensor([0]), cache, cache, 4, 2, q_norm=torch.ones(16))
 
 
 def test_int4_execution_paths_on_cpu():
@@ -121,8 +128,11 @@ DECODE_SCRIPT = """
     from edgevlm.runtime.config import TextConfig
     from edgevlm.runtime.decoder import Decoder
     torch.manual_seed(0)
+    import sys
+    qwen = sys.argv[1] == "qwen"  # q/k norm, q/k/v bias and a per-row M-RoPE offset (Qwen-VL decoders)
     cfg = TextConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5)
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                     qk_norm=qwen, qkv_bias=qwen, mrope_section=(2, 3, 3) if qwen else None)
     dec = Decoder(cfg)
     with torch.no_grad():
         for p in dec.parameters():
@@ -143,7 +153,8 @@ DECODE_SCRIPT = """
             tok = torch.tensor([[5], [11]])
             pos = torch.tensor([9, 9])
             for i in range(4):  # rows at different positions after step 2
-                steps.append(dec.decode_step(tok, pos, 32))
+                off = torch.tensor([3, 7]) if qwen else 0  # RoPE position = slot + offset
+                steps.append(dec.decode_step(tok, pos, 32, off))
                 tok = steps[-1].argmax(-1, keepdim=True)
                 pos = pos + torch.tensor([1, 2 if i >= 1 else 1])
         logits[fused] = torch.stack(steps)
@@ -157,9 +168,52 @@ DECODE_SCRIPT = """
 """
 
 
+ATTN_SCRIPT = """
+    import json, torch
+    from edgevlm.runtime.kernels.decode_fused import decode_attention
+    torch.manual_seed(0)
+    out = []
+    for b, h, hkv, dh, s, kv_len, pos, dtype in [(1, 4, 2, 16, 64, 40, [17], torch.float32),
+                                                (2, 8, 2, 32, 300, 300, [0, 299], torch.float32),
+                                                (3, 4, 4, 16, 2048, 1100, [1099, 5, 640], torch.float16)]:
+        q = torch.randn(b, h, 1, dh).to(dtype)
+        k = torch.randn(b + 1, hkv, s, dh).to(dtype)
+        v = torch.randn(b + 1, hkv, s, dh).to(dtype)
+        y = decode_attention(q, k, v, torch.tensor(pos), kv_len, block_n=16 if dh == 16 else 32)
+        rep = h // hkv
+        ref = torch.stack([torch.nn.functional.scaled_dot_product_attention(
+            q[i].double(), k[i, :, : pos[i] + 1].double().repeat_interleave(rep, 0),
+            v[i, :, : pos[i] + 1].double().repeat_interleave(rep, 0)) for i in range(b)])
+        out.append([float((y.double() - ref).norm() / ref.norm()), bool(torch.isfinite(y).all()), str(dtype)])
+    print(json.dumps({"rel": out}))
+"""
+
+
 @needs_triton
-def test_fused_decode_step_matches_the_layer_loop_in_the_interpreter():
-    res = run_interpreted(DECODE_SCRIPT)
+def test_decode_attention_matches_float64_in_the_interpreter():
+    """GQA (rep 2 and 4) and plain heads, rows at different positions, a kv_len that is not a
+    multiple of the key block, positions 0 and kv_len - 1; fp32 and fp16."""
+    res = run_interpreted(ATTN_SCRIPT)
+    for err, finite, dtype in res["rel"]:
+        assert finite and err < (1e-5 if dtype == "torch.float32" else 2e-3), (err, dtype)
+
+
+def test_decode_attention_rejects_bad_shapes():
+    from edgevlm.runtime.kernels.decode_fused import decode_attention
+
+    q, cache = torch.zeros(1, 4, 1, 16), torch.zeros(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="do not match"):
+        decode_attention(q, cache, cache, torch.tensor([0]), 9)  # kv_len past the cache
+    with pytest.raises(ValueError, match="do not match"):
+        decode_attention(torch.zeros(1, 3, 1, 16), cache, cache, torch.tensor([0]), 8)  # 3 heads over 2
+    with pytest.raises(ValueError, match="one dtype"):
+        decode_attention(q.half(), cache, cache, torch.tensor([0]), 8)
+
+
+@needs_triton
+@pytest.mark.parametrize("case", ["llama", "qwen"])
+def test_fused_decode_step_matches_the_layer_loop_in_the_interpreter(case):
+    res = run_interpreted(DECODE_SCRIPT, case)
     assert res["enabled_False"] is False and res["enabled_True"] is True
     assert res["shape"] == [4, 2, 97]
     assert res["rel"] < 1e-5

@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 from edgevlm.errors import ModelLoadError  # noqa: E402
 from edgevlm.runtime.config import parse_text_config  # noqa: E402
 from edgevlm.runtime.decoder import Decoder, rope_cos_sin  # noqa: E402
+from edgevlm.runtime.kernels import kernels_usable  # noqa: E402
 
 SIZES = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256)
@@ -73,7 +74,8 @@ def test_fused_projections_keep_bias_and_qk_norm():
             assert dec.fuse_projections() == 4
             fused = dec(dec.embed_tokens(ids), torch.arange(12), prefill=True, all_logits=True)
         torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
-        assert not dec.enable_fused_decode() or case != "qwen3"  # the Triton decode path has no q/k norm
+        # fused projections (q/k norm and bias included) are all the Triton decode path needs
+        assert dec.enable_fused_decode() is kernels_usable(torch.device("cpu"))
 
 
 def test_rope_hooks():

@@ -32,6 +32,7 @@ class Qwen25VLModel(DecoderVLM):
         self.visual = Qwen25VisionTower(cfg.vision)
         self.language_model = Decoder(cfg.text, tie_word_embeddings=cfg.tie_word_embeddings)
         self.exit_heads = None  # ExitHeads of `edgevlm calibrate` (attach_exit_heads)
+        self.vision_graphs = None  # VisionGraphs of the tower (enable_vision_graphs), CUDA only
 
     def attach_exit_heads(self, heads) -> None:
         """Use ``heads`` (:func:`edgevlm.runtime.exits.load_exit_heads`) for early exit; None detaches."""
@@ -57,7 +58,17 @@ class Qwen25VLModel(DecoderVLM):
         w = self.visual.patch_embed.proj.weight
         if vision.grid_thw is None:
             raise ValueError("Qwen2.5-VL vision input needs grid_thw")
-        return self.visual(vision.pixel_values.to(w.device, w.dtype), vision.grid_thw.cpu())
+        pixels = vision.pixel_values.to(w.device, w.dtype)
+        tower = self.vision_graphs if self.vision_graphs is not None and pixels.is_cuda else self.visual
+        return tower(pixels, vision.grid_thw.cpu())
+
+    def enable_vision_graphs(self, enabled: bool = True, max_graphs: int = 4) -> bool:
+        """Replay the vision tower from CUDA graphs, one per input geometry
+        (:class:`~edgevlm.runtime.vision_graphs.VisionGraphs`). Only on CUDA; returns whether it is on."""
+        from edgevlm.runtime.vision_graphs import vision_graphs_for
+
+        self.vision_graphs = vision_graphs_for(self.visual, self.device, enabled, max_graphs)
+        return self.vision_graphs is not None
 
     def embed(self, input_ids: torch.Tensor, vision_features: torch.Tensor | None = None) -> torch.Tensor:
         """``input_ids`` ``(1, T)`` -> embeddings ``(1, T, D)``; the image placeholder tokens take the

@@ -35,18 +35,62 @@ from edgevlm.runtime.vision import activation
 
 
 @dataclass
+class SegmentPlan:
+    """One batched SDPA over the attention segments (windows, or frames) of a layout, planned once
+    per encode on the host (no device syncs in the blocks).
+
+    Tokens are already in segment order. Equal segments are a reshape ``(n_seg, L)``; otherwise every
+    segment is padded to ``max_len``: ``src`` ``(n_seg * max_len,)`` int64 gives the token row that
+    fills each padded slot (padding slots copy row 0; they are masked as keys and their outputs are
+    dropped), ``dest`` ``(N,)`` int64 the padded slot of each token, ``keep`` ``(n_seg, 1, 1,
+    max_len)`` bool the key mask; ``cos``/``sin`` ``(n_seg * max_len, head_dim)`` float32 follow the
+    padded layout (the unpadded tables when there is no padding)."""
+
+    cu_seqlens: torch.Tensor
+    n_seg: int
+    max_len: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+    src: torch.Tensor | None = None
+    dest: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
+
+
+def segment_plan(lengths: list[int], cos: torch.Tensor, sin: torch.Tensor,
+                 device: torch.device | str = "cpu") -> SegmentPlan:
+    """The :class:`SegmentPlan` of segments of ``lengths`` (positive, sum N) over tables ``cos``/``sin``
+    ``(N, head_dim)`` (on ``device``)."""
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    cu = F.pad(lens.cumsum(0), (1, 0))
+    n_seg, max_len, n = len(lengths), max(lengths), int(lens.sum())
+    if n_seg * max_len == n:
+        return SegmentPlan(cu.to(device), n_seg, max_len, cos, sin)
+    seg = torch.repeat_interleave(torch.arange(n_seg), lens)  # (N,)
+    dest = seg * max_len + torch.arange(n) - cu[:-1][seg]  # (N,)
+    src = torch.zeros(n_seg * max_len, dtype=torch.int64)
+    src[dest] = torch.arange(n)
+    keep = (torch.arange(max_len)[None, :] < lens[:, None])[:, None, None]  # (n_seg, 1, 1, L)
+    src_dev = src.to(device)
+    return SegmentPlan(cu.to(device), n_seg, max_len, cos.index_select(0, src_dev), sin.index_select(0, src_dev),
+                       src_dev, dest.to(device), keep.to(device))
+
+
+@dataclass
 class VisionLayout:
     """Everything about the patch order that depends only on ``grid_thw`` (computed once per encode).
 
     ``window_index`` ``(N / merge**2,)``: merged units in window order; ``cu_window_seqlens`` /
     ``cu_seqlens``: segment bounds (in patches, window order) for window / full attention; ``cos``,
-    ``sin`` ``(N, head_dim)`` float32, already in window order."""
+    ``sin`` ``(N, head_dim)`` float32, already in window order; ``windows`` / ``frames``: the
+    :class:`SegmentPlan` of each attention kind."""
 
     window_index: torch.Tensor
     cu_window_seqlens: torch.Tensor
     cu_seqlens: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
+    windows: SegmentPlan | None = None
+    frames: SegmentPlan | None = None
 
 
 def vision_layout(grid_thw: torch.Tensor, cfg: Qwen25VisionConfig, device: torch.device | str = "cpu") -> VisionLayout:
@@ -80,11 +124,11 @@ def vision_layout(grid_thw: torch.Tensor, cfg: Qwen25VisionConfig, device: torch
     freqs = torch.cat([row[:, None] * inv_freq, col[:, None] * inv_freq], dim=-1)  # (N, head_dim/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (N, head_dim)
 
-    def bounds(lengths: list[torch.Tensor]) -> torch.Tensor:
-        return F.pad(torch.cat(lengths).cumsum(0), (1, 0)).to(device=device, dtype=torch.int64)
-
-    return VisionLayout(window_index.to(device), bounds(windows), bounds(frames),
-                        emb.cos().to(device), emb.sin().to(device))
+    cos, sin = emb.cos().to(device), emb.sin().to(device)
+    win_plan = segment_plan(torch.cat(windows).tolist(), cos, sin, device)
+    frame_plan = segment_plan(torch.cat(frames).tolist(), cos, sin, device)
+    return VisionLayout(window_index.to(device), win_plan.cu_seqlens, frame_plan.cu_seqlens, cos, sin,
+                        win_plan, frame_plan)
 
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -133,13 +177,37 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cu_seqlens: torch.Tensor | SegmentPlan) -> torch.Tensor:
+        """``x`` ``(N, D)`` in window order -> ``(N, D)``; attention within the segments of
+        ``cu_seqlens``: a :class:`SegmentPlan` (one batched SDPA with the plan's own rope tables), or
+        a bounds tensor (:func:`segment_attention`, ``cos``/``sin`` ``(N, Dh)``)."""
+        if isinstance(cu_seqlens, SegmentPlan):
+            return self._planned(x, cu_seqlens)
         n = x.shape[0]
         q, k, v = self.qkv(x).reshape(n, 3, self.n_heads, -1).unbind(1)  # (N, H, Dh) each
         cos, sin = cos[:, None], sin[:, None]  # (N, 1, Dh), float32
         q = apply_rope(q.float(), cos, sin).to(x.dtype)
         k = apply_rope(k.float(), cos, sin).to(x.dtype)
         return self.proj(segment_attention(q, k, v, cu_seqlens).reshape(n, -1))
+
+    def _planned(self, x: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
+        """Pad the input rows into segments (one gather), q/k/v and RoPE on the padded rows (q and k
+        in one fp32 pass), one SDPA ``(n_seg, H, max_len, Dh)`` with the key mask, outputs gathered
+        back before ``proj``: about half the kernels of the unplanned path, and no host syncs."""
+        n, d = x.shape
+        xp = x if plan.src is None else x.index_select(0, plan.src)  # (n_seg * L, D)
+        m = xp.shape[0]
+        qkv = self.qkv(xp).view(m, 3, self.n_heads, -1)  # (M, 3, H, Dh)
+        qk = apply_rope(qkv[:, :2].float(), plan.cos[:, None, None], plan.sin[:, None, None]).to(x.dtype)
+
+        def batched(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(plan.n_seg, plan.max_len, self.n_heads, -1).transpose(1, 2)  # (S, H, L, Dh)
+
+        y = F.scaled_dot_product_attention(batched(qk[:, 0]), batched(qk[:, 1]), batched(qkv[:, 2]),
+                                           attn_mask=plan.keep)
+        y = y.transpose(1, 2).reshape(m, d)
+        return self.proj(y if plan.dest is None else y.index_select(0, plan.dest))
 
 
 class VisionMLP(nn.Module):
@@ -189,15 +257,27 @@ class Qwen25VisionTower(nn.Module):
         self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg)
         self.full_attention = frozenset(cfg.fullatt_block_indexes)
+        self._layouts: dict[tuple, VisionLayout] = {}  # per (grid, device): the forward is then sync free
+
+    def layout(self, grid_thw: torch.Tensor, device: torch.device) -> VisionLayout:
+        """:func:`vision_layout` of ``grid_thw``, cached per geometry (at most 8): a repeated frame size
+        needs no host work or host-to-device copies, so the forward is CUDA-graph safe
+        (:mod:`edgevlm.runtime.vision_graphs`) once its geometry was seen."""
+        key = (tuple(map(tuple, grid_thw.tolist())), str(device))
+        if key not in self._layouts:
+            if len(self._layouts) >= 8:
+                self._layouts.pop(next(iter(self._layouts)))
+            self._layouts[key] = vision_layout(grid_thw, self.cfg, device)
+        return self._layouts[key]
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         w = self.patch_embed.proj.weight
-        layout = vision_layout(grid_thw, self.cfg, w.device)
+        layout = self.layout(grid_thw, w.device)
         unit = self.cfg.spatial_merge_size ** 2
         x = self.patch_embed(pixel_values.to(w.device))  # (N, D)
         x = x.reshape(-1, unit, x.shape[-1])[layout.window_index].reshape(x.shape)  # window order
         for i, block in enumerate(self.blocks):
-            cu = layout.cu_seqlens if i in self.full_attention else layout.cu_window_seqlens
+            cu = layout.frames if i in self.full_attention else layout.windows  # SegmentPlan
             x = block(x, layout.cos, layout.sin, cu)
         merged = self.merger(x)  # (N / unit, D_out), window order
         return merged[torch.argsort(layout.window_index)]

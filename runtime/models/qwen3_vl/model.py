@@ -43,6 +43,7 @@ class Qwen3VLModel(DecoderVLM):
         super().__init__()
         self.cfg = cfg
         self.visual = Qwen3VLVisionTower(cfg.vision)
+        self.vision_graphs = None  # VisionGraphs of the tower (enable_vision_graphs), CUDA only
         self.language_model = Decoder(cfg.text, cfg.tie_word_embeddings)
         self._deepstack: list[torch.Tensor] = []  # from the last encode_vision, for the next prefill
         self._vision_mask: torch.Tensor | None = None  # (1, T) bool, from the last embed with vision
@@ -70,9 +71,20 @@ class Qwen3VLModel(DecoderVLM):
         ``VisionInput`` (``pixel_values`` ``(N_patches, C*T*p*p)``, ``grid_thw`` ``(N_items, 3)``).
         The DeepStack features of the same call are kept for the next :meth:`prefill`."""
         pixels = vision.pixel_values.to(self.device, self.dtype)
-        main, deepstack = self.visual(pixels, vision.grid_thw.to(self.device))
-        self._deepstack = deepstack
+        grid = vision.grid_thw.cpu()  # indices are built on the device from the grid's ints: no syncs
+        tower = self.vision_graphs if self.vision_graphs is not None and pixels.is_cuda else self.visual
+        main, deepstack = tower(pixels, grid)
+        self._deepstack = list(deepstack)
         return main
+
+    def enable_vision_graphs(self, enabled: bool = True, max_graphs: int = 4) -> bool:
+        """Replay the vision tower from CUDA graphs, one per input geometry
+        (:class:`~edgevlm.runtime.vision_graphs.VisionGraphs`; same results, ~600 launches become
+        one). Only on CUDA; returns whether it is on."""
+        from edgevlm.runtime.vision_graphs import vision_graphs_for
+
+        self.vision_graphs = vision_graphs_for(self.visual, self.device, enabled, max_graphs)
+        return self.vision_graphs is not None
 
     def _vision_token_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
         mask = input_ids == self.cfg.image_token_id

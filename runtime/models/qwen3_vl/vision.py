@@ -31,15 +31,17 @@ from edgevlm.runtime.vision import activation
 _LN_EPS = 1e-6
 
 
-def block_order_hw(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
+def block_order_hw(grid_thw: torch.Tensor, merge: int, device: torch.device | str | None = None) -> torch.Tensor:
     """``(row, col)`` patch coordinates of every patch in the tower's order: per item, per frame,
     ``merge x merge`` blocks in raster order and patches in raster order inside a block.
 
-    ``grid_thw`` ``(N_items, 3)`` int64 -> ``(N_patches, 2)`` int64 on the same device."""
+    ``grid_thw`` ``(N_items, 3)`` int64 -> ``(N_patches, 2)`` int64 on ``device`` (None: the grid's).
+    A CPU grid with a CUDA ``device`` needs no host sync (device-side ``arange`` only: CUDA-graph safe)."""
+    device = grid_thw.device if device is None else device
     out = []
     for t, h, w in grid_thw.tolist():
-        rows = torch.arange(h, device=grid_thw.device)[:, None].expand(h, w)
-        cols = torch.arange(w, device=grid_thw.device)[None, :].expand(h, w)
+        rows = torch.arange(h, device=device)[:, None].expand(h, w)
+        cols = torch.arange(w, device=device)[None, :].expand(h, w)
         shape = (h // merge, merge, w // merge, merge)
         rc = torch.stack([rows.reshape(shape).transpose(1, 2).flatten(), cols.reshape(shape).transpose(1, 2).flatten()], -1)
         out.append(rc.repeat(t, 1))
@@ -83,18 +85,36 @@ class VisionAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg_lens: list[int]) -> torch.Tensor:
         """``x`` ``(N, D)``, ``cos``/``sin`` ``(N, Dh)`` float32; attention within each segment of ``seg_lens``."""
         n, d = x.shape
-        q, k, v = self.qkv(x).view(n, 3, self.n_heads, -1).permute(1, 2, 0, 3).unbind(0)  # (H, N, Dh) each
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        if len(seg_lens) == 1:
-            y = F.scaled_dot_product_attention(q, k, v)
-        else:
-            y = torch.cat([F.scaled_dot_product_attention(qs, ks, vs) for qs, ks, vs in
-                           zip(q.split(seg_lens, 1), k.split(seg_lens, 1), v.split(seg_lens, 1), strict=True)], dim=1)
-        return self.proj(y.transpose(0, 1).reshape(n, d))
+        qkv = self.qkv(x).view(n, 3, self.n_heads, -1)  # (N, 3, H, Dh)
+        qk = _rotate(qkv[:, :2], cos[:, None, None], sin[:, None, None])  # q and k in one pass: (N, 2, H, Dh)
+        y = frame_attention(qk[:, 0], qk[:, 1], qkv[:, 2], seg_lens)  # (N, H, Dh)
+        return self.proj(y.reshape(n, d))
+
+
+def frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lens: list[int]) -> torch.Tensor:
+    """Bidirectional attention of ``q``/``k``/``v`` ``(N, H, Dh)`` (any strides, last dim dense)
+    within consecutive segments of ``seg_lens`` (sum N) -> ``(N, H, Dh)``.
+
+    SDPA always gets 4-D ``(B, H, L, Dh)`` inputs: its fused (flash / memory-efficient) kernels take
+    only 4-D tensors, and a 3-D call falls back to the math path, which materialises the
+    ``H x L x L`` score matrix (the cost that grew with resolution). Equal segments (one image, or
+    the frames of a video) go in one call as a batch; segments of different lengths one call each."""
+    n, h, dh = q.shape
+    if len(set(seg_lens)) == 1:
+        s, length = len(seg_lens), seg_lens[0]
+
+        def batched(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(s, length, h, dh).transpose(1, 2)  # (S, H, L, Dh)
+
+        return F.scaled_dot_product_attention(batched(q), batched(k), batched(v)).transpose(1, 2).reshape(n, h, dh)
+    outs = [F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None])
+            for qs, ks, vs in zip(q.split(seg_lens), k.split(seg_lens), v.split(seg_lens), strict=True)]
+    return torch.cat([o[0].transpose(0, 1) for o in outs])
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-rotation RoPE on ``x`` ``(H, N, Dh)`` in fp32, cast back to ``x.dtype``."""
+    """Half-rotation RoPE on ``x`` ``(..., Dh)`` with ``cos``/``sin`` broadcastable to it, in fp32,
+    cast back to ``x.dtype``."""
     xf = x.float()
     half = xf.shape[-1] // 2
     return (xf * cos + torch.cat([-xf[..., half:], xf[..., :half]], -1) * sin).to(x.dtype)
@@ -151,31 +171,36 @@ class Qwen3VLVisionTower(nn.Module):
         self.deepstack_merger_list = nn.ModuleList(
             [PatchMerger(cfg, postshuffle_norm=True) for _ in cfg.deepstack_visual_indexes])
 
-    def position_embeddings(self, grid_thw: torch.Tensor) -> torch.Tensor:
-        """Learned position embeddings resampled to each grid: ``(N_patches, D)`` float32."""
-        idx, weights = self.position_taps(grid_thw)
+    def position_embeddings(self, grid_thw: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+        """Learned position embeddings resampled to each grid: ``(N_patches, D)`` float32 on
+        ``device`` (None: the grid's; see :func:`block_order_hw`)."""
+        idx, weights = self.position_taps(grid_thw, device)
         return (self.pos_embed(idx).float() * weights[:, :, None]).sum(1)
 
-    def position_taps(self, grid_thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def position_taps(self, grid_thw: torch.Tensor, device: torch.device | str | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """The bilinear taps :meth:`position_embeddings` sums: ``pos_embed`` rows ``(N_patches, 4)``
-        int64 and their weights ``(N_patches, 4)`` float32 (no weights read: the ONNX graph's feed)."""
+        int64 and their weights ``(N_patches, 4)`` float32 on ``device`` (None: the grid's; no
+        weights read: the ONNX graph's feed)."""
         g = self.cfg.grid_side
-        rc = block_order_hw(grid_thw, self.cfg.spatial_merge_size)  # (N, 2)
-        counts = grid_thw.prod(-1)
-        heights = torch.repeat_interleave(grid_thw[:, 1], counts)
-        widths = torch.repeat_interleave(grid_thw[:, 2], counts)
+        device = grid_thw.device if device is None else device
+        rc = block_order_hw(grid_thw, self.cfg.spatial_merge_size, device)  # (N, 2)
+        sizes = [(t * h * w, h, w) for t, h, w in grid_thw.tolist()]
+        heights = torch.cat([torch.full((n,), h, device=device) for n, h, _ in sizes])
+        widths = torch.cat([torch.full((n,), w, device=device) for n, _, w in sizes])
         h_taps, h_w = bilinear_taps(rc[:, 0], heights, g)
         w_taps, w_w = bilinear_taps(rc[:, 1], widths, g)
         idx = (h_taps[:, :, None] * g + w_taps[:, None, :]).reshape(-1, 4)  # (N, 4)
         weights = (h_w[:, :, None] * w_w[:, None, :]).reshape(-1, 4)  # (N, 4) float32
         return idx, weights
 
-    def rotary(self, grid_thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """2-D rotary ``cos``/``sin`` ``(N_patches, head_dim)`` float32."""
+    def rotary(self, grid_thw: torch.Tensor, device: torch.device | str | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """2-D rotary ``cos``/``sin`` ``(N_patches, head_dim)`` float32 on ``device`` (None: the grid's)."""
         quarter = self.cfg.head_dim // 2
-        dev = grid_thw.device
+        dev = grid_thw.device if device is None else device
         inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float, device=dev) / quarter))
-        rc = block_order_hw(grid_thw, self.cfg.spatial_merge_size).float()  # (N, 2)
+        rc = block_order_hw(grid_thw, self.cfg.spatial_merge_size, dev).float()  # (N, 2)
         ang = (rc[:, :, None] * inv_freq).flatten(1)  # (N, Dh/2): [h * f, w * f]
         ang = torch.cat([ang, ang], -1)  # (N, Dh)
         return ang.cos(), ang.sin()
@@ -187,13 +212,17 @@ class Qwen3VLVisionTower(nn.Module):
         per ``deepstack_visual_indexes`` entry, in that order). ``n_blocks`` stops after that many
         blocks (the merger then runs on that block's output; DeepStack features past it are absent).
 
+        A CPU ``grid_thw`` costs no host sync (every index is built on the pixels' device): the
+        forward is then CUDA-graph safe (:mod:`edgevlm.runtime.vision_graphs`).
+
         Raises ``ValueError`` when the patch count does not match ``grid_thw``."""
-        grid_thw = grid_thw.to(device=pixel_values.device, dtype=torch.long)
-        if int(grid_thw.prod(-1).sum()) != pixel_values.shape[0]:
+        grid_thw = grid_thw.to(dtype=torch.long)
+        dev = pixel_values.device
+        if sum(t * h * w for t, h, w in grid_thw.tolist()) != pixel_values.shape[0]:
             raise ValueError(f"{pixel_values.shape[0]} patches do not match grid_thw {grid_thw.tolist()}")
         x = self.patch_embed(pixel_values)
-        x = x + self.position_embeddings(grid_thw).to(x.dtype)
-        cos, sin = self.rotary(grid_thw)
+        x = x + self.position_embeddings(grid_thw, dev).to(x.dtype)
+        cos, sin = self.rotary(grid_thw, dev)
         seg_lens = [h * w for t, h, w in grid_thw.tolist() for _ in range(t)]  # one attention segment per frame
         deepstack: list[torch.Tensor] = []
         depth = len(self.blocks) if n_blocks is None else n_blocks
