@@ -103,17 +103,20 @@ def test_batched_prefill_and_decode_logits_equal_single_requests(family_dir, kv)
     family = single.family.name
     assert all(s is not None for s in states) == (family == "qwen3_vl")  # DeepStack features per request
     assert (len(set(deltas)) == 3) == (family != "smolvlm")  # M-RoPE: three different rope deltas
+    # a quantized cache may round a value to the other side of a step when the float paths differ by
+    # an ulp (measured: one logit of 320 off by 1.08e-4 with fp8_e4m3 on Qwen3-VL); fp32 stays at 1e-4
+    atol = 1e-4 if kv is None else 5e-4
     rows = [2, 0, 1]  # any free rows
     first = be.prefill_batch(embeds, rows, input_ids=ids_of, position_ids=positions, vision_states=states)
     for i in range(3):
-        torch.testing.assert_close(first[i : i + 1], refs[i][0][:1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(first[i : i + 1], refs[i][0][:1], rtol=1e-4, atol=atol)
     by_row = {row: i for i, row in enumerate(rows)}
     for step in range(N_STEPS):
         order = [by_row[r] for r in range(3)]
         out = be.decode_batch([refs[i][1][step] for i in order], [len(preps[i].ids) + step for i in order],
                               [deltas[i] for i in order])
         for r, i in enumerate(order):
-            torch.testing.assert_close(out[r : r + 1], refs[i][0][step + 1 : step + 2], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(out[r : r + 1], refs[i][0][step + 1 : step + 2], rtol=1e-4, atol=atol)
 
 
 def test_continuous_batcher_tokens_equal_one_at_a_time_engine_ask(family_dir):
