@@ -275,6 +275,9 @@ def test_request_past_its_deadline_while_queued(start_daemon, raw_client, encode
         raw.publish(REQUEST_TOPIC, json.dumps(_body(image, timeout_ms=NO_DEADLINE_MS)).encode(),
                     response_topic="d/replies", correlation=b"patient")  # fmt: skip
         first = raw.wait_messages("d/replies", 1)[0]
+        deadline = time.monotonic() + 10  # the patient request may reach the queue after the late answer
+        while daemon.scheduler.queue_size() < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert daemon.scheduler.queue_size() == 1  # the patient one still waits
     msgs = raw.wait_messages("d/replies", 2)
     assert first.properties.CorrelationData == b"late"
