@@ -71,8 +71,14 @@ CUDA_KERNEL_MAX_M = 64
 # 35 us at M = 8 on 12288x4096, the Triton dequantizer + cuBLAS 68 us at any M <= 64; at M = 32 on
 # 4096x4096 tinygemm takes 42 us, dequantize + cuBLAS ~20 us).
 CUDA_TRITON_KERNEL_MAX_M = 16
-# Up to this M the tensor-core W4A16 kernel (runtime/kernels/w4a16_mma.cu) serves CUDA decode.
+# Up to this M the tensor-core W4A16 kernel (runtime/kernels/w4a16_mma.cu) serves CUDA decode; on sm_90
+# its bulk-copy variant (w4a16_bulk.cu) serves up to MMA_BULK_MAX_M (batched decode to batch 32).
 MMA_KERNEL_MAX_M = 16
+MMA_BULK_MAX_M = 32
+# Prefill (M above the kernel's rows) with the extension present: its one-pass CUDA dequantizer writes the
+# bf16 weight in row chunks of at most this many bytes, each multiplied by cuBLAS right after (so the chunk
+# is still in L2); 0 = the whole weight at once. bench/w4a16_kernel.py measures the choice.
+PREFILL_CHUNK_BYTES = 0
 
 _MMA_FALLBACK_LOGGED: set[str] = set()
 
@@ -89,7 +95,7 @@ def mma_kernel_ok(device: torch.device, out_features: int, in_features: int, gro
     else:
         from edgevlm.runtime.kernels.w4a16_mma import mma_status
 
-        reason = mma_status(dev)
+        reason = mma_status(dev, "reg")
     if reason is None:
         return True
     key = f"{dev.type}:{dev.index}"
@@ -98,6 +104,37 @@ def mma_kernel_ok(device: torch.device, out_features: int, in_features: int, gro
         logger.info("W4A16 tensor-core kernel unavailable on %s (%s): decode falls back to torch's int4 kernel "
                     "(tinygemm)", dev, reason)
     return False
+
+
+def mma_max_rows(device: torch.device) -> int:
+    """Activation rows up to which the tensor-core kernel serves on ``device`` (32 where the sm_90
+    bulk-copy variant is usable, else 16); call only where :func:`mma_kernel_ok` said yes."""
+    from edgevlm.runtime.kernels.w4a16_mma import max_rows
+
+    return min(max_rows(device), MMA_BULK_MAX_M)
+
+
+def _prefill_matmul(x2: torch.Tensor, lin: Int4Linear) -> torch.Tensor:
+    """``x2 (M, K) @ W^T + bias`` for prefill: the extension's one-pass dequantizer into ``x2.dtype``
+    then cuBLAS, in row chunks of :data:`PREFILL_CHUNK_BYTES` (whole weight when 0)."""
+    from edgevlm.runtime.kernels.w4a16_mma import w4a16_dequant
+
+    n, k = lin.out_features, lin.in_features
+    bias = lin.bias.to(x2.dtype) if lin.bias is not None else None
+    chunk_rows = (PREFILL_CHUNK_BYTES // (2 * k)) // 16 * 16 if PREFILL_CHUNK_BYTES else 0
+    if not chunk_rows or chunk_rows >= n:
+        w = w4a16_dequant(lin.qweight, lin.scales, lin.zeros, lin.group_size, x2.dtype)
+        return F.linear(x2, w, bias)
+    out = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
+    buf = torch.empty(chunk_rows * k, dtype=x2.dtype, device=x2.device)
+    for r0 in range(0, n, chunk_rows):
+        rows = min(chunk_rows, n - r0)
+        w = w4a16_dequant(lin.qweight, lin.scales, lin.zeros, lin.group_size, x2.dtype, row0=r0, rows=rows, out=buf)
+        if bias is not None:
+            torch.addmm(bias[r0:r0 + rows], x2, w.T, out=out[:, r0:r0 + rows])
+        else:
+            torch.mm(x2, w.T, out=out[:, r0:r0 + rows])
+    return out
 
 
 # ----------------------------------------------------------------------------- kernel selection
@@ -304,9 +341,12 @@ class Int4Linear(nn.Module):
         if self.kernel == "dequant":
             return "dequant"
         dev_type = torch.device(device).type
-        if self.kernel in ("auto", "mma") and 0 < m <= MMA_KERNEL_MAX_M \
-                and mma_kernel_ok(device, self.out_features, self.in_features, self.group_size):
+        mma_ok = self.kernel in ("auto", "mma") \
+            and mma_kernel_ok(device, self.out_features, self.in_features, self.group_size)
+        if mma_ok and 0 < m <= mma_max_rows(device):
             return "mma"
+        if mma_ok and self.in_features % 32 == 0:  # prefill: the extension's dequantizer + cuBLAS
+            return "cuda_dequant"
         triton_ok = (self.kernel == "triton" or (self.kernel == "auto" and dev_type == "cuda")) \
             and _triton_w4a16(device)
         conv = None if self.kernel == "triton" else kernel_convention(device)
@@ -363,6 +403,8 @@ class Int4Linear(nn.Module):
             xa = x2 if x2.dtype in (torch.bfloat16, torch.float16) else x2.to(torch.bfloat16)
             y = w4a16_mma(xa.contiguous(), qw, meta, self.group_size, bias).to(x.dtype)
             return y.reshape(*x.shape[:-1], self.out_features)  # (..., N)
+        if path == "cuda_dequant":
+            return _prefill_matmul(x2.contiguous(), self).reshape(*x.shape[:-1], self.out_features)  # (..., N)
         if path == "triton_gemv1":
             from edgevlm.runtime.kernels.w4a16 import w4a16_gemv1
 
@@ -449,7 +491,7 @@ def prepare_int4_kernels(module: nn.Module) -> int:
             if path == "mma":
                 m._mma_tensors()
                 count += 1
-            elif path not in ("dequant", "triton_gemv", "triton_gemv1", "triton_dequant"):
+            elif path not in ("dequant", "triton_gemv", "triton_gemv1", "triton_dequant", "cuda_dequant"):
                 m._kernel_tensors(path)
                 count += 1
     if count:
