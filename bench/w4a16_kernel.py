@@ -52,7 +52,7 @@ SHAPES = {  # name: (N out, K in)
 MS = (1, 8, 16, 32)
 TPC = (1, 2, 4)
 PREFILL_MS = (32, 64, 128, 256, 600)
-CHUNKS_MB = (0, 16, 32)
+CHUNKS_MB = (0, 8, 16, 32)
 REL_LIMIT = 3e-3
 # text decoders for the Orin prediction: layers, per-layer shape keys, lm_head (vocab x hidden, bf16)
 MODELS = {
@@ -171,42 +171,46 @@ def run_layers(ctx, shapes, kinds):
             x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
             ref = x.double() @ w64.T
             moved = int4_bytes + x.numel() * 2 + m * n * 2
-            best = {}
+            best = {}  # (kind, zx) -> best row
             for kind in kinds:
                 mine = []
                 for c in configs(kind, m):
-                    y = mk.w4a16_mma(x, packed, meta, g, config=c)
-                    err = mar.rel(y, ref)
-                    us = mar.graph_us([partial(mk.w4a16_mma, x, p, mt, g, config=c) for p, mt in mma_copies])
-                    mine.append({"shape": name, "m": m, "config": list(c), "us": round(us, 2),
-                                 "gbps": round(moved / us / 1e3, 1), "rel_err": err, "ok": err <= REL_LIMIT})
+                    for mode in ((0, 2) if m <= 4 else (2,)):  # with / without the x-sum zero-point fold
+                        y = mk.w4a16_mma(x, packed, meta, g, config=c, mode=mode)
+                        err = mar.rel(y, ref)
+                        us = mar.graph_us([partial(mk.w4a16_mma, x, p, mt, g, config=c, mode=mode)
+                                           for p, mt in mma_copies])
+                        mine.append({"shape": name, "m": m, "config": list(c), "zx": mode == 0, "us": round(us, 2),
+                                     "gbps": round(moved / us / 1e3, 1), "rel_err": err, "ok": err <= REL_LIMIT})
                 sweep.extend(mine)
-                good = [r for r in mine if r["ok"]]
-                if len(good) < len(mine):
+                if any(not r["ok"] for r in mine):
                     checks.append({"what": f"sweep {name} M={m} {kind}", "pass": False,
-                                   "bad": [r["config"] for r in mine if not r["ok"]]})
-                if good:
-                    best[kind] = min(good, key=lambda r: r["us"])
+                                   "bad": [(r["config"], r["zx"]) for r in mine if not r["ok"]]})
+                for zx in (False, True):
+                    good = [r for r in mine if r["ok"] and r["zx"] == zx]
+                    if good:
+                        best[(kind, zx)] = min(good, key=lambda r: r["us"])
             if not best:
                 continue
             win = min(best.values(), key=lambda r: r["us"])
-            tuned.setdefault(f"{n}x{k}g{g}", {})[str(m)] = win["config"]
+            tuned.setdefault(f"{n}x{k}g{g}", {})[str(m)] = [*win["config"], int(win["zx"])]
             # numerics of each variant's chosen configuration: float64 reference, 3 runs bit-identical
-            for kind, r in best.items():
-                outs = [mk.w4a16_mma(x, packed, meta, g, config=tuple(r["config"])) for _ in range(3)]
+            for (kind, zx), r in best.items():
+                outs = [mk.w4a16_mma(x, packed, meta, g, config=tuple(r["config"]), mode=0 if zx else 2)
+                        for _ in range(3)]
                 err = mar.rel(outs[0], ref)
                 stable = all(torch.equal(outs[0], o) for o in outs[1:])
-                checks.append({"what": f"{name} M={m} {kind} {r['config']}", "rel_err": err, "bit_stable": stable,
+                checks.append({"what": f"{name} M={m} {kind} zx={zx} {r['config']}", "rel_err": err,
+                               "bit_stable": stable,
                                "pass": err <= REL_LIMIT and stable and bool(torch.isfinite(outs[0]).all())})
             tg_us = mar.graph_us([partial(torch.ops.aten._weight_int4pack_mm, x, a, g, b) for a, b in tg_copies]) \
                 if conv else float("nan")
             bf_us = mar.graph_us([partial(F.linear, x, wb) for wb in bf_copies])
-            row = {"shape": name, "n": n, "k": k, "m": m, "best": win["config"], "us": win["us"], "gbps": win["gbps"],
-                   "pct_copy": round(100 * win["gbps"] / ctx["copy_gbps"], 1),
-                   "reg_us": best["reg"]["us"] if "reg" in best else None,
-                   "reg_gbps": best["reg"]["gbps"] if "reg" in best else None,
-                   "bulk_us": best["bulk"]["us"] if "bulk" in best else None,
-                   "bulk_gbps": best["bulk"]["gbps"] if "bulk" in best else None,
+            us_of = partial(_best_us, best)
+            row = {"shape": name, "n": n, "k": k, "m": m, "best": [*win["config"], int(win["zx"])], "us": win["us"],
+                   "gbps": win["gbps"], "pct_copy": round(100 * win["gbps"] / ctx["copy_gbps"], 1),
+                   "reg_us": us_of("reg"), "reg_nozx_us": us_of("reg", False), "reg_zx_us": us_of("reg", True),
+                   "bulk_us": us_of("bulk"), "bulk_nozx_us": us_of("bulk", False), "bulk_zx_us": us_of("bulk", True),
                    "tinygemm_us": round(tg_us, 2), "tinygemm_gbps": round(moved / tg_us / 1e3, 1),
                    "bf16_us": round(bf_us, 2), "bf16_gbps": round((n * k * 2 + x.numel() * 2 + m * n * 2) / bf_us / 1e3, 1),
                    "vs_tinygemm": round(tg_us / win["us"], 2), "vs_bf16": round(bf_us / win["us"], 2),
@@ -218,12 +222,21 @@ def run_layers(ctx, shapes, kinds):
         torch.cuda.empty_cache()
     RESULTS.update(layers=rows, sweep=sweep)
     RESULTS.setdefault("checks", []).extend(checks)
+    table = json.dumps({"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+                        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "group_size": g,
+                        "source": "bench/w4a16_kernel.py (sweep of both variants; entry: kind, a, b, "
+                                  "tiles_per_cta, zx)", "configs": tuned}, indent=1) + "\n"
     if os.environ.get("OUT") and tuned:
-        Path(os.environ["OUT"], "w4a16_mma_configs.json").write_text(json.dumps(
-            {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "group_size": g,
-             "source": "bench/w4a16_kernel.py (sweep of both variants)", "configs": tuned}, indent=1) + "\n")
+        Path(os.environ["OUT"], "w4a16_mma_configs.json").write_text(table)
+    if ctx.get("install_table") and tuned:  # the model section then runs with this sweep's table
+        mk.CONFIGS_FILE.write_text(table)
+        mk._table.cache_clear()
     return rows
+
+
+def _best_us(best: dict, kind: str, zx: bool | None = None) -> float | None:
+    rs = [r for (kd, z), r in best.items() if kd == kind and (zx is None or z == zx)]
+    return min(r["us"] for r in rs) if rs else None
 
 
 @section("extra_numerics")
@@ -251,7 +264,8 @@ def run_extra_numerics(ctx, kinds):
                 ref = x.double() @ w64.T + bias.double()
                 cfgs = [c for kind in kinds for c in configs(kind, m)]
                 cfgs = [(*c[:3], t) for c in cfgs for t in (1, 3) if c[3] == 1]
-                errs = [mar.rel(mk.w4a16_mma(x, packed, meta, gsz, bias, config=c), ref) for c in cfgs]
+                errs = [mar.rel(mk.w4a16_mma(x, packed, meta, gsz, bias, config=c, mode=mode), ref)
+                        for c in cfgs for mode in ((0, 2) if m <= 4 else (2,))]
                 RESULTS.setdefault("checks", []).append(
                     {"what": f"bias {n}x{k} g{gsz} {str(dtype)[6:]} M={m} ({len(cfgs)} configs)",
                      "rel_err": max(errs), "pass": max(errs) <= REL_LIMIT})
@@ -298,18 +312,15 @@ def run_prefill(ctx, shapes):
             x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
             ref = x.double() @ w64.T
             row = {"shape": name, "m": m, "dequant_cuda_us": round(dq_us, 1), "dequant_triton_us": round(tdq_us, 1)}
-            for mb in CHUNKS_MB:
-                int4.PREFILL_CHUNK_BYTES = mb << 20
-                y = int4._prefill_matmul(x, q)
-                err = mar.rel(y, ref)
-                RESULTS["checks"].append({"what": f"prefill {name} M={m} chunk {mb} MiB", "rel_err": err,
-                                          "pass": err <= REL_LIMIT or m != 600 and err <= 5e-3})
-                row[f"cuda_chunk{mb}_us"] = round(mar.graph_us([partial(int4._prefill_matmul, x, md) for md in mods]), 1)
-                row[f"cuda_chunk{mb}_rel_err"] = err
-            int4.PREFILL_CHUNK_BYTES = 0
-            row["triton_us"] = round(mar.graph_us([partial(
-                lambda xx, md: F.linear(xx, tk.dequantize_w4(md.qweight, md.scales, md.zeros, g, xx.dtype)), x, md)
-                for md in mods]), 1)
+            for deq in ("cuda", "triton"):
+                for mb in CHUNKS_MB:
+                    y = int4._prefill_matmul(x, q, deq, mb << 20)
+                    err = mar.rel(y, ref)
+                    RESULTS["checks"].append({"what": f"prefill {name} M={m} {deq} chunk {mb} MiB", "rel_err": err,
+                                              "pass": err <= REL_LIMIT or m != 600 and err <= 5e-3})
+                    row[f"{deq}_chunk{mb}_us"] = round(mar.graph_us(
+                        [partial(int4._prefill_matmul, x, md, deq, mb << 20) for md in mods]), 1)
+                    row[f"{deq}_chunk{mb}_rel_err"] = err
             if conv and m <= 64:
                 pk = [(md._kernel_tensors(conv)) for md in mods]
                 row["tinygemm_us"] = round(mar.graph_us(
@@ -325,24 +336,26 @@ def run_prefill(ctx, shapes):
                                              and not kk.startswith("dequant")), flush=True)
         del mods, bfs, wbf, w64
         torch.cuda.empty_cache()
-    # the chunk size that wins the 7B layer sum at M = 600 (the TTFT prompt) goes to the model run
-    at = {mb: totals.get(f"cuda_chunk{mb}_us", {}).get(600, float("inf")) for mb in CHUNKS_MB}
+    # the dequantizer + chunk size that win the 7B layer sum at M = 600 (the TTFT prompt) go to the model run
+    at = {(deq, mb): totals.get(f"{deq}_chunk{mb}_us", {}).get(600, float("inf"))
+          for deq in ("cuda", "triton") for mb in CHUNKS_MB}
     choice = min(at, key=at.get)
-    RESULTS.update(prefill=rows, prefill_totals=totals, prefill_chunk_mb=choice)
+    RESULTS.update(prefill=rows, prefill_totals=totals, prefill_choice=list(choice))
     return choice
 
 
 @section("model")
-def run_model(ctx, chunk_mb):
+def run_model(ctx, choice):
     from edgevlm.runtime import benchmark, int4
 
-    int4.PREFILL_CHUNK_BYTES = (chunk_mb or 0) << 20
+    if choice:
+        int4.PREFILL_DEQUANTIZER, int4.PREFILL_CHUNK_BYTES = choice[0], choice[1] << 20
     summary = benchmark.run(models=["llava-7b"], variants=["edgevlm", "edgevlm-w4"], with_hf=False,
                             batch_sizes=[1, 8, 32], new_tokens=32, n_text=32)
     keep = ("model", "impl", "ttft_ms", "tpot_ms", "decode_tok_s", "step_gpu_ms", "batch_tok_s", "copy_frac", "gbps",
             "weight_bytes", "kv_bytes_per_token", "error")
     rows = [{k: r.get(k) for k in keep if k in r} for r in summary["rows"]]
-    RESULTS["model"] = {"rows": rows, "copy_gbps": summary.get("copy_gbps"), "prefill_chunk_mb": chunk_mb}
+    RESULTS["model"] = {"rows": rows, "copy_gbps": summary.get("copy_gbps"), "prefill": list(choice or ())}
     print(benchmark.format_table(summary["rows"]), flush=True)
     return rows
 
@@ -378,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip", default="", help="comma-separated sections to skip (layers,prefill,model,numerics,sm87)")
     ap.add_argument("--quick", action="store_true", help="the four 7B shapes only")
+    ap.add_argument("--install-table", action="store_true",
+                    help="write the sweep's launch table into runtime/kernels/ (used by the model section)")
     args = ap.parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     t0 = time.perf_counter()
@@ -424,10 +439,10 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.update(device=props.name, torch=torch.__version__, copy_gbps=round(copy_gbps, 1), l2_mib=l2 >> 20,
                    build_s=round(build_s, 1), bulk_status=bulk,
                    date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
-    ctx = {"dev": dev, "l2": l2, "copy_gbps": copy_gbps}
+    ctx = {"dev": dev, "l2": l2, "copy_gbps": copy_gbps, "install_table": args.install_table}
     shapes = {k: v for k, v in SHAPES.items() if k.startswith("7b.")} if args.quick else SHAPES
     layers = run_layers(ctx, shapes, kinds) if "layers" not in skip else None
-    chunk = run_prefill(ctx, {k: v for k, v in SHAPES.items() if k.startswith("7b.")}) if "prefill" not in skip else 0
+    chunk = run_prefill(ctx, {k: v for k, v in SHAPES.items() if k.startswith("7b.")}) if "prefill" not in skip else None
     if "model" not in skip:
         run_model(ctx, chunk)
     if "numerics" not in skip:
@@ -453,12 +468,13 @@ def main(argv: list[str] | None = None) -> int:
 def print_tables() -> None:
     layers = RESULTS.get("layers") or []
     if layers:
-        print("\n| shape | M | best config | µs | GB/s | % copy | reg µs | bulk µs | tinygemm µs | bf16 µs | vs tinygemm | vs bf16 |")
-        print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("\n| shape | M | best (kind, a, b, tpc, zx) | µs | GB/s | % copy | reg µs | reg+zx µs | bulk µs | "
+              "bulk+zx µs | tinygemm µs | bf16 µs | vs tinygemm | vs bf16 |")
+        print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in layers:
             print(f"| {r['shape']} | {r['m']} | {tuple(r['best'])} | {r['us']} | {r['gbps']} | {r['pct_copy']} | "
-                  f"{r['reg_us']} | {r['bulk_us']} | {r['tinygemm_us']} | {r['bf16_us']} | {r['vs_tinygemm']}x | "
-                  f"{r['vs_bf16']}x |")
+                  f"{r['reg_nozx_us']} | {r['reg_zx_us']} | {r['bulk_nozx_us']} | {r['bulk_zx_us']} | "
+                  f"{r['tinygemm_us']} | {r['bf16_us']} | {r['vs_tinygemm']}x | {r['vs_bf16']}x |")
     tot = RESULTS.get("prefill_totals")
     if tot:
         print("\nprefill, sum of the four 7B layers (µs):")

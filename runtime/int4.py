@@ -75,9 +75,11 @@ CUDA_TRITON_KERNEL_MAX_M = 16
 # its bulk-copy variant (w4a16_bulk.cu) serves up to MMA_BULK_MAX_M (batched decode to batch 32).
 MMA_KERNEL_MAX_M = 16
 MMA_BULK_MAX_M = 32
-# Prefill (M above the kernel's rows) with the extension present: its one-pass CUDA dequantizer writes the
-# bf16 weight in row chunks of at most this many bytes, each multiplied by cuBLAS right after (so the chunk
-# is still in L2); 0 = the whole weight at once. bench/w4a16_kernel.py measures the choice.
+# Prefill (M above the kernel's rows) with the extension present: a one-pass dequantizer ("cuda": the
+# extension's, "triton": kernels/w4a16.py's) writes the bf16 weight in row chunks of at most this many
+# bytes into one reused buffer, each multiplied by cuBLAS right after (so the chunk can stay in L2);
+# 0 = the whole weight at once. bench/w4a16_kernel.py measures the choice (results/w4a16_kernel_h200_*.md).
+PREFILL_DEQUANTIZER = "triton"
 PREFILL_CHUNK_BYTES = 0
 
 _MMA_FALLBACK_LOGGED: set[str] = set()
@@ -114,22 +116,39 @@ def mma_max_rows(device: torch.device) -> int:
     return min(max_rows(device), MMA_BULK_MAX_M)
 
 
-def _prefill_matmul(x2: torch.Tensor, lin: Int4Linear) -> torch.Tensor:
-    """``x2 (M, K) @ W^T + bias`` for prefill: the extension's one-pass dequantizer into ``x2.dtype``
-    then cuBLAS, in row chunks of :data:`PREFILL_CHUNK_BYTES` (whole weight when 0)."""
+def _prefill_dequant(lin: Int4Linear, dtype: torch.dtype, dequantizer: str, row0: int, rows: int,
+                     out: torch.Tensor | None) -> torch.Tensor:
+    if dequantizer == "triton":
+        from edgevlm.runtime.kernels.w4a16 import dequantize_w4
+
+        view = out[: rows * lin.in_features].view(rows, lin.in_features) if out is not None else None
+        return dequantize_w4(lin.qweight[row0:row0 + rows], lin.scales[row0:row0 + rows],
+                             lin.zeros[row0:row0 + rows], lin.group_size, dtype, out=view)
     from edgevlm.runtime.kernels.w4a16_mma import w4a16_dequant
 
+    return w4a16_dequant(lin.qweight, lin.scales, lin.zeros, lin.group_size, dtype, row0=row0, rows=rows, out=out)
+
+
+def _prefill_matmul(x2: torch.Tensor, lin: Int4Linear, dequantizer: str | None = None,
+                    chunk_bytes: int | None = None) -> torch.Tensor:
+    """``x2 (M, K) @ W^T + bias`` for prefill: a one-pass dequantizer into ``x2.dtype`` (``"cuda"``: the
+    extension's, ``"triton"``: :func:`edgevlm.runtime.kernels.w4a16.dequantize_w4`; default
+    :data:`PREFILL_DEQUANTIZER`) then cuBLAS, in row chunks of ``chunk_bytes`` (default
+    :data:`PREFILL_CHUNK_BYTES`; 0 = the whole weight) written into one reused buffer."""
+    dequantizer = dequantizer or PREFILL_DEQUANTIZER
+    if dequantizer == "triton" and not _triton_w4a16(x2.device):
+        dequantizer = "cuda"
+    chunk_bytes = PREFILL_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     n, k = lin.out_features, lin.in_features
     bias = lin.bias.to(x2.dtype) if lin.bias is not None else None
-    chunk_rows = (PREFILL_CHUNK_BYTES // (2 * k)) // 16 * 16 if PREFILL_CHUNK_BYTES else 0
+    chunk_rows = (chunk_bytes // (2 * k)) // 16 * 16 if chunk_bytes else 0
     if not chunk_rows or chunk_rows >= n:
-        w = w4a16_dequant(lin.qweight, lin.scales, lin.zeros, lin.group_size, x2.dtype)
-        return F.linear(x2, w, bias)
+        return F.linear(x2, _prefill_dequant(lin, x2.dtype, dequantizer, 0, n, None), bias)
     out = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
     buf = torch.empty(chunk_rows * k, dtype=x2.dtype, device=x2.device)
     for r0 in range(0, n, chunk_rows):
         rows = min(chunk_rows, n - r0)
-        w = w4a16_dequant(lin.qweight, lin.scales, lin.zeros, lin.group_size, x2.dtype, row0=r0, rows=rows, out=buf)
+        w = _prefill_dequant(lin, x2.dtype, dequantizer, r0, rows, buf)
         if bias is not None:
             torch.addmm(bias[r0:r0 + rows], x2, w.T, out=out[:, r0:r0 + rows])
         else:
@@ -239,9 +258,11 @@ class Int4Linear(nn.Module):
 
     Execution path, chosen per call:
 
-    * CUDA, ``M <= MMA_KERNEL_MAX_M`` rows (decode), group size 64/128, ``out_features % 16 == 0``:
-      the tensor-core W4A16 kernel over the mma layout (:mod:`edgevlm.runtime.kernels.w4a16_mma`,
-      repacked from the canonical buffers on first use and cached); where it is absent (see
+    * CUDA, ``M <= MMA_KERNEL_MAX_M`` rows (decode; ``MMA_BULK_MAX_M`` on sm_90, batched decode),
+      group size 64/128, ``out_features % 16 == 0``: the tensor-core W4A16 kernel over the mma layout
+      (:mod:`edgevlm.runtime.kernels.w4a16_mma`, repacked from the canonical buffers on first use and
+      cached); above those rows (prefill) the same extension's one-pass dequantizer + cuBLAS
+      (``"cuda_dequant"``, see :data:`PREFILL_CHUNK_BYTES`). Where the extension is absent (see
       :func:`mma_kernel_ok`, one log line) the paths below.
     * CUDA, ``M <= CUDA_TRITON_KERNEL_MAX_M`` rows (decode): tinygemm ``aten._weight_int4pack_mm``
       (bf16 activations; 43 % of copy bandwidth on 7B shapes on an H200, ``bench/w4a16_tune.py``);

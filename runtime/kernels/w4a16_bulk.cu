@@ -82,8 +82,6 @@ struct BulkSmem {
     static constexpr int kBytes = kRed + kRing + kBars;  // + the x sums (ZX), sized at launch
 };
 
-constexpr int kZxMaxM = 4;  // rows up to which the zero point is folded in through the x sums (ZX)
-
 // WARPS warps split the groups of K of each of the CTA's `tiles_per_cta` 16-row tiles; each warp walks
 // its items (tile-major) through its own STAGES-deep ring.
 //
@@ -150,25 +148,7 @@ w4a16_bulk_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ met
         xr[mt] = reinterpret_cast<const uint4*>(x + static_cast<size_t>(xv[mt] ? m : 0) * K) + 2 * t +
                  static_cast<size_t>(g0) * GT * 8;  // this warp's first group
     }
-    if constexpr (ZX) {  // X_G of this warp's groups, for rows m < M (while the first copies fly)
-        constexpr int kPer = GT * 2;  // activations per lane per group (GT * 64 / 32)
-        for (int gi = 0; gi < gw; ++gi)
-            for (int m = 0; m < M; ++m) {
-                const uint16_t* p = x + static_cast<size_t>(m) * K + static_cast<size_t>(g0 + gi) * GT * 64 + lane * kPer;
-                float v = 0.f;
-                if constexpr (GT == 2) {
-                    const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
-                    v = (to_float<BF16>(u.x & 0xFFFFu) + to_float<BF16>(u.x >> 16)) +
-                        (to_float<BF16>(u.y & 0xFFFFu) + to_float<BF16>(u.y >> 16));
-                } else {
-                    const uint32_t u = __ldg(reinterpret_cast<const unsigned int*>(p));
-                    v = to_float<BF16>(u & 0xFFFFu) + to_float<BF16>(u >> 16);
-                }
-#pragma unroll
-                for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
-                if (lane == 0) xs[gi * kZxMaxM + m] = v;
-            }
-    }
+    if constexpr (ZX) warp_group_xsums<BF16, GT>(x, K, M, g0, gw, xs, lane);  // while the first copies fly
     __syncwarp();
     const uint32_t kMask = 0x000F000Fu;
     const uint32_t kBias = M16::kBias2;

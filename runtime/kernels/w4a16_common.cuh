@@ -83,6 +83,7 @@ __device__ __forceinline__ void store_out(void* y, size_t idx, float v) {
     }
 }
 
+
 // one bf16 / fp16 (low 16 bits of `bits`) as float
 template <bool BF16>
 __device__ __forceinline__ float to_float(uint32_t bits) {
@@ -90,6 +91,39 @@ __device__ __forceinline__ float to_float(uint32_t bits) {
         return __uint_as_float(bits << 16);
     } else {
         return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+    }
+}
+
+constexpr int kZxMaxM = 4;  // rows up to which the zero point is folded in through the x sums (ZX)
+
+// ZX: the activation sums X_G[m] of this warp's groups g0 .. g0 + gw - 1 (GT * 64 channels each), rows
+// m < M <= kZxMaxM, into xs[gi * kZxMaxM + m] (fp32, shared memory). 16 lanes per (group, row) pair for
+// GT = 2 (8 lanes for GT = 1), one 16-byte load each, several pairs' loads in flight; a 16/8-lane butterfly
+// sum. The caller syncs the warp before reading xs.
+template <bool BF16, int GT>
+__device__ __forceinline__ void warp_group_xsums(const uint16_t* __restrict__ x, int K, int M, int g0, int gw,
+                                                 float* xs, int lane) {
+    constexpr int kLanes = GT * 8;        // 16-byte chunks per group row
+    constexpr int kPairs = 32 / kLanes;   // (group, row) pairs per warp pass
+    const int sub = lane % kLanes;
+    const int pairs = gw * M;
+#pragma unroll 4
+    for (int p0 = 0; p0 < pairs; p0 += kPairs) {
+        const int p = p0 + lane / kLanes;
+        float v = 0.f;
+        if (p < pairs) {
+            const int gi = p / M;
+            const int m = p - gi * M;
+            const uint4 u = __ldg(reinterpret_cast<const uint4*>(x + static_cast<size_t>(m) * K +
+                                                                 static_cast<size_t>(g0 + gi) * GT * 64) + sub);
+            v = ((to_float<BF16>(u.x & 0xFFFFu) + to_float<BF16>(u.x >> 16)) +
+                 (to_float<BF16>(u.y & 0xFFFFu) + to_float<BF16>(u.y >> 16))) +
+                ((to_float<BF16>(u.z & 0xFFFFu) + to_float<BF16>(u.z >> 16)) +
+                 (to_float<BF16>(u.w & 0xFFFFu) + to_float<BF16>(u.w >> 16)));
+        }
+#pragma unroll
+        for (int off = kLanes / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
+        if (sub == 0 && p < pairs) xs[(p / M) * kZxMaxM + (p % M)] = v;
     }
 }
 

@@ -4,8 +4,7 @@
 // Canonical layout (edgevlm.runtime.int4): qweight uint8 (N, K/2), byte j of row n = q[n, 2j] (low nibble)
 // | q[n, 2j + 1] << 4; scales fp16 (N, K/g); zeros uint8 (N, K/g). W[n, k] = (q - zero) * scale computed in
 // fp32 and rounded once to the output type (bit-identical to edgevlm.runtime.int4.dequantize_int4).
-// One thread turns 16 bytes of qweight (32 weights of one group: 32 divides every supported group size)
-// into 64 output bytes (four 16-byte stores). Rows [row0, row0 + rows) only: prefill may dequantize a weight
+// Rows [row0, row0 + rows) only: prefill may dequantize a weight
 // in row chunks that stay in L2 for the matmul that follows.
 
 #include "w4a16_common.cuh"
@@ -23,34 +22,39 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
     }
 }
 
-template <bool BF16>
+// One thread turns one 32-bit word of qweight (8 weights) into one 16-byte store, so a warp reads 128
+// contiguous bytes and writes 512 (coalesced both ways); WORDS words per thread, strided by the block.
+template <bool BF16, int WORDS>
 __global__ void __launch_bounds__(256)
-w4a16_dequant_kernel(const uint4* __restrict__ qweight, const __half* __restrict__ scales,
-                     const uint8_t* __restrict__ zeros, uint4* __restrict__ out, int K, int group_size, long long chunks) {
-    const long long c = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;  // 32-weight chunk
-    if (c >= chunks) return;
-    const int per_row = K >> 5;
-    const long long n = c / per_row;
-    const int k0 = static_cast<int>(c - n * per_row) << 5;
-    const int groups = K / group_size;
-    const long long gi = n * groups + k0 / group_size;
-    const float s = __half2float(scales[gi]);
-    const float z = static_cast<float>(zeros[gi]);
-    const uint4 q = ld_stream(qweight + c);
-    const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-    uint32_t o[16];
+w4a16_dequant_kernel(const uint32_t* __restrict__ qweight, const __half* __restrict__ scales,
+                     const uint8_t* __restrict__ zeros, uint4* __restrict__ out, int K, int group_size, unsigned words) {
+    const unsigned base = blockIdx.x * (256u * WORDS) + threadIdx.x;
+    const unsigned per_row = static_cast<unsigned>(K) >> 3;
+    const unsigned groups = static_cast<unsigned>(K / group_size);
+    uint32_t q[WORDS];
 #pragma unroll
-    for (int w = 0; w < 4; ++w)
+    for (int v = 0; v < WORDS; ++v) {  // all loads first: WORDS independent loads in flight per thread
+        const unsigned c = base + v * 256u;
+        q[v] = c < words ? __ldcs(qweight + c) : 0u;
+    }
 #pragma unroll
-        for (int p = 0; p < 4; ++p) {
-            const uint32_t byte = (words[w] >> (8 * p)) & 0xFFu;
-            const float lo = (static_cast<float>(byte & 0xFu) - z) * s;
-            const float hi = (static_cast<float>(byte >> 4) - z) * s;
-            o[w * 4 + p] = pack2<BF16>(lo, hi);
+    for (int v = 0; v < WORDS; ++v) {
+        const unsigned c = base + v * 256u;
+        if (c >= words) break;
+        const unsigned n = c / per_row;
+        const unsigned k0 = (c - n * per_row) << 3;
+        const unsigned gi = n * groups + k0 / static_cast<unsigned>(group_size);
+        const float s = __half2float(scales[gi]);
+        const float zb = 8388608.f + static_cast<float>(zeros[gi]);  // 2^23 + zero
+        uint32_t o[4];
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {  // 2^23 + q as a float bit pattern, minus (2^23 + zero): q - zero, exact
+            const float lo = __uint_as_float(((q[v] >> (8 * p)) & 0xFu) | 0x4B000000u) - zb;
+            const float hi = __uint_as_float(((q[v] >> (8 * p + 4)) & 0xFu) | 0x4B000000u) - zb;
+            o[p] = pack2<BF16>(lo * s, hi * s);
         }
-    uint4* dst = out + c * 4;
-#pragma unroll
-    for (int v = 0; v < 4; ++v) dst[v] = make_uint4(o[4 * v], o[4 * v + 1], o[4 * v + 2], o[4 * v + 3]);
+        out[c] = make_uint4(o[0], o[1], o[2], o[3]);
+    }
 }
 
 // qweight/scales/zeros point at row `row0` of the canonical tensors; out is (rows, K) contiguous.
@@ -58,16 +62,18 @@ cudaError_t launch_w4a16_dequant(bool bf16, const void* qweight, const void* sca
                                  int rows, int K, int group_size, cudaStream_t stream) {
     if (rows < 1 || K % 32 || (group_size != 32 && group_size != 64 && group_size != 128) || K % group_size)
         return cudaErrorInvalidValue;
-    const long long chunks = static_cast<long long>(rows) * (K / 32);
-    const unsigned blocks = static_cast<unsigned>((chunks + 255) / 256);
+    constexpr int kWords = 4;
+    const long long words = static_cast<long long>(rows) * (K / 8);
+    if (words >= (1LL << 31)) return cudaErrorInvalidValue;  // 32-bit indexing (a 2^34-weight chunk)
+    const unsigned blocks = static_cast<unsigned>((words + 256 * kWords - 1) / (256 * kWords));
     if (bf16)
-        w4a16_dequant_kernel<true><<<blocks, 256, 0, stream>>>(
-            static_cast<const uint4*>(qweight), static_cast<const __half*>(scales), static_cast<const uint8_t*>(zeros),
-            static_cast<uint4*>(out), K, group_size, chunks);
+        w4a16_dequant_kernel<true, kWords><<<blocks, 256, 0, stream>>>(
+            static_cast<const uint32_t*>(qweight), static_cast<const __half*>(scales),
+            static_cast<const uint8_t*>(zeros), static_cast<uint4*>(out), K, group_size, static_cast<unsigned>(words));
     else
-        w4a16_dequant_kernel<false><<<blocks, 256, 0, stream>>>(
-            static_cast<const uint4*>(qweight), static_cast<const __half*>(scales), static_cast<const uint8_t*>(zeros),
-            static_cast<uint4*>(out), K, group_size, chunks);
+        w4a16_dequant_kernel<false, kWords><<<blocks, 256, 0, stream>>>(
+            static_cast<const uint32_t*>(qweight), static_cast<const __half*>(scales),
+            static_cast<const uint8_t*>(zeros), static_cast<uint4*>(out), K, group_size, static_cast<unsigned>(words));
     return cudaGetLastError();
 }
 

@@ -35,7 +35,9 @@ namespace edgevlm_w4a16 {
 // KSPLIT warps split the groups of K; DEPTH groups of weight loads in flight per warp; a CTA streams
 // `tiles_per_cta` consecutive 16-row tiles with the load ring running across tile boundaries.
 // LOADS_ONLY (diagnostic): stream the weights and fold them into the output without any arithmetic.
-template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH, bool LOADS_ONLY>
+// ZX (MT = 1, M <= kZxMaxM): the zero point folded in through the activation sums, as in w4a16_bulk.cu
+// (the mma gets B + q straight from the mask-or; per group and row, - (B + z) X_G is added to the group sum).
+template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH, bool LOADS_ONLY, bool ZX = false>
 __global__ void __launch_bounds__(KSPLIT * 32)
 w4a16_mma_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ meta, const uint16_t* __restrict__ x,
                  const float* __restrict__ bias, void* __restrict__ y, int M, int N, int K, int tiles_per_cta) {
@@ -87,6 +89,12 @@ w4a16_mma_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ meta
     } while (0)
 #pragma unroll
     for (int s = 0; s < DEPTH; ++s) EDGEVLM_LOAD_ITEM(s);
+    extern __shared__ float xs_all[];  // ZX: [KSPLIT][gmax][kZxMaxM]
+    float* xs = xs_all + warp * gmax * kZxMaxM;
+    if constexpr (ZX) {
+        warp_group_xsums<BF16, GT>(x, K, M, g0, gw, xs, lane);  // while the first weight loads fly
+        __syncwarp();
+    }
 
     float acc[MT][4];
 #pragma unroll
@@ -124,8 +132,11 @@ w4a16_mma_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ meta
                             }
                         const uint32_t m0 = mb[s][0];
                         const uint32_t m1 = mb[s][1];
-                        const uint32_t nz0 = (M16::kNegBias + (m0 >> 16)) * 0x10001u;  // -(bias + zero)
-                        const uint32_t nz1 = (M16::kNegBias + (m1 >> 16)) * 0x10001u;
+                        uint32_t nz0 = 0, nz1 = 0;
+                        if constexpr (!ZX) {
+                            nz0 = (M16::kNegBias + (m0 >> 16)) * 0x10001u;  // -(bias + zero)
+                            nz1 = (M16::kNegBias + (m1 >> 16)) * 0x10001u;
+                        }
                         const float s0 = __half2float(__ushort_as_half(static_cast<unsigned short>(m0 & 0xFFFFu)));
                         const float s1 = __half2float(__ushort_as_half(static_cast<unsigned short>(m1 & 0xFFFFu)));
                         float gacc[2][MT][4];  // two independent mma chains (even / odd k-tiles)
@@ -144,7 +155,10 @@ w4a16_mma_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ meta
 #pragma unroll
                                 for (int r = 0; r < 4; ++r) {
                                     const uint32_t v = and_or(r == 0 ? w : (w >> (4 * r)), kMask, kBias);
-                                    a[r] = fma2<BF16>(v, M16::kOne2, (r & 1) ? nz1 : nz0);  // q - zero, exact
+                                    if constexpr (ZX)
+                                        a[r] = v;  // B + q
+                                    else
+                                        a[r] = fma2<BF16>(v, M16::kOne2, (r & 1) ? nz1 : nz0);  // q - zero, exact
                                 }
 #pragma unroll
                                 for (int mt = 0; mt < MT; ++mt) {
@@ -153,12 +167,24 @@ w4a16_mma_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ meta
                                 }
                             }
                         }
+                        if constexpr (ZX) {
+                            const float b0 = (BF16 ? 128.f : 1024.f) + static_cast<float>(m0 >> 16);
+                            const float b1 = (BF16 ? 128.f : 1024.f) + static_cast<float>(m1 >> 16);
+                            const int c0 = 2 * t;
+                            const float xs0 = c0 < kZxMaxM ? xs[cur_local * kZxMaxM + c0] : 0.f;
+                            const float xs1 = c0 + 1 < kZxMaxM ? xs[cur_local * kZxMaxM + c0 + 1] : 0.f;
+                            acc[0][0] = fmaf(s0, fmaf(-b0, xs0, gacc[0][0][0] + gacc[1][0][0]), acc[0][0]);
+                            acc[0][1] = fmaf(s0, fmaf(-b0, xs1, gacc[0][0][1] + gacc[1][0][1]), acc[0][1]);
+                            acc[0][2] = fmaf(s1, fmaf(-b1, xs0, gacc[0][0][2] + gacc[1][0][2]), acc[0][2]);
+                            acc[0][3] = fmaf(s1, fmaf(-b1, xs1, gacc[0][0][3] + gacc[1][0][3]), acc[0][3]);
+                        } else {
 #pragma unroll
-                        for (int mt = 0; mt < MT; ++mt) {
-                            acc[mt][0] = fmaf(s0, gacc[0][mt][0] + gacc[1][mt][0], acc[mt][0]);
-                            acc[mt][1] = fmaf(s0, gacc[0][mt][1] + gacc[1][mt][1], acc[mt][1]);
-                            acc[mt][2] = fmaf(s1, gacc[0][mt][2] + gacc[1][mt][2], acc[mt][2]);
-                            acc[mt][3] = fmaf(s1, gacc[0][mt][3] + gacc[1][mt][3], acc[mt][3]);
+                            for (int mt = 0; mt < MT; ++mt) {
+                                acc[mt][0] = fmaf(s0, gacc[0][mt][0] + gacc[1][mt][0], acc[mt][0]);
+                                acc[mt][1] = fmaf(s0, gacc[0][mt][1] + gacc[1][mt][1], acc[mt][1]);
+                                acc[mt][2] = fmaf(s1, gacc[0][mt][2] + gacc[1][mt][2], acc[mt][2]);
+                                acc[mt][3] = fmaf(s1, gacc[0][mt][3] + gacc[1][mt][3], acc[mt][3]);
+                            }
                         }
                     }
                 }
@@ -208,12 +234,15 @@ w4a16_mma_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ meta
 #undef EDGEVLM_LOAD_ITEM
 }
 
-template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH, bool LOADS_ONLY>
+template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH, bool LOADS_ONLY, bool ZX = false>
 cudaError_t launch_typed(const void* qw, const void* meta, const void* x, const float* bias, void* y, int M, int N,
                          int K, int tiles_per_cta, cudaStream_t stream) {
     const int tiles = N / 16;
     const int grid = (tiles + tiles_per_cta - 1) / tiles_per_cta;
-    w4a16_mma_kernel<BF16, MT, GT, KSPLIT, DEPTH, LOADS_ONLY><<<grid, KSPLIT * 32, 0, stream>>>(
+    const int groups = K / (GT * 64);
+    const int xs_bytes = ZX ? KSPLIT * ((groups + KSPLIT - 1) / KSPLIT) * kZxMaxM * 4 : 0;
+    if (xs_bytes > 16 * 1024) return cudaErrorInvalidValue;  // static (<= 30 KB) + dynamic stays under 48 KB
+    w4a16_mma_kernel<BF16, MT, GT, KSPLIT, DEPTH, LOADS_ONLY, ZX><<<grid, KSPLIT * 32, xs_bytes, stream>>>(
         static_cast<const uint4*>(qw), static_cast<const uint32_t*>(meta), static_cast<const uint16_t*>(x), bias, y,
         M, N, K, tiles_per_cta);
     return cudaGetLastError();
@@ -223,11 +252,15 @@ template <bool BF16, int MT, int GT>
 cudaError_t launch_split(int ksplit, int depth, int mode, const void* qw, const void* meta, const void* x,
                          const float* bias, void* y, int M, int N, int K, int tiles_per_cta, cudaStream_t stream) {
 #define EDGEVLM_W4A16_CASE(KS, D)                                                                        \
-    if (ksplit == KS && depth == D)                                                                      \
-        return mode == 1 ? launch_typed<BF16, MT, GT, KS, D, true>(qw, meta, x, bias, y, M, N, K, tiles_per_cta, \
-                                                                   stream)                              \
-                         : launch_typed<BF16, MT, GT, KS, D, false>(qw, meta, x, bias, y, M, N, K,      \
-                                                                    tiles_per_cta, stream);
+    if (ksplit == KS && depth == D) {                                                                    \
+        if (mode == 1)                                                                                   \
+            return launch_typed<BF16, MT, GT, KS, D, true>(qw, meta, x, bias, y, M, N, K, tiles_per_cta, stream); \
+        if constexpr (MT == 1)                                                                           \
+            if (mode == 0 && M <= kZxMaxM)                                                               \
+                return launch_typed<BF16, MT, GT, KS, D, false, true>(qw, meta, x, bias, y, M, N, K,     \
+                                                                      tiles_per_cta, stream);           \
+        return launch_typed<BF16, MT, GT, KS, D, false>(qw, meta, x, bias, y, M, N, K, tiles_per_cta, stream); \
+    }
     EDGEVLM_W4A16_CASE(4, 2)
     EDGEVLM_W4A16_CASE(4, 4)
     EDGEVLM_W4A16_CASE(4, 8)
@@ -239,15 +272,15 @@ cudaError_t launch_split(int ksplit, int depth, int mode, const void* qw, const 
     return cudaErrorInvalidValue;
 }
 
-// Entry point of the torch binding (w4a16_mma_ext.cpp). mode 0 computes; mode 1 is the loads-only
-// diagnostic (wrong results by design). Returns cudaErrorInvalidValue for an unsupported
+// Entry point of the torch binding (w4a16_mma_ext.cpp). mode 0 computes (with the ZX fold at M <= 4);
+// mode 2 computes without the ZX fold; mode 1 is the loads-only diagnostic (wrong results by design). Returns cudaErrorInvalidValue for an unsupported
 // (group_size, ksplit, depth, M, tiles_per_cta) or a shape that is not a multiple of the tiles; else the
 // launch's error.
 cudaError_t launch_w4a16_mma(bool bf16, const void* qw, const void* meta, const void* x, const float* bias, void* y,
                              int M, int N, int K, int group_size, int ksplit, int depth, int tiles_per_cta, int mode,
                              cudaStream_t stream) {
     if (M < 1 || M > 16 || N % 16 || K % 64 || (group_size != 64 && group_size != 128) || K % group_size ||
-        tiles_per_cta < 1 || (mode != 0 && mode != 1))
+        tiles_per_cta < 1 || mode < 0 || mode > 2)
         return cudaErrorInvalidValue;
     const bool two = M > 8;
     const bool g128 = group_size == 128;

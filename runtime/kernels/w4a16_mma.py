@@ -1,6 +1,15 @@
-"""W4A16 decode GEMM on the tensor cores (CUDA C++, M = 1..16 rows): build, availability, call, reference.
+"""W4A16 decode GEMM on the tensor cores (CUDA C++, M = 1..16 rows; 1..32 on sm_90) and the prefill
+dequantizer: build, availability, call, reference.
 
-The kernel (``w4a16_mma.cu``, bound to torch by ``w4a16_mma_ext.cpp``) reads the weights in the
+Two variants of one kernel (same layout, same arithmetic, bit-stable): ``"reg"`` (``w4a16_mma.cu``,
+sm_80+: a register ring of weight loads) and ``"bulk"`` (``w4a16_bulk.cu``, sm_90 only: a per-warp
+shared-memory ring filled by the bulk-copy engine, which also serves M = 17..32 and folds the zero point
+in through per-group activation sums at M <= 4); the launch table (``w4a16_mma_configs.json``, from
+``bench/w4a16_kernel.py`` on an H200) picks the variant and configuration per shape and M bucket.
+:func:`w4a16_dequant` (``w4a16_dequant.cu``) writes the dense bf16/fp16 weight in one pass for
+``dequantize + cuBLAS`` prefill. All are bound to torch by ``w4a16_mma_ext.cpp``.
+
+The register-ring kernel reads the weights in the
 tensor-core layout of :func:`edgevlm.runtime.int4_format.repack_int4_mma` (``MMA_LAYOUT_VERSION``):
 one 16-byte load per lane is four ``mma.m16n8k16`` A fragments, nibbles become the exact bf16/fp16
 ``q - zero`` with one mask-or and one fma (the "magic number" conversion), the scale is applied to the
@@ -56,7 +65,7 @@ DEFAULT_CONFIG = (8, 2, 1)
 """The register-ring launch configuration for shapes the sweep did not measure."""
 DEFAULT_BULK_CONFIG = (8, 8, 1)
 """The bulk-copy launch configuration for shapes the sweep did not measure (sm_90)."""
-UNTUNED_PREFERS_BULK = True
+UNTUNED_PREFERS_BULK = False
 """Whether shapes the sweep did not measure use the bulk-copy variant at M <= 16 where it is usable."""
 KINDS = ("reg", "bulk")
 """Kernel variants: ``"reg"`` the register ring (sm_80+), ``"bulk"`` the sm_90 bulk-copy ring."""
@@ -212,14 +221,15 @@ def _probe(dev: torch.device, kind: str) -> str | None:
         ref_w = dequantize_int4(qw.qweight, qw.scales, qw.zeros, g, torch.float64)
         for m in ((1, 9) if kind == "reg" else (1, 9, 24)):
             x = torch.randn(m, 512, generator=gen).to(torch.bfloat16)
-            try:
-                y = w4a16_mma(x.to(dev), packed, meta, g, config=cfg).double().cpu()
-            except (RuntimeError, ValueError) as exc:
-                return f"the W4A16 {kind} kernel failed its probe: {exc}"
             ref = x.double() @ ref_w.T
-            err = float((y - ref).norm() / ref.norm())
-            if not err < 1e-2:
-                return f"the W4A16 {kind} kernel gives wrong results (rel err {err:.2e} at M={m}, g={g})"
+            for mode in ((0, 2) if m <= 4 else (2,)):  # with and without the x-sum zero-point fold
+                try:
+                    y = w4a16_mma(x.to(dev), packed, meta, g, config=cfg, mode=mode).double().cpu()
+                except (RuntimeError, ValueError) as exc:
+                    return f"the W4A16 {kind} kernel failed its probe: {exc}"
+                err = float((y - ref).norm() / ref.norm())
+                if not err < 1e-2:
+                    return f"the W4A16 {kind} kernel gives wrong results (rel err {err:.2e} at M={m}, g={g})"
     return None
 
 
@@ -228,12 +238,13 @@ M_BUCKETS = (1, 8, 16, 32)
 
 def _parse_config(cfg) -> tuple[str, int, int, int] | None:
     """``("reg" | "bulk", a, b, tiles_per_cta)`` from a table entry (``[a, b, tpc]`` = register ring,
-    the format of layout-version-1 tables) or None when malformed."""
+    the format of layout-version-1 tables; ``[kind, a, b, tpc]``; ``[kind, a, b, tpc, zx]``, see
+    :func:`zx_fold`) or None when malformed."""
     try:
         if len(cfg) == 3:
             kind, rest = "reg", cfg
-        elif len(cfg) == 4 and cfg[0] in KINDS:
-            kind, rest = cfg[0], cfg[1:]
+        elif len(cfg) in (4, 5) and cfg[0] in KINDS:
+            kind, rest = cfg[0], cfg[1:4]
         else:
             return None
         a, b, tpc = (int(v) for v in rest)
@@ -244,22 +255,42 @@ def _parse_config(cfg) -> tuple[str, int, int, int] | None:
 
 
 @functools.cache
-def tuned_configs() -> dict[str, dict[str, tuple[str, int, int, int]]]:
-    """Measured best launch configuration ``(kind, a, b, TILES_PER_CTA)`` per weight shape ``"NxKgG"``
-    and M bucket, written by ``bench/w4a16_kernel.py --sweep`` on an H200 ({} when the file is absent).
-    Entries of the register-ring kernel hold ``(KSPLIT, DEPTH)``, of the bulk kernel ``(WARPS, STAGES)``."""
+def _table() -> tuple[dict, dict]:
+    configs: dict[str, dict[str, tuple[str, int, int, int]]] = {}
+    zx: dict[str, dict[str, bool]] = {}
     try:
         data = json.loads(CONFIGS_FILE.read_text())
-        out: dict[str, dict[str, tuple[str, int, int, int]]] = {}
         for key, row in data.get("configs", {}).items():
             for m, cfg in row.items():
                 parsed = _parse_config(cfg)
                 if parsed is not None:
-                    out.setdefault(str(key), {})[str(m)] = parsed
-        return out
+                    configs.setdefault(str(key), {})[str(m)] = parsed
+                    if len(cfg) == 5:
+                        zx.setdefault(str(key), {})[str(m)] = bool(cfg[4])
     except (OSError, ValueError, TypeError, AttributeError) as exc:
         logger.debug("no tuned W4A16 mma configs (%s): heuristic only", exc)
-        return {}
+    return configs, zx
+
+
+def tuned_configs() -> dict[str, dict[str, tuple[str, int, int, int]]]:
+    """Measured best launch configuration ``(kind, a, b, TILES_PER_CTA)`` per weight shape ``"NxKgG"``
+    and M bucket, written by ``bench/w4a16_kernel.py`` on an H200 ({} when the file is absent).
+    Entries of the register-ring kernel hold ``(KSPLIT, DEPTH)``, of the bulk kernel ``(WARPS, STAGES)``."""
+    return _table()[0]
+
+
+ZX_DEFAULT = False
+"""Whether shapes the sweep did not measure use the x-sum zero-point fold at M <= 4."""
+
+
+def zx_fold(m: int, n: int, k: int, group_size: int) -> bool:
+    """Whether the kernel folds the zero point in through per-group activation sums for this product
+    (only at ``m <= 4``: the mma then takes the biased codes and skips one fma per two weights): the
+    sweep's measured choice for the shape, else :data:`ZX_DEFAULT`."""
+    if m > 4:
+        return False
+    bucket = next((b for b in M_BUCKETS if m <= b), M_BUCKETS[-1])
+    return _table()[1].get(f"{n}x{k}g{group_size}", {}).get(str(bucket), ZX_DEFAULT)
 
 
 def mma_config(m: int, n: int, k: int, group_size: int, *, bulk: bool = False) -> tuple[str, int, int, int]:
@@ -277,7 +308,7 @@ def mma_config(m: int, n: int, k: int, group_size: int, *, bulk: bool = False) -
 
 def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size: int,
               bias: torch.Tensor | None = None, config: tuple | None = None,
-              *, mode: int = 0) -> torch.Tensor:
+              *, mode: int | None = None) -> torch.Tensor:
     """``x (M, K)`` bf16/fp16 (``M <= 16``; ``M <= 32`` on sm_90) times the INT4 weight in the mma layout,
     transposed, plus ``bias`` (float32 ``(N,)``): ``(M, N)`` in ``x.dtype``, fp32 accumulation, bit-stable.
 
@@ -285,8 +316,9 @@ def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size:
     ``ValueError`` for bad shapes/dtypes/configs and :class:`MmaKernelUnavailable` where the extension is
     absent. ``config`` overrides :func:`mma_config` (tuning): ``(kind, a, b, TILES_PER_CTA)`` or the
     register ring's ``(KSPLIT, DEPTH, TILES_PER_CTA)``; ``mode=1`` is the register ring's loads-only
-    diagnostic (streams the weights, computes nothing meaningful), ``mode=2`` the bulk kernel without its
-    x-sum zero-point fold at M <= 4 (same result to rounding; a diagnostic)."""
+    diagnostic (streams the weights, computes nothing meaningful); ``mode=0`` computes with the x-sum
+    zero-point fold at M <= 4, ``mode=2`` without it (the same function to fp32 rounding); ``None``: as
+    :func:`zx_fold` says for this shape."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= BULK_MAX_M:
         raise ValueError(f"x must be (M, K) with 1 <= M <= {BULK_MAX_M}, got {tuple(x.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16):
@@ -310,12 +342,14 @@ def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size:
             raise ValueError(f"config must be (kind in {KINDS}, a, b, TILES_PER_CTA >= 1) with (a, b) in "
                              f"{MMA_CONFIGS} (reg) or {BULK_CONFIGS} (bulk), got {config!r}")
     kind, a, b, tiles_per_cta = cfg
+    if mode is None:
+        mode = 0 if zx_fold(m, n, k, group_size) else 2
     if kind == "reg" and m > MMA_MAX_M:
         raise ValueError(f"the register-ring kernel serves M <= {MMA_MAX_M}, got M = {m}")
     if kind == "bulk" and mode not in (0, 2):
         raise ValueError("mode must be 0 or 2 (no x-sum zero-point fold) for the bulk kernel")
-    if kind == "reg" and mode not in (0, 1):
-        raise ValueError("mode must be 0 or 1 (loads only) for the register-ring kernel")
+    if kind == "reg" and mode not in (0, 1, 2):
+        raise ValueError("mode must be 0, 1 (loads only) or 2 for the register-ring kernel")
     ext = load_extension(x.device)
     if kind == "bulk":
         return ext.w4a16_bulk(x.contiguous(), qw, meta, bias, group_size, a, b, tiles_per_cta, mode == 0)

@@ -19,7 +19,8 @@ cudaError_t launch_w4a16_dequant(bool bf16, const void* qweight, const void* sca
 }
 
 // x (M, K) bf16/fp16 contiguous, qw int32 (N/16, K/64, 32, 4), meta int32 (N/16, K/g, 16), bias float32 (N,)
-// or None -> y (M, N) in x's dtype. ksplit/depth: a compiled pair; tiles_per_cta >= 1; mode 0 (mode 1 is
+// or None -> y (M, N) in x's dtype. ksplit/depth: a compiled pair; tiles_per_cta >= 1; mode 0 (x-sum
+// zero-point fold at M <= 4) or 2 (without it); mode 1 is
 // the loads-only diagnostic of bench/w4a16_marlin.py: wrong results by design).
 torch::Tensor w4a16_mma(torch::Tensor x, torch::Tensor qw, torch::Tensor meta, std::optional<torch::Tensor> bias,
                         int64_t group_size, int64_t ksplit, int64_t depth, int64_t tiles_per_cta,

@@ -130,8 +130,18 @@ def test_table_entries_parse_in_both_formats():
     assert mk._parse_config([8, 2, 2]) == ("reg", 8, 2, 2)  # layout-version-1 tables: the register ring
     assert mk._parse_config(["bulk", 8, 8, 1]) == ("bulk", 8, 8, 1)
     assert mk._parse_config(["reg", 16, 4, 1]) == ("reg", 16, 4, 1)
+    assert mk._parse_config(["reg", 16, 4, 1, 1]) == ("reg", 16, 4, 1)  # + the x-sum fold flag (zx_fold)
     for bad in ([3, 4, 1], ["bulk", 8, 2, 1], ["warp", 8, 8, 1], [8, 2, 0], [8, "x", 1], 7):
         assert mk._parse_config(bad) is None
+
+
+def test_zx_fold_only_at_small_m():
+    assert mk.zx_fold(1, 16, 128, 128) is mk.ZX_DEFAULT  # an untuned shape
+    for key, row in mk._table()[1].items():  # measured choices, where the table has them
+        n, k = (int(v) for v in key.split("g")[0].split("x"))
+        for bucket, zx in row.items():
+            assert mk.zx_fold(int(bucket), n, k, 128) == (zx and int(bucket) <= 4)
+    assert not mk.zx_fold(8, 4096, 11008, 128)
 
 
 def test_dequant_wrapper_rejects_bad_arguments():
@@ -185,10 +195,11 @@ def test_cuda_kernel_matches_float64_and_is_bit_stable(m, g, dtype):
     bias = torch.randn(n, device="cuda", generator=gen)
     ref = x.double() @ dequantize_int4(qw.qweight, qw.scales, qw.zeros, g, torch.float64).T + bias.double()
     for cfg in [(*kd, tpc) for kd in mk.MMA_CONFIGS for tpc in (1, 3)]:
-        outs = [mk.w4a16_mma(x, packed, meta, g, bias, config=cfg) for _ in range(2)]
-        assert torch.isfinite(outs[0]).all()
-        assert _rel(outs[0], ref) <= 3e-3, cfg
-        assert torch.equal(outs[0], outs[1]), cfg
+        for mode in (0, 2):  # with and without the x-sum zero-point fold (M <= 4)
+            outs = [mk.w4a16_mma(x, packed, meta, g, bias, config=cfg, mode=mode) for _ in range(2)]
+            assert torch.isfinite(outs[0]).all()
+            assert _rel(outs[0], ref) <= 3e-3, (cfg, mode)
+            assert torch.equal(outs[0], outs[1]), (cfg, mode)
     # the PyTorch reference of the layout agrees with the kernel to fp32/bf16 rounding
     ref_layout = mk.w4a16_mma_reference(x.cpu(), packed.cpu(), meta.cpu(), g, bias.cpu())
     assert _rel(outs[0].cpu(), ref_layout) <= 3e-3
