@@ -207,10 +207,16 @@ def run_layers(ctx, shapes, kinds):
                 if conv else float("nan")
             bf_us = mar.graph_us([partial(F.linear, x, wb) for wb in bf_copies])
             us_of = partial(_best_us, best)
+            loads_only_us = None
+            if m == 1 and ("reg", False) in best:  # the register ring's access pattern with no arithmetic
+                c = tuple(best[("reg", False)]["config"])
+                loads_only_us = round(mar.graph_us([partial(mk.w4a16_mma, x, p, mt, g, config=c, mode=1)
+                                                    for p, mt in mma_copies]), 2)
             row = {"shape": name, "n": n, "k": k, "m": m, "best": [*win["config"], int(win["zx"])], "us": win["us"],
                    "gbps": win["gbps"], "pct_copy": round(100 * win["gbps"] / ctx["copy_gbps"], 1),
                    "reg_us": us_of("reg"), "reg_nozx_us": us_of("reg", False), "reg_zx_us": us_of("reg", True),
                    "bulk_us": us_of("bulk"), "bulk_nozx_us": us_of("bulk", False), "bulk_zx_us": us_of("bulk", True),
+                   "reg_loads_only_us": loads_only_us,
                    "tinygemm_us": round(tg_us, 2), "tinygemm_gbps": round(moved / tg_us / 1e3, 1),
                    "bf16_us": round(bf_us, 2), "bf16_gbps": round((n * k * 2 + x.numel() * 2 + m * n * 2) / bf_us / 1e3, 1),
                    "vs_tinygemm": round(tg_us / win["us"], 2), "vs_bf16": round(bf_us / win["us"], 2),
