@@ -327,6 +327,14 @@ def run_prefill(ctx, shapes):
                     row[f"{deq}_chunk{mb}_us"] = round(mar.graph_us(
                         [partial(int4._prefill_matmul, x, md, deq, mb << 20) for md in mods]), 1)
                     row[f"{deq}_chunk{mb}_rel_err"] = err
+            # what Int4Linear routes (the kernel in <= 2 launches up to M = 64 on sm_90, else cuda dequant)
+            path = q.execution_path(m, dev)
+            y = q(x)
+            err = mar.rel(y, ref)
+            RESULTS["checks"].append({"what": f"Int4Linear {name} M={m} path {path}", "rel_err": err,
+                                      "pass": err <= REL_LIMIT})
+            row["int4linear_path"] = path
+            row["int4linear_us"] = round(mar.graph_us([partial(md, x) for md in mods]), 1)
             if conv and m <= 64:
                 pk = [(md._kernel_tensors(conv)) for md in mods]
                 row["tinygemm_us"] = round(mar.graph_us(
@@ -357,7 +365,7 @@ def run_model(ctx, choice):
     if choice:
         int4.PREFILL_DEQUANTIZER, int4.PREFILL_CHUNK_BYTES = choice[0], choice[1] << 20
     summary = benchmark.run(models=["llava-7b"], variants=["edgevlm", "edgevlm-w4"], with_hf=False,
-                            batch_sizes=[1, 8, 32], new_tokens=32, n_text=32)
+                            batch_sizes=ctx["batch_sizes"], new_tokens=32, n_text=32)
     keep = ("model", "impl", "ttft_ms", "tpot_ms", "decode_tok_s", "step_gpu_ms", "batch_tok_s", "copy_frac", "gbps",
             "weight_bytes", "kv_bytes_per_token", "error")
     rows = [{k: r.get(k) for k in keep if k in r} for r in summary["rows"]]
@@ -397,10 +405,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip", default="", help="comma-separated sections to skip (layers,prefill,model,numerics,sm87)")
     ap.add_argument("--quick", action="store_true", help="the four 7B shapes only")
+    ap.add_argument("--batch-sizes", default="1,8,32", help="decode batch sizes of the model section")
+    ap.add_argument("--prefill-ms", default="32,64,128,256,600", help="M values of the prefill section")
     ap.add_argument("--install-table", action="store_true",
                     help="write the sweep's launch table into runtime/kernels/ (used by the model section)")
     args = ap.parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    global PREFILL_MS
+    PREFILL_MS = tuple(int(m) for m in args.prefill_ms.split(","))
     t0 = time.perf_counter()
     nv = start_sm87_build() if "sm87" not in skip else None
     marlin().bootstrap_imports()
@@ -445,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.update(device=props.name, torch=torch.__version__, copy_gbps=round(copy_gbps, 1), l2_mib=l2 >> 20,
                    build_s=round(build_s, 1), bulk_status=bulk,
                    date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
-    ctx = {"dev": dev, "l2": l2, "copy_gbps": copy_gbps, "install_table": args.install_table}
+    ctx = {"dev": dev, "l2": l2, "copy_gbps": copy_gbps, "install_table": args.install_table,
+           "batch_sizes": [int(b) for b in args.batch_sizes.split(",")]}
     shapes = {k: v for k, v in SHAPES.items() if k.startswith("7b.")} if args.quick else SHAPES
     layers = run_layers(ctx, shapes, kinds) if "layers" not in skip else None
     chunk = run_prefill(ctx, {k: v for k, v in SHAPES.items() if k.startswith("7b.")}) if "prefill" not in skip else None

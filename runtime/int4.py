@@ -75,11 +75,14 @@ CUDA_TRITON_KERNEL_MAX_M = 16
 # its bulk-copy variant (w4a16_bulk.cu) serves up to MMA_BULK_MAX_M (batched decode to batch 32).
 MMA_KERNEL_MAX_M = 16
 MMA_BULK_MAX_M = 32
+# ... and up to this many kernel launches over row blocks (M up to 2 x 32 on sm_90): at M = 64 two launches
+# of the four 7B layers take 2 x 104 us against 257 us for dequantize + cuBLAS (H200, bench/w4a16_kernel.py).
+MMA_MAX_CALLS = 2
 # Prefill (M above the kernel's rows) with the extension present: a one-pass dequantizer ("cuda": the
 # extension's, "triton": kernels/w4a16.py's) writes the bf16 weight in row chunks of at most this many
 # bytes into one reused buffer, each multiplied by cuBLAS right after (so the chunk can stay in L2);
 # 0 = the whole weight at once. bench/w4a16_kernel.py measures the choice (results/w4a16_kernel_h200_*.md).
-PREFILL_DEQUANTIZER = "triton"
+PREFILL_DEQUANTIZER = "cuda"
 PREFILL_CHUNK_BYTES = 0
 
 _MMA_FALLBACK_LOGGED: set[str] = set()
@@ -258,7 +261,8 @@ class Int4Linear(nn.Module):
 
     Execution path, chosen per call:
 
-    * CUDA, ``M <= MMA_KERNEL_MAX_M`` rows (decode; ``MMA_BULK_MAX_M`` on sm_90, batched decode),
+    * CUDA, ``M <= MMA_KERNEL_MAX_M`` rows (decode; ``MMA_BULK_MAX_M`` on sm_90, batched decode; up to
+      ``MMA_MAX_CALLS`` times that in as many launches over row blocks),
       group size 64/128, ``out_features % 16 == 0``: the tensor-core W4A16 kernel over the mma layout
       (:mod:`edgevlm.runtime.kernels.w4a16_mma`, repacked from the canonical buffers on first use and
       cached); above those rows (prefill) the same extension's one-pass dequantizer + cuBLAS
@@ -364,7 +368,7 @@ class Int4Linear(nn.Module):
         dev_type = torch.device(device).type
         mma_ok = self.kernel in ("auto", "mma") \
             and mma_kernel_ok(device, self.out_features, self.in_features, self.group_size)
-        if mma_ok and 0 < m <= mma_max_rows(device):
+        if mma_ok and 0 < m <= MMA_MAX_CALLS * mma_max_rows(device):
             return "mma"
         if mma_ok and self.in_features % 32 == 0:  # prefill: the extension's dequantizer + cuBLAS
             return "cuda_dequant"
@@ -421,9 +425,16 @@ class Int4Linear(nn.Module):
             from edgevlm.runtime.kernels.w4a16_mma import w4a16_mma
 
             qw, meta, bias = self._mma_tensors()
-            xa = x2 if x2.dtype in (torch.bfloat16, torch.float16) else x2.to(torch.bfloat16)
-            y = w4a16_mma(xa.contiguous(), qw, meta, self.group_size, bias).to(x.dtype)
-            return y.reshape(*x.shape[:-1], self.out_features)  # (..., N)
+            xa = (x2 if x2.dtype in (torch.bfloat16, torch.float16) else x2.to(torch.bfloat16)).contiguous()
+            m, top = xa.shape[0], mma_max_rows(xa.device)
+            if m <= top:
+                y = w4a16_mma(xa, qw, meta, self.group_size, bias)
+            else:  # up to MMA_MAX_CALLS launches over equal row blocks of at most `top` rows
+                calls = -(-m // top)
+                step = -(-m // calls)
+                y = torch.cat([w4a16_mma(xa[r:r + step], qw, meta, self.group_size, bias)
+                               for r in range(0, m, step)])
+            return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # (..., N)
         if path == "cuda_dequant":
             return _prefill_matmul(x2.contiguous(), self).reshape(*x.shape[:-1], self.out_features)  # (..., N)
         if path == "triton_gemv1":

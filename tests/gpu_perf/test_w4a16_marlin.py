@@ -265,8 +265,13 @@ def test_int4linear_uses_the_kernel_for_decode_on_cuda():
     dev = torch.device("cuda")
     top = int4.mma_max_rows(dev)
     assert top in (16, 32)
-    assert [mod.execution_path(m, dev) for m in (1, 16, top)] == ["mma", "mma", "mma"]
-    assert mod.execution_path(top + 1, dev) == "cuda_dequant"
+    most = int4.MMA_MAX_CALLS * top  # row blocks of <= top rows, one launch each
+    assert {mod.execution_path(m, dev) for m in (1, 16, top, top + 1, most)} == {"mma"}
+    assert mod.execution_path(most + 1, dev) == "cuda_dequant"
+    for m in (top + 5, most):  # the row-block split gives the same function
+        xs = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
+        ref_s = xs.double() @ mod.dequantized_weight(torch.float64).T + mod.bias.double()
+        assert _rel(mod(xs), ref_s) <= 3e-3
     x = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)
     ref = x.double() @ mod.dequantized_weight(torch.float64).T + mod.bias.double()
     assert _rel(mod(x), ref) <= 3e-3
