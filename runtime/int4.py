@@ -144,6 +144,8 @@ def _prefill_matmul(x2: torch.Tensor, lin: Int4Linear, dequantizer: str | None =
     chunk_bytes = PREFILL_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     n, k = lin.out_features, lin.in_features
     bias = lin.bias.to(x2.dtype) if lin.bias is not None else None
+    if dequantizer == "cuda" and x2.dtype not in (torch.bfloat16, torch.float16):  # the kernel writes 16-bit
+        return F.linear(x2, lin.dequantized_weight(x2.dtype), bias)
     chunk_rows = (chunk_bytes // (2 * k)) // 16 * 16 if chunk_bytes else 0
     if not chunk_rows or chunk_rows >= n:
         return F.linear(x2, _prefill_dequant(lin, x2.dtype, dequantizer, 0, n, None), bias)

@@ -255,6 +255,9 @@ def test_int4linear_prefill_uses_the_cuda_dequantizer(monkeypatch, chunk_bytes):
     y = mod(x)
     assert y.shape == (600, 1040) and torch.isfinite(y).all()
     assert _rel(y, ref) <= 3e-3
+    y32 = mod(x.float())  # float32 activations: the dense reference path, float32 out
+    assert y32.dtype == torch.float32 and _rel(y32, x.double() @ mod.dequantized_weight(torch.float64).T
+                                                + mod.bias.double()) <= 1e-4
 
 
 @needs_cuda
