@@ -227,8 +227,10 @@ else
     run chmod 0750 /etc/edgevlm
 fi
 
-# -- W4A16 tensor-core kernel (runtime/kernels/w4a16_mma.cu) ---------------------------------------
-# Compiled here for this GPU (sm_87 on an AGX Orin, with JetPack's nvcc) into the venv's kernel cache,
+# -- W4A16 tensor-core kernel (runtime/kernels/w4a16_*.cu) -----------------------------------------
+# The decode kernel (w4a16_mma.cu), its sm_90 variant (w4a16_bulk.cu; a stub on an Orin) and the prefill
+# dequantizer (w4a16_dequant.cu), one extension. Compiled here for this GPU (sm_87 on an AGX Orin, with
+# JetPack's nvcc) into the venv's kernel cache,
 # where the runtime looks first; otherwise it compiles on the first INT4 decode, and without nvcc INT4
 # decode falls back to torch's tinygemm kernel (one log line).
 KERNEL_CACHE=$VENV_DIR/var/cache/edgevlm-kernels

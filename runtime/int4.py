@@ -71,8 +71,19 @@ CUDA_KERNEL_MAX_M = 64
 # 35 us at M = 8 on 12288x4096, the Triton dequantizer + cuBLAS 68 us at any M <= 64; at M = 32 on
 # 4096x4096 tinygemm takes 42 us, dequantize + cuBLAS ~20 us).
 CUDA_TRITON_KERNEL_MAX_M = 16
-# Up to this M the tensor-core W4A16 kernel (runtime/kernels/w4a16_mma.cu) serves CUDA decode.
+# Up to this M the tensor-core W4A16 kernel (runtime/kernels/w4a16_mma.cu) serves CUDA decode; on sm_90
+# its bulk-copy variant (w4a16_bulk.cu) serves up to MMA_BULK_MAX_M (batched decode to batch 32).
 MMA_KERNEL_MAX_M = 16
+MMA_BULK_MAX_M = 32
+# ... and up to this many kernel launches over row blocks (M up to 2 x 32 on sm_90): at M = 64 two launches
+# of the four 7B layers take 2 x 104 us against 257 us for dequantize + cuBLAS (H200, bench/w4a16_kernel.py).
+MMA_MAX_CALLS = 2
+# Prefill (M above the kernel's rows) with the extension present: a one-pass dequantizer ("cuda": the
+# extension's, "triton": kernels/w4a16.py's) writes the bf16 weight in row chunks of at most this many
+# bytes into one reused buffer, each multiplied by cuBLAS right after (so the chunk can stay in L2);
+# 0 = the whole weight at once. bench/w4a16_kernel.py measures the choice (results/w4a16_kernel_h200_*.md).
+PREFILL_DEQUANTIZER = "cuda"
+PREFILL_CHUNK_BYTES = 0
 
 _MMA_FALLBACK_LOGGED: set[str] = set()
 
@@ -89,7 +100,7 @@ def mma_kernel_ok(device: torch.device, out_features: int, in_features: int, gro
     else:
         from edgevlm.runtime.kernels.w4a16_mma import mma_status
 
-        reason = mma_status(dev)
+        reason = mma_status(dev, "reg")
     if reason is None:
         return True
     key = f"{dev.type}:{dev.index}"
@@ -98,6 +109,56 @@ def mma_kernel_ok(device: torch.device, out_features: int, in_features: int, gro
         logger.info("W4A16 tensor-core kernel unavailable on %s (%s): decode falls back to torch's int4 kernel "
                     "(tinygemm)", dev, reason)
     return False
+
+
+def mma_max_rows(device: torch.device) -> int:
+    """Activation rows up to which the tensor-core kernel serves on ``device`` (32 where the sm_90
+    bulk-copy variant is usable, else 16); call only where :func:`mma_kernel_ok` said yes."""
+    from edgevlm.runtime.kernels.w4a16_mma import max_rows
+
+    return min(max_rows(device), MMA_BULK_MAX_M)
+
+
+def _prefill_dequant(lin: Int4Linear, dtype: torch.dtype, dequantizer: str, row0: int, rows: int,
+                     out: torch.Tensor | None) -> torch.Tensor:
+    if dequantizer == "triton":
+        from edgevlm.runtime.kernels.w4a16 import dequantize_w4
+
+        view = out[: rows * lin.in_features].view(rows, lin.in_features) if out is not None else None
+        return dequantize_w4(lin.qweight[row0:row0 + rows], lin.scales[row0:row0 + rows],
+                             lin.zeros[row0:row0 + rows], lin.group_size, dtype, out=view)
+    from edgevlm.runtime.kernels.w4a16_mma import w4a16_dequant
+
+    return w4a16_dequant(lin.qweight, lin.scales, lin.zeros, lin.group_size, dtype, row0=row0, rows=rows, out=out)
+
+
+def _prefill_matmul(x2: torch.Tensor, lin: Int4Linear, dequantizer: str | None = None,
+                    chunk_bytes: int | None = None) -> torch.Tensor:
+    """``x2 (M, K) @ W^T + bias`` for prefill: a one-pass dequantizer into ``x2.dtype`` (``"cuda"``: the
+    extension's, ``"triton"``: :func:`edgevlm.runtime.kernels.w4a16.dequantize_w4`; default
+    :data:`PREFILL_DEQUANTIZER`) then cuBLAS, in row chunks of ``chunk_bytes`` (default
+    :data:`PREFILL_CHUNK_BYTES`; 0 = the whole weight) written into one reused buffer."""
+    dequantizer = dequantizer or PREFILL_DEQUANTIZER
+    if dequantizer == "triton" and not _triton_w4a16(x2.device):
+        dequantizer = "cuda"
+    chunk_bytes = PREFILL_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    n, k = lin.out_features, lin.in_features
+    bias = lin.bias.to(x2.dtype) if lin.bias is not None else None
+    if dequantizer == "cuda" and x2.dtype not in (torch.bfloat16, torch.float16):  # the kernel writes 16-bit
+        return F.linear(x2, lin.dequantized_weight(x2.dtype), bias)
+    chunk_rows = (chunk_bytes // (2 * k)) // 16 * 16 if chunk_bytes else 0
+    if not chunk_rows or chunk_rows >= n:
+        return F.linear(x2, _prefill_dequant(lin, x2.dtype, dequantizer, 0, n, None), bias)
+    out = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
+    buf = torch.empty(chunk_rows * k, dtype=x2.dtype, device=x2.device)
+    for r0 in range(0, n, chunk_rows):
+        rows = min(chunk_rows, n - r0)
+        w = _prefill_dequant(lin, x2.dtype, dequantizer, r0, rows, buf)
+        if bias is not None:
+            torch.addmm(bias[r0:r0 + rows], x2, w.T, out=out[:, r0:r0 + rows])
+        else:
+            torch.mm(x2, w.T, out=out[:, r0:r0 + rows])
+    return out
 
 
 # ----------------------------------------------------------------------------- kernel selection
@@ -202,9 +263,12 @@ class Int4Linear(nn.Module):
 
     Execution path, chosen per call:
 
-    * CUDA, ``M <= MMA_KERNEL_MAX_M`` rows (decode), group size 64/128, ``out_features % 16 == 0``:
-      the tensor-core W4A16 kernel over the mma layout (:mod:`edgevlm.runtime.kernels.w4a16_mma`,
-      repacked from the canonical buffers on first use and cached); where it is absent (see
+    * CUDA, ``M <= MMA_KERNEL_MAX_M`` rows (decode; ``MMA_BULK_MAX_M`` on sm_90, batched decode; up to
+      ``MMA_MAX_CALLS`` times that in as many launches over row blocks),
+      group size 64/128, ``out_features % 16 == 0``: the tensor-core W4A16 kernel over the mma layout
+      (:mod:`edgevlm.runtime.kernels.w4a16_mma`, repacked from the canonical buffers on first use and
+      cached); above those rows (prefill) the same extension's one-pass dequantizer + cuBLAS
+      (``"cuda_dequant"``, see :data:`PREFILL_CHUNK_BYTES`). Where the extension is absent (see
       :func:`mma_kernel_ok`, one log line) the paths below.
     * CUDA, ``M <= CUDA_TRITON_KERNEL_MAX_M`` rows (decode): tinygemm ``aten._weight_int4pack_mm``
       (bf16 activations; 43 % of copy bandwidth on 7B shapes on an H200, ``bench/w4a16_tune.py``);
@@ -304,9 +368,12 @@ class Int4Linear(nn.Module):
         if self.kernel == "dequant":
             return "dequant"
         dev_type = torch.device(device).type
-        if self.kernel in ("auto", "mma") and 0 < m <= MMA_KERNEL_MAX_M \
-                and mma_kernel_ok(device, self.out_features, self.in_features, self.group_size):
+        mma_ok = self.kernel in ("auto", "mma") \
+            and mma_kernel_ok(device, self.out_features, self.in_features, self.group_size)
+        if mma_ok and 0 < m <= MMA_MAX_CALLS * mma_max_rows(device):
             return "mma"
+        if mma_ok and self.in_features % 32 == 0:  # prefill: the extension's dequantizer + cuBLAS
+            return "cuda_dequant"
         triton_ok = (self.kernel == "triton" or (self.kernel == "auto" and dev_type == "cuda")) \
             and _triton_w4a16(device)
         conv = None if self.kernel == "triton" else kernel_convention(device)
@@ -360,9 +427,18 @@ class Int4Linear(nn.Module):
             from edgevlm.runtime.kernels.w4a16_mma import w4a16_mma
 
             qw, meta, bias = self._mma_tensors()
-            xa = x2 if x2.dtype in (torch.bfloat16, torch.float16) else x2.to(torch.bfloat16)
-            y = w4a16_mma(xa.contiguous(), qw, meta, self.group_size, bias).to(x.dtype)
-            return y.reshape(*x.shape[:-1], self.out_features)  # (..., N)
+            xa = (x2 if x2.dtype in (torch.bfloat16, torch.float16) else x2.to(torch.bfloat16)).contiguous()
+            m, top = xa.shape[0], mma_max_rows(xa.device)
+            if m <= top:
+                y = w4a16_mma(xa, qw, meta, self.group_size, bias)
+            else:  # up to MMA_MAX_CALLS launches over equal row blocks of at most `top` rows
+                calls = -(-m // top)
+                step = -(-m // calls)
+                y = torch.cat([w4a16_mma(xa[r:r + step], qw, meta, self.group_size, bias)
+                               for r in range(0, m, step)])
+            return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # (..., N)
+        if path == "cuda_dequant":
+            return _prefill_matmul(x2.contiguous(), self).reshape(*x.shape[:-1], self.out_features)  # (..., N)
         if path == "triton_gemv1":
             from edgevlm.runtime.kernels.w4a16 import w4a16_gemv1
 
@@ -449,7 +525,7 @@ def prepare_int4_kernels(module: nn.Module) -> int:
             if path == "mma":
                 m._mma_tensors()
                 count += 1
-            elif path not in ("dequant", "triton_gemv", "triton_gemv1", "triton_dequant"):
+            elif path not in ("dequant", "triton_gemv", "triton_gemv1", "triton_dequant", "cuda_dequant"):
                 m._kernel_tensors(path)
                 count += 1
     if count:

@@ -27,97 +27,17 @@
 // on the H200: 14.6 vs 13.2 us on 12288x4096 at M = 1, bench/results/w4a16_marlin_h200_20261201.md.)
 // This file includes no torch header: `nvcc -arch=sm_87 -c w4a16_mma.cu` checks it stand-alone.
 
-#include <cstdint>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
+#include "w4a16_common.cuh"
 
 namespace edgevlm_w4a16 {
-
-template <bool BF16>
-struct Magic;
-template <>
-struct Magic<true> {                          // bf16: 7 mantissa bits, 128 + q exact for q < 128
-    static constexpr uint32_t kBias2 = 0x43004300u;   // 128.0, 128.0
-    static constexpr uint32_t kNegBias = 0xC300u;     // -128.0; + zero -> -(128 + zero)
-    static constexpr uint32_t kOne2 = 0x3F803F80u;    // 1.0, 1.0
-};
-template <>
-struct Magic<false> {                         // fp16: 10 mantissa bits, 1024 + q exact
-    static constexpr uint32_t kBias2 = 0x64006400u;
-    static constexpr uint32_t kNegBias = 0xE400u;
-    static constexpr uint32_t kOne2 = 0x3C003C00u;
-};
-
-template <bool BF16>
-__device__ __forceinline__ uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
-    uint32_t d;
-    if constexpr (BF16) {
-        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    } else {
-        asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    }
-    return d;
-}
-
-template <bool BF16>
-__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    if constexpr (BF16) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    } else {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-}
-
-// Weights are read once: keep them out of L1 (the activations live there).
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
-__device__ __forceinline__ uint32_t word_of(const uint4& v, int j) {
-    return j == 0 ? v.x : (j == 1 ? v.y : (j == 2 ? v.z : v.w));
-}
-
-
-template <bool BF16>
-__device__ __forceinline__ void store_out(void* y, size_t idx, float v) {
-    if constexpr (BF16) {
-        // round to nearest even, as __float2bfloat16_rn
-        uint32_t u = __float_as_uint(v);
-        uint16_t out;
-        if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu)) {
-            out = static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
-        } else {
-            u += 0x7FFFu + ((u >> 16) & 1u);
-            out = static_cast<uint16_t>(u >> 16);
-        }
-        static_cast<uint16_t*>(y)[idx] = out;
-    } else {
-        static_cast<__half*>(y)[idx] = __float2half_rn(v);
-    }
-}
-
-// (a & b) | c in one LOP3 (the compiler splits it in two when b and c are both immediates).
-__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
-    uint32_t d;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
 
 // MT: 8-column batch tiles (1: M <= 8, 2: M <= 16). GT: 64-channel blocks per group (1: g 64, 2: g 128).
 // KSPLIT warps split the groups of K; DEPTH groups of weight loads in flight per warp; a CTA streams
 // `tiles_per_cta` consecutive 16-row tiles with the load ring running across tile boundaries.
 // LOADS_ONLY (diagnostic): stream the weights and fold them into the output without any arithmetic.
-template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH, bool LOADS_ONLY>
+// ZX (MT = 1, M <= kZxMaxM): the zero point folded in through the activation sums, as in w4a16_bulk.cu
+// (the mma gets B + q straight from the mask-or; per group and row, - (B + z) X_G is added to the group sum).
+template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH, bool LOADS_ONLY, bool ZX = false>
 __global__ void __launch_bounds__(KSPLIT * 32)
 w4a16_mma_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ meta, const uint16_t* __restrict__ x,
                  const float* __restrict__ bias, void* __restrict__ y, int M, int N, int K, int tiles_per_cta) {
@@ -169,6 +89,12 @@ w4a16_mma_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ meta
     } while (0)
 #pragma unroll
     for (int s = 0; s < DEPTH; ++s) EDGEVLM_LOAD_ITEM(s);
+    extern __shared__ float xs_all[];  // ZX: [KSPLIT][gmax][kZxMaxM]
+    float* xs = xs_all + warp * gmax * kZxMaxM;
+    if constexpr (ZX) {
+        warp_group_xsums<BF16, GT>(x, K, M, g0, gw, xs, lane);  // while the first weight loads fly
+        __syncwarp();
+    }
 
     float acc[MT][4];
 #pragma unroll
@@ -206,8 +132,11 @@ w4a16_mma_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ meta
                             }
                         const uint32_t m0 = mb[s][0];
                         const uint32_t m1 = mb[s][1];
-                        const uint32_t nz0 = (M16::kNegBias + (m0 >> 16)) * 0x10001u;  // -(bias + zero)
-                        const uint32_t nz1 = (M16::kNegBias + (m1 >> 16)) * 0x10001u;
+                        uint32_t nz0 = 0, nz1 = 0;
+                        if constexpr (!ZX) {
+                            nz0 = (M16::kNegBias + (m0 >> 16)) * 0x10001u;  // -(bias + zero)
+                            nz1 = (M16::kNegBias + (m1 >> 16)) * 0x10001u;
+                        }
                         const float s0 = __half2float(__ushort_as_half(static_cast<unsigned short>(m0 & 0xFFFFu)));
                         const float s1 = __half2float(__ushort_as_half(static_cast<unsigned short>(m1 & 0xFFFFu)));
                         float gacc[2][MT][4];  // two independent mma chains (even / odd k-tiles)
@@ -226,7 +155,10 @@ w4a16_mma_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ meta
 #pragma unroll
                                 for (int r = 0; r < 4; ++r) {
                                     const uint32_t v = and_or(r == 0 ? w : (w >> (4 * r)), kMask, kBias);
-                                    a[r] = fma2<BF16>(v, M16::kOne2, (r & 1) ? nz1 : nz0);  // q - zero, exact
+                                    if constexpr (ZX)
+                                        a[r] = v;  // B + q
+                                    else
+                                        a[r] = fma2<BF16>(v, M16::kOne2, (r & 1) ? nz1 : nz0);  // q - zero, exact
                                 }
 #pragma unroll
                                 for (int mt = 0; mt < MT; ++mt) {
@@ -235,12 +167,24 @@ w4a16_mma_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ meta
                                 }
                             }
                         }
+                        if constexpr (ZX) {
+                            const float b0 = (BF16 ? 128.f : 1024.f) + static_cast<float>(m0 >> 16);
+                            const float b1 = (BF16 ? 128.f : 1024.f) + static_cast<float>(m1 >> 16);
+                            const int c0 = 2 * t;
+                            const float xs0 = c0 < kZxMaxM ? xs[cur_local * kZxMaxM + c0] : 0.f;
+                            const float xs1 = c0 + 1 < kZxMaxM ? xs[cur_local * kZxMaxM + c0 + 1] : 0.f;
+                            acc[0][0] = fmaf(s0, fmaf(-b0, xs0, gacc[0][0][0] + gacc[1][0][0]), acc[0][0]);
+                            acc[0][1] = fmaf(s0, fmaf(-b0, xs1, gacc[0][0][1] + gacc[1][0][1]), acc[0][1]);
+                            acc[0][2] = fmaf(s1, fmaf(-b1, xs0, gacc[0][0][2] + gacc[1][0][2]), acc[0][2]);
+                            acc[0][3] = fmaf(s1, fmaf(-b1, xs1, gacc[0][0][3] + gacc[1][0][3]), acc[0][3]);
+                        } else {
 #pragma unroll
-                        for (int mt = 0; mt < MT; ++mt) {
-                            acc[mt][0] = fmaf(s0, gacc[0][mt][0] + gacc[1][mt][0], acc[mt][0]);
-                            acc[mt][1] = fmaf(s0, gacc[0][mt][1] + gacc[1][mt][1], acc[mt][1]);
-                            acc[mt][2] = fmaf(s1, gacc[0][mt][2] + gacc[1][mt][2], acc[mt][2]);
-                            acc[mt][3] = fmaf(s1, gacc[0][mt][3] + gacc[1][mt][3], acc[mt][3]);
+                            for (int mt = 0; mt < MT; ++mt) {
+                                acc[mt][0] = fmaf(s0, gacc[0][mt][0] + gacc[1][mt][0], acc[mt][0]);
+                                acc[mt][1] = fmaf(s0, gacc[0][mt][1] + gacc[1][mt][1], acc[mt][1]);
+                                acc[mt][2] = fmaf(s1, gacc[0][mt][2] + gacc[1][mt][2], acc[mt][2]);
+                                acc[mt][3] = fmaf(s1, gacc[0][mt][3] + gacc[1][mt][3], acc[mt][3]);
+                            }
                         }
                     }
                 }
@@ -290,12 +234,15 @@ w4a16_mma_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ meta
 #undef EDGEVLM_LOAD_ITEM
 }
 
-template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH, bool LOADS_ONLY>
+template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH, bool LOADS_ONLY, bool ZX = false>
 cudaError_t launch_typed(const void* qw, const void* meta, const void* x, const float* bias, void* y, int M, int N,
                          int K, int tiles_per_cta, cudaStream_t stream) {
     const int tiles = N / 16;
     const int grid = (tiles + tiles_per_cta - 1) / tiles_per_cta;
-    w4a16_mma_kernel<BF16, MT, GT, KSPLIT, DEPTH, LOADS_ONLY><<<grid, KSPLIT * 32, 0, stream>>>(
+    const int groups = K / (GT * 64);
+    const int xs_bytes = ZX ? KSPLIT * ((groups + KSPLIT - 1) / KSPLIT) * kZxMaxM * 4 : 0;
+    if (xs_bytes > 16 * 1024) return cudaErrorInvalidValue;  // static (<= 30 KB) + dynamic stays under 48 KB
+    w4a16_mma_kernel<BF16, MT, GT, KSPLIT, DEPTH, LOADS_ONLY, ZX><<<grid, KSPLIT * 32, xs_bytes, stream>>>(
         static_cast<const uint4*>(qw), static_cast<const uint32_t*>(meta), static_cast<const uint16_t*>(x), bias, y,
         M, N, K, tiles_per_cta);
     return cudaGetLastError();
@@ -305,11 +252,15 @@ template <bool BF16, int MT, int GT>
 cudaError_t launch_split(int ksplit, int depth, int mode, const void* qw, const void* meta, const void* x,
                          const float* bias, void* y, int M, int N, int K, int tiles_per_cta, cudaStream_t stream) {
 #define EDGEVLM_W4A16_CASE(KS, D)                                                                        \
-    if (ksplit == KS && depth == D)                                                                      \
-        return mode == 1 ? launch_typed<BF16, MT, GT, KS, D, true>(qw, meta, x, bias, y, M, N, K, tiles_per_cta, \
-                                                                   stream)                              \
-                         : launch_typed<BF16, MT, GT, KS, D, false>(qw, meta, x, bias, y, M, N, K,      \
-                                                                    tiles_per_cta, stream);
+    if (ksplit == KS && depth == D) {                                                                    \
+        if (mode == 1)                                                                                   \
+            return launch_typed<BF16, MT, GT, KS, D, true>(qw, meta, x, bias, y, M, N, K, tiles_per_cta, stream); \
+        if constexpr (MT == 1)                                                                           \
+            if (mode == 0 && M <= kZxMaxM)                                                               \
+                return launch_typed<BF16, MT, GT, KS, D, false, true>(qw, meta, x, bias, y, M, N, K,     \
+                                                                      tiles_per_cta, stream);           \
+        return launch_typed<BF16, MT, GT, KS, D, false>(qw, meta, x, bias, y, M, N, K, tiles_per_cta, stream); \
+    }
     EDGEVLM_W4A16_CASE(4, 2)
     EDGEVLM_W4A16_CASE(4, 4)
     EDGEVLM_W4A16_CASE(4, 8)
@@ -321,15 +272,15 @@ cudaError_t launch_split(int ksplit, int depth, int mode, const void* qw, const 
     return cudaErrorInvalidValue;
 }
 
-// Entry point of the torch binding (w4a16_mma_ext.cpp). mode 0 computes; mode 1 is the loads-only
-// diagnostic (wrong results by design). Returns cudaErrorInvalidValue for an unsupported
+// Entry point of the torch binding (w4a16_mma_ext.cpp). mode 0 computes (with the ZX fold at M <= 4);
+// mode 2 computes without the ZX fold; mode 1 is the loads-only diagnostic (wrong results by design). Returns cudaErrorInvalidValue for an unsupported
 // (group_size, ksplit, depth, M, tiles_per_cta) or a shape that is not a multiple of the tiles; else the
 // launch's error.
 cudaError_t launch_w4a16_mma(bool bf16, const void* qw, const void* meta, const void* x, const float* bias, void* y,
                              int M, int N, int K, int group_size, int ksplit, int depth, int tiles_per_cta, int mode,
                              cudaStream_t stream) {
     if (M < 1 || M > 16 || N % 16 || K % 64 || (group_size != 64 && group_size != 128) || K % group_size ||
-        tiles_per_cta < 1 || (mode != 0 && mode != 1))
+        tiles_per_cta < 1 || mode < 0 || mode > 2)
         return cudaErrorInvalidValue;
     const bool two = M > 8;
     const bool g128 = group_size == 128;

@@ -1,6 +1,15 @@
-"""W4A16 decode GEMM on the tensor cores (CUDA C++, M = 1..16 rows): build, availability, call, reference.
+"""W4A16 decode GEMM on the tensor cores (CUDA C++, M = 1..16 rows; 1..32 on sm_90) and the prefill
+dequantizer: build, availability, call, reference.
 
-The kernel (``w4a16_mma.cu``, bound to torch by ``w4a16_mma_ext.cpp``) reads the weights in the
+Two variants of one kernel (same layout, same arithmetic, bit-stable): ``"reg"`` (``w4a16_mma.cu``,
+sm_80+: a register ring of weight loads) and ``"bulk"`` (``w4a16_bulk.cu``, sm_90 only: a per-warp
+shared-memory ring filled by the bulk-copy engine, which also serves M = 17..32 and folds the zero point
+in through per-group activation sums at M <= 4); the launch table (``w4a16_mma_configs.json``, from
+``bench/w4a16_kernel.py`` on an H200) picks the variant and configuration per shape and M bucket.
+:func:`w4a16_dequant` (``w4a16_dequant.cu``) writes the dense bf16/fp16 weight in one pass for
+``dequantize + cuBLAS`` prefill. All are bound to torch by ``w4a16_mma_ext.cpp``.
+
+The register-ring kernel reads the weights in the
 tensor-core layout of :func:`edgevlm.runtime.int4_format.repack_int4_mma` (``MMA_LAYOUT_VERSION``):
 one 16-byte load per lane is four ``mma.m16n8k16`` A fragments, nibbles become the exact bf16/fp16
 ``q - zero`` with one mask-or and one fma (the "magic number" conversion), the scale is applied to the
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -40,16 +50,30 @@ from edgevlm.runtime.int4_format import MMA_LAYOUT_VERSION, check_mma_shape
 logger = logging.getLogger(__name__)
 
 MMA_MAX_M = 16
-"""Activation rows up to which the kernel serves (decode and batched decode)."""
+"""Activation rows up to which the register-ring kernel (``w4a16_mma.cu``, sm_80+) serves (decode and
+batched decode)."""
+BULK_MAX_M = 32
+"""Rows up to which the sm_90 bulk-copy kernel (``w4a16_bulk.cu``) serves (batched decode to batch 32)."""
 MMA_CONFIGS = ((4, 2), (4, 4), (4, 8), (8, 2), (8, 4), (16, 2), (16, 4))
 """``(KSPLIT warps per CTA, DEPTH groups of weight loads in flight per warp)`` pairs compiled into the
-kernel; a launch configuration adds ``TILES_PER_CTA`` (16-row tiles one CTA streams, >= 1). Every pair
-runs on every sm_80+ GPU (at most 512 threads and 30 KB of static shared memory per CTA)."""
+register-ring kernel; a launch configuration adds ``TILES_PER_CTA`` (16-row tiles one CTA streams, >= 1).
+Every pair runs on every sm_80+ GPU (at most 512 threads and 30 KB of static shared memory per CTA)."""
+BULK_CONFIGS = ((4, 4), (4, 8), (8, 4), (8, 8))
+"""``(WARPS per CTA, STAGES of the per-warp shared-memory ring)`` pairs compiled into the bulk-copy
+kernel (sm_90; up to 78 KB of dynamic shared memory per CTA), plus ``TILES_PER_CTA``."""
 DEFAULT_CONFIG = (8, 2, 1)
-"""The launch configuration for shapes the sweep did not measure (among the best on most H200 shapes)."""
+"""The register-ring launch configuration for shapes the sweep did not measure."""
+DEFAULT_BULK_CONFIG = (8, 8, 1)
+"""The bulk-copy launch configuration for shapes the sweep did not measure (sm_90)."""
+UNTUNED_PREFERS_BULK = False
+"""Whether shapes the sweep did not measure use the bulk-copy variant at M <= 16 where it is usable."""
+KINDS = ("reg", "bulk")
+"""Kernel variants: ``"reg"`` the register ring (sm_80+), ``"bulk"`` the sm_90 bulk-copy ring."""
 CONFIGS_FILE = Path(__file__).with_name("w4a16_mma_configs.json")
-SOURCES = ("w4a16_mma.cu", "w4a16_mma_ext.cpp")
+SOURCES = ("w4a16_mma.cu", "w4a16_bulk.cu", "w4a16_dequant.cu", "w4a16_mma_ext.cpp")
+HEADERS = ("w4a16_common.cuh",)
 MIN_CAPABILITY = (8, 0)  # mma.m16n8k16 bf16 and fma.rn.bf16x2 need sm_80
+BULK_CAPABILITY = (9, 0)  # cp.async.bulk + mbarrier transaction counts
 
 
 class MmaKernelUnavailable(RuntimeError):
@@ -101,7 +125,8 @@ def _build(arch: str):
         raise MmaKernelUnavailable(f"sm_{major}{minor} is older than sm_80 (no bf16 mma)")
     cc = f"{major}{minor}"
     src = _source_dir()
-    name = f"edgevlm_w4a16_mma_v{MMA_LAYOUT_VERSION}_sm{cc}"
+    digest = hashlib.sha256(b"".join((src / f).read_bytes() for f in (*SOURCES, *HEADERS))).hexdigest()[:10]
+    name = f"edgevlm_w4a16_mma_v{MMA_LAYOUT_VERSION}_sm{cc}_{digest}"
     build_dir = kernel_cache_dir()
     try:
         if build_dir is not None:
@@ -143,88 +168,159 @@ def load_extension(device: torch.device | str | None = None):
     return ext
 
 
-_STATUS: dict[str, str | None] = {}  # device string -> None (usable) or the reason it is not
+_STATUS: dict[tuple[str, str], str | None] = {}  # (device, kind) -> None (usable) or the reason it is not
 
 
-def mma_status(device: torch.device | str) -> str | None:
-    """``None`` when the kernel is usable on ``device`` (built, loaded, and a probe matched a float64
-    reference at M = 1 and 9 for both group sizes), else the reason it is not. Checked once per device."""
+def _device_key(dev: torch.device) -> str:
+    return str(dev) if dev.type != "cuda" or dev.index is not None else f"cuda:{torch.cuda.current_device()}"
+
+
+def mma_status(device: torch.device | str, kind: str = "reg") -> str | None:
+    """``None`` when kernel variant ``kind`` (:data:`KINDS`) is usable on ``device`` (built, loaded, and a
+    probe matched a float64 reference at M = 1 and 9, and 24 for ``"bulk"``, for both group sizes), else
+    the reason it is not. Checked once per device and kind. ``"bulk"`` needs sm_90."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     dev = torch.device(device)
-    key = str(dev) if dev.type != "cuda" or dev.index is not None else f"cuda:{torch.cuda.current_device()}"
+    key = (_device_key(dev), kind)
     if key in _STATUS:
         return _STATUS[key]
     reason: str | None
     try:
         if dev.type != "cuda":
             raise MmaKernelUnavailable(f"the kernel runs on CUDA devices, not {dev.type}")
+        if kind == "bulk" and torch.cuda.get_device_capability(dev) < BULK_CAPABILITY:
+            raise MmaKernelUnavailable("the bulk-copy variant needs sm_90 (cp.async.bulk)")
+        if os.environ.get("EDGEVLM_W4A16_BULK", "1").strip() in ("0", "false", "no", "off") and kind == "bulk":
+            raise MmaKernelUnavailable("the bulk-copy variant is disabled by EDGEVLM_W4A16_BULK=0")
         load_extension(dev)
-        reason = _probe(torch.device(key))
+        reason = _probe(torch.device(key[0]), kind)
     except MmaKernelUnavailable as exc:
         reason = str(exc)
     _STATUS[key] = reason
     return reason
 
 
-def _probe(dev: torch.device) -> str | None:
+def max_rows(device: torch.device | str) -> int:
+    """Activation rows up to which :func:`w4a16_mma` serves on ``device``: :data:`BULK_MAX_M` where the
+    sm_90 variant is usable, :data:`MMA_MAX_M` where only the register ring is, 0 where neither."""
+    if mma_status(device, "reg") is not None:
+        return 0
+    return BULK_MAX_M if mma_status(device, "bulk") is None else MMA_MAX_M
+
+
+def _probe(dev: torch.device, kind: str) -> str | None:
     from edgevlm.runtime.int4_format import dequantize_int4, quantize_int4, repack_int4_mma
 
     gen = torch.Generator().manual_seed(0)
+    cfg = ("reg", *DEFAULT_CONFIG) if kind == "reg" else ("bulk", *DEFAULT_BULK_CONFIG)
     for g in (64, 128):
         w = torch.randn(48, 512, generator=gen)
         qw = quantize_int4(w, g)
         packed, meta = repack_int4_mma(qw.qweight.to(dev), qw.scales.to(dev), qw.zeros.to(dev), g)
         ref_w = dequantize_int4(qw.qweight, qw.scales, qw.zeros, g, torch.float64)
-        for m in (1, 9):
+        for m in ((1, 9) if kind == "reg" else (1, 9, 24)):
             x = torch.randn(m, 512, generator=gen).to(torch.bfloat16)
-            try:
-                y = w4a16_mma(x.to(dev), packed, meta, g).double().cpu()
-            except (RuntimeError, ValueError) as exc:
-                return f"the W4A16 mma kernel failed its probe: {exc}"
             ref = x.double() @ ref_w.T
-            err = float((y - ref).norm() / ref.norm())
-            if not err < 1e-2:
-                return f"the W4A16 mma kernel gives wrong results (rel err {err:.2e} at M={m}, g={g})"
+            for mode in ((0, 2) if m <= 4 else (2,)):  # with and without the x-sum zero-point fold
+                try:
+                    y = w4a16_mma(x.to(dev), packed, meta, g, config=cfg, mode=mode).double().cpu()
+                except (RuntimeError, ValueError) as exc:
+                    return f"the W4A16 {kind} kernel failed its probe: {exc}"
+                err = float((y - ref).norm() / ref.norm())
+                if not err < 1e-2:
+                    return f"the W4A16 {kind} kernel gives wrong results (rel err {err:.2e} at M={m}, g={g})"
     return None
 
 
-M_BUCKETS = (1, 8, 16)
+M_BUCKETS = (1, 8, 16, 32)
+
+
+def _parse_config(cfg) -> tuple[str, int, int, int] | None:
+    """``("reg" | "bulk", a, b, tiles_per_cta)`` from a table entry (``[a, b, tpc]`` = register ring,
+    the format of layout-version-1 tables; ``[kind, a, b, tpc]``; ``[kind, a, b, tpc, zx]``, see
+    :func:`zx_fold`) or None when malformed."""
+    try:
+        if len(cfg) == 3:
+            kind, rest = "reg", cfg
+        elif len(cfg) in (4, 5) and cfg[0] in KINDS:
+            kind, rest = cfg[0], cfg[1:4]
+        else:
+            return None
+        a, b, tpc = (int(v) for v in rest)
+    except (TypeError, ValueError):
+        return None
+    pairs = MMA_CONFIGS if kind == "reg" else BULK_CONFIGS
+    return (kind, a, b, tpc) if (a, b) in pairs and tpc >= 1 else None
 
 
 @functools.cache
-def tuned_configs() -> dict[str, dict[str, list[int]]]:
-    """Measured best ``[KSPLIT, DEPTH, TILES_PER_CTA]`` per weight shape ``"NxKgG"`` and M bucket,
-    written from ``bench/w4a16_marlin.py --sweep`` on an H200 ({} when the file is absent)."""
+def _table() -> tuple[dict, dict]:
+    configs: dict[str, dict[str, tuple[str, int, int, int]]] = {}
+    zx: dict[str, dict[str, bool]] = {}
     try:
         data = json.loads(CONFIGS_FILE.read_text())
-        return {str(key): {str(m): [int(v) for v in cfg] for m, cfg in row.items()}
-                for key, row in data.get("configs", {}).items()}
+        for key, row in data.get("configs", {}).items():
+            for m, cfg in row.items():
+                parsed = _parse_config(cfg)
+                if parsed is not None:
+                    configs.setdefault(str(key), {})[str(m)] = parsed
+                    if len(cfg) == 5:
+                        zx.setdefault(str(key), {})[str(m)] = bool(cfg[4])
     except (OSError, ValueError, TypeError, AttributeError) as exc:
         logger.debug("no tuned W4A16 mma configs (%s): heuristic only", exc)
-        return {}
+    return configs, zx
 
 
-def mma_config(m: int, n: int, k: int, group_size: int) -> tuple[int, int, int]:
-    """``(KSPLIT, DEPTH, TILES_PER_CTA)`` for an ``(m, k) x (n, k)^T`` product: the H200 sweep's best
-    for this shape and M bucket (``w4a16_mma_configs.json``), else :data:`DEFAULT_CONFIG`."""
+def tuned_configs() -> dict[str, dict[str, tuple[str, int, int, int]]]:
+    """Measured best launch configuration ``(kind, a, b, TILES_PER_CTA)`` per weight shape ``"NxKgG"``
+    and M bucket, written by ``bench/w4a16_kernel.py`` on an H200 ({} when the file is absent).
+    Entries of the register-ring kernel hold ``(KSPLIT, DEPTH)``, of the bulk kernel ``(WARPS, STAGES)``."""
+    return _table()[0]
+
+
+ZX_DEFAULT = False
+"""Whether shapes the sweep did not measure use the x-sum zero-point fold at M <= 4."""
+
+
+def zx_fold(m: int, n: int, k: int, group_size: int) -> bool:
+    """Whether the kernel folds the zero point in through per-group activation sums for this product
+    (only at ``m <= 4``: the mma then takes the biased codes and skips one fma per two weights): the
+    sweep's measured choice for the shape, else :data:`ZX_DEFAULT`."""
+    if m > 4:
+        return False
+    bucket = next((b for b in M_BUCKETS if m <= b), M_BUCKETS[-1])
+    return _table()[1].get(f"{n}x{k}g{group_size}", {}).get(str(bucket), ZX_DEFAULT)
+
+
+def mma_config(m: int, n: int, k: int, group_size: int, *, bulk: bool = False) -> tuple[str, int, int, int]:
+    """``(kind, a, b, TILES_PER_CTA)`` for an ``(m, k) x (n, k)^T`` product: the H200 sweep's best for
+    this shape and M bucket (``w4a16_mma_configs.json``), else the default of the variant that serves
+    ``m``. ``bulk``: the sm_90 variant is usable (else bulk entries of the table are skipped)."""
     bucket = next((b for b in M_BUCKETS if m <= b), M_BUCKETS[-1])
     tuned = tuned_configs().get(f"{n}x{k}g{group_size}", {}).get(str(bucket))
-    if tuned is not None and len(tuned) == 3 and tuple(tuned[:2]) in MMA_CONFIGS and tuned[2] >= 1:
-        return tuned[0], tuned[1], tuned[2]
-    return DEFAULT_CONFIG
+    if tuned is not None and (bulk or tuned[0] == "reg") and (m <= MMA_MAX_M or tuned[0] == "bulk"):
+        return tuned
+    if m > MMA_MAX_M or (bulk and UNTUNED_PREFERS_BULK):
+        return ("bulk", *DEFAULT_BULK_CONFIG)
+    return ("reg", *DEFAULT_CONFIG)
 
 
 def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size: int,
-              bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None,
-              *, mode: int = 0) -> torch.Tensor:
-    """``x (M, K)`` bf16/fp16 (``M <= 16``) times the INT4 weight in the mma layout, transposed, plus
-    ``bias`` (float32 ``(N,)``): ``(M, N)`` in ``x.dtype``, fp32 accumulation, bit-stable.
+              bias: torch.Tensor | None = None, config: tuple | None = None,
+              *, mode: int | None = None) -> torch.Tensor:
+    """``x (M, K)`` bf16/fp16 (``M <= 16``; ``M <= 32`` on sm_90) times the INT4 weight in the mma layout,
+    transposed, plus ``bias`` (float32 ``(N,)``): ``(M, N)`` in ``x.dtype``, fp32 accumulation, bit-stable.
 
     ``qw``/``meta`` come from :func:`~edgevlm.runtime.int4_format.repack_int4_mma`. Raises
-    ``ValueError`` for bad shapes/dtypes and :class:`MmaKernelUnavailable` where the extension is
-    absent. ``config`` overrides :func:`mma_config` (tuning); ``mode=1`` is the loads-only diagnostic
-    of the benchmark (streams the weights, computes nothing meaningful)."""
-    if x.dim() != 2 or not 1 <= x.shape[0] <= MMA_MAX_M:
-        raise ValueError(f"x must be (M, K) with 1 <= M <= {MMA_MAX_M}, got {tuple(x.shape)}")
+    ``ValueError`` for bad shapes/dtypes/configs and :class:`MmaKernelUnavailable` where the extension is
+    absent. ``config`` overrides :func:`mma_config` (tuning): ``(kind, a, b, TILES_PER_CTA)`` or the
+    register ring's ``(KSPLIT, DEPTH, TILES_PER_CTA)``; ``mode=1`` is the register ring's loads-only
+    diagnostic (streams the weights, computes nothing meaningful); ``mode=0`` computes with the x-sum
+    zero-point fold at M <= 4, ``mode=2`` without it (the same function to fp32 rounding); ``None``: as
+    :func:`zx_fold` says for this shape."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= BULK_MAX_M:
+        raise ValueError(f"x must be (M, K) with 1 <= M <= {BULK_MAX_M}, got {tuple(x.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"x must be bfloat16 or float16, got {x.dtype}")
     if qw.dtype != torch.int32 or qw.dim() != 4 or tuple(qw.shape[2:]) != (32, 4):
@@ -237,12 +333,52 @@ def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size:
         raise ValueError(f"meta must be int32 ({n // 16}, {k // group_size}, 16), got {meta.dtype} {tuple(meta.shape)}")
     if bias is not None and (bias.dtype != torch.float32 or bias.numel() != n):
         raise ValueError(f"bias must be float32 ({n},)")
-    ksplit, depth, tiles_per_cta = config or mma_config(x.shape[0], n, k, group_size)
-    if (ksplit, depth) not in MMA_CONFIGS or tiles_per_cta < 1:
-        raise ValueError(f"config must be (KSPLIT, DEPTH) in {MMA_CONFIGS} plus TILES_PER_CTA >= 1, "
-                         f"got {(ksplit, depth, tiles_per_cta)}")
+    m = int(x.shape[0])
+    if config is None:
+        cfg = mma_config(m, n, k, group_size, bulk=m > MMA_MAX_M or _bulk_ok(x.device))
+    else:
+        cfg = _parse_config(config)
+        if cfg is None:
+            raise ValueError(f"config must be (kind in {KINDS}, a, b, TILES_PER_CTA >= 1) with (a, b) in "
+                             f"{MMA_CONFIGS} (reg) or {BULK_CONFIGS} (bulk), got {config!r}")
+    kind, a, b, tiles_per_cta = cfg
+    if mode is None:
+        mode = 0 if zx_fold(m, n, k, group_size) else 2
+    if kind == "reg" and m > MMA_MAX_M:
+        raise ValueError(f"the register-ring kernel serves M <= {MMA_MAX_M}, got M = {m}")
+    if kind == "bulk" and mode not in (0, 2):
+        raise ValueError("mode must be 0 or 2 (no x-sum zero-point fold) for the bulk kernel")
+    if kind == "reg" and mode not in (0, 1, 2):
+        raise ValueError("mode must be 0, 1 (loads only) or 2 for the register-ring kernel")
     ext = load_extension(x.device)
-    return ext.w4a16_mma(x.contiguous(), qw, meta, bias, group_size, ksplit, depth, tiles_per_cta, mode)
+    if kind == "bulk":
+        return ext.w4a16_bulk(x.contiguous(), qw, meta, bias, group_size, a, b, tiles_per_cta, mode == 0)
+    return ext.w4a16_mma(x.contiguous(), qw, meta, bias, group_size, a, b, tiles_per_cta, mode)
+
+
+def _bulk_ok(device: torch.device) -> bool:
+    return mma_status(device, "bulk") is None
+
+
+def w4a16_dequant(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                  dtype: torch.dtype = torch.bfloat16, *, row0: int = 0, rows: int | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``[row0, row0 + rows)`` of the canonical INT4 weight as a dense ``(rows, K)`` tensor in
+    ``dtype`` (bf16/fp16), one CUDA kernel: ``(q - zero) * scale`` in fp32, one rounding (bit-identical to
+    :func:`edgevlm.runtime.int4_format.dequantize_int4`). ``out``: a contiguous buffer of ``dtype`` with at
+    least ``rows * K`` elements to write into (its first ``rows * K`` elements are returned as the view).
+    Raises ``ValueError`` for bad arguments, :class:`MmaKernelUnavailable` where the extension is absent."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be bfloat16 or float16, got {dtype}")
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2:
+        raise ValueError(f"qweight must be uint8 (N, K/2), got {qweight.dtype} {tuple(qweight.shape)}")
+    n = int(qweight.shape[0])
+    rows = n - row0 if rows is None else rows
+    if not (0 <= row0 and rows >= 1 and row0 + rows <= n):
+        raise ValueError(f"rows [{row0}, {row0 + rows}) outside the weight's {n} rows")
+    ext = load_extension(qweight.device)
+    return ext.w4a16_dequant(qweight.contiguous(), scales.contiguous(), zeros.contiguous(), group_size, row0, rows,
+                             dtype == torch.bfloat16, out)
 
 
 def w4a16_mma_reference(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size: int,

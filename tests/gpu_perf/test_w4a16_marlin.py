@@ -4,6 +4,7 @@ bench/w4a16_marlin.py's)."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import pytest
@@ -92,8 +93,10 @@ def test_reference_math_on_the_layout_matches_the_dequantized_matmul(m, g, dtype
 def test_wrapper_rejects_bad_arguments():
     qw = quantize_int4(torch.randn(32, 256), 128)
     packed, meta = repack_int4_mma(qw.qweight, qw.scales, qw.zeros, 128)
-    with pytest.raises(ValueError, match="1 <= M <= 16"):
-        mk.w4a16_mma(torch.randn(17, 256).bfloat16(), packed, meta, 128)
+    with pytest.raises(ValueError, match="1 <= M <= 32"):
+        mk.w4a16_mma(torch.randn(33, 256).bfloat16(), packed, meta, 128)
+    with pytest.raises(ValueError, match="register-ring kernel serves M <= 16"):
+        mk.w4a16_mma(torch.randn(17, 256).bfloat16(), packed, meta, 128, config=("reg", 8, 2, 1))
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         mk.w4a16_mma(torch.randn(1, 256), packed, meta, 128)
     with pytest.raises(ValueError, match=r"x must be \(M, 256\)"):
@@ -102,18 +105,54 @@ def test_wrapper_rejects_bad_arguments():
         mk.w4a16_mma(torch.randn(1, 256).bfloat16(), packed, meta[:, :1].contiguous(), 128)
     with pytest.raises(ValueError, match="config must be"):
         mk.w4a16_mma(torch.randn(1, 256).bfloat16(), packed, meta, 128, config=(3, 4, 1))
+    with pytest.raises(ValueError, match="config must be"):
+        mk.w4a16_mma(torch.randn(1, 256).bfloat16(), packed, meta, 128, config=("bulk", 8, 2, 1))
+    with pytest.raises(ValueError, match="mode must be"):
+        mk.w4a16_mma(torch.randn(1, 256).bfloat16(), packed, meta, 128, config=("bulk", 8, 4, 1), mode=1)
     with pytest.raises(mk.MmaKernelUnavailable, match="CUDA"):
         mk.w4a16_mma(torch.randn(1, 256).bfloat16(), packed, meta, 128, config=(8, 4, 1))
 
 
 def test_launch_config_comes_from_the_sweep_table():
-    assert mk.mma_config(1, 16, 128, 128) == mk.DEFAULT_CONFIG  # an untuned shape
+    assert mk.mma_config(1, 16, 128, 128) == ("reg", *mk.DEFAULT_CONFIG)  # an untuned shape, no sm_90
+    assert mk.mma_config(24, 16, 128, 128) == ("bulk", *mk.DEFAULT_BULK_CONFIG)  # M > 16: the bulk variant
     table = mk.tuned_configs()
     assert "4096x11008g128" in table  # the H200 sweep's file ships with the package
     for row in table.values():
-        for cfg in row.values():
-            assert tuple(cfg[:2]) in mk.MMA_CONFIGS and cfg[2] >= 1
-    assert mk.mma_config(1, 4096, 11008, 128) == tuple(table["4096x11008g128"]["1"])
+        for kind, a, b, tpc in row.values():
+            assert (a, b) in (mk.MMA_CONFIGS if kind == "reg" else mk.BULK_CONFIGS) and tpc >= 1
+    cfg = table["4096x11008g128"]["1"]
+    assert mk.mma_config(1, 4096, 11008, 128, bulk=True) == cfg
+    if cfg[0] == "bulk":  # a GPU without the bulk variant gets the register ring instead
+        assert mk.mma_config(1, 4096, 11008, 128, bulk=False)[0] == "reg"
+
+
+def test_table_entries_parse_in_both_formats():
+    assert mk._parse_config([8, 2, 2]) == ("reg", 8, 2, 2)  # layout-version-1 tables: the register ring
+    assert mk._parse_config(["bulk", 8, 8, 1]) == ("bulk", 8, 8, 1)
+    assert mk._parse_config(["reg", 16, 4, 1]) == ("reg", 16, 4, 1)
+    assert mk._parse_config(["reg", 16, 4, 1, 1]) == ("reg", 16, 4, 1)  # + the x-sum fold flag (zx_fold)
+    for bad in ([3, 4, 1], ["bulk", 8, 2, 1], ["warp", 8, 8, 1], [8, 2, 0], [8, "x", 1], 7):
+        assert mk._parse_config(bad) is None
+
+
+def test_zx_fold_only_at_small_m():
+    assert mk.zx_fold(1, 16, 128, 128) is mk.ZX_DEFAULT  # an untuned shape
+    for key, row in mk._table()[1].items():  # measured choices, where the table has them
+        n, k = (int(v) for v in key.split("g")[0].split("x"))
+        for bucket, zx in row.items():
+            assert mk.zx_fold(int(bucket), n, k, 128) == (zx and int(bucket) <= 4)
+    assert not mk.zx_fold(8, 4096, 11008, 128)
+
+
+def test_dequant_wrapper_rejects_bad_arguments():
+    qw = quantize_int4(torch.randn(32, 256), 128)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        mk.w4a16_dequant(qw.qweight, qw.scales, qw.zeros, 128, torch.float32)
+    with pytest.raises(ValueError, match="outside the weight"):
+        mk.w4a16_dequant(qw.qweight, qw.scales, qw.zeros, 128, row0=16, rows=32)
+    with pytest.raises(mk.MmaKernelUnavailable, match="CUDA"):
+        mk.w4a16_dequant(qw.qweight, qw.scales, qw.zeros, 128)
 
 
 def test_cpu_falls_back_with_one_log_line(caplog, monkeypatch):
@@ -157,13 +196,68 @@ def test_cuda_kernel_matches_float64_and_is_bit_stable(m, g, dtype):
     bias = torch.randn(n, device="cuda", generator=gen)
     ref = x.double() @ dequantize_int4(qw.qweight, qw.scales, qw.zeros, g, torch.float64).T + bias.double()
     for cfg in [(*kd, tpc) for kd in mk.MMA_CONFIGS for tpc in (1, 3)]:
-        outs = [mk.w4a16_mma(x, packed, meta, g, bias, config=cfg) for _ in range(2)]
-        assert torch.isfinite(outs[0]).all()
-        assert _rel(outs[0], ref) <= 3e-3, cfg
-        assert torch.equal(outs[0], outs[1]), cfg
+        for mode in (0, 2):  # with and without the x-sum zero-point fold (M <= 4)
+            outs = [mk.w4a16_mma(x, packed, meta, g, bias, config=cfg, mode=mode) for _ in range(2)]
+            assert torch.isfinite(outs[0]).all()
+            assert _rel(outs[0], ref) <= 3e-3, (cfg, mode)
+            assert torch.equal(outs[0], outs[1]), (cfg, mode)
     # the PyTorch reference of the layout agrees with the kernel to fp32/bf16 rounding
     ref_layout = mk.w4a16_mma_reference(x.cpu(), packed.cpu(), meta.cpu(), g, bias.cpu())
     assert _rel(outs[0].cpu(), ref_layout) <= 3e-3
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 32])
+@pytest.mark.parametrize(("g", "dtype"), [(128, torch.bfloat16), (64, torch.bfloat16), (128, torch.float16)])
+def test_cuda_bulk_kernel_matches_float64_and_is_bit_stable(m, g, dtype):
+    if mk.mma_status("cuda", "bulk") is not None:
+        pytest.skip(f"bulk variant unavailable: {mk.mma_status('cuda', 'bulk')}")
+    gen = torch.Generator(device="cuda").manual_seed(m * g + 1)
+    n, k = 1024, 2048
+    qw = quantize_int4(torch.randn(n, k, device="cuda", generator=gen) * 0.02, g)
+    packed, meta = repack_int4_mma(qw.qweight, qw.scales, qw.zeros, g)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+    bias = torch.randn(n, device="cuda", generator=gen)
+    ref = x.double() @ dequantize_int4(qw.qweight, qw.scales, qw.zeros, g, torch.float64).T + bias.double()
+    for cfg in [("bulk", *ws, tpc) for ws in mk.BULK_CONFIGS for tpc in (1, 3)]:
+        for mode in (0, 2):  # with and without the x-sum zero-point fold (M <= 4)
+            outs = [mk.w4a16_mma(x, packed, meta, g, bias, config=cfg, mode=mode) for _ in range(2)]
+            assert torch.isfinite(outs[0]).all()
+            assert _rel(outs[0], ref) <= 3e-3, (cfg, mode)
+            assert torch.equal(outs[0], outs[1]), (cfg, mode)
+
+
+@needs_cuda
+@pytest.mark.parametrize(("g", "dtype"), [(128, torch.bfloat16), (64, torch.float16), (32, torch.bfloat16)])
+def test_cuda_dequant_is_bit_identical_to_the_reference(g, dtype):
+    if mk.mma_status("cuda") is not None:
+        pytest.skip(f"kernel unavailable: {mk.mma_status('cuda')}")
+    qw = quantize_int4(torch.randn(96, 512, device="cuda") * 0.02, g)
+    ref = dequantize_int4(qw.qweight, qw.scales, qw.zeros, g, dtype)
+    assert torch.equal(mk.w4a16_dequant(qw.qweight, qw.scales, qw.zeros, g, dtype), ref)
+    buf = torch.full((64 * 512 + 7,), float("nan"), device="cuda", dtype=dtype)
+    part = mk.w4a16_dequant(qw.qweight, qw.scales, qw.zeros, g, dtype, row0=16, rows=64, out=buf)
+    assert torch.equal(part, ref[16:80])
+
+
+@needs_cuda
+@pytest.mark.parametrize("chunk_bytes", [0, 64 * 1024])
+def test_int4linear_prefill_uses_the_cuda_dequantizer(monkeypatch, chunk_bytes):
+    if mk.mma_status("cuda") is not None:
+        pytest.skip(f"kernel unavailable: {mk.mma_status('cuda')}")
+    monkeypatch.setattr(int4, "PREFILL_CHUNK_BYTES", chunk_bytes)
+    lin = torch.nn.Linear(1024, 1040, device="cuda", dtype=torch.bfloat16)
+    mod = int4.Int4Linear.from_linear(lin, 128)
+    dev = torch.device("cuda")
+    assert mod.execution_path(600, dev) == "cuda_dequant"
+    x = torch.randn(600, 1024, device="cuda", dtype=torch.bfloat16)
+    ref = x.double() @ mod.dequantized_weight(torch.float64).T + mod.bias.double()
+    y = mod(x)
+    assert y.shape == (600, 1040) and torch.isfinite(y).all()
+    assert _rel(y, ref) <= 3e-3
+    y32 = mod(x.float())  # float32 activations: the dense reference path, float32 out
+    assert y32.dtype == torch.float32 and _rel(y32, x.double() @ mod.dequantized_weight(torch.float64).T
+                                                + mod.bias.double()) <= 1e-4
 
 
 @needs_cuda
@@ -173,8 +267,15 @@ def test_int4linear_uses_the_kernel_for_decode_on_cuda():
     lin = torch.nn.Linear(2048, 1024, device="cuda", dtype=torch.bfloat16)
     mod = int4.Int4Linear.from_linear(lin, 128)
     dev = torch.device("cuda")
-    assert [mod.execution_path(m, dev) for m in (1, 16)] == ["mma", "mma"]
-    assert mod.execution_path(17, dev) != "mma"
+    top = int4.mma_max_rows(dev)
+    assert top in (16, 32)
+    most = int4.MMA_MAX_CALLS * top  # row blocks of <= top rows, one launch each
+    assert {mod.execution_path(m, dev) for m in (1, 16, top, top + 1, most)} == {"mma"}
+    assert mod.execution_path(most + 1, dev) == "cuda_dequant"
+    for m in (top + 5, most):  # the row-block split gives the same function
+        xs = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
+        ref_s = xs.double() @ mod.dequantized_weight(torch.float64).T + mod.bias.double()
+        assert _rel(mod(xs), ref_s) <= 3e-3
     x = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)
     ref = x.double() @ mod.dequantized_weight(torch.float64).T + mod.bias.double()
     assert _rel(mod(x), ref) <= 3e-3
@@ -192,3 +293,33 @@ def test_kernel_cache_dir_prefers_the_env_then_the_venv_folder(monkeypatch, tmp_
     assert mk.kernel_cache_dir() is None  # no venv folder: torch's extension cache
     (tmp_path / "var" / "cache" / "edgevlm-kernels").mkdir(parents=True)
     assert mk.kernel_cache_dir() == tmp_path / "var" / "cache" / "edgevlm-kernels"
+
+
+PREFILL_SCRIPT = """
+import json, torch
+from edgevlm.runtime import int4
+torch.manual_seed(0)
+out = {}
+for bias in (False, True):
+    lin = torch.nn.Linear(256, 160, bias=bias)
+    mod = int4.Int4Linear.from_linear(lin, 64)
+    x = torch.randn(40, 256)
+    ref = x.double() @ mod.dequantized_weight(torch.float64).T + (mod.bias.double() if bias else 0)
+    for chunk in (0, 64 * 512, 10**9):  # whole weight, 64-row chunks (3 chunks, the last short), one chunk
+        y = int4._prefill_matmul(x, mod, "triton", chunk)
+        out[f"{bias}-{chunk}"] = [list(y.shape), float((y.double() - ref).norm() / ref.norm())]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_prefill_row_chunks_assemble_the_whole_product_in_the_interpreter():
+    """The prefill path's chunked assembly (one reused buffer, bias slices, column views of the output),
+    with the Triton dequantizer under its CPU interpreter (fp32): every chunking gives the same product."""
+    from triton_support import run_interpreted
+
+    res = run_interpreted(PREFILL_SCRIPT)
+    assert len(res) == 6
+    for shape, err in res.values():
+        assert shape == [40, 160]
+        assert err < 1e-5

@@ -1,0 +1,515 @@
+#!/usr/bin/env python3
+"""W4A16 on a CUDA GPU, issue 15 in one device call: per-layer decode kernels, prefill paths, numerics,
+whole-model decode and TTFT, and the sm_87 build.
+
+Sections (each one's failure is recorded and the others still run):
+
+1. ``layers``: the tensor-core kernel's two variants (``reg``: register ring, sm_80+; ``bulk``: sm_90
+   bulk-copy ring, runtime/kernels/w4a16_bulk.cu) swept over their compiled launch configurations vs
+   torch's tinygemm int4 op vs a bf16 cuBLAS matmul, per layer at M = 1, 8, 16, 32, on the four 7B shapes
+   (LLaVA-1.5-7B / Llama-2-7B, fused qkv and gate_up) and those of the Qwen3-VL-2B/8B text decoders;
+   group size 128, random RTN weights. Timing as bench/w4a16_marlin.py (CUDA-graph replays over weight
+   copies that exceed 3x the L2; median). GB/s counts the canonical INT4 bytes + activations + outputs.
+2. ``numerics``: the chosen configuration of each variant against a float64 matmul of the dequantized
+   weight at M = 1, 8, 16 (and 32 for bulk), three runs bit-identical; the prefill path at M = 600.
+3. ``prefill``: M = 32 .. 600 on the 7B shapes: the Triton dequantizer + cuBLAS (the path before), the
+   extension's CUDA dequantizer + cuBLAS (whole weight, or row chunks that stay in L2), tinygemm, bf16
+   cuBLAS; the winner is set as ``int4.PREFILL_CHUNK_BYTES`` for section 4.
+4. ``model``: ``edgevlm bench``'s harness (runtime/benchmark.py) on the LLaVA-1.5-7B shape, bf16 and
+   W4A16 (the kernel on), batch 1/8/32, 32-token prompt at 336 px: decode tok/s, TTFT.
+5. ``sm87``: ``nvcc -gencode arch=compute_87,code=sm_87 -c`` of every kernel source (in the background).
+
+Usage::
+
+    python3 bench/w4a16_kernel.py [--skip model] [--quick]
+
+Prints tables, then one JSON line (also ``$OUT/w4a16_kernel.json``; the sweep's best configurations go to
+``$OUT/w4a16_mma_configs.json``, the file runtime/kernels/ ships).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from functools import partial
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPES = {  # name: (N out, K in)
+    "7b.qkv": (12288, 4096), "7b.o": (4096, 4096), "7b.gate_up": (22016, 4096), "7b.down": (4096, 11008),
+    "qwen8b.qkv": (6144, 4096), "qwen8b.o": (4096, 4096), "qwen8b.gate_up": (24576, 4096),
+    "qwen8b.down": (4096, 12288),
+    "qwen2b.qkv": (4096, 2048), "qwen2b.o": (2048, 2048), "qwen2b.gate_up": (12288, 2048),
+    "qwen2b.down": (2048, 6144),
+}
+MS = (1, 8, 16, 32)
+TPC = (1, 2, 4)
+PREFILL_MS = (32, 64, 128, 256, 600)
+CHUNKS_MB = (0, 8, 16, 32)
+REL_LIMIT = 3e-3
+# text decoders for the Orin prediction: layers, per-layer shape keys, lm_head (vocab x hidden, bf16)
+MODELS = {
+    "qwen3-vl-2b": {"layers": 28, "prefix": "qwen2b", "lm_head": (151936, 2048), "trt_edge_llm_tok_s": 98.9},
+    "qwen3-vl-8b": {"layers": 36, "prefix": "qwen8b", "lm_head": (151936, 4096), "trt_edge_llm_tok_s": 32.1},
+    "llava-1.5-7b": {"layers": 32, "prefix": "7b", "lm_head": (32064, 4096), "trt_edge_llm_tok_s": None},
+}
+ORIN_GBPS = 204.8
+_marlin = None
+
+
+def marlin():
+    """bench/w4a16_marlin.py as a module (graph_us, copies_for, rel, bootstrap_imports)."""
+    global _marlin
+    if _marlin is None:
+        spec = importlib.util.spec_from_file_location("w4a16_marlin", REPO / "bench" / "w4a16_marlin.py")
+        _marlin = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_marlin)
+    return _marlin
+
+
+RESULTS: dict = {"bench": "w4a16_kernel", "sections": {}}
+
+
+def section(name):
+    def wrap(fn):
+        def run(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                out = fn(*a, **kw)
+                RESULTS["sections"][name] = f"ok {time.perf_counter() - t0:.1f} s"
+                return out
+            except Exception as exc:  # noqa: BLE001 - one failing section must not lose the rest
+                traceback.print_exc()
+                RESULTS["sections"][name] = f"FAILED {type(exc).__name__}: {exc}"[:400]
+                return None
+            finally:
+                save()
+        return run
+    return wrap
+
+
+def save() -> None:
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "w4a16_kernel.json").write_text(json.dumps(RESULTS, indent=1, default=str) + "\n")
+
+
+def start_sm87_build() -> subprocess.Popen | None:
+    """nvcc sm_87 compile of the kernel sources in the background (returns None without nvcc)."""
+    import shutil
+
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+    if nvcc is None:
+        return None
+    src = REPO / "runtime" / "kernels"
+    cmd = " && ".join(f"{nvcc} -O3 -std=c++17 -gencode arch=compute_87,code=sm_87 -c {src / f} -o /tmp/{f}.sm87.o"
+                      for f in ("w4a16_mma.cu", "w4a16_bulk.cu", "w4a16_dequant.cu"))
+    return subprocess.Popen(["bash", "-c", cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def bulk_safe(timeout_s: float = 120.0) -> str | None:
+    """Run the bulk variant once in a child process (a hang must not take this run with it): None when it
+    matched a float64 reference, else why not."""
+    marlin_py = str(REPO / "bench" / "w4a16_marlin.py")
+    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import importlib.util as u; "
+            f"s = u.spec_from_file_location('m', {marlin_py!r}); m = u.module_from_spec(s); s.loader.exec_module(m); "
+            "m.bootstrap_imports(); from edgevlm.runtime.kernels import w4a16_mma as mk; "
+            "print('BULK', mk.mma_status('cuda', 'bulk'))")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"the bulk probe did not finish in {timeout_s:.0f} s"
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("BULK ")), None)
+    if line is None:
+        return f"the bulk probe failed: {(proc.stdout + proc.stderr)[-600:]}"
+    return None if line == "BULK None" else line[5:]
+
+
+def configs(kind: str, m: int):
+    from edgevlm.runtime.kernels import w4a16_mma as mk
+
+    if kind == "reg":
+        return [] if m > mk.MMA_MAX_M else [("reg", a, b, t) for a, b in mk.MMA_CONFIGS for t in TPC]
+    return [("bulk", a, b, t) for a, b in mk.BULK_CONFIGS for t in TPC]
+
+
+@section("layers")
+def run_layers(ctx, shapes, kinds):
+    import torch
+    import torch.nn.functional as F
+
+    from edgevlm.runtime import int4
+    from edgevlm.runtime.kernels import w4a16_mma as mk
+
+    mar = marlin()
+    dev, l2, g = ctx["dev"], ctx["l2"], 128
+    conv = int4.kernel_convention(dev)
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(0)
+    rows, checks, sweep, tuned = [], [], [], {}
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device=dev, generator=gen) * 0.02
+        qw = int4.quantize_int4(w, g)
+        del w
+        w64 = int4.dequantize_int4(qw.qweight, qw.scales, qw.zeros, g, torch.float64)
+        wbf = w64.to(torch.bfloat16)
+        packed, meta = int4.repack_int4_mma(qw.qweight, qw.scales, qw.zeros, g)
+        int4_bytes = qw.nbytes()
+        r4, r16 = mar.copies_for(int4_bytes, l2), mar.copies_for(n * k * 2, l2)
+        mma_copies = [(packed.clone(), meta.clone()) for _ in range(r4)]
+        tg_w = int4._pack_for_kernel(conv, qw.qweight) if conv else None
+        tg_sz = int4._tinygemm_scales_and_zeros(qw.scales, qw.zeros, torch.bfloat16) if conv else None
+        tg_copies = [(tg_w.clone(), tg_sz.clone()) for _ in range(r4)] if conv else []
+        bf_copies = [wbf.clone() for _ in range(r16)]
+        for m in MS:
+            x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+            ref = x.double() @ w64.T
+            moved = int4_bytes + x.numel() * 2 + m * n * 2
+            best = {}  # (kind, zx) -> best row
+            for kind in kinds:
+                mine = []
+                for c in configs(kind, m):
+                    for mode in ((0, 2) if m <= 4 else (2,)):  # with / without the x-sum zero-point fold
+                        y = mk.w4a16_mma(x, packed, meta, g, config=c, mode=mode)
+                        err = mar.rel(y, ref)
+                        us = mar.graph_us([partial(mk.w4a16_mma, x, p, mt, g, config=c, mode=mode)
+                                           for p, mt in mma_copies])
+                        mine.append({"shape": name, "m": m, "config": list(c), "zx": mode == 0, "us": round(us, 2),
+                                     "gbps": round(moved / us / 1e3, 1), "rel_err": err, "ok": err <= REL_LIMIT})
+                sweep.extend(mine)
+                if any(not r["ok"] for r in mine):
+                    checks.append({"what": f"sweep {name} M={m} {kind}", "pass": False,
+                                   "bad": [(r["config"], r["zx"]) for r in mine if not r["ok"]]})
+                for zx in (False, True):
+                    good = [r for r in mine if r["ok"] and r["zx"] == zx]
+                    if good:
+                        best[(kind, zx)] = min(good, key=lambda r: r["us"])
+            if not best:
+                continue
+            win = min(best.values(), key=lambda r: r["us"])
+            tuned.setdefault(f"{n}x{k}g{g}", {})[str(m)] = [*win["config"], int(win["zx"])]
+            # numerics of each variant's chosen configuration: float64 reference, 3 runs bit-identical
+            for (kind, zx), r in best.items():
+                outs = [mk.w4a16_mma(x, packed, meta, g, config=tuple(r["config"]), mode=0 if zx else 2)
+                        for _ in range(3)]
+                err = mar.rel(outs[0], ref)
+                stable = all(torch.equal(outs[0], o) for o in outs[1:])
+                checks.append({"what": f"{name} M={m} {kind} zx={zx} {r['config']}", "rel_err": err,
+                               "bit_stable": stable,
+                               "pass": err <= REL_LIMIT and stable and bool(torch.isfinite(outs[0]).all())})
+            tg_us = mar.graph_us([partial(torch.ops.aten._weight_int4pack_mm, x, a, g, b) for a, b in tg_copies]) \
+                if conv else float("nan")
+            bf_us = mar.graph_us([partial(F.linear, x, wb) for wb in bf_copies])
+            us_of = partial(_best_us, best)
+            loads_only_us = None
+            if m == 1 and ("reg", False) in best:  # the register ring's access pattern with no arithmetic
+                c = tuple(best[("reg", False)]["config"])
+                loads_only_us = round(mar.graph_us([partial(mk.w4a16_mma, x, p, mt, g, config=c, mode=1)
+                                                    for p, mt in mma_copies]), 2)
+            row = {"shape": name, "n": n, "k": k, "m": m, "best": [*win["config"], int(win["zx"])], "us": win["us"],
+                   "gbps": win["gbps"], "pct_copy": round(100 * win["gbps"] / ctx["copy_gbps"], 1),
+                   "reg_us": us_of("reg"), "reg_nozx_us": us_of("reg", False), "reg_zx_us": us_of("reg", True),
+                   "bulk_us": us_of("bulk"), "bulk_nozx_us": us_of("bulk", False), "bulk_zx_us": us_of("bulk", True),
+                   "reg_loads_only_us": loads_only_us,
+                   "tinygemm_us": round(tg_us, 2), "tinygemm_gbps": round(moved / tg_us / 1e3, 1),
+                   "bf16_us": round(bf_us, 2), "bf16_gbps": round((n * k * 2 + x.numel() * 2 + m * n * 2) / bf_us / 1e3, 1),
+                   "vs_tinygemm": round(tg_us / win["us"], 2), "vs_bf16": round(bf_us / win["us"], 2),
+                   "int4_bytes": int4_bytes}
+            rows.append(row)
+            print(f"{name:15s} M={m:<3d} best {win['config']} {win['us']:7.2f} us {win['gbps']:7.1f} GB/s | reg "
+                  f"{row['reg_us']} | bulk {row['bulk_us']} | tinygemm {tg_us:7.2f} | bf16 {bf_us:7.2f}", flush=True)
+        del mma_copies, tg_copies, bf_copies, w64, wbf
+        torch.cuda.empty_cache()
+    RESULTS.update(layers=rows, sweep=sweep)
+    RESULTS.setdefault("checks", []).extend(checks)
+    table = json.dumps({"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+                        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "group_size": g,
+                        "source": "bench/w4a16_kernel.py (sweep of both variants; entry: kind, a, b, "
+                                  "tiles_per_cta, zx)", "configs": tuned}, indent=1) + "\n"
+    if os.environ.get("OUT") and tuned:
+        Path(os.environ["OUT"], "w4a16_mma_configs.json").write_text(table)
+    if ctx.get("install_table") and tuned:  # the model section then runs with this sweep's table
+        mk.CONFIGS_FILE.write_text(table)
+        mk._table.cache_clear()
+    return rows
+
+
+def _best_us(best: dict, kind: str, zx: bool | None = None) -> float | None:
+    rs = [r for (kd, z), r in best.items() if kd == kind and (zx is None or z == zx)]
+    return min(r["us"] for r in rs) if rs else None
+
+
+@section("extra_numerics")
+def run_extra_numerics(ctx, kinds):
+    """bias + fp16 + group 64 at odd M for every compiled configuration of each variant."""
+    import torch
+
+    from edgevlm.runtime import int4
+    from edgevlm.runtime.kernels import w4a16_mma as mk
+
+    mar = marlin()
+    dev = ctx["dev"]
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(1)
+    n, k = 2048, 4096
+    w = torch.randn(n, k, device=dev, generator=gen) * 0.02
+    for gsz in (64, 128):
+        qw = int4.quantize_int4(w, gsz)
+        w64 = int4.dequantize_int4(qw.qweight, qw.scales, qw.zeros, gsz, torch.float64)
+        packed, meta = int4.repack_int4_mma(qw.qweight, qw.scales, qw.zeros, gsz)
+        bias = torch.randn(n, device=dev, generator=gen)
+        for m in (1, 3, 9, 16, 17, 27, 32):
+            for dtype in (torch.bfloat16, torch.float16):
+                x = torch.randn(m, k, device=dev, generator=gen).to(dtype)
+                ref = x.double() @ w64.T + bias.double()
+                cfgs = [c for kind in kinds for c in configs(kind, m)]
+                cfgs = [(*c[:3], t) for c in cfgs for t in (1, 3) if c[3] == 1]
+                errs = [mar.rel(mk.w4a16_mma(x, packed, meta, gsz, bias, config=c, mode=mode), ref)
+                        for c in cfgs for mode in ((0, 2) if m <= 4 else (2,))]
+                RESULTS.setdefault("checks", []).append(
+                    {"what": f"bias {n}x{k} g{gsz} {str(dtype)[6:]} M={m} ({len(cfgs)} configs)",
+                     "rel_err": max(errs), "pass": max(errs) <= REL_LIMIT})
+
+
+@section("prefill")
+def run_prefill(ctx, shapes):
+    import torch
+    import torch.nn.functional as F
+
+    from edgevlm.runtime import int4
+    from edgevlm.runtime.kernels import w4a16 as tk
+    from edgevlm.runtime.kernels import w4a16_mma as mk
+
+    mar = marlin()
+    dev, l2, g = ctx["dev"], ctx["l2"], 128
+    conv = int4.kernel_convention(dev)
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(2)
+    rows = []
+    totals: dict[str, dict[int, float]] = {}
+    for name, (n, k) in shapes.items():
+        lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.normal_(0, 0.02, generator=gen)
+        q = int4.Int4Linear.from_linear(lin, g)
+        del lin
+        wbf = q.dequantized_weight(torch.bfloat16)
+        w64 = q.dequantized_weight(torch.float64)
+        r4 = mar.copies_for(q.int4_weight().nbytes(), l2)
+        mods = [q] + [int4.Int4Linear.from_int4(int4.Int4Weight(q.qweight.clone(), q.scales.clone(),
+                                                                 q.zeros.clone(), g)) for _ in range(r4 - 1)]
+        bfs = [wbf] + [wbf.clone() for _ in range(mar.copies_for(n * k * 2, l2) - 1)]
+        # the dequantizer alone: GB/s (reads int4, writes bf16)
+        dq_us = mar.graph_us([partial(mk.w4a16_dequant, md.qweight, md.scales, md.zeros, g) for md in mods])
+        tdq_us = mar.graph_us([partial(tk.dequantize_w4, md.qweight, md.scales, md.zeros, g, torch.bfloat16)
+                               for md in mods])
+        dq_bytes = q.int4_weight().nbytes() + n * k * 2
+        exact = torch.equal(mk.w4a16_dequant(q.qweight, q.scales, q.zeros, g), wbf)
+        RESULTS.setdefault("checks", []).append({"what": f"dequant {name} == dequantize_int4 bf16", "pass": exact})
+        print(f"{name:15s} dequant cuda {dq_us:7.1f} us ({dq_bytes / dq_us / 1e3:.0f} GB/s), triton {tdq_us:7.1f} us "
+              f"({dq_bytes / tdq_us / 1e3:.0f} GB/s); bit-exact {exact}", flush=True)
+        for m in PREFILL_MS:
+            x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+            ref = x.double() @ w64.T
+            row = {"shape": name, "m": m, "dequant_cuda_us": round(dq_us, 1), "dequant_triton_us": round(tdq_us, 1)}
+            for deq in ("cuda", "triton"):
+                for mb in CHUNKS_MB:
+                    y = int4._prefill_matmul(x, q, deq, mb << 20)
+                    err = mar.rel(y, ref)
+                    RESULTS["checks"].append({"what": f"prefill {name} M={m} {deq} chunk {mb} MiB", "rel_err": err,
+                                              "pass": err <= REL_LIMIT or m != 600 and err <= 5e-3})
+                    row[f"{deq}_chunk{mb}_us"] = round(mar.graph_us(
+                        [partial(int4._prefill_matmul, x, md, deq, mb << 20) for md in mods]), 1)
+                    row[f"{deq}_chunk{mb}_rel_err"] = err
+            # what Int4Linear routes (the kernel in <= 2 launches up to M = 64 on sm_90, else cuda dequant)
+            path = q.execution_path(m, dev)
+            y = q(x)
+            err = mar.rel(y, ref)
+            RESULTS["checks"].append({"what": f"Int4Linear {name} M={m} path {path}", "rel_err": err,
+                                      "pass": err <= REL_LIMIT})
+            row["int4linear_path"] = path
+            row["int4linear_us"] = round(mar.graph_us([partial(md, x) for md in mods]), 1)
+            if conv and m <= 64:
+                pk = [(md._kernel_tensors(conv)) for md in mods]
+                row["tinygemm_us"] = round(mar.graph_us(
+                    [partial(torch.ops.aten._weight_int4pack_mm, x, a, g, b) for a, b in pk]), 1)
+                for md in mods:
+                    md._kernel_cache = None
+            row["bf16_us"] = round(mar.graph_us([partial(F.linear, x, wb) for wb in bfs]), 1)
+            rows.append(row)
+            for key in [kk for kk in row if kk.endswith("_us") and not kk.startswith("dequant")]:
+                totals.setdefault(key, {}).setdefault(m, 0.0)
+                totals[key][m] += row[key]
+            print(f"  M={m:<4d} " + " ".join(f"{kk[:-3]} {v}" for kk, v in row.items() if kk.endswith("_us")
+                                             and not kk.startswith("dequant")), flush=True)
+        del mods, bfs, wbf, w64
+        torch.cuda.empty_cache()
+    # the dequantizer + chunk size that win the 7B layer sum at M = 600 (the TTFT prompt) go to the model run
+    at = {(deq, mb): totals.get(f"{deq}_chunk{mb}_us", {}).get(600, float("inf"))
+          for deq in ("cuda", "triton") for mb in CHUNKS_MB}
+    choice = min(at, key=at.get)
+    RESULTS.update(prefill=rows, prefill_totals=totals, prefill_choice=list(choice))
+    return choice
+
+
+@section("model")
+def run_model(ctx, choice):
+    from edgevlm.runtime import benchmark, int4
+
+    if choice:
+        int4.PREFILL_DEQUANTIZER, int4.PREFILL_CHUNK_BYTES = choice[0], choice[1] << 20
+    summary = benchmark.run(models=["llava-7b"], variants=["edgevlm", "edgevlm-w4"], with_hf=False,
+                            batch_sizes=ctx["batch_sizes"], new_tokens=32, n_text=32)
+    keep = ("model", "impl", "ttft_ms", "tpot_ms", "decode_tok_s", "step_gpu_ms", "batch_tok_s", "copy_frac", "gbps",
+            "weight_bytes", "kv_bytes_per_token", "error")
+    rows = [{k: r.get(k) for k in keep if k in r} for r in summary["rows"]]
+    RESULTS["model"] = {"rows": rows, "copy_gbps": summary.get("copy_gbps"), "prefill": list(choice or ())}
+    print(benchmark.format_table(summary["rows"]), flush=True)
+    return rows
+
+
+def orin_prediction(layers: list[dict], copy_gbps: float) -> dict:
+    """Predicted AGX Orin decode tok/s per model: bytes per token (INT4 decoder layers + bf16 lm_head) over
+    204.8 GB/s times the efficiency (GB/s over copy GB/s) the register-ring kernel (the sm_87 variant)
+    reached on the H200 at M = 1, summed over the model's four layer shapes. A paper estimate: Orin not run."""
+    out = {}
+    for model, spec in MODELS.items():
+        per = {r["shape"].split(".", 1)[1]: r for r in layers if r["m"] == 1 and r["shape"].startswith(spec["prefix"] + ".")}
+        if len(per) != 4:
+            continue
+        layer_bytes = sum(r["int4_bytes"] for r in per.values())
+        reg_us = sum(r["reg_us"] or r["us"] for r in per.values())
+        eff = layer_bytes / reg_us / 1e3 / copy_gbps
+        best_eff = layer_bytes / sum(r["us"] for r in per.values()) / 1e3 / copy_gbps
+        head = spec["lm_head"][0] * spec["lm_head"][1] * 2
+        head_int4 = spec["lm_head"][0] * spec["lm_head"][1] * (0.5 + 3 / 128)
+        tok_bytes = spec["layers"] * layer_bytes + head
+        tok_bytes_q_head = spec["layers"] * layer_bytes + head_int4
+        out[model] = {"bytes_per_token_mb": round(tok_bytes / 1e6, 1),
+                      "bytes_per_token_int4_head_mb": round(tok_bytes_q_head / 1e6, 1),
+                      "h200_efficiency_reg": round(eff, 3), "h200_efficiency_best": round(best_eff, 3),
+                      "orin_tok_s": round(eff * ORIN_GBPS * 1e9 / tok_bytes, 1),
+                      "orin_tok_s_int4_head": round(eff * ORIN_GBPS * 1e9 / tok_bytes_q_head, 1),
+                      "orin_bound_tok_s": round(ORIN_GBPS * 1e9 / tok_bytes, 1),
+                      "trt_edge_llm_tok_s": spec["trt_edge_llm_tok_s"]}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip (layers,prefill,model,numerics,sm87)")
+    ap.add_argument("--quick", action="store_true", help="the four 7B shapes only")
+    ap.add_argument("--batch-sizes", default="1,8,32", help="decode batch sizes of the model section")
+    ap.add_argument("--prefill-ms", default="32,64,128,256,600", help="M values of the prefill section")
+    ap.add_argument("--install-table", action="store_true",
+                    help="write the sweep's launch table into runtime/kernels/ (used by the model section)")
+    args = ap.parse_args(argv)
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    global PREFILL_MS
+    PREFILL_MS = tuple(int(m) for m in args.prefill_ms.split(","))
+    t0 = time.perf_counter()
+    nv = start_sm87_build() if "sm87" not in skip else None
+    marlin().bootstrap_imports()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("w4a16_kernel: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from edgevlm.runtime.kernels import w4a16_mma as mk
+
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    l2 = int(getattr(props, "L2_cache_size", 50 * 2**20))
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    for _ in range(10):
+        dst.copy_(src)
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    ev[0].record()
+    for _ in range(20):
+        dst.copy_(src)
+    ev[1].record()
+    ev[1].synchronize()
+    copy_gbps = 2 * (1 << 30) * 20 / (ev[0].elapsed_time(ev[1]) * 1e-3) / 1e9
+    del src, dst
+    tb = time.perf_counter()
+    try:
+        mk.load_extension(dev)
+    except mk.MmaKernelUnavailable as exc:
+        print(f"w4a16_kernel: extension unavailable: {exc}", file=sys.stderr)
+        RESULTS["error"] = str(exc)
+        save()
+        return 1
+    build_s = time.perf_counter() - tb
+    bulk = bulk_safe() if props.major >= 9 else "not sm_90"
+    if bulk is not None:
+        os.environ["EDGEVLM_W4A16_BULK"] = "0"
+    kinds = ("reg", "bulk") if bulk is None else ("reg",)
+    print(f"device {props.name} sm_{props.major}{props.minor}, {props.multi_processor_count} SMs, L2 {l2 >> 20} MiB, "
+          f"copy {copy_gbps:.0f} GB/s; torch {torch.__version__}; extension built in {build_s:.1f} s; "
+          f"bulk variant: {'ok' if bulk is None else bulk}", flush=True)
+    RESULTS.update(device=props.name, torch=torch.__version__, copy_gbps=round(copy_gbps, 1), l2_mib=l2 >> 20,
+                   build_s=round(build_s, 1), bulk_status=bulk,
+                   date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+    ctx = {"dev": dev, "l2": l2, "copy_gbps": copy_gbps, "install_table": args.install_table,
+           "batch_sizes": [int(b) for b in args.batch_sizes.split(",")]}
+    shapes = {k: v for k, v in SHAPES.items() if k.startswith("7b.")} if args.quick else SHAPES
+    layers = run_layers(ctx, shapes, kinds) if "layers" not in skip else None
+    chunk = run_prefill(ctx, {k: v for k, v in SHAPES.items() if k.startswith("7b.")}) if "prefill" not in skip else None
+    if "model" not in skip:
+        run_model(ctx, chunk)
+    if "numerics" not in skip:
+        run_extra_numerics(ctx, kinds)
+    if layers:
+        RESULTS["orin_prediction"] = orin_prediction(layers, copy_gbps)
+    if nv is not None:
+        out, _ = nv.communicate(timeout=300)
+        RESULTS["sm87_build"] = {"rc": nv.returncode, "log": out[-2000:]}
+    RESULTS["wall_s"] = round(time.perf_counter() - t0, 1)
+    save()
+    print_tables()
+    bad = [c for c in RESULTS.get("checks", []) if not c["pass"]]
+    RESULTS["all_checks_pass"] = not bad
+    print(f"\nchecks: {len(RESULTS.get('checks', [])) - len(bad)}/{len(RESULTS.get('checks', []))} pass"
+          + (f"; FAILED: {bad[:6]}" if bad else ""))
+    save()
+    print(json.dumps({k: v for k, v in RESULTS.items() if k not in ("sweep", "checks", "prefill", "layers")},
+                     default=str))
+    return 0 if not bad else 1
+
+
+def print_tables() -> None:
+    layers = RESULTS.get("layers") or []
+    if layers:
+        print("\n| shape | M | best (kind, a, b, tpc, zx) | µs | GB/s | % copy | reg µs | reg+zx µs | bulk µs | "
+              "bulk+zx µs | tinygemm µs | bf16 µs | vs tinygemm | vs bf16 |")
+        print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in layers:
+            print(f"| {r['shape']} | {r['m']} | {tuple(r['best'])} | {r['us']} | {r['gbps']} | {r['pct_copy']} | "
+                  f"{r['reg_nozx_us']} | {r['reg_zx_us']} | {r['bulk_nozx_us']} | {r['bulk_zx_us']} | "
+                  f"{r['tinygemm_us']} | {r['bf16_us']} | {r['vs_tinygemm']}x | {r['vs_bf16']}x |")
+    tot = RESULTS.get("prefill_totals")
+    if tot:
+        print("\nprefill, sum of the four 7B layers (µs):")
+        print("| path | " + " | ".join(f"M={m}" for m in PREFILL_MS) + " |")
+        print("|---|" + "---:|" * len(PREFILL_MS))
+        for key, per in tot.items():
+            print(f"| {key[:-3]} | " + " | ".join(str(round(per.get(m, float('nan')), 1)) for m in PREFILL_MS) + " |")
+    model = RESULTS.get("model")
+    if model:
+        print("\nwhole model (LLaVA-1.5-7B shape):")
+        for r in model["rows"]:
+            print(f"  {r.get('impl')}: ttft {r.get('ttft_ms')} ms, decode {r.get('decode_tok_s')} tok/s, "
+                  f"batch {r.get('batch_tok_s')}, copy_frac {r.get('copy_frac')} {r.get('error') or ''}")
+    if RESULTS.get("orin_prediction"):
+        print("\nAGX Orin (not run; predicted):", json.dumps(RESULTS["orin_prediction"]))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

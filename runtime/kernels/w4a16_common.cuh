@@ -1,0 +1,137 @@
+// Device helpers shared by the W4A16 kernels (w4a16_mma.cu: register ring, sm_80+; w4a16_bulk.cu: bulk
+// copies into shared memory, sm_90): the magic-number nibble conversion, bf16x2/f16x2 fma, the
+// mma.m16n8k16 wrapper, streaming loads, the bf16/fp16 store. No torch header.
+#pragma once
+
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+namespace edgevlm_w4a16 {
+
+template <bool BF16>
+struct Magic;
+template <>
+struct Magic<true> {                          // bf16: 7 mantissa bits, 128 + q exact for q < 128
+    static constexpr uint32_t kBias2 = 0x43004300u;   // 128.0, 128.0
+    static constexpr uint32_t kNegBias = 0xC300u;     // -128.0; + zero -> -(128 + zero)
+    static constexpr uint32_t kOne2 = 0x3F803F80u;    // 1.0, 1.0
+};
+template <>
+struct Magic<false> {                         // fp16: 10 mantissa bits, 1024 + q exact
+    static constexpr uint32_t kBias2 = 0x64006400u;
+    static constexpr uint32_t kNegBias = 0xE400u;
+    static constexpr uint32_t kOne2 = 0x3C003C00u;
+};
+
+template <bool BF16>
+__device__ __forceinline__ uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    if constexpr (BF16) {
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    } else {
+        asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    }
+    return d;
+}
+
+template <bool BF16>
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    if constexpr (BF16) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// Weights are read once: keep them out of L1 (the activations live there).
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int j) {
+    return j == 0 ? v.x : (j == 1 ? v.y : (j == 2 ? v.z : v.w));
+}
+
+
+template <bool BF16>
+__device__ __forceinline__ void store_out(void* y, size_t idx, float v) {
+    if constexpr (BF16) {
+        // round to nearest even, as __float2bfloat16_rn
+        uint32_t u = __float_as_uint(v);
+        uint16_t out;
+        if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu)) {
+            out = static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+        } else {
+            u += 0x7FFFu + ((u >> 16) & 1u);
+            out = static_cast<uint16_t>(u >> 16);
+        }
+        static_cast<uint16_t*>(y)[idx] = out;
+    } else {
+        static_cast<__half*>(y)[idx] = __float2half_rn(v);
+    }
+}
+
+
+// one bf16 / fp16 (low 16 bits of `bits`) as float
+template <bool BF16>
+__device__ __forceinline__ float to_float(uint32_t bits) {
+    if constexpr (BF16) {
+        return __uint_as_float(bits << 16);
+    } else {
+        return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+    }
+}
+
+constexpr int kZxMaxM = 4;  // rows up to which the zero point is folded in through the x sums (ZX)
+
+// ZX: the activation sums X_G[m] of this warp's groups g0 .. g0 + gw - 1 (GT * 64 channels each), rows
+// m < M <= kZxMaxM, into xs[gi * kZxMaxM + m] (fp32, shared memory). 16 lanes per (group, row) pair for
+// GT = 2 (8 lanes for GT = 1), one 16-byte load each, several pairs' loads in flight; a 16/8-lane butterfly
+// sum. The caller syncs the warp before reading xs.
+template <bool BF16, int GT>
+__device__ __forceinline__ void warp_group_xsums(const uint16_t* __restrict__ x, int K, int M, int g0, int gw,
+                                                 float* xs, int lane) {
+    constexpr int kLanes = GT * 8;        // 16-byte chunks per group row
+    constexpr int kPairs = 32 / kLanes;   // (group, row) pairs per warp pass
+    const int sub = lane % kLanes;
+    const int pairs = gw * M;
+#pragma unroll 4
+    for (int p0 = 0; p0 < pairs; p0 += kPairs) {
+        const int p = p0 + lane / kLanes;
+        float v = 0.f;
+        if (p < pairs) {
+            const int gi = p / M;
+            const int m = p - gi * M;
+            const uint4 u = __ldg(reinterpret_cast<const uint4*>(x + static_cast<size_t>(m) * K +
+                                                                 static_cast<size_t>(g0 + gi) * GT * 64) + sub);
+            v = ((to_float<BF16>(u.x & 0xFFFFu) + to_float<BF16>(u.x >> 16)) +
+                 (to_float<BF16>(u.y & 0xFFFFu) + to_float<BF16>(u.y >> 16))) +
+                ((to_float<BF16>(u.z & 0xFFFFu) + to_float<BF16>(u.z >> 16)) +
+                 (to_float<BF16>(u.w & 0xFFFFu) + to_float<BF16>(u.w >> 16)));
+        }
+#pragma unroll
+        for (int off = kLanes / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
+        if (sub == 0 && p < pairs) xs[(p / M) * kZxMaxM + (p % M)] = v;
+    }
+}
+
+// (a & b) | c in one LOP3 (the compiler splits it in two when b and c are both immediates).
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+}  // namespace edgevlm_w4a16
