@@ -16,7 +16,9 @@ request to a :class:`BatchWorker`, which drives an
   is answered at once, with an :class:`~edgevlm.types.Answer` built like ``Engine.ask``'s: the same
   text for greedy decoding (batched logits equal the single-request ones within float error).
 
-Every wire request can run batched: sampling knobs (``temperature``, ``top_p``, ``seed``) and stop
+Every registered family batches (LLaVA, SmolVLM with its tiles and several images, Qwen2.5-VL and
+Qwen3-VL with multimodal RoPE and DeepStack: see :mod:`edgevlm.runtime.batching`). Every wire
+request can run batched: sampling knobs (``temperature``, ``top_p``, ``seed``) and stop
 strings are applied per row, streamed text deltas (the HTTP API's ``stream: true``) are handed out as
 each row's tokens are decoded, and an operating point with early exit or token pruning has its image
 encoded on its own (the adaptive encoder) while its prefill and decode join the batch. Different
@@ -46,7 +48,7 @@ from edgevlm.types import Answer, OperatingPoint, Stats
 
 logger = logging.getLogger(__name__)
 
-BATCHED_ENTRY_POINTS = ("encode_images", "prefill_batch", "decode_batch")
+BATCHED_ENTRY_POINTS = ("encode_images", "encode_vision_state", "prefill_batch", "decode_batch")
 
 
 def batch_rows(engine: Any) -> int:
@@ -105,24 +107,21 @@ class BatchWorker:
         """How many more requests can be added now without waiting for a cache row."""
         return max(0, self.rows - len(self._items))
 
-    def add(self, tag: Any, image: np.ndarray, prompt: str, *, max_new_tokens: int,
+    def add(self, tag: Any, image: np.ndarray | list[np.ndarray], prompt: str, *, max_new_tokens: int,
             operating_point: OperatingPoint | None, deadline_s: float | None,
             on_delta: Callable[[str], None] | None = None, temperature: float = 0.0, top_p: float = 1.0,
             stop: list[str] | None = None, seed: int | None = None) -> None:
-        """Validate, tokenise and preprocess a request (as ``Engine.ask`` does) and queue it for the
-        next admission. ``deadline_s`` (monotonic): still waiting for a row after it, the request
-        comes back from :meth:`step` with answer None. ``tag`` is returned with the answer.
+        """Validate, tokenise and preprocess a request (as ``Engine.ask`` does: ``Engine.prepare``,
+        the family's processor; ``image`` one frame or several) and queue it for the next
+        admission. ``deadline_s`` (monotonic): still waiting for a row after it, the request comes back from :meth:`step` with answer None. ``tag`` is returned with the answer.
         ``on_delta`` is called with each text delta as the request's tokens are decoded (streaming);
         ``temperature``, ``top_p``, ``stop`` and ``seed`` are ``Engine.ask``'s sampling knobs.
 
         Raises:
-            InvalidImageError: ``image`` is not an ``(H, W, 3)`` uint8 array.
+            InvalidImageError: ``image`` is not an ``(H, W, 3)`` uint8 array (or a list of them).
             InvalidRequestError: bad knobs, or the prompt + vision tokens do not fit the KV cache.
         """
-        import torch
-
         from edgevlm.runtime.batching import GenerationRequest
-        from edgevlm.runtime.preprocess import preprocess
         from edgevlm.runtime.sampling import TextAssembler
         from edgevlm.runtime.tokenizer import IncrementalDecoder
 
@@ -130,13 +129,17 @@ class BatchWorker:
         start = time.monotonic()
         prepared = eng.prepare(image, prompt, max_new_tokens=max_new_tokens, operating_point=operating_point,
                                temperature=temperature, top_p=top_p, stop=stop, seed=seed)
-        op, params, resolution_px = prepared.operating_point, prepared.params, prepared.resolution_px
+        op, params, vision = prepared.operating_point, prepared.params, prepared.vision
         n_vision, ids = prepared.n_vision, prepared.ids
-        t0 = time.monotonic()
-        pixels = preprocess(image, resolution_px, eng.patch_size_px, eng.image_mean, eng.image_std)
         stats = Stats(operating_point=op.name, backend=eng.backend_name, vision_tokens=n_vision,
-                      prompt_tokens=len(ids) - n_vision, preprocess_ms=(time.monotonic() - t0) * 1e3)
-        stats.input_height_px, stats.input_width_px = pixels.shape[1:]
+                      prompt_tokens=len(ids) - n_vision, preprocess_ms=prepared.preprocess_ms)
+        if vision is not None and vision.input_sizes_px:
+            stats.input_height_px, stats.input_width_px = vision.input_sizes_px[0]
+        # LLaVA's one image: pixels, batched with the group's other images of its size; any other
+        # family (M-RoPE, DeepStack, tiles, several images, video): its VisionInput, encoded alone
+        pixels = None
+        if eng.family.adaptive_vision and vision is not None and vision.kinds == ["image"]:
+            pixels, vision = vision.pixel_values, None  # (1, 3, H, W)
         text, decoder = TextAssembler(params.stop), IncrementalDecoder(eng.tokenizer)
 
         def on_token(token: int) -> bool:  # detokenise as the single-request path does
@@ -145,7 +148,7 @@ class BatchWorker:
                 on_delta(delta)
             return text.stopped
 
-        req = GenerationRequest(ids, torch.from_numpy(pixels)[None], max_new_tokens=params.max_new_tokens,
+        req = GenerationRequest(ids, pixels, max_new_tokens=params.max_new_tokens, vision=vision,
                                 eos_token_ids=eng.eos_token_ids, deadline_s=deadline_s, params=params,
                                 operating_point=op, on_token=on_token)
         self.batcher.submit(req)  # InvalidRequestError: cannot fit the KV cache

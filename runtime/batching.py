@@ -10,10 +10,20 @@ Transformer-Based Generative Models", OSDI 2022) and vLLM's scheduler:
    there are free cache rows, are cut into prefill groups by :func:`plan_prefill_groups` — sorted by
    total tokens (vision + text) and packed so that ``rows x longest prompt <= token_budget``
    (1024 by default; a longer prompt runs alone) — and the group holding the most urgent request
-   is admitted: its images go through the vision encoder as one batch per input size, its prompts
-   are prefilled together (right-padded) into the lowest free rows, and its first tokens chosen;
+   is admitted: its images go through the vision encoder (LLaVA pixels: one batch per input size;
+   any family's :class:`~edgevlm.runtime.models.base.VisionInput`: one ``encode_vision`` per
+   request, keeping its side features such as Qwen3-VL's DeepStack), its prompts are prefilled
+   together (right-padded; per-row M-RoPE tables and DeepStack adds) into the lowest free rows, and
+   its first tokens chosen;
 3. **decode**: one batched decode step for every running request (rows ``0..n-1``, CUDA-graph
-   replay on GPU); finished requests free their rows at once.
+   replay on GPU) at per-row cache slots, with per-row RoPE offsets: a multimodal-RoPE request
+   (Qwen2.5-VL, Qwen3-VL) decodes slot ``s`` at RoPE position ``s + rope_delta`` of its own prompt;
+   finished requests free their rows at once.
+
+Why the Qwen prefills can be grouped: M-RoPE only changes the rotation each position gets, and a
+right-padded causal prefill never lets a row attend to another row or to its padding, so a group
+is exactly the single prefills with each row's own ``(cos, sin)`` tables (the decoder's ``rope``
+hook takes ``(B, T, Dh)``) and DeepStack's ``layer_adds`` over a ``(B, T)`` vision mask.
 
 Only one prefill group runs per iteration, so a running request's next token is delayed by at most
 one group's prefill (at most ``token_budget`` tokens), and a waiting request is admitted as soon
@@ -85,7 +95,11 @@ class GenerationRequest:
 
     Attributes:
         input_ids: prompt token ids, with one image placeholder per vision token.
-        pixel_values: ``(1, 3, H, W)`` float32 normalised image, or None (text only).
+        pixel_values: ``(1, 3, H, W)`` float32 normalised image, or None (LLaVA's pixel path,
+            batched per input size).
+        vision: the family processor's :class:`~edgevlm.runtime.models.base.VisionInput` (any
+            family: several images, tiles, video), encoded alone; used when ``pixel_values`` is
+            None. Neither = text only.
         max_new_tokens: generation budget (capped by the KV cache).
         eos_token_ids: tokens that end the generation (not included in the result).
         params: sampling knobs; None = greedy.
@@ -101,6 +115,7 @@ class GenerationRequest:
     input_ids: list[int]
     pixel_values: torch.Tensor | None = None
     max_new_tokens: int = 64
+    vision: Any = None
     eos_token_ids: frozenset[int] = frozenset()
     params: SamplingParams | None = None
     deadline_s: float | None = None
@@ -138,7 +153,7 @@ class GenerationResult:
 class _Running:
     req: GenerationRequest
     row: int
-    pos: int  # position the next fed token goes to
+    pos: int  # cache slot the next fed token goes to
     budget: int
     submitted_s: float
     admitted_s: float
@@ -150,6 +165,7 @@ class _Running:
     batch_size: int = 1
     joined: bool = False
     vision_info: Any = None
+    rope_delta: int = 0  # M-RoPE: RoPE position = slot + rope_delta
 
 
 class ContinuousBatcher:
@@ -244,20 +260,30 @@ class ContinuousBatcher:
         be = self.backend
         now = self.clock()
         joined = self.n_running > 0
-        feat_of, info_of = self._encode([r for _, r in chosen])
+        feat_of, info_of, state_of = self._encode([r for _, r in chosen])
         be.synchronize()
         t_vision = self.clock()
-        embeds = []
+        embeds, ids_of, positions, deltas = [], [], [], []
         for i, (_, r) in enumerate(chosen):
             ids = torch.tensor([r.input_ids], dtype=torch.long, device=be.device)  # (1, T)
+            pos_ids, delta = be.position_ids(ids, r.vision) if r.vision is not None else (None, 0)
             embeds.append(be.embed(ids, feat_of.get(i)))
+            ids_of.append(ids)
+            positions.append(pos_ids)  # M-RoPE (3, 1, T) or None
+            deltas.append(delta)
         rows = free[: len(chosen)]
-        logits = be.prefill_batch(embeds, rows)  # (n, V)
+        extra = {}
+        if any(p is not None for p in positions):
+            extra["position_ids"] = positions
+        if state_of:
+            extra.update(input_ids=ids_of, vision_states=[state_of.get(i) for i in range(len(chosen))])
+        logits = be.prefill_batch(embeds, rows, **extra)  # (n, V)
         be.synchronize()
         t_prefill = self.clock()
         for i, ((sub, r), row) in enumerate(zip(chosen, rows, strict=True)):
             n = len(r.input_ids)
-            run = _Running(req=r, row=row, pos=n, budget=min(r.max_new_tokens, be.max_seq_len - n + 1),
+            run = _Running(req=r, row=row, pos=n, rope_delta=deltas[i],
+                           budget=min(r.max_new_tokens, be.max_seq_len - n + 1),
                            submitted_s=sub, admitted_s=now, vision_s=t_vision - now, prefill_s=t_prefill - t_vision,
                            batch_size=self.n_running + 1, joined=joined, vision_info=info_of.get(i))
             if r.params is not None and not r.params.greedy:
@@ -267,14 +293,29 @@ class ContinuousBatcher:
             self.joins += len(chosen)
         return self._consume(logits, [self._rows[row] for row in rows], first=True)
 
-    def _encode(self, reqs: list[GenerationRequest]) -> tuple[dict[int, torch.Tensor], dict[int, Any]]:
-        """Vision features of a prefill group, by index: plain images in one encoder batch per input
-        size, adaptive operating points one by one (with their VisionInfo)."""
+    def _encode(self, reqs: list[GenerationRequest]
+                ) -> tuple[dict[int, torch.Tensor], dict[int, Any], dict[int, Any]]:
+        """Vision features of a prefill group, by index: plain pixel images in one encoder batch per
+        input size, adaptive operating points one by one (with their VisionInfo), a family's
+        ``vision`` one by one (with the model's side state, e.g. DeepStack, by index when any)."""
         be = self.backend
         plain = [i for i, r in enumerate(reqs) if r.pixel_values is not None and not _adaptive(r.operating_point)]
         feats = be.encode_images([reqs[i].pixel_values for i in plain]) if plain else []
         feat_of = dict(zip(plain, feats, strict=True))
         info_of: dict[int, Any] = {}
+        state_of: dict[int, Any] = {}
+        for i, r in enumerate(reqs):
+            if r.pixel_values is not None or r.vision is None or not r.vision.kinds:
+                continue
+            if _adaptive(r.operating_point):  # LLaVA's early exit / pruning of its one image
+                op = r.operating_point
+                prompt = torch.tensor([r.input_ids], dtype=torch.long) if op.exit_threshold is not None else None
+                feat_of[i] = be.encode_vision(r.vision, operating_point=op, prompt_ids=prompt)
+                info_of[i] = getattr(be, "last_vision_info", None)
+                continue
+            feat_of[i], state = be.encode_vision_state(r.vision)  # (N, D_text), side state
+            if state is not None:
+                state_of[i] = state
         for i, r in enumerate(reqs):
             if r.pixel_values is None or not _adaptive(r.operating_point):
                 continue
@@ -283,16 +324,19 @@ class ContinuousBatcher:
             prompt = torch.tensor([r.input_ids], dtype=torch.long) if op.exit_threshold is not None else None
             feat_of[i] = be.encode_image(r.pixel_values, operating_point=op, prompt_ids=prompt)  # (1, N', D)
             info_of[i] = getattr(be, "last_vision_info", None)
-        return feat_of, info_of
+        return feat_of, info_of, state_of
 
     def _decode(self) -> list[GenerationResult]:
         n = max(i for i, r in enumerate(self._rows) if r is not None) + 1
-        tokens, positions = [0] * n, [0] * n
+        tokens, positions, offsets = [0] * n, [0] * n, [0] * n
         for i in range(n):
             run = self._rows[i]
             if run is not None:
-                tokens[i], positions[i] = run.tokens[-1], run.pos
-        logits = self.backend.decode_batch(tokens, positions)  # (n, V)
+                tokens[i], positions[i], offsets[i] = run.tokens[-1], run.pos, run.rope_delta
+        if any(offsets):
+            logits = self.backend.decode_batch(tokens, positions, offsets)  # (n, V)
+        else:
+            logits = self.backend.decode_batch(tokens, positions)
         running = [self._rows[i] for i in range(n)]
         n_running = self.n_running
         for run in running:

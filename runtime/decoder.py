@@ -492,14 +492,19 @@ class Decoder(nn.Module):
         rows = torch.arange(token_ids.shape[0], device=token_ids.device)  # once per step, not per layer
         return self(embeds, input_pos[:, None], prefill=False, kv_len=kv_len, rows=rows, rope_offset=rope_offset)
 
-    def prefill_batch(self, embeds: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def prefill_batch(self, embeds: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, *,
+                      rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      layer_adds: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> torch.Tensor:
         """Prefill several right-padded prompts at once: ``embeds`` ``(B, T, D)``, row ``b`` real for
         its first ``lengths[b]`` positions (padding after them only reaches cache positions that
         decode overwrites before it attends to them), written into cache rows ``rows`` ``(B,)``.
-        Returns the logits ``(B, V)`` at position ``lengths[b] - 1`` of each row."""
+        ``rope`` ``(cos, sin)`` ``(B, T, Dh)`` (per-row M-RoPE tables) and ``layer_adds`` (mask
+        ``(B, T)``): the :meth:`forward` hooks. Returns the logits ``(B, V)`` at position
+        ``lengths[b] - 1`` of each row."""
         t = embeds.shape[1]
         input_pos = torch.arange(t, device=embeds.device)
-        return self(embeds, input_pos, prefill=True, rows=rows, last_index=lengths - 1)
+        return self(embeds, input_pos, prefill=True, rows=rows, last_index=lengths - 1, rope=rope,
+                    layer_adds=layer_adds)
 
 
 class DecoderVLM(nn.Module):
@@ -522,3 +527,57 @@ class DecoderVLM(nn.Module):
         """Allocate the decoder's static KV caches and RoPE tables (see :meth:`Decoder.setup_caches`;
         ``kwargs``: its KV precision and layout options)."""
         self.language_model.setup_caches(max_batch_size, max_seq_len, **kwargs)
+
+    # ---- batched prefill (continuous batching, edgevlm.runtime.batching) -----------------------
+    def take_vision_state(self):
+        """Side features the last :meth:`encode_vision` kept for the next prefill, handed over and
+        forgotten (a batch encodes several requests before prefilling them together). None here:
+        the family's ``encode_vision`` result is all its prefill needs (``vision_state_free``)."""
+        return None
+
+    def rope_tables(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token ``(cos, sin)`` ``(T, head_dim)`` float32 for ``position_ids`` other than the
+        slots; families with 1-D RoPE never get any (their ``position_ids`` is None)."""
+        raise ValueError(f"{type(self).__name__} uses 1-D RoPE: position_ids must be None")
+
+    def batch_layer_adds(self, input_ids: torch.Tensor, vision_states: list) -> list | None:
+        """The decoder's ``layer_adds`` for a right-padded batch ``input_ids`` ``(B, T)`` (padding
+        -1) and each row's :meth:`take_vision_state`; None = nothing to add."""
+        return None
+
+    def prefill_batch(self, embeds: list[torch.Tensor], rows: torch.Tensor, *,
+                      input_ids: list[torch.Tensor] | None = None,
+                      position_ids: list[torch.Tensor | None] | None = None,
+                      vision_states: list | None = None) -> torch.Tensor:
+        """Prefill several prompts at once into cache ``rows`` ``(B,)`` int64 (each from slot 0):
+        ``embeds`` ``(1, T_i, D)`` each (right-padded to the longest), ``input_ids`` ``(1, T_i)``
+        each (needed only with ``vision_states``), ``position_ids`` per row: the family's
+        ``position_ids`` (M-RoPE ``(3, 1, T_i)``; None = the slots), ``vision_states`` per row: its
+        :meth:`take_vision_state`. Returns each prompt's last logits ``(B, V)``; the same numbers
+        as one :meth:`prefill` per prompt up to float reassociation (rows never attend to each other
+        or to padding: causal attention over right padding)."""
+        lm = self.language_model
+        n = len(embeds)
+        lengths = [e.shape[1] for e in embeds]
+        t = max(lengths)
+        dev = embeds[0].device
+        x = torch.cat([F.pad(e, (0, 0, 0, t - e.shape[1])) for e in embeds])  # (B, T, D)
+        rope = None
+        if position_ids is not None and any(p is not None for p in position_ids):
+            slots = torch.arange(t, device=dev)
+            cos_rows, sin_rows = [], []
+            for p, length in zip(position_ids, lengths, strict=True):
+                if p is None:  # 1-D positions: the decoder's own tables at the slots
+                    cos, sin = lm.rope_cos[slots].float(), lm.rope_sin[slots].float()
+                else:
+                    cos, sin = (r.to(dev).float() for r in self.rope_tables(p))  # (T_i, Dh)
+                    cos, sin = F.pad(cos, (0, 0, 0, t - length)), F.pad(sin, (0, 0, 0, t - length))
+                cos_rows.append(cos)
+                sin_rows.append(sin)
+            rope = torch.stack(cos_rows), torch.stack(sin_rows)  # (B, T, Dh) each
+        layer_adds = None
+        if vision_states is not None and any(s is not None for s in vision_states):
+            ids = torch.cat([F.pad(i.to(dev), (0, t - i.shape[1]), value=-1) for i in input_ids])  # (B, T)
+            layer_adds = self.batch_layer_adds(ids, vision_states)
+        return lm.prefill_batch(x, torch.tensor(lengths, device=dev), rows.to(dev)[:n], rope=rope,
+                                layer_adds=layer_adds)

@@ -11,7 +11,8 @@ cloud profiles):
   (:mod:`edgevlm.runtime.cuda_graphs`); ignored on CPU (eager).
 * ``kv_cache_dtype``: ``bf16``/``fp16``/``fp32``/``int4``/``fp8_e4m3`` (default: the model dtype),
   see :mod:`edgevlm.runtime.kv_cache`.
-* ``max_batch_size`` (default 1): KV cache rows, i.e. requests decoded together.
+* ``max_batch_size`` (default 1): KV cache rows, i.e. requests decoded together (every
+  registered family: 1-D RoPE or M-RoPE with a per-row ``rope_delta``, DeepStack per row).
 * ``fused_vision_stem`` (default False): the Triton patch-embedding + LayerNorm kernel
   (:mod:`edgevlm.runtime.kernels.patch_embed_ln`); needs triton and CUDA.
 * ``min_kv_bucket`` (default 256): smallest attended KV length on CUDA (see ``kv_bucket``).
@@ -29,7 +30,6 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from edgevlm.errors import InvalidRequestError, ModelLoadError
@@ -218,21 +218,40 @@ class TorchBackend(Backend):
         return out  # type: ignore[return-value]
 
     @torch.inference_mode()
-    def prefill_batch(self, embeds: list[torch.Tensor], rows: list[int]) -> torch.Tensor:
+    def encode_vision_state(self, vision: VisionInput) -> tuple[torch.Tensor, object]:
+        """One request's vision for a batched prefill: ``(vision tokens (N, D_text), side state)``,
+        the state being the model's :meth:`~edgevlm.runtime.decoder.DecoderVLM.take_vision_state`
+        (Qwen3-VL's DeepStack features; None for other families), handed to :meth:`prefill_batch`."""
+        self.last_vision_info = None
+        feats = self.model.encode_vision(vision)  # (N_total, D_text)
+        return feats, self.model.take_vision_state()
+
+    @torch.inference_mode()
+    def prefill_batch(self, embeds: list[torch.Tensor], rows: list[int], *,
+                      input_ids: list[torch.Tensor] | None = None,
+                      position_ids: list[torch.Tensor | None] | None = None,
+                      vision_states: list | None = None) -> torch.Tensor:
         """Prefill several prompts ``(1, T_i, D)`` into cache rows ``rows`` (right-padded to the
-        longest); returns each prompt's last logits ``(n, V)``."""
+        longest); returns each prompt's last logits ``(n, V)``. Per prompt, optionally: its ids
+        ``(1, T_i)``, its :meth:`position_ids` (M-RoPE ``(3, 1, T_i)`` or None) and its
+        :meth:`encode_vision_state` state (see the model's ``prefill_batch``).
+
+        Raises ValueError: counts that disagree, a prompt past the KV cache, rows outside it."""
         if len(embeds) != len(rows) or not embeds:
             raise ValueError(f"{len(embeds)} prompts for {len(rows)} cache rows")
-        lengths = [e.shape[1] for e in embeds]
-        t = max(lengths)
+        for name, per_row in (("input_ids", input_ids), ("position_ids", position_ids),
+                              ("vision_states", vision_states)):
+            if per_row is not None and len(per_row) != len(rows):
+                raise ValueError(f"{len(per_row)} {name} for {len(rows)} prompts")
+        if vision_states is not None and any(s is not None for s in vision_states) and input_ids is None:
+            raise ValueError("vision_states need the prompts' input_ids")
+        t = max(e.shape[1] for e in embeds)
         if t > self.max_seq_len:
             raise ValueError(f"prefill of {t} positions exceeds the KV cache ({self.max_seq_len})")
         if max(rows) >= self.max_batch_size or min(rows) < 0:
             raise ValueError(f"cache rows {rows} outside 0..{self.max_batch_size - 1}")
-        x = torch.cat([F.pad(e, (0, 0, 0, t - e.shape[1])) for e in embeds])  # (n, T, D)
-        dev = self.device
-        return self.model.language_model.prefill_batch(
-            x, torch.tensor(lengths, device=dev), torch.tensor(rows, device=dev))
+        return self.model.prefill_batch(embeds, torch.tensor(rows, device=self.device), input_ids=input_ids,
+                                        position_ids=position_ids, vision_states=vision_states)
 
     @torch.inference_mode()
     def decode_batch(self, token_ids: list[int], positions: list[int],
@@ -286,11 +305,6 @@ def load(files: ModelFiles, *, device: torch.device, dtype: torch.dtype, max_seq
                               "int4_kernel"}
     if unknown:
         raise InvalidRequestError(f"unknown torch backend option(s): {', '.join(sorted(unknown))}")
-    if max_batch_size > 1 and not files.family.adaptive_vision:
-        # the batched entry points (encode_images, prefill_batch) are LLaVA's pixel path with 1-D RoPE
-        logger.warning("continuous batching is not supported for the %s family yet: serving one request "
-                       "at a time (max_batch_size 1)", files.family.name)
-        max_batch_size = options["max_batch_size"] = 1
     model = load_model(files, device=device, dtype=dtype, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
     if files.family.adaptive_vision:
         from edgevlm.runtime.exits import load_exit_heads  # exits.json/.safetensors of `edgevlm calibrate`

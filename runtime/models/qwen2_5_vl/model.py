@@ -103,7 +103,8 @@ class Qwen25VLModel(DecoderVLM):
     def decode(self, token_ids: torch.Tensor, input_pos: torch.Tensor,
                rope_offset: int | torch.Tensor = 0) -> torch.Tensor:
         """One step: ``token_ids`` ``(B, 1)`` at cache slot ``input_pos`` ``(1,)`` (or ``(B,)``) ->
-        logits ``(B, V)``; RoPE position = slot + ``rope_offset`` (the prompt's ``rope_delta``)."""
+        logits ``(B, V)``; RoPE position = slot + ``rope_offset`` (the prompt's ``rope_delta``; a
+        ``(B,)`` tensor: per row)."""
         b = token_ids.shape[0]
         pos = input_pos.reshape(-1).expand(b) if input_pos.numel() == 1 else input_pos.reshape(b)
         kv_len = int(pos.max()) + 1

@@ -109,10 +109,7 @@ class Qwen3VLModel(DecoderVLM):
         :meth:`embed` (consumed: a later text-only prefill gets none)."""
         t = embeds.shape[1]
         slots = torch.arange(t, device=embeds.device)
-        rope = None
-        if position_ids is not None:
-            rope = mrope_cos_sin(position_ids[:, 0].to(embeds.device), rope_inv_freq(self.cfg.text),
-                                 self.cfg.text.mrope_section, interleaved=True)
+        rope = None if position_ids is None else self.rope_tables(position_ids)
         layer_adds = None
         if self._vision_mask is not None and self._deepstack:
             if self._vision_mask.shape[1] != t:
@@ -122,10 +119,50 @@ class Qwen3VLModel(DecoderVLM):
         return self.language_model(embeds, slots, prefill=True, all_logits=all_logits, rope=rope,
                                    layer_adds=layer_adds)
 
-    def decode(self, token_ids: torch.Tensor, input_pos: torch.Tensor, rope_offset: int = 0) -> torch.Tensor:
-        """One step: ``token_ids`` ``(B, 1)`` at cache slot ``input_pos`` ``(1,)`` (RoPE position
-        slot + ``rope_offset``) -> logits ``(B, V)``."""
-        pos = input_pos.reshape(-1)[:1].expand(token_ids.shape[0])
+    def rope_tables(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token interleaved M-RoPE ``(cos, sin)`` ``(T, head_dim)`` float32 of positions
+        ``(3, 1, T)``, on the model's device."""
+        return mrope_cos_sin(position_ids[:, 0].to(self.device), rope_inv_freq(self.cfg.text),
+                             self.cfg.text.mrope_section, interleaved=True)
+
+    def take_vision_state(self) -> list[torch.Tensor] | None:
+        """The DeepStack features ``(N_tokens, D_text)`` per DeepStack layer of the last
+        :meth:`encode_vision`, handed over for a batched prefill (:meth:`batch_layer_adds`) and
+        forgotten here; None when there are none."""
+        state, self._deepstack = self._deepstack, []
+        return state or None
+
+    def batch_layer_adds(self, input_ids: torch.Tensor, vision_states: list) -> list | None:
+        """DeepStack for a right-padded batch: after decoder layer ``i`` every vision position of
+        ``input_ids`` ``(B, T)`` (padding -1) of a row with DeepStack features gets its row's
+        ``i``-th feature, rows in order (the decoder's ``layer_adds``). Raises ``ValueError`` when
+        the placeholders and features disagree in number."""
+        has = torch.tensor([s is not None for s in vision_states], device=input_ids.device)
+        mask = self._vision_token_mask(input_ids) & has[:, None]  # (B, T)
+        states = [s for s in vision_states if s is not None]
+        if not states:
+            return None
+        adds = []
+        for i in range(max(len(s) for s in states)):
+            feats = torch.cat([s[i] for s in states])  # (N, D), rows in order
+            if feats.shape[0] != int(mask.sum()):
+                raise ValueError(f"{int(mask.sum())} vision placeholders for {feats.shape[0]} DeepStack features")
+            adds.append((mask, feats))
+        return adds
+
+    def prefill_batch(self, embeds, rows, **kwargs) -> torch.Tensor:
+        """:meth:`DecoderVLM.prefill_batch` (DeepStack through ``vision_states``); the single-request
+        state of the last :meth:`embed` is dropped (it belongs to one of the batched rows)."""
+        self._vision_mask = None
+        return super().prefill_batch(embeds, rows, **kwargs)
+
+    def decode(self, token_ids: torch.Tensor, input_pos: torch.Tensor,
+               rope_offset: int | torch.Tensor = 0) -> torch.Tensor:
+        """One step: ``token_ids`` ``(B, 1)`` at cache slot ``input_pos`` ``(1,)`` (or ``(B,)``, per
+        row) -> logits ``(B, V)``; RoPE position = slot + ``rope_offset`` (int or ``(B,)``: each
+        row's ``rope_delta``)."""
+        b = token_ids.shape[0]
+        pos = input_pos.reshape(-1).expand(b) if input_pos.numel() == 1 else input_pos.reshape(b)
         kv_len = int(pos.max()) + 1
         return self.language_model.decode_step(token_ids, pos, kv_len, rope_offset)
 
