@@ -91,6 +91,8 @@ def _daemon_config(args: argparse.Namespace, port: int, n_max: int) -> dict[str,
         model["cpu_threads"] = args.threads
     if args.rows is not None:
         model["max_batch_size"] = args.rows
+    if args.token_budget is not None:
+        model["prefill_token_budget"] = args.token_budget
     if args.batching != "auto":
         model["continuous_batching"] = args.batching == "on"
     cfg: dict[str, Any] = {
@@ -148,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batching", choices=("auto", "on", "off"), default="auto",
                     help="model.continuous_batching (auto: the profile's on CUDA, off on CPU)")
     ap.add_argument("--threads", type=int, default=None, help="model.cpu_threads")
+    ap.add_argument("--token-budget", type=int, default=None,
+                    help="model.prefill_token_budget (default: the profile's, 1024)")
     ap.add_argument("--items", type=int, default=64, help="distinct evaluation items the clients cycle over")
     ap.add_argument("--seed", type=int, default=3000, help="evaluation set seed")
     ap.add_argument("--quality", type=int, default=90, help="JPEG quality of the inline images")
@@ -236,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cuda = torch.cuda.get_device_name(0) if args.device.startswith("cuda") and torch.cuda.is_available() else None
     print(f"model {args.model or 'demo'} on {args.device}{f' ({cuda})' if cuda else ''}  profile {args.profile}  "
-          f"rows {args.rows}  batching {args.batching}  max_new_tokens {args.max_new_tokens}  window "
+          f"rows {args.rows}  batching {args.batching}  token budget {args.token_budget}  max_new_tokens {args.max_new_tokens}  window "
           f"{args.duration_s:.0f} s  {platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}  {args.label}")
     print("| clients | answers/s | p50 ms | p99 ms | daemon e2e p50 ms | mean batch | accuracy | errors |")
@@ -246,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['e2e_p50_ms']:.1f} | {r['mean_batch_size']:.2f} | {100 * r['accuracy']:.1f}% | "
               f"{r['errors'] or '-'} |")
     print(json.dumps({"bench": "daemon_throughput", "model": args.model or "demo", "device": args.device,
-                      "gpu": cuda, "profile": args.profile, "rows": args.rows, "batching": args.batching,
+                      "gpu": cuda, "profile": args.profile, "rows": args.rows, "batching": args.batching, "token_budget": args.token_budget,
                       "max_new_tokens": args.max_new_tokens, "duration_s": args.duration_s, "label": args.label,
                       "results": results, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}))
     return 0
