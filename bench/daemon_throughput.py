@@ -12,8 +12,8 @@ its own process** (multiprocessing, spawn), ask the demo evaluation questions ab
 JPEG scene images in a closed loop (the next request as soon as the answer is in) for ``--warmup-s`` (not
 counted) then ``--duration-s`` seconds. Reported per client count: answers/s (answers received in the
 measured window / window), p50/p99 round trip (client clock: ``Client.ask`` call to return), the daemon's own
-``e2e_ms`` p50, mean ``batch_size``, accuracy (answer text == the evaluation set's expected answer) and the
-error count by code. ``--py-spy DIR`` records the daemon process with py-spy during the measured window of
+``e2e_ms`` p50, mean ``batch_size``, accuracy (answer text == the evaluation set's expected answer), the
+operating points the latency controller chose (JSON) and the error count by code. ``--py-spy DIR`` records the daemon process with py-spy during the measured window of
 every client count (``DIR/daemon_<n>clients.txt``, collapsed stacks, all threads, non-idle samples) and prints
 the share of samples per thread and the top self-time functions of the inference thread.
 
@@ -62,7 +62,7 @@ def _items(n: int, seed: int, quality: int) -> list[tuple[str, str, bytes]]:
 def _client_main(k: int, port: int, items: list[tuple[str, str, bytes]], max_new_tokens: int, go: Any,
                  stop_at: Any, results: Any) -> None:
     """One closed-loop client process: waits for ``go``, asks until ``stop_at`` (wall clock), and puts
-    its records ``(t_done, rtt_ms, code, correct, e2e_ms, batch_size)`` on ``results``."""
+    its records ``(t_done, rtt_ms, code, correct, e2e_ms, batch_size, operating_point)`` on ``results``."""
     from edgevlm.client import Client
     from edgevlm.errors import EdgeVLMError
 
@@ -79,9 +79,9 @@ def _client_main(k: int, port: int, items: list[tuple[str, str, bytes]], max_new
                 a = c.ask(q, image=jpeg, max_new_tokens=max_new_tokens, timeout_s=60)
                 rtt = (time.perf_counter() - t0) * 1e3
                 recs.append((time.time(), rtt, "OK", a.text.strip() == expected, a.stats.e2e_ms,
-                             getattr(a.stats, "batch_size", None) or 1))
+                             getattr(a.stats, "batch_size", None) or 1, a.stats.operating_point))
             except EdgeVLMError as err:
-                recs.append((time.time(), (time.perf_counter() - t0) * 1e3, err.code.value, False, None, None))
+                recs.append((time.time(), (time.perf_counter() - t0) * 1e3, err.code.value, False, None, None, None))
     results.put(("done", k, recs))
 
 
@@ -228,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                 "mean_batch_size": round(sum(r[5] for r in ok) / max(1, len(ok)), 2),
                 "accuracy": round(sum(r[3] for r in ok) / max(1, len(ok)), 4),
                 "errors": dict(codes),
+                "operating_points": dict(collections.Counter(r[6] for r in ok).most_common()),
             }
             if spy_path is not None and spy_path.exists():
                 res["py_spy"] = _summarize_pyspy(spy_path)

@@ -56,6 +56,22 @@ EXIT_STARTUP_FAILED = 1
 MODEL_LOAD_TIMEOUT_S = 600.0
 MQTT_STOP_TIMEOUT_S = 5.0
 MAX_BUSY_TIMEOUT_S = 3600.0
+CUDA_HOST_THREADS = 1
+"""torch intra-op threads of a daemon whose model runs on CUDA (``model.cpu_threads`` unset): its
+host-side tensor ops are small (concatenating a group's pixels, token ids), and torch's default pool
+of one thread per core makes each of them wait for threads that the prepare threads, the broker and
+the clients keep busy (this 2-core machine, loaded: ``torch.cat`` of one 384x288 image 0.25 ms with
+1 thread, 8 ms with 2; that concatenation was 33 % of the H200 worker, see
+bench/results/daemon_throughput_h200_20261201.md)."""
+
+
+def host_threads(config: DaemonConfig) -> int | None:
+    """torch intra-op threads the engine loader sets: ``model.cpu_threads``, else
+    :data:`CUDA_HOST_THREADS` for a CUDA model, else None (torch's default, one per core)."""
+    m = config.model
+    if m.cpu_threads is not None:
+        return m.cpu_threads
+    return CUDA_HOST_THREADS if m.device.startswith("cuda") else None
 
 
 def engine_loader(config: DaemonConfig) -> Callable[[], Any]:
@@ -66,10 +82,11 @@ def engine_loader(config: DaemonConfig) -> Callable[[], Any]:
 
         m = config.model
         logger.info("loading model %s on %s (backend %s)", m.path or "<demo model>", m.device, m.backend)
-        if m.cpu_threads is not None:
+        threads = host_threads(config)
+        if threads is not None:
             import torch
 
-            torch.set_num_threads(m.cpu_threads)
+            torch.set_num_threads(threads)
         options = {}
         if config.profile is not None and m.device.startswith("cuda"):
             from edgevlm.profile import load_profile

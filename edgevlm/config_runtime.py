@@ -29,7 +29,8 @@ class ModelConfig(StrictModel):
         None,
         ge=1,
         le=256,
-        description="torch intra-op threads (process-wide); None = torch's default (one per core). On a "
+        description="torch intra-op threads (process-wide); None = torch's default (one per core) on CPU, 1 for "
+        "a CUDA model (its host-side tensor ops are small; edgevlm.daemon.app.CUDA_HOST_THREADS). On a "
         "robot whose CPU is shared with other processes, fewer threads than cores avoid OpenMP threads "
         "spinning against each other (measured: 1 thread 10x faster than 2 on a loaded 2-core machine).",
     )
