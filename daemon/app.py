@@ -35,7 +35,7 @@ from typing import Any
 from edgevlm.config import DaemonConfig
 from edgevlm.daemon.metrics_common import EventCounters
 from edgevlm.daemon.mqtt_bridge import MqttBridge
-from edgevlm.daemon.scheduler import Scheduler
+from edgevlm.daemon.scheduler import Scheduler, default_prepare_threads
 from edgevlm.daemon.sources import FrameSource, SourceManager
 from edgevlm.errors import BusyError, EdgeVLMError
 from edgevlm.protocol import (
@@ -166,6 +166,8 @@ class Daemon:
             monitors=self._make_monitors(),
             continuous_batching=batching[0],
             prefill_token_budget=batching[1],
+            # a CPU model's compute takes the cores: preparing images beside it only competes with it
+            prepare_threads=default_prepare_threads() if config.model.device.startswith("cuda") else 0,
         )
         online = StatusMessage(
             state="online",

@@ -190,7 +190,8 @@ class Scheduler:
         prefill_token_budget: padded tokens per batched prefill group.
         prepare_threads: threads that decode inline images (and, batching, run ``engine.prepare``:
             tokenisation and preprocessing) while the request waits, so the inference thread
-            only runs the model; 0 = all on the worker.
+            only runs the model; 0 = all on the worker; None = :func:`default_prepare_threads`
+            (the daemon gives 0 for a CPU model, whose compute needs the cores).
     """
 
     def __init__(
