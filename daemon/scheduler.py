@@ -4,10 +4,26 @@ paho's network thread only validates requests and calls :meth:`Scheduler.submit`
 blocks: a full queue answers ``BUSY`` at once, an unknown source answers ``UNKNOWN_SOURCE`` at
 once. The worker thread loads (or adopts) the :class:`edgevlm.runtime.Engine`, dequeues requests
 in FIFO order, answers ``DEADLINE_EXCEEDED`` for a request whose deadline passed while it waited,
-decodes inline images (``edgevlm.runtime.image.decode_image``), takes the newest frame of a
+decodes inline images (``edgevlm.runtime.image.decode_image``; or takes them decoded by a prepare
+thread, see below), takes the newest frame of a
 source, runs ``engine.ask`` and hands a :class:`~edgevlm.protocol.Response` to the job's reply
 callback. Every exception becomes a typed wire error (unexpected ones ``INTERNAL``); the worker
 never dies on a bad request.
+
+Threads around the worker (``prepare_threads``; the daemon starts them for a CUDA model): a job with
+an inline image submitted while the worker is busy is decoded on a prepare thread, and when the worker
+batches, also run through ``engine.prepare`` (tokens, preprocessed pixels) for the operating point
+chosen at submit, so the worker only runs the model; the batched worker takes only jobs whose
+preparation is done (oldest first), and reuses it while the engine and the point are still those it
+was made for. A job submitted to an idle worker is prepared by the worker itself (no thread hand-off on
+the one-request path); a source request always is (its newest frame is taken when it runs). The
+responses the worker makes while more work waits are built and published by one reply thread, in
+order; the others, and every refusal on another thread, are sent at once. The request path, start to
+end: transport (:mod:`~edgevlm.daemon.mqtt_bridge` or :mod:`~edgevlm.daemon.openai_api`: validate,
+:func:`~edgevlm.daemon.admission.check_inline_image`, the deadline rule
+:func:`edgevlm.protocol.request_timeout_ms`) -> :meth:`Scheduler.submit` (source, model, queue
+bound, operating point) -> prepare thread -> worker (:meth:`Scheduler._begin`, then ``engine.ask`` or
+the :class:`~edgevlm.daemon.batching.BatchWorker`) -> reply thread -> the job's reply function.
 
 With a latency controller (:mod:`edgevlm.daemon.budget`), :meth:`Scheduler.submit` also picks the
 request's operating point: the queue wait is predicted as the remaining predicted time of what
