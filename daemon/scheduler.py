@@ -93,6 +93,14 @@ FRAME_WAIT_S = 5.0
 """How long a request waits for a source's first frame (bounded by its deadline)."""
 
 
+def _same_preparation(a: Any, b: Any) -> bool:
+    """Whether operating points ``a`` and ``b`` prepare a request the same way: equal but for
+    ``max_new_tokens`` (a token cap the controller lifted at dequeue)."""
+    if a is None or b is None:
+        return a is b
+    return a == b or a.model_copy(update={"max_new_tokens": None}) == b.model_copy(update={"max_new_tokens": None})
+
+
 def default_prepare_threads() -> int:
     """Threads that decode and prepare inline images off the inference thread: half the CPUs, 1..8."""
     return max(1, min(8, (os.cpu_count() or 2) // 2))
@@ -162,6 +170,7 @@ class Job:
     deadline_limit: str = "timeout_ms"
     on_delta: Callable[[str], None] | None = None  # streaming: called with each text delta, on the worker
     prepared: Future | None = None  # inline image: its decode (and batched: engine.prepare) on a prepare thread
+    refit: tuple[Any, float, float] | None = None  # (point, service ms, predicted ms) fixed at a first dequeue
 
     def ready(self) -> bool:
         """Whether the worker can take the job without waiting for its preparation."""
@@ -444,7 +453,7 @@ class Scheduler:
         prepared = _Prepared(decode_image(req.image_bytes))
         batch, engine = self._batch, self._engine
         if batch is not None and batch.engine is engine and engine is not None:
-            point = job.choice.point if job.choice is not None else None
+            point = job.refit[0] if job.refit is not None else job.choice.point if job.choice is not None else None
             prepared.request = engine.prepare(prepared.image, req.prompt, operating_point=point,
                                               max_new_tokens=req.max_new_tokens or self.defaults.max_new_tokens,
                                               **sampling_kwargs(req))
@@ -643,7 +652,9 @@ class Scheduler:
                 image, frame, frames = self._resolve_image(req, deadline)
             started = _Started(dequeued, queue_ms, image, frame, req.max_new_tokens or self.defaults.max_new_tokens,
                                frames=frames, prepared=prepared)
-            if job.choice is not None and self.controller is not None:
+            if job.refit is not None:  # dequeued before, and prepared again for the point chosen then
+                started.point, started.service_ms, started.predicted_ms = job.refit
+            elif job.choice is not None and self.controller is not None:
                 # the wait may differ from the prediction: refit the point to the budget left
                 elapsed_ms = (time.monotonic() - job.received_monotonic) * 1000.0
                 planned_tokens = self.controller.expected_tokens(req.prompt, started.max_new_tokens)
@@ -797,8 +808,13 @@ class Scheduler:
         if started is None:
             return
         pre = started.prepared  # engine.prepare done on a prepare thread, if still for this engine and point
-        ready = (pre.request if pre is not None and pre.engine is batch.engine and pre.point == started.point
-                 else None)  # fmt: skip
+        ready = None
+        if pre is not None and pre.request is not None and pre.engine is batch.engine:
+            if _same_preparation(pre.point, started.point):
+                # the refit at most lifted the point's token cap: the request keeps the point it was prepared for
+                started.point, ready = pre.point, pre.request
+            elif self._prepare_again(job, started):
+                return  # back in the queue, prepared for the refitted point on a prepare thread
         ok, _ = self._guarded(job, "request preparation", lambda: batch.add(
             (job, started), started.image, job.request.prompt, max_new_tokens=started.max_new_tokens,
             operating_point=started.point, deadline_s=job.deadline_monotonic, on_delta=job.on_delta,
@@ -808,6 +824,26 @@ class Scheduler:
         with self._cond:
             self._active[id(job)] = (started.dequeued, started.service_ms)
         self.counters.inc("batched_requests")
+
+    def _prepare_again(self, job: Job, started: _Started) -> bool:
+        """The refit at dequeue changed a prepared job's point: prepare it again for that point on a
+        prepare thread and put it back at the head of the queue (the worker goes on with the others).
+        False when it cannot (no prepare thread, stopping, or done once already)."""
+        pool = self._prepare_pool
+        if pool is None or job.refit is not None:
+            return False
+        job.refit = (started.point, started.service_ms, started.predicted_ms)
+        with self._cond:
+            if self._stopping:
+                return False
+            try:
+                job.prepared = pool.submit(self._prepare_inline, job)
+            except RuntimeError:  # shutting down
+                return False
+            job.prepared.add_done_callback(self._wake_worker)
+            self._queue.appendleft(job)
+        self.counters.inc("prepared_again")
+        return True
 
     def _step(self, batch: Any) -> None:
         joins = batch.batcher.joins

@@ -137,3 +137,72 @@ def test_no_prepare_threads_prepares_everything_on_the_worker(tiny_engine) -> No
     for i in range(2):
         resp, _ = replies.by_id[f"c{i}"]
         assert resp.text == tiny_engine.ask(_image(i), PROMPTS[i], max_new_tokens=2).text
+
+
+def test_a_job_whose_point_changes_at_dequeue_is_prepared_again_off_the_worker(batch_engine, tmp_path,
+                                                                                monkeypatch) -> None:
+    """At submit the first job holds the only waiting place, so the second is predicted to run at once
+    at the big point; after 0.6 s in the queue its 1000 ms budget only fits the small point: the refit
+    changes it, and the job goes back to a prepare thread instead of being prepared on the worker."""
+    import json
+
+    from edgevlm.config import parse_daemon_config
+    from edgevlm.daemon.budget import build_controller
+    from edgevlm.types import OperatingPoint
+
+    big = {"name": "big", "resolution_px": 64, "accuracy": 0.9, "vision_ms": 300.0, "prefill_ms": 100.0,
+           "tpot_ms": 10.0}
+    small = {"name": "small", "resolution_px": 32, "accuracy": 0.5, "vision_ms": 20.0, "prefill_ms": 20.0,
+             "tpot_ms": 10.0}
+    path = tmp_path / "frontier.json"
+    path.write_text(json.dumps({"created_utc": "2025-01-01T00:00:00+00:00", "model": "tiny", "device": "cpu",
+                                "eval_items": 1, "eval_seed": 1000, "points": [big, small],
+                                "frontier": [big, small]}))
+    cfg = parse_daemon_config({"controller": {"frontier": str(path)}})
+    sched = Scheduler(None, SourceManager([]), engine=batch_engine, queue_max_size=8, continuous_batching=True,
+                      prepare_threads=1, controller_factory=lambda eng: build_controller(cfg, eng, batched=True))
+    sched.start(60)
+    worker_prompts: list[str] = []
+    prepare = batch_engine.prepare
+
+    def spy(image: Any, prompt: str, **kwargs: Any) -> Any:  # which thread prepares what (the real prepare)
+        if threading.current_thread().name == "edgevlm-inference":
+            worker_prompts.append(prompt)
+        return prepare(image, prompt, **kwargs)
+
+    monkeypatch.setattr(batch_engine, "prepare", spy)
+    replies = _Replies()
+    image = _image(3)
+    try:
+        with sched.paused():
+            first = _job(replies, "first", encode_png(image), PROMPTS[0], 3)
+            second = _job(replies, "second", encode_png(image), PROMPTS[1], 3)
+            second.request = second.request.model_copy(update={"budget_ms": 1000})
+            for job in (first, second):
+                assert sched.submit(job)
+            assert second.choice.point.name == "big" and second.prepared is not None
+            second.prepared.result(30)
+            threading.Event().wait(0.6)
+        replies.wait(2)
+    finally:
+        sched.stop()
+    resp, _ = replies.by_id["second"]
+    assert resp.ok and resp.stats.operating_point == "small"
+    ref = batch_engine.ask(image, PROMPTS[1], max_new_tokens=3,
+                           operating_point=OperatingPoint(name="small", resolution_px=32))
+    assert resp.text == ref.text
+    assert sched.counters.get("prepared_again") == 1
+    assert PROMPTS[1] not in worker_prompts  # prepared twice, both times on the prepare thread
+    assert worker_prompts == [PROMPTS[0]]  # the first job found the worker idle: prepared there
+
+
+def test_a_lifted_token_cap_keeps_the_preparation() -> None:
+    from edgevlm.daemon.scheduler import _same_preparation
+    from edgevlm.types import OperatingPoint
+
+    capped = OperatingPoint(name="r64-t16", resolution_px=64, max_new_tokens=16)
+    assert _same_preparation(capped, capped.model_copy(update={"max_new_tokens": 48}))
+    assert _same_preparation(capped, capped.model_copy(update={"max_new_tokens": None}))
+    assert not _same_preparation(capped, capped.model_copy(update={"resolution_px": 32}))
+    assert not _same_preparation(capped, capped.model_copy(update={"keep_ratio": 0.5}))
+    assert _same_preparation(None, None) and not _same_preparation(capped, None)
