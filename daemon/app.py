@@ -33,11 +33,20 @@ from types import FrameType
 from typing import Any
 
 from edgevlm.config import DaemonConfig
+from edgevlm.daemon.metrics_common import EventCounters
 from edgevlm.daemon.mqtt_bridge import MqttBridge
-from edgevlm.daemon.scheduler import Counters, Scheduler
+from edgevlm.daemon.scheduler import Scheduler, default_prepare_threads
 from edgevlm.daemon.sources import FrameSource, SourceManager
 from edgevlm.errors import BusyError, EdgeVLMError
-from edgevlm.protocol import NO_DEADLINE_MS, StatusMessage, telemetry_topic
+from edgevlm.protocol import (
+    StatusMessage,
+    audio_request_topic,
+    audio_topic,
+    deadline_s,
+    reload_topic,
+    source_topic,
+    telemetry_topic,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +56,22 @@ EXIT_STARTUP_FAILED = 1
 MODEL_LOAD_TIMEOUT_S = 600.0
 MQTT_STOP_TIMEOUT_S = 5.0
 MAX_BUSY_TIMEOUT_S = 3600.0
+CUDA_HOST_THREADS = 1
+"""torch intra-op threads of a daemon whose model runs on CUDA (``model.cpu_threads`` unset): its
+host-side tensor ops are small (concatenating a group's pixels, token ids), and torch's default pool
+of one thread per core makes each of them wait for threads that the prepare threads, the broker and
+the clients keep busy (this 2-core machine, loaded: ``torch.cat`` of one 384x288 image 0.25 ms with
+1 thread, 8 ms with 2; that concatenation was 33 % of the H200 worker, see
+bench/results/daemon_throughput_h200_20261201.md)."""
+
+
+def host_threads(config: DaemonConfig) -> int | None:
+    """torch intra-op threads the engine loader sets: ``model.cpu_threads``, else
+    :data:`CUDA_HOST_THREADS` for a CUDA model, else None (torch's default, one per core)."""
+    m = config.model
+    if m.cpu_threads is not None:
+        return m.cpu_threads
+    return CUDA_HOST_THREADS if m.device.startswith("cuda") else None
 
 
 def engine_loader(config: DaemonConfig) -> Callable[[], Any]:
@@ -57,10 +82,11 @@ def engine_loader(config: DaemonConfig) -> Callable[[], Any]:
 
         m = config.model
         logger.info("loading model %s on %s (backend %s)", m.path or "<demo model>", m.device, m.backend)
-        if m.cpu_threads is not None:
+        threads = host_threads(config)
+        if threads is not None:
             import torch
 
-            torch.set_num_threads(m.cpu_threads)
+            torch.set_num_threads(threads)
         options = {}
         if config.profile is not None and m.device.startswith("cuda"):
             from edgevlm.profile import load_profile
@@ -97,10 +123,10 @@ def worker_busy_timeout_s(config: DaemonConfig) -> float:
     twice the default request deadline plus 60 s, at most an hour."""
     if config.service.worker_busy_timeout_s is not None:
         return config.service.worker_busy_timeout_s
-    timeout_ms = config.defaults.timeout_ms
-    if timeout_ms >= NO_DEADLINE_MS:
+    after_s = deadline_s(config.defaults.timeout_ms)
+    if after_s is None:
         return MAX_BUSY_TIMEOUT_S
-    return min(MAX_BUSY_TIMEOUT_S, 2 * timeout_ms / 1000.0 + 60.0)
+    return min(MAX_BUSY_TIMEOUT_S, 2 * after_s + 60.0)
 
 
 class Daemon:
@@ -119,12 +145,13 @@ class Daemon:
 
         self.config = config
         self.version = __version__
-        self.counters = Counters()
         self.notifier = SystemdNotifier(notify_socket)
         self.heartbeat = Heartbeat(
             idle_timeout_s=config.service.worker_idle_timeout_s, busy_timeout_s=worker_busy_timeout_s(config)
         )
         self.metrics = self._make_metrics()
+        # the daemon's event counts: with metrics, the same counters Prometheus exports
+        self.counters = self.metrics.events if self.metrics is not None else EventCounters()
         self.sources = SourceManager(config.sources, listener=self._on_source_state)
         batching = batching_settings(config)
         self.scheduler = Scheduler(
@@ -139,6 +166,8 @@ class Daemon:
             monitors=self._make_monitors(),
             continuous_batching=batching[0],
             prefill_token_budget=batching[1],
+            # a CPU model's compute takes the cores: preparing images beside it only competes with it
+            prepare_threads=default_prepare_threads() if config.model.device.startswith("cuda") else 0,
         )
         online = StatusMessage(
             state="online",
@@ -176,9 +205,11 @@ class Daemon:
     # ------------------------------------------------------------------ parts
     def _make_controller(self, engine: Any) -> Any:
         """The latency controller for the loaded engine (``edgevlm.daemon.budget``); on the worker."""
+        from edgevlm.daemon.batching import batch_rows
         from edgevlm.daemon.budget import build_controller
 
-        return build_controller(self.config, engine)
+        batched = batching_settings(self.config)[0] and batch_rows(engine) >= 2
+        return build_controller(self.config, engine, batched=batched)
 
     def _make_http(self, engine: Any) -> Any:
         """The OpenAI-compatible HTTP API (``edgevlm.daemon.openai_api``), when ``http.enabled``."""
@@ -213,7 +244,9 @@ class Daemon:
         from edgevlm.daemon.audio import AudioManager, make_features_handler
 
         manager = AudioManager(self.config.audio, listener=self._on_audio_event)
-        self.bridge.add_handler(f"{self.bridge.topic_base}/audio/request", make_features_handler(manager, self.bridge))
+        mqtt = self.config.mqtt
+        self.bridge.add_handler(audio_request_topic(mqtt.prefix, mqtt.device_id),
+                                make_features_handler(manager, self.bridge))
         return manager
 
     def _make_reload(self, engine: Any) -> Any:
@@ -234,18 +267,19 @@ class Daemon:
 
     def _on_reload(self, result: Any) -> None:
         payload = json.dumps(result.as_dict(), separators=(",", ":")).encode()
-        self.bridge.publish_safe(f"{self.bridge.topic_base}/reload", payload, retain=True)
+        self.bridge.publish_safe(reload_topic(self.config.mqtt.prefix, self.config.mqtt.device_id), payload,
+                                 retain=True)
         if result.ok:
             self.bridge.update_online(model=result.path)
 
     def _on_audio_event(self, src: Any, event: dict[str, Any]) -> None:
-        base = f"{self.bridge.topic_base}/audio/{src.name}"
+        mqtt = self.config.mqtt
         payload = json.dumps({"schema_version": 1, "source": src.name, **event}, separators=(",", ":")).encode()
         if event.get("type") == "state":
-            self.bridge.publish_safe(f"{base}/state", payload, retain=True)
+            self.bridge.publish_safe(audio_topic(mqtt.prefix, mqtt.device_id, src.name, "state"), payload, retain=True)
         else:
             try:
-                self.bridge.publish(f"{base}/events", payload, qos=0)
+                self.bridge.publish(audio_topic(mqtt.prefix, mqtt.device_id, src.name, "events"), payload, qos=0)
             except EdgeVLMError as err:
                 logger.debug("audio event not published: %s", err.message)
 
@@ -283,10 +317,6 @@ class Daemon:
         )
         return detector, reader
 
-    @property
-    def source_topic_prefix(self) -> str:
-        return f"{self.bridge.topic_base}/sources"
-
     # ------------------------------------------------------------------ callbacks
     def _on_broker_ready(self) -> None:
         status = f"serving {self.bridge.request_topic} on {self.config.mqtt.host}:{self.config.mqtt.port}"
@@ -308,7 +338,8 @@ class Daemon:
             if info.get("event") == "reconnecting":
                 self.metrics.source_reconnect(src.name)
         payload = json.dumps({"schema_version": 1, **info}, separators=(",", ":")).encode()
-        self.bridge.publish_safe(f"{self.source_topic_prefix}/{src.name}", payload, retain=True)
+        topic = source_topic(self.config.mqtt.prefix, self.config.mqtt.device_id, src.name)
+        self.bridge.publish_safe(topic, payload, retain=True)
 
     def _on_tegra_sample(self, sample: Any) -> None:
         thermal = self.throttle.update(sample)

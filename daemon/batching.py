@@ -110,10 +110,11 @@ class BatchWorker:
     def add(self, tag: Any, image: np.ndarray | list[np.ndarray], prompt: str, *, max_new_tokens: int,
             operating_point: OperatingPoint | None, deadline_s: float | None,
             on_delta: Callable[[str], None] | None = None, temperature: float = 0.0, top_p: float = 1.0,
-            stop: list[str] | None = None, seed: int | None = None) -> None:
+            stop: list[str] | None = None, seed: int | None = None, prepared: Any = None) -> None:
         """Validate, tokenise and preprocess a request (as ``Engine.ask`` does: ``Engine.prepare``,
         the family's processor; ``image`` one frame or several) and queue it for the next
-        admission. ``deadline_s`` (monotonic): still waiting for a row after it, the request comes back from :meth:`step` with answer None. ``tag`` is returned with the answer.
+        admission. ``prepared``: ``engine.prepare``'s result for these arguments, made beforehand
+        (the daemon's prepare threads, off the inference thread); then nothing is prepared here. ``deadline_s`` (monotonic): still waiting for a row after it, the request comes back from :meth:`step` with answer None. ``tag`` is returned with the answer.
         ``on_delta`` is called with each text delta as the request's tokens are decoded (streaming);
         ``temperature``, ``top_p``, ``stop`` and ``seed`` are ``Engine.ask``'s sampling knobs.
 
@@ -127,8 +128,9 @@ class BatchWorker:
 
         eng = self.engine
         start = time.monotonic()
-        prepared = eng.prepare(image, prompt, max_new_tokens=max_new_tokens, operating_point=operating_point,
-                               temperature=temperature, top_p=top_p, stop=stop, seed=seed)
+        if prepared is None:
+            prepared = eng.prepare(image, prompt, max_new_tokens=max_new_tokens, operating_point=operating_point,
+                                   temperature=temperature, top_p=top_p, stop=stop, seed=seed)
         op, params, vision = prepared.operating_point, prepared.params, prepared.vision
         n_vision, ids = prepared.n_vision, prepared.ids
         stats = Stats(operating_point=op.name, backend=eng.backend_name, vision_tokens=n_vision,

@@ -174,9 +174,9 @@ class BudgetController:
         ``budget_ms`` given: ``(min(budget_ms, timeout_ms),) * 2``; else ``(min(default,
         timeout_ms), timeout_ms)``. ``timeout_ms`` None or :data:`~edgevlm.protocol.NO_DEADLINE_MS`
         = no deadline (``inf``)."""
-        from edgevlm.protocol import NO_DEADLINE_MS
+        from edgevlm.protocol import deadline_s
 
-        timeout = float("inf") if timeout_ms is None or timeout_ms >= NO_DEADLINE_MS else float(timeout_ms)
+        timeout = float("inf") if deadline_s(timeout_ms) is None else float(timeout_ms)
         if budget_ms is not None:
             b = min(float(budget_ms), timeout)
             return b, b
@@ -368,9 +368,21 @@ def _fits_ladder(profile: Profile, engine: Any) -> bool:
     return not off
 
 
-def build_controller(config: Any, engine: Any) -> BudgetController | None:
+def adaptive_point(p: Any) -> bool:
+    """Whether a (frontier or operating) point encodes its image with early exit or token pruning:
+    one request at a time, outside the batched vision encoder."""
+    return (p.exit_threshold is not None or p.exit_layer is not None
+            or (p.keep_ratio is not None and p.keep_ratio < 1.0))
+
+
+def build_controller(config: Any, engine: Any, *, batched: bool = False) -> BudgetController | None:
     """A :class:`BudgetController` for ``engine`` under daemon ``config`` (None when
     ``controller.enabled`` is false). See the module doc for where the frontier comes from.
+    ``batched``: the worker batches requests (continuous batching over several KV-cache rows);
+    then the points with early exit or token pruning are left out when the frontier has others:
+    their images are encoded one request at a time, while the plain points' images share one
+    encoder batch, so the single-request latencies the frontier was measured with overstate what
+    exits save under load (measured: bench/results/daemon_throughput_h200_20261201.md).
 
     Raises:
         ConfigError: the profile or frontier file is invalid, or no frontier point is runnable.
@@ -397,6 +409,12 @@ def build_controller(config: Any, engine: Any) -> BudgetController | None:
         if dropped:
             logger.warning("controller: dropping points this model/backend cannot run (early exit or token pruning): %s",
                            ", ".join(dropped))
+        if batched and any(not adaptive_point(p) for p in ok):
+            solo = [p.name for p in ok if adaptive_point(p)]
+            ok = [p for p in ok if not adaptive_point(p)]
+            if solo:
+                logger.info("controller: continuous batching: leaving out the points that encode one image at a "
+                            "time (early exit, token pruning): %s", ", ".join(solo))
         if not ok:
             raise ConfigError(f"controller: no operating point of {source} can run on this model")
         from edgevlm.profile import pareto

@@ -13,7 +13,7 @@ application. A request without Correlation Data is never deduplicated.
 Receipt time: :class:`ReceiptClock` notices when the daemon's own process was not running (SIGSTOP,
 a paused VM) and dates the requests read right after that from when the stop began, since they
 waited in the socket meanwhile; the deadline rule itself is
-:func:`edgevlm.daemon.scheduler.request_timeout_ms`.
+:func:`edgevlm.protocol.request_timeout_ms`.
 """
 
 from __future__ import annotations

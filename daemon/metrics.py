@@ -27,6 +27,11 @@ edgevlm_requests_dropped_total              counter     ``reason``: a request th
                                                         response_refused by the broker's ACL)
 edgevlm_duplicate_requests_total            counter     ``outcome``: re-sent request answered from
                                                         the cache (answered) or absorbed (in_flight)
+edgevlm_events_total                        counter     ``event``: every named event the daemon counts
+                                                        (:class:`~edgevlm.daemon.metrics_common.EventCounters`:
+                                                        messages_received, errors_<CODE>, mqtt_connects,
+                                                        duplicate_answered, batch_joins, ...); also the
+                                                        summary's ``events``
 edgevlm_jetson_*                            gauge       from the newest tegrastats sample
 ==========================================  ==========  ========================================
 
@@ -50,6 +55,7 @@ from edgevlm.daemon.metrics_common import (  # noqa: F401  (re-exported: constan
     RESULT_OK,
     SUMMARY_SCHEMA_VERSION,
     TTFT_BUCKETS_S,
+    EventCounters,
     _field,
     _number,
     _percentiles,
@@ -58,6 +64,7 @@ from edgevlm.daemon.metrics_common import (  # noqa: F401  (re-exported: constan
 )
 from edgevlm.daemon.metrics_export import (  # noqa: F401  (re-exported: the exporters)
     TelemetryPublisher,
+    _EventsCollector,
     _JetsonCollector,
 )
 from edgevlm.errors import ErrorCode
@@ -194,6 +201,9 @@ class Metrics:
             self._started_s
         )
         self._prom = prom
+        self.events = EventCounters()
+        """The daemon's named event counts, exported as ``edgevlm_events_total{event}``."""
+        self.registry.register(_EventsCollector(self))
         self.registry.register(_JetsonCollector(self))
         # state for the JSON summary
         self._codes: dict[str, int] = dict.fromkeys(RESULT_CODES, 0)
@@ -216,10 +226,11 @@ class Metrics:
         per answer): its code, its stats, whether an ok answer left after the deadline
         (``timeout_ms`` from ``received_monotonic``; :data:`~edgevlm.protocol.NO_DEADLINE_MS` = none),
         the operating point it ran at, and the queue depth now."""
-        from edgevlm.protocol import NO_DEADLINE_MS
+        from edgevlm.protocol import deadline_s
 
         code = "OK" if response.ok else (response.error.code if response.error else "INTERNAL")
-        late = timeout_ms < NO_DEADLINE_MS and time.monotonic() > received_monotonic + timeout_ms / 1000.0
+        after_s = deadline_s(timeout_ms)
+        late = after_s is not None and time.monotonic() > received_monotonic + after_s
         self.observe_answer(response.stats, code, deadline_missed=late and response.ok)
         if response.stats is not None and response.stats.operating_point:
             self.set_operating_point(response.stats.operating_point)
@@ -429,6 +440,7 @@ class Metrics:
                 "sources": {k: dict(v) for k, v in sorted(self._sources.items())},
             }
             sample, thermal = self.tegra_sample, self.thermal
+        out["events"] = dict(sorted(self.events.snapshot().items()))
         if sample is not None:
             jetson = {
                 "max_temp_c": sample.max_temp_c,

@@ -1,18 +1,22 @@
 """Constants and pure helpers of :mod:`edgevlm.daemon.metrics` (no prometheus-client import).
 
-The histogram buckets, the result codes, :func:`parse_listen_address` (also used to validate the
-config without prometheus-client), :func:`telemetry_topic`, and the small helpers that sanitise
-the values the metrics take and summarise latencies as percentiles.
+The histogram buckets, the result codes, :class:`EventCounters` (the daemon's named event counts,
+exported by the metrics), and the small helpers that sanitise the values the metrics take and
+summarise latencies as percentiles. :func:`parse_listen_address` (the config's own check) and
+:func:`telemetry_topic` (the protocol's) are re-exported from the core.
 """
 
 from __future__ import annotations
 
+import collections
 import math
-import re
+import threading
 from collections import deque
 from typing import Any
 
+from edgevlm.config_runtime import parse_listen_address  # noqa: F401  (re-exported)
 from edgevlm.errors import ErrorCode
+from edgevlm.protocol import telemetry_topic  # noqa: F401  (re-exported)
 
 TTFT_BUCKETS_S: tuple[float, ...] = tuple(round(0.010 * 1.5**k, 9) for k in range(12))  # 10 ms .. 865 ms
 E2E_BUCKETS_S: tuple[float, ...] = tuple(round(0.010 * 1.5**k, 9) for k in range(18))  # 10 ms .. 9.85 s
@@ -22,27 +26,27 @@ _OTHER = "OTHER"
 SUMMARY_SCHEMA_VERSION = 1
 
 
-def parse_listen_address(address: str) -> tuple[str, int]:
-    """``"127.0.0.1:9108"``, ``"[::1]:9108"``, ``":9108"`` (all interfaces) or ``"9108"`` ->
-    ``(host, port)``. Port 0 asks the kernel for a free port.
+class EventCounters:
+    """Thread-safe named event counts of the daemon (requests received, errors by code, MQTT
+    connects, duplicates, batch joins...): the one place they are counted. :class:`~edgevlm.daemon.
+    metrics.Metrics` exports every name as ``edgevlm_events_total{event="<name>"}`` and in the
+    telemetry summary; without prometheus-client they are still counted (and logged at shutdown)."""
 
-    Raises:
-        ValueError: not of these forms, or the port is outside 0..65535.
-    """
-    text = str(address).strip()
-    m = re.fullmatch(r"(?:\[([0-9A-Fa-f:.]+)\]|([^:\[\]\s]*)):(\d{1,5})|(\d{1,5})", text)
-    if m is None:
-        raise ValueError(f"metrics listen address {address!r}: expected HOST:PORT, [IPV6]:PORT or PORT")
-    host = m.group(1) or m.group(2) or "0.0.0.0"
-    port = int(m.group(3) or m.group(4))
-    if port > 65535:
-        raise ValueError(f"metrics listen address {address!r}: port {port} is not in 0..65535")
-    return host, port
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: collections.Counter[str] = collections.Counter()
 
+    def inc(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._values[name] += n
 
-def telemetry_topic(prefix: str, device_id: str) -> str:
-    """The topic the telemetry summary is published on: ``<prefix>/<device_id>/telemetry``."""
-    return f"{prefix}/{device_id}/telemetry"
+    def get(self, name: str) -> int:
+        with self._lock:
+            return self._values[name]
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
 
 
 def _field(stats: Any, name: str) -> Any:

@@ -19,6 +19,26 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+class _EventsCollector:
+    """Exports the daemon's named event counts (:class:`~edgevlm.daemon.metrics_common.EventCounters`)
+    at scrape time as ``edgevlm_events_total{event}``."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+
+    def describe(self) -> Iterator[Any]:
+        return iter(())  # dynamic label values: nothing to check at registration
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily
+
+        family = CounterMetricFamily("edgevlm_events", "Daemon events by name (requests received, errors by "
+                                     "code, MQTT connects, duplicates, batch joins, ...).", labels=["event"])
+        for name, value in sorted(self.m.events.snapshot().items()):
+            family.add_metric([name], value)
+        yield family
+
+
 class _JetsonCollector:
     """Exports the newest tegrastats sample at scrape time; absent fields are simply not exported."""
 

@@ -44,7 +44,7 @@ with its *Correlation Data* (MQTT v5 section 4.10, request/response).
   while it runs and answered from the recent-answers cache afterwards
   (:class:`~edgevlm.daemon.delivery.RecentAnswers`); its receipt time comes from
   :class:`~edgevlm.daemon.delivery.ReceiptClock` and its deadline from
-  :func:`~edgevlm.daemon.scheduler.request_timeout_ms` (``timeout_ms`` capped by the Message
+  :func:`~edgevlm.protocol.request_timeout_ms` (``timeout_ms`` capped by the Message
   Expiry Interval).
 - Shutdown: :meth:`stop_accepting` answers new requests ``BUSY``; :meth:`fail_outstanding`
   answers every request still without a response (bounded shutdown), a late worker reply to such
@@ -64,7 +64,8 @@ from edgevlm.client import describe_connect_error, request_quick_ack, set_tcp_no
 from edgevlm.config import LimitsConfig, MqttConfig
 from edgevlm.daemon.admission import check_inline_image
 from edgevlm.daemon.delivery import RECEIVE_MAXIMUM, DedupKey, ReceiptClock, RecentAnswers, payload_digest
-from edgevlm.daemon.scheduler import Counters, Job, Scheduler, request_timeout_ms
+from edgevlm.daemon.metrics_common import EventCounters
+from edgevlm.daemon.scheduler import Job, Scheduler
 from edgevlm.errors import (
     BusyError,
     EdgeVLMError,
@@ -84,6 +85,7 @@ from edgevlm.protocol import (
     parse_request,
     pool_request_topic,
     pool_subscription,
+    request_timeout_ms,
     request_topic,
     status_topic,
 )
@@ -144,7 +146,7 @@ class MqttBridge:
         config: MqttConfig,
         scheduler: Scheduler,
         online_status: StatusMessage,
-        counters: Counters | None = None,
+        counters: EventCounters | None = None,
         *,
         limits: LimitsConfig | None = None,
         metrics: Any = None,
@@ -164,7 +166,6 @@ class MqttBridge:
         self.pool_subscription = (pool_subscription(config.prefix, config.pool, config.pool_group or config.pool)
                                   if config.pool else None)
         self.status_topic = status_topic(config.prefix, config.device_id)
-        self.topic_base = f"{config.prefix}/{config.device_id}"
         self._online = online_status
         self._connected = threading.Event()
         self._subscribed = threading.Event()
@@ -451,7 +452,7 @@ class MqttBridge:
         timeout_ms = NO_DEADLINE_MS
         limit = "timeout_ms"
         if request is not None and error is None:
-            asked_ms = request.timeout_ms if request.timeout_ms is not None else self.scheduler.defaults.timeout_ms
+            asked_ms = request_timeout_ms(request.timeout_ms, self.scheduler.defaults.timeout_ms)
             timeout_ms = request_timeout_ms(request.timeout_ms, self.scheduler.defaults.timeout_ms, expiry_s)
             if timeout_ms < asked_ms:
                 limit = "message_expiry"

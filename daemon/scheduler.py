@@ -4,10 +4,26 @@ paho's network thread only validates requests and calls :meth:`Scheduler.submit`
 blocks: a full queue answers ``BUSY`` at once, an unknown source answers ``UNKNOWN_SOURCE`` at
 once. The worker thread loads (or adopts) the :class:`edgevlm.runtime.Engine`, dequeues requests
 in FIFO order, answers ``DEADLINE_EXCEEDED`` for a request whose deadline passed while it waited,
-decodes inline images (``edgevlm.runtime.image.decode_image``), takes the newest frame of a
+decodes inline images (``edgevlm.runtime.image.decode_image``; or takes them decoded by a prepare
+thread, see below), takes the newest frame of a
 source, runs ``engine.ask`` and hands a :class:`~edgevlm.protocol.Response` to the job's reply
 callback. Every exception becomes a typed wire error (unexpected ones ``INTERNAL``); the worker
 never dies on a bad request.
+
+Threads around the worker (``prepare_threads``; the daemon starts them for a CUDA model): a job with
+an inline image submitted while the worker is busy is decoded on a prepare thread, and when the worker
+batches, also run through ``engine.prepare`` (tokens, preprocessed pixels) for the operating point
+chosen at submit, so the worker only runs the model; the batched worker takes only jobs whose
+preparation is done (oldest first), and reuses it while the engine and the point are still those it
+was made for. A job submitted to an idle worker is prepared by the worker itself (no thread hand-off on
+the one-request path); a source request always is (its newest frame is taken when it runs). The
+responses the worker makes while more work waits are built and published by one reply thread, in
+order; the others, and every refusal on another thread, are sent at once. The request path, start to
+end: transport (:mod:`~edgevlm.daemon.mqtt_bridge` or :mod:`~edgevlm.daemon.openai_api`: validate,
+:func:`~edgevlm.daemon.admission.check_inline_image`, the deadline rule
+:func:`edgevlm.protocol.request_timeout_ms`) -> :meth:`Scheduler.submit` (source, model, queue
+bound, operating point) -> prepare thread -> worker (:meth:`Scheduler._begin`, then ``engine.ask`` or
+the :class:`~edgevlm.daemon.batching.BatchWorker`) -> reply thread -> the job's reply function.
 
 With a latency controller (:mod:`edgevlm.daemon.budget`), :meth:`Scheduler.submit` also picks the
 request's operating point: the queue wait is predicted as the remaining predicted time of what
@@ -21,8 +37,9 @@ and reports ``operating_point``, ``budget_ms`` and ``predicted_ms`` in the respo
 (:mod:`edgevlm.daemon.monitors`) run on the same worker, only while no request waits.
 
 Deadlines are measured on the monotonic clock from the moment the daemon received the request;
-:func:`request_timeout_ms` is the one rule (``timeout_ms``, else ``defaults.timeout_ms``, capped by
-the MQTT v5 Message Expiry Interval; :data:`~edgevlm.protocol.NO_DEADLINE_MS` = none). A queued
+:func:`edgevlm.protocol.request_timeout_ms` is the one rule (``timeout_ms``, else ``defaults.timeout_ms``,
+capped by the MQTT v5 Message Expiry Interval; :func:`edgevlm.protocol.deadline_s`: none for
+:data:`~edgevlm.protocol.NO_DEADLINE_MS`). A queued
 request whose deadline passes is answered ``DEADLINE_EXCEEDED`` at that moment by a small deadline
 thread, whatever the worker is doing. A request already running when its deadline passes is
 finished and answered (the work is done; the client decides).
@@ -43,13 +60,16 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from edgevlm.config import DefaultsConfig
+from edgevlm.daemon.metrics_common import EventCounters
 from edgevlm.daemon.sources import CapturedFrame, SourceManager
 from edgevlm.errors import (
     BusyError,
@@ -59,7 +79,7 @@ from edgevlm.errors import (
     InvalidRequestError,
     ModelLoadError,
 )
-from edgevlm.protocol import NO_DEADLINE_MS, Frame, Request, Response
+from edgevlm.protocol import NO_DEADLINE_MS, Frame, Request, Response, deadline_s, request_timeout_ms  # noqa: F401 (the rule, re-exported)
 from edgevlm.types import Answer
 
 logger = logging.getLogger(__name__)
@@ -71,6 +91,31 @@ HEARTBEAT_S = 1.0
 
 FRAME_WAIT_S = 5.0
 """How long a request waits for a source's first frame (bounded by its deadline)."""
+
+
+def _same_preparation(a: Any, b: Any) -> bool:
+    """Whether operating points ``a`` and ``b`` prepare a request the same way: equal but for
+    ``max_new_tokens`` (a token cap the controller lifted at dequeue)."""
+    if a is None or b is None:
+        return a is b
+    return a == b or a.model_copy(update={"max_new_tokens": None}) == b.model_copy(update={"max_new_tokens": None})
+
+
+def default_prepare_threads() -> int:
+    """Threads that decode and prepare inline images off the inference thread: half the CPUs, 1..8."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+@dataclass
+class _Prepared:
+    """What a prepare thread made of an inline-image job before the worker takes it: the decoded
+    image and, when the worker batches, ``engine.prepare``'s result (tokens, preprocessed pixels)
+    for ``engine`` at ``point`` (reused only while both still hold at dequeue)."""
+
+    image: Any  # (H, W, 3) uint8 RGB
+    engine: Any = None
+    point: Any = None
+    request: Any = None  # edgevlm.runtime.engine.PreparedRequest
 
 
 @dataclass
@@ -86,6 +131,7 @@ class _Started:
     predicted_ms: float | None = None
     service_ms: float = 0.0  # predicted worker time (batched: for the queue-wait prediction)
     frames: list[CapturedFrame] | None = None  # a frames / frames_s request's frames, oldest first
+    prepared: _Prepared | None = None  # made by a prepare thread (inline images)
 
     @property
     def frame_timestamps_s(self) -> list[float] | None:
@@ -97,42 +143,6 @@ class _Started:
         if None not in pos and all(b > a for a, b in zip(pos, pos[1:], strict=False)):
             return [(p - pos[0]) / 1e3 for p in pos]
         return [f.monotonic_s - self.frames[0].monotonic_s for f in self.frames]
-
-
-class Counters:
-    """Thread-safe named event counters (requests, errors by code, dropped requests...)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._values: collections.Counter[str] = collections.Counter()
-
-    def inc(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._values[name] += n
-
-    def get(self, name: str) -> int:
-        with self._lock:
-            return self._values[name]
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._values)
-
-
-def request_timeout_ms(timeout_ms: int | None, default_timeout_ms: int, message_expiry_s: int | None = None) -> int:
-    """The deadline rule, in one place: how long (ms, from the daemon's receipt) a request may take.
-
-    The request's ``timeout_ms`` (``default_timeout_ms`` when it gives none), capped by the MQTT v5
-    *Message Expiry Interval* it arrived with (OASIS MQTT 5.0 section 3.3.2.3.3: the broker forwards
-    the interval *remaining*, so time spent queued in the broker is already taken off; the SDK sets it
-    from ``timeout_s``). :data:`~edgevlm.protocol.NO_DEADLINE_MS` means no deadline. Every deadline
-    check (queue expiry, dequeue, the latency controller's budget, the frame wait, batching) uses
-    :attr:`Job.deadline_monotonic`, derived from this value only.
-    """
-    limit = default_timeout_ms if timeout_ms is None else timeout_ms
-    if message_expiry_s is not None and message_expiry_s >= 0:
-        limit = min(limit, max(1, int(message_expiry_s) * 1000))
-    return limit
 
 
 def sampling_kwargs(req: Request) -> dict[str, Any]:
@@ -148,7 +158,7 @@ class Job:
     """One accepted request waiting for the worker.
 
     ``timeout_ms`` is the request's effective deadline from ``received_monotonic``
-    (:func:`request_timeout_ms`); ``deadline_limit`` names what set it (``"timeout_ms"`` or
+    (:func:`edgevlm.protocol.request_timeout_ms`); ``deadline_limit`` names what set it (``"timeout_ms"`` or
     ``"message_expiry"``), for the ``DEADLINE_EXCEEDED`` message.
     """
 
@@ -159,14 +169,19 @@ class Job:
     choice: Any = None  # edgevlm.daemon.budget.Choice made at submit time (controller on)
     deadline_limit: str = "timeout_ms"
     on_delta: Callable[[str], None] | None = None  # streaming: called with each text delta, on the worker
+    prepared: Future | None = None  # inline image: its decode (and batched: engine.prepare) on a prepare thread
+    refit: tuple[Any, float, float] | None = None  # (point, service ms, predicted ms) fixed at a first dequeue
+
+    def ready(self) -> bool:
+        """Whether the worker can take the job without waiting for its preparation."""
+        return self.prepared is None or self.prepared.done()
 
     @property
     def deadline_monotonic(self) -> float | None:
         """Monotonic time (s) after which the request is answered ``DEADLINE_EXCEEDED`` instead of
         being run; None = no deadline."""
-        if self.timeout_ms >= NO_DEADLINE_MS:
-            return None
-        return self.received_monotonic + self.timeout_ms / 1000.0
+        after_s = deadline_s(self.timeout_ms)
+        return None if after_s is None else self.received_monotonic + after_s
 
     def expired(self, now: float) -> bool:
         """Whether the deadline has passed at monotonic time ``now``."""
@@ -182,7 +197,8 @@ class Scheduler:
         sources: the configured camera sources.
         queue_max_size: waiting requests beyond this are answered ``BUSY``.
         defaults: ``max_new_tokens`` / ``timeout_ms`` of requests that leave them out.
-        counters: shared event counters.
+        counters: the daemon's event counters (:class:`~edgevlm.daemon.metrics_common.EventCounters`,
+            exported by the metrics).
         engine: an already loaded engine, adopted by the worker instead of calling ``engine_loader``.
         heartbeat: liveness of the worker loop (``edgevlm.daemon.sdnotify.Heartbeat``): beaten
             every ``HEARTBEAT_S`` while idle, ``busy()`` around each request.
@@ -197,6 +213,10 @@ class Scheduler:
         continuous_batching: decode concurrent requests together when the engine has several
             KV-cache rows (see the module doc); with one row the worker runs ``engine.ask``.
         prefill_token_budget: padded tokens per batched prefill group.
+        prepare_threads: threads that decode inline images (and, batching, run ``engine.prepare``:
+            tokenisation and preprocessing) while the request waits, so the inference thread
+            only runs the model; 0 = all on the worker; None = :func:`default_prepare_threads`
+            (the daemon gives 0 for a CPU model, whose compute needs the cores).
     """
 
     def __init__(
@@ -206,13 +226,14 @@ class Scheduler:
         *,
         queue_max_size: int = 4,
         defaults: DefaultsConfig | None = None,
-        counters: Counters | None = None,
+        counters: EventCounters | None = None,
         engine: Any = None,
         heartbeat: Any = None,
         controller_factory: Callable[[Any], Any] | None = None,
         monitors: Any = None,
         continuous_batching: bool = False,
         prefill_token_budget: int = 1024,
+        prepare_threads: int | None = None,
     ) -> None:
         if engine_loader is None and engine is None:
             raise ValueError("give engine_loader or engine")
@@ -221,7 +242,7 @@ class Scheduler:
         self.sources = sources
         self.queue_max_size = queue_max_size
         self.defaults = defaults or DefaultsConfig()
-        self.counters = counters or Counters()
+        self.counters = counters or EventCounters()
         self._cond = threading.Condition()
         self._queue: collections.deque[Job] = collections.deque()
         self._paused = 0
@@ -242,6 +263,9 @@ class Scheduler:
         self._batch_rows = 1  # KV-cache rows the worker batches over (1 = no batching)
         self._active: dict[int, tuple[float, float]] = {}  # batched jobs: id -> (start, predicted service ms)
         self._expiry_thread: threading.Thread | None = None
+        self.prepare_threads = default_prepare_threads() if prepare_threads is None else prepare_threads
+        self._prepare_pool: ThreadPoolExecutor | None = None
+        self._reply_pool: ThreadPoolExecutor | None = None  # one thread: responses built and sent in order
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, load_timeout_s: float | None = None) -> None:
@@ -250,6 +274,9 @@ class Scheduler:
         Raises:
             ModelLoadError: the engine could not be loaded (or did not load in time).
         """
+        if self.prepare_threads > 0:
+            self._prepare_pool = ThreadPoolExecutor(self.prepare_threads, thread_name_prefix="edgevlm-prepare")
+        self._reply_pool = ThreadPoolExecutor(1, thread_name_prefix="edgevlm-reply")
         self._thread = threading.Thread(target=self._run, name="edgevlm-inference", daemon=True)
         self._thread.start()
         self._expiry_thread = threading.Thread(target=self._expire_queued, name="edgevlm-deadlines", daemon=True)
@@ -271,6 +298,8 @@ class Scheduler:
             self._queue.clear()
             self._cond.notify_all()
         for job in dropped:
+            if job.prepared is not None:
+                job.prepared.cancel()
             self._reply(
                 job, Response.failure(BusyError("the daemon is shutting down"), job.request.correlation_id)
             )
@@ -282,6 +311,10 @@ class Scheduler:
             if self._thread.is_alive():
                 logger.warning("inference worker still running after %.1f s; leaving it", timeout_s)
             self._thread = None
+        for pool in (self._prepare_pool, self._reply_pool):  # the replies made so far go out first
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=pool is self._prepare_pool)
+        self._prepare_pool = self._reply_pool = None
 
     @property
     def engine(self) -> Any:
@@ -376,6 +409,7 @@ class Scheduler:
             else:
                 full = self._choose(job)  # DeadlineExceededError when no point fits, else None
                 if full is None:
+                    self._schedule_prepare(job)
                     self._queue.append(job)
                     self._cond.notify_all()
         if (isinstance(full, DeadlineExceededError) and offload is not None and offload.cfg.on_budget_miss
@@ -386,6 +420,45 @@ class Scheduler:
             self._fail(job, full)
             return False
         return True
+
+    def _schedule_prepare(self, job: Job) -> None:
+        """Start an inline-image job's preparation on a prepare thread (``_cond`` held) when the
+        worker is busy, so that it overlaps the running work; the worker is woken when it is done.
+        An idle worker prepares the job itself (no thread hand-off on the latency path). A source
+        request is resolved by the worker (its newest frame is taken when it runs)."""
+        pool = self._prepare_pool
+        if pool is None or job.request.image_bytes is None or not self._busy_locked():
+            return
+        try:
+            job.prepared = pool.submit(self._prepare_inline, job)
+        except RuntimeError:  # the pool is shutting down: the worker (or stop) deals with the job
+            return
+        job.prepared.add_done_callback(self._wake_worker)
+
+    def _busy_locked(self) -> bool:
+        """Whether the worker has work besides a newly submitted job (``_cond`` held, or a hint)."""
+        batch = self._batch
+        return bool(self._queue) or self._running is not None or (batch is not None and not batch.idle)
+
+    def _wake_worker(self, _: Future) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _prepare_inline(self, job: Job) -> _Prepared:
+        """Decode a job's inline image and, when the worker batches, run ``engine.prepare`` for the
+        operating point chosen at submit (any thread; raises the typed errors the worker reports)."""
+        from edgevlm.runtime.image import decode_image
+
+        req = job.request
+        prepared = _Prepared(decode_image(req.image_bytes))
+        batch, engine = self._batch, self._engine
+        if batch is not None and batch.engine is engine and engine is not None:
+            point = job.refit[0] if job.refit is not None else job.choice.point if job.choice is not None else None
+            prepared.request = engine.prepare(prepared.image, req.prompt, operating_point=point,
+                                              max_new_tokens=req.max_new_tokens or self.defaults.max_new_tokens,
+                                              **sampling_kwargs(req))
+            prepared.engine, prepared.point = engine, point
+        return prepared
 
     def _expire_queued(self) -> None:
         """Deadline thread: answer ``DEADLINE_EXCEEDED`` for every queued request whose deadline
@@ -399,6 +472,8 @@ class Scheduler:
                 expired = [j for j in self._queue if j.expired(now)]
                 for job in expired:
                     self._queue.remove(job)
+                    if job.prepared is not None:
+                        job.prepared.cancel()
                 if not expired:
                     deadlines = [d for j in self._queue if (d := j.deadline_monotonic) is not None]
                     wait_s = HEARTBEAT_S if not deadlines else min(HEARTBEAT_S, max(0.0, min(deadlines) - now) + 0.001)
@@ -570,10 +645,16 @@ class Scheduler:
             self._fail_deadline(job, dequeued)
             return None
         try:
-            image, frame, frames = self._resolve_image(req, deadline)
+            prepared = job.prepared.result() if job.prepared is not None else None  # raises its typed error
+            if prepared is not None:
+                image, frame, frames = prepared.image, None, None
+            else:
+                image, frame, frames = self._resolve_image(req, deadline)
             started = _Started(dequeued, queue_ms, image, frame, req.max_new_tokens or self.defaults.max_new_tokens,
-                               frames=frames)
-            if job.choice is not None and self.controller is not None:
+                               frames=frames, prepared=prepared)
+            if job.refit is not None:  # dequeued before, and prepared again for the point chosen then
+                started.point, started.service_ms, started.predicted_ms = job.refit
+            elif job.choice is not None and self.controller is not None:
                 # the wait may differ from the prediction: refit the point to the budget left
                 elapsed_ms = (time.monotonic() - job.received_monotonic) * 1000.0
                 planned_tokens = self.controller.expected_tokens(req.prompt, started.max_new_tokens)
@@ -594,13 +675,25 @@ class Scheduler:
     def _complete(self, job: Job, started: _Started, answer: Answer) -> None:
         """Answer a job that ran: stats, controller feedback, the response."""
         req = job.request
+        point = started.point
         try:
             answer.stats.queue_ms = started.queue_ms
-            point = started.point
             if point is not None:
                 self.controller.observe(point, answer.stats, prompt=req.prompt)
                 answer.stats.budget_ms = round(job.choice.budget_ms, 3)
                 answer.stats.predicted_ms = round(started.predicted_ms, 3)
+        except Exception as exc:  # noqa: BLE001 - never a dead daemon
+            logger.exception("answering failed with an unexpected error")
+            self._fail(job, InternalError(f"internal error: {type(exc).__name__}: {exc}"))
+            return
+        self._send(job, lambda: self._success(job, started, answer))
+        if point is not None:  # the worker's time around the engine call: decode, frame, reply
+            self.controller.observe_overhead((time.monotonic() - started.dequeued) * 1000.0 - answer.stats.e2e_ms)
+
+    def _success(self, job: Job, started: _Started, answer: Answer) -> Response:
+        """The wire response of a job that ran (on the reply thread)."""
+        req = job.request
+        try:
             wire_frame = None
             if started.frame is not None:
                 f = started.frame
@@ -611,12 +704,11 @@ class Scheduler:
             response = Response.success(answer, wire_frame, req.correlation_id)
         except Exception as exc:  # noqa: BLE001 - never a dead daemon
             logger.exception("answering failed with an unexpected error")
-            self._fail(job, InternalError(f"internal error: {type(exc).__name__}: {exc}"))
-            return
+            err = InternalError(f"internal error: {type(exc).__name__}: {exc}")
+            self.counters.inc(f"errors_{err.code.value}")
+            return Response.failure(err, req.correlation_id)
         self.counters.inc("responses_ok")
-        self._reply(job, response)
-        if point is not None:  # the worker's time around the engine call: decode, frame, reply
-            self.controller.observe_overhead((time.monotonic() - started.dequeued) * 1000.0 - answer.stats.e2e_ms)
+        return response
 
     def _fail_deadline(self, job: Job, now: float) -> None:
         queue_ms = (now - job.received_monotonic) * 1000.0
@@ -661,14 +753,16 @@ class Scheduler:
                 self._run_single()
                 return
             with self._cond:
-                self._wait_locked(lambda batch=batch: batch.idle and (self._paused or not self._queue))
+                self._wait_locked(lambda batch=batch: batch.idle and (self._paused or not self._any_ready_locked()))
                 if self._stopping and batch.idle:
                     return
                 now = time.monotonic()
                 jobs: list[Job] = []
                 if not self._paused and not self._stopping:
-                    while self._queue and len(jobs) < batch.free_slots():
-                        jobs.append(self._queue.popleft())
+                    jobs = self._take_ready_locked(batch.free_slots())
+                if batch.idle and not jobs and self._queue and not self._paused and not self._stopping:
+                    self._cond.wait(0.002)  # only jobs still being prepared: their completion wakes us
+                    continue
                 monitor_tick = batch.idle and not jobs
                 if monitor_tick:
                     self._running = (now, self.monitors.tick_ms() if self.monitors is not None else 0.0)
@@ -692,19 +786,64 @@ class Scheduler:
                 if batch.idle:
                     self._running = None
 
+    def _any_ready_locked(self) -> bool:
+        return any(job.ready() for job in self._queue)
+
+    def _take_ready_locked(self, limit: int) -> list[Job]:
+        """Up to ``limit`` queued jobs whose preparation is done, oldest first (``_cond`` held)."""
+        if limit <= 0:
+            return []
+        taken: list[Job] = []
+        keep: collections.deque[Job] = collections.deque()
+        for job in self._queue:
+            if len(taken) < limit and job.ready():
+                taken.append(job)
+            else:
+                keep.append(job)
+        self._queue = keep
+        return taken
+
     def _admit(self, batch: Any, job: Job) -> None:
         started = self._begin(job)
         if started is None:
             return
+        pre = started.prepared  # engine.prepare done on a prepare thread, if still for this engine and point
+        ready = None
+        if pre is not None and pre.request is not None and pre.engine is batch.engine:
+            if _same_preparation(pre.point, started.point):
+                # the refit at most lifted the point's token cap: the request keeps the point it was prepared for
+                started.point, ready = pre.point, pre.request
+            elif self._prepare_again(job, started):
+                return  # back in the queue, prepared for the refitted point on a prepare thread
         ok, _ = self._guarded(job, "request preparation", lambda: batch.add(
             (job, started), started.image, job.request.prompt, max_new_tokens=started.max_new_tokens,
             operating_point=started.point, deadline_s=job.deadline_monotonic, on_delta=job.on_delta,
-            **sampling_kwargs(job.request)))
+            prepared=ready, **sampling_kwargs(job.request)))
         if not ok:
             return
         with self._cond:
             self._active[id(job)] = (started.dequeued, started.service_ms)
         self.counters.inc("batched_requests")
+
+    def _prepare_again(self, job: Job, started: _Started) -> bool:
+        """The refit at dequeue changed a prepared job's point: prepare it again for that point on a
+        prepare thread and put it back at the head of the queue (the worker goes on with the others).
+        False when it cannot (no prepare thread, stopping, or done once already)."""
+        pool = self._prepare_pool
+        if pool is None or job.refit is not None:
+            return False
+        job.refit = (started.point, started.service_ms, started.predicted_ms)
+        with self._cond:
+            if self._stopping:
+                return False
+            try:
+                job.prepared = pool.submit(self._prepare_inline, job)
+            except RuntimeError:  # shutting down
+                return False
+            job.prepared.add_done_callback(self._wake_worker)
+            self._queue.appendleft(job)
+        self.counters.inc("prepared_again")
+        return True
 
     def _step(self, batch: Any) -> None:
         joins = batch.batcher.joins
@@ -754,7 +893,29 @@ class Scheduler:
         self._reply(job, Response.failure(err, job.request.correlation_id))
 
     def _reply(self, job: Job, response: Response) -> None:
+        self._send(job, lambda: response)
+
+    def _send(self, job: Job, make: Callable[[], Response]) -> None:
+        """Hand ``make()``'s response to the job's reply function: from the inference thread on the
+        reply thread (in order; serialising and publishing stay off the inference thread), from
+        any other thread (an early refusal, the deadline thread, shutdown) at once, on it."""
+        pool = self._reply_pool
+        if pool is not None and threading.current_thread() is self._thread and self._more_work():
+            try:
+                pool.submit(self._deliver, job, make)
+                return
+            except RuntimeError:  # shut down meanwhile
+                pass
+        self._deliver(job, make)
+
+    def _more_work(self) -> bool:
+        """Whether the worker has more to do right now (then a reply is sent by the reply thread)."""
+        batch = self._batch
+        return bool(self._queue) or (batch is not None and not batch.idle)
+
+    @staticmethod
+    def _deliver(job: Job, make: Callable[[], Response]) -> None:
         try:
-            job.reply(response)
+            job.reply(make())
         except Exception:  # noqa: BLE001 - a failed publish must not kill the worker
             logger.exception("could not send a response")

@@ -29,7 +29,8 @@ class ModelConfig(StrictModel):
         None,
         ge=1,
         le=256,
-        description="torch intra-op threads (process-wide); None = torch's default (one per core). On a "
+        description="torch intra-op threads (process-wide); None = torch's default (one per core) on CPU, 1 for "
+        "a CUDA model (its host-side tensor ops are small; edgevlm.daemon.app.CUDA_HOST_THREADS). On a "
         "robot whose CPU is shared with other processes, fewer threads than cores avoid OpenMP threads "
         "spinning against each other (measured: 1 thread 10x faster than 2 on a loaded 2-core machine).",
     )
@@ -79,6 +80,24 @@ class ModelConfig(StrictModel):
         return self
 
 
+def parse_listen_address(address: str) -> tuple[str, int]:
+    """``"127.0.0.1:9108"``, ``"[::1]:9108"``, ``":9108"`` (all interfaces) or ``"9108"`` ->
+    ``(host, port)``. Port 0 asks the kernel for a free port.
+
+    Raises:
+        ValueError: not of these forms, or the port is outside 0..65535.
+    """
+    text = str(address).strip()
+    m = re.fullmatch(r"(?:\[([0-9A-Fa-f:.]+)\]|([^:\[\]\s]*)):(\d{1,5})|(\d{1,5})", text)
+    if m is None:
+        raise ValueError(f"metrics listen address {address!r}: expected HOST:PORT, [IPV6]:PORT or PORT")
+    host = m.group(1) or m.group(2) or "0.0.0.0"
+    port = int(m.group(3) or m.group(4))
+    if port > 65535:
+        raise ValueError(f"metrics listen address {address!r}: port {port} is not in 0..65535")
+    return host, port
+
+
 class MetricsConfig(StrictModel):
     """The Prometheus endpoint (``edgevlm.daemon.metrics``)."""
 
@@ -92,8 +111,6 @@ class MetricsConfig(StrictModel):
     def _listen(cls, v: str | None) -> str | None:
         if v is None:
             return v
-        from edgevlm.daemon.metrics import parse_listen_address  # pure function; no prometheus import
-
         parse_listen_address(v)
         return v
 

@@ -57,6 +57,32 @@ INT64_MAX = 9223372036854775807
 NO_DEADLINE_MS = INT64_MAX
 """``timeout_ms`` value meaning "no deadline" (the largest signed 64-bit integer)."""
 
+
+
+def deadline_s(timeout_ms: int | None) -> float | None:
+    """The one "no deadline" rule: seconds a request may take from its receipt, or None when it has
+    no deadline (``timeout_ms`` None or :data:`NO_DEADLINE_MS`)."""
+    if timeout_ms is None or timeout_ms >= NO_DEADLINE_MS:
+        return None
+    return timeout_ms / 1000.0
+
+
+def request_timeout_ms(timeout_ms: int | None, default_timeout_ms: int, message_expiry_s: int | None = None) -> int:
+    """The deadline rule, in one place: how long (ms, from the daemon's receipt) a request may take.
+
+    The request's ``timeout_ms`` (``default_timeout_ms`` when it gives none), capped by the MQTT v5
+    *Message Expiry Interval* it arrived with (OASIS MQTT 5.0 section 3.3.2.3.3: the broker forwards
+    the interval *remaining*, so time spent queued in the broker is already taken off; the SDK sets it
+    from ``timeout_s``). :data:`NO_DEADLINE_MS` means no deadline (:func:`deadline_s`). Every
+    deadline check of the daemon (queue expiry, dequeue, the latency controller's budget, the frame
+    wait, batching, the late-answer metric) derives from this value.
+    """
+    limit = default_timeout_ms if timeout_ms is None else timeout_ms
+    if message_expiry_s is not None and message_expiry_s >= 0:
+        limit = min(limit, max(1, int(message_expiry_s) * 1000))
+    return limit
+
+
 DEFAULT_PREFIX = "edgevlm"
 MAX_PROMPT_CHARS = 8192
 MAX_NEW_TOKENS_LIMIT = 4096
@@ -116,6 +142,29 @@ def events_topic(prefix: str, device_id: str, monitor: str) -> str:
 def telemetry_topic(prefix: str, device_id: str) -> str:
     """``<prefix>/<device_id>/telemetry``: periodic telemetry."""
     return f"{check_prefix(prefix)}/{check_device_id(device_id)}/telemetry"
+
+
+def reload_topic(prefix: str, device_id: str) -> str:
+    """``<prefix>/<device_id>/reload``: the retained result of the last hot reload."""
+    return f"{check_prefix(prefix)}/{check_device_id(device_id)}/reload"
+
+
+def source_topic(prefix: str, device_id: str, source: str) -> str:
+    """``<prefix>/<device_id>/sources/<source>``: a camera source's retained state."""
+    return f"{check_prefix(prefix)}/{check_device_id(device_id)}/sources/{_check_level(source, 'source')}"
+
+
+def audio_request_topic(prefix: str, device_id: str) -> str:
+    """``<prefix>/<device_id>/audio/request``: where audio feature requests are published."""
+    return f"{check_prefix(prefix)}/{check_device_id(device_id)}/audio/request"
+
+
+def audio_topic(prefix: str, device_id: str, source: str, kind: str) -> str:
+    """``<prefix>/<device_id>/audio/<source>/<kind>``: an audio source's retained ``state`` or its
+    ``events``."""
+    if kind not in ("state", "events"):
+        raise ValueError(f"audio topic kind must be 'state' or 'events', got {kind!r}")
+    return f"{check_prefix(prefix)}/{check_device_id(device_id)}/audio/{_check_level(source, 'audio source')}/{kind}"
 
 
 def response_topic(prefix: str, device_id: str, token: str) -> str:
@@ -262,7 +311,7 @@ class Request(BaseModel):
     @property
     def has_deadline(self) -> bool:
         """False for ``timeout_ms == NO_DEADLINE_MS`` (and for an unset timeout)."""
-        return self.timeout_ms is not None and self.timeout_ms != NO_DEADLINE_MS
+        return deadline_s(self.timeout_ms) is not None
 
 
 class Frame(BaseModel):

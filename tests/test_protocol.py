@@ -21,14 +21,20 @@ from edgevlm.protocol import (
     Frame,
     Response,
     StatusMessage,
+    audio_request_topic,
+    audio_topic,
+    deadline_s,
     events_topic,
     fallback_reply_address,
     format_loc,
     is_valid_publish_topic,
     parse_request,
     parse_response,
+    reload_topic,
+    request_timeout_ms,
     request_topic,
     response_topic,
+    source_topic,
     status_topic,
     telemetry_topic,
 )
@@ -192,6 +198,25 @@ def test_topics() -> None:
     for bad_prefix in ("", "a//b", "a/#", "/a"):
         with pytest.raises(ValueError):
             status_topic(bad_prefix, "r")
+    assert reload_topic("edgevlm", "r") == "edgevlm/r/reload"
+    assert source_topic("fleet/a", "r", "front") == "fleet/a/r/sources/front"
+    assert audio_request_topic("edgevlm", "r") == "edgevlm/r/audio/request"
+    assert audio_topic("edgevlm", "r", "mic", "state") == "edgevlm/r/audio/mic/state"
+    assert audio_topic("edgevlm", "r", "mic", "events") == "edgevlm/r/audio/mic/events"
+    with pytest.raises(ValueError, match="'state' or 'events'"):
+        audio_topic("edgevlm", "r", "mic", "other")
+    with pytest.raises(ValueError, match="source"):
+        source_topic("edgevlm", "r", "a/b")
+
+
+def test_the_deadline_rule() -> None:
+    assert deadline_s(250) == 0.25 and deadline_s(None) is None and deadline_s(NO_DEADLINE_MS) is None
+    assert request_timeout_ms(None, 30000) == 30000 and request_timeout_ms(500, 30000) == 500
+    assert request_timeout_ms(NO_DEADLINE_MS, 30000) == NO_DEADLINE_MS
+    # capped by the MQTT v5 Message Expiry Interval the request arrived with (whole seconds)
+    assert request_timeout_ms(5000, 30000, message_expiry_s=2) == 2000
+    assert request_timeout_ms(NO_DEADLINE_MS, 30000, message_expiry_s=0) == 1  # expired in the broker: 1 ms
+    assert request_timeout_ms(500, 30000, message_expiry_s=9) == 500
 
 
 def test_is_valid_publish_topic() -> None:

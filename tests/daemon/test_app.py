@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from edgevlm.config import DaemonConfig, load_daemon_config
-from edgevlm.daemon.app import EXIT_STARTUP_FAILED, run
+from edgevlm.daemon.app import CUDA_HOST_THREADS, EXIT_STARTUP_FAILED, host_threads, run
 
 STATUS_TOPIC = "edgevlm/proc1/status"
 RUN = "import sys; from edgevlm.config import load_daemon_config; from edgevlm.daemon.app import run; " \
@@ -134,3 +134,13 @@ def test_metrics_port_in_use_is_one_warning_and_mqtt_still_serves(
         f"metrics.listen: cannot listen on 127.0.0.1 port {port} (Address already in use); the Prometheus "
         "endpoint is off, MQTT is served as usual (set metrics.listen to a free port, or null)"
     ]
+
+
+def test_host_threads_one_for_a_cuda_model_unless_configured() -> None:
+    def cfg(**model: object) -> DaemonConfig:
+        return DaemonConfig.model_validate({"model": model})
+
+    assert host_threads(cfg()) is None  # CPU: torch's default pool
+    assert host_threads(cfg(device="cuda")) == CUDA_HOST_THREADS == 1
+    assert host_threads(cfg(device="cuda:1", cpu_threads=4)) == 4
+    assert host_threads(cfg(cpu_threads=2)) == 2

@@ -70,6 +70,15 @@ def test_endpoint_exports_ttft_histogram_with_12_buckets(metrics):
     assert m[("edgevlm_e2e_seconds_sum", ())] == pytest.approx(0.1)
 
 
+def test_event_counts_reach_prometheus_and_the_summary(metrics):
+    metrics.events.inc("mqtt_connects")
+    metrics.events.inc("errors_BUSY", 3)
+    m = scrape(metrics.address)
+    assert m[("edgevlm_events_total", (("event", "errors_BUSY"),))] == 3
+    assert m[("edgevlm_events_total", (("event", "mqtt_connects"),))] == 1
+    assert metrics.summary()["events"] == {"errors_BUSY": 3, "mqtt_connects": 1}
+
+
 def test_answer_fields_land_in_their_metrics(metrics):
     stats = Stats(
         ttft_ms=40, e2e_ms=250, vision_ms=20, decode_ms=50, new_tokens=11, queue_ms=3,

@@ -212,6 +212,9 @@ def test_dominated_full_depth_point_serves_a_model_without_exits(tmp_path, plain
     cfg = parse_daemon_config({"controller": {"frontier": str(f)}})
     assert [p.name for p in build_controller(cfg, plain_engine).points] == ["r64", "r32", "r32-k"]
     assert [p.name for p in build_controller(cfg, exit_engine).points] == ["r64-x", "r32", "r32-k"]
+    # batching: the exit and pruning points (one image at a time) are left out, the plain rungs serve
+    assert [p.name for p in build_controller(cfg, exit_engine, batched=True).points] == ["r64", "r32"]
+    assert [p.name for p in build_controller(cfg, plain_engine, batched=True).points] == ["r64", "r32"]
 
 
 def test_pruning_points_need_a_pruning_backend():

@@ -1,0 +1,261 @@
+"""Daemon throughput: answers/s and round-trip percentiles of ``edgevlm serve`` under closed-loop clients.
+
+    .venv/bin/python bench/daemon_throughput.py [--model DIR] [--device cpu|cuda] [--profile h100]
+        [--clients 1,8,32] [--duration-s 10] [--warmup-s 2] [--max-new-tokens 16] [--rows N]
+        [--batching auto|on|off] [--threads N] [--quality 90] [--py-spy DIR]
+
+Starts a private mosquitto with the project's broker config (:class:`edgevlm.daemon.demo_processes.Broker`,
+``set_tcp_nodelay true``) and the real daemon in its own process (``python -m edgevlm.cli serve --config
+FILE``: the model on ``--device``, ``--profile`` for a CUDA device, e.g. ``h100`` = continuous batching over
+32 KV-cache rows). For each client count, that many SDK clients (:class:`edgevlm.client.Client`), **each in
+its own process** (multiprocessing, spawn), ask the demo evaluation questions about their inline 384x288
+JPEG scene images in a closed loop (the next request as soon as the answer is in) for ``--warmup-s`` (not
+counted) then ``--duration-s`` seconds. Reported per client count: answers/s (answers received in the
+measured window / window), p50/p99 round trip (client clock: ``Client.ask`` call to return), the daemon's own
+``e2e_ms`` p50, mean ``batch_size``, accuracy (answer text == the evaluation set's expected answer), the
+operating points the latency controller chose (JSON) and the error count by code. ``--py-spy DIR`` records the daemon process with py-spy during the measured window of
+every client count (``DIR/daemon_<n>clients.txt``, collapsed stacks, all threads, non-idle samples) and prints
+the share of samples per thread and the top self-time functions of the inference thread.
+
+Prints a table, then one JSON line. Runs on CPU too (``--device cpu``; ``--rows 8`` turns on CPU batching).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+DEVICE_ID = "bench"
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))] if s else 0.0
+
+
+def _items(n: int, seed: int, quality: int) -> list[tuple[str, str, bytes]]:
+    """``(question, expected answer, JPEG bytes)`` of ``n`` demo evaluation items (384x288 scenes)."""
+    import cv2
+
+    from edgevlm.runtime.demo import scenes
+
+    out = []
+    for it in scenes.eval_set(n, seed):
+        ok, buf = cv2.imencode(".jpg", it.image[:, :, ::-1], [cv2.IMWRITE_JPEG_QUALITY, quality])
+        if not ok:
+            raise RuntimeError("JPEG encoding failed")
+        out.append((it.qa.question, it.qa.answer, buf.tobytes()))
+    return out
+
+
+def _client_main(k: int, port: int, items: list[tuple[str, str, bytes]], max_new_tokens: int, go: Any,
+                 stop_at: Any, results: Any) -> None:
+    """One closed-loop client process: waits for ``go``, asks until ``stop_at`` (wall clock), and puts
+    its records ``(t_done, rtt_ms, code, correct, e2e_ms, batch_size, operating_point)`` on ``results``."""
+    from edgevlm.client import Client
+    from edgevlm.errors import EdgeVLMError
+
+    recs = []
+    with Client("127.0.0.1", port, DEVICE_ID, resend_interval_s=None) as c:
+        results.put(("ready", k))
+        go.wait()
+        i = k * 7
+        while time.time() < stop_at.value:
+            q, expected, jpeg = items[i % len(items)]
+            i += 1
+            t0 = time.perf_counter()
+            try:
+                a = c.ask(q, image=jpeg, max_new_tokens=max_new_tokens, timeout_s=60)
+                rtt = (time.perf_counter() - t0) * 1e3
+                recs.append((time.time(), rtt, "OK", a.text.strip() == expected, a.stats.e2e_ms,
+                             getattr(a.stats, "batch_size", None) or 1, a.stats.operating_point))
+            except EdgeVLMError as err:
+                recs.append((time.time(), (time.perf_counter() - t0) * 1e3, err.code.value, False, None, None, None))
+    results.put(("done", k, recs))
+
+
+def _daemon_config(args: argparse.Namespace, port: int, n_max: int) -> dict[str, Any]:
+    model: dict[str, Any] = {"path": args.model, "device": args.device}
+    if args.threads is not None:
+        model["cpu_threads"] = args.threads
+    if args.rows is not None:
+        model["max_batch_size"] = args.rows
+    if args.token_budget is not None:
+        model["prefill_token_budget"] = args.token_budget
+    if args.batching != "auto":
+        model["continuous_batching"] = args.batching == "on"
+    cfg: dict[str, Any] = {
+        "mqtt": {"host": "127.0.0.1", "port": port, "device_id": DEVICE_ID},
+        "model": model,
+        "defaults": {"max_new_tokens": args.max_new_tokens, "timeout_ms": 60000},
+        "queue_max_size": max(64, 2 * n_max),
+        "metrics": {"listen": None},
+        "telemetry": {"interval_s": None},
+        "tegrastats": {"enabled": False},
+        "log_level": "WARNING",
+    }
+    if args.profile is not None:
+        cfg["profile"] = args.profile
+    return cfg
+
+
+def _summarize_pyspy(path: Path, top: int = 12) -> dict[str, Any]:
+    """Per-thread sample shares and the inference thread's top self-time frames of a py-spy raw
+    (collapsed) profile recorded with ``--threads``."""
+    per_thread: collections.Counter[str] = collections.Counter()
+    self_time: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        frames = stack.split(";")
+        thread = frames[0]
+        # "thread (0x7f..)" or "process 123:"python ..."" then thread; the thread name when py-spy has it
+        name = next((f for f in frames[:2] if f.startswith("thread")), thread)
+        per_thread[name] += n
+        total += n
+        if "edgevlm-inference" in name:
+            self_time[frames[-1]] += n
+    inf_total = sum(self_time.values())
+    return {
+        "samples": total,
+        "threads": {t: round(c / max(1, total), 3) for t, c in per_thread.most_common(8)},
+        "inference_top_self": [(f, round(c / max(1, inf_total), 3)) for f, c in self_time.most_common(top)],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="model folder (default: the demo model)")
+    ap.add_argument("--device", default="cpu", help="model.device: cpu, cuda or cuda:N")
+    ap.add_argument("--profile", default=None, help="device profile (e.g. h100: batching over 32 rows on CUDA)")
+    ap.add_argument("--clients", default="1,8,32", help="comma-separated client counts")
+    ap.add_argument("--duration-s", type=float, default=10.0, help="measured window per client count")
+    ap.add_argument("--warmup-s", type=float, default=2.0, help="unmeasured closed-loop time before the window")
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--rows", type=int, default=None, help="model.max_batch_size (default: the profile's / 1)")
+    ap.add_argument("--batching", choices=("auto", "on", "off"), default="auto",
+                    help="model.continuous_batching (auto: the profile's on CUDA, off on CPU)")
+    ap.add_argument("--threads", type=int, default=None, help="model.cpu_threads")
+    ap.add_argument("--token-budget", type=int, default=None,
+                    help="model.prefill_token_budget (default: the profile's, 1024)")
+    ap.add_argument("--items", type=int, default=64, help="distinct evaluation items the clients cycle over")
+    ap.add_argument("--seed", type=int, default=3000, help="evaluation set seed")
+    ap.add_argument("--quality", type=int, default=90, help="JPEG quality of the inline images")
+    ap.add_argument("--py-spy", default=None, metavar="DIR", help="record the daemon with py-spy into DIR")
+    ap.add_argument("--label", default="", help="free text for the header (e.g. 'before' / 'after')")
+    args = ap.parse_args(argv)
+    counts = [int(c) for c in args.clients.split(",") if c]
+    if not counts or min(counts) < 1:
+        print("--clients: give positive counts, e.g. 1,8,32", file=sys.stderr)
+        return 2
+
+    from edgevlm.client import Client
+    from edgevlm.daemon.demo_processes import DaemonProcess, start_private_broker
+
+    items = _items(args.items, args.seed, args.quality)  # encoded before any clock starts
+    broker = start_private_broker("edgevlm-throughput-")
+    if broker is None:
+        print("mosquitto not found: apt-get install mosquitto", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="edgevlm-throughput-"))
+    daemon = DaemonProcess(_daemon_config(args, broker.port, max(counts)), work).start()
+    spy = shutil.which("py-spy") or (str(Path(sys.executable).parent / "py-spy")
+                                     if (Path(sys.executable).parent / "py-spy").exists() else None)
+    results: list[dict[str, Any]] = []
+    ctx = mp.get_context("spawn")
+    try:
+        t_load = time.monotonic()
+        with Client("127.0.0.1", broker.port, DEVICE_ID) as c:
+            while not c.wait_online(2.0):
+                daemon.check_alive()
+                if time.monotonic() - t_load > 600:
+                    raise RuntimeError("the daemon did not come online in 600 s")
+            for q, _, jpeg in items[:8]:  # warm-up through the whole path (CUDA graphs, caches)
+                c.ask(q, image=jpeg, max_new_tokens=args.max_new_tokens, timeout_s=120)
+        for n in counts:
+            go, stop_at = ctx.Event(), ctx.Value("d", 0.0)
+            queue = ctx.Queue()
+            procs = [ctx.Process(target=_client_main, args=(k, broker.port, items, args.max_new_tokens, go,
+                                                             stop_at, queue), daemon=True) for k in range(n)]
+            for p in procs:
+                p.start()
+            for _ in range(n):
+                queue.get(timeout=120)  # every client connected
+            t0 = time.time()
+            w0, w1 = t0 + args.warmup_s, t0 + args.warmup_s + args.duration_s
+            stop_at.value = w1
+            go.set()
+            spy_proc = None
+            spy_path = None
+            if args.py_spy and spy is not None:
+                Path(args.py_spy).mkdir(parents=True, exist_ok=True)
+                spy_path = Path(args.py_spy) / f"daemon_{n}clients.txt"
+                time.sleep(max(0.0, w0 - time.time()))
+                spy_proc = subprocess.Popen(
+                    [spy, "record", "--pid", str(daemon.proc.pid), "--duration", str(int(args.duration_s)),
+                     "--rate", "200", "--format", "raw", "--threads", "--nonblocking", "--output", str(spy_path)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            recs: list[tuple] = []
+            for _ in range(n):
+                msg = queue.get(timeout=args.warmup_s + args.duration_s + 180)
+                recs += msg[2]
+            for p in procs:
+                p.join(10)
+            if spy_proc is not None:
+                spy_proc.wait(60)
+            daemon.check_alive()
+            window = [r for r in recs if w0 <= r[0] <= w1]
+            ok = [r for r in window if r[2] == "OK"]
+            codes = collections.Counter(r[2] for r in window if r[2] != "OK")
+            res = {
+                "clients": n, "answers": len(ok), "answers_per_s": round(len(ok) / args.duration_s, 2),
+                "p50_ms": round(_pct([r[1] for r in ok], 0.5), 1), "p99_ms": round(_pct([r[1] for r in ok], 0.99), 1),
+                "e2e_p50_ms": round(_pct([r[4] for r in ok if r[4] is not None], 0.5), 1),
+                "mean_batch_size": round(sum(r[5] for r in ok) / max(1, len(ok)), 2),
+                "accuracy": round(sum(r[3] for r in ok) / max(1, len(ok)), 4),
+                "errors": dict(codes),
+                "operating_points": dict(collections.Counter(r[6] for r in ok).most_common()),
+            }
+            if spy_path is not None and spy_path.exists():
+                res["py_spy"] = _summarize_pyspy(spy_path)
+            results.append(res)
+            print(f"{n} clients: {res}", file=sys.stderr, flush=True)
+    finally:
+        daemon.stop()
+        broker.stop()
+    import torch
+
+    cuda = torch.cuda.get_device_name(0) if args.device.startswith("cuda") and torch.cuda.is_available() else None
+    print(f"model {args.model or 'demo'} on {args.device}{f' ({cuda})' if cuda else ''}  profile {args.profile}  "
+          f"rows {args.rows}  batching {args.batching}  token budget {args.token_budget}  max_new_tokens {args.max_new_tokens}  window "
+          f"{args.duration_s:.0f} s  {platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}  {args.label}")
+    print("| clients | answers/s | p50 ms | p99 ms | daemon e2e p50 ms | mean batch | accuracy | errors |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|")
+    for r in results:
+        print(f"| {r['clients']} | {r['answers_per_s']:.1f} | {r['p50_ms']:.0f} | {r['p99_ms']:.0f} | "
+              f"{r['e2e_p50_ms']:.1f} | {r['mean_batch_size']:.2f} | {100 * r['accuracy']:.1f}% | "
+              f"{r['errors'] or '-'} |")
+    print(json.dumps({"bench": "daemon_throughput", "model": args.model or "demo", "device": args.device,
+                      "gpu": cuda, "profile": args.profile, "rows": args.rows, "batching": args.batching, "token_budget": args.token_budget,
+                      "max_new_tokens": args.max_new_tokens, "duration_s": args.duration_s, "label": args.label,
+                      "results": results, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
