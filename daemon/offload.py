@@ -31,7 +31,7 @@ from typing import Any
 
 from edgevlm.config import DaemonConfig
 from edgevlm.errors import DeadlineExceededError, EdgeVLMError, InternalError
-from edgevlm.protocol import NO_DEADLINE_MS, Frame, Request, Response
+from edgevlm.protocol import Frame, Request, Response, deadline_s
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class Offloader:
             if getattr(req, name) is not None:
                 fields[name] = getattr(req, name)
         timeout_s: float | None = None
-        if job.timeout_ms < NO_DEADLINE_MS:
+        if deadline_s(job.timeout_ms) is not None:
             left_ms = job.timeout_ms - elapsed_ms - margin
             if left_ms <= 0:
                 raise DeadlineExceededError(f"timeout_ms {job.timeout_ms} left no time for the offload hop "

@@ -42,7 +42,7 @@ from edgevlm.errors import (
     ModelLoadError,
     UnknownSourceError,
 )
-from edgevlm.protocol import NO_DEADLINE_MS, Request, Response, parse_request
+from edgevlm.protocol import Request, Response, deadline_s, parse_request, request_timeout_ms
 
 logger = logging.getLogger(__name__)
 
@@ -172,10 +172,9 @@ class OpenAIIngress:
         if not isinstance(parsed, tuple):
             return parsed
         req, stream, include_usage = parsed
-        from edgevlm.daemon.scheduler import request_timeout_ms
-
         timeout_ms = request_timeout_ms(req.timeout_ms, self.config.defaults.timeout_ms)  # the one deadline rule
-        deadline = None if timeout_ms >= NO_DEADLINE_MS else time.monotonic() + timeout_ms / 1000.0
+        limit_s = deadline_s(timeout_ms)
+        deadline = None if limit_s is None else time.monotonic() + limit_s
         payload = req.model_dump(mode="json", exclude_none=True)
         if not stream:
             response = await self._ask(payload, deadline, timeout_ms)
