@@ -1,0 +1,87 @@
+"""InternVL as a :class:`~edgevlm.runtime.models.base.VLMModel`: InternViT -> pixel shuffle + MLP -> decoder.
+
+Each image arrives as tiles (a grid of ``T x T`` crops plus a thumbnail, see
+:mod:`edgevlm.runtime.models.internvl.processor`); every tile becomes ``image_seq_len`` vision tokens
+(:mod:`edgevlm.runtime.models.internvl.vision`) that replace, in order, the ``<IMG_CONTEXT>`` tokens
+of the prompt. The decoder is the shared :class:`~edgevlm.runtime.decoder.Decoder` (Qwen2 with q/k/v
+bias in InternVL3, Qwen3 with q/k norm in InternVL3.5; plain 1-D RoPE), so quantization, KV-cache
+precisions, CUDA-graph decode and continuous batching reach it unchanged.
+
+Parameter names (checkpoint -> ours, :data:`edgevlm.runtime.models.internvl.WEIGHT_RULES`):
+``model.vision_tower.*`` -> ``vision_tower.*``, ``model.multi_modal_projector.*`` ->
+``multi_modal_projector.*``, ``model.language_model.*`` -> ``language_model.*``, ``lm_head.*`` ->
+``language_model.lm_head.*``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from edgevlm.runtime.decoder import Decoder, DecoderVLM
+from edgevlm.runtime.models.internvl.config import InternVLConfig
+from edgevlm.runtime.models.internvl.vision import InternVisionModel, InternVLProjector, tiles_to_tokens
+
+if TYPE_CHECKING:
+    from edgevlm.runtime.models.base import VisionInput
+
+
+class InternVLModel(DecoderVLM):
+    """The whole model; build under ``torch.device("meta")`` and let the loader fill the weights."""
+
+    def __init__(self, cfg: InternVLConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.vision_tower = InternVisionModel(cfg.vision)
+        self.multi_modal_projector = InternVLProjector(cfg)
+        self.language_model = Decoder(cfg.text, tie_word_embeddings=cfg.tie_word_embeddings)
+
+    def encode_tiles(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Tiles ``(N, 3, T, T)`` float -> vision tokens ``(N, image_seq_len, D_text)`` in the model dtype."""
+        w = self.vision_tower.embeddings.patch_embeddings.projection.weight
+        hidden = self.vision_tower(pixel_values.to(w.device, w.dtype), self.cfg.feature_index)
+        return tiles_to_tokens(hidden, self.multi_modal_projector, self.cfg.scale_factor)
+
+    def encode_vision(self, vision: VisionInput) -> torch.Tensor:
+        """All tiles of all images -> ``(N_tiles * image_seq_len, D_text)`` in prompt order (each
+        image's tiles in raster order, then its thumbnail)."""
+        feats = self.encode_tiles(vision.pixel_values)
+        return feats.reshape(-1, feats.shape[-1])
+
+    def embed(self, input_ids: torch.Tensor, vision_features: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings ``(1, T, D)`` for ``input_ids`` ``(1, T)`` with the ``<IMG_CONTEXT>``
+        positions replaced in order by ``vision_features`` ``(N, D)``. Raises ``ValueError`` when the
+        placeholder count differs from N."""
+        embeds = self.language_model.embed_tokens(input_ids)  # (B, T, D)
+        if vision_features is None:
+            return embeds
+        is_image = input_ids == self.cfg.image_token_id  # (B, T)
+        n_slots = int(is_image.sum())
+        if n_slots * embeds.shape[-1] != vision_features.numel():
+            raise ValueError(f"{n_slots} image placeholder tokens but {vision_features.numel() // embeds.shape[-1]} "
+                             "vision tokens")
+        return embeds.masked_scatter(is_image[..., None], vision_features.to(embeds.device, embeds.dtype))
+
+    def position_ids(self, input_ids: torch.Tensor, vision: VisionInput | None = None) -> tuple[None, int]:
+        """InternVL uses plain 1-D RoPE: positions are the cache slots, ``(None, 0)``."""
+        return None, 0
+
+    def prefill(self, embeds: torch.Tensor, *, position_ids: torch.Tensor | None = None,
+                all_logits: bool = False) -> torch.Tensor:
+        """Run the prompt ``embeds`` ``(1, T, D)`` from slot 0 into the KV cache -> logits ``(1, V)``
+        (``(1, T, V)`` with ``all_logits``). ``position_ids`` must be None (1-D RoPE)."""
+        if position_ids is not None:
+            raise ValueError("InternVL uses 1-D RoPE: position_ids must be None")
+        input_pos = torch.arange(embeds.shape[1], device=embeds.device)
+        return self.language_model(embeds, input_pos, prefill=True, all_logits=all_logits)
+
+    def decode(self, token_ids: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """One decode step: ``token_ids`` ``(B, 1)`` int64 at cache slot ``input_pos`` ``(1,)`` -> ``(B, V)``."""
+        embeds = self.language_model.embed_tokens(token_ids)  # (B, 1, D)
+        return self.language_model(embeds, input_pos, prefill=False)
+
+    def forward(self, input_ids: torch.Tensor, vision: VisionInput | None = None) -> torch.Tensor:
+        """All logits ``(1, T, V)`` of a prompt (prefill path; parity tests). Needs caches of at least T."""
+        feats = self.encode_vision(vision) if vision is not None else None
+        return self.prefill(self.embed(input_ids, feats), all_logits=True)
