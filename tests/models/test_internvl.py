@@ -11,7 +11,8 @@ and ``extra_special_tokens`` in ``tokenizer_config.json`` as the hub's, ``proces
 ``convert_internvl_weights_to_hf.py``). Checked: pixel values (<= 1e-5) and token ids (equal)
 against transformers' ``InternVLProcessor``, prefill logits (<= 1e-4 relative) and 16 greedy tokens
 against ``InternVLForConditionalGeneration``, ``Engine.ask`` and ``edgevlm ask``, a Qwen3 decoder
-(InternVL3.5), an INT4 bundle, bad configs and bad images.
+(InternVL3.5), an INT4 bundle, early exit / token pruning / ``edgevlm calibrate``, bad configs and
+bad images.
 """
 
 from __future__ import annotations
@@ -350,12 +351,12 @@ def test_engine_ask_about_frames_answers_as_transformers_images(engine, hf):
         engine.ask(frames * 5, QUESTION)
 
 
-def test_early_exit_knobs_are_refused_in_one_line(engine):
+def test_early_exit_without_exit_heads_is_refused_in_one_line(engine):
     from edgevlm.types import OperatingPoint
 
-    for op in (OperatingPoint(name="x", exit_layer=1), OperatingPoint(name="x", keep_ratio=0.5)):
-        with pytest.raises(InvalidRequestError, match="internvl family"):
-            engine.ask(_image(32, 32), QUESTION, max_new_tokens=2, operating_point=op)
+    engine.backend.model.attach_exit_heads(None)
+    with pytest.raises(InvalidRequestError, match="no exit heads"):
+        engine.ask(_image(32, 32), QUESTION, max_new_tokens=2, operating_point=OperatingPoint(name="x", exit_layer=1))
 
 
 def test_cli_ask_answers_as_transformers(ckpt, hf, tmp_path, capsys):
@@ -533,3 +534,107 @@ def test_processor_settings_that_disagree_name_the_key(ckpt, tmp_path):
         InternVLProcessor.from_dir(folder, cfg, {**pre, "size": {"height": 448, "width": 448}})
     with pytest.raises(ModelLoadError, match="min_patches 3 / max_patches 2"):
         InternVLProcessor.from_dir(folder, cfg, {**pre, "min_patches": 3, "max_patches": 2})
+
+
+# ---- early exit and token pruning (edgevlm.runtime.adaptive) -----------------------------------
+
+def _random_heads(engine, blocks: list[int], seed: int = 0, query: bool = False):
+    from edgevlm.runtime.exits import ExitHeads, make_spec
+
+    heads = ExitHeads(make_spec(engine.config, exit_blocks=blocks, labels=[], head_hidden=16, confidence_query=query))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+    engine.backend.model.attach_exit_heads(heads)
+    return engine.backend.model.exit_heads
+
+
+def test_forced_exit_equals_the_truncated_tower_plus_adapter(engine):
+    import copy
+
+    from edgevlm.runtime.models.internvl.vision import tiles_to_tokens
+    from edgevlm.types import OperatingPoint
+
+    model = engine.backend.model
+    heads = _random_heads(engine, [1])
+    vision = engine.processor.prepare([_image(100, 150)])
+    with torch.no_grad():
+        tokens, info = model.encode_vision_adaptive(vision, OperatingPoint(name="x", exit_layer=1))
+        tower = copy.deepcopy(model.vision_tower)
+        tower.encoder.layer = tower.encoder.layer[:1]
+        tower.layernorm = torch.nn.Sequential(heads.adapters["1"], tower.layernorm)
+        want = tiles_to_tokens(tower(vision.pixel_values, 1), model.multi_modal_projector, 2).reshape(-1, 64)
+        full = model.encode_vision(vision)
+        last, last_info = model.encode_vision_adaptive(vision, OperatingPoint(name="x", exit_layer=2))
+    assert info.exit_layers == [1] and info.blocks_run == 1
+    torch.testing.assert_close(tokens, want, rtol=1e-5, atol=1e-5)
+    assert (tokens - full).abs().max() > 1e-3  # the exit really changed the features
+    assert last_info.exit_layers == [None] and torch.equal(last, full)  # at the last block: the full tower
+    model.attach_exit_heads(None)
+
+
+def test_confidence_head_reads_the_thumbnail_with_its_cls_token(engine):
+    from edgevlm.runtime.adaptive import question_embedding
+    from edgevlm.types import OperatingPoint
+
+    model = engine.backend.model
+    heads = _random_heads(engine, [1], seed=3, query=True)
+    p = engine.prepare(_image(70, 100, 2), QUESTION, operating_point=OperatingPoint(name="g", exit_threshold=0.0))
+    prompt = torch.tensor([p.ids])
+    with torch.no_grad():
+        run = model.exit_run(p.vision)
+        x, grid = run.pooled_view(run.step())
+        want = float(heads.confidence_at(1, x, grid, question_embedding(model, prompt))[0])
+        _, info = model.encode_vision_adaptive(p.vision, p.operating_point, prompt)
+    assert x.shape[:2] == (1, 1 + grid[0] * grid[1]) and grid == (4, 4)
+    assert info.exit_layers == [1] and info.exit_confidences[0] == pytest.approx(want, abs=1e-6)
+    model.attach_exit_heads(None)
+
+
+def test_pruning_keeps_each_tiles_share_by_norm_and_the_prompt_matches(engine):
+    from edgevlm.types import OperatingPoint
+
+    model = engine.backend.model
+    op = OperatingPoint(name="k", keep_ratio=0.5)
+    image = _image(100, 150, 5)
+    p = engine.prepare(image, QUESTION, operating_point=op)
+    with torch.no_grad():
+        full = model.encode_vision(p.vision)
+        tokens, info = model.encode_vision_adaptive(p.vision, op)
+    index = torch.tensor(info.kept_index[0])
+    assert tokens.shape[0] == p.n_vision == 7 * 2  # 7 tiles, 2 of 4 tokens each
+    torch.testing.assert_close(tokens, full[index])
+    norms = full.norm(dim=-1)
+    for t in range(7):
+        kept = index[(index >= 4 * t) & (index < 4 * t + 4)]
+        assert len(kept) == 2 and float(norms[kept].min()) >= float(norms[4 * t:4 * t + 4].sort().values[1])
+    assert sum(1 for i in p.ids if i == engine.config.image_token_id) == p.n_vision
+    answer = engine.ask(image, QUESTION, max_new_tokens=3, operating_point=op)
+    assert answer.stats.vision_tokens == 14 and answer.stats.new_tokens >= 1
+
+
+def test_calibrate_then_ask_with_the_exit(ckpt, tmp_path, capsys):
+    """``edgevlm calibrate`` writes exit heads for InternViT (CLS token kept) and ``edgevlm ask``
+    runs them."""
+    import shutil
+
+    from PIL import Image
+
+    from edgevlm.cli import main
+    from edgevlm.quantize import calibrate
+    from edgevlm.runtime.exits import read_spec
+
+    model = tmp_path / "model"
+    shutil.copytree(ckpt, model)
+    assert calibrate.main([str(model), "--steps", "2", "--batch-size", "1", "--agreement-images", "5",
+                           "--questions-per-image", "1", "--no-frontier", "--threads", "1", "--exit-blocks", "1"]) == 0
+    spec = read_spec(model)
+    assert spec.has_cls_token is True and spec.exit_blocks == [1] and spec.vision_blocks == 2
+    path = tmp_path / "frame.png"
+    Image.fromarray(_image(96, 128, 8)).save(path)
+    capsys.readouterr()
+    assert main(["ask", "--image", str(path), "--model", str(model), "--json", "--max-new-tokens", "3",
+                 "--exit-layer", "1", "--keep-ratio", "0.5", QUESTION]) == 0
+    stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]
+    assert stats["exit_layer"] == 1 and stats["vision_tokens"] == 7 * 2  # 3 x 2 tiles + thumbnail, half each

@@ -5,7 +5,7 @@ Modules: :mod:`.config` (``config.json``), :mod:`.vision` (tower + projector), :
 :class:`~edgevlm.runtime.models.base.VLMModel`), :mod:`.processor` (dynamic tiling, pixels and the
 ``<img>``/``<IMG_CONTEXT>``/``</img>`` prompt). Images only (several frames are several images);
 InternVL's video mode (``Frame{i}:`` prompts) is not implemented, so video requests are
-``INVALID_REQUEST``. No early exit / token pruning yet (``adaptive_vision`` False).
+``INVALID_REQUEST``. Early exit and token pruning run through :mod:`edgevlm.runtime.adaptive`.
 """
 
 from __future__ import annotations
@@ -54,4 +54,5 @@ FAMILY = ModelFamily(
     make_processor=make_processor,
     supports_video=False,
     max_images=8,
+    adaptive_vision=True,  # exit heads + pruning on InternViT (edgevlm.runtime.adaptive)
 )

@@ -109,6 +109,18 @@ class InternVLConfig:
     def tile_px(self) -> int:
         return self.vision.image_size
 
+    @property
+    def exit_geometry(self):
+        """What the exit heads see (:class:`~edgevlm.runtime.models.base.ExitGeometry`): each tile's
+        states, CLS first; the adapter maps block k's states to those of the feature block, which the
+        final norm, the pixel shuffle and the projector read (the CLS token is not a vision token)."""
+        from edgevlm.runtime.models.base import ExitGeometry
+
+        v = self.vision
+        return ExitGeometry(vision_hidden_size=v.hidden_size, vision_blocks=self.feature_index,
+                            feature_dim=v.hidden_size, grid_side=v.grid_side, has_cls_token=True,
+                            text_hidden_size=self.text.hidden_size)
+
 
 def _square(value, key: str, default: int, w: str) -> int:
     if value is None:

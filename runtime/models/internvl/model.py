@@ -19,9 +19,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from edgevlm.runtime import adaptive
 from edgevlm.runtime.decoder import Decoder, DecoderVLM
 from edgevlm.runtime.models.internvl.config import InternVLConfig
-from edgevlm.runtime.models.internvl.vision import InternVisionModel, InternVLProjector, tiles_to_tokens
+from edgevlm.runtime.models.internvl.vision import (
+    InternVisionModel,
+    InternVLExitRun,
+    InternVLProjector,
+    tiles_to_tokens,
+)
 
 if TYPE_CHECKING:
     from edgevlm.runtime.models.base import VisionInput
@@ -36,6 +42,27 @@ class InternVLModel(DecoderVLM):
         self.vision_tower = InternVisionModel(cfg.vision)
         self.multi_modal_projector = InternVLProjector(cfg)
         self.language_model = Decoder(cfg.text, tie_word_embeddings=cfg.tie_word_embeddings)
+        self.exit_heads = None  # ExitHeads of `edgevlm calibrate` (attach_exit_heads)
+
+    def attach_exit_heads(self, heads) -> None:
+        """Use ``heads`` (:func:`edgevlm.runtime.exits.load_exit_heads`) for early exit; None detaches."""
+        self.exit_heads = adaptive.attach(self, heads)
+
+    def exit_run(self, vision: VisionInput) -> InternVLExitRun:
+        """A block-by-block encode of ``vision``'s tiles (exit hooks, :mod:`edgevlm.runtime.adaptive`)."""
+        w = self.vision_tower.embeddings.patch_embeddings.projection.weight
+        return InternVLExitRun(self.vision_tower, self.multi_modal_projector, self.cfg,
+                               vision.pixel_values.to(w.device, w.dtype))
+
+    def encode_vision_adaptive(self, vision: VisionInput, operating_point=None, prompt_ids=None):
+        """:meth:`encode_vision` with early exit and token pruning (:func:`edgevlm.runtime.adaptive.encode_adaptive`):
+        ``((N', D_text) vision tokens, VisionInfo)``; each tile keeps its own share of tokens."""
+        op = operating_point
+        tokens, _, info = adaptive.encode_adaptive(
+            self.exit_run(vision), self.exit_heads, exit_layer=getattr(op, "exit_layer", None),
+            exit_threshold=getattr(op, "exit_threshold", None), keep_ratio=getattr(op, "keep_ratio", None),
+            query=adaptive.question_embedding(self, prompt_ids))
+        return tokens, info
 
     def encode_tiles(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Tiles ``(N, 3, T, T)`` float -> vision tokens ``(N, image_seq_len, D_text)`` in the model dtype."""

@@ -153,3 +153,40 @@ def tiles_to_tokens(hidden: torch.Tensor, projector: InternVLProjector, scale_fa
     """Tower states ``(N, 1 + S*S, D)`` -> vision tokens ``(N, (S/r)^2, D_text)``: drop CLS, pixel
     shuffle by ``r``, project."""
     return projector(pixel_shuffle(hidden[:, 1:], scale_factor))
+
+
+# ---- exit hooks (early exit, edgevlm.runtime.adaptive) -----------------------------------------
+
+
+class InternVLExitRun:
+    """One block-by-block encode of one request's tiles (the :class:`edgevlm.runtime.adaptive.ViTRun`
+    protocol): the tower's own embeddings, blocks, final norm and the projector, so a run without an
+    exit equals :meth:`InternVisionModel.forward` + :func:`tiles_to_tokens` exactly. The pooled heads
+    read the last tile, the thumbnail (the whole frame at tile size), CLS first; pruning keeps each
+    tile's own share of its ``image_seq_len`` tokens."""
+
+    def __init__(self, tower: InternVisionModel, projector: InternVLProjector, cfg: InternVLConfig,
+                 pixel_values: torch.Tensor) -> None:
+        self.tower, self.projector, self.scale_factor = tower, projector, cfg.scale_factor
+        self.grid = (cfg.vision.grid_side, cfg.vision.grid_side)
+        self.x = tower.embeddings(pixel_values)  # (N_tiles, 1 + S*S, D)
+        self.n_blocks = cfg.feature_index
+        self.final_norm = cfg.feature_index == cfg.vision.num_hidden_layers
+        self.blocks_run = 0
+        self.token_groups = [cfg.image_seq_len] * int(pixel_values.shape[0])
+
+    def step(self) -> torch.Tensor:
+        self.x = self.tower.encoder.layer[self.blocks_run](self.x)
+        self.blocks_run += 1
+        return self.x  # (N_tiles, 1 + S*S, D), CLS first, patches in raster order
+
+    def pooled_view(self, hidden: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+        return hidden[-1:], self.grid  # the thumbnail (or the only tile)
+
+    def finish(self, hidden: torch.Tensor, exit_block: int | None = None, adapter=None
+               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        x = hidden if adapter is None else adapter(hidden).to(hidden.dtype)
+        if self.final_norm:
+            x = self.tower.layernorm(x)
+        feats = tiles_to_tokens(x, self.projector, self.scale_factor)  # (N_tiles, image_seq_len, D_text)
+        return feats.reshape(-1, feats.shape[-1]), []
