@@ -377,21 +377,28 @@ def test_cli_ask_answers_as_transformers(ckpt, hf, tmp_path, capsys):
 
 # ---- INT4 bundle -------------------------------------------------------------------------------
 
-def test_int4_bundle_builds_without_onnx_in_one_line_loads_and_answers(ckpt, engine, tmp_path, caplog):
-    """``edgevlm quantize`` (W4A16 RTN on the decoder, the vision tower 16-bit): no ONNX export for
-    this family, said in one warning line; the torch bundle loads through the registry and answers."""
+@pytest.mark.parametrize("method", ["rtn", "awq"])
+def test_int4_bundle_builds_without_onnx_in_one_line_loads_and_answers(ckpt, engine, method, tmp_path, caplog):
+    """``edgevlm quantize`` (W4A16 RTN / AWQ with the demo calibration scenes on the decoder, the vision
+    tower 16-bit): no ONNX export for this family, said in one warning line; the torch bundle loads
+    through the registry and answers."""
     from edgevlm.quantize.build import BuildOptions, build_bundle
     from edgevlm.runtime import Engine
     from edgevlm.runtime.bundle import read_manifest
 
     with caplog.at_level("WARNING", logger="edgevlm.quantize.build"):
-        result = build_bundle(ckpt, tmp_path / "bundle", BuildOptions(method="rtn", group_size=32))
+        result = build_bundle(ckpt, tmp_path / "bundle", BuildOptions(method=method, group_size=32, calib="demo",
+                                                                      calib_samples=2, awq_grid=4))
     notes = [r.getMessage() for r in caplog.records if "onnx" in r.getMessage()]
     assert notes == ["onnx: not built (no ONNX export for the internvl family; supported: llava, qwen2_5_vl, "
                      "qwen3_vl, smolvlm); the torch bundle is built"]
     manifest = read_manifest(result.bundle_dir)
     int4 = [d for d in manifest.layers if d.action == "int4"]
     assert int4 and all(d.name.startswith("language_model.layers.") and d.group_size == 32 for d in int4)
+    assert all(d.method == method for d in int4)
+    if method == "awq":
+        assert manifest.calibration.samples == 2 and manifest.calibration.tokens > 0
+        assert all(d.awq_alpha is not None for d in int4)
     assert any(d.action == "keep" and d.name.startswith("vision_tower.") for d in manifest.layers)
     q = Engine.load(result.bundle_dir, device="cpu", dtype="float32")
     assert sum(type(m).__name__ == "Int4Linear" for m in q.backend.model.modules()) == len(int4)
