@@ -11,7 +11,7 @@ and ``extra_special_tokens`` in ``tokenizer_config.json`` as the hub's, ``proces
 ``convert_internvl_weights_to_hf.py``). Checked: pixel values (<= 1e-5) and token ids (equal)
 against transformers' ``InternVLProcessor``, prefill logits (<= 1e-4 relative) and 16 greedy tokens
 against ``InternVLForConditionalGeneration``, ``Engine.ask`` and ``edgevlm ask``, a Qwen3 decoder
-(InternVL3.5), an INT4 bundle, early exit / token pruning / ``edgevlm calibrate``, bad configs and
+(InternVL3.5), an INT4 bundle with its ONNX graphs, early exit / token pruning / ``edgevlm calibrate``, bad configs and
 bad images.
 """
 
@@ -304,6 +304,23 @@ def test_internvl3_5_qwen3_decoder_and_layer_norm_tower_match_transformers(tmp_p
             ref_logits = ref(input_ids=ids, pixel_values=pixels).logits
             logits = model(ids, VisionInput(pixels, [2 * IMAGE_SEQ_LEN], ["image"]))
         assert float((logits - ref_logits).abs().max() / ref_logits.abs().max()) <= TOL, (layer, norm)
+        _check_vision_graph(model, pixels)
+
+
+def _check_vision_graph(model: InternVLModel, pixels: torch.Tensor) -> None:
+    """``onnx/vision.onnx`` of ``model``'s weights (the bundle builder's graph) equals its ``encode_tiles``."""
+    pytest.importorskip("onnxruntime")
+    import onnxruntime as ort
+
+    from edgevlm.quantize.onnx_graph import BundleTensors
+    from edgevlm.quantize.onnx_vision_export import build_internvl_vision_graph
+
+    graph = build_internvl_vision_graph(BundleTensors.from_tensors(dict(model.state_dict())), model.cfg)
+    session = ort.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
+    (got,) = session.run(["image_features"], {"pixel_values": pixels.numpy()})
+    with torch.no_grad():
+        want = model.encode_tiles(pixels)
+    assert float((torch.from_numpy(got) - want).abs().max() / want.abs().max()) <= 1e-5
 
 
 # ---- through the Engine and the CLI ------------------------------------------------------------
@@ -378,10 +395,11 @@ def test_cli_ask_answers_as_transformers(ckpt, hf, tmp_path, capsys):
 # ---- INT4 bundle -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("method", ["rtn", "awq"])
-def test_int4_bundle_builds_without_onnx_in_one_line_loads_and_answers(ckpt, engine, method, tmp_path, caplog):
+def test_int4_bundle_with_onnx_graphs_loads_and_answers(ckpt, engine, method, tmp_path, caplog):
     """``edgevlm quantize`` (W4A16 RTN / AWQ with the demo calibration scenes on the decoder, the vision
-    tower 16-bit): no ONNX export for this family, said in one warning line; the torch bundle loads
-    through the registry and answers."""
+    tower 16-bit): the bundle loads through the registry and answers; ``onnx/vision.onnx`` and
+    ``onnx/decoder.onnx`` are built and checked against PyTorch at build time (no warning), and
+    ``--backend onnx`` answers as the torch backend."""
     from edgevlm.quantize.build import BuildOptions, build_bundle
     from edgevlm.runtime import Engine
     from edgevlm.runtime.bundle import read_manifest
@@ -389,10 +407,12 @@ def test_int4_bundle_builds_without_onnx_in_one_line_loads_and_answers(ckpt, eng
     with caplog.at_level("WARNING", logger="edgevlm.quantize.build"):
         result = build_bundle(ckpt, tmp_path / "bundle", BuildOptions(method=method, group_size=32, calib="demo",
                                                                       calib_samples=2, awq_grid=4))
-    notes = [r.getMessage() for r in caplog.records if "onnx" in r.getMessage()]
-    assert notes == ["onnx: not built (no ONNX export for the internvl family; supported: llava, qwen2_5_vl, "
-                     "qwen3_vl, smolvlm); the torch bundle is built"]
+    assert not [r for r in caplog.records if "onnx" in r.getMessage().lower()]
     manifest = read_manifest(result.bundle_dir)
+    assert manifest.artifacts["onnx"] == "onnx/"
+    check = manifest.onnx_check
+    assert check is not None and check.passed and check.decoder and len(check.vision) == 2
+    assert check.max_error < 1e-4
     int4 = [d for d in manifest.layers if d.action == "int4"]
     assert int4 and all(d.name.startswith("language_model.layers.") and d.group_size == 32 for d in int4)
     assert all(d.method == method for d in int4)
@@ -414,6 +434,11 @@ def test_int4_bundle_builds_without_onnx_in_one_line_loads_and_answers(ckpt, eng
             ids, engine.backend.model.encode_vision(vision)))[0]
     cos = float(torch.nn.functional.cosine_similarity(got.float(), want.float(), dim=0))
     assert 0.9 < cos < 1.0  # quantized (not identical), still close on random tiny weights
+    if method == "rtn":
+        onnx = Engine.load(result.bundle_dir, backend="onnx")
+        for size in ((100, 150), (32, 32)):
+            img = _image(*size, seed=9)
+            assert onnx.ask(img, QUESTION, max_new_tokens=8).text == q.ask(img, QUESTION, max_new_tokens=8).text
 
 
 # ---- bad input ---------------------------------------------------------------------------------
