@@ -670,3 +670,28 @@ def test_calibrate_then_ask_with_the_exit(ckpt, tmp_path, capsys):
                  "--exit-layer", "1", "--keep-ratio", "0.5", QUESTION]) == 0
     stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]
     assert stats["exit_layer"] == 1 and stats["vision_tokens"] == 7 * 2  # 3 x 2 tiles + thumbnail, half each
+
+
+#: preprocessor_config.json of OpenGVLab/InternVL3-1B-hf (GotOcr2ImageProcessorFast's keys as saved)
+INTERNVL3_1B_PREPROCESSOR = {
+    "crop_size": None, "crop_to_patches": False, "data_format": "channels_first", "default_to_square": True,
+    "device": None, "do_center_crop": None, "do_convert_rgb": True, "do_normalize": True, "do_rescale": True,
+    "do_resize": True, "image_mean": [0.485, 0.456, 0.406], "image_processor_type": "GotOcr2ImageProcessorFast",
+    "image_std": [0.229, 0.224, 0.225], "input_data_format": None, "max_patches": 12, "min_patches": 1,
+    "processor_class": "InternVLProcessor", "resample": 3, "rescale_factor": 0.00392156862745098,
+    "return_tensors": None, "size": {"height": 448, "width": 448},
+}
+
+
+def test_hub_internvl3_1b_processor_settings(tmp_path):
+    """The hub's settings read as transformers' processor runs them: 448 px tiles, up to 12 + a
+    thumbnail (``InternVLProcessor`` turns ``crop_to_patches`` on), bicubic, ImageNet mean/std."""
+    cfg = parse_config(INTERNVL3_1B_CONFIG)
+    (tmp_path / "processor_config.json").write_text(json.dumps({"image_seq_length": 256,
+                                                                "processor_class": "InternVLProcessor"}))
+    ic = InternVLProcessor.from_dir(tmp_path, cfg, INTERNVL3_1B_PREPROCESSOR).image_cfg
+    assert (ic.tile_px, ic.crop_to_patches, ic.min_patches, ic.max_patches, ic.resample, ic.image_seq_len) == (
+        448, True, 1, 12, 3, 256)
+    assert ic.image_mean == (0.485, 0.456, 0.406) and ic.image_std == (0.229, 0.224, 0.225)
+    vision = InternVLProcessor(cfg, ic).prepare([_image(480, 640)])
+    assert vision.pixel_values.shape == (13, 3, 448, 448) and vision.tokens_per_item == [13 * 256]  # 4 x 3 + 1
