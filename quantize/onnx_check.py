@@ -195,11 +195,12 @@ class VisionCase:
 
 
 def vision_check_cases(family: str, cfg) -> list[VisionCase]:
-    """The inputs of the vision check of a ``qwen2_5_vl`` / ``qwen3_vl`` / ``smolvlm`` bundle (small
+    """The inputs of the vision check of a ``qwen2_5_vl`` / ``qwen3_vl`` / ``smolvlm`` / ``internvl`` bundle (small
     grids: the check runs the whole tower on the CPU in float32). Qwen, with ``m`` the merge size and
     ``u`` the patches a side of a Qwen2.5-VL attention window (``4 m`` for Qwen3-VL): a square image
     ``(1, 2u, 2u)``, a non-square ``(1, u + m, 2u + m)`` (windows that do not tile it) and a
     two-frame video ``(2, 2m, 3m)``. SmolVLM: 1 tile, 3 tiles, 2 tiles with the second half padding.
+    InternVL: 1 tile, 3 tiles.
 
     Raises ValueError for another family."""
     if family in ("qwen2_5_vl", "qwen3_vl"):
@@ -212,6 +213,9 @@ def vision_check_cases(family: str, cfg) -> list[VisionCase]:
         t = cfg.vision.image_size
         return [VisionCase(n_tiles=1, tile_px=t), VisionCase(n_tiles=3, tile_px=t),
                 VisionCase(n_tiles=2, tile_px=t, padded=True)]
+    if family == "internvl":  # tiles at the trained size only (no padding)
+        t = cfg.vision.image_size
+        return [VisionCase(n_tiles=1, tile_px=t), VisionCase(n_tiles=3, tile_px=t)]
     raise ValueError(f"no ONNX vision check for the {family} family")
 
 
@@ -223,6 +227,8 @@ def _torch_vision(model, family: str, pixels: torch.Tensor, grid: torch.Tensor |
     if family == "qwen3_vl":
         main, deepstack = model.visual(pixels, grid)
         return [main, *deepstack]
+    if family == "internvl":
+        return [model.encode_tiles(pixels)]
     return [model.encode_tiles(pixels, mask)]
 
 
@@ -297,7 +303,10 @@ def _check_family_decoder(ref, onnx, family: str) -> OnnxDecoderCheck:
 
     tb, ob, cfg = ref.backend, onnx.backend, ref.config
     image = np.random.default_rng(0).integers(0, 256, (96, 128, 3), dtype=np.uint8)
-    rung = cfg.vision.image_size if family == "smolvlm" else 4 * cfg.vision.patch_size * cfg.vision.spatial_merge_size
+    if family in ("smolvlm", "internvl"):  # one tile
+        rung = cfg.vision.image_size
+    else:
+        rung = 4 * cfg.vision.patch_size * cfg.vision.spatial_merge_size
     vision_in = ref.processor.prepare([image], resolution_px=rung)
     ids = ref.tokenizer.encode_request(PROMPT, vision_in, ref.processor)
     input_ids = torch.tensor([ids])

@@ -44,6 +44,13 @@ a padded patch), ``key_bias`` float32 ``(N_tiles, h*w)`` (0 real patch, float32 
 ``image_features`` float32 ``(N_tiles, h*w / r^2, D_text)`` (SigLIP encoder, post-LayerNorm, pixel
 shuffle by ``scale_factor`` r in transformers' channel order, bias-free projection).
 
+**InternVL** (``runtime/models/internvl/vision.py``): ``pixel_values`` float32 ``(N_tiles, 3, T, T)`` (the
+processor's tiles at the trained tile size T, so no input depends on the image) -> ``image_features``
+float32 ``(N_tiles, (T/p)^2 / r^2, D_text)`` (InternViT: CLS token + absolute positions, blocks with
+LayerNorm or RMSNorm, optional q/k RMSNorm over the full width, layer scale; the final LayerNorm when
+``use_mean_pooling`` is false; CLS dropped, pixel shuffle by r = ``1 / downsample_ratio``, LayerNorm,
+Linear -> act -> Linear).
+
 A family not listed here gets no vision graph (the build prints one note and keeps the torch bundle).
 """
 
@@ -65,8 +72,8 @@ from edgevlm.quantize.onnx_graph import (
     rope,
 )
 
-__all__ = ["VISION_GRAPHS", "build_qwen2_5_vl_vision_graph", "build_qwen3_vl_vision_graph",
-           "build_smolvlm_vision_graph"]
+__all__ = ["VISION_GRAPHS", "build_internvl_vision_graph", "build_qwen2_5_vl_vision_graph",
+           "build_qwen3_vl_vision_graph", "build_smolvlm_vision_graph"]
 
 _F, _I = TensorProto.FLOAT, TensorProto.INT64
 _QWEN3_LN_EPS = 1e-6  # fixed in transformers' Qwen3-VL vision blocks and mergers
@@ -219,9 +226,58 @@ def build_smolvlm_vision_graph(w: BundleTensors, cfg) -> onnx.ModelProto:
     return g.model("edgevlm_smolvlm_vision", inputs, outputs)
 
 
+def build_internvl_vision_graph(w: BundleTensors, cfg) -> onnx.ModelProto:
+    """InternVL's InternViT + pixel shuffle + projector over tiles (contract: the module docstring)."""
+    vc, g = cfg.vision, GraphBuilder()
+    p, d, r, side = vc.patch_size, vc.hidden_size, cfg.scale_factor, vc.grid_side
+    e = "vision_tower."
+
+    def norm(x: str, module: str) -> str:
+        if vc.norm_type == "rms_norm":
+            return rmsnorm(g, w, x, module, vc.layer_norm_eps)
+        return layernorm(g, w, x, module, vc.layer_norm_eps)
+
+    conv = g.op("Conv", "pixel_values", g.weight(w.t[e + "embeddings.patch_embeddings.projection.weight"], "patch_w"),
+                g.const(w.f32(e + "embeddings.patch_embeddings.projection.bias"), "patch_b"),
+                kernel_shape=[p, p], strides=[p, p])  # (N, D, S, S)
+    x = g.op("Transpose", g.op("Reshape", conv, g.ints([0, d, -1])), perm=[0, 2, 1])  # (N, S*S, D)
+    n = g.op("Slice", g.op("Shape", x), g.ints([0]), g.ints([1]))
+    cls = g.op("Expand", g.const(w.f32(e + "embeddings.cls_token"), "cls"), g.op("Concat", n, g.ints([1, d]), axis=0))
+    x = g.op("Add", g.op("Concat", cls, x, axis=1), g.const(w.f32(e + "embeddings.position_embeddings"), "pos"))
+    for i in range(cfg.feature_index):
+        b = f"{e}encoder.layer.{i}."
+        h = norm(x, b + "layernorm_before")
+        q, k = linear(g, w, h, b + "attention.q_proj"), linear(g, w, h, b + "attention.k_proj")
+        if vc.use_qk_norm:  # over the whole width, before the head split
+            q = rmsnorm(g, w, q, b + "attention.q_norm", vc.qk_norm_eps)
+            k = rmsnorm(g, w, k, b + "attention.k_norm", vc.qk_norm_eps)
+        q, k, v = (heads(g, t, vc.num_attention_heads, vc.head_dim)
+                   for t in (q, k, linear(g, w, h, b + "attention.v_proj")))
+        y = linear(g, w, merge_heads(g, attention(g, q, k, v, None, vc.head_dim)), b + "attention.projection_layer")
+        x = g.op("Add", x, g.op("Mul", y, g.const(w.f32(b + "lambda_1"), "ls")))
+        h = linear(g, w, act(g, vc.hidden_act, linear(g, w, norm(x, b + "layernorm_after"), b + "mlp.fc1")),
+                   b + "mlp.fc2")
+        x = g.op("Add", x, g.op("Mul", h, g.const(w.f32(b + "lambda_2"), "ls")))
+    if cfg.feature_index == vc.num_hidden_layers and not vc.use_mean_pooling:
+        x = layernorm(g, w, x, e + "layernorm", vc.layer_norm_eps)
+    x = g.op("Slice", x, g.ints([1]), g.ints([1 + side * side]), g.ints([1]))  # drop CLS: (N, S*S, D)
+    # pixel shuffle (transformers' InternVLModel.pixel_shuffle order) on the S x S grid
+    x = g.op("Transpose", g.op("Reshape", x, g.ints([0, side, side // r, d * r])), perm=[0, 2, 1, 3])
+    x = g.op("Transpose", g.op("Reshape", x, g.ints([0, side // r, side // r, d * r * r])), perm=[0, 2, 1, 3])
+    x = g.op("Reshape", x, g.ints([0, -1, d * r * r]))  # (N, (S/r)^2, D r^2)
+    m = "multi_modal_projector."
+    x = layernorm(g, w, x, m + "layer_norm", 1e-5)  # nn.LayerNorm's default eps
+    x = linear(g, w, act(g, cfg.projector_hidden_act, linear(g, w, x, m + "linear_1")), m + "linear_2")
+    g.op("Identity", x, out="image_features")
+    inputs = [_inp("pixel_values", _F, ["n_tiles", vc.num_channels, vc.image_size, vc.image_size])]
+    outputs = [_inp("image_features", _F, ["n_tiles", cfg.image_seq_len, cfg.text.hidden_size])]
+    return g.model("edgevlm_internvl_vision", inputs, outputs)
+
+
 #: family name -> vision graph builder ``(tensors, config) -> ModelProto``
 VISION_GRAPHS = {
     "qwen2_5_vl": build_qwen2_5_vl_vision_graph,
     "qwen3_vl": build_qwen3_vl_vision_graph,
     "smolvlm": build_smolvlm_vision_graph,
+    "internvl": build_internvl_vision_graph,
 }

@@ -1,8 +1,8 @@
-"""Tiny random checkpoints of the Qwen2.5-VL, Qwen3-VL and SmolVLM families for the batching, KV
+"""Tiny random checkpoints of the Qwen2.5-VL, Qwen3-VL, SmolVLM and InternVL families for the batching, KV
 cache and CUDA-graph tests (``pythonpath = ["tests"]``), written by the family tests' own builders
 (``tests/models/test_<family>.py``: transformers' model classes + ``save_pretrained``), plus the
 requests those tests send: three per family with different images, prompts and token budgets (a
-video for the Qwen families, two images for SmolVLM)."""
+video for the Qwen families, two images for SmolVLM and InternVL)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ from pathlib import Path
 
 import numpy as np
 
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "smolvlm")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "smolvlm", "internvl")
 _MODELS = Path(__file__).resolve().parent / "models"
 _BUILDERS = {  # family -> (test module, builder function)
     "qwen2_5_vl": ("test_qwen2_5_vl.py", "write_tiny_qwen2_5_vl"),
     "qwen3_vl": ("test_qwen3_vl.py", "write_tiny_qwen3_vl"),
     "smolvlm": ("test_smolvlm.py", "build_checkpoint"),
+    "internvl": ("test_internvl.py", "build_checkpoint"),
 }
 
 
@@ -54,8 +55,8 @@ def image(h: int, w: int, seed: int) -> np.ndarray:
 
 def requests(family: str) -> list[tuple[object, str, int]]:
     """Three ``(image or frames, prompt, max_new_tokens)`` of different vision, prompt and budget."""
-    several = [image(70, 100, 5 + i) for i in range(4)]  # Qwen: one video; SmolVLM: take two images
-    third = several if family != "smolvlm" else several[:2]
+    several = [image(70, 100, 5 + i) for i in range(4)]  # Qwen: one video; SmolVLM, InternVL: take two images
+    third = several if family.startswith("qwen") else several[:2]
     return [
         (image(120, 200, 1), "how many shapes are there?", 7),
         (image(64, 64, 2), "describe the scene.", 4),

@@ -1,4 +1,4 @@
-"""Run the ``onnx/vision.onnx`` of a Qwen2.5-VL, Qwen3-VL or SmolVLM2 bundle on onnxruntime.
+"""Run the ``onnx/vision.onnx`` of a Qwen2.5-VL, Qwen3-VL, SmolVLM2 or InternVL bundle on onnxruntime.
 
 The graphs (written by :mod:`edgevlm.quantize.onnx_vision_export`, whose docstring is the graph
 contract) are shape-generic: everything that depends on the image's patch grid is computed here, on
@@ -13,7 +13,8 @@ the host, by the same functions the PyTorch towers use, and fed as graph inputs:
   ``cos``/``sin`` (``Qwen3VLVisionTower.rotary``) and the per-frame attention segments (same tables);
 - SmolVLM2: the bucketed position ids (:func:`edgevlm.runtime.models.smolvlm.vision.bucketed_position_ids`)
   and the padded-patch key bias of each tile, from the request's ``pixel_attention_mask`` (all patches
-  valid when there is none).
+  valid when there is none);
+- InternVL: nothing but the tiles (always the trained tile size).
 
 :class:`VisionGraph` is the session plus these feeds; its outputs equal the PyTorch tower's
 (``Qwen*VisionTower.forward``, ``SmolVLMModel.encode_tiles``), in float32.
@@ -37,7 +38,7 @@ __all__ = ["VISION_FAMILIES", "VisionGraph", "segment_tables", "vision_feeds"]
 logger = logging.getLogger(__name__)
 
 #: families whose vision.onnx this module feeds
-VISION_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "smolvlm")
+VISION_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "smolvlm", "internvl")
 _MASKED = float(np.finfo(np.float32).min)  # additive bias of a padding key (finite: no row is all padding)
 
 
@@ -133,6 +134,8 @@ def vision_feeds(family: str, cfg, pixel_values: torch.Tensor, *, grid_thw: torc
         return _qwen3_vl_feeds(tower, pixel_values, grid_thw)
     if family == "smolvlm":
         return _smolvlm_feeds(cfg, pixel_values, pixel_mask)
+    if family == "internvl":  # tiles at the trained size: nothing depends on the image
+        return {"pixel_values": _f32(pixel_values)}
     raise ValueError(f"no ONNX vision graph for the {family} family (supported: {', '.join(VISION_FAMILIES)})")
 
 

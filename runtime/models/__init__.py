@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 #: family name -> module exporting ``FAMILY``
 FAMILIES: dict[str, str] = {
     "llava": "edgevlm.runtime.models.llava",
+    "internvl": "edgevlm.runtime.models.internvl",
     "qwen2_5_vl": "edgevlm.runtime.models.qwen2_5_vl",
     "qwen3_vl": "edgevlm.runtime.models.qwen3_vl",
     "smolvlm": "edgevlm.runtime.models.smolvlm",

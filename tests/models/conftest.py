@@ -51,10 +51,11 @@ _CORPUS = (
 
 
 def build_qwen_tokenizer(folder: Path, chat_template: str | None = QWEN2_5_VL_CHAT_TEMPLATE,
-                         vocab_size: int = 300) -> dict[str, int]:
+                         vocab_size: int = 300, extra_special_tokens: tuple[str, ...] = ()) -> dict[str, int]:
     """Write ``tokenizer.json``, ``tokenizer_config.json`` (and ``chat_template.jinja`` when
     ``chat_template`` is given) into ``folder``; returns ``{special token: id}``. The BPE part
-    has at most ``vocab_size`` entries; the special tokens come after it."""
+    has at most ``vocab_size`` entries; the special tokens come after it (Qwen's, then
+    ``extra_special_tokens``, e.g. InternVL's ``<img>``)."""
     from tokenizers import (
         AddedToken,
         Regex,
@@ -76,10 +77,11 @@ def build_qwen_tokenizer(folder: Path, chat_template: str | None = QWEN2_5_VL_CH
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(list(_CORPUS), trainer=trainer)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL_TOKENS])
+    specials = QWEN_SPECIAL_TOKENS + tuple(extra_special_tokens)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in QWEN_SPECIAL_TOKENS}
+    ids = {t: tok.token_to_id(t) for t in specials}
     config = {
         "tokenizer_class": "Qwen2Tokenizer",
         "bos_token": None,

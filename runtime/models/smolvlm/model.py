@@ -3,7 +3,8 @@
 Marafioti et al., "SmolVLM: Redefining small and efficient multimodal models" (2025); Laurençon et
 al., Idefics3 (2024). Each image arrives as tiles (``rows x cols`` crops plus one global image, see
 :mod:`edgevlm.runtime.models.smolvlm.processor`); every tile becomes ``image_seq_len`` vision tokens
-that replace, in order, the ``<image>`` placeholders of the prompt. The decoder is the shared
+that replace, in order, the ``<image>`` placeholders of the prompt
+(:class:`~edgevlm.runtime.models.blocks.image_tokens.ImageTokenVLM`). The decoder is the shared
 :class:`~edgevlm.runtime.decoder.Decoder` (SmolLM2 / Llama, plain 1-D RoPE, tied embeddings when
 the config says so), so quantization, KV-cache precisions and CUDA-graph decode reach it unchanged.
 
@@ -19,7 +20,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from edgevlm.runtime import adaptive
-from edgevlm.runtime.decoder import Decoder, DecoderVLM
+from edgevlm.runtime.decoder import Decoder
+from edgevlm.runtime.models.blocks.image_tokens import ImageTokenVLM
 from edgevlm.runtime.models.smolvlm.config import SmolVLMConfig
 from edgevlm.runtime.models.smolvlm.vision import (
     Connector,
@@ -31,7 +33,7 @@ from edgevlm.runtime.models.smolvlm.vision import (
 if TYPE_CHECKING:
     from edgevlm.runtime.models.base import VisionInput
 
-class SmolVLMModel(DecoderVLM):
+class SmolVLMModel(ImageTokenVLM):
     """The whole model; build under ``torch.device("meta")`` and let the loader fill the weights."""
 
     def __init__(self, cfg: SmolVLMConfig) -> None:
@@ -76,40 +78,3 @@ class SmolVLMModel(DecoderVLM):
         ``rows x cols`` tiles in raster order, then its global image)."""
         feats = self.encode_tiles(vision.pixel_values, vision.extras.get("pixel_attention_mask"))
         return feats.reshape(-1, feats.shape[-1])
-
-    def embed(self, input_ids: torch.Tensor, vision_features: torch.Tensor | None = None) -> torch.Tensor:
-        """Token embeddings ``(1, T, D)`` for ``input_ids`` ``(1, T)`` with the ``<image>`` positions
-        replaced in order by ``vision_features`` ``(N, D)``. Raises ``ValueError`` when the
-        placeholder count differs from N."""
-        embeds = self.language_model.embed_tokens(input_ids)  # (B, T, D)
-        if vision_features is None:
-            return embeds
-        is_image = input_ids == self.cfg.image_token_id  # (B, T)
-        n_slots = int(is_image.sum())
-        if n_slots * embeds.shape[-1] != vision_features.numel():
-            raise ValueError(f"{n_slots} image placeholder tokens but {vision_features.numel() // embeds.shape[-1]} "
-                             "vision tokens")
-        return embeds.masked_scatter(is_image[..., None], vision_features.to(embeds.device, embeds.dtype))
-
-    def position_ids(self, input_ids: torch.Tensor, vision: VisionInput | None = None) -> tuple[None, int]:
-        """SmolVLM uses plain 1-D RoPE: positions are the cache slots, ``(None, 0)``."""
-        return None, 0
-
-    def prefill(self, embeds: torch.Tensor, *, position_ids: torch.Tensor | None = None,
-                all_logits: bool = False) -> torch.Tensor:
-        """Run the prompt ``embeds`` ``(1, T, D)`` from slot 0 into the KV cache -> logits ``(1, V)``
-        (``(1, T, V)`` with ``all_logits``). ``position_ids`` must be None (1-D RoPE)."""
-        if position_ids is not None:
-            raise ValueError("SmolVLM uses 1-D RoPE: position_ids must be None")
-        input_pos = torch.arange(embeds.shape[1], device=embeds.device)
-        return self.language_model(embeds, input_pos, prefill=True, all_logits=all_logits)
-
-    def decode(self, token_ids: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        """One decode step: ``token_ids`` ``(B, 1)`` int64 at cache slot ``input_pos`` ``(1,)`` -> ``(B, V)``."""
-        embeds = self.language_model.embed_tokens(token_ids)  # (B, 1, D)
-        return self.language_model(embeds, input_pos, prefill=False)
-
-    def forward(self, input_ids: torch.Tensor, vision: VisionInput | None = None) -> torch.Tensor:
-        """All logits ``(1, T, V)`` of a prompt (prefill path; parity tests). Needs caches of at least T."""
-        feats = self.encode_vision(vision) if vision is not None else None
-        return self.prefill(self.embed(input_ids, feats), all_logits=True)

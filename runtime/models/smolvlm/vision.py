@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from edgevlm.runtime.models.blocks.pixel_shuffle import pixel_shuffle
 from edgevlm.runtime.models.blocks.siglip import SiglipEncoder, SiglipVisionConfig
 from edgevlm.runtime.models.smolvlm.config import SmolVLMConfig
 
@@ -89,22 +90,6 @@ class SmolVLMVisionTransformer(nn.Module):
         key_mask = None if bool(patch_mask.all()) else patch_mask.reshape(n, -1)  # (N, T) or None
         x, _ = self.encoder(x, key_mask)
         return self.post_layernorm(x)
-
-
-def pixel_shuffle(x: torch.Tensor, scale_factor: int) -> torch.Tensor:
-    """Space-to-depth over a square token grid: ``(N, S*S, D)`` -> ``(N, S*S / r^2, D * r^2)``
-    in transformers' ``SmolVLMConnector.pixel_shuffle`` channel order. Raises ``ValueError`` when
-    the sequence is not a square grid divisible by ``r``."""
-    n, seq, d = x.shape
-    side = round(seq**0.5)
-    r = scale_factor
-    if side * side != seq or side % r:
-        raise ValueError(f"{seq} tokens are not a square grid divisible by scale_factor {r}")
-    x = x.reshape(n, side, side // r, d * r)  # merge r neighbours along the width
-    x = x.permute(0, 2, 1, 3)  # (N, S/r, S, D r)
-    x = x.reshape(n, side // r, side // r, d * r * r)  # merge r neighbours along the height
-    x = x.permute(0, 2, 1, 3)  # back to (N, S/r rows, S/r cols, D r^2)
-    return x.reshape(n, seq // (r * r), d * r * r)
 
 
 class ModalityProjection(nn.Module):
