@@ -40,13 +40,12 @@ import numpy as np
 from edgevlm.errors import InvalidImageError, InvalidRequestError, ModelLoadError
 from edgevlm.model_folder import read_json
 from edgevlm.runtime.models.base import VisionInput
+from edgevlm.runtime.models.blocks.pil_tiles import PIL_FILTERS, normalize_tiles, pil_resize
 from edgevlm.runtime.models.smolvlm.config import SmolVLMConfig
 
 logger = logging.getLogger(__name__)
 
 MAX_IMAGE_SIDE_PX = 4096  # transformers' SmolVLM MAX_IMAGE_SIZE
-#: Pillow resampling filters by their integer code (transformers' PILImageResampling)
-PIL_FILTERS = {0: "NEAREST", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC", 4: "BOX", 5: "HAMMING"}
 
 IMAGE_TOKEN = "<image>"
 FAKE_IMAGE_TOKEN = "<fake_token_around_image>"
@@ -234,28 +233,12 @@ class SmolVLMProcessor:
 
     def _resize(self, image: np.ndarray, height: int, width: int) -> np.ndarray:
         """Pillow resize of a ``(H, W, 3)`` uint8 image with the checkpoint's filter."""
-        try:
-            from PIL import Image
-        except ImportError as exc:
-            raise ImportError("SmolVLM preprocessing needs Pillow: pip install 'edgevlm[runtime]'") from exc
-
-        if image.shape[:2] == (height, width):
-            return image  # Pillow's resize to the same size is a copy
-        pil = Image.fromarray(image)
-        return np.asarray(pil.resize((width, height), resample=Image.Resampling(self.image_cfg.resample)))
+        return pil_resize(image, height, width, self.image_cfg.resample, "SmolVLM")
 
     def _normalize(self, tiles: list[np.ndarray]) -> np.ndarray:
         ic = self.image_cfg
-        x = np.stack(tiles).transpose(0, 3, 1, 2)  # (N, 3, T, T) uint8
-        if ic.do_rescale:
-            x = (x.astype(np.float64) * ic.rescale_factor).astype(np.float32)
-        else:
-            x = x.astype(np.float32)
-        if ic.do_normalize:
-            mean = np.asarray(ic.image_mean, dtype=np.float32)[None, :, None, None]
-            std = np.asarray(ic.image_std, dtype=np.float32)[None, :, None, None]
-            x = (x - mean) / std
-        return x
+        return normalize_tiles(tiles, do_rescale=ic.do_rescale, rescale_factor=ic.rescale_factor,
+                               do_normalize=ic.do_normalize, image_mean=ic.image_mean, image_std=ic.image_std)
 
     def preprocess_image(self, image: np.ndarray, longest_edge_px: int | None = None) -> Tiles:
         """One ``(H, W, 3)`` uint8 RGB image -> its tiles (see the module docstring).
