@@ -3,7 +3,7 @@
 A thin wrapper kept so that the commands of ``bench/results/gpu_families_h200_20261201.md`` still run: the
 harness is ``edgevlm bench`` (:mod:`edgevlm.quantize.benchmark`, the family models in
 :mod:`edgevlm.quantize.bench_families`). This script maps its old flags onto it: ``--models`` (default
-the four published shapes), ``--sizes``, ``--device``, ``--new-tokens`` (default 32), ``--parity`` (off by
+the four shapes it measured first: Qwen2.5-VL-3B, Qwen3-VL-2B / 8B, SmolVLM2-2.2B), ``--sizes``, ``--device``, ``--new-tokens`` (default 32), ``--parity`` (off by
 default here), ``--no-w4``, ``--batches`` (default 1), ``--impls`` (transformers,edgevlm,edgevlm-w4) and
 ``--out`` (the JSON line; nothing is saved under bench/results). Prints the table, then one JSON line.
 
@@ -25,12 +25,14 @@ from edgevlm.quantize.bench_families import (  # noqa: F401  (re-exported for te
 )
 
 IMPLS = ("transformers", "edgevlm", "edgevlm-w4")
+#: the models of this script's runs in bench/results (InternVL came later: ``--models internvl3-1b``)
+MODELS = ("qwen2.5-vl-3b", "qwen3-vl-2b", "qwen3-vl-8b", "smolvlm2-2.2b")
 
 
 def edgevlm_bench_argv(argv: list[str] | None = None) -> list[str]:
     """The ``edgevlm bench`` arguments of this script's ``argv``."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default=",".join(CONFIGS))
+    ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--sizes", default="448x448,1280x720", help="W x H, comma-separated")
     ap.add_argument("--device", default=None)
     ap.add_argument("--new-tokens", default="32")

@@ -1,15 +1,19 @@
 """``edgevlm bench``: edgevlm vs Hugging Face transformers, side by side, on the same weights.
 
-For each model (:mod:`edgevlm.quantize.bench_models`: random weights in LLaVA-1.5-7B's and a
-ViT-B/16 + 0.5B decoder's sizes, the tiny test model, the demo model) and each implementation —
-transformers' ``LlavaForConditionalGeneration`` (SDPA attention, ``generate`` with its dynamic and
-its static cache, the faster reported) and edgevlm variants (16-bit or W4A16 decoder weights; 16-bit,
-INT4 or FP8 KV cache; CUDA-graph decode on GPU) — it measures, after warm-up, as medians:
+Models: random weights in published shapes, built without downloads — LLaVA
+(:mod:`edgevlm.quantize.bench_models`: LLaVA-1.5-7B, a ViT-B/16 + 0.5B decoder, the tiny test model,
+the shipped demo model) and the Qwen2.5-VL, Qwen3-VL, SmolVLM2 and InternVL families
+(:mod:`edgevlm.quantize.bench_families`: Qwen2.5-VL-3B, Qwen3-VL-2B / 8B, SmolVLM2-2.2B, InternVL3-1B
+and ``tiny-*`` CPU configs) — or ``--model DIR``, a checkpoint folder of any registered family, with
+its real weights. Implementations: transformers' ``...ForConditionalGeneration`` (SDPA attention)
+and edgevlm variants (:data:`VARIANTS`: 16-bit or W4A16 decoder weights; 16-bit, INT4 or FP8 KV
+cache; CUDA-graph decode on GPU). LLaVA models measure, after warm-up, as medians:
 
 * ``ttft_ms``: float32 pixels on the host -> first token id on the host (vision, embed, prefill,
   argmax); the image preprocessing and tokenisation the engine also does are left out (both sides);
 * ``tpot_ms`` and ``decode_tok_s``: per-token time of a greedy batch-1 decode loop with the token
-  fed back through the host each step (what the engine does); ``step_gpu_ms``: one CUDA-graph replay
+  fed back through the host each step (what the engine does; transformers: ``generate`` with its
+  dynamic and its static cache, the faster reported); ``step_gpu_ms``: one CUDA-graph replay
   alone (CUDA events); ``batch_tok_s``: tokens/s of batched decode at each batch size;
 * ``vision_img_s``: vision encoder + projector images/s at the vision batch, and its TFLOP/s as a
   fraction of the bf16 matrix-multiply rate measured first;
@@ -18,8 +22,13 @@ INT4 or FP8 KV cache; CUDA-graph decode on GPU) — it measures, after warm-up, 
   weights + the attended KV cache) over ``tpot_ms``, against the device-to-device copy bandwidth
   (bytes read + written) measured first.
 
+The other families give one row per input size (``--sizes``, the family's own preprocessing) and
+decode batch, with ``vision_ms``, ``ttft_ms``, ``tpot_ms``, ``decode_tok_s``, ``peak_mb`` and
+``copy_frac`` as defined in :mod:`edgevlm.quantize.bench_families`, and a prefill-logit parity
+check against transformers in fp32 per model.
+
 Prints a table, then one JSON line; saves the JSON under ``bench/results/`` with device, date and
-versions. Runs on CPU with the tiny model (``edgevlm bench --device cpu``).
+versions. Runs on CPU with the tiny models (``edgevlm bench --device cpu``).
 """
 
 from __future__ import annotations
@@ -319,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     a checkpoint, or no CUDA, after one line ``edgevlm: error: ...`` on stderr)."""
     from edgevlm.quantize.bench_families import FAMILY_MODEL_NAMES
     from edgevlm.quantize.bench_models import MODEL_NAMES as LLAVA_NAMES
+    from edgevlm.runtime.models import FAMILIES
 
     names = (*LLAVA_NAMES, *FAMILY_MODEL_NAMES)
     ap = OneLineParser(prog="edgevlm bench", description=__doc__.split("\n")[0])
@@ -327,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated, from {', '.join(names)} (random weights in the published shapes; "
                          "tiny*: CPU sizes; default: GPU small,llava-7b,demo; CPU tiny)")
     ap.add_argument("--model", metavar="DIR", default=None,
-                    help="a checkpoint folder of a registered family (llava, qwen2_5_vl, qwen3_vl, smolvlm, internvl): "
+                    help=f"a checkpoint folder of a registered family ({', '.join(FAMILIES)}): "
                          "its real weights, ours vs transformers' from_pretrained")
     ap.add_argument("--variants", type=_csv_choice(tuple(VARIANTS)), default=None,
                     help=f"edgevlm variants, from {', '.join(VARIANTS)} (default: all)")

@@ -147,7 +147,7 @@ def test_old_script_maps_onto_edgevlm_bench():
     """bench/results/gpu_families_h200_20261201.md's commands: the same runs through ``edgevlm bench``."""
     script = _script()
     assert script.edgevlm_bench_argv(["--batches", "1,8", "--parity"]) == [
-        "--models", "qwen2.5-vl-3b,qwen3-vl-2b,qwen3-vl-8b,smolvlm2-2.2b,internvl3-1b", "--sizes", "448x448,1280x720",
+        "--models", "qwen2.5-vl-3b,qwen3-vl-2b,qwen3-vl-8b,smolvlm2-2.2b", "--sizes", "448x448,1280x720",
         "--new-tokens", "32", "--batch-sizes", "1,8", "--results-dir", "", "--out", "",
         "--variants", "edgevlm,edgevlm-w4"]
     argv = script.edgevlm_bench_argv(["--models", "tiny-qwen3-vl", "--device", "cpu", "--impls", "edgevlm",
