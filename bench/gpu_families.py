@@ -49,7 +49,9 @@ def edgevlm_bench_argv(argv: list[str] | None = None) -> list[str]:
     out += [] if args.parity else ["--no-parity"]
     out += [] if "transformers" in impls else ["--no-hf"]
     variants = [i for i in impls if i != "transformers"]
-    return out + (["--variants", ",".join(variants)] if variants else [])
+    if not variants:
+        ap.error("--impls: edgevlm bench always measures an edgevlm implementation (edgevlm or edgevlm-w4)")
+    return out + ["--variants", ",".join(variants)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -314,13 +314,12 @@ def _checkpoint(path: str) -> Path | str:
     from edgevlm.runtime.bundle import is_bundle
     from edgevlm.runtime.loader import read_model_files
 
+    if is_bundle(path):
+        return f"--model: {path} is an edgevlm bundle; bench compares against transformers, so give the checkpoint"
     try:
-        files = read_model_files(path)
+        return read_model_files(path).model_dir
     except ModelLoadError as exc:
         return f"--model: {exc.message}"
-    if is_bundle(files.model_dir):
-        return f"--model: {path} is an edgevlm bundle; bench compares against transformers, so give the checkpoint"
-    return files.model_dir
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -126,6 +126,19 @@ def test_model_dir_that_is_not_a_checkpoint_exits_2(tmp_path, capsys):
     assert "model_type 'gemma3' is not supported" in err and err.count("\n") == 1
 
 
+def test_model_dir_that_is_a_bundle_exits_2(perf_dir, tmp_path, capsys):
+    """An engine bundle has no transformers twin: refused in one line before anything is built."""
+    import shutil
+
+    from edgevlm.quantize.benchmark import main
+
+    folder = shutil.copytree(perf_dir, tmp_path / "bundle")
+    (folder / "manifest.json").write_text("{}")
+    assert main(["--device", "cpu", "--model", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"edgevlm: error: --model: {folder} is an edgevlm bundle") and err.count("\n") == 1
+
+
 def test_bad_sizes_exit_2(capsys):
     from edgevlm.quantize.benchmark import main
 
@@ -154,6 +167,9 @@ def test_old_script_maps_onto_edgevlm_bench():
                                       "--out", "x.json"])
     assert argv[argv.index("--out") + 1] == "x.json" and argv[argv.index("--device") + 1] == "cpu"
     assert {"--no-parity", "--no-hf"} <= set(argv) and argv[-2:] == ["--variants", "edgevlm"]
+    with pytest.raises(SystemExit) as exc:
+        script.edgevlm_bench_argv(["--impls", "transformers"])
+    assert exc.value.code == 2
 
 
 def test_real_configs_parse_in_both_runtimes():
