@@ -75,7 +75,7 @@ def test_bench_family_models_on_cpu(tmp_path, capsys):
             assert r["kv_bytes_per_token"] * 2 < bf["kv_bytes_per_token"]
 
 
-@pytest.mark.parametrize("family", ["internvl", "smolvlm"])
+@pytest.mark.parametrize("family", ["internvl", "smolvlm", "qwen2_5_vl", "qwen3_vl"])
 def test_bench_model_dir_runs_a_checkpoint_folder(family, tmp_path, capsys):
     from family_support import write_checkpoint
 
