@@ -464,16 +464,19 @@ def run_family(name: str, *, device: torch.device, dtype: torch.dtype, variants:
     is :func:`parity` at the first size (empty without ``do_parity`` or transformers).
     Raises what building the model raises (RuntimeError, ModelLoadError, OSError)."""
     t0 = time.perf_counter()
-    max_seq_len = 4096 if device.type == "cuda" else 1024
     if files is None:
-        ours, hf, files = build(name, device, dtype, max_seq_len=max_seq_len, seed=seed)
+        ours, hf, files = build(name, device, dtype, max_seq_len=256, seed=seed)
     else:
-        ours, hf, files = build_from_dir(files, device, dtype, max_seq_len)
+        ours, hf, files = build_from_dir(files, device, dtype, 256)
     if not with_hf:
         del hf
         hf = None
     logger.info("built %s in %.1f s", name, time.perf_counter() - t0)
     reqs = {f"{w}x{h}": make_request(files, (w, h), n_text=n_text, seed=seed) for w, h in sizes}
+    longest = max(ids.shape[1] for ids, _ in reqs.values()) + new_tokens + 16
+    for layer in ours.language_model.layers:  # KV caches for the longest request, in 256-position steps
+        layer.self_attn.kv_cache = None
+    ours.setup_caches(1, -(-longest // 256) * 256)
     par: dict = {}
     if do_parity and hf is not None:
         first_size = next(iter(reqs))
@@ -484,7 +487,8 @@ def run_family(name: str, *, device: torch.device, dtype: torch.dtype, variants:
             par = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     rows: list[dict] = []
     params_m = round(sum(p.numel() for p in ours.parameters()) / 1e6, 1)
-    impls = (["transformers"] if hf is not None else []) + list(variants)
+    # VARIANTS' order: the 16-bit rows before the in-place W4A16 quantization
+    impls = (["transformers"] if hf is not None else []) + [v for v in VARIANTS if v in variants]
     quantized = False
     for impl in impls:
         weights, kv = VARIANTS.get(impl, (None, None))
@@ -496,9 +500,6 @@ def run_family(name: str, *, device: torch.device, dtype: torch.dtype, variants:
                 logger.exception("quantize %s", name)
                 rows.append({"model": name, "impl": impl, "error": f"{type(exc).__name__}: {exc}"[:300]})
                 break
-        elif weights == "16bit" and quantized:  # our model is W4 from here on: 16-bit rows come first
-            rows.append({"model": name, "impl": impl, "error": "16-bit rows must precede the W4A16 ones"})
-            continue
         for (size, (ids, vision)), batch in itertools.product(reqs.items(), batch_sizes):
             common = {"model": name, "impl": impl, "size": size, "batch": batch, "prompt_tokens": ids.shape[1],
                       "vision_tokens": vision.num_tokens, "new_tokens": new_tokens, "params_m": params_m}
