@@ -1,6 +1,6 @@
 """Where a Qwen-VL decode step, the vision tower and TTFT spend their time (issue 12 §8), our model only.
 
-For each model of ``--models`` (shapes of :data:`gpu_families.CONFIGS`, random weights, no transformers
+For each model of ``--models`` (shapes of :data:`edgevlm.quantize.bench_families.CONFIGS`, random weights, no transformers
 model built): TPOT of the graph-replayed decode step with the fused Triton step off and on (bf16, and
 W4A16 RTN), its GPU time by CUDA events over a graph replay, the kernels one eager step launches
 (``torch.profiler``) and the host syncs around it; at each ``--sizes`` input, the vision tower's time
@@ -21,30 +21,17 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_families as gf  # noqa: E402
-
-from edgevlm.quantize.bench_measure import event_ms, measure_ceilings, wall_ms  # noqa: E402
-from edgevlm.quantize.bench_models import decoder_weight_bytes, init_random_, quantize_decoder_w4  # noqa: E402
-from edgevlm.runtime.loader import ModelFiles  # noqa: E402
-from edgevlm.runtime.models import family_for  # noqa: E402
+from edgevlm.quantize import bench_families as gf
+from edgevlm.quantize.bench_measure import event_ms, measure_ceilings, wall_ms
+from edgevlm.quantize.bench_models import decoder_weight_bytes, init_random_, quantize_decoder_w4
 
 logger = logging.getLogger("profile_families")
 
 
 def build_ours(name: str, device: torch.device, dtype: torch.dtype, max_seq_len: int = 4096):
     """Our model of ``name`` with random weights (no transformers model) and its ModelFiles."""
-    import transformers
-
-    raw = gf.model_config(name)
-    cfg_cls, _ = gf._hf_class(raw)
-    raw_saved = cfg_cls(**raw).to_dict()
-    family = family_for(raw_saved)
-    cfg = family.parse_config(raw_saved)
-    files = ModelFiles(model_dir=Path("/nonexistent"), raw_config=raw_saved, config=cfg, weight_files=[],
-                       family=family, image_processor=gf._smolvlm_processor(raw) if raw["model_type"] == "smolvlm"
-                       else None)
-    del transformers
+    _, files = gf.model_files(name)
+    family, cfg = files.family, files.config
     with torch.device("meta"):
         model = family.build_model(cfg)
     model = model.to_empty(device=device).to(dtype)

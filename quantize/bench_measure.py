@@ -11,6 +11,14 @@ from __future__ import annotations
 import statistics
 import time
 
+#: the edgevlm implementations ``edgevlm bench`` measures: name -> (decoder weights, ``kv_cache_dtype``)
+VARIANTS = {
+    "edgevlm": ("16bit", None),
+    "edgevlm-w4": ("w4", None),
+    "edgevlm-w4-kv4": ("w4", "int4"),
+    "edgevlm-w4-kv8": ("w4", "fp8_e4m3"),
+}
+
 
 # ---------------------------------------------------------------------------- timing
 def _sync(device) -> None:

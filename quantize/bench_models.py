@@ -11,7 +11,10 @@ Sizes (published configs; weights are random, only shapes and cost matter):
   shape of Qwen2.5-0.5B (24 layers, 896 wide, 14 query / 2 KV heads of 64, MLP 4864, vocab 151936,
   tied embeddings): 494M decoder parameters.
 * ``tiny``: a few-hundred-KB model for CPU tests of the benchmark itself.
-* ``demo``: the shipped demo model (``edgevlm.runtime.demo.model_dir()``), loaded from disk.
+* ``demo``: the shipped demo model (``edgevlm.runtime.demo.model_dir()``), loaded from disk; any
+  other LLaVA checkpoint folder through :func:`build_from_dir` (``edgevlm bench --model DIR``).
+
+The other families' models are :mod:`edgevlm.quantize.bench_families`'.
 """
 
 from __future__ import annotations
@@ -174,11 +177,20 @@ def build_models(name: str | ModelSpec, *, device: torch.device, dtype: torch.dt
 
 def _build_demo(*, device, dtype, max_seq_len, with_hf, hf_attn):
     from edgevlm.runtime.demo import model_dir
-    from edgevlm.runtime.loader import load_model, read_model_files
 
     path = Path(model_dir())
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"the demo model is not in this tree ({path})")
+    return build_from_dir(path, device=device, dtype=dtype, max_seq_len=max_seq_len, with_hf=with_hf, hf_attn=hf_attn)
+
+
+def build_from_dir(path: str | Path, *, device: torch.device, dtype: torch.dtype, max_seq_len: int, with_hf: bool,
+                   hf_attn: str = "sdpa"):
+    """``(ours, hf_or_None, cfg)`` of a LLaVA checkpoint folder: ours by
+    :func:`~edgevlm.runtime.loader.load_model`, transformers' by ``from_pretrained`` (two copies of
+    the weights). Raises ModelLoadError for a folder that is not a checkpoint."""
+    from edgevlm.runtime.loader import load_model, read_model_files
+
     files = read_model_files(path)
     ours = load_model(files, device=device, dtype=dtype, max_seq_len=max_seq_len)
     hf = None
@@ -186,7 +198,7 @@ def _build_demo(*, device, dtype, max_seq_len, with_hf, hf_attn):
         import transformers
 
         hf = transformers.LlavaForConditionalGeneration.from_pretrained(
-            path, dtype=dtype, attn_implementation=hf_attn).to(device).eval()
+            files.model_dir, dtype=dtype, attn_implementation=hf_attn).to(device).eval()
     return ours, hf, files.config
 
 

@@ -1,15 +1,19 @@
 """``edgevlm bench``: edgevlm vs Hugging Face transformers, side by side, on the same weights.
 
-For each model (:mod:`edgevlm.quantize.bench_models`: random weights in LLaVA-1.5-7B's and a
-ViT-B/16 + 0.5B decoder's sizes, the tiny test model, the demo model) and each implementation —
-transformers' ``LlavaForConditionalGeneration`` (SDPA attention, ``generate`` with its dynamic and
-its static cache, the faster reported) and edgevlm variants (16-bit or W4A16 decoder weights; 16-bit,
-INT4 or FP8 KV cache; CUDA-graph decode on GPU) — it measures, after warm-up, as medians:
+Models: random weights in published shapes, built without downloads — LLaVA
+(:mod:`edgevlm.quantize.bench_models`: LLaVA-1.5-7B, a ViT-B/16 + 0.5B decoder, the tiny test model,
+the shipped demo model) and the Qwen2.5-VL, Qwen3-VL, SmolVLM2 and InternVL families
+(:mod:`edgevlm.quantize.bench_families`: Qwen2.5-VL-3B, Qwen3-VL-2B / 8B, SmolVLM2-2.2B, InternVL3-1B
+and ``tiny-*`` CPU configs) — or ``--model DIR``, a checkpoint folder of any registered family, with
+its real weights. Implementations: transformers' ``...ForConditionalGeneration`` (SDPA attention)
+and edgevlm variants (:data:`VARIANTS`: 16-bit or W4A16 decoder weights; 16-bit, INT4 or FP8 KV
+cache; CUDA-graph decode on GPU). LLaVA models measure, after warm-up, as medians:
 
 * ``ttft_ms``: float32 pixels on the host -> first token id on the host (vision, embed, prefill,
   argmax); the image preprocessing and tokenisation the engine also does are left out (both sides);
 * ``tpot_ms`` and ``decode_tok_s``: per-token time of a greedy batch-1 decode loop with the token
-  fed back through the host each step (what the engine does); ``step_gpu_ms``: one CUDA-graph replay
+  fed back through the host each step (what the engine does; transformers: ``generate`` with its
+  dynamic and its static cache, the faster reported); ``step_gpu_ms``: one CUDA-graph replay
   alone (CUDA events); ``batch_tok_s``: tokens/s of batched decode at each batch size;
 * ``vision_img_s``: vision encoder + projector images/s at the vision batch, and its TFLOP/s as a
   fraction of the bf16 matrix-multiply rate measured first;
@@ -18,8 +22,13 @@ INT4 or FP8 KV cache; CUDA-graph decode on GPU) — it measures, after warm-up, 
   weights + the attended KV cache) over ``tpot_ms``, against the device-to-device copy bandwidth
   (bytes read + written) measured first.
 
+The other families give one row per input size (``--sizes``, the family's own preprocessing) and
+decode batch, with ``vision_ms``, ``ttft_ms``, ``tpot_ms``, ``decode_tok_s``, ``peak_mb`` and
+``copy_frac`` as defined in :mod:`edgevlm.quantize.bench_families`, and a prefill-logit parity
+check against transformers in fp32 per model.
+
 Prints a table, then one JSON line; saves the JSON under ``bench/results/`` with device, date and
-versions. Runs on CPU with the tiny model (``edgevlm bench --device cpu``).
+versions. Runs on CPU with the tiny models (``edgevlm bench --device cpu``).
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from pathlib import Path
 
 from edgevlm.cli_args import OneLineParser, fail
 from edgevlm.quantize.bench_measure import (  # noqa: F401  (re-exported: the measurements, for bench/*.py)
+    VARIANTS,
     bench_edgevlm,
     bench_hf,
     event_ms,
@@ -46,14 +56,6 @@ from edgevlm.quantize.bench_measure import (  # noqa: F401  (re-exported: the me
 )
 
 logger = logging.getLogger(__name__)
-
-VARIANTS = {  # name -> (decoder weights, kv_cache_dtype)
-    "edgevlm": ("16bit", None),
-    "edgevlm-w4": ("w4", None),
-    "edgevlm-w4-kv4": ("w4", "int4"),
-    "edgevlm-w4-kv8": ("w4", "fp8_e4m3"),
-}
-
 
 # ---------------------------------------------------------------------------- driver
 def versions() -> dict:
@@ -77,11 +79,15 @@ def versions() -> dict:
 
 
 def run_model(name: str, *, device, dtype, variants: list[str], with_hf: bool, new_tokens: int, n_text: int,
-              batch_sizes: list[int], vision_batch: int, ceilings: dict, seed: int = 0) -> list[dict]:
-    """All rows of one model; a variant that fails gives a row with ``error`` (the others still run)."""
+              batch_sizes: list[int], vision_batch: int, ceilings: dict, seed: int = 0,
+              model_dir: Path | None = None) -> list[dict]:
+    """All rows of one LLaVA model (``name`` from :data:`~edgevlm.quantize.bench_models.MODEL_NAMES`,
+    or with ``model_dir`` a checkpoint folder's real weights, ``name`` its label); a variant that fails
+    gives a row with ``error`` (the others still run)."""
     import torch
 
     from edgevlm.quantize.bench_models import (
+        build_from_dir,
         build_models,
         decoder_weight_bytes,
         quantize_decoder_w4,
@@ -91,7 +97,10 @@ def run_model(name: str, *, device, dtype, variants: list[str], with_hf: bool, n
     max_seq_len = 0
     rows: list[dict] = []
     t0 = time.perf_counter()
-    ours, hf, cfg = build_models(name, device=device, dtype=dtype, max_seq_len=64, with_hf=with_hf, seed=seed)
+    if model_dir is not None:
+        ours, hf, cfg = build_from_dir(model_dir, device=device, dtype=dtype, max_seq_len=64, with_hf=with_hf)
+    else:
+        ours, hf, cfg = build_models(name, device=device, dtype=dtype, max_seq_len=64, with_hf=with_hf, seed=seed)
     ids, pixels = make_inputs(cfg, n_text, seed)
     max_seq_len = ((len(ids) + new_tokens + 16 + 255) // 256) * 256
     ours.setup_caches(1, max_seq_len)
@@ -164,29 +173,32 @@ def goals(rows: list[dict], ceilings: dict) -> dict:
     return out
 
 
-COLUMNS = (("model", "{:>8}"), ("impl", "{:>15}"), ("ttft_ms", "{:8.1f}"), ("tpot_ms", "{:8.2f}"),
-           ("decode_tok_s", "{:9.1f}"), ("step_gpu_ms", "{:8.3f}"), ("vision_img_s", "{:9.1f}"),
-           ("vision_mm_frac", "{:6.2f}"), ("peak_mb", "{:8.0f}"), ("kv_bytes_per_token", "{:8d}"),
-           ("gbps", "{:7.0f}"), ("copy_frac", "{:6.2f}"))
+#: table columns: (row key, heading, format); a column shows when some row has its value
+COLUMNS = (("model", "model", "{}"), ("impl", "impl", "{}"), ("size", "size", "{}"), ("batch", "B", "{}"),
+           ("vision_tokens", "vis_tok", "{}"), ("vision_ms", "vis_ms", "{:.2f}"), ("ttft_ms", "ttft_ms", "{:.1f}"),
+           ("tpot_ms", "tpot_ms", "{:.2f}"), ("decode_tok_s", "tok/s", "{:.1f}"), ("step_gpu_ms", "step_ms", "{:.3f}"),
+           ("vision_img_s", "vis_img/s", "{:.1f}"), ("vision_mm_frac", "vis_mm", "{:.2f}"),
+           ("peak_mb", "peak_mb", "{:.0f}"), ("kv_bytes_per_token", "kv_B/tok", "{:d}"), ("gbps", "GB/s", "{:.0f}"),
+           ("copy_frac", "copy%", "{:.2f}"))
 
 
-def format_table(rows: list[dict]) -> str:
-    """Fixed-width table of the main columns (``-`` where a value is missing)."""
-    heads = ["model", "impl", "ttft_ms", "tpot_ms", "tok/s", "step_ms", "vis_img/s", "vis_mm", "peak_mb",
-             "kv_B/tok", "GB/s", "copy%"]
-    widths = [len(f.format(0 if "d}" in f else (0.0 if "f}" in f else ""))) for _, f in COLUMNS]
-    lines = [" ".join(h.rjust(w) for h, w in zip(heads, widths, strict=True))]
-    for r in rows:
-        cells = []
-        for (key, fmt), w in zip(COLUMNS, widths, strict=True):
-            v = r.get(key)
-            cells.append(fmt.format(v) if v is not None else "-".rjust(w))
-        line = " ".join(cells)
+def format_table(rows: list[dict], parity: dict | None = None) -> str:
+    """Fixed-width table of the columns some row has (``-`` where a row lacks one; LLaVA rows' batched
+    decode and errors after the row), then one ``parity <model>: ...`` line per model of ``parity``."""
+    cols = [c for c in COLUMNS if c[0] in ("model", "impl") or any(r.get(c[0]) is not None for r in rows)]
+    cells = [[("-" if r.get(k) is None else fmt.format(r[k])) for k, _, fmt in cols] for r in rows]
+    widths = [max([len(h), *(len(c[i]) for c in cells)]) for i, (_, h, _) in enumerate(cols)]
+    lines = [" ".join(h.rjust(w) for (_, h, _), w in zip(cols, widths, strict=True))]
+    for r, row_cells in zip(rows, cells, strict=True):
+        line = " ".join(c.rjust(w) for c, w in zip(row_cells, widths, strict=True))
         if r.get("batch_tok_s"):
             line += "  batch tok/s " + ", ".join(f"B{b}={v:.0f}" for b, v in r["batch_tok_s"].items())
         if r.get("error"):
             line += "  ERROR " + r["error"][:120]
         lines.append(line)
+    for name, p in (parity or {}).items():
+        lines.append(f"parity {name}: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                                                     for k, v in p.items()))
     return "\n".join(lines)
 
 
@@ -200,13 +212,21 @@ def save_results(summary: dict, results_dir: Path) -> Path:
     return path
 
 
-def run(*, models: list[str], device: str = "cuda", dtype: str | None = None, variants: list[str] | None = None,
-        with_hf: bool = True, new_tokens: int | None = None, n_text: int = 32, batch_sizes: list[int] | None = None,
-        vision_batch: int | None = None, ceilings: dict | None = None) -> dict:
-    """Benchmark ``models`` on ``device``; returns the summary dict (rows, ceilings, goals, versions).
-    Defaults depend on the device (GPU: bf16, 64 new tokens, batches 1/8/32, vision batch 32;
-    CPU: float32, 8 new tokens, batches 1/4, vision batch 2)."""
+def run(*, models: list[str | Path], device: str = "cuda", dtype: str | None = None,
+        variants: list[str] | None = None, with_hf: bool = True, new_tokens: int | None = None, n_text: int = 32,
+        batch_sizes: list[int] | None = None, vision_batch: int | None = None, ceilings: dict | None = None,
+        sizes: list[tuple[int, int]] | None = None, do_parity: bool = True) -> dict:
+    """Benchmark ``models`` on ``device``; returns the summary dict (rows, parity, ceilings, goals,
+    versions). A model is a name of :data:`MODEL_NAMES` (random weights) or a :class:`~pathlib.Path`,
+    a checkpoint folder of a registered family (its real weights; label: the folder's name). LLaVA
+    models run :func:`run_model` (``vision_batch``, ``batch_sizes`` as batched decode in one row), the
+    other families :func:`edgevlm.quantize.bench_families.run_family` (one row per input size of
+    ``sizes`` (W, H) px and decode batch of ``batch_sizes``; prefill-logit parity with ``do_parity``).
+    Defaults depend on the device (GPU: bf16, 64 new tokens, batches 1/8/32, vision batch 32, sizes
+    448x448 and 1280x720; CPU: float32, 8 new tokens, batches 1/4, vision batch 2, size 64x64)."""
     import torch
+
+    from edgevlm.quantize import bench_families
 
     dev = torch.device(device)
     cuda = dev.type == "cuda"
@@ -217,23 +237,42 @@ def run(*, models: list[str], device: str = "cuda", dtype: str | None = None, va
     new_tokens = new_tokens or (64 if cuda else 8)
     batch_sizes = batch_sizes or ([1, 8, 32] if cuda else [1, 4])
     vision_batch = vision_batch or (32 if cuda else 2)
+    sizes = sizes or ([(448, 448), (1280, 720)] if cuda else [(64, 64)])
     t0 = time.perf_counter()
     ceilings = ceilings or measure_ceilings(dev)
     rows: list[dict] = []
-    for name in models:
+    parity: dict = {}
+    for model in models:
+        label = model.name if isinstance(model, Path) else model
         try:
-            rows += run_model(name, device=dev, dtype=torch_dtype, variants=variants, with_hf=with_hf,
-                              new_tokens=new_tokens, n_text=n_text, batch_sizes=batch_sizes,
-                              vision_batch=vision_batch, ceilings=ceilings)
+            files = None
+            if isinstance(model, Path):
+                from edgevlm.runtime.loader import read_model_files
+
+                files = read_model_files(model)
+            if (files is None and model not in bench_families.FAMILY_MODEL_NAMES) or (
+                    files is not None and files.family.name == "llava"):
+                rows += run_model(label, device=dev, dtype=torch_dtype, variants=variants, with_hf=with_hf,
+                                  new_tokens=new_tokens, n_text=n_text, batch_sizes=batch_sizes,
+                                  vision_batch=vision_batch, ceilings=ceilings,
+                                  model_dir=None if files is None else files.model_dir)
+                continue
+            got, par = bench_families.run_family(
+                label, device=dev, dtype=torch_dtype, variants=variants, with_hf=with_hf, sizes=sizes,
+                batch_sizes=batch_sizes, new_tokens=new_tokens, n_text=n_text, do_parity=do_parity,
+                ceilings=ceilings, files=files)
+            rows += got
+            if par:
+                parity[label] = par
         except Exception as exc:  # noqa: BLE001 - e.g. the demo model missing; keep the other models
-            logger.warning("model %s: %s", name, exc)
-            rows.append({"model": name, "impl": "-", "error": f"{type(exc).__name__}: {exc}"[:300]})
+            logger.warning("model %s: %s", label, exc)
+            rows.append({"model": label, "impl": "-", "error": f"{type(exc).__name__}: {exc}"[:300]})
     return {
         "bench": "edgevlm_bench", "device": str(dev),
         "gpu": torch.cuda.get_device_name(dev) if cuda else None,
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "dtype": str(torch_dtype).removeprefix("torch."), "versions": versions(), **ceilings,
-        "rows": rows, "goals": goals(rows, ceilings), "wall_s": round(time.perf_counter() - t0, 1),
+        "rows": rows, "parity": parity, "goals": goals(rows, ceilings), "wall_s": round(time.perf_counter() - t0, 1),
     }
 
 
@@ -247,6 +286,18 @@ def _csv_ints(text: str) -> list[int]:
     return values
 
 
+def _csv_sizes(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in (v.strip() for v in text.split(",") if v.strip()):
+        m = re.fullmatch(r"(\d+)x(\d+)", item.lower())
+        if not m or min(int(m[1]), int(m[2])) < 1:
+            raise argparse.ArgumentTypeError(f"expected WxH sizes in px, e.g. 448x448,1280x720, got {text!r}")
+        out.append((int(m[1]), int(m[2])))
+    if not out:
+        raise argparse.ArgumentTypeError("expected at least one WxH size")
+    return out
+
+
 def _csv_choice(choices):
     def parse(text: str) -> list[str]:
         values = [v.strip() for v in text.split(",") if v.strip()]
@@ -257,24 +308,51 @@ def _csv_choice(choices):
     return parse
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``edgevlm bench`` entry point; returns the exit code (2 for bad arguments / no CUDA, after
-    one line ``edgevlm: error: ...`` on stderr)."""
-    from edgevlm.quantize.bench_models import MODEL_NAMES
+def _checkpoint(path: str) -> Path | str:
+    """``path`` if it is a checkpoint folder transformers and edgevlm both load, else the one-line reason."""
+    from edgevlm.errors import ModelLoadError
+    from edgevlm.runtime.bundle import is_bundle
+    from edgevlm.runtime.loader import read_model_files
 
+    if is_bundle(path):
+        return f"--model: {path} is an edgevlm bundle; bench compares against transformers, so give the checkpoint"
+    try:
+        return read_model_files(path).model_dir
+    except ModelLoadError as exc:
+        return f"--model: {exc.message}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``edgevlm bench`` entry point; returns the exit code (2 for bad arguments, a folder that is not
+    a checkpoint, or no CUDA, after one line ``edgevlm: error: ...`` on stderr)."""
+    from edgevlm.quantize.bench_families import FAMILY_MODEL_NAMES
+    from edgevlm.quantize.bench_models import MODEL_NAMES as LLAVA_NAMES
+    from edgevlm.runtime.models import FAMILIES
+
+    names = (*LLAVA_NAMES, *FAMILY_MODEL_NAMES)
     ap = OneLineParser(prog="edgevlm bench", description=__doc__.split("\n")[0])
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    ap.add_argument("--models", type=_csv_choice(MODEL_NAMES), default=None,
-                    help=f"comma-separated, from {', '.join(MODEL_NAMES)} (default: GPU small,llava-7b,demo; CPU tiny)")
+    ap.add_argument("--models", type=_csv_choice(names), default=None,
+                    help=f"comma-separated, from {', '.join(names)} (random weights in the published shapes; "
+                         "tiny*: CPU sizes; default: GPU small,llava-7b,demo; CPU tiny)")
+    ap.add_argument("--model", metavar="DIR", default=None,
+                    help=f"a checkpoint folder of a registered family ({', '.join(FAMILIES)}): "
+                         "its real weights, ours vs transformers' from_pretrained")
     ap.add_argument("--variants", type=_csv_choice(tuple(VARIANTS)), default=None,
                     help=f"edgevlm variants, from {', '.join(VARIANTS)} (default: all)")
     ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default bf16 on GPU, fp32 on CPU")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--new-tokens", type=int, default=None, help="decoded tokens per measurement")
     ap.add_argument("--prompt-tokens", type=int, default=32, help="text tokens in the prompt (plus the image)")
-    ap.add_argument("--batch-sizes", type=_csv_ints, default=None, help="decode batch sizes, e.g. 1,8,32")
-    ap.add_argument("--vision-batch", type=int, default=None, help="images per vision-encoder batch")
+    ap.add_argument("--batch-sizes", type=_csv_ints, default=None,
+                    help="decode batch sizes, e.g. 1,8,32 (default GPU 1,8,32; CPU 1,4)")
+    ap.add_argument("--vision-batch", type=int, default=None, help="images per vision-encoder batch (LLaVA models)")
+    ap.add_argument("--sizes", type=_csv_sizes, default=None,
+                    help="input frame sizes W x H px of the non-LLaVA families (default GPU 448x448,1280x720; CPU 64x64)")
+    ap.add_argument("--no-parity", action="store_true",
+                    help="skip the prefill-logit parity check against transformers in fp32 (non-LLaVA families)")
     ap.add_argument("--results-dir", default="bench/results", help="where the JSON goes ('' = don't save)")
+    ap.add_argument("--out", default="", help="also write the JSON line to this file")
     args = ap.parse_args(argv)
     try:
         import torch
@@ -282,15 +360,21 @@ def main(argv: list[str] | None = None) -> int:
         return fail("edgevlm bench needs torch: pip install 'edgevlm[runtime]'")
     if args.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         return fail(f"--device: expected cpu, cuda or cuda:N, got {args.device!r}")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        return fail("CUDA is not available (use --device cpu)")
     for flag in ("new_tokens", "vision_batch"):
         value = getattr(args, flag)
         if value is not None and value < 2:
             return fail(f"--{flag.replace('_', '-')} must be >= 2")
     if args.prompt_tokens < 4:
         return fail("--prompt-tokens must be >= 4")
+    models: list[str | Path] = list(args.models or [])
+    if args.model is not None:
+        folder = _checkpoint(args.model)
+        if isinstance(folder, str):
+            return fail(folder)
+        models.append(folder)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        return fail("CUDA is not available (use --device cpu)")
     with_hf = not args.no_hf
     if with_hf:
         try:
@@ -298,17 +382,20 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             print("transformers is not installed: edgevlm rows only", file=sys.stderr)
             with_hf = False
-    models = args.models or (["small", "llava-7b", "demo"] if device.startswith("cuda") else ["tiny"])
+    models = models or (["small", "llava-7b", "demo"] if device.startswith("cuda") else ["tiny"])
     summary = run(models=models, device=device, dtype=args.dtype, variants=args.variants, with_hf=with_hf,
                   new_tokens=args.new_tokens, n_text=args.prompt_tokens, batch_sizes=args.batch_sizes,
-                  vision_batch=args.vision_batch)
+                  vision_batch=args.vision_batch, sizes=args.sizes, do_parity=not args.no_parity)
     print(f"device={summary['gpu'] or summary['device']} dtype={summary['dtype']} "
           f"copy={summary['copy_gbps']:.0f} GB/s matmul={summary['matmul_tflops']:.1f} TFLOP/s "
           f"torch={summary['versions']['torch']} transformers={summary['versions']['transformers']}")
-    print(format_table(summary["rows"]))
+    print(format_table(summary["rows"], summary["parity"]))
     if args.results_dir:
         summary["saved_to"] = str(save_results(summary, Path(args.results_dir)))
-    print(json.dumps(summary))
+    line = json.dumps(summary)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+    print(line)
     return 0
 
 

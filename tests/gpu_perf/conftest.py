@@ -10,6 +10,16 @@ import pytest
 torch = pytest.importorskip("torch")
 
 
+@pytest.fixture
+def one_torch_thread():
+    """One intra-op thread for the test: on a shared, oversubscribed CPU, spinning worker threads made
+    the bench runs 5 to 10 times slower (their timings are only checked for being positive)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def perf_dir(tmp_path_factory) -> Path:
     """A tiny GQA checkpoint (4 query / 2 KV heads of 32 channels), ladder 32/64 px."""

@@ -7,6 +7,7 @@ import json
 import pytest
 
 torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_bench_runs_on_cpu_and_saves_results(tmp_path, capsys):
