@@ -8,6 +8,9 @@ checkpoint's mean / std in float32, tile by tile.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any, ClassVar
+
 import numpy as np
 
 #: Pillow resampling filters by their integer code (transformers' PILImageResampling)
@@ -43,3 +46,49 @@ def normalize_tiles(tiles: list[np.ndarray], *, do_rescale: bool, rescale_factor
         std = np.asarray(image_std, dtype=np.float32)[None, :, None, None]
         x = (x - mean) / std
     return x
+
+
+class PilTileProcessor:
+    """Base of the tiling processors (SmolVLM, InternVL): holds the family config ``cfg`` and the
+    checkpoint's image-processor settings ``image_cfg`` (a frozen dataclass with ``resample``,
+    ``do_rescale``, ``rescale_factor``, ``do_normalize``, ``image_mean``, ``image_std``), reads them
+    from a checkpoint folder, and resizes / normalises tiles as transformers' PIL processors do.
+
+    A subclass sets ``family_title`` (error messages) and ``read_config`` (``(settings dict, model_dir,
+    cfg) -> image_cfg``, raising ``ModelLoadError`` naming the key) and adds its tiling and prompt
+    expansion.
+    """
+
+    family_title: ClassVar[str] = ""
+    read_config: ClassVar[Any] = None
+
+    def __init__(self, cfg: Any, image_cfg: Any) -> None:
+        self.cfg = cfg
+        self.image_cfg = image_cfg
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, cfg: Any, image_processor: dict | None = None):
+        """The processor of the checkpoint in ``model_dir``; ``image_processor`` = the loader's
+        settings dict (None: read them from the folder the way the loader does)."""
+        from edgevlm.runtime.loader import read_image_processor
+
+        model_dir = Path(model_dir)
+        pre = image_processor if image_processor is not None else read_image_processor(model_dir)
+        return cls(cfg, cls.read_config(pre, model_dir, cfg))
+
+    @property
+    def image_mean(self) -> tuple[float, float, float]:
+        return self.image_cfg.image_mean
+
+    @property
+    def image_std(self) -> tuple[float, float, float]:
+        return self.image_cfg.image_std
+
+    def _resize(self, image: np.ndarray, height: int, width: int) -> np.ndarray:
+        """Pillow resize of a ``(H, W, 3)`` uint8 image with the checkpoint's filter."""
+        return pil_resize(image, height, width, self.image_cfg.resample, self.family_title)
+
+    def _normalize(self, tiles: list[np.ndarray]) -> np.ndarray:
+        ic = self.image_cfg
+        return normalize_tiles(tiles, do_rescale=ic.do_rescale, rescale_factor=ic.rescale_factor,
+                               do_normalize=ic.do_normalize, image_mean=ic.image_mean, image_std=ic.image_std)

@@ -36,7 +36,7 @@ import numpy as np
 from edgevlm.errors import InvalidImageError, InvalidRequestError, ModelLoadError
 from edgevlm.model_folder import read_json
 from edgevlm.runtime.models.base import VisionInput
-from edgevlm.runtime.models.blocks.pil_tiles import PIL_FILTERS, normalize_tiles, pil_resize
+from edgevlm.runtime.models.blocks.pil_tiles import PIL_FILTERS, PilTileProcessor
 from edgevlm.runtime.models.internvl.config import InternVLConfig
 
 logger = logging.getLogger(__name__)
@@ -154,42 +154,11 @@ def tile_grid(height: int, width: int, tile_px: int, min_patches: int, max_patch
     return best
 
 
-class InternVLProcessor:
+class InternVLProcessor(PilTileProcessor):
     """:class:`~edgevlm.runtime.models.base.Processor` of the InternVL family."""
 
-    def __init__(self, cfg: InternVLConfig, image_cfg: ImageProcessorConfig) -> None:
-        self.cfg = cfg
-        self.image_cfg = image_cfg
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path, cfg: InternVLConfig, image_processor: dict | None = None
-                 ) -> InternVLProcessor:
-        """The processor of the checkpoint in ``model_dir``; ``image_processor`` = the loader's
-        settings dict (None: read them from the folder the way the loader does)."""
-        from edgevlm.runtime.loader import read_image_processor
-
-        model_dir = Path(model_dir)
-        pre = image_processor if image_processor is not None else read_image_processor(model_dir)
-        return cls(cfg, read_image_processor_config(pre, model_dir, cfg))
-
-    @property
-    def image_mean(self) -> tuple[float, float, float]:
-        return self.image_cfg.image_mean
-
-    @property
-    def image_std(self) -> tuple[float, float, float]:
-        return self.image_cfg.image_std
-
-    # -- images ----------------------------------------------------------------------------------
-
-    def _resize(self, image: np.ndarray, height: int, width: int) -> np.ndarray:
-        """Pillow resize of a ``(H, W, 3)`` uint8 image with the checkpoint's filter."""
-        return pil_resize(image, height, width, self.image_cfg.resample, "InternVL")
-
-    def _normalize(self, tiles: list[np.ndarray]) -> np.ndarray:
-        ic = self.image_cfg
-        return normalize_tiles(tiles, do_rescale=ic.do_rescale, rescale_factor=ic.rescale_factor,
-                               do_normalize=ic.do_normalize, image_mean=ic.image_mean, image_std=ic.image_std)
+    family_title = "InternVL"
+    read_config = staticmethod(read_image_processor_config)
 
     def preprocess_image(self, image: np.ndarray, max_patches: int | None = None) -> tuple[np.ndarray, tuple[int, int]]:
         """One ``(H, W, 3)`` uint8 RGB image -> ``(tiles (N, 3, T, T) float32, (H', W') px resized to)``.

@@ -40,7 +40,7 @@ import numpy as np
 from edgevlm.errors import InvalidImageError, InvalidRequestError, ModelLoadError
 from edgevlm.model_folder import read_json
 from edgevlm.runtime.models.base import VisionInput
-from edgevlm.runtime.models.blocks.pil_tiles import PIL_FILTERS, normalize_tiles, pil_resize
+from edgevlm.runtime.models.blocks.pil_tiles import PIL_FILTERS, PilTileProcessor
 from edgevlm.runtime.models.smolvlm.config import SmolVLMConfig
 
 logger = logging.getLogger(__name__)
@@ -204,41 +204,11 @@ class Tiles:
     extras: dict = field(default_factory=dict)
 
 
-class SmolVLMProcessor:
+class SmolVLMProcessor(PilTileProcessor):
     """:class:`~edgevlm.runtime.models.base.Processor` of the SmolVLM family."""
 
-    def __init__(self, cfg: SmolVLMConfig, image_cfg: ImageProcessorConfig) -> None:
-        self.cfg = cfg
-        self.image_cfg = image_cfg
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path, cfg: SmolVLMConfig, image_processor: dict | None = None) -> SmolVLMProcessor:
-        """The processor of the checkpoint in ``model_dir``; ``image_processor`` = the loader's
-        settings dict (None: read them from the folder the way the loader does)."""
-        from edgevlm.runtime.loader import read_image_processor
-
-        model_dir = Path(model_dir)
-        pre = image_processor if image_processor is not None else read_image_processor(model_dir)
-        return cls(cfg, read_image_processor_config(pre, model_dir, cfg))
-
-    @property
-    def image_mean(self) -> tuple[float, float, float]:
-        return self.image_cfg.image_mean
-
-    @property
-    def image_std(self) -> tuple[float, float, float]:
-        return self.image_cfg.image_std
-
-    # -- images ----------------------------------------------------------------------------------
-
-    def _resize(self, image: np.ndarray, height: int, width: int) -> np.ndarray:
-        """Pillow resize of a ``(H, W, 3)`` uint8 image with the checkpoint's filter."""
-        return pil_resize(image, height, width, self.image_cfg.resample, "SmolVLM")
-
-    def _normalize(self, tiles: list[np.ndarray]) -> np.ndarray:
-        ic = self.image_cfg
-        return normalize_tiles(tiles, do_rescale=ic.do_rescale, rescale_factor=ic.rescale_factor,
-                               do_normalize=ic.do_normalize, image_mean=ic.image_mean, image_std=ic.image_std)
+    family_title = "SmolVLM"
+    read_config = staticmethod(read_image_processor_config)
 
     def preprocess_image(self, image: np.ndarray, longest_edge_px: int | None = None) -> Tiles:
         """One ``(H, W, 3)`` uint8 RGB image -> its tiles (see the module docstring).
