@@ -32,7 +32,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
 from edgevlm.errors import ModelLoadError
 from edgevlm.model_folder import confined_path, weight_files
@@ -203,6 +203,15 @@ class BundleManifest(BaseModel):
         "(empty: canonical only, the default; the runtime repacks at load)."
     )
     files: list[FileEntry] = Field(description="Every file of the bundle except manifest.json, with SHA-256.")
+
+    @model_serializer(mode="wrap")
+    def _omit_empty_kernel_layouts(self, handler):
+        """A canonical-only bundle's manifest has no ``kernel_layouts`` key: an edgevlm from before the
+        field (whose schema forbids unknown keys) still reads it."""
+        data = handler(self)
+        if isinstance(data, dict) and not data.get("kernel_layouts"):
+            data.pop("kernel_layouts", None)
+        return data
 
 
 def sha256_file(path: str | Path, chunk_bytes: int = 1 << 20) -> str:

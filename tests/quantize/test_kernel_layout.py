@@ -113,6 +113,8 @@ def test_default_bundle_is_canonical_only(bundles):
     plain, _ = bundles
     m = read_manifest(plain.bundle_dir)
     assert m.kernel_layouts == [] and m.stats["kernel_layout_bytes"] == 0
+    # no key at all: an edgevlm from before kernel_layouts (extra keys forbidden) still reads the manifest
+    assert "kernel_layouts" not in json.loads((plain.bundle_dir / MANIFEST_NAME).read_text())
     assert not (plain.bundle_dir / "layouts").exists()
 
 
@@ -120,6 +122,7 @@ def test_mma_bundle_records_and_stores_the_layout(bundles):
     plain, mma = bundles
     m = read_manifest(mma.bundle_dir)
     (rec,) = m.kernel_layouts
+    assert json.loads((mma.bundle_dir / MANIFEST_NAME).read_text())["kernel_layouts"][0]["name"] == "w4a16-mma"
     assert (rec.name, rec.version, rec.targets, rec.files) == ("w4a16-mma", MMA_LAYOUT_VERSION, ["sm_80+"], [LAYOUT])
     int4 = [d for d in m.layers if d.action == "int4"]
     assert rec.layers == len(int4) == 14
@@ -354,3 +357,12 @@ def test_cuda_load_uses_the_stored_layout(bundles):
     pixels = torch.randn(1, 3, 32, 48, generator=torch.Generator().manual_seed(0)).to(dev, torch.bfloat16)
     with torch.no_grad():
         torch.testing.assert_close(got(ids, pixels), ref(ids, pixels), rtol=0, atol=0)
+
+
+def test_sharded_layout_is_read_across_files(tiny_src, sm, tmp_path):
+    result = build_bundle(tiny_src, tmp_path / "b", BuildOptions(**RTN, w4a16_layout="mma", max_shard_mb=0.05))
+    (rec,) = read_manifest(result.bundle_dir).kernel_layouts
+    assert len(rec.files) > 1 and rec.files[0] == f"layouts/w4a16-mma-v1-00001-of-{len(rec.files):05d}.safetensors"
+    assert not list((result.bundle_dir / "layouts").glob("*.json"))  # the record lists the files: no index
+    model, manifest = _cpu_model(result.bundle_dir)
+    assert attach_kernel_layouts(model, manifest, result.bundle_dir, torch.device("cpu")) == 14
