@@ -275,8 +275,8 @@ class Int4Linear(nn.Module):
       ``MMA_MAX_CALLS`` times that in as many launches over row blocks),
       group size 64/128, ``out_features % 16 == 0``: the tensor-core W4A16 kernel over the mma layout
       (:mod:`edgevlm.runtime.kernels.w4a16_mma`, repacked from the canonical buffers on first use and
-      cached, or a bundle's stored copy: :meth:`set_mma_layout`); above those rows (prefill) the same extension's one-pass dequantizer + cuBLAS
-      (``"cuda_dequant"``, see :data:`PREFILL_CHUNK_BYTES`). Where the extension is absent (see
+      cached, or a bundle's stored copy: :meth:`set_mma_layout`); above those rows (prefill) the same
+      extension's one-pass dequantizer + cuBLAS (``"cuda_dequant"``, see :data:`PREFILL_CHUNK_BYTES`). Where the extension is absent (see
       :func:`mma_kernel_ok`, one log line) the paths below.
     * CUDA, ``M <= CUDA_TRITON_KERNEL_MAX_M`` rows (decode): tinygemm ``aten._weight_int4pack_mm``
       (bf16 activations; 43 % of copy bandwidth on 7B shapes on an H200, ``bench/w4a16_tune.py``);

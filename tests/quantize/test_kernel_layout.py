@@ -228,11 +228,16 @@ def _save_layout(dst, tensors):
     (dst / MANIFEST_NAME).write_text(json.dumps(raw))
 
 
-def test_matching_version_uses_the_stored_layout(bundles, sm):
+def _no_repack(*args, **kwargs):
+    raise AssertionError("repack_int4_mma called: the stored layout was not used")
+
+
+def test_matching_version_uses_the_stored_layout(bundles, sm, monkeypatch):
     from edgevlm.runtime.kernels.w4a16_mma import w4a16_mma_reference
 
     model, manifest = _cpu_model(bundles[1].bundle_dir)
     assert attach_kernel_layouts(model, manifest, bundles[1].bundle_dir, torch.device("cpu")) == 14
+    monkeypatch.setattr("edgevlm.runtime.int4.repack_int4_mma", _no_repack)
     stored = _tensors(bundles[1].bundle_dir / LAYOUT)
     x = torch.randn(2, 192, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     for d in manifest.layers:
@@ -338,14 +343,19 @@ def test_build_option_is_checked(tiny_src, tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_load_uses_the_stored_layout(bundles):
+def test_cuda_load_uses_the_stored_layout(bundles, monkeypatch):
     from edgevlm.runtime.int4 import mma_device_ok
     from edgevlm.runtime.loader import load_model, read_model_files
 
     dev = torch.device("cuda")
     if not mma_device_ok(dev):
         pytest.skip("the W4A16 tensor-core kernel is not usable on this GPU")
-    got = load_model(read_model_files(bundles[1].bundle_dir), device=dev, dtype=torch.bfloat16, max_seq_len=64)
+    with monkeypatch.context() as mp:  # loading the mma bundle must not repack
+        mp.setattr("edgevlm.runtime.int4.repack_int4_mma", _no_repack)
+        got = load_model(read_model_files(bundles[1].bundle_dir), device=dev, dtype=torch.bfloat16, max_seq_len=64)
+        for m in got.modules():
+            if isinstance(m, Int4Linear):
+                m._mma_tensors()
     ref = load_model(read_model_files(bundles[0].bundle_dir), device=dev, dtype=torch.bfloat16, max_seq_len=64)
     stored = _tensors(bundles[1].bundle_dir / LAYOUT)
     for name, m in got.named_modules():
