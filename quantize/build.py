@@ -22,6 +22,8 @@ Pipeline (:func:`build_bundle`):
    the next block's inputs, as in AutoAWQ), search/fold/quantize, write its tensors, free it;
 4. copy the remaining tensors (embeddings, norms, projector, ``lm_head``) as 16-bit, the
    tokenizer and generation files, and ``config.json`` with the bundle's resolution ladder;
+   with ``w4a16_layout="mma"`` also repack every INT4 layer the tensor-core layout holds into
+   ``layouts/`` (:func:`_write_mma_layout`, read back from the written shards);
 5. export the ONNX artifacts and (where ``tensorrt`` imports) the TensorRT engines; write the
    bundle's ``README.md`` (the source's describes the 16-bit weights and is not copied);
 6. hash every file into ``manifest.json``;
@@ -62,12 +64,13 @@ from edgevlm.quantize.shards import CheckpointReader, ShardWriter
 from edgevlm.runtime.bundle import (
     BundleManifest,
     CalibrationInfo,
+    KernelLayout,
     SourceInfo,
     file_entries,
     is_bundle,
     sha256_file,
 )
-from edgevlm.runtime.int4 import Int4Linear, _malloc_trim, quantize_int4
+from edgevlm.runtime.int4 import Int4Linear, _malloc_trim, quantize_int4, repack_int4_mma
 from edgevlm.runtime.loader import ModelFiles, read_model_files
 
 logger = logging.getLogger(__name__)
@@ -94,6 +97,7 @@ class BuildOptions:
     onnx: bool = True
     tensorrt: bool = True
     max_shard_mb: float = 64.0  # tensors held in memory before a shard is written (bounds peak RAM)
+    w4a16_layout: str = "canonical"  # "canonical" | "mma": also store the tensor-core layout (W4A16_LAYOUTS)
     overwrite: bool = False
 
 
@@ -156,7 +160,15 @@ def _resolve_ladder(files: ModelFiles, opts: BuildOptions) -> list[int]:
     return sorted(files.config.resolution_ladder, reverse=True)
 
 
+W4A16_LAYOUTS = ("canonical", "mma")
+"""``--w4a16-layout`` values: ``canonical`` (every bundle: the portable INT4 tensors only) or ``mma``
+(also each INT4 linear's tensor-core layout, ``layouts/w4a16-mma-v1*.safetensors``: about twice the INT4
+bytes; CUDA sm_80+ loads it instead of repacking)."""
+
+
 def _check_options(opts: BuildOptions) -> None:
+    if opts.w4a16_layout not in W4A16_LAYOUTS:
+        raise ConfigError(f"w4a16 layout must be one of {', '.join(W4A16_LAYOUTS)}, got {opts.w4a16_layout!r}")
     if opts.method not in ("awq", "rtn"):
         raise ConfigError(f"method must be 'awq' or 'rtn', got {opts.method!r}")
     if opts.group_size not in (32, 64, 128):
@@ -472,10 +484,17 @@ def build_bundle(model_dir: str | Path, out_dir: str | Path, opts: BuildOptions 
                 writer.add(source.src_of[name], t.to(keep_dtype) if t.is_floating_point() else t)
         weight_names = writer.close()
         progress("quantize", total, total)
+        layouts = []
+        if opts.w4a16_layout == "mma":
+            progress("layout", 0, 1)
+            layouts = [r for r in [_write_mma_layout(partial, by_name, source, weight_names,
+                                                     int(opts.max_shard_mb * 1024 * 1024))] if r is not None]
+            progress("layout", 1, 1)
         notes = _copy_side_files(files, partial, ladder)
         notes += _build_artifacts(files, partial, opts, ladder)
         _write_readme(files, partial, opts, by_name, ladder, notes)
-        manifest = _write_manifest(files, partial, opts, by_name, ladder, calib_info, writer, t0, notes, weight_names)
+        manifest = _write_manifest(files, partial, opts, by_name, ladder, calib_info, writer, t0, notes, weight_names,
+                                   layouts)
         if (partial / "onnx" / "vision.onnx").is_file():
             progress("check", 0, 1)
             manifest = _check_onnx(partial, manifest)
@@ -488,6 +507,56 @@ def build_bundle(model_dir: str | Path, out_dir: str | Path, opts: BuildOptions 
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return BuildResult(out_dir, manifest, plan_text, notes)
+
+
+LAYOUT_DIR = "layouts"
+
+
+def _write_mma_layout(out: Path, decisions: dict[str, LayerDecision], source: CheckpointReader,
+                      weight_names: list[str], max_bytes: int) -> KernelLayout | None:
+    """Store :func:`~edgevlm.runtime.int4_format.repack_int4_mma` of every INT4 layer whose shape the
+    layout holds, read back from the bundle's own written shards (so the copy is exactly the repack of
+    what is stored), as ``layouts/w4a16-mma-v<N>.safetensors`` (or ``-0000i-of-0000n`` shards of at most
+    ``max_bytes``). Returns its manifest record, or None (one WARNING line) when no layer fits."""
+    from safetensors import safe_open
+
+    from edgevlm.runtime.bundle import MMA_LAYOUT_TENSORS
+    from edgevlm.runtime.int4_format import (
+        MMA_LAYOUT_NAME,
+        MMA_LAYOUT_TARGETS,
+        MMA_LAYOUT_VERSION,
+        MMA_TENSOR_SUFFIXES,
+        mma_layout_fits,
+    )
+
+    fits = [d for d in decisions.values()
+            if d.action == "int4" and mma_layout_fits(d.out_features, d.in_features, d.group_size)]
+    if not fits:
+        logger.warning("--w4a16-layout mma: no INT4 layer has a shape the %s layout holds (out %% 16, in %% 64, "
+                       "group size 64/128): nothing stored", MMA_LAYOUT_NAME)
+        return None
+    file_of = {}
+    for name in weight_names:
+        with safe_open(str(out / name), framework="pt", device="cpu") as f:
+            file_of.update({k: out / name for k in f.keys()})
+    folder = out / LAYOUT_DIR
+    folder.mkdir()
+    meta = {"format": "pt", "edgevlm_kernel_layout": f"{MMA_LAYOUT_NAME} v{MMA_LAYOUT_VERSION}"}
+    writer = ShardWriter(folder, max_bytes, stem=f"{MMA_LAYOUT_NAME}-v{MMA_LAYOUT_VERSION}", index=False,
+                         metadata=meta)
+    for d in fits:
+        canon = {}
+        for part in ("qweight", "scales", "zeros"):
+            key = source.source_name(f"{d.name}.{part}")
+            with safe_open(str(file_of[key]), framework="pt", device="cpu") as f:
+                canon[part] = f.get_tensor(key)
+        for suffix, t in zip(MMA_TENSOR_SUFFIXES, repack_int4_mma(canon["qweight"], canon["scales"], canon["zeros"],
+                                                                  d.group_size), strict=True):
+            writer.add(d.name + suffix, t)
+    files = [f"{LAYOUT_DIR}/{n}" for n in writer.close()]
+    return KernelLayout(name=MMA_LAYOUT_NAME, version=MMA_LAYOUT_VERSION, targets=list(MMA_LAYOUT_TARGETS),
+                        tensors=MMA_LAYOUT_TENSORS, files=files, layers=len(fits),
+                        size_bytes=sum(writer.bytes_by_name.values()))
 
 
 def _current_umask() -> int:
@@ -558,6 +627,9 @@ def _write_readme(files: ModelFiles, out: Path, opts: BuildOptions, decisions: d
                  if graphs else "no ONNX artifacts"]
     if (out / "tensorrt").is_dir():
         artifacts.append("`tensorrt/` engines")
+    if (out / LAYOUT_DIR).is_dir():
+        artifacts.append(f"`{LAYOUT_DIR}/` the INT4 layers' tensor-core layout (w4a16-mma, CUDA sm_80+; read at load "
+                         "instead of repacking; the canonical tensors stay for every other path)")
     lines = [
         f"# INT4 engine bundle of {files.model_dir.name}",
         "",
@@ -648,7 +720,7 @@ def _build_artifacts(files: ModelFiles, out: Path, opts: BuildOptions, ladder: l
 
 def _write_manifest(files: ModelFiles, out: Path, opts: BuildOptions, decisions: dict[str, LayerDecision],
                     ladder: list[int], calib: CalibrationInfo, writer: ShardWriter, t0: float,
-                    notes: list[str], weight_names: list[str]) -> BundleManifest:
+                    notes: list[str], weight_names: list[str], layouts: list[KernelLayout]) -> BundleManifest:
     src_paths = [files.model_dir / "config.json", *files.weight_files]
     src_paths += [p for p in sorted(files.model_dir.iterdir()) if p.is_file() and p not in src_paths
                   and p.suffix in (".json", ".jinja", ".txt", ".model")]
@@ -671,6 +743,7 @@ def _write_manifest(files: ModelFiles, out: Path, opts: BuildOptions, decisions:
         "decoder_linear_16bit_bytes": float(f16_equiv),
         "decoder_bytes": float(dec_bytes),
         "weights_bytes": float(sum(writer.bytes_by_name.values())),
+        "kernel_layout_bytes": float(sum(r.size_bytes for r in layouts)),
     }
     artifacts = {"safetensors": ", ".join(weight_names)}
     for note in notes:  # a note on a built artifact ("onnx: onnx/vision.onnx only ...") describes it
@@ -687,7 +760,7 @@ def _write_manifest(files: ModelFiles, out: Path, opts: BuildOptions, decisions:
         method=opts.method, group_size=opts.group_size, vision=opts.vision, keep_dtype=opts.keep_dtype,
         layers=list(decisions.values()), resolution_ladder=ladder, patch_size_px=files.config.vision.patch_size,
         profile=opts.profile, calibration=calib, versions=_versions(), artifacts=artifacts, stats=stats,
-        files=file_entries(out),
+        kernel_layouts=layouts, files=file_entries(out),
     )
     (out / "manifest.json").write_text(manifest.model_dump_json(indent=2) + "\n")
     return manifest

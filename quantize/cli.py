@@ -40,6 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--lm-head", choices=("int4", "fp16"), default="fp16", help="default: fp16")
     p.add_argument("--keep-dtype", choices=("bfloat16", "float16"), default="bfloat16",
                    help="dtype of the tensors kept 16-bit (default: bfloat16)")
+    p.add_argument("--w4a16-layout", choices=("canonical", "mma"), default="canonical",
+                   help="INT4 weight layouts stored: canonical (default) = the portable tensors every backend "
+                        "reads; mma = also each INT4 linear's tensor-core layout (w4a16-mma v1, CUDA sm_80+) in "
+                        "layouts/, read at load instead of repacking. The copy doubles the INT4 bytes of the "
+                        "bundle (about +0.5 byte per INT4 weight)")
     p.add_argument("--no-onnx", action="store_true", help="skip the ONNX export")
     p.add_argument("--no-tensorrt", action="store_true", help="skip the TensorRT build")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty BUNDLE_DIR")
@@ -100,7 +105,7 @@ def _resolve(args: argparse.Namespace):
     return BuildOptions(method=method, group_size=group, vision=vision, lm_head=args.lm_head == "int4",
                         keep_dtype=args.keep_dtype, calib=calib, calib_samples=args.calib_samples,
                         profile=args.profile, onnx=not args.no_onnx, tensorrt=not args.no_tensorrt,
-                        overwrite=args.overwrite)
+                        overwrite=args.overwrite, w4a16_layout=args.w4a16_layout)
 
 
 def _check_input(model_dir: str) -> None:
@@ -180,6 +185,11 @@ def summary(result) -> tuple[str, dict]:
                                               f"{data['rtn_mean_rel_error']:.3g} (mean relative MSE)"))
     for backend, what in m.artifacts.items():
         rows.append((f"artifacts: {backend}", what))
+    for r in m.kernel_layouts:
+        rows.append((f"stored layout {r.name}", f"v{r.version} ({', '.join(r.targets)}): {r.layers} INT4 layers, "
+                                                 f"{r.size_bytes / 1e6:.2f} MB in {', '.join(r.files)}"))
+        data.setdefault("kernel_layouts", []).append({"name": r.name, "version": r.version, "layers": r.layers,
+                                                      "mb": r.size_bytes / 1e6})
     if m.onnx_check is not None:
         c = m.onnx_check
         worst = c.max_error

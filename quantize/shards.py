@@ -59,10 +59,15 @@ class CheckpointReader:
 
 
 class ShardWriter:
-    """Accumulate tensors and write safetensors shards of at most ``max_bytes`` (then an index)."""
+    """Accumulate tensors and write safetensors shards of at most ``max_bytes`` (then an index):
+    ``<stem>.safetensors``, or ``<stem>-0000i-of-0000n.safetensors`` (+ ``<stem>.safetensors.index.json``
+    when ``index``); ``metadata`` replaces the files' header metadata."""
 
-    def __init__(self, out_dir: Path, max_bytes: int) -> None:
+    def __init__(self, out_dir: Path, max_bytes: int, *, stem: str = "model", index: bool = True,
+                 metadata: dict[str, str] | None = None) -> None:
         self.out_dir, self.max_bytes = out_dir, max_bytes
+        self.stem, self.index = stem, index
+        self.metadata = metadata or {"format": "pt", "edgevlm_int4_layout": INT4_LAYOUT}
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = 0
         self.shards: list[list[str]] = []
@@ -82,7 +87,7 @@ class ShardWriter:
         if not self.pending:
             return
         path = self.out_dir / f"shard-{len(self.shards):05d}.safetensors"
-        save_file(self.pending, str(path), metadata={"format": "pt", "edgevlm_int4_layout": INT4_LAYOUT})
+        save_file(self.pending, str(path), metadata=self.metadata)
         path.chmod(0o644)
         self.shards.append(list(self.pending))
         self.pending, self.pending_bytes = {}, 0
@@ -91,14 +96,15 @@ class ShardWriter:
         self._flush()
         n = len(self.shards)
         if n == 1:
-            (self.out_dir / "shard-00000.safetensors").rename(self.out_dir / "model.safetensors")
-            return ["model.safetensors"]
+            (self.out_dir / "shard-00000.safetensors").rename(self.out_dir / f"{self.stem}.safetensors")
+            return [f"{self.stem}.safetensors"]
         weight_map, names = {}, []
         for i, keys in enumerate(self.shards):
-            name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            name = f"{self.stem}-{i + 1:05d}-of-{n:05d}.safetensors"
             (self.out_dir / f"shard-{i:05d}.safetensors").rename(self.out_dir / name)
             weight_map.update({k: name for k in keys})
             names.append(name)
-        index = {"metadata": {"total_size": sum(self.bytes_by_name.values())}, "weight_map": weight_map}
-        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        if self.index:
+            index = {"metadata": {"total_size": sum(self.bytes_by_name.values())}, "weight_map": weight_map}
+            (self.out_dir / f"{self.stem}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         return names

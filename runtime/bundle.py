@@ -11,6 +11,10 @@ A bundle is a directory written by ``edgevlm quantize`` (:mod:`edgevlm.quantize.
     tokenizer.json, tokenizer_config.json, generation_config.json, ...   copied from the source
     onnx/vision.onnx, onnx/decoder.onnx (+ .data)   ONNX artifacts (when built; checked against
                              PyTorch at build time, the record in manifest.json's onnx_check)
+    layouts/w4a16-mma-v1.safetensors   (or -0000i-of-0000n) only with `--w4a16-layout mma`: every INT4
+                             layer's tensor-core layout (names: MMA_LAYOUT_TENSORS), recorded in
+                             manifest.json's kernel_layouts; read at load instead of repacking
+                             (attach_kernel_layouts); the canonical tensors stay
     README.md                what the bundle is (written by the build; the source's is not copied)
     tensorrt/...             TensorRT engines (only where tensorrt was importable at build time)
 
@@ -28,7 +32,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
 from edgevlm.errors import ModelLoadError
 from edgevlm.model_folder import confined_path, weight_files
@@ -143,6 +147,29 @@ class OnnxCheck(BaseModel):
         return max([v.max_error for v in self.vision] + [d.prefill_max_error, d.decode_max_error])
 
 
+class KernelLayout(BaseModel):
+    """``manifest.json``'s ``kernel_layouts[]``: a kernel-specific copy of the INT4 weights stored next
+    to the canonical tensors (``edgevlm quantize --w4a16-layout mma``), so the runtime need not
+    repack at load. The canonical tensors stay in the bundle (the CPU path and ONNX read them)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="Layout name; 'w4a16-mma': runtime.int4_format.repack_int4_mma's output.")
+    version: int = Field(ge=1, description="Layout version it was written in (runtime.int4_format.MMA_LAYOUT_VERSION).")
+    targets: list[str] = Field(description="CUDA targets whose kernel reads it: 'sm_80+' = compute capability "
+                                           "8.0 and newer, 'sm_87' = that one only.")
+    tensors: str = Field(description="Tensor names and layouts in the files.")
+    files: list[str] = Field(description="Safetensors files holding it, relative to the bundle root (also in files).")
+    layers: int = Field(ge=0, description="INT4 layers stored (those whose shape the layout can hold).")
+    size_bytes: int = Field(ge=0, description="Bytes of its tensors (about the INT4 layers' own bytes again).")
+
+
+MMA_LAYOUT_TENSORS = (
+    "<layer>.mma_qweight int32 (out/16, in/64, 32, 4) and <layer>.mma_meta int32 (out/16, in/group_size, 16), "
+    "<layer> = layers[].name; exactly runtime.int4_format.repack_int4_mma of the layer's canonical tensors"
+)
+
+
 class BundleManifest(BaseModel):
     """``manifest.json`` of an engine bundle (format_version 1)."""
 
@@ -171,7 +198,20 @@ class BundleManifest(BaseModel):
     onnx_check: OnnxCheck | None = Field(
         None, description="The ONNX graphs checked against PyTorch at build time (None: no ONNX artifacts)."
     )
+    kernel_layouts: list[KernelLayout] = Field(
+        default_factory=list, description="Kernel-specific INT4 layouts stored besides the canonical tensors "
+        "(empty: canonical only, the default; the runtime repacks at load)."
+    )
     files: list[FileEntry] = Field(description="Every file of the bundle except manifest.json, with SHA-256.")
+
+    @model_serializer(mode="wrap")
+    def _omit_empty_kernel_layouts(self, handler):
+        """A canonical-only bundle's manifest has no ``kernel_layouts`` key: an edgevlm from before the
+        field (whose schema forbids unknown keys) still reads it."""
+        data = handler(self)
+        if isinstance(data, dict) and not data.get("kernel_layouts"):
+            data.pop("kernel_layouts", None)
+        return data
 
 
 def sha256_file(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
@@ -283,6 +323,112 @@ def swap_int4_layers(model: torch.nn.Module, manifest: BundleManifest, *, device
     return count
 
 
+def attach_kernel_layouts(model: torch.nn.Module, manifest: BundleManifest, bundle_dir: str | Path,
+                          device: torch.device) -> int:
+    """Give the INT4 layers the bundle's stored tensor-core layout (``kernel_layouts``, name
+    ``w4a16-mma``) where the kernel reads it, so :func:`~edgevlm.runtime.int4.prepare_int4_kernels`
+    need not repack; returns the number of layers served from the stored copy.
+
+    At most one log line: the kernel is absent on ``device`` (CPU, no nvcc, pre-sm_80,
+    ``EDGEVLM_W4A16_MMA=0``): the stored copy is ignored (INFO, in the kernel's own fallback line; then
+    tinygemm / the CPU paths as for any bundle); no stored copy (INFO) or one of another layout version
+    or for other targets (WARNING): the layers are repacked from the canonical tensors at load, as
+    before. A layout name this edgevlm does not know is ignored (INFO). Call after the weights are
+    loaded (and :func:`verify_bundle` has checked the files' SHA-256).
+
+    Raises:
+        ModelLoadError: the stored layout has this edgevlm's version but is inconsistent with the
+            layers: a tensor missing, of the wrong dtype or shape, or not taken by any layer, or a
+            listed file not in ``manifest.json``'s files or unreadable (the message names the tensor
+            or file). The bundle is refused, as for a canonical tensor of the wrong shape: the hashes
+            matched, so the builder wrote it so; rebuild it.
+    """
+    import torch
+
+    from edgevlm.runtime.int4 import Int4Linear, mma_device_ok
+    from edgevlm.runtime.int4_format import (
+        MMA_LAYOUT_NAME,
+        MMA_LAYOUT_VERSION,
+        MMA_TENSOR_SUFFIXES,
+        mma_layout_fits,
+        mma_layout_shapes,
+        mma_target_served,
+    )
+
+    root, dev = Path(bundle_dir), torch.device(device)
+    for r in manifest.kernel_layouts:
+        if r.name != MMA_LAYOUT_NAME:
+            logger.info("bundle %s: stored kernel layout %s v%d is unknown to this edgevlm: ignored", root, r.name,
+                        r.version)
+    record = next((r for r in manifest.kernel_layouts if r.name == MMA_LAYOUT_NAME), None)
+    fits = {}
+    for d in manifest.layers:
+        m = model.get_submodule(d.name) if d.action == "int4" else None
+        if isinstance(m, Int4Linear) and mma_layout_fits(m.out_features, m.in_features, m.group_size):
+            fits[d.name] = m
+    if not fits:
+        return 0
+    stored = f"{MMA_LAYOUT_NAME} layout v{record.version} ({', '.join(record.targets)})" if record else ""
+    if not mma_device_ok(dev, note=f"; the bundle's stored {stored} is ignored" if record else ""):
+        return 0
+    if record is None:
+        logger.info("bundle %s stores no %s layout: repacking %d INT4 layers at load (`edgevlm quantize "
+                    "--w4a16-layout mma` stores it)", root, MMA_LAYOUT_NAME, len(fits))
+        return 0
+    cap = torch.cuda.get_device_capability(dev)
+    if record.version != MMA_LAYOUT_VERSION or not mma_target_served(record.targets, cap):
+        why = (f"this edgevlm reads v{MMA_LAYOUT_VERSION}" if record.version != MMA_LAYOUT_VERSION
+               else f"it does not serve sm_{cap[0]}{cap[1]}")
+        logger.warning("bundle %s stores the %s, but %s: repacking %d INT4 layers at load from the canonical "
+                       "tensors (rebuild the bundle with this edgevlm to skip this)", root, stored, why, len(fits))
+        return 0
+    listed = {e.path for e in manifest.files}
+    want = {}
+    for name, m in fits.items():
+        for suffix, shape in zip(MMA_TENSOR_SUFFIXES, mma_layout_shapes(m.out_features, m.in_features, m.group_size),
+                                 strict=True):
+            want[name + suffix] = (name, shape)
+    got: dict[str, dict[str, torch.Tensor]] = {}
+    served: set[str] = set()
+    from safetensors import safe_open
+
+    for rel in record.files:
+        path = confined_path(root, rel, what=f"kernel layout file listed in {MANIFEST_NAME}", allow_hub_blobs=False,
+                             folder="bundle")
+        if rel not in listed:
+            raise ModelLoadError(f"bundle {root}: kernel layout file {rel} is not listed in {MANIFEST_NAME}'s files "
+                                 "(no SHA-256 covers it); rebuild the bundle")
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    if key not in want:
+                        raise ModelLoadError(f"bundle {root}: {rel} holds tensor {key}, which no INT4 layer's "
+                                             f"{MMA_LAYOUT_NAME} layout takes; rebuild the bundle")
+                    name, shape = want[key]
+                    t = f.get_tensor(key)
+                    if t.dtype != torch.int32 or tuple(t.shape) != shape:
+                        raise ModelLoadError(
+                            f"bundle {root}: stored layout tensor {key} in {rel} is {t.dtype} {tuple(t.shape)}, "
+                            f"layer {name} needs torch.int32 {shape} ({MMA_LAYOUT_NAME} v{MMA_LAYOUT_VERSION}); "
+                            "the bundle is refused: rebuild it")
+                    pair = got.setdefault(name, {})
+                    pair[key[len(name):]] = t
+                    if len(pair) == len(MMA_TENSOR_SUFFIXES):
+                        fits[name].set_mma_layout(*(pair[s] for s in MMA_TENSOR_SUFFIXES))
+                        del got[name]
+                        served.add(name)
+        except ModelLoadError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types for corrupt files
+            raise ModelLoadError(f"{path}: cannot read safetensors file ({exc})") from exc
+    if len(served) < len(fits):
+        name = next(n for n in fits if n not in served)
+        missing = next(name + s for s in MMA_TENSOR_SUFFIXES if s not in got.get(name, {}))
+        raise ModelLoadError(f"bundle {root}: the stored {stored} has no tensor {missing} (INT4 layer {name}); "
+                             "the bundle is refused: rebuild it")
+    return len(served)
+
+
 def load_bundle_model(files: ModelFiles, *, device: torch.device, dtype: torch.dtype, max_seq_len: int,
                       max_batch_size: int = 1) -> torch.nn.Module:
     """Verify a bundle and build its family's model (``files.family.build_model``, any registered
@@ -306,7 +452,9 @@ def load_bundle_model(files: ModelFiles, *, device: torch.device, dtype: torch.d
     model.setup_caches(max_batch_size, max_seq_len)
     from edgevlm.runtime.int4 import prepare_int4_kernels
 
+    n_stored = attach_kernel_layouts(model, manifest, files.model_dir, device)
     n_packed = prepare_int4_kernels(model)
-    logger.info("loaded bundle %s: %d INT4 layers (%s, group_size %d; %d with int4 kernels), %s on %s",
-                files.model_dir, n_int4, manifest.method, manifest.group_size, n_packed, dtype, device)
+    logger.info("loaded bundle %s: %d INT4 layers (%s, group_size %d; %d with int4 kernels, %d of them from the "
+                "stored layout), %s on %s", files.model_dir, n_int4, manifest.method, manifest.group_size, n_packed,
+                n_stored, dtype, device)
     return model

@@ -51,6 +51,7 @@ from edgevlm.runtime.int4_format import (  # noqa: F401  (re-exported: the canon
     compute_qparams,
     dequantize_int4,
     fake_quantize_int4,
+    mma_layout_shapes,
     pack_int4,
     quantize_codes,
     quantize_int4,
@@ -94,6 +95,13 @@ def mma_kernel_ok(device: torch.device, out_features: int, in_features: int, gro
     line per device says why and that decode falls back to torch's int4 kernel (tinygemm)."""
     if group_size not in MMA_GROUP_SIZES or out_features % 16 or in_features % 64:
         return False  # this layer's shape only; the kernel may serve others
+    return mma_device_ok(device)
+
+
+def mma_device_ok(device: torch.device, *, note: str = "") -> bool:
+    """Whether the tensor-core W4A16 kernel is usable on ``device`` at all (any layer shape). If not,
+    the one INFO line per device that :func:`mma_kernel_ok` promises is logged here, ``note`` appended
+    (the bundle loader adds that a stored mma layout is ignored) when this call is the first to log."""
     dev = torch.device(device)
     if os.environ.get("EDGEVLM_W4A16_MMA", "1").strip() in ("0", "false", "no", "off"):
         reason = "disabled by EDGEVLM_W4A16_MMA=0"
@@ -107,7 +115,7 @@ def mma_kernel_ok(device: torch.device, out_features: int, in_features: int, gro
     if key not in _MMA_FALLBACK_LOGGED:
         _MMA_FALLBACK_LOGGED.add(key)
         logger.info("W4A16 tensor-core kernel unavailable on %s (%s): decode falls back to torch's int4 kernel "
-                    "(tinygemm)", dev, reason)
+                    "(tinygemm)%s", dev, reason, note)
     return False
 
 
@@ -267,8 +275,8 @@ class Int4Linear(nn.Module):
       ``MMA_MAX_CALLS`` times that in as many launches over row blocks),
       group size 64/128, ``out_features % 16 == 0``: the tensor-core W4A16 kernel over the mma layout
       (:mod:`edgevlm.runtime.kernels.w4a16_mma`, repacked from the canonical buffers on first use and
-      cached); above those rows (prefill) the same extension's one-pass dequantizer + cuBLAS
-      (``"cuda_dequant"``, see :data:`PREFILL_CHUNK_BYTES`). Where the extension is absent (see
+      cached, or a bundle's stored copy: :meth:`set_mma_layout`); above those rows (prefill) the same
+      extension's one-pass dequantizer + cuBLAS (``"cuda_dequant"``, see :data:`PREFILL_CHUNK_BYTES`). Where the extension is absent (see
       :func:`mma_kernel_ok`, one log line) the paths below.
     * CUDA, ``M <= CUDA_TRITON_KERNEL_MAX_M`` rows (decode): tinygemm ``aten._weight_int4pack_mm``
       (bf16 activations; 43 % of copy bandwidth on 7B shapes on an H200, ``bench/w4a16_tune.py``);
@@ -415,6 +423,26 @@ class Int4Linear(nn.Module):
             cache = (self.qweight.device, qw, meta, bias)
             self._mma_cache = cache
         return cache[1], cache[2], cache[3]
+
+    def set_mma_layout(self, qw: torch.Tensor, meta: torch.Tensor) -> None:
+        """Use ``(qw, meta)``, a stored copy of :func:`repack_int4_mma`'s output for this layer (layout
+        version ``MMA_LAYOUT_VERSION``; shapes of :func:`~edgevlm.runtime.int4_format.mma_layout_shapes`,
+        int32), as the kernel's layout instead of repacking on first use; moved to ``qweight``'s device.
+        The copy is not checked against the canonical buffers (the bundle's SHA-256 covers it); a later
+        ``module.to(...)`` drops it and the layout is repacked.
+
+        Raises:
+            ValueError: the layer's shape has no mma layout, or a tensor's dtype/shape is not the one
+                this layer needs (the message names ``qw`` or ``meta`` and both shapes).
+        """
+        want_qw, want_meta = mma_layout_shapes(self.out_features, self.in_features, self.group_size)
+        for what, t, want in (("qw", qw, want_qw), ("meta", meta, want_meta)):
+            if t.dtype != torch.int32 or tuple(t.shape) != want:
+                raise ValueError(f"{what} is {t.dtype} {tuple(t.shape)}; this layer ({self.out_features}, "
+                                 f"{self.in_features}, group_size {self.group_size}) needs torch.int32 {want}")
+        dev = self.qweight.device
+        bias = self.bias.to(torch.float32).contiguous() if self.bias is not None else None
+        self._mma_cache = (dev, qw.to(dev).contiguous(), meta.to(dev).contiguous(), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:

@@ -164,6 +164,50 @@ MMA_LAYOUT_VERSION = 1
 MMA_GROUP_SIZES: tuple[int, ...] = (64, 128)
 """Group sizes the tensor-core layout supports (a group must cover whole 64-channel blocks)."""
 
+MMA_LAYOUT_NAME = "w4a16-mma"
+"""Name of the tensor-core layout in a bundle's ``manifest.json`` (``kernel_layouts[].name``)."""
+
+MMA_LAYOUT_TARGETS: tuple[str, ...] = ("sm_80+",)
+"""CUDA targets whose kernel reads this layout: compute capability 8.0 and newer (the register-ring
+kernel ``w4a16_mma.cu``; sm_90's bulk-copy kernel ``w4a16_bulk.cu`` reads the same tensors)."""
+
+MMA_TENSOR_SUFFIXES: tuple[str, str] = (".mma_qweight", ".mma_meta")
+"""Tensor names of a stored mma layout: ``<layer>.mma_qweight`` and ``<layer>.mma_meta`` (``<layer>`` =
+the runtime module name of ``manifest.json``'s ``layers[].name``), the two outputs of
+:func:`repack_int4_mma`."""
+
+
+def mma_layout_fits(out_features: int, in_features: int, group_size: int) -> bool:
+    """Whether :func:`repack_int4_mma` can hold this weight shape (see :func:`check_mma_shape`)."""
+    try:
+        check_mma_shape(out_features, in_features, group_size)
+    except ValueError:
+        return False
+    return True
+
+
+def mma_layout_shapes(out_features: int, in_features: int, group_size: int
+                      ) -> tuple[tuple[int, int, int, int], tuple[int, int, int]]:
+    """Shapes of ``(qw, meta)`` that :func:`repack_int4_mma` returns for an ``(N, K)`` weight:
+    ``(N/16, K/64, 32, 4)`` and ``(N/16, K/group_size, 16)`` (both int32). Raises ``ValueError`` for a
+    shape the layout cannot hold."""
+    check_mma_shape(out_features, in_features, group_size)
+    return (out_features // 16, in_features // 64, 32, 4), (out_features // 16, in_features // group_size, 16)
+
+
+def mma_target_served(targets: list[str] | tuple[str, ...], capability: tuple[int, int]) -> bool:
+    """Whether a CUDA device of compute ``capability`` (e.g. ``(8, 7)``) is one of ``targets``
+    (``"sm_87"`` exactly, ``"sm_80+"`` that one and newer; other spellings never match)."""
+    major, minor = capability
+    cc = 10 * major + minor
+    for t in targets:
+        body = t[3:] if t.startswith("sm_") else ""
+        plus = body.endswith("+")
+        digits = body[:-1] if plus else body
+        if digits.isdigit() and (cc >= int(digits) if plus else cc == int(digits)):
+            return True
+    return False
+
 
 def check_mma_shape(out_features: int, in_features: int, group_size: int) -> None:
     """Raise ``ValueError`` unless the tensor-core layout can hold this weight shape."""
