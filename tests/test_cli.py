@@ -485,6 +485,18 @@ def test_ask_operating_point_option_errors(image_files: dict[str, Path], capsys,
     assert len(err) == 1 and err[0].startswith("edgevlm: error:") and needle in err[0], err
 
 
+@pytest.mark.parametrize("seed", ["99999999999999999999999", "-1"])
+def test_ask_seed_out_of_range_is_one_line_exit_2(tiny_model: Path, image_files: dict[str, Path], capsys,
+                                                  seed) -> None:
+    """``--seed`` past 2**64 used to end in ``internal error: ValueError: Overflow when unpacking long long``,
+    exit 1."""
+    code = main(["ask", "--image", str(image_files["scene.png"]), "--model", str(tiny_model), "--temperature", "0.7",
+                 "--seed", seed, "--max-new-tokens", "2", "hi"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"edgevlm: error: seed must be in [0, 9223372036854775807], got {seed}"], err
+
+
 @pytest.mark.parametrize("layer", ["1", "9"])
 def test_ask_early_exit_on_a_model_without_exit_heads(tiny_model: Path, image_files: dict[str, Path], capsys,
                                                       layer):
