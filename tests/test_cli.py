@@ -540,6 +540,28 @@ def test_ask_stream_into_a_closed_pipe_is_not_an_error(tiny_model: Path, image_f
     assert "Broken pipe" not in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--profile", "nope"], "profile 'nope' not found (known: "),
+    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--lr", "-1"], "--lr must be a finite number > 0, got -1.0"),
+    (["--time-budget-s", "nan"], "--time-budget-s must be > 0, got nan"),
+    (["--adapter-hidden", "-1"], "argument --adapter-hidden: expected a positive integer, got -1"),
+    (["--adapter-attn-dim", "-2"], "argument --adapter-attn-dim: expected an integer >= 0, got -2"),
+])
+def test_calibrate_bad_option_is_refused_before_the_model_loads(tmp_path: Path, capsys, args, needle) -> None:
+    """Checked before anything loads or trains (the model folder does not even exist): ``--profile nope``
+    used to be read by the frontier only after the whole training (minutes; the exit heads already
+    written), ``--lr nan`` reached torch's optimizer (``Invalid learning rate: nan``) and
+    ``--adapter-hidden -1`` printed a pydantic dump."""
+    try:
+        code = main(["calibrate", str(tmp_path / "no-model"), *args])
+    except SystemExit as exc:  # argparse's own errors (OneLineParser: one line, status 2)
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("edgevlm: error: ") and needle in err[0], err
+
+
 @pytest.mark.parametrize("command", ["calibrate", "bench", "doctor", "quantize", "ask", "serve"])
 def test_help_shows_no_rst_markup(command: str, capsys) -> None:
     try:
