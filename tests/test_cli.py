@@ -485,6 +485,23 @@ def test_ask_operating_point_option_errors(image_files: dict[str, Path], capsys,
     assert len(err) == 1 and err[0].startswith("edgevlm: error:") and needle in err[0], err
 
 
+def test_ask_resolution_below_the_patch_on_a_model_without_a_ladder(tmp_path: Path, image_files: dict[str, Path],
+                                                                    capsys) -> None:
+    """A SmolVLM checkpoint has no resolution ladder: the message used to end in "(the model's resolution
+    ladder:  px)"."""
+    import re
+
+    from family_support import write_checkpoint
+
+    model = write_checkpoint("smolvlm", tmp_path / "smolvlm")
+    capsys.readouterr()  # transformers' save_pretrained progress bar
+    code = main(["ask", "--image", str(image_files["scene.png"]), "--model", str(model), "--resolution", "1", "hi"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.fullmatch(r"edgevlm: error: --resolution 1 px is below the model's patch size "
+                                          r"\((\d+) px\): use at least \1", err[0]), err
+
+
 @pytest.mark.parametrize("seed", ["99999999999999999999999", "-1"])
 def test_ask_seed_out_of_range_is_one_line_exit_2(tiny_model: Path, image_files: dict[str, Path], capsys,
                                                   seed) -> None:
