@@ -265,6 +265,7 @@ class Client:
     Raises:
         BrokerUnreachableError: (a ``ConnectionError``) the broker is unreachable, refuses the
             connection, or does not answer within ``connect_timeout_s``; the message names the cause.
+        ValueError: ``port`` outside 1..65535, ``qos`` not 0/1/2, both ``device_id`` and ``pool``.
     """
 
     def __init__(
@@ -293,6 +294,8 @@ class Client:
 
         if qos not in (0, 1, 2):
             raise ValueError(f"qos must be 0, 1 or 2, got {qos}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:  # else "connection refused"
+            raise ValueError(f"port must be an integer in 1..65535, got {port!r}")
         self.host, self.port, self.device_id, self.prefix, self.qos = host, port, device_id, prefix, qos
         self._connect_timeout_s = connect_timeout_s
         if resend_interval_s is not None and not resend_interval_s > 0:
