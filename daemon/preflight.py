@@ -9,7 +9,8 @@ one the daemon starts with. It checks what can be checked without loading the we
   artifacts); an engine bundle's manifest (no ``..`` or absolute paths) and, with
   ``verify_hashes``, the SHA-256 of every file (a corrupted ``onnx/vision.onnx`` is named);
   ``config.json`` parses as a supported model; the tokenizer loads and the chat template compiles
-  and renders; ``model.device`` exists (CUDA available, ``cuda:N`` within the device count); the
+  and renders; ``exits.json`` (when present) is JSON and the frontier the controller will read
+  (``controller.frontier``, else the folder's ``frontier.json``) validates; ``model.device`` exists (CUDA available, ``cuda:N`` within the device count); the
   backend's library imports (onnxruntime, tensorrt). A failure raises ConfigError naming the key:
   the daemon cannot serve without its model.
 - **sources** (:func:`check_sources`): a video file is a file OpenCV decodes a frame from (not a
@@ -82,8 +83,28 @@ def check_model(cfg: DaemonConfig, *, verify_hashes: bool = True) -> None:
         raw = read_json(path / "config.json")
         model_cfg = family_for(raw).parse_config(raw)  # what the loader parses (torch-free)
         VLMTokenizer.from_dir(path, model_cfg.image_token_id)
+        read_json(path / "exits.json", required=False)  # the loader parses it (its schema needs torch)
     except ModelLoadError as exc:
         raise ConfigError(f"model.path: {exc.message}") from None
+    _check_frontier(cfg, path)
+
+
+def _check_frontier(cfg: DaemonConfig, model_path: Path) -> None:
+    """The frontier the controller reads at start-up (:func:`edgevlm.daemon.budget.build_controller`):
+    ``controller.frontier``, else the model folder's ``frontier.json``, must validate."""
+    from edgevlm.profile import load_frontier
+
+    cc = cfg.controller
+    if not cc.enabled:
+        return
+    key, path = ("controller.frontier", Path(cc.frontier)) if cc.frontier is not None else (
+        "model.path", model_path / "frontier.json")
+    if cc.frontier is None and not path.is_file():
+        return
+    try:
+        load_frontier(path)
+    except ConfigError as exc:
+        raise ConfigError(f"{key}: {exc.message}") from None
 
 
 def _check_device(device: str) -> None:

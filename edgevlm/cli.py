@@ -206,10 +206,10 @@ def _cmd_ask(args: argparse.Namespace) -> int:
         raise _UsageError(f"--resolution {args.resolution} px is above the largest input resolution, "
                           f"{MAX_RESOLUTION_PX} px")
     if args.resolution is not None and args.resolution < patch:
-        ladder = ", ".join(str(r) for r in engine.resolution_ladder)
+        ladder = ", ".join(str(r) for r in engine.resolution_ladder)  # empty: the checkpoint's own preprocessing
         raise _UsageError(
             f"--resolution {args.resolution} px is below the model's patch size ({patch} px): use at least "
-            f"{patch} (the model's resolution ladder: {ladder} px)"
+            f"{patch}" + (f" (the model's resolution ladder: {ladder} px)" if ladder else "")
         )
 
     adaptive = {"--exit-layer": args.exit_layer, "--exit-threshold": args.exit_threshold,

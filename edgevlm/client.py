@@ -265,6 +265,7 @@ class Client:
     Raises:
         BrokerUnreachableError: (a ``ConnectionError``) the broker is unreachable, refuses the
             connection, or does not answer within ``connect_timeout_s``; the message names the cause.
+        ValueError: ``port`` outside 1..65535, ``qos`` not 0/1/2, both ``device_id`` and ``pool``.
     """
 
     def __init__(
@@ -293,6 +294,8 @@ class Client:
 
         if qos not in (0, 1, 2):
             raise ValueError(f"qos must be 0, 1 or 2, got {qos}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:  # else "connection refused"
+            raise ValueError(f"port must be an integer in 1..65535, got {port!r}")
         self.host, self.port, self.device_id, self.prefix, self.qos = host, port, device_id, prefix, qos
         self._connect_timeout_s = connect_timeout_s
         if resend_interval_s is not None and not resend_interval_s > 0:
@@ -375,6 +378,10 @@ class Client:
         frames: int | None = None,
         frames_s: float | None = None,
         model: str | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        stop: list[str] | None = None,
+        seed: int | None = None,
     ) -> Answer:
         """Ask a question about the newest frame of ``source`` or about ``image``.
 
@@ -389,6 +396,10 @@ class Client:
             frames_s: ask about the frames of ``source`` from the last S seconds (the ``frames_s`` field).
             model: the model to answer with (the ``model`` field; a daemon that does not serve it
                 forwards the request to its offload pool, else refuses it).
+            temperature: sampling temperature, 0 to 2 (None = the daemon's default, 0: greedy).
+            top_p: nucleus sampling mass in (0, 1], with ``temperature`` > 0.
+            stop: up to 4 non-empty strings; the answer ends before the first of them.
+            seed: sampling seed, an integer in ``[0, 2**63 - 1]``, with ``temperature`` > 0.
 
         Returns:
             The :class:`~edgevlm.types.Answer`, with ``frame_ts``/``source``/``frame_pos_ms`` of the
@@ -423,6 +434,8 @@ class Client:
             body["frames_s"] = frames_s
         if model is not None:
             body["model"] = model
+        sampling = {"temperature": temperature, "top_p": top_p, "stop": stop, "seed": seed}
+        body.update({k: v for k, v in sampling.items() if v is not None})
         request = parse_request(body)  # local validation, same rules and messages as the daemon
         payload = request.model_dump_json(exclude_none=True).encode()
         return self._roundtrip(payload, timeout_s)
@@ -435,9 +448,12 @@ class Client:
         Raises:
             The same errors as :meth:`ask`; the daemon's verdict on a malformed payload (e.g.
             :class:`~edgevlm.errors.InvalidRequestError`).
+            TypeError: ``payload`` is not bytes (e.g. a dict or str: encode the JSON first).
         """
         if self._closed:
             raise ConnectionError("the client is closed")
+        if not isinstance(payload, (bytes, bytearray, memoryview)):  # bytes(a dict) fails obscurely
+            raise TypeError(f"payload must be the encoded request JSON (bytes), got {type(payload).__name__}")
         self._timeout_ms(timeout_s)  # the same check of timeout_s as ask
         return self._roundtrip(bytes(payload), timeout_s)
 

@@ -377,10 +377,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=non_negative_int, default=300, help="adapter/classifier training steps")
     ap.add_argument("--batch-size", type=positive_int, default=8, help="images per training step")
     ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate of the feature phase")
-    ap.add_argument("--adapter-hidden", type=int, default=None, help="adapter MLP width (default: D)")
-    ap.add_argument("--adapter-attn-dim", type=int, default=0,
+    ap.add_argument("--adapter-hidden", type=positive_int, default=None, help="adapter MLP width (default: D)")
+    ap.add_argument("--adapter-attn-dim", type=non_negative_int, default=0,
                     help="inner width of an attention layer in each adapter (0 = MLP only)")
-    ap.add_argument("--adapter-blocks", type=int, default=0,
+    ap.add_argument("--adapter-blocks", type=non_negative_int, default=0,
                     help="full ViT blocks in each adapter, initialised from the encoder's last blocks")
     ap.add_argument("--kd-steps", type=non_negative_int, default=None,
                     help="answer-distillation steps through the frozen decoder after the feature loss "
@@ -440,10 +440,16 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--agreement-images must be >= 5, got {args.agreement_images}")
         if not 0.0 <= args.risk_delta < 1.0:
             raise ValueError(f"--risk-delta must be in [0, 1), got {args.risk_delta}")
-        if args.lr <= 0 or (args.time_budget_s is not None and args.time_budget_s <= 0):
-            raise ValueError("--lr and --time-budget-s must be > 0")
+        if not args.lr > 0 or not math.isfinite(args.lr):  # `not > 0` refuses NaN too
+            raise ValueError(f"--lr must be a finite number > 0, got {args.lr}")
+        if args.time_budget_s is not None and not args.time_budget_s > 0:
+            raise ValueError(f"--time-budget-s must be > 0, got {args.time_budget_s}")
         if not 0.0 <= args.max_answer_change <= 1.0:
             raise ValueError(f"--max-answer-change must be in [0, 1], got {args.max_answer_change}")
+        if args.profile is not None:  # read now: the frontier reads it only after the whole training
+            from edgevlm.profile import load_profile
+
+            load_profile(args.profile)
         import torch
 
         if args.threads is not None:

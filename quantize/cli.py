@@ -25,7 +25,7 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``quantize`` arguments to ``p`` (a subparser of the ``edgevlm`` command)."""
-    p.add_argument("model_dir", metavar="MODEL_DIR", help="16-bit Hugging Face checkpoint folder (any registered family: llava, qwen2_5_vl, qwen3_vl, smolvlm)")
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="16-bit Hugging Face checkpoint folder (any registered family: llava, internvl, qwen2_5_vl, qwen3_vl, smolvlm)")
     p.add_argument("--out", required=True, metavar="BUNDLE_DIR", help="bundle folder to create (must be new or empty)")
     p.add_argument("--method", choices=("awq", "rtn"), default=None, help="default: the profile's, else awq")
     p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=None,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from edgevlm.errors import InvalidRequestError
+from edgevlm.protocol import INT64_MAX
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,8 @@ class SamplingParams:
 
     @classmethod
     def validate(cls, max_new_tokens, temperature, top_p, stop, seed) -> SamplingParams:
-        """Check user-supplied values; raises InvalidRequestError naming the bad argument."""
+        """Check user-supplied values; raises InvalidRequestError naming the bad argument (``seed``: an
+        integer in ``[0, 2**63 - 1]``, the wire protocol's range)."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
@@ -51,6 +53,8 @@ class SamplingParams:
             raise InvalidRequestError(f"stop must be a list of non-empty strings, got {stop!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise InvalidRequestError(f"seed must be an integer, got {seed!r}")
+        if seed is not None and not 0 <= seed <= INT64_MAX:  # the wire's range; torch.Generator overflows past 2**64
+            raise InvalidRequestError(f"seed must be in [0, {INT64_MAX}], got {seed}")
         return cls(max_new_tokens, float(temperature), float(top_p), tuple(stop), seed)
 
 

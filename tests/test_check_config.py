@@ -140,6 +140,24 @@ def test_chat_template_that_does_not_compile(tiny_src, tmp_path, capsys):
     assert code == 2 and err.startswith("model.path: chat template does not compile: ")
 
 
+@pytest.mark.parametrize(("name", "text", "needle"), [
+    ("exits.json", "{bad", "exits.json: not valid JSON ("),
+    ("frontier.json", '{"points": 5}', "frontier.json: created_utc: required key missing"),
+])
+def test_broken_exits_or_frontier_file(tiny_src, tmp_path, capsys, name, text, needle):
+    """``serve`` refuses these at start-up (the loader reads exits.json, the controller frontier.json), so
+    ``--check-config`` must too: it used to call the folder OK."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_src, model)
+    (model / name).write_text(text)
+    code, err = _check(_config(tmp_path, model=f"  path: {model}\n"), capsys)
+    assert code == 2 and err.startswith(f"model.path: {model}/") and needle in err, err
+    if name == "frontier.json":  # read by the controller only: without one it is not a problem
+        cfg = _config(tmp_path, model=f"  path: {model}\n")
+        cfg.write_text(cfg.read_text() + "controller:\n  enabled: false\n")
+        assert _check(cfg, capsys)[0] == 0
+
+
 def test_serve_warns_about_a_missing_camera_and_goes_on(tiny_src, tmp_path):
     """At start-up a source problem is a WARNING, not a refusal (a camera may come later): the
     daemon goes on to load its model (here one that then fails to load, so that the run ends)."""

@@ -485,6 +485,35 @@ def test_ask_operating_point_option_errors(image_files: dict[str, Path], capsys,
     assert len(err) == 1 and err[0].startswith("edgevlm: error:") and needle in err[0], err
 
 
+def test_ask_resolution_below_the_patch_on_a_model_without_a_ladder(tmp_path: Path, image_files: dict[str, Path],
+                                                                    capsys) -> None:
+    """A SmolVLM checkpoint has no resolution ladder: the message used to end in "(the model's resolution
+    ladder:  px)"."""
+    import re
+
+    from family_support import write_checkpoint
+
+    model = write_checkpoint("smolvlm", tmp_path / "smolvlm")
+    capsys.readouterr()  # transformers' save_pretrained progress bar
+    code = main(["ask", "--image", str(image_files["scene.png"]), "--model", str(model), "--resolution", "1", "hi"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.fullmatch(r"edgevlm: error: --resolution 1 px is below the model's patch size "
+                                          r"\((\d+) px\): use at least \1", err[0]), err
+
+
+@pytest.mark.parametrize("seed", ["99999999999999999999999", "-1"])
+def test_ask_seed_out_of_range_is_one_line_exit_2(tiny_model: Path, image_files: dict[str, Path], capsys,
+                                                  seed) -> None:
+    """``--seed`` past 2**64 used to end in ``internal error: ValueError: Overflow when unpacking long long``,
+    exit 1."""
+    code = main(["ask", "--image", str(image_files["scene.png"]), "--model", str(tiny_model), "--temperature", "0.7",
+                 "--seed", seed, "--max-new-tokens", "2", "hi"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"edgevlm: error: seed must be in [0, 9223372036854775807], got {seed}"], err
+
+
 @pytest.mark.parametrize("layer", ["1", "9"])
 def test_ask_early_exit_on_a_model_without_exit_heads(tiny_model: Path, image_files: dict[str, Path], capsys,
                                                       layer):
@@ -528,6 +557,28 @@ def test_ask_stream_into_a_closed_pipe_is_not_an_error(tiny_model: Path, image_f
     assert "Broken pipe" not in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--profile", "nope"], "profile 'nope' not found (known: "),
+    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--lr", "-1"], "--lr must be a finite number > 0, got -1.0"),
+    (["--time-budget-s", "nan"], "--time-budget-s must be > 0, got nan"),
+    (["--adapter-hidden", "-1"], "argument --adapter-hidden: expected a positive integer, got -1"),
+    (["--adapter-attn-dim", "-2"], "argument --adapter-attn-dim: expected an integer >= 0, got -2"),
+])
+def test_calibrate_bad_option_is_refused_before_the_model_loads(tmp_path: Path, capsys, args, needle) -> None:
+    """Checked before anything loads or trains (the model folder does not even exist): ``--profile nope``
+    used to be read by the frontier only after the whole training (minutes; the exit heads already
+    written), ``--lr nan`` reached torch's optimizer (``Invalid learning rate: nan``) and
+    ``--adapter-hidden -1`` printed a pydantic dump."""
+    try:
+        code = main(["calibrate", str(tmp_path / "no-model"), *args])
+    except SystemExit as exc:  # argparse's own errors (OneLineParser: one line, status 2)
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("edgevlm: error: ") and needle in err[0], err
+
+
 @pytest.mark.parametrize("command", ["calibrate", "bench", "doctor", "quantize", "ask", "serve"])
 def test_help_shows_no_rst_markup(command: str, capsys) -> None:
     try:
@@ -539,6 +590,11 @@ def test_help_shows_no_rst_markup(command: str, capsys) -> None:
     assert "``" not in out and ":class:`" not in out and ":func:`" not in out, out
     if command == "calibrate":
         assert "edgevlm calibrate MODEL_OR_BUNDLE: train the exit heads" in out
+    if command == "quantize":  # every family quantizes: the help names each (it missed internvl)
+        from edgevlm.runtime.models import FAMILIES
+
+        listed = " ".join(out.split()).split("any registered family: ")[1].split(")")[0]
+        assert listed.split(", ") == list(FAMILIES), listed
 
 
 def test_plain_text_strips_inline_markup() -> None:

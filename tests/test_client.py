@@ -82,6 +82,13 @@ def test_connection_refused_is_connection_error() -> None:
     assert isinstance(info.value, ConnectionError)
 
 
+@pytest.mark.parametrize("port", [0, 70000, -1, "1883", True])
+def test_port_outside_1_65535_is_refused_by_name(port) -> None:
+    """A port no socket can have used to read "connection refused (no broker listening on that port)"."""
+    with pytest.raises(ValueError, match=r"^port must be an integer in 1\.\.65535, got "):
+        Client("127.0.0.1", port, device_id="robot-1")
+
+
 def test_client_is_exported_lazily() -> None:
     assert edgevlm.Client is Client
 

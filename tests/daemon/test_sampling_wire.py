@@ -65,6 +65,27 @@ def test_stop_and_seeded_sampling_over_mqtt(start_daemon, raw_client, demo_engin
     assert bad["error"]["code"] == "INVALID_REQUEST" and bad["error"]["message"].startswith("temperature")
 
 
+def test_sdk_ask_sends_the_sampling_knobs(start_daemon, mosquitto, demo_engine, frame, encode_image) -> None:
+    """``Client.ask(temperature=, top_p=, stop=, seed=)`` (the SDK used to take none of them: the wire's
+    sampling was reachable only through ``client.request`` with hand-written JSON); ``request`` with a
+    dict is a TypeError naming bytes."""
+    from edgevlm import Client
+    from edgevlm.errors import InvalidRequestError
+
+    start_daemon(engine=demo_engine, defaults={"max_new_tokens": 16, "timeout_ms": 120000})
+    png = encode_image(frame)
+    with Client(mosquitto.host, mosquitto.port, device_id="dev1") as client:
+        sampled = client.ask(QUESTION, image=png, max_new_tokens=16, temperature=1.5, top_p=0.9, seed=7, timeout_s=60)
+        assert sampled.text == demo_engine.ask(frame, QUESTION, max_new_tokens=16, temperature=1.5, top_p=0.9,
+                                               seed=7).text
+        cut = client.ask(QUESTION, image=png, max_new_tokens=16, stop=[" "], timeout_s=60)
+        assert cut.text == demo_engine.ask(frame, QUESTION, max_new_tokens=16, stop=[" "]).text and " " not in cut.text
+        with pytest.raises(InvalidRequestError, match="^temperature"):
+            client.ask(QUESTION, image=png, temperature=5)
+        with pytest.raises(TypeError, match=r"payload must be the encoded request JSON \(bytes\), got dict"):
+            client.request({"prompt": "hi", "source": "front"})
+
+
 @pytest.mark.parametrize("field,value", [
     ("temperature", "1"), ("temperature", True), ("temperature", 2.5), ("temperature", -0.1),
     ("top_p", 0), ("top_p", 1.5), ("stop", "x"), ("stop", ["a", "b", "c", "d", "e"]), ("stop", [1]),

@@ -134,6 +134,17 @@ def test_seeded_sampling_sequences_repeat():
     assert draw() == draw()
 
 
+@pytest.mark.parametrize("seed", [-1, 2**63, 2**64, 10**23])
+def test_seed_outside_the_wire_range_is_invalid_request(seed):
+    """A seed torch.Generator cannot take (past 2**64) or the wire refuses (negative, past 2**63 - 1) is an
+    InvalidRequestError naming ``seed``, not a ValueError from ``manual_seed`` at the first sampled token."""
+    from edgevlm.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match=r"seed must be in \[0, 9223372036854775807\], got "):
+        SamplingParams.validate(4, 1.0, 1.0, None, seed)
+    assert SamplingParams.validate(4, 1.0, 1.0, None, 2**63 - 1).seed == 2**63 - 1
+
+
 def test_holdback_and_text_assembler():
     assert holdback("the cat", ("cats",)) == 3
     assert holdback("the ca", ("cats", "a")) == 2
