@@ -32,7 +32,7 @@ import binascii
 import json
 import re
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -250,8 +250,8 @@ class Request(BaseModel):
     top_p: StrictFloat | StrictInt | None = Field(
         None, gt=0, le=1, description="Nucleus sampling mass (with temperature > 0); None = 1."
     )
-    stop: list[StrictStr] | None = Field(
-        None, max_length=MAX_STOP_STRINGS, description="Strings that end the answer (not included in it)."
+    stop: list[Annotated[StrictStr, Field(min_length=1)]] | None = Field(
+        None, max_length=MAX_STOP_STRINGS, description="Non-empty strings that end the answer (not included in it)."
     )
     seed: StrictInt | None = Field(None, ge=0, le=INT64_MAX, description="Sampling seed (temperature > 0).")
     model: StrictStr | None = Field(

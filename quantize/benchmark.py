@@ -298,6 +298,32 @@ def _csv_sizes(text: str) -> list[tuple[int, int]]:
     return out
 
 
+#: caps on the sizes ``edgevlm bench`` accepts (beyond them a run only exhausts memory)
+MAX_BENCH_BATCH = 1024
+MAX_BENCH_PROMPT_TOKENS = 32768
+
+
+def _output_problem(results_dir: str, out: str) -> str | None:
+    """Why ``--results-dir`` (created here, as the run would at its end) or ``--out`` (a file in an
+    existing folder) cannot be written, or None; checked before minutes of measuring."""
+    import os
+
+    if results_dir:
+        try:
+            Path(results_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return f"--results-dir: cannot create {results_dir}: {exc.strerror or exc}"
+    if out:
+        path = Path(out)
+        if path.is_dir():
+            return f"--out: {out} is a folder"
+        if not path.parent.is_dir():
+            return f"--out: folder {path.parent} does not exist"
+        if not os.access(path.parent, os.W_OK):
+            return f"--out: folder {path.parent} is not writable"
+    return None
+
+
 def _csv_choice(choices):
     def parse(text: str) -> list[str]:
         values = [v.strip() for v in text.split(",") if v.strip()]
@@ -360,12 +386,19 @@ def main(argv: list[str] | None = None) -> int:
         return fail("edgevlm bench needs torch: pip install 'edgevlm[runtime]'")
     if args.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         return fail(f"--device: expected cpu, cuda or cuda:N, got {args.device!r}")
-    for flag in ("new_tokens", "vision_batch"):
+    from edgevlm.protocol import MAX_NEW_TOKENS_LIMIT
+
+    for flag, high in (("new_tokens", MAX_NEW_TOKENS_LIMIT), ("vision_batch", MAX_BENCH_BATCH)):
         value = getattr(args, flag)
-        if value is not None and value < 2:
-            return fail(f"--{flag.replace('_', '-')} must be >= 2")
-    if args.prompt_tokens < 4:
-        return fail("--prompt-tokens must be >= 4")
+        if value is not None and not 2 <= value <= high:
+            return fail(f"--{flag.replace('_', '-')} must be in [2, {high}], got {value}")
+    if not 4 <= args.prompt_tokens <= MAX_BENCH_PROMPT_TOKENS:
+        return fail(f"--prompt-tokens must be in [4, {MAX_BENCH_PROMPT_TOKENS}], got {args.prompt_tokens}")
+    if args.batch_sizes and not all(1 <= b <= MAX_BENCH_BATCH for b in args.batch_sizes):
+        return fail(f"--batch-sizes must be in [1, {MAX_BENCH_BATCH}], got {','.join(map(str, args.batch_sizes))}")
+    problem = _output_problem(args.results_dir, args.out)
+    if problem:
+        return fail(problem)
     models: list[str | Path] = list(args.models or [])
     if args.model is not None:
         folder = _checkpoint(args.model)

@@ -88,7 +88,7 @@ def test_sdk_ask_sends_the_sampling_knobs(start_daemon, mosquitto, demo_engine, 
 
 @pytest.mark.parametrize("field,value", [
     ("temperature", "1"), ("temperature", True), ("temperature", 2.5), ("temperature", -0.1),
-    ("top_p", 0), ("top_p", 1.5), ("stop", "x"), ("stop", ["a", "b", "c", "d", "e"]), ("stop", [1]),
+    ("top_p", 0), ("top_p", 1.5), ("stop", "x"), ("stop", ["a", "b", "c", "d", "e"]), ("stop", [1]), ("stop", [""]), ("stop", ["a", ""]),
     ("seed", -1), ("seed", 1.0),
 ])
 def test_bad_sampling_fields_are_refused(field, value) -> None:

@@ -49,9 +49,17 @@ def test_bench_bad_arguments_exit_2(argv, capsys):
 @pytest.mark.parametrize(
     ("argv", "line"),
     [
-        (["--device", "cpu", "--new-tokens", "1"], "edgevlm: error: --new-tokens must be >= 2\n"),
-        (["--device", "cpu", "--prompt-tokens", "2"], "edgevlm: error: --prompt-tokens must be >= 4\n"),
-        (["--device", "cpu", "--vision-batch", "0"], "edgevlm: error: --vision-batch must be >= 2\n"),
+        (["--device", "cpu", "--new-tokens", "1"], "edgevlm: error: --new-tokens must be in [2, 4096], got 1\n"),
+        (["--device", "cpu", "--new-tokens", "99999999999"],
+         "edgevlm: error: --new-tokens must be in [2, 4096], got 99999999999\n"),
+        (["--device", "cpu", "--prompt-tokens", "2"], "edgevlm: error: --prompt-tokens must be in [4, 32768], got 2\n"),
+        (["--device", "cpu", "--vision-batch", "0"], "edgevlm: error: --vision-batch must be in [2, 1024], got 0\n"),
+        (["--device", "cpu", "--batch-sizes", "1,100000"],
+         "edgevlm: error: --batch-sizes must be in [1, 1024], got 1,100000\n"),
+        (["--device", "cpu", "--results-dir", "/proc/nope"],
+         "edgevlm: error: --results-dir: cannot create /proc/nope: No such file or directory\n"),
+        (["--device", "cpu", "--out", "/nonexistent-dir/x.json"],
+         "edgevlm: error: --out: folder /nonexistent-dir does not exist\n"),
         (["--device", "gpu"], "edgevlm: error: --device: expected cpu, cuda or cuda:N, got 'gpu'\n"),
     ],
 )
