@@ -56,7 +56,7 @@ def check_folder(folder: str | Path) -> tuple[list[Path], list[tuple[str, str | 
     """
     root = Path(folder)
     if not root.is_dir():
-        raise ConfigError(f"calibration folder {root} does not exist")
+        raise ConfigError(f"calibration folder {root} " + ("is a file, not a folder" if root.exists() else "does not exist"))
     images = sorted(p for p in root.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
     if not images:
         raise ConfigError(f"calibration folder {root} has no images ({', '.join(IMAGE_SUFFIXES)})")

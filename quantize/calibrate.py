@@ -267,8 +267,9 @@ def calibrate(engine, *, exit_blocks: list[int] | None = None, steps: int = 300,
     spec.classifier_accuracy = {str(k): round(p1[f"classifier_accuracy_{k}"], 5) for k in spec.classifier_blocks}
     spec.classifier_balanced_accuracy = {str(k): round(p1[f"classifier_balanced_accuracy_{k}"], 5)
                                          for k in spec.classifier_blocks}
-    progress("calibrate: classifier balanced accuracy " + ", ".join(
-        f"block {k}: {v:.3f}" for k, v in spec.classifier_balanced_accuracy.items()))
+    if spec.classifier_balanced_accuracy:  # no labels: no classifiers, no line
+        progress("calibrate: classifier balanced accuracy " + ", ".join(
+            f"block {k}: {v:.3f}" for k, v in spec.classifier_balanced_accuracy.items()))
     spec.calibration = {
         "data": "demo scenes (edgevlm.runtime.demo.scenes), stream rng_for(seed, 3, i)",
         "seed": seed, "steps": p1.get("steps_run", steps), "batch_size": batch_size, "agreement_images": n_img,

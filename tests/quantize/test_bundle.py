@@ -368,6 +368,7 @@ def test_cli_builds_with_folder_calibration(tiny_src, tmp_path, capsys):
         (["{src}", "--out", "{tmp}/o"], "AWQ needs calibration data"),
         (["{tmp}/missing", "--out", "{tmp}/o", "--method", "rtn"], "does not exist"),
         (["{src}", "--out", "{tmp}/o", "--calib", "{tmp}/nocalib"], "calibration folder"),
+        (["{src}", "--out", "{tmp}/o", "--calib", "{src}/config.json"], "config.json is a file, not a folder"),
     ],
 )
 def test_cli_errors_are_one_line_exit_2(tiny_src, tmp_path, capsys, args, needle):
