@@ -271,6 +271,12 @@ class Daemon:
                                  retain=True)
         if result.ok:
             self.bridge.update_online(model=result.path)
+            # the served id follows the new model (unless http.model_name pins it): the wire's and the
+            # HTTP API's `model` name what now answers
+            model_id = served_model_id(self.config, self.scheduler.engine)
+            self.scheduler.model_id = model_id
+            if self.http is not None:
+                self.http.model_id = model_id
 
     def _on_audio_event(self, src: Any, event: dict[str, Any]) -> None:
         mqtt = self.config.mqtt

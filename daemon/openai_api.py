@@ -8,7 +8,8 @@ GenAI provider, live-vlm-webui and agent frameworks can call the robot's model:
   (``image_url`` with a ``data:image/...;base64,`` URI, or ``edgevlm://sources/<name>`` for the newest
   frame of a configured camera; nothing is ever fetched from the network). ``max_tokens`` /
   ``max_completion_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``, ``stream`` (server-sent
-  events, ``stream_options.include_usage``) and the edgevlm extensions ``budget_ms`` / ``timeout_ms``
+  events, ``stream_options.include_usage``) and the edgevlm extensions ``budget_ms`` / ``timeout_ms`` /
+  ``frames`` / ``frames_s``
   (the MQTT request fields of the same names). System messages are prepended to the question.
 - ``GET /v1/models``: the one model served. ``GET /health``: liveness + queue depth, no token needed.
 
@@ -281,6 +282,9 @@ def to_request(body: Any, *, model_id: str, multiple_images: str = "refuse") -> 
         "seed": _integer(body, "seed"),
         "timeout_ms": _integer(body, "timeout_ms"),
         "budget_ms": _integer(body, "budget_ms"),
+        # several recent frames of a camera (edgevlm://sources/<name>), validated as on the MQTT wire
+        "frames": body.get("frames"),
+        "frames_s": body.get("frames_s"),
     }
     request = parse_request({k: v for k, v in fields.items() if v is not None})
     return request, bool(stream), bool(options.get("include_usage"))

@@ -224,6 +224,10 @@ def test_bad_inputs_are_openai_errors_with_edgevlm_codes(http_daemon, frames) ->
         (ask(max_tokens=-1), 400, "INVALID_REQUEST", "max_tokens: must be between 1 and 4096"),
         (ask(user(QUESTION, "data:image/png,abc")), 400, "INVALID_REQUEST", "data URIs must be base64"),
         (ask(user(QUESTION, "edgevlm://other/front")), 400, "INVALID_REQUEST", "edgevlm:// URIs name a camera"),
+        # frames of a camera, as on the MQTT wire: the demo model (LLaVA-style) takes one image
+        (ask(user(QUESTION, "edgevlm://sources/front"), extra_body={"frames": 4}), 400, "INVALID_REQUEST", "frames"),
+        (ask(extra_body={"frames": 4}), 400, "INVALID_REQUEST", "frames"),  # frames need a camera source
+        (ask(extra_body={"frames_s": "x"}), 400, "INVALID_REQUEST", "frames_s"),
     ]
     for call, status, code, needle in cases:
         got_status, body = _error(call)

@@ -166,6 +166,12 @@ def test_sighup_reloads_a_running_daemon(models, tmp_path, mosquitto, watcher, w
         image_b64 = __import__("base64").b64encode(_png()).decode()
         r = w.ask("hup", {"prompt": PROMPT, "image_b64": image_b64, "max_new_tokens": 3})
         assert r["text"] == models["expected"]["other"]
+        # the served model id follows the reload: the new folder's name answers, the old one is refused
+        r = w.ask("hup", {"prompt": PROMPT, "image_b64": image_b64, "max_new_tokens": 3, "model": models["other"].name})
+        assert r["text"] == models["expected"]["other"]
+        r = w.ask("hup", {"prompt": PROMPT, "image_b64": image_b64, "max_new_tokens": 3,
+                          "model": tiny_model_dir.resolve().name})
+        assert r["ok"] is False and r["error"]["code"] == "INVALID_REQUEST"
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     finally:
