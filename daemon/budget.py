@@ -363,8 +363,10 @@ def _fits_ladder(profile: Profile, engine: Any) -> bool:
     off = sorted({p.resolution_px for p in profile.operating_points.frontier
                   if p.resolution_px is not None and p.resolution_px not in ladder})
     if off:
-        logger.warning("controller: profile %s's frontier uses rungs %s that this model's ladder %s lacks: not used",
-                       profile.name, off, sorted(ladder))
+        # a shipped profile's frontier is the demo model's: for another model it is expected not to fit
+        logger.info("controller: profile %s's frontier uses rungs %s that this model's ladder %s lacks: not used "
+                    "(measure this model's: python -m edgevlm.quantize.frontier MODEL)", profile.name, off,
+                    sorted(ladder) or "(none)")
     return not off
 
 
