@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from edgevlm.errors import ModelLoadError
 from edgevlm.runtime.config import (
     SUPPORTED_ACTIVATIONS,
-    TextConfig,
     parse_resolution_ladder,
     parse_text_config,
 )
+from edgevlm.runtime.models.qwen_vl.config import QwenVLConfig
 from edgevlm.runtime.models.qwen_vl.tokens import parse_vision_token_ids
 
 #: transformers' ``Qwen2_5_VLTextConfig`` keys that are decoder keys (the 4.x top-level layout).
@@ -59,22 +59,10 @@ class Qwen25VisionConfig:
 
 
 @dataclass(frozen=True)
-class Qwen25VLConfig:
+class Qwen25VLConfig(QwenVLConfig):
     """A Qwen2.5-VL checkpoint: ViT + 2x2 patch merger + Qwen2 decoder with M-RoPE."""
 
     vision: Qwen25VisionConfig
-    text: TextConfig
-    image_token_id: int = 151655
-    video_token_id: int | None = 151656
-    vision_start_token_id: int = 151652
-    vision_end_token_id: int = 151653
-    tie_word_embeddings: bool = False
-    resolution_ladder: tuple[int, ...] = ()
-
-    @property
-    def vision_blocks_needed(self) -> int:
-        """ViT blocks one encoding runs (all of them: the merger reads the last block)."""
-        return self.vision.depth
 
     @property
     def exit_geometry(self):
@@ -199,8 +187,8 @@ def parse_config(raw: dict) -> Qwen25VLConfig:
     if vision.out_hidden_size != text.hidden_size:
         raise ModelLoadError(f"config.json: vision_config.out_hidden_size {vision.out_hidden_size} differs from "
                              f"the decoder's hidden_size {text.hidden_size}")
-    ids = parse_vision_token_ids(raw, text.vocab_size)
+    tokens = parse_vision_token_ids(raw, text.vocab_size)
     tie = bool(raw.get("tie_word_embeddings", False)) or bool(tc.get("tie_word_embeddings", False))
     ladder = parse_resolution_ladder(raw, ())
     return Qwen25VLConfig(vision=vision, text=text, tie_word_embeddings=tie,
-                          resolution_ladder=ladder, **ids)
+                          resolution_ladder=ladder, tokens=tokens)

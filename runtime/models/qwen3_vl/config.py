@@ -20,6 +20,7 @@ from edgevlm.runtime.config import (
     parse_resolution_ladder,
     parse_text_config,
 )
+from edgevlm.runtime.models.qwen_vl.config import QwenVLConfig
 from edgevlm.runtime.models.qwen_vl.tokens import parse_vision_token_ids
 
 MODEL_TYPES = ("qwen3_vl",)
@@ -60,22 +61,10 @@ class Qwen3VLVisionConfig:
 
 
 @dataclass(frozen=True)
-class Qwen3VLConfig:
+class Qwen3VLConfig(QwenVLConfig):
     """A Qwen3-VL checkpoint (the contract's family config: ``.text``, ``.image_token_id``, ...)."""
 
     vision: Qwen3VLVisionConfig
-    text: TextConfig
-    image_token_id: int = 151655
-    video_token_id: int | None = 151656
-    vision_start_token_id: int = 151652
-    vision_end_token_id: int = 151653
-    tie_word_embeddings: bool = False
-    resolution_ladder: tuple[int, ...] = ()
-
-    @property
-    def vision_blocks_needed(self) -> int:
-        """ViT blocks one encoding runs (all of them: the merger reads the last block)."""
-        return self.vision.depth
 
     @property
     def exit_geometry(self):
@@ -188,7 +177,7 @@ def parse_config(raw: dict) -> Qwen3VLConfig:
             f"{text.hidden_size}")
     if len(vision.deepstack_visual_indexes) > text.num_hidden_layers:
         raise ModelLoadError("config.json: vision_config.deepstack_visual_indexes has more entries than decoder layers")
-    ids = parse_vision_token_ids(raw, text.vocab_size)
+    tokens = parse_vision_token_ids(raw, text.vocab_size)
     ladder = parse_resolution_ladder(raw, ())
     return Qwen3VLConfig(vision=vision, text=text, tie_word_embeddings=tie,
-                         resolution_ladder=ladder, **ids)
+                         resolution_ladder=ladder, tokens=tokens)
