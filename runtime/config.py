@@ -78,6 +78,20 @@ def get_typed(d: dict, key: str, default: Any, typ: type | tuple[type, ...], whe
     return value
 
 
+def token_id(d: dict, key: str, default: int | None, vocab_size: int, where: str = "") -> int:
+    """The token id under ``key`` of a ``config.json`` dict (``default`` when left out or null).
+
+    Raises:
+        ModelLoadError: a value that is not an int in ``[0, vocab_size)``, naming ``where`` + key.
+    """
+    value = d.get(key)
+    value = default if value is None else value
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < vocab_size:
+        raise ModelLoadError(f"config.json: {where}{key} {value!r} is not a token id of the vocabulary "
+                             f"(vocab_size {vocab_size})")
+    return value
+
+
 def int_list(value: Any, where: str) -> list[int]:
     if value is None:
         return []

@@ -24,6 +24,7 @@ from edgevlm.runtime.config import (
     get_typed,
     parse_resolution_ladder,
     parse_text_config,
+    token_id,
 )
 from edgevlm.runtime.models.blocks.vit_config import ViTGeometry, parse_vit_geometry
 
@@ -179,10 +180,7 @@ def parse_config(raw: dict) -> InternVLConfig:
     if abs(scale * ratio - 1) > 1e-9 or vision.grid_side % scale:
         raise ModelLoadError(f"config.json: downsample_ratio {ratio} does not merge whole patches of the "
                              f"{vision.grid_side}x{vision.grid_side} grid (1 / ratio must be an integer dividing it)")
-    image_token_id = get_typed(raw, "image_token_id", 151667, int, "")
-    if not 0 <= image_token_id < text.vocab_size:
-        raise ModelLoadError(f"config.json: image_token_id {image_token_id} is not a token id of the vocabulary "
-                             f"(text_config.vocab_size {text.vocab_size})")
+    image_token_id = token_id(raw, "image_token_id", 151667, text.vocab_size)
     layer = raw.get("vision_feature_layer", -1)
     n_states = vision.num_hidden_layers + 1
     if not isinstance(layer, int) or isinstance(layer, bool) or not -n_states <= layer < n_states:

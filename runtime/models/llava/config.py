@@ -20,6 +20,7 @@ from edgevlm.runtime.config import (
     int_list,
     parse_resolution_ladder,
     parse_text_config,
+    token_id,
 )
 from edgevlm.runtime.models.blocks.siglip_config import SiglipVisionConfig, parse_siglip_vision_config
 from edgevlm.runtime.models.blocks.vit_config import ViTGeometry, parse_vit_geometry
@@ -130,9 +131,7 @@ def parse_config(raw: dict) -> LlavaConfig:
             raise ModelLoadError(f"config.json: missing key {key!r}")
     vision = _vision_config(raw["vision_config"])
     text = parse_text_config(raw["text_config"])
-    image_token_id = raw.get("image_token_id", raw.get("image_token_index", 32000))
-    if not isinstance(image_token_id, int) or not 0 <= image_token_id < text.vocab_size:
-        raise ModelLoadError(f"config.json: image_token_id {image_token_id!r} is not a token id of the vocabulary")
+    image_token_id = token_id(raw, "image_token_id", raw.get("image_token_index", 32000), text.vocab_size)
     layers = int_list(raw.get("vision_feature_layer", -2), "vision_feature_layer")
     n_states = vision.num_hidden_layers + 1
     if not layers or any(not -n_states <= i < n_states for i in layers):

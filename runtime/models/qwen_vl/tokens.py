@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from edgevlm.errors import ModelLoadError
+from edgevlm.runtime.config import token_id
 
 
 @dataclass(frozen=True)
@@ -26,11 +26,4 @@ def parse_vision_token_ids(raw: dict, vocab_size: int) -> QwenVisionTokens:
     Raises:
         ModelLoadError: a value that is not an integer token id below ``vocab_size``, naming the key.
     """
-    ids: dict[str, int] = {}
-    for f in fields(QwenVisionTokens):
-        value = raw.get(f.name, f.default)
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < vocab_size:
-            raise ModelLoadError(f"config.json: {f.name} {value!r} is not a token id of the vocabulary "
-                                 f"(vocab_size {vocab_size})")
-        ids[f.name] = value
-    return QwenVisionTokens(**ids)
+    return QwenVisionTokens(**{f.name: token_id(raw, f.name, f.default, vocab_size) for f in fields(QwenVisionTokens)})
