@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from edgevlm.errors import ModelLoadError
+from edgevlm.errors import InvalidImageError, ModelLoadError
 
 #: Pillow resampling filters by their integer code (transformers' PILImageResampling)
 PIL_FILTERS = {0: "NEAREST", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC", 4: "BOX", 5: "HAMMING"}
@@ -46,6 +46,20 @@ def read_pil_settings(pre: dict, defaults: Any, where: str) -> dict[str, Any]:
         raise ModelLoadError(f"{where}: image_std must not contain 0")
     return {"resample": resample, "image_mean": _triple(pre, "image_mean", defaults.image_mean, where),
             "image_std": std}
+
+
+def check_rgb(image: Any) -> np.ndarray:
+    """``image`` as a C-contiguous ``(H, W, 3)`` uint8 array (the same array when it already is).
+
+    Raises:
+        InvalidImageError: not an ``(H, W, 3)`` uint8 array, or one with a zero side.
+    """
+    if not isinstance(image, np.ndarray) or image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+        raise InvalidImageError(f"image must be an (H, W, 3) uint8 RGB array, got {getattr(image, 'shape', None)} "
+                                f"{getattr(image, 'dtype', type(image).__name__)}")
+    if image.shape[0] == 0 or image.shape[1] == 0:
+        raise InvalidImageError(f"image has zero size {image.shape[0]}x{image.shape[1]}")
+    return np.ascontiguousarray(image)
 
 
 def pil_resize(image: np.ndarray, height: int, width: int, resample: int, family: str) -> np.ndarray:

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-from edgevlm.errors import InvalidImageError, InvalidRequestError, ModelLoadError
+from edgevlm.errors import InvalidRequestError, ModelLoadError
 from edgevlm.model_folder import read_json
 from edgevlm.runtime.models.base import VisionInput
-from edgevlm.runtime.models.blocks.pil_tiles import PilTileProcessor, read_pil_settings
+from edgevlm.runtime.models.blocks.pil_tiles import PilTileProcessor, check_rgb, read_pil_settings
 from edgevlm.runtime.models.internvl.config import InternVLConfig
 
 logger = logging.getLogger(__name__)
@@ -151,13 +151,8 @@ class InternVLProcessor(PilTileProcessor):
         Raises:
             InvalidImageError: not an ``(H, W, 3)`` uint8 array, or an empty one.
         """
-        if not isinstance(image, np.ndarray) or image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
-            raise InvalidImageError(f"image must be an (H, W, 3) uint8 RGB array, got {getattr(image, 'shape', None)} "
-                                    f"{getattr(image, 'dtype', type(image).__name__)}")
-        if image.shape[0] == 0 or image.shape[1] == 0:
-            raise InvalidImageError(f"image has zero size {image.shape[0]}x{image.shape[1]}")
+        image = check_rgb(image)
         ic, t = self.image_cfg, self.image_cfg.tile_px
-        image = np.ascontiguousarray(image)
         max_patches = ic.max_patches if max_patches is None else max_patches
         if ic.crop_to_patches and max_patches > 1:
             cols, rows = tile_grid(image.shape[0], image.shape[1], t, min(ic.min_patches, max_patches), max_patches)

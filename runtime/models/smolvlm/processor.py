@@ -37,10 +37,10 @@ from pathlib import Path
 
 import numpy as np
 
-from edgevlm.errors import InvalidImageError, InvalidRequestError, ModelLoadError
+from edgevlm.errors import InvalidRequestError, ModelLoadError
 from edgevlm.model_folder import read_json
 from edgevlm.runtime.models.base import VisionInput
-from edgevlm.runtime.models.blocks.pil_tiles import PilTileProcessor, read_pil_settings
+from edgevlm.runtime.models.blocks.pil_tiles import PilTileProcessor, check_rgb, read_pil_settings
 from edgevlm.runtime.models.smolvlm.config import SmolVLMConfig
 
 logger = logging.getLogger(__name__)
@@ -201,14 +201,8 @@ class SmolVLMProcessor(PilTileProcessor):
         Raises:
             InvalidImageError: not an ``(H, W, 3)`` uint8 array, or an empty one.
         """
-        if not isinstance(image, np.ndarray) or image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
-            shape = getattr(image, "shape", None)
-            raise InvalidImageError(f"image must be an (H, W, 3) uint8 RGB array, got {shape} "
-                                    f"{getattr(image, 'dtype', type(image).__name__)}")
-        if image.shape[0] == 0 or image.shape[1] == 0:
-            raise InvalidImageError(f"image has zero size {image.shape[0]}x{image.shape[1]}")
+        image = check_rgb(image)
         ic = self.image_cfg
-        image = np.ascontiguousarray(image)
         if ic.do_resize:
             h, w = longest_edge_size(image.shape[0], image.shape[1], longest_edge_px or ic.longest_edge_px)
             image = self._resize(image, h, w)
