@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgevlm.runtime.models.qwen3_vl.config import Qwen3VLVisionConfig
+from edgevlm.runtime.models.qwen_vl.patch_embed import PatchEmbed
 from edgevlm.runtime.vision import activation
 
 _LN_EPS = 1e-6
@@ -144,19 +145,6 @@ class VisionBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class PatchEmbed(nn.Module):
-    """Conv3d with kernel == stride over ``(C, T, p, p)`` patches, as one matmul on the flattened rows."""
-
-    def __init__(self, cfg: Qwen3VLVisionConfig) -> None:
-        super().__init__()
-        k = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=k, stride=k, bias=True)
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        w = self.proj.weight
-        return F.linear(pixel_values.to(w.dtype), w.reshape(w.shape[0], -1), self.proj.bias)  # (N, D)
-
-
 class Qwen3VLVisionTower(nn.Module):
     """Patches -> (main vision tokens, DeepStack features). Parameter names follow transformers'
     ``Qwen3VLVisionModel`` (``patch_embed``, ``pos_embed``, ``blocks``, ``merger``, ``deepstack_merger_list``)."""
@@ -164,7 +152,7 @@ class Qwen3VLVisionTower(nn.Module):
     def __init__(self, cfg: Qwen3VLVisionConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.patch_embed = PatchEmbed(cfg)
+        self.patch_embed = PatchEmbed(cfg, bias=True)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
         self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg, postshuffle_norm=False)
