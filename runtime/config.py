@@ -74,7 +74,8 @@ def get_typed(d: dict, key: str, default: Any, typ: type | tuple[type, ...], whe
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise ModelLoadError(f"config.json: {where}{key} has type {type(value).__name__}, expected {typ}")
+        names = " or ".join(t.__name__ for t in (typ if isinstance(typ, tuple) else (typ,)))
+        raise ModelLoadError(f"config.json: {where}{key} has type {type(value).__name__}, expected {names}")
     return value
 
 
