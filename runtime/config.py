@@ -74,7 +74,22 @@ def get_typed(d: dict, key: str, default: Any, typ: type | tuple[type, ...], whe
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise ModelLoadError(f"config.json: {where}{key} has type {type(value).__name__}, expected {typ}")
+        names = " or ".join(t.__name__ for t in (typ if isinstance(typ, tuple) else (typ,)))
+        raise ModelLoadError(f"config.json: {where}{key} has type {type(value).__name__}, expected {names}")
+    return value
+
+
+def token_id(d: dict, key: str, default: int | None, vocab_size: int, where: str = "") -> int:
+    """The token id under ``key`` of a ``config.json`` dict (``default`` when left out or null).
+
+    Raises:
+        ModelLoadError: a value that is not an int in ``[0, vocab_size)``, naming ``where`` + key.
+    """
+    value = d.get(key)
+    value = default if value is None else value
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < vocab_size:
+        raise ModelLoadError(f"config.json: {where}{key} {value!r} is not a token id of the vocabulary "
+                             f"(vocab_size {vocab_size})")
     return value
 
 

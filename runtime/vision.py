@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
+    from edgevlm.runtime.models.blocks.vit_config import ViTGeometry
     from edgevlm.runtime.models.llava.config import LlavaConfig, VisionConfig
 
 logger = logging.getLogger(__name__)
@@ -81,9 +82,10 @@ class VisionEmbeddings(nn.Module):
 
 
 class VisionAttention(nn.Module):
-    """Bidirectional multi-head self-attention (SDPA)."""
+    """Bidirectional multi-head self-attention (scale ``head_dim ** -0.5``, SDPA), with biased
+    ``q_proj`` / ``k_proj`` / ``v_proj`` / ``out_proj``: CLIP's and SigLIP's alike."""
 
-    def __init__(self, cfg: VisionConfig) -> None:
+    def __init__(self, cfg: ViTGeometry) -> None:
         super().__init__()
         self.n_heads = cfg.num_attention_heads
         self.head_dim = cfg.head_dim
@@ -92,12 +94,18 @@ class VisionAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.out_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, Dh)
-        k = self.k_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v)  # (B, H, T, Dh)
+        return tuple(proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+                     for proj in (self.q_proj, self.k_proj, self.v_proj))
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` ``(B, T, D)``; ``key_mask`` ``(B, T)`` bool, False = a padding token no query attends
+        to (None = all valid; SmolVLM's padded tiles) -> ``(B, T, D)``."""
+        b, t, _ = x.shape
+        q, k, v = self._heads(x)  # (B, H, T, Dh) each
+        mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, T)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, Dh)
         return self.out_proj(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, D)
 
     def forward_with_cls_attention(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,9 +113,7 @@ class VisionAttention(nn.Module):
         heads: ``(B, T)`` float32, rows summing to 1 (token pruning scores, see
         :mod:`edgevlm.runtime.pruning`). Costs one ``(1 x T)`` score row per head on top of SDPA."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, Dh)
-        k = self.k_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self._heads(x)  # (B, H, T, Dh) each
         y = F.scaled_dot_product_attention(q, k, v)  # (B, H, T, Dh)
         logits = (q[:, :, :1].float() @ k.float().transpose(-1, -2)) * self.head_dim**-0.5  # (B, H, 1, T)
         cls_attn = logits.softmax(dim=-1).mean(dim=1)[:, 0]  # (B, T)
@@ -115,7 +121,9 @@ class VisionAttention(nn.Module):
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
+    """``fc2(act(fc1(x)))``, biased, with the tower's ``hidden_act``."""
+
+    def __init__(self, cfg: ViTGeometry) -> None:
         super().__init__()
         self.act = cfg.hidden_act
         self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
@@ -126,17 +134,21 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    """Pre-LN transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
+    """Pre-LN transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))`` (LayerNorm with the
+    tower's ``layer_norm_eps``). One block for CLIP (LLaVA) and SigLIP (LLaVA-SigLIP, SmolVLM):
+    parameter names ``layer_norm1``, ``self_attn.{q,k,v,out}_proj``, ``layer_norm2``, ``mlp.fc1``,
+    ``mlp.fc2``, as transformers' ``CLIPEncoderLayer`` and ``SiglipEncoderLayer`` save them."""
 
-    def __init__(self, cfg: VisionConfig) -> None:
+    def __init__(self, cfg: ViTGeometry) -> None:
         super().__init__()
         self.layer_norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.self_attn = VisionAttention(cfg)
         self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.mlp = VisionMLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x))
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` ``(B, T, D)``, ``key_mask`` as :meth:`VisionAttention.forward`'s -> ``(B, T, D)``."""
+        x = x + self.self_attn(self.layer_norm1(x), key_mask)
         return x + self.mlp(self.layer_norm2(x))
 
     def forward_with_cls_attention(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

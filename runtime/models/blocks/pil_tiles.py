@@ -1,4 +1,5 @@
-"""Pillow resize and tile normalisation shared by the tiling processors (SmolVLM / Idefics3, InternVL).
+"""Pillow resize, tile normalisation and the resample / mean / std settings reader shared by the tiling
+processors (SmolVLM / Idefics3, InternVL).
 
 Both follow transformers' slow (PIL) image processors: resize a ``(H, W, 3)`` uint8 image with the
 checkpoint's ``resample`` filter code (transformers' ``PILImageResampling``: the Pillow
@@ -13,8 +14,52 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from edgevlm.errors import InvalidImageError, ModelLoadError
+
 #: Pillow resampling filters by their integer code (transformers' PILImageResampling)
 PIL_FILTERS = {0: "NEAREST", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC", 4: "BOX", 5: "HAMMING"}
+
+
+def _triple(pre: dict, key: str, default: tuple[float, float, float], where: str) -> tuple[float, float, float]:
+    value = pre.get(key, list(default))
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = [value] * 3
+    if not isinstance(value, list) or len(value) != 3 or not all(isinstance(v, (int, float)) for v in value):
+        raise ModelLoadError(f"{where}: {key} must be a list of 3 numbers, got {value!r}")
+    return tuple(float(v) for v in value)
+
+
+def read_pil_settings(pre: dict, defaults: Any, where: str) -> dict[str, Any]:
+    """``resample`` (a :data:`PIL_FILTERS` code), ``image_mean`` and ``image_std`` (3 floats each; one
+    number stands for all three channels) of an image-processor settings dict, as keyword arguments for
+    the family's settings class; keys left out take ``defaults``' attributes.
+
+    Raises:
+        ModelLoadError: a ``resample`` that is no Pillow filter code, a mean / std that is not 3
+            numbers, or a std holding 0; the message names the key (``where: key ...``).
+    """
+    resample = pre.get("resample", defaults.resample)
+    if resample not in PIL_FILTERS:
+        raise ModelLoadError(f"{where}: resample {resample!r} is not a Pillow filter code ({sorted(PIL_FILTERS)})")
+    std = _triple(pre, "image_std", defaults.image_std, where)
+    if any(s == 0 for s in std):
+        raise ModelLoadError(f"{where}: image_std must not contain 0")
+    return {"resample": resample, "image_mean": _triple(pre, "image_mean", defaults.image_mean, where),
+            "image_std": std}
+
+
+def check_rgb(image: Any) -> np.ndarray:
+    """``image`` as a C-contiguous ``(H, W, 3)`` uint8 array (the same array when it already is).
+
+    Raises:
+        InvalidImageError: not an ``(H, W, 3)`` uint8 array, or one with a zero side.
+    """
+    if not isinstance(image, np.ndarray) or image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+        raise InvalidImageError(f"image must be an (H, W, 3) uint8 RGB array, got {getattr(image, 'shape', None)} "
+                                f"{getattr(image, 'dtype', type(image).__name__)}")
+    if image.shape[0] == 0 or image.shape[1] == 0:
+        raise InvalidImageError(f"image has zero size {image.shape[0]}x{image.shape[1]}")
+    return np.ascontiguousarray(image)
 
 
 def pil_resize(image: np.ndarray, height: int, width: int, resample: int, family: str) -> np.ndarray:

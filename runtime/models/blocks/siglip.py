@@ -20,8 +20,9 @@ Facts carried over from transformers' ``SiglipVisionEmbeddings``:
   number of patches.
 
 SmolVLM / Idefics3 use the same blocks with their own position scheme (bucketed fractional positions
-and a patch attention mask, see :mod:`edgevlm.runtime.models.smolvlm.vision`); the layers here take an
-optional key mask for that.
+and a patch attention mask, see :mod:`edgevlm.runtime.models.smolvlm.vision`); the blocks take an
+optional key mask for that. The block itself is CLIP's (:class:`edgevlm.runtime.vision.VisionBlock`:
+the same pre-LN layout and parameter names, the activation and LayerNorm epsilon from the config).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgevlm.runtime.models.blocks.siglip_config import SiglipVisionConfig
-from edgevlm.runtime.vision import activation
+from edgevlm.runtime.vision import VisionBlock, VisionMLP
 
 
 def interpolate_positions(table: torch.Tensor, grid_h: int, grid_w: int) -> torch.Tensor:
@@ -88,64 +89,13 @@ class SiglipVisionEmbeddings(nn.Module):
         return x + self.position_embeddings(grid_h, grid_w, interpolate_pos_encoding).to(x.dtype)
 
 
-class SiglipAttention(nn.Module):
-    """Bidirectional multi-head self-attention (scale ``head_dim ** -0.5``, SDPA)."""
-
-    def __init__(self, cfg: SiglipVisionConfig) -> None:
-        super().__init__()
-        self.n_heads = cfg.num_attention_heads
-        self.head_dim = cfg.head_dim
-        d = cfg.hidden_size
-        self.q_proj = nn.Linear(d, d)
-        self.k_proj = nn.Linear(d, d)
-        self.v_proj = nn.Linear(d, d)
-        self.out_proj = nn.Linear(d, d)
-
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``x`` ``(B, T, D)``; ``key_mask`` ``(B, T)`` bool, False = a padding token no query attends
-        to (None = all valid) -> ``(B, T, D)``."""
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, Dh)
-        k = self.k_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, T)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, Dh)
-        return self.out_proj(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, D)
-
-
-class SiglipMLP(nn.Module):
-    def __init__(self, cfg: SiglipVisionConfig) -> None:
-        super().__init__()
-        self.act = cfg.hidden_act
-        self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(activation(self.act, self.fc1(x)))
-
-
-class SiglipEncoderLayer(nn.Module):
-    """Pre-LN block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
-
-    def __init__(self, cfg: SiglipVisionConfig) -> None:
-        super().__init__()
-        self.layer_norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.self_attn = SiglipAttention(cfg)
-        self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.mlp = SiglipMLP(cfg)
-
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x), key_mask)
-        return x + self.mlp(self.layer_norm2(x))
-
-
 class SiglipEncoder(nn.Module):
-    """The stack of :class:`SiglipEncoderLayer` (``encoder.layers.{i}`` in checkpoints)."""
+    """The stack of :class:`VisionBlock` (``encoder.layers.{i}`` in checkpoints)."""
 
     def __init__(self, cfg: SiglipVisionConfig, num_blocks: int | None = None) -> None:
         super().__init__()
         n = cfg.num_hidden_layers if num_blocks is None else num_blocks
-        self.layers = nn.ModuleList([SiglipEncoderLayer(cfg) for _ in range(n)])
+        self.layers = nn.ModuleList([VisionBlock(cfg) for _ in range(n)])
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None,
                 keep_hidden_states: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -167,7 +117,7 @@ class SiglipPoolingHead(nn.Module):
         self.probe = nn.Parameter(torch.empty(1, 1, cfg.hidden_size))
         self.attention = nn.MultiheadAttention(cfg.hidden_size, cfg.num_attention_heads, batch_first=True)
         self.layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.mlp = SiglipMLP(cfg)
+        self.mlp = VisionMLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, T, D)`` -> pooled ``(B, D)``."""

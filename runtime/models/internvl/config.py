@@ -24,7 +24,9 @@ from edgevlm.runtime.config import (
     get_typed,
     parse_resolution_ladder,
     parse_text_config,
+    token_id,
 )
+from edgevlm.runtime.models.blocks.vit_config import ViTGeometry, parse_vit_geometry
 
 MODEL_TYPES = ("internvl",)
 VISION_MODEL_TYPE = "internvl_vision"
@@ -32,7 +34,7 @@ NORM_TYPES = ("layer_norm", "rms_norm")
 
 
 @dataclass(frozen=True)
-class InternVisionConfig:
+class InternVisionConfig(ViTGeometry):
     """InternViT (``vision_config``), defaults of transformers' ``InternVLVisionConfig`` (InternViT-300M).
 
     ``image_size`` / ``patch_size`` are square (one int; a ``[h, w]`` pair must have equal sides).
@@ -44,25 +46,14 @@ class InternVisionConfig:
     intermediate_size: int = 4096
     num_hidden_layers: int = 24
     num_attention_heads: int = 16
-    num_channels: int = 3
     image_size: int = 448
     patch_size: int = 14
     hidden_act: str = "gelu"
-    layer_norm_eps: float = 1e-6
     norm_type: str = "layer_norm"
     attention_bias: bool = False
     use_qk_norm: bool = False
     use_mean_pooling: bool = True
     qk_norm_eps: float = 1e-6
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def grid_side(self) -> int:
-        """Patches per side of one tile (the trained position grid)."""
-        return self.image_size // self.patch_size
 
 
 @dataclass(frozen=True)
@@ -141,26 +132,15 @@ def _vision_config(vc: dict) -> InternVisionConfig:
         raise ModelLoadError(f"config.json: {w}model_type {model_type!r} is not supported ({VISION_MODEL_TYPE})")
     d = InternVisionConfig()
     cfg = InternVisionConfig(
-        hidden_size=get_typed(vc, "hidden_size", d.hidden_size, int, w),
-        intermediate_size=get_typed(vc, "intermediate_size", d.intermediate_size, int, w),
-        num_hidden_layers=get_typed(vc, "num_hidden_layers", d.num_hidden_layers, int, w),
-        num_attention_heads=get_typed(vc, "num_attention_heads", d.num_attention_heads, int, w),
-        num_channels=get_typed(vc, "num_channels", d.num_channels, int, w),
-        image_size=_square(vc.get("image_size"), "image_size", d.image_size, w),
-        patch_size=_square(vc.get("patch_size"), "patch_size", d.patch_size, w),
-        hidden_act=get_typed(vc, "hidden_act", d.hidden_act, str, w),
-        layer_norm_eps=get_typed(vc, "layer_norm_eps", d.layer_norm_eps, float, w),
+        **parse_vit_geometry(vc, d, w, image_size=_square(vc.get("image_size"), "image_size", d.image_size, w),
+                             patch_size=_square(vc.get("patch_size"), "patch_size", d.patch_size, w)),
         norm_type=get_typed(vc, "norm_type", d.norm_type, str, w),
         attention_bias=get_typed(vc, "attention_bias", d.attention_bias, bool, w),
         use_qk_norm=get_typed(vc, "use_qk_norm", d.use_qk_norm, bool, w),
         use_mean_pooling=get_typed(vc, "use_mean_pooling", d.use_mean_pooling, bool, w),
     )
-    if cfg.hidden_act not in SUPPORTED_ACTIVATIONS:
-        raise ModelLoadError(f"config.json: {w}hidden_act {cfg.hidden_act!r} is not supported")
     if cfg.norm_type not in NORM_TYPES:
         raise ModelLoadError(f"config.json: {w}norm_type {cfg.norm_type!r} is not supported ({', '.join(NORM_TYPES)})")
-    if cfg.hidden_size % cfg.num_attention_heads:
-        raise ModelLoadError(f"config.json: {w}hidden_size is not a multiple of num_attention_heads")
     if cfg.image_size % cfg.patch_size:
         raise ModelLoadError(f"config.json: {w}image_size {cfg.image_size} is not a multiple of patch_size "
                              f"{cfg.patch_size}")
@@ -200,10 +180,7 @@ def parse_config(raw: dict) -> InternVLConfig:
     if abs(scale * ratio - 1) > 1e-9 or vision.grid_side % scale:
         raise ModelLoadError(f"config.json: downsample_ratio {ratio} does not merge whole patches of the "
                              f"{vision.grid_side}x{vision.grid_side} grid (1 / ratio must be an integer dividing it)")
-    image_token_id = get_typed(raw, "image_token_id", 151667, int, "")
-    if not 0 <= image_token_id < text.vocab_size:
-        raise ModelLoadError(f"config.json: image_token_id {image_token_id} is not a token id of the vocabulary "
-                             f"(text_config.vocab_size {text.vocab_size})")
+    image_token_id = token_id(raw, "image_token_id", 151667, text.vocab_size)
     layer = raw.get("vision_feature_layer", -1)
     n_states = vision.num_hidden_layers + 1
     if not isinstance(layer, int) or isinstance(layer, bool) or not -n_states <= layer < n_states:

@@ -59,11 +59,7 @@ class InternVLModel(ImageTokenVLM):
     def encode_vision_adaptive(self, vision: VisionInput, operating_point=None, prompt_ids=None):
         """:meth:`encode_vision` with early exit and token pruning (:func:`edgevlm.runtime.adaptive.encode_adaptive`):
         ``((N', D_text) vision tokens, VisionInfo)``; each tile keeps its own share of tokens."""
-        op = operating_point
-        tokens, _, info = adaptive.encode_adaptive(
-            self.exit_run(vision), self.exit_heads, exit_layer=getattr(op, "exit_layer", None),
-            exit_threshold=getattr(op, "exit_threshold", None), keep_ratio=getattr(op, "keep_ratio", None),
-            query=adaptive.question_embedding(self, prompt_ids))
+        tokens, _, info = adaptive.encode_model_adaptive(self, vision, operating_point, prompt_ids)
         return tokens, info
 
     def encode_tiles(self, pixel_values: torch.Tensor) -> torch.Tensor:

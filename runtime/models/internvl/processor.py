@@ -33,10 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-from edgevlm.errors import InvalidImageError, InvalidRequestError, ModelLoadError
+from edgevlm.errors import InvalidRequestError, ModelLoadError
 from edgevlm.model_folder import read_json
 from edgevlm.runtime.models.base import VisionInput
-from edgevlm.runtime.models.blocks.pil_tiles import PIL_FILTERS, PilTileProcessor
+from edgevlm.runtime.models.blocks.pil_tiles import PilTileProcessor, check_rgb, read_pil_settings
 from edgevlm.runtime.models.internvl.config import InternVLConfig
 
 logger = logging.getLogger(__name__)
@@ -92,24 +92,11 @@ def read_image_processor_config(pre: dict | None, model_dir: Path, cfg: InternVL
             raise ModelLoadError(f"{where}: {key} must be {typ.__name__}, got {value!r}")
         return value
 
-    def triple(key: str, default: tuple[float, float, float]) -> tuple[float, float, float]:
-        value = pre.get(key, list(default))
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = [value] * 3
-        if not isinstance(value, list) or len(value) != 3 or not all(isinstance(v, (int, float)) for v in value):
-            raise ModelLoadError(f"{where}: {key} must be a list of 3 numbers, got {value!r}")
-        return tuple(float(v) for v in value)
-
     size = pre.get("size", {"height": d.tile_px, "width": d.tile_px})
     if not isinstance(size, dict) or size.get("height") != size.get("width") or size.get("height") != cfg.tile_px:
         raise ModelLoadError(f"{where}: size {size!r} is not the encoder's {cfg.tile_px}x{cfg.tile_px} px tile "
                              "(vision_config.image_size)")
-    resample = pre.get("resample", d.resample)
-    if resample not in PIL_FILTERS:
-        raise ModelLoadError(f"{where}: resample {resample!r} is not a Pillow filter code ({sorted(PIL_FILTERS)})")
-    std = triple("image_std", d.image_std)
-    if any(s == 0 for s in std):
-        raise ModelLoadError(f"{where}: image_std must not contain 0")
+    pil = read_pil_settings(pre, d, where)
     min_patches, max_patches = typed("min_patches", d.min_patches, int), typed("max_patches", d.max_patches, int)
     if not 1 <= min_patches <= max_patches:
         raise ModelLoadError(f"{where}: min_patches {min_patches} / max_patches {max_patches} must satisfy "
@@ -120,14 +107,12 @@ def read_image_processor_config(pre: dict | None, model_dir: Path, cfg: InternVL
         raise ModelLoadError(f"processor_config.json: image_seq_length {seq_len!r} disagrees with config.json "
                              f"((image_size / patch_size * downsample_ratio)^2 = {cfg.image_seq_len})")
     return ImageProcessorConfig(
+        **pil,
         tile_px=cfg.tile_px,
         do_resize=typed("do_resize", d.do_resize, bool),
-        resample=resample,
         do_rescale=typed("do_rescale", d.do_rescale, bool),
         rescale_factor=typed("rescale_factor", d.rescale_factor, float),
         do_normalize=typed("do_normalize", d.do_normalize, bool),
-        image_mean=triple("image_mean", d.image_mean),
-        image_std=std,
         # InternVLProcessor's images_kwargs default (crop_to_patches=True) wins over the image
         # processor's saved class default unless the checkpoint's processor config says otherwise
         crop_to_patches=True,
@@ -166,13 +151,8 @@ class InternVLProcessor(PilTileProcessor):
         Raises:
             InvalidImageError: not an ``(H, W, 3)`` uint8 array, or an empty one.
         """
-        if not isinstance(image, np.ndarray) or image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
-            raise InvalidImageError(f"image must be an (H, W, 3) uint8 RGB array, got {getattr(image, 'shape', None)} "
-                                    f"{getattr(image, 'dtype', type(image).__name__)}")
-        if image.shape[0] == 0 or image.shape[1] == 0:
-            raise InvalidImageError(f"image has zero size {image.shape[0]}x{image.shape[1]}")
+        image = check_rgb(image)
         ic, t = self.image_cfg, self.image_cfg.tile_px
-        image = np.ascontiguousarray(image)
         max_patches = ic.max_patches if max_patches is None else max_patches
         if ic.crop_to_patches and max_patches > 1:
             cols, rows = tile_grid(image.shape[0], image.shape[1], t, min(ic.min_patches, max_patches), max_patches)

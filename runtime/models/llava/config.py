@@ -20,35 +20,23 @@ from edgevlm.runtime.config import (
     int_list,
     parse_resolution_ladder,
     parse_text_config,
+    token_id,
 )
 from edgevlm.runtime.models.blocks.siglip_config import SiglipVisionConfig, parse_siglip_vision_config
+from edgevlm.runtime.models.blocks.vit_config import ViTGeometry, parse_vit_geometry
 
 #: vision tower model types a LLaVA checkpoint may have
 VISION_MODEL_TYPES = ("clip_vision_model", "siglip_vision_model")
 
 
 @dataclass(frozen=True)
-class VisionConfig:
-    """CLIP ViT (``model_type: clip_vision_model``): a CLS token, ``pre_layrnorm``."""
+class VisionConfig(ViTGeometry):
+    """CLIP ViT (``model_type: clip_vision_model``): a CLS token, ``pre_layrnorm``; defaults of
+    transformers' ``CLIPVisionConfig``."""
 
-    hidden_size: int = 768
-    intermediate_size: int = 3072
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 12
-    num_channels: int = 3
-    image_size: int = 224
     patch_size: int = 32
     hidden_act: str = "quick_gelu"
     layer_norm_eps: float = 1e-5
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def grid_side(self) -> int:
-        """Patches per side of the trained (square) position-embedding grid."""
-        return self.image_size // self.patch_size
 
 
 @dataclass(frozen=True)
@@ -121,21 +109,7 @@ def _vision_config(vc: dict) -> VisionConfig | SiglipVisionConfig:
     if model_type == "siglip_vision_model":  # image_size need not be a multiple of patch_size (floored)
         return parse_siglip_vision_config(vc, where=w)
     d = VisionConfig()
-    cfg = VisionConfig(
-        hidden_size=get_typed(vc, "hidden_size", d.hidden_size, int, w),
-        intermediate_size=get_typed(vc, "intermediate_size", d.intermediate_size, int, w),
-        num_hidden_layers=get_typed(vc, "num_hidden_layers", d.num_hidden_layers, int, w),
-        num_attention_heads=get_typed(vc, "num_attention_heads", d.num_attention_heads, int, w),
-        num_channels=get_typed(vc, "num_channels", d.num_channels, int, w),
-        image_size=get_typed(vc, "image_size", d.image_size, int, w),
-        patch_size=get_typed(vc, "patch_size", d.patch_size, int, w),
-        hidden_act=get_typed(vc, "hidden_act", d.hidden_act, str, w),
-        layer_norm_eps=get_typed(vc, "layer_norm_eps", d.layer_norm_eps, float, w),
-    )
-    if cfg.hidden_act not in SUPPORTED_ACTIVATIONS:
-        raise ModelLoadError(f"config.json: {w}hidden_act {cfg.hidden_act!r} is not supported")
-    if cfg.hidden_size % cfg.num_attention_heads:
-        raise ModelLoadError(f"config.json: {w}hidden_size is not a multiple of num_attention_heads")
+    cfg = VisionConfig(**parse_vit_geometry(vc, d, w))
     if cfg.image_size % cfg.patch_size:
         raise ModelLoadError(f"config.json: {w}image_size is not a multiple of patch_size")
     return cfg
@@ -157,9 +131,7 @@ def parse_config(raw: dict) -> LlavaConfig:
             raise ModelLoadError(f"config.json: missing key {key!r}")
     vision = _vision_config(raw["vision_config"])
     text = parse_text_config(raw["text_config"])
-    image_token_id = raw.get("image_token_id", raw.get("image_token_index", 32000))
-    if not isinstance(image_token_id, int) or not 0 <= image_token_id < text.vocab_size:
-        raise ModelLoadError(f"config.json: image_token_id {image_token_id!r} is not a token id of the vocabulary")
+    image_token_id = token_id(raw, "image_token_id", raw.get("image_token_index", 32000), text.vocab_size)
     layers = int_list(raw.get("vision_feature_layer", -2), "vision_feature_layer")
     n_states = vision.num_hidden_layers + 1
     if not layers or any(not -n_states <= i < n_states for i in layers):

@@ -18,13 +18,9 @@ from torch import nn
 from edgevlm.runtime.decoder import Decoder, DecoderVLM, rope_cos_sin
 from edgevlm.runtime.exits import ExitHeads
 from edgevlm.runtime.models.base import VisionInput
-from edgevlm.runtime.models.blocks.siglip import (
-    SiglipEncoderLayer,
-    SiglipVisionConfig,
-    SiglipVisionEmbeddings,
-)
+from edgevlm.runtime.models.blocks.siglip import SiglipVisionConfig, SiglipVisionEmbeddings
 from edgevlm.runtime.models.llava.config import LlavaConfig
-from edgevlm.runtime.vision import VisionInfo, VisionTower, encode_adaptive
+from edgevlm.runtime.vision import VisionBlock, VisionInfo, VisionTower, encode_adaptive
 from edgevlm.types import OperatingPoint
 
 logger = logging.getLogger(__name__)
@@ -46,7 +42,7 @@ class SiglipFeatureEncoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embeddings = SiglipVisionEmbeddings(cfg)
-        self.layers = nn.ModuleList([SiglipEncoderLayer(cfg) for _ in range(num_blocks)])
+        self.layers = nn.ModuleList([VisionBlock(cfg) for _ in range(num_blocks)])
         self.fused_stem: nn.Module | None = None  # the Triton stem is CLIP's (CLS + pre-LN): not used
 
     def stem(self, pixel_values: torch.Tensor) -> torch.Tensor:

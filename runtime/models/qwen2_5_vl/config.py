@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from edgevlm.errors import ModelLoadError
 from edgevlm.runtime.config import (
     SUPPORTED_ACTIVATIONS,
-    TextConfig,
     parse_resolution_ladder,
     parse_text_config,
 )
+from edgevlm.runtime.models.qwen_vl.config import QwenVLConfig, check_rotary_heads, vision_rope_theta
 from edgevlm.runtime.models.qwen_vl.tokens import parse_vision_token_ids
 
 #: transformers' ``Qwen2_5_VLTextConfig`` keys that are decoder keys (the 4.x top-level layout).
@@ -59,22 +59,10 @@ class Qwen25VisionConfig:
 
 
 @dataclass(frozen=True)
-class Qwen25VLConfig:
+class Qwen25VLConfig(QwenVLConfig):
     """A Qwen2.5-VL checkpoint: ViT + 2x2 patch merger + Qwen2 decoder with M-RoPE."""
 
     vision: Qwen25VisionConfig
-    text: TextConfig
-    image_token_id: int = 151655
-    video_token_id: int | None = 151656
-    vision_start_token_id: int = 151652
-    vision_end_token_id: int = 151653
-    tie_word_embeddings: bool = False
-    resolution_ladder: tuple[int, ...] = ()
-
-    @property
-    def vision_blocks_needed(self) -> int:
-        """ViT blocks one encoding runs (all of them: the merger reads the last block)."""
-        return self.vision.depth
 
     @property
     def exit_geometry(self):
@@ -117,12 +105,6 @@ def _vision_config(vc: dict) -> Qwen25VisionConfig:
     for key in ("patch_size", "temporal_patch_size"):
         if isinstance(vc.get(key), list):
             raise ModelLoadError(f"config.json: {w}{key} must be one int (non-square patches are not supported)")
-    rope = vc.get("rope_parameters") or {}
-    if not isinstance(rope, dict):
-        raise ModelLoadError(f"config.json: {w}rope_parameters must be an object")
-    if rope.get("rope_type", "axial") != "axial":
-        raise ModelLoadError(f"config.json: {w}rope_parameters.rope_type {rope.get('rope_type')!r} is not "
-                             "supported (axial)")
     cfg = Qwen25VisionConfig(
         depth=_int(vc, "depth", d.depth, w),
         hidden_size=_int(vc, "hidden_size", d.hidden_size, w),
@@ -137,14 +119,12 @@ def _vision_config(vc: dict) -> Qwen25VisionConfig:
         window_size=_int(vc, "window_size", d.window_size, w),
         out_hidden_size=_int(vc, "out_hidden_size", d.out_hidden_size, w),
         fullatt_block_indexes=tuple(vc.get("fullatt_block_indexes", d.fullatt_block_indexes) or ()),
-        rope_theta=_positive(rope, "rope_theta", d.rope_theta, w + "rope_parameters."),
+        rope_theta=vision_rope_theta(vc, d.rope_theta, w),
     )
     if cfg.hidden_act not in SUPPORTED_ACTIVATIONS:
         raise ModelLoadError(f"config.json: {w}hidden_act {cfg.hidden_act!r} is not supported "
                              f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
-    if cfg.hidden_size % cfg.num_heads or cfg.head_dim % 4:
-        raise ModelLoadError(f"config.json: {w}hidden_size / num_heads must be a multiple of 4 "
-                             "(2-D rotary embeddings)")
+    check_rotary_heads(cfg.hidden_size, cfg.num_heads, w)
     if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < cfg.depth
                for i in cfg.fullatt_block_indexes):
         raise ModelLoadError(f"config.json: {w}fullatt_block_indexes {list(cfg.fullatt_block_indexes)} "
@@ -199,8 +179,8 @@ def parse_config(raw: dict) -> Qwen25VLConfig:
     if vision.out_hidden_size != text.hidden_size:
         raise ModelLoadError(f"config.json: vision_config.out_hidden_size {vision.out_hidden_size} differs from "
                              f"the decoder's hidden_size {text.hidden_size}")
-    ids = parse_vision_token_ids(raw, text.vocab_size)
+    tokens = parse_vision_token_ids(raw, text.vocab_size)
     tie = bool(raw.get("tie_word_embeddings", False)) or bool(tc.get("tie_word_embeddings", False))
     ladder = parse_resolution_ladder(raw, ())
     return Qwen25VLConfig(vision=vision, text=text, tie_word_embeddings=tie,
-                          resolution_ladder=ladder, **ids)
+                          resolution_ladder=ladder, tokens=tokens)

@@ -31,6 +31,7 @@ from torch import nn
 
 from edgevlm.runtime.decoder import RMSNorm, apply_rope
 from edgevlm.runtime.models.qwen2_5_vl.config import Qwen25VisionConfig
+from edgevlm.runtime.models.qwen_vl.patch_embed import PatchEmbed
 from edgevlm.runtime.vision import activation
 
 
@@ -158,18 +159,6 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     return y.transpose(1, 2)[seg, off]  # (N, H, Dh)
 
 
-class PatchEmbed(nn.Module):
-    def __init__(self, cfg: Qwen25VisionConfig) -> None:
-        super().__init__()
-        k = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=k, stride=k, bias=False)
-
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        """``(N, C*tp*p*p)`` -> ``(N, hidden)``: the Conv3d over one patch each, as one matmul."""
-        w = self.proj.weight
-        return F.linear(pixels.to(w.dtype), w.reshape(w.shape[0], -1))
-
-
 class VisionAttention(nn.Module):
     def __init__(self, cfg: Qwen25VisionConfig) -> None:
         super().__init__()
@@ -253,7 +242,7 @@ class Qwen25VisionTower(nn.Module):
     def __init__(self, cfg: Qwen25VisionConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.patch_embed = PatchEmbed(cfg)
+        self.patch_embed = PatchEmbed(cfg, bias=False)
         self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg)
         self.full_attention = frozenset(cfg.fullatt_block_indexes)

@@ -17,9 +17,11 @@ from edgevlm.errors import ModelLoadError
 from edgevlm.runtime.config import (
     SUPPORTED_ACTIVATIONS,
     TextConfig,
+    get_typed,
     parse_resolution_ladder,
     parse_text_config,
 )
+from edgevlm.runtime.models.qwen_vl.config import QwenVLConfig, check_rotary_heads, vision_rope_theta
 from edgevlm.runtime.models.qwen_vl.tokens import parse_vision_token_ids
 
 MODEL_TYPES = ("qwen3_vl",)
@@ -60,22 +62,10 @@ class Qwen3VLVisionConfig:
 
 
 @dataclass(frozen=True)
-class Qwen3VLConfig:
+class Qwen3VLConfig(QwenVLConfig):
     """A Qwen3-VL checkpoint (the contract's family config: ``.text``, ``.image_token_id``, ...)."""
 
     vision: Qwen3VLVisionConfig
-    text: TextConfig
-    image_token_id: int = 151655
-    video_token_id: int | None = 151656
-    vision_start_token_id: int = 151652
-    vision_end_token_id: int = 151653
-    tie_word_embeddings: bool = False
-    resolution_ladder: tuple[int, ...] = ()
-
-    @property
-    def vision_blocks_needed(self) -> int:
-        """ViT blocks one encoding runs (all of them: the merger reads the last block)."""
-        return self.vision.depth
 
     @property
     def exit_geometry(self):
@@ -87,17 +77,6 @@ class Qwen3VLConfig:
         v = self.vision
         return ExitGeometry(vision_hidden_size=v.hidden_size, vision_blocks=v.depth, feature_dim=v.hidden_size,
                             grid_side=v.grid_side, has_cls_token=False, text_hidden_size=self.text.hidden_size)
-
-
-def _get(d: dict, key: str, default: Any, typ: type, where: str) -> Any:
-    value = d.get(key, default)
-    if value is None:
-        return default
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, typ) or (typ in (int, float) and isinstance(value, bool)):
-        raise ModelLoadError(f"config.json: {where}{key} has type {type(value).__name__}, expected {typ.__name__}")
-    return value
 
 
 def _int_tuple(value: Any, key: str) -> tuple[int, ...]:
@@ -112,12 +91,7 @@ def _vision_config(vc: dict) -> Qwen3VLVisionConfig:
     model_type = vc.get("model_type", "qwen3_vl_vision")
     if model_type not in ("qwen3_vl_vision", "qwen3_vl"):  # the hub's configs say "qwen3_vl" here
         raise ModelLoadError(f"config.json: {w}model_type {model_type!r} is not supported (qwen3_vl_vision)")
-    rope = vc.get("rope_parameters") or {}
-    if not isinstance(rope, dict):
-        raise ModelLoadError(f"config.json: {w}rope_parameters must be an object")
-    if rope.get("rope_type", "axial") != "axial":
-        raise ModelLoadError(f"config.json: {w}rope_parameters.rope_type {rope.get('rope_type')!r} is not 'axial'")
-    ints = {k: _get(vc, k, getattr(d, k), int, w) for k in (
+    ints = {k: get_typed(vc, k, getattr(d, k), int, w) for k in (
         "depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size",
         "spatial_merge_size", "temporal_patch_size", "out_hidden_size", "num_position_embeddings")}
     if any(v <= 0 for v in ints.values()):
@@ -125,15 +99,14 @@ def _vision_config(vc: dict) -> Qwen3VLVisionConfig:
         raise ModelLoadError(f"config.json: {w}{bad} must be positive, got {ints[bad]}")
     cfg = Qwen3VLVisionConfig(
         **ints,
-        hidden_act=_get(vc, "hidden_act", d.hidden_act, str, w),
+        hidden_act=get_typed(vc, "hidden_act", d.hidden_act, str, w),
         deepstack_visual_indexes=_int_tuple(vc.get("deepstack_visual_indexes", list(d.deepstack_visual_indexes)),
                                             w + "deepstack_visual_indexes"),
-        rope_theta=_get(rope, "rope_theta", d.rope_theta, float, w + "rope_parameters."),
+        rope_theta=vision_rope_theta(vc, d.rope_theta, w),
     )
     if cfg.hidden_act not in SUPPORTED_ACTIVATIONS:
         raise ModelLoadError(f"config.json: {w}hidden_act {cfg.hidden_act!r} is not supported")
-    if cfg.hidden_size % cfg.num_heads or cfg.head_dim % 4:
-        raise ModelLoadError(f"config.json: {w}hidden_size / num_heads must be a multiple of 4 (2-D rotary)")
+    check_rotary_heads(cfg.hidden_size, cfg.num_heads, w)
     if cfg.grid_side**2 != cfg.num_position_embeddings:
         raise ModelLoadError(f"config.json: {w}num_position_embeddings {cfg.num_position_embeddings} is not a square")
     bad = [i for i in cfg.deepstack_visual_indexes if not 0 <= i < cfg.depth]
@@ -188,7 +161,7 @@ def parse_config(raw: dict) -> Qwen3VLConfig:
             f"{text.hidden_size}")
     if len(vision.deepstack_visual_indexes) > text.num_hidden_layers:
         raise ModelLoadError("config.json: vision_config.deepstack_visual_indexes has more entries than decoder layers")
-    ids = parse_vision_token_ids(raw, text.vocab_size)
+    tokens = parse_vision_token_ids(raw, text.vocab_size)
     ladder = parse_resolution_ladder(raw, ())
     return Qwen3VLConfig(vision=vision, text=text, tie_word_embeddings=tie,
-                         resolution_ladder=ladder, **ids)
+                         resolution_ladder=ladder, tokens=tokens)

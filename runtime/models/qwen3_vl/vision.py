@@ -25,7 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgevlm.runtime.decoder import apply_rope
 from edgevlm.runtime.models.qwen3_vl.config import Qwen3VLVisionConfig
+from edgevlm.runtime.models.qwen_vl.patch_embed import PatchEmbed
 from edgevlm.runtime.vision import activation
 
 _LN_EPS = 1e-6
@@ -86,7 +88,8 @@ class VisionAttention(nn.Module):
         """``x`` ``(N, D)``, ``cos``/``sin`` ``(N, Dh)`` float32; attention within each segment of ``seg_lens``."""
         n, d = x.shape
         qkv = self.qkv(x).view(n, 3, self.n_heads, -1)  # (N, 3, H, Dh)
-        qk = _rotate(qkv[:, :2], cos[:, None, None], sin[:, None, None])  # q and k in one pass: (N, 2, H, Dh)
+        # q and k in one fp32 pass: (N, 2, H, Dh)
+        qk = apply_rope(qkv[:, :2].float(), cos[:, None, None], sin[:, None, None]).to(x.dtype)
         y = frame_attention(qk[:, 0], qk[:, 1], qkv[:, 2], seg_lens)  # (N, H, Dh)
         return self.proj(y.reshape(n, d))
 
@@ -110,14 +113,6 @@ def frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_lens:
     outs = [F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None])
             for qs, ks, vs in zip(q.split(seg_lens), k.split(seg_lens), v.split(seg_lens), strict=True)]
     return torch.cat([o[0].transpose(0, 1) for o in outs])
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-rotation RoPE on ``x`` ``(..., Dh)`` with ``cos``/``sin`` broadcastable to it, in fp32,
-    cast back to ``x.dtype``."""
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    return (xf * cos + torch.cat([-xf[..., half:], xf[..., :half]], -1) * sin).to(x.dtype)
 
 
 class VisionMLP(nn.Module):
@@ -144,19 +139,6 @@ class VisionBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class PatchEmbed(nn.Module):
-    """Conv3d with kernel == stride over ``(C, T, p, p)`` patches, as one matmul on the flattened rows."""
-
-    def __init__(self, cfg: Qwen3VLVisionConfig) -> None:
-        super().__init__()
-        k = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=k, stride=k, bias=True)
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        w = self.proj.weight
-        return F.linear(pixel_values.to(w.dtype), w.reshape(w.shape[0], -1), self.proj.bias)  # (N, D)
-
-
 class Qwen3VLVisionTower(nn.Module):
     """Patches -> (main vision tokens, DeepStack features). Parameter names follow transformers'
     ``Qwen3VLVisionModel`` (``patch_embed``, ``pos_embed``, ``blocks``, ``merger``, ``deepstack_merger_list``)."""
@@ -164,7 +146,7 @@ class Qwen3VLVisionTower(nn.Module):
     def __init__(self, cfg: Qwen3VLVisionConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.patch_embed = PatchEmbed(cfg)
+        self.patch_embed = PatchEmbed(cfg, bias=True)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
         self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg, postshuffle_norm=False)

@@ -2,27 +2,28 @@
 
 from __future__ import annotations
 
-from edgevlm.errors import ModelLoadError
+from dataclasses import dataclass, fields
 
-#: config.json key -> the id Qwen2.5-VL and Qwen3-VL use when a config leaves it out
-VISION_TOKEN_DEFAULTS: tuple[tuple[str, int], ...] = (
-    ("image_token_id", 151655), ("video_token_id", 151656),
-    ("vision_start_token_id", 151652), ("vision_end_token_id", 151653),
-)
+from edgevlm.runtime.config import token_id
 
 
-def parse_vision_token_ids(raw: dict, vocab_size: int) -> dict[str, int]:
+@dataclass(frozen=True)
+class QwenVisionTokens:
+    """The four special token ids of a Qwen2.5-VL / Qwen3-VL vocabulary; the defaults are those
+    the two families use when a ``config.json`` leaves a key out (``<|image_pad|>``,
+    ``<|video_pad|>``, ``<|vision_start|>``, ``<|vision_end|>``)."""
+
+    image_token_id: int = 151655
+    video_token_id: int | None = 151656
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+
+
+def parse_vision_token_ids(raw: dict, vocab_size: int) -> QwenVisionTokens:
     """``image_token_id``, ``video_token_id``, ``vision_start_token_id`` and ``vision_end_token_id``
-    of a Qwen-VL ``config.json`` (defaults: :data:`VISION_TOKEN_DEFAULTS`).
+    of a Qwen-VL ``config.json`` (defaults: :class:`QwenVisionTokens`'s).
 
     Raises:
         ModelLoadError: a value that is not an integer token id below ``vocab_size``, naming the key.
     """
-    ids: dict[str, int] = {}
-    for key, default in VISION_TOKEN_DEFAULTS:
-        value = raw.get(key, default)
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < vocab_size:
-            raise ModelLoadError(f"config.json: {key} {value!r} is not a token id of the vocabulary "
-                                 f"(vocab_size {vocab_size})")
-        ids[key] = value
-    return ids
+    return QwenVisionTokens(**{f.name: token_id(raw, f.name, f.default, vocab_size) for f in fields(QwenVisionTokens)})

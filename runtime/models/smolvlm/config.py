@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edgevlm.errors import ModelLoadError
-from edgevlm.runtime.config import TextConfig, get_typed, parse_resolution_ladder, parse_text_config
+from edgevlm.runtime.config import TextConfig, get_typed, parse_resolution_ladder, parse_text_config, token_id
 from edgevlm.runtime.models.blocks.siglip_config import SiglipVisionConfig, parse_siglip_vision_config
 
 MODEL_TYPES = ("smolvlm", "idefics3")
@@ -105,12 +105,7 @@ def parse_config(raw: dict) -> SmolVLMConfig:
             f"config.json: scale_factor {scale} does not divide the {vision.grid_side}x{vision.grid_side} patch grid "
             "(vision_config.image_size / patch_size)"
         )
-    image_token_id = get_typed(raw, "image_token_id", _DEFAULT_IMAGE_TOKEN_ID[model_type], int, "")
-    if not 0 <= image_token_id < text.vocab_size:
-        raise ModelLoadError(
-            f"config.json: image_token_id {image_token_id} is not a token id of the vocabulary "
-            f"(text_config.vocab_size {text.vocab_size})"
-        )
+    image_token_id = token_id(raw, "image_token_id", _DEFAULT_IMAGE_TOKEN_ID[model_type], text.vocab_size)
     ladder = parse_resolution_ladder(raw, ())
     return SmolVLMConfig(
         vision=vision,

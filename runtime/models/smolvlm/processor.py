@@ -37,10 +37,10 @@ from pathlib import Path
 
 import numpy as np
 
-from edgevlm.errors import InvalidImageError, InvalidRequestError, ModelLoadError
+from edgevlm.errors import InvalidRequestError, ModelLoadError
 from edgevlm.model_folder import read_json
 from edgevlm.runtime.models.base import VisionInput
-from edgevlm.runtime.models.blocks.pil_tiles import PIL_FILTERS, PilTileProcessor
+from edgevlm.runtime.models.blocks.pil_tiles import PilTileProcessor, check_rgb, read_pil_settings
 from edgevlm.runtime.models.smolvlm.config import SmolVLMConfig
 
 logger = logging.getLogger(__name__)
@@ -103,20 +103,7 @@ def read_image_processor_config(pre: dict | None, model_dir: Path, cfg: SmolVLMC
             raise ModelLoadError(f"{where}: {key} must be true or false, got {value!r}")
         return value
 
-    def triple(key: str, default: tuple[float, float, float]) -> tuple[float, float, float]:
-        value = pre.get(key, list(default))
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = [value] * 3
-        if not isinstance(value, list) or len(value) != 3 or not all(isinstance(v, (int, float)) for v in value):
-            raise ModelLoadError(f"{where}: {key} must be a list of 3 numbers, got {value!r}")
-        return tuple(float(v) for v in value)
-
-    resample = pre.get("resample", d.resample)
-    if resample not in PIL_FILTERS:
-        raise ModelLoadError(f"{where}: resample {resample!r} is not a Pillow filter code ({sorted(PIL_FILTERS)})")
-    std = triple("image_std", d.image_std)
-    if any(s == 0 for s in std):
-        raise ModelLoadError(f"{where}: image_std must not contain 0")
+    pil = read_pil_settings(pre, d, where)
     factor = pre.get("rescale_factor", d.rescale_factor)
     if not isinstance(factor, (int, float)) or isinstance(factor, bool):
         raise ModelLoadError(f"{where}: rescale_factor must be a number, got {factor!r}")
@@ -131,16 +118,14 @@ def read_image_processor_config(pre: dict | None, model_dir: Path, cfg: SmolVLMC
         raise ModelLoadError(f"{where}: max_image_size.longest_edge {tile} is not the encoder's "
                              f"vision_config.image_size {cfg.tile_px}")
     return ImageProcessorConfig(
+        **pil,
         do_resize=flag("do_resize", d.do_resize),
         longest_edge_px=_longest_edge(pre, "size", d.longest_edge_px, where),
         tile_px=tile,
         do_image_splitting=flag("do_image_splitting", d.do_image_splitting),
-        resample=resample,
         do_rescale=flag("do_rescale", d.do_rescale),
         rescale_factor=float(factor),
         do_normalize=flag("do_normalize", d.do_normalize),
-        image_mean=triple("image_mean", d.image_mean),
-        image_std=std,
         image_seq_len=seq_len,
     )
 
@@ -216,14 +201,8 @@ class SmolVLMProcessor(PilTileProcessor):
         Raises:
             InvalidImageError: not an ``(H, W, 3)`` uint8 array, or an empty one.
         """
-        if not isinstance(image, np.ndarray) or image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
-            shape = getattr(image, "shape", None)
-            raise InvalidImageError(f"image must be an (H, W, 3) uint8 RGB array, got {shape} "
-                                    f"{getattr(image, 'dtype', type(image).__name__)}")
-        if image.shape[0] == 0 or image.shape[1] == 0:
-            raise InvalidImageError(f"image has zero size {image.shape[0]}x{image.shape[1]}")
+        image = check_rgb(image)
         ic = self.image_cfg
-        image = np.ascontiguousarray(image)
         if ic.do_resize:
             h, w = longest_edge_size(image.shape[0], image.shape[1], longest_edge_px or ic.longest_edge_px)
             image = self._resize(image, h, w)
