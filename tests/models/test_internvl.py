@@ -30,6 +30,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
 from edgevlm.errors import InvalidImageError, InvalidRequestError, ModelLoadError  # noqa: E402
+from edgevlm.quantize.bench_families import CONFIGS  # noqa: E402
 from edgevlm.runtime.models.internvl import WEIGHT_RULES  # noqa: E402
 from edgevlm.runtime.models.internvl.config import parse_config  # noqa: E402
 from edgevlm.runtime.models.internvl.model import InternVLModel  # noqa: E402
@@ -488,20 +489,8 @@ def test_config_fields(ckpt):
 
 
 #: config.json of OpenGVLab/InternVL3-1B-hf as transformers 5.24 reads it (sizes of the model card:
-#: InternViT-300M at 448 px, Qwen2.5-0.5B), keys at their defaults left out
-INTERNVL3_1B_CONFIG = {
-    "architectures": ["InternVLForConditionalGeneration"], "model_type": "internvl", "downsample_ratio": 0.5,
-    "image_token_id": 151667, "image_seq_length": 256, "projector_hidden_act": "gelu",
-    "vision_feature_layer": -1, "vision_feature_select_strategy": "default",
-    "text_config": {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-                    "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151674,
-                    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
-                    "tie_word_embeddings": True, "eos_token_id": 151645},
-    "vision_config": {"model_type": "internvl_vision", "hidden_size": 1024, "intermediate_size": 4096,
-                      "num_hidden_layers": 24, "num_attention_heads": 16, "image_size": [448, 448],
-                      "patch_size": [14, 14], "layer_scale_init_value": 0.1, "norm_type": "layer_norm",
-                      "use_qk_norm": False, "attention_bias": True, "use_mean_pooling": True},
-}
+#: InternViT-300M at 448 px, Qwen2.5-0.5B), keys at their defaults left out; one copy, the bench's
+INTERNVL3_1B_CONFIG = {k: v for k, v in CONFIGS["internvl3-1b"].items() if k != "tie_word_embeddings"}
 
 
 def test_hub_internvl3_1b_config_reads_as_transformers_does():
