@@ -29,6 +29,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
+from parity_support import hf_greedy, max_rel_error, our_greedy  # noqa: E402
+
 from edgevlm.errors import InvalidImageError, InvalidRequestError, ModelLoadError  # noqa: E402
 from edgevlm.quantize.bench_families import CONFIGS  # noqa: E402
 from edgevlm.runtime.models.internvl import WEIGHT_RULES  # noqa: E402
@@ -239,7 +241,7 @@ def test_prefill_logits_match_transformers(ckpt, hf, ours, size):
         logits = model(ids, vision)
     assert logits.shape == ref_logits.shape
     assert float(ref_logits.std()) > 0.1  # a real signal, not a constant
-    assert float((logits - ref_logits).abs().max() / ref_logits.abs().max()) <= TOL
+    assert max_rel_error(logits, ref_logits) <= TOL
 
 
 def test_greedy_16_tokens_match_generate(ckpt, hf, ours):
@@ -247,17 +249,9 @@ def test_greedy_16_tokens_match_generate(ckpt, hf, ours):
     model, proc = ours
     img = _image(100, 150, seed=2)
     ref = _hf_inputs(hf_proc, img)
-    with torch.no_grad():
-        out = hf_model.generate(**ref, max_new_tokens=16, min_new_tokens=16, do_sample=False)
-    expected = out[0, ref["input_ids"].shape[1]:].tolist()
+    expected = hf_greedy(hf_model, ref)
     vision = proc.prepare([img])
-    ids = torch.tensor([_our_ids(ckpt, proc, vision)])
-    tokens = []
-    with torch.no_grad():
-        logits = model.prefill(model.embed(ids, model.encode_vision(vision)))
-        for step in range(16):
-            tokens.append(int(logits.argmax(-1)))
-            logits = model.decode(torch.tensor([[tokens[-1]]]), torch.tensor([ids.shape[1] + step]))
+    tokens = our_greedy(model, torch.tensor([_our_ids(ckpt, proc, vision)]), vision)
     assert len(set(expected)) > 1
     assert tokens == expected
 
@@ -304,7 +298,7 @@ def test_internvl3_5_qwen3_decoder_and_layer_norm_tower_match_transformers(tmp_p
         with torch.no_grad():
             ref_logits = ref(input_ids=ids, pixel_values=pixels).logits
             logits = model(ids, VisionInput(pixels, [2 * IMAGE_SEQ_LEN], ["image"]))
-        assert float((logits - ref_logits).abs().max() / ref_logits.abs().max()) <= TOL, (layer, norm)
+        assert max_rel_error(logits, ref_logits) <= TOL, (layer, norm)
         _check_vision_graph(model, pixels)
 
 

@@ -26,6 +26,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 pytest.importorskip("num2words")  # transformers' SmolVLMProcessor needs it
 
+from parity_support import hf_greedy, max_rel_error, our_greedy  # noqa: E402
+
 from edgevlm.errors import InvalidImageError, InvalidRequestError, ModelLoadError  # noqa: E402
 from edgevlm.runtime.models.smolvlm import WEIGHT_RULES  # noqa: E402
 from edgevlm.runtime.models.smolvlm.config import parse_config  # noqa: E402
@@ -255,7 +257,7 @@ def test_prefill_logits_match_transformers(ckpt, hf, ours, size):
         logits = model(ids, vision)
     assert logits.shape == ref_logits.shape
     assert float(ref_logits.std()) > 0.1  # a real signal, not a constant
-    assert float((logits - ref_logits).abs().max() / ref_logits.abs().max()) <= TOL
+    assert max_rel_error(logits, ref_logits) <= TOL
 
 
 def test_greedy_16_tokens_match_generate(ckpt, hf, ours):
@@ -263,18 +265,9 @@ def test_greedy_16_tokens_match_generate(ckpt, hf, ours):
     model, proc = ours
     img = _image(100, 150, seed=2)
     ref = _hf_inputs(hf_proc, img)
-    with torch.no_grad():
-        out = hf_model.generate(**ref, max_new_tokens=16, min_new_tokens=16, do_sample=False)
-    expected = out[0, ref["input_ids"].shape[1]:].tolist()
+    expected = hf_greedy(hf_model, ref)
     vision = proc.prepare([img])
-    ids = torch.tensor([_our_ids(ckpt, proc, vision)])
-    tokens = []
-    with torch.no_grad():
-        logits = model.prefill(model.embed(ids, model.encode_vision(vision)))
-        for step in range(16):
-            tokens.append(int(logits.argmax(-1)))
-            pos = torch.tensor([ids.shape[1] + step])
-            logits = model.decode(torch.tensor([[tokens[-1]]]), pos)
+    tokens = our_greedy(model, torch.tensor([_our_ids(ckpt, proc, vision)]), vision)
     assert len(set(expected)) > 1
     assert tokens == expected
 
@@ -333,7 +326,7 @@ def test_idefics3_checkpoint_matches_transformers(tmp_path):
     with torch.no_grad():
         ref_logits = ref(input_ids=ids, pixel_values=pixels).logits
         logits = model(ids, vision)
-    assert float((logits - ref_logits).abs().max() / ref_logits.abs().max()) <= TOL
+    assert max_rel_error(logits, ref_logits) <= TOL
 
 
 # ---- through the Engine and the CLI ------------------------------------------------------------
