@@ -24,7 +24,7 @@ _BUILDERS = {  # family -> (test module, builder function)
 
 
 @cache
-def _module(file: str):
+def load_test_module(file: str):
     """A family test module loaded by path (pytest's importlib mode gives it no importable name)."""
     spec = importlib.util.spec_from_file_location(f"family_support_{file[:-3]}", _MODELS / file)
     module = importlib.util.module_from_spec(spec)
@@ -41,7 +41,7 @@ def write_checkpoint(family: str, folder: Path) -> Path:
         return Path(ready) / family
     file, name = _BUILDERS[family]
     folder.mkdir(parents=True, exist_ok=True)
-    getattr(_module(file), name)(folder)
+    getattr(load_test_module(file), name)(folder)
     return folder
 
 

@@ -11,7 +11,6 @@ RoPE positions.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import math
 import shutil
@@ -24,35 +23,17 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
+from family_support import write_checkpoint  # noqa: E402
+
 from edgevlm.quantize import calibrate  # noqa: E402
 from edgevlm.runtime.engine import Engine  # noqa: E402
 from edgevlm.runtime.exits import ExitHeads, make_spec  # noqa: E402
 from edgevlm.types import OperatingPoint  # noqa: E402
 
-MODELS = Path(__file__).parents[1] / "models"
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "smolvlm")
 QUESTION = "how many shapes are there?"
 FAST = ["--steps", "2", "--batch-size", "1", "--agreement-images", "5", "--questions-per-image", "1",
         "--no-frontier", "--threads", "1"]
-
-
-def _module(name: str):
-    spec = importlib.util.spec_from_file_location(f"_vit_exits_{name}", MODELS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def write_checkpoint(family: str, folder: Path) -> Path:
-    """The family's tiny checkpoint, written by its own test builder."""
-    if family == "qwen2_5_vl":
-        _module("test_qwen2_5_vl").write_tiny_qwen2_5_vl(folder)
-    elif family == "qwen3_vl":
-        _module("test_qwen3_vl").write_tiny_qwen3_vl(folder)
-    else:
-        pytest.importorskip("num2words")
-        _module("test_smolvlm").build_checkpoint(folder)
-    return folder
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -12,7 +12,6 @@ bundle, and ``--backend onnx`` answers as the torch backend; ``--vision int4`` i
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -23,37 +22,18 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
+from family_support import load_test_module, write_checkpoint  # noqa: E402
+
 from edgevlm.quantize.build import BuildOptions, build_bundle  # noqa: E402
 from edgevlm.runtime.bundle import read_manifest  # noqa: E402
 from edgevlm.runtime.engine import Engine  # noqa: E402
-
-HERE = Path(__file__).parent
-
-
-def _module(name: str):
-    spec = importlib.util.spec_from_file_location(f"_quantize_families_{name}", HERE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _write(family: str, folder: Path) -> Path:
-    if family == "qwen2_5_vl":
-        _module("test_qwen2_5_vl").write_tiny_qwen2_5_vl(folder)
-    elif family == "qwen3_vl":
-        _module("test_qwen3_vl").write_tiny_qwen3_vl(folder)
-    else:
-        pytest.importorskip("num2words")
-        _module("test_smolvlm").build_checkpoint(folder)
-    return folder
-
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "smolvlm")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def checkpoint(request, tmp_path_factory) -> tuple[str, Path]:
-    return request.param, _write(request.param, tmp_path_factory.mktemp(request.param))
+    return request.param, write_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def _image() -> np.ndarray:
@@ -210,7 +190,7 @@ def test_llava_awq_runner_uses_the_checkpoints_rope(tmp_path):
     from edgevlm.quantize.shards import CheckpointReader
     from edgevlm.runtime.loader import read_model_files
 
-    llava = _module("test_llava")
+    llava = load_test_module("test_llava.py")
     vision, text_cls, extra = llava.VARIANTS["clip-llama3"]
     src = llava.build_llava(tmp_path / "llama3", vision, text_cls, extra)
     files = read_model_files(src)
