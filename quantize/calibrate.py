@@ -485,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
             engine.backend.model.attach_exit_heads(load_exit_heads(out, engine.config, device=engine.backend.device,
                                                                    dtype=engine.backend.dtype,
                                                                    weights_dir=engine.model_dir))
-            written += frontier.run(engine, out, n=args.frontier_n, profile=args.profile, progress=say)
+            written += frontier.run(engine, out, n=args.frontier_n, profile=args.profile, progress=say,
+                                    show=print)
         if args.out is None and is_bundle(out):
             _add_to_manifest(out, written)
             say(f"calibrate: added {', '.join(written)} to {out / 'manifest.json'}")

@@ -210,9 +210,10 @@ def grid_from_profile(engine, profile: str | None) -> dict[str, list]:
 
 
 def run(engine, out_dir: str | Path, *, n: int = 90, seed: int = EVAL_SEED, profile: str | None = None,
-        grid: dict[str, list] | None = None, progress: Callable[[str], None] = logger.info) -> list[str]:
-    """Measure the grid, print the frontier table (stdout), write ``frontier.json`` and
-    ``frontier.png`` into ``out_dir``. Returns the file names written."""
+        grid: dict[str, list] | None = None, progress: Callable[[str], None] = logger.info,
+        show: Callable[[str], None] = logger.info) -> list[str]:
+    """Measure the grid, hand the frontier table to ``show`` (the CLIs pass ``print``: stdout),
+    write ``frontier.json`` and ``frontier.png`` into ``out_dir``. Returns the file names written."""
     from edgevlm.runtime.demo import scenes
     from edgevlm.runtime.exits import weights_fingerprint
 
@@ -232,9 +233,9 @@ def run(engine, out_dir: str | Path, *, n: int = 90, seed: int = EVAL_SEED, prof
     )
     (out / FRONTIER_JSON).write_text(record.model_dump_json(indent=2) + "\n")
     plot(points, front, out / FRONTIER_PNG, title=f"operating points ({record.device}, n={n})")
-    print(f"Pareto frontier of {len(points)} grid points, with the full-depth points' own "
-          f"({record.device}, {n} eval items):")
-    print(format_table(front))
+    show(f"Pareto frontier of {len(points)} grid points, with the full-depth points' own "
+         f"({record.device}, {n} eval items):")
+    show(format_table(front))
     return [FRONTIER_JSON, FRONTIER_PNG]
 
 
@@ -279,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.caps is not None:
             grid["caps"] = args.caps
         run(engine, args.out or engine.model_dir, n=args.n, seed=args.seed, grid=grid,
-            progress=lambda m: print(m, file=sys.stderr, flush=True))
+            progress=lambda m: print(m, file=sys.stderr, flush=True), show=print)
     except (EdgeVLMError, ValueError, OSError) as exc:
         from edgevlm.cli_args import fail
 

@@ -69,7 +69,7 @@ def test_nice_ticks():
 
 def test_run_on_tiny_engine(tmp_path, exit_engine, capsys):
     grid = {"rungs": [64], "thresholds": [None, 0.0], "keep_ratios": [1.0, 0.5], "caps": [1]}
-    written = frontier.run(exit_engine, tmp_path, n=3, grid=grid, progress=lambda m: None)
+    written = frontier.run(exit_engine, tmp_path, n=3, grid=grid, progress=lambda m: None, show=print)
     assert written == ["frontier.json", "frontier.png"]
     record = load_frontier(tmp_path / "frontier.json")
     assert len(record.points) == 8 and record.eval_items == 3 and record.device == "cpu float32 torch"
