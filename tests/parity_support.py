@@ -27,3 +27,20 @@ def our_greedy(model, ids: torch.Tensor, vision, n: int = 16) -> list[int]:
             tokens.append(int(logits.argmax(-1)))
             logits = model.decode(torch.tensor([[tokens[-1]]]), torch.tensor([ids.shape[1] + step]))
     return tokens
+
+
+def map_checkpoint(state: dict, weight_rules, *, every_key_ruled: bool = False) -> dict:
+    """``state`` (checkpoint tensor name -> value) renamed by a family's ``WEIGHT_RULES`` exactly as the
+    loader does (:func:`edgevlm.runtime.loader.map_weight_name`: first rule found rewrites or drops the
+    name, no rule keeps it). ``every_key_ruled``: an ``AssertionError`` for a name no rule matches."""
+    from edgevlm.runtime.loader import compile_weight_rules, map_weight_name
+
+    rules = compile_weight_rules(tuple(weight_rules))
+    out = {}
+    for key, value in state.items():
+        if every_key_ruled and not any(pattern.search(key) for pattern, _ in rules):
+            raise AssertionError(f"no weight rule for {key}")
+        name = map_weight_name(key, rules)
+        if name is not None:
+            out[name] = value
+    return out

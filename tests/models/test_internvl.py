@@ -29,7 +29,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
-from parity_support import hf_greedy, max_rel_error, our_greedy  # noqa: E402
+from parity_support import hf_greedy, map_checkpoint, max_rel_error, our_greedy  # noqa: E402
 
 from edgevlm.errors import InvalidImageError, InvalidRequestError, ModelLoadError  # noqa: E402
 from edgevlm.quantize.bench_families import CONFIGS  # noqa: E402
@@ -129,15 +129,7 @@ def _load(folder: Path) -> InternVLModel:
 
     cfg = parse_config(json.loads((folder / "config.json").read_text()))
     model = InternVLModel(cfg).eval()
-    state = {}
-    for key, t in load_file(str(folder / "model.safetensors")).items():
-        for pattern, repl in WEIGHT_RULES:
-            if re.search(pattern, key):
-                if repl is not None:
-                    state[re.sub(pattern, repl, key)] = t
-                break
-        else:
-            state[key] = t
+    state = map_checkpoint(load_file(str(folder / "model.safetensors")), WEIGHT_RULES)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert unexpected == [] and missing == ["language_model.lm_head.weight"]  # tied: not stored
     model.language_model.lm_head.weight = model.language_model.embed_tokens.weight

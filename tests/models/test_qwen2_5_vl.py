@@ -22,6 +22,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
+from parity_support import map_checkpoint  # noqa: E402
+
 from edgevlm.errors import InvalidImageError, InvalidRequestError, ModelLoadError  # noqa: E402
 from edgevlm.runtime.models.qwen2_5_vl.config import parse_config  # noqa: E402
 from edgevlm.runtime.models.qwen2_5_vl.model import Qwen25VLModel  # noqa: E402
@@ -132,15 +134,7 @@ def load_model(folder) -> Qwen25VLModel:
     from safetensors.torch import load_file
 
     model = Qwen25VLModel(parse_config(json.loads((folder / "config.json").read_text())))
-    state = {}
-    for name, tensor in load_file(folder / "model.safetensors").items():
-        for pattern, repl in WEIGHT_RULES:
-            if re.search(pattern, name):
-                if repl is not None:
-                    state[re.sub(pattern, repl, name)] = tensor
-                break
-        else:
-            raise AssertionError(f"no weight rule for {name}")
+    state = map_checkpoint(load_file(folder / "model.safetensors"), WEIGHT_RULES, every_key_ruled=True)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and all(k == "language_model.lm_head.weight" for k in missing), (missing, unexpected)
     model.eval()
@@ -612,13 +606,7 @@ def test_real_3b_config_builds_the_parameters_transformers_has():
     with torch.device("meta"):
         ours = Qwen25VLModel(cfg)
         ref = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**HUB_3B_CONFIG))
-    want = {}
-    for name, p in ref.state_dict().items():
-        for pattern, repl in WEIGHT_RULES:
-            if re.search(pattern, name):
-                if repl is not None:
-                    want[re.sub(pattern, repl, name)] = tuple(p.shape)
-                break
+    want = {name: tuple(p.shape) for name, p in map_checkpoint(ref.state_dict(), WEIGHT_RULES).items()}
     got = {name: tuple(p.shape) for name, p in ours.state_dict().items()}
     assert got == want
 

@@ -25,6 +25,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
+from parity_support import map_checkpoint  # noqa: E402
+
 from edgevlm.errors import InvalidImageError, InvalidRequestError, ModelLoadError  # noqa: E402
 from edgevlm.runtime.models.qwen3_vl.config import parse_config  # noqa: E402
 from edgevlm.runtime.models.qwen3_vl.model import Qwen3VLModel  # noqa: E402
@@ -232,21 +234,12 @@ def write_tiny_qwen3_vl(folder: Path) -> dict[str, int]:
 
 def _ours(ck: Checkpoint) -> Qwen3VLModel:
     """Our model with the checkpoint's weights mapped by the family's weight rules."""
-    import re
 
     from safetensors.torch import load_file
 
     from edgevlm.runtime.models.qwen3_vl.weights import WEIGHT_RULES
 
-    state = {}
-    for name, tensor in load_file(ck.folder / "model.safetensors").items():
-        for pattern, repl in WEIGHT_RULES:
-            if re.match(pattern, name):
-                if repl is not None:
-                    state[re.sub(pattern, repl, name)] = tensor
-                break
-        else:
-            raise AssertionError(f"no weight rule for {name}")
+    state = map_checkpoint(load_file(ck.folder / "model.safetensors"), WEIGHT_RULES, every_key_ruled=True)
     model = Qwen3VLModel(ck.cfg)
     model.load_state_dict(state, strict=True)
     model.eval().setup_caches(1, 1024)

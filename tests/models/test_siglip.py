@@ -12,6 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from parity_support import map_checkpoint  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from edgevlm.errors import ModelLoadError  # noqa: E402
@@ -26,14 +27,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _map(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {}
-    for key, t in state.items():
-        for pattern, repl in WEIGHT_RULES:
-            if re.match(pattern, key):
-                if repl is not None:
-                    out[re.sub(pattern, repl, key)] = t
-                break
-    return out
+    return map_checkpoint(state, WEIGHT_RULES)
 
 
 @pytest.fixture(scope="module")
