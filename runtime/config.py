@@ -38,6 +38,18 @@ class TextConfig:
     the ``(t, h, w)`` split of the ``head_dim / 2`` frequencies; ``mrope_interleaved``: Qwen3-VL's
     interleaved layout. ``sliding_window``: Mistral's attention window (positions); the KV cache is
     kept within it, so attention is exact.
+
+    Gemma 3 (``edgevlm.runtime.models.gemma3``): ``norm_unit_offset`` — every RMSNorm weight is
+    stored as an offset from 1 (``x * (1 + w)``, the product in float32); ``sandwich_norms`` — four
+    norms per layer (``post_attention_layernorm`` on the attention output, ``pre_feedforward_layernorm``
+    / ``post_feedforward_layernorm`` around the MLP); ``embed_scale`` — token embeddings multiplied by
+    it (``sqrt(hidden_size)``, cast to the weights' dtype first); ``attn_scale`` — the attention
+    score scale (``query_pre_attn_scalar ** -0.5``; None = ``head_dim ** -0.5``); ``layer_types`` —
+    ``"sliding_attention"`` / ``"full_attention"`` per layer; ``sliding_layer_window`` — the sliding
+    layers' window, applied by mask (key ``k`` visible to query ``q`` when ``q - k <
+    sliding_layer_window``) over a full-length KV cache (``sliding_window``, which bounds the cache,
+    stays None); ``sliding_rope_theta`` — the sliding layers' RoPE base ('default'
+    type; the RoPE fields above are the full layers').
     """
 
     vocab_size: int = 32000
@@ -65,6 +77,15 @@ class TextConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = 1
     eos_token_id: list[int] = field(default_factory=list)
+    # Gemma 2 / 3 options (Gemma Team, "Gemma 3 Technical Report", 2025; transformers' Gemma3TextModel),
+    # all off by default so the other decoders are unchanged
+    norm_unit_offset: bool = False
+    sandwich_norms: bool = False
+    embed_scale: float | None = None
+    attn_scale: float | None = None
+    layer_types: tuple[str, ...] | None = None
+    sliding_layer_window: int | None = None
+    sliding_rope_theta: float | None = None
 
 
 def get_typed(d: dict, key: str, default: Any, typ: type | tuple[type, ...], where: str) -> Any:
@@ -106,6 +127,9 @@ def int_list(value: Any, where: str) -> list[int]:
 #: the private names families already import (kept one session for merging; use the public ones)
 _get = get_typed
 
+
+#: per-layer attention kinds of ``TextConfig.layer_types`` (transformers' names)
+LAYER_TYPES = ("sliding_attention", "full_attention")
 
 #: RoPE types :func:`edgevlm.runtime.decoder.rope_inv_freq` implements.
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")

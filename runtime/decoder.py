@@ -6,6 +6,13 @@ MLP (Shazeer 2020), grouped-query attention (Ainslie et al., "GQA", 2023). Numer
 transformers' ``LlamaForCausalLM``: RMSNorm in float32 then cast back before the weight, RoPE
 tables computed in float32 and cast to the activation dtype, scale ``head_dim ** -0.5``.
 Parameter names follow transformers' Llama so checkpoints load by name.
+
+Gemma 3 (Gemma Team, "Gemma 3 Technical Report", 2025) is the same decoder with configuration
+switches (:class:`~edgevlm.runtime.config.TextConfig`; numerics of transformers' ``Gemma3TextModel``):
+unit-offset RMSNorm in float32 (:class:`UnitOffsetNorm`), four norms per layer, embeddings scaled by
+``sqrt(hidden_size)`` (:class:`ScaledEmbedding`), the ``query_pre_attn_scalar`` attention scale,
+interleaved sliding-window / full layers with their own RoPE tables, and bidirectional attention
+within each image's tokens during prefill (``image_blocks``, see :meth:`Decoder.forward`).
 """
 
 from __future__ import annotations
@@ -54,6 +61,80 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+
+class UnitOffsetNorm(nn.Module):
+    """RMSNorm whose weight is stored as an offset from 1 (Gemma): ``x / rms(x) * (1 + w)``, the
+    statistics and the product in float32, cast back to ``x``'s dtype at the end (transformers'
+    ``Gemma3RMSNorm``; ``w`` starts at 0). ``(..., dim)`` -> same shape and dtype.
+
+    Deliberately not named ``*RMSNorm``: AWQ folds its ``1 / s`` into modules of that name by
+    dividing the weight (:func:`edgevlm.quantize.awq.find_scale_groups`), which for ``1 + w`` would
+    be wrong; the linears behind this norm keep an explicit AWQ input scale instead."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def make_norm(cfg: TextConfig, dim: int) -> nn.Module:
+    """The decoder's RMSNorm over ``dim`` channels: :class:`UnitOffsetNorm` with
+    ``cfg.norm_unit_offset`` (Gemma), else :class:`RMSNorm` (Llama)."""
+    return UnitOffsetNorm(dim, cfg.rms_norm_eps) if cfg.norm_unit_offset else RMSNorm(dim, cfg.rms_norm_eps)
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Token embeddings times ``scale`` (Gemma: ``sqrt(hidden_size)``), the scale rounded to the
+    weights' dtype first, as transformers' ``Gemma3TextScaledWordEmbedding`` (a float32 scalar cast
+    to the weight dtype: 50.5 in bfloat16 for ``sqrt(2560)``). ``(B, T)`` int64 -> ``(B, T, D)``."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, scale: float) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.scale = scale
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        return super().forward(input_ids) * torch.tensor(self.scale, dtype=torch.float32, device=w.device).to(w.dtype)
+
+
+def prefill_masks(t: int, image_blocks: torch.Tensor | None, sliding_window: int | None,
+                  device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Boolean attention masks ``(B|1, 1, T, T)`` (True = attend) of a prefill from slot 0, for the
+    full and the sliding-window layers; None where plain causal attention is exact.
+
+    Rules of transformers' ``create_masks_for_vision_model`` (Gemma 3): full layers
+    ``causal OR same_block``; sliding layers ``(causal OR same_block) AND q - k < sliding_window``,
+    where ``same_block`` = query and key carry the same non-negative ``image_blocks`` id (``(B, T)``
+    int64, -1 for text; None: no image)."""
+    q = torch.arange(t, device=device)[:, None]
+    k = torch.arange(t, device=device)[None, :]
+    allowed = k <= q  # (T, T)
+    full = None
+    if image_blocks is not None:
+        ids = image_blocks.to(device)
+        same = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] >= 0)  # (B, T, T)
+        allowed = allowed | same
+        full = allowed[:, None]  # (B, 1, T, T)
+    sliding = None
+    if sliding_window is not None and (image_blocks is not None or t > sliding_window):
+        sliding = (allowed & (k > q - sliding_window)).reshape(-1, 1, t, t)  # (B|1, 1, T, T)
+    return full, sliding
+
+
+def sliding_decode_mask(input_pos: torch.Tensor, kv_len: int, sliding_window: int) -> torch.Tensor:
+    """:func:`~edgevlm.runtime.kv_cache.decode_mask` restricted to a sliding window: key position
+    ``k`` visible to a query at position ``p`` when ``p - sliding_window < k <= p``; ``(1, 1, T,
+    kv_len)`` for ``input_pos (T,)``, ``(B, 1, T, kv_len)`` for ``(B, T)``."""
+    keys = torch.arange(kv_len, device=input_pos.device)  # (S,)
+    pos = input_pos[:, None] if input_pos.dim() == 1 else input_pos[:, :, None]  # (T, 1) / (B, T, 1)
+    allowed = (keys <= pos) & (keys > pos - sliding_window)
+    return allowed[None, None] if input_pos.dim() == 1 else allowed[:, None]
 
 
 def rope_inv_freq(cfg: TextConfig) -> torch.Tensor:
@@ -182,9 +263,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=cfg.o_bias)
-        # Qwen3: RMSNorm over each head's q and k (weights (Dh,)) before RoPE
-        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # Qwen3 / Gemma 3: RMSNorm over each head's q and k (weights (Dh,)) before RoPE
+        self.q_norm = make_norm(cfg, hd) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, hd) if cfg.qk_norm else None
+        self.scale = cfg.attn_scale  # None: SDPA's head_dim ** -0.5
         self.kv_cache: KVCache | None = None
         self.qkv_proj: nn.Module | None = None  # set by fuse(): q, k, v in one matmul
         self.int4kv_kernel = True  # CUDA decode over an INT4 cache: attend from the codes (False: dequantize + SDPA)
@@ -198,10 +280,11 @@ class Attention(nn.Module):
     def _sdpa(self, q, k, v, mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
         if self.n_kv_heads != self.n_heads:
             if sdpa_has_gqa():
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True,
+                                                      scale=self.scale)
             rep = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale)
 
     def _masked_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Attention of ``q (B, H, T, Dh)`` over ``k``/``v`` ``(B, Hkv, S, Dh)`` with a boolean
@@ -211,12 +294,12 @@ class Attention(nn.Module):
         b, h, t, dh = q.shape
         rep = h // self.n_kv_heads
         if rep == 1:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         qg = q.reshape(b, self.n_kv_heads, rep * t, dh)  # (B, Hkv, rep*T, Dh)
         if t > 1:
             mb, s = mask.shape[0], mask.shape[-1]
             mask = mask[:, :, None].expand(mb, 1, rep, t, s).reshape(mb, 1, rep * t, s)
-        y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)  # (B, Hkv, rep*T, Dh)
+        y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale)  # (B, Hkv, rep*T, Dh)
         return y.reshape(b, h, t, dh)
 
     def forward(
@@ -228,6 +311,7 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,
         rows: torch.Tensor | None = None,
         sin_signed: torch.Tensor | None = None,
+        attend_fresh: bool = False,
     ) -> torch.Tensor:
         """``x`` ``(B, T, D)`` at positions ``input_pos`` (``(T,)``, or ``(B, T)`` per row) -> ``(B, T, D)``.
 
@@ -236,6 +320,8 @@ class Attention(nn.Module):
         ``kv_len`` cache positions (decode); boolean or additive (0 / -inf in ``x.dtype``). ``rows``
         ``(B,)``: cache rows to write (None = ``0..B-1``; decode always uses rows ``0..B-1``).
         ``sin_signed``: :func:`signed_sin` of ``sin`` (used by the fused-projection path).
+        ``attend_fresh``: a prefill from position 0 with a ``mask`` ``(B|1, 1, T, T)`` over the T fresh
+        keys (sliding windows, Gemma 3's bidirectional image blocks) instead of the cache.
         """
         if self.kv_cache is None:
             raise RuntimeError("KV cache not set up: call setup_caches() first")
@@ -261,8 +347,10 @@ class Attention(nn.Module):
         self.kv_cache.write(input_pos, k, v, rows)
         if mask is None:
             y = self._sdpa(q, k, v, None, is_causal=True)
+        elif attend_fresh:
+            y = self._masked_sdpa(q, k, v, mask)  # (B, H, T, Dh)
         elif t == 1 and q.is_cuda and self.int4kv_kernel and self.kv_cache.kv_cache_dtype == "int4" and \
-                triton_available():
+                triton_available() and self.scale is None:
             # decode from the 4-bit codes without dequantizing the cache (kernels/int4kv_attention.py);
             # the mask is decode_mask's: key position <= the row's position
             pos = input_pos.reshape(-1).expand(b) if input_pos.dim() == 1 else input_pos[:, 0]  # (B,)
@@ -298,15 +386,28 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``
+    (Llama). With ``cfg.sandwich_norms`` (Gemma 2 / 3) ``post_attention_layernorm`` normalises the
+    attention output and the MLP sits between ``pre_feedforward_layernorm`` and
+    ``post_feedforward_layernorm``: ``x + post_attn(attn(in(x)))``, then ``x + post_ff(mlp(pre_ff(x)))``."""
+
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
         self.mlp = MLP(cfg)
+        self.sandwich_norms = cfg.sandwich_norms
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
+            self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
 
-    def forward(self, x, cos, sin, input_pos, mask, rows=None, sin_signed=None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, mask, rows, sin_signed)
+    def forward(self, x, cos, sin, input_pos, mask, rows=None, sin_signed=None, attend_fresh=False) -> torch.Tensor:
+        if self.sandwich_norms:
+            h = self.self_attn(self.input_layernorm(x), cos, sin, input_pos, mask, rows, sin_signed, attend_fresh)
+            x = x + self.post_attention_layernorm(h)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, mask, rows, sin_signed, attend_fresh)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -316,9 +417,16 @@ class Decoder(nn.Module):
     def __init__(self, cfg: TextConfig, tie_word_embeddings: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        if cfg.embed_scale is None:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        else:
+            self.embed_tokens = ScaledEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.embed_scale)
         self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = make_norm(cfg, cfg.hidden_size)
+        # Gemma 3: which layers attend within the sliding window (their own RoPE tables when
+        # sliding_rope_theta is set); empty for every other decoder
+        self.sliding_layers = frozenset(i for i, kind in enumerate(cfg.layer_types or ()) if kind == "sliding_attention")
+        self.local_rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (cos, sin, sin_signed)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_word_embeddings = tie_word_embeddings
         if tie_word_embeddings:
@@ -363,6 +471,10 @@ class Decoder(nn.Module):
         # stored in the activation dtype, as transformers casts them (one cast at set-up, not per step)
         self.rope_cos, self.rope_sin = cos.to(w.dtype), sin.to(w.dtype)
         self.rope_sin_signed = signed_sin(sin).to(w.dtype)
+        self.local_rope = None
+        if self.cfg.sliding_rope_theta is not None and self.sliding_layers:  # Gemma 3's local RoPE base
+            cos, sin = rope_tables(self.cfg.head_dim, n_rope, self.cfg.sliding_rope_theta, w.device)
+            self.local_rope = cos.to(w.dtype), sin.to(w.dtype), signed_sin(sin).to(w.dtype)
 
     def fuse_projections(self) -> int:
         """Fuse q/k/v and gate/up of every layer into single matmuls (fewer kernels per decode
@@ -379,7 +491,8 @@ class Decoder(nn.Module):
                 last_index: torch.Tensor | None = None,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 rope_offset: int | torch.Tensor = 0,
-                layer_adds: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> torch.Tensor:
+                layer_adds: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+                image_blocks: torch.Tensor | None = None) -> torch.Tensor:
         """Run the decoder on ``embeds`` ``(B, T, D)`` at cache slots ``input_pos``: ``(T,)`` int64
         shared by all rows, or ``(B, T)`` per row.
 
@@ -400,6 +513,12 @@ class Decoder(nn.Module):
           (``max_seq_len``, twice that with ``mrope_section``).
         * ``layer_adds``: per decoder layer ``i`` (list index), None or ``(mask (B, T) bool, feats
           (N, D))``: after layer ``i``, ``h[mask] += feats`` (DeepStack, Qwen3-VL), N = mask count.
+        * ``image_blocks``: prefill only, ``(B, T)`` int64: tokens sharing an id >= 0 attend to each
+          other in both directions (Gemma 3's image tokens, transformers' ``block_sequence_ids``);
+          -1 = causal. See :func:`prefill_masks`.
+
+        With ``cfg.layer_types`` (Gemma 3) the sliding layers attend within ``cfg.sliding_layer_window``
+        and use the ``sliding_rope_theta`` tables.
         """
         if self.rope_cos is None:
             raise RuntimeError("caches not set up: call setup_caches() first")
@@ -430,9 +549,21 @@ class Decoder(nn.Module):
                     and layer_adds is None:
                 slot = input_pos[:, 0]  # (B,); M-RoPE: RoPE position = slot + offset
                 return self._fused_decode(embeds, slot, mask, rope_pos[:, 0].expand(slot.shape) if shifted else None)
+        if image_blocks is not None and not prefill:
+            raise ValueError("image_blocks apply to a prefill only")
+        per_layer = None
+        if self.cfg.layer_types is not None:  # Gemma 3: (rope, mask, attend_fresh) per kind of layer
+            per_layer = self._layer_kinds(embeds, input_pos, prefill, mask, kv_len, rope, (cos, sin, sin_signed),
+                                          rope_pos if rope is None else None, image_blocks)
+        elif image_blocks is not None:
+            raise ValueError("image_blocks need a config with layer_types (Gemma 3)")
         x = embeds
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, input_pos, mask, rows, sin_signed)
+            if per_layer is None:
+                x = layer(x, cos, sin, input_pos, mask, rows, sin_signed)
+            else:
+                (c, s, ss), m, fresh = per_layer[i in self.sliding_layers]
+                x = layer(x, c, s, input_pos, m, rows, ss, fresh)
             add = layer_adds[i] if layer_adds is not None and i < len(layer_adds) else None
             if add is not None:
                 x = x.index_put((add[0],), add[1].to(x.dtype), accumulate=True)  # h[mask] += feats
@@ -443,6 +574,28 @@ class Decoder(nn.Module):
         logits = self.lm_head(self.norm(x))  # (B, T|1, V)
         return logits if all_logits else logits[:, -1]
 
+    def _layer_kinds(self, embeds, input_pos, prefill, mask, kv_len, rope, tables, rope_pos, image_blocks):
+        """``{False: full layers, True: sliding layers}`` -> ``((cos, sin, sin_signed), mask,
+        attend_fresh)`` for :meth:`forward` with ``cfg.layer_types``."""
+        dt, window = embeds.dtype, self.cfg.sliding_layer_window
+        local = tables
+        if self.local_rope is not None:
+            if rope is not None:
+                raise ValueError("explicit rope tables are not supported with sliding_rope_theta (Gemma 3: 1-D RoPE)")
+            local = tuple(t[rope_pos].to(dt) for t in self.local_rope)
+            if local[0].dim() == 3:
+                local = tuple(t[:, None] for t in local)
+        if prefill:
+            full_mask, sliding_mask = prefill_masks(embeds.shape[1], image_blocks, window, embeds.device)
+            return {False: (tables, full_mask, full_mask is not None),
+                    True: (local, sliding_mask, sliding_mask is not None)}
+        sliding_mask = mask
+        if window is not None:
+            allowed = sliding_decode_mask(input_pos, kv_len or self.max_seq_len, window)
+            sliding_mask = torch.full(allowed.shape, float("-inf"), dtype=dt, device=embeds.device)
+            sliding_mask.masked_fill_(allowed, 0.0)
+        return {False: (tables, mask, False), True: (local, sliding_mask, False)}
+
     def enable_fused_decode(self, enabled: bool = True) -> bool:
         """Use the fused Triton decode kernels (:mod:`edgevlm.runtime.kernels.decode_fused`) for
         one-token steps where they apply: CUDA (or Triton's CPU interpreter), fused q/k/v and
@@ -452,7 +605,9 @@ class Decoder(nn.Module):
         Returns whether the fused path is now on."""
         from edgevlm.runtime.kernels import kernels_usable
 
-        ok = enabled and len(self.layers) > 0 and kernels_usable(self.embed_tokens.weight.device) \
+        c = self.cfg
+        gemma = c.norm_unit_offset or c.sandwich_norms or c.layer_types is not None or c.attn_scale is not None
+        ok = enabled and not gemma and len(self.layers) > 0 and kernels_usable(self.embed_tokens.weight.device) \
             and self.cfg.hidden_act == "silu" and self.cfg.head_dim & (self.cfg.head_dim - 1) == 0 \
             and all(layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
                     and type(layer.self_attn.kv_cache) is KVCache for layer in self.layers)
@@ -507,17 +662,21 @@ class Decoder(nn.Module):
 
     def prefill_batch(self, embeds: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, *,
                       rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      layer_adds: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> torch.Tensor:
+                      layer_adds: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+                      image_blocks: torch.Tensor | None = None) -> torch.Tensor:
         """Prefill several right-padded prompts at once: ``embeds`` ``(B, T, D)``, row ``b`` real for
         its first ``lengths[b]`` positions (padding after them only reaches cache positions that
         decode overwrites before it attends to them), written into cache rows ``rows`` ``(B,)``.
         ``rope`` ``(cos, sin)`` ``(B, T, Dh)`` (per-row M-RoPE tables) and ``layer_adds`` (mask
-        ``(B, T)``): the :meth:`forward` hooks. Returns the logits ``(B, V)`` at position
-        ``lengths[b] - 1`` of each row."""
+        ``(B, T)``) and ``image_blocks`` ``(B, T)`` (padding -1): the :meth:`forward` hooks. Returns
+        the logits ``(B, V)`` at position ``lengths[b] - 1`` of each row."""
         t = embeds.shape[1]
         input_pos = torch.arange(t, device=embeds.device)
+        if image_blocks is None:
+            return self(embeds, input_pos, prefill=True, rows=rows, last_index=lengths - 1, rope=rope,
+                        layer_adds=layer_adds)
         return self(embeds, input_pos, prefill=True, rows=rows, last_index=lengths - 1, rope=rope,
-                    layer_adds=layer_adds)
+                    layer_adds=layer_adds, image_blocks=image_blocks)
 
 
 class DecoderVLM(nn.Module):
@@ -566,6 +725,12 @@ class DecoderVLM(nn.Module):
         -1) and each row's :meth:`take_vision_state`; None = nothing to add."""
         return None
 
+    def batch_image_blocks(self, input_ids: torch.Tensor, vision_states: list) -> torch.Tensor | None:
+        """The decoder's ``image_blocks`` (bidirectional attention within each image's tokens,
+        :meth:`Decoder.forward`) for a right-padded batch ``input_ids`` ``(B, T)`` (padding -1);
+        None = causal, as for every family but Gemma 3."""
+        return None
+
     def prefill_batch(self, embeds: list[torch.Tensor], rows: torch.Tensor, *,
                       input_ids: list[torch.Tensor] | None = None,
                       position_ids: list[torch.Tensor | None] | None = None,
@@ -599,9 +764,13 @@ class DecoderVLM(nn.Module):
                 cos_rows.append(cos)
                 sin_rows.append(sin)
             rope = torch.stack(cos_rows), torch.stack(sin_rows)  # (B, T, Dh) each
-        layer_adds = None
+        layer_adds = image_blocks = None
         if vision_states is not None and any(s is not None for s in vision_states):
             ids = torch.cat([F.pad(i.to(dev), (0, t - i.shape[1]), value=-1) for i in input_ids])  # (B, T)
             layer_adds = self.batch_layer_adds(ids, vision_states)
+            image_blocks = self.batch_image_blocks(ids, vision_states)
+        if image_blocks is None:
+            return lm.prefill_batch(x, torch.tensor(lengths, device=dev), rows.to(dev)[:n], rope=rope,
+                                    layer_adds=layer_adds)
         return lm.prefill_batch(x, torch.tensor(lengths, device=dev), rows.to(dev)[:n], rope=rope,
-                                layer_adds=layer_adds)
+                                layer_adds=layer_adds, image_blocks=image_blocks)

@@ -102,9 +102,9 @@ def test_quantize_names_an_unsupported_family_before_the_options(tmp_path, tiny_
 
     src = tmp_path / "gemma"
     shutil.copytree(tiny_src, src)
-    (src / "config.json").write_text(json.dumps({"model_type": "gemma3"}))
+    (src / "config.json").write_text(json.dumps({"model_type": "paligemma"}))
     assert main(["quantize", str(src), "--out", str(tmp_path / "b")]) == 2  # awq without --calib, too
-    assert _one_line_error(capsys).startswith("config.json: model_type 'gemma3' is not supported; supported: llava")
+    assert _one_line_error(capsys).startswith("config.json: model_type 'paligemma' is not supported; supported: llava")
 
 
 def test_quantize_checks_the_output_folder_before_any_work(tmp_path, tiny_src, capsys):

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 FAMILIES: dict[str, str] = {
     "llava": "edgevlm.runtime.models.llava",
     "internvl": "edgevlm.runtime.models.internvl",
+    "gemma3": "edgevlm.runtime.models.gemma3",
     "qwen2_5_vl": "edgevlm.runtime.models.qwen2_5_vl",
     "qwen3_vl": "edgevlm.runtime.models.qwen3_vl",
     "smolvlm": "edgevlm.runtime.models.smolvlm",

@@ -120,10 +120,10 @@ def test_model_dir_that_is_not_a_checkpoint_exits_2(tmp_path, capsys):
     assert err.startswith("edgevlm: error: --model: ") and "config.json" in err and err.count("\n") == 1
     assert main(["--device", "cpu", "--model", str(tmp_path / "missing")]) == 2
     assert capsys.readouterr().err == f"edgevlm: error: --model: model folder {tmp_path / 'missing'} does not exist\n"
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "paligemma"}))
     assert main(["--device", "cpu", "--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "model_type 'gemma3' is not supported" in err and err.count("\n") == 1
+    assert "model_type 'paligemma' is not supported" in err and err.count("\n") == 1
 
 
 def test_model_dir_that_is_a_bundle_exits_2(perf_dir, tmp_path, capsys):

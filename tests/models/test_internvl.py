@@ -523,7 +523,7 @@ def test_registry_serves_internvl_and_names_it_when_refusing():
 
     assert family_for({"model_type": "internvl"}).name == "internvl"
     with pytest.raises(ModelLoadError, match=re.escape("internvl (internvl)")):
-        family_for({"model_type": "gemma3"})
+        family_for({"model_type": "paligemma"})
 
 
 def test_processor_settings_that_disagree_name_the_key(ckpt, tmp_path):

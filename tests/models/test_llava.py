@@ -200,8 +200,8 @@ def test_prompt_holding_the_image_token_is_refused(variant):
 def test_unsupported_model_type_names_the_supported_families(tmp_path):
     from edgevlm.runtime import Engine
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": {}}))
-    with pytest.raises(ModelLoadError, match=r"model_type 'gemma3' is not supported; supported: llava \(llava\)"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "paligemma", "text_config": {}}))
+    with pytest.raises(ModelLoadError, match=r"model_type 'paligemma' is not supported; supported: llava \(llava\)"):
         Engine.load(tmp_path)
 
 

@@ -530,7 +530,7 @@ def test_registry_serves_smolvlm_and_idefics3_and_names_them_when_refusing():
 
     assert family_for({"model_type": "smolvlm"}).name == family_for({"model_type": "idefics3"}).name == "smolvlm"
     with pytest.raises(ModelLoadError, match=re.escape("smolvlm (smolvlm, idefics3)")):
-        family_for({"model_type": "gemma3"})
+        family_for({"model_type": "paligemma"})
 
 
 def test_processor_image_seq_len_mismatch_names_the_key(ckpt, tmp_path):

@@ -1,0 +1,501 @@
+"""Gemma 3 family (edgevlm.runtime.models.gemma3) against transformers, fp32 on the CPU.
+
+A tiny random checkpoint in Gemma 3's real layout is built with transformers' ``Gemma3Config`` (a
+``siglip_vision_model`` tower of 112 px / 14 px patches, so an 8 x 8 grid pooled 2 x 2 to 16 vision
+tokens per image; a ``gemma3_text`` decoder with three layers sliding / full / sliding, a sliding
+window of 8 positions, shorter than the prompt and than one image's run, the full layers' RoPE
+linear-scaled by 8 and the sliding layers' own base, ``query_pre_attn_scalar`` 24, GQA, tied
+embeddings) and ``save_pretrained``, with ``preprocessor_config.json`` (``Gemma3ImageProcessorPil``
+at the hub's settings: bilinear, mean / std 0.5), a Gemma-style ``tokenizer.json`` (BPE with byte
+fallback, the ``" " -> "▁"`` normaliser, ``<bos>`` post-processor, the turn and image special
+tokens) with the hub's ``tokenizer_config.json`` keys, the hub's chat template and
+``generation_config.json``. Checked: pixel values (<= 1e-5) and token ids (equal) against
+``Gemma3Processor.apply_chat_template``, prefill logits (<= 1e-4 relative) at two non-square images
+and with two images, 16 greedy tokens against ``Gemma3ForConditionalGeneration.generate``,
+``Engine.ask`` and ``edgevlm ask``, INT4 bundles (RTN, AWQ), continuous batching (batched = single),
+early exit / token pruning on the SigLIP tower, bad configs.
+
+Run: ``.venv/bin/python -m pytest -q tests/models/test_gemma3.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("PIL")
+
+from parity_support import hf_greedy, map_checkpoint, max_rel_error, our_greedy  # noqa: E402
+
+from edgevlm.errors import InvalidImageError, InvalidRequestError, ModelLoadError  # noqa: E402
+from edgevlm.runtime.models.gemma3 import WEIGHT_RULES  # noqa: E402
+from edgevlm.runtime.models.gemma3.config import parse_config  # noqa: E402
+from edgevlm.runtime.models.gemma3.model import Gemma3Model  # noqa: E402
+from edgevlm.runtime.models.gemma3.processor import Gemma3Processor  # noqa: E402
+
+TOL = 1e-4
+QUESTION = "how many shapes are there?"
+IMAGE_PX, PATCH_PX, MM_TOKENS, SLIDING_WINDOW = 112, 14, 16, 8
+
+#: the chat template of google/gemma-3-*-it (chat_template.json of the hub's processor)
+CHAT_TEMPLATE = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n"
+    "    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    "    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    "        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n"
+    "        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n"
+    "        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n"
+    "                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n"
+    "                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\n'}}\n"
+    "{%- endif -%}\n"
+)
+#: Gemma's first ids (tokenizer.json of google/gemma-3-*), then the 256 byte-fallback pieces
+GEMMA_HEAD = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>")
+GEMMA_SPECIAL = ("<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>")
+_CORPUS = (
+    "You are a helpful assistant.",
+    "how many shapes are there? what color is the triangle? describe the scene.",
+    "is the red circle on the left or the right? the top or the bottom? yes no 0 1 2 3",
+    "What is happening in this picture? The robot picks up a green cube and a yellow box.",
+    "user model",
+)
+
+
+def build_gemma_tokenizer(folder: Path) -> dict[str, int]:
+    """Write a Gemma-style ``tokenizer.json`` (the pieces of transformers' ``GemmaTokenizer``: BPE
+    with byte fallback, normaliser ``" " -> "▁"``, ``Split(" ", merged_with_previous)``, the
+    ``▁``/byte-fallback/fuse decoder, a ``<bos> $A`` post-processor), trained on a few sentences, and
+    the hub's ``tokenizer_config.json`` keys; returns ``{token: id}`` of the special tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    norm = normalizers.Replace(" ", "▁")
+    pre = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    trainer_tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    trainer_tok.normalizer, trainer_tok.pre_tokenizer = norm, pre
+    trainer_tok.train_from_iterator(list(_CORPUS), trainer=trainers.BpeTrainer(vocab_size=200, show_progress=False))
+    trained = json.loads(trainer_tok.to_str())["model"]
+    vocab = {t: i for i, t in enumerate(list(GEMMA_HEAD) + [f"<0x{b:02X}>" for b in range(256)])}
+    for piece in sorted(trained["vocab"], key=trained["vocab"].get):
+        vocab.setdefault(piece, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    tok.normalizer, tok.pre_tokenizer = norm, pre
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
+                                                       special_tokens=[("<bos>", 2)])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in GEMMA_HEAD + GEMMA_SPECIAL])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    images = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    config = {"tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+              "unk_token": "<unk>", "mask_token": "<mask>", "add_bos_token": True, "add_eos_token": False,
+              **images, "extra_special_tokens": images, "spaces_between_special_tokens": False,
+              "clean_up_tokenization_spaces": False, "padding_side": "left"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return {t: tok.token_to_id(t) for t in GEMMA_HEAD + GEMMA_SPECIAL}
+
+
+def text_config(vocab_size: int, **over) -> dict:
+    return {"vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 24,
+            "sliding_window": SLIDING_WINDOW, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+            "max_position_embeddings": 4096, **over}
+
+
+def build_checkpoint(folder: Path, seed: int = 0) -> Path:
+    """Write the tiny Gemma 3 checkpoint (see the module docstring) into ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ids = build_gemma_tokenizer(folder)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=IMAGE_PX, patch_size=PATCH_PX, vision_use_head=False)
+    cfg = transformers.Gemma3Config(
+        text_config=text_config(max(ids.values()) + 1, eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]]),
+        vision_config=vision, mm_tokens_per_image=MM_TOKENS, image_token_index=ids["<image_soft_token>"],
+        boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"])
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # every weight away from its init (norm offsets not 0)
+            p.add_(torch.randn_like(p) * (0.3 if p.dim() < 2 else 0.2))
+        # tied and scaled by sqrt(hidden): small token embeddings, or the last token echoes itself
+        model.model.language_model.embed_tokens.weight.mul_(0.25)
+        # no byte-fallback pieces in answers: they decode to partial UTF-8, the merges to readable text
+        model.model.language_model.embed_tokens.weight[:261] *= 0.01  # and no <pad> / <bos> ...
+        model.model.language_model.embed_tokens.weight[-len(GEMMA_SPECIAL):] *= 0.01  # ... or turn markers
+    model.save_pretrained(folder)
+    transformers.Gemma3ImageProcessorPil(
+        size={"height": IMAGE_PX, "width": IMAGE_PX}, resample=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+    ).save_pretrained(folder)
+    pre = json.loads((folder / "preprocessor_config.json").read_text())
+    pre.update(image_seq_length=MM_TOKENS, processor_class="Gemma3Processor")  # as the hub's file
+    (folder / "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
+    (folder / "processor_config.json").write_text(json.dumps({"image_seq_length": MM_TOKENS,
+                                                              "processor_class": "Gemma3Processor"}))
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": ids["<bos>"], "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]], "pad_token_id": 0}))
+    return folder
+
+
+def _hf_processor(folder: Path):
+    from transformers import AutoTokenizer, Gemma3ImageProcessorPil
+    from transformers import Gemma3Processor as HFGemma3Processor
+
+    return HFGemma3Processor(image_processor=Gemma3ImageProcessorPil.from_pretrained(folder),
+                             tokenizer=AutoTokenizer.from_pretrained(folder), chat_template=CHAT_TEMPLATE,
+                             image_seq_length=MM_TOKENS)
+
+
+def _hf_inputs(hf_processor, images, question: str = QUESTION) -> dict:
+    from PIL import Image
+
+    images = images if isinstance(images, list) else [images]
+    content = [{"type": "image", "image": Image.fromarray(im)} for im in images] + [{"type": "text", "text": question}]
+    return hf_processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True, return_tensors="pt")
+
+
+def _image(h: int, w: int, seed: int = 0) -> np.ndarray:
+    return (np.random.RandomState(seed).rand(h, w, 3) * 255).astype(np.uint8)
+
+
+def _load(folder: Path) -> Gemma3Model:
+    """Our model with the checkpoint's weights, mapped by name through WEIGHT_RULES."""
+    from safetensors.torch import load_file
+
+    cfg = parse_config(json.loads((folder / "config.json").read_text()))
+    model = Gemma3Model(cfg).eval()
+    state = map_checkpoint(load_file(str(folder / "model.safetensors")), WEIGHT_RULES, every_key_ruled=True)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert unexpected == [] and missing == ["language_model.lm_head.weight"]  # tied: not stored
+    model.language_model.lm_head.weight = model.language_model.embed_tokens.weight
+    model.setup_caches(1, 256)
+    return model
+
+
+def _our_ids(folder: Path, processor: Gemma3Processor, vision, question: str = QUESTION) -> list[int]:
+    from edgevlm.runtime.tokenizer import VLMTokenizer
+
+    return VLMTokenizer.from_dir(folder, processor.cfg.image_token_id).encode_request(question, vision, processor)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("gemma3"))
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt):
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
+    return model, _hf_processor(ckpt)
+
+
+@pytest.fixture(scope="module")
+def ours(ckpt):
+    model = _load(ckpt)
+    return model, Gemma3Processor.from_dir(ckpt, model.cfg)
+
+
+# ---- preprocessing and prompt ------------------------------------------------------------------
+
+@pytest.mark.parametrize("size", [(100, 150), (112, 112), (7, 11), (900, 40)])
+def test_pixel_values_and_token_ids_match_processor(ckpt, hf, ours, size):
+    _, hf_proc = hf
+    _, proc = ours
+    img = _image(*size)
+    ref = _hf_inputs(hf_proc, img)
+    vision = proc.prepare([img])
+    assert vision.pixel_values.shape == ref["pixel_values"].shape == (1, 3, IMAGE_PX, IMAGE_PX)
+    assert float((vision.pixel_values - ref["pixel_values"]).abs().max()) <= 1e-5
+    ids = _our_ids(ckpt, proc, vision)
+    assert ids == ref["input_ids"][0].tolist()
+    assert vision.tokens_per_item == [MM_TOKENS] and vision.kinds == ["image"]
+    # the image run is what transformers marks as token type 1 (its bidirectional block)
+    assert [int(i == proc.cfg.image_token_id) for i in ids] == ref["token_type_ids"][0].tolist()
+
+
+def test_two_images_and_prompt_string(ckpt, hf, ours):
+    _, hf_proc = hf
+    _, proc = ours
+    images = [_image(100, 150, seed=5), _image(40, 40, seed=6)]
+    ref = _hf_inputs(hf_proc, images)
+    vision = proc.prepare(images)
+    assert float((vision.pixel_values - ref["pixel_values"]).abs().max()) <= 1e-5
+    assert _our_ids(ckpt, proc, vision) == ref["input_ids"][0].tolist()
+    run = "\n\n<start_of_image>" + "<image_soft_token>" * MM_TOKENS + "<end_of_image>\n\n"
+    one = proc.prepare([images[0]])
+    assert proc.expand_prompt("A<image_soft_token>\n  hi", one) == "A" + run + "hi"
+    assert proc.expand_prompt("A<start_of_image>hi", one) == "A" + run + "hi"
+
+
+# ---- model parity ------------------------------------------------------------------------------
+
+def _check_prefill(hf, ours, ckpt, images):
+    hf_model, hf_proc = hf
+    model, proc = ours
+    ref = _hf_inputs(hf_proc, images)
+    vision = proc.prepare(images if isinstance(images, list) else [images])
+    ids = torch.tensor([_our_ids(ckpt, proc, vision)])
+    assert ids.shape[1] > 2 * SLIDING_WINDOW  # both kinds of layer matter
+    with torch.no_grad():
+        ref_logits = hf_model(**ref).logits  # (1, T, V)
+        logits = model(ids, vision)
+        causal = hf_model(input_ids=ref["input_ids"], pixel_values=ref["pixel_values"]).logits
+    assert logits.shape == ref_logits.shape
+    assert float(ref_logits.std()) > 0.1  # a real signal, not a constant
+    err = max_rel_error(logits, ref_logits)
+    assert err <= TOL, err
+    assert max_rel_error(causal, ref_logits) > 1e-2  # the image block's bidirectional mask matters
+    return err
+
+
+@pytest.mark.parametrize("size", [(100, 150), (77, 45)])
+def test_prefill_logits_match_transformers(ckpt, hf, ours, size):
+    _check_prefill(hf, ours, ckpt, _image(*size, seed=1))
+
+
+def test_prefill_logits_with_two_images_match_transformers(ckpt, hf, ours):
+    _check_prefill(hf, ours, ckpt, [_image(100, 150, seed=5), _image(60, 40, seed=6)])
+
+
+def test_greedy_16_tokens_match_generate(ckpt, hf, ours):
+    hf_model, hf_proc = hf
+    model, proc = ours
+    img = _image(100, 150, seed=2)
+    ref = _hf_inputs(hf_proc, img)
+    expected = hf_greedy(hf_model, ref)
+    vision = proc.prepare([img])
+    tokens = our_greedy(model, torch.tensor([_our_ids(ckpt, proc, vision)]), vision)
+    assert len(set(expected)) > 1
+    assert tokens == expected
+
+
+# ---- through the Engine and the CLI ------------------------------------------------------------
+
+def _same_answer(ours: str, expected: str) -> bool:
+    """Equal texts up to what the Engine does to every answer: surrounding whitespace stripped, and an
+    incomplete UTF-8 sequence at the very end of a length-limited generation not emitted."""
+    return ours == re.sub(r"[\s\ufffd]+$", "", expected).strip()
+
+
+def _hf_answer(hf, images, max_new_tokens: int) -> str:
+    hf_model, hf_proc = hf
+    ref = _hf_inputs(hf_proc, images)
+    with torch.no_grad():
+        out = hf_model.generate(**ref, max_new_tokens=max_new_tokens, do_sample=False)
+    return hf_proc.tokenizer.decode(out[0, ref["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt):
+    from edgevlm.runtime import Engine
+
+    return Engine.load(ckpt)
+
+
+def test_engine_ask_answers_as_transformers(engine, hf):
+    assert engine.family.name == "gemma3"
+    img = _image(100, 150, seed=3)
+    answer = engine.ask(img, QUESTION, max_new_tokens=16)
+    expected = _hf_answer(hf, img, 16)
+    assert len(answer.text) > 3
+    assert _same_answer(answer.text, expected), (answer.text, expected)
+    assert answer.stats.vision_tokens == MM_TOKENS
+    frames = [_image(100, 150, seed=5), _image(60, 40, seed=6)]  # several frames: several images
+    assert _same_answer(engine.ask(frames, QUESTION, max_new_tokens=12).text, _hf_answer(hf, frames, 12))
+
+
+def test_cli_ask_answers_as_transformers(ckpt, hf, tmp_path, capsys):
+    """``edgevlm ask --model DIR --image X.jpg "q"`` (the CLI's main, in-process)."""
+    from PIL import Image
+
+    from edgevlm.cli import main
+
+    img = _image(90, 120, seed=4)
+    path = tmp_path / "frame.png"  # lossless: the JPEG decoder is not what is compared
+    Image.fromarray(img).save(path)
+    code = main(["ask", "--model", str(ckpt), "--image", str(path), "--max-new-tokens", "16", "--json", QUESTION])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    answer = json.loads(out)["answer"]
+    assert len(answer) > 3 and _same_answer(answer, _hf_answer(hf, img, 16))
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("image", [np.zeros((0, 5, 3), np.uint8), np.zeros((4, 4), np.uint8),
+                                   np.zeros((4, 4, 3), np.float32)])
+def test_unusable_image_is_invalid_image_error(ours, image):
+    _, proc = ours
+    with pytest.raises(InvalidImageError, match="image"):
+        proc.prepare([image])
+
+
+def test_video_and_placeholder_mismatch_are_invalid_request(ckpt, ours):
+    _, proc = ours
+    with pytest.raises(InvalidRequestError, match="video: gemma3 models take images only"):
+        proc.prepare([], video=[_image(32, 32)] * 4, video_timestamps_s=[0.0, 0.5, 1.0, 1.5])
+    vision = proc.prepare([_image(32, 32)])
+    with pytest.raises(InvalidRequestError, match="2 <image_soft_token> placeholders for 1 images"):
+        proc.expand_prompt("<image_soft_token>\n<image_soft_token>\n", vision)
+    with pytest.raises(InvalidRequestError, match="placeholders"):
+        _our_ids(ckpt, proc, vision, question="look: <image_soft_token>")
+
+
+# ---- config ------------------------------------------------------------------------------------
+
+def test_config_fields(ckpt):
+    cfg = parse_config(json.loads((ckpt / "config.json").read_text()))
+    t = cfg.text
+    assert cfg.tie_word_embeddings and cfg.pool_kernel == 2 and cfg.image_seq_len == MM_TOKENS
+    assert t.qk_norm and t.norm_unit_offset and t.sandwich_norms and t.hidden_act == "gelu_pytorch_tanh"
+    assert t.embed_scale == 64 ** 0.5 and t.attn_scale == 24 ** -0.5 and t.sliding_layer_window == SLIDING_WINDOW
+    assert t.sliding_window is None  # the KV cache is not bounded by the window
+    assert t.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert (t.rope_type, t.rope_factor, t.rope_theta, t.sliding_rope_theta) == ("linear", 8.0, 1e6, 1e4)
+
+
+#: config.json of google/gemma-3-4b-it as the hub ships it (transformers 4.50 layout)
+GEMMA3_4B_CONFIG = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "eoi_token_index": 256000,
+    "eos_token_id": [1, 106], "image_token_index": 262144, "initializer_range": 0.02, "mm_tokens_per_image": 256,
+    "model_type": "gemma3",
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                    "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "torch_dtype": "bfloat16",
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                      "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                      "patch_size": 14, "vision_use_head": False},
+}
+
+
+def test_hub_gemma3_4b_config_reads_as_transformers_does():
+    ref = transformers.Gemma3Config(**GEMMA3_4B_CONFIG)
+    cfg = parse_config(GEMMA3_4B_CONFIG)
+    rt, rv = ref.text_config, ref.vision_config
+    t = cfg.text
+    assert (t.vocab_size, t.hidden_size, t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads,
+            t.head_dim, t.sliding_layer_window, t.rms_norm_eps) == (
+        rt.vocab_size, rt.hidden_size, rt.num_hidden_layers, rt.num_attention_heads, rt.num_key_value_heads,
+        rt.head_dim, rt.sliding_window, rt.rms_norm_eps)
+    assert list(t.layer_types) == list(rt.layer_types) and t.layer_types.count("full_attention") == 5
+    full, local = rt.rope_parameters["full_attention"], rt.rope_parameters["sliding_attention"]
+    assert (t.rope_type, t.rope_factor, t.rope_theta) == (full["rope_type"], full["factor"], full["rope_theta"])
+    assert t.sliding_rope_theta == local["rope_theta"] == 10000.0
+    assert t.attn_scale == rt.query_pre_attn_scalar ** -0.5 and t.embed_scale == rt.hidden_size ** 0.5
+    assert (cfg.vision.hidden_size, cfg.vision.num_hidden_layers, cfg.vision.grid_side) == (
+        rv.hidden_size, rv.num_hidden_layers, rv.image_size // rv.patch_size)
+    assert (cfg.image_token_id, cfg.boi_token_id, cfg.eoi_token_id) == (
+        ref.image_token_id, ref.boi_token_id, ref.eoi_token_id)
+    assert cfg.pool_kernel == 4 and cfg.image_seq_len == 256
+    with torch.device("meta"):
+        model = Gemma3Model(cfg)
+    assert model.multi_modal_projector.mm_input_projection_weight.shape == (1152, 2560)
+
+
+@pytest.mark.parametrize(("patch", "message"), [
+    ({"model_type": "paligemma"}, "model_type 'paligemma' is not supported (gemma3)"),
+    ({"mm_tokens_per_image": 15}, "mm_tokens_per_image 15 is not a square"),
+    ({"mm_tokens_per_image": 9}, "mm_tokens_per_image 9 is not a square whose side divides the 8x8"),
+    ({"image_token_index": 10**6}, "image_token_index 1000000 is not a token id"),
+    ({"vision_config": {"model_type": "clip_vision_model"}}, "vision_config.model_type 'clip_vision_model'"),
+    ({"vision_config": {"image_size": 120}}, "vision_config.image_size 120 is not a multiple of patch_size 14"),
+    ({"text_config": {"model_type": "gemma2"}}, "text_config.model_type 'gemma2' is not supported (gemma3_text)"),
+    ({"text_config": {"final_logit_softcapping": 30.0}}, "text_config.final_logit_softcapping 30.0 is not supported"),
+    ({"text_config": {"attn_logit_softcapping": 50.0}}, "text_config.attn_logit_softcapping 50.0 is not supported"),
+    ({"text_config": {"use_bidirectional_attention": True}}, "text_config.use_bidirectional_attention true"),
+    ({"text_config": {"layer_types": ["full_attention"]}}, "text_config.layer_types must list 3"),
+    ({"text_config": {"sliding_window": 0}}, "text_config.sliding_window must be a positive int"),
+    ({"text_config": {"hidden_activation": "swish"}}, "text_config.hidden_activation 'swish' is not supported"),
+    ({"text_config": {"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0}}}},
+     "text_config.rope_parameters.rope_type 'yarn' is not supported"),
+    ({"text_config": {"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}}},
+     "text_config.rope_parameters.sliding_attention.rope_type 'linear' is not supported"),
+    ({"text_config": {"query_pre_attn_scalar": -1}}, "text_config.query_pre_attn_scalar must be a positive number"),
+    ({"text_config": []}, "text_config must be an object"),
+])
+def test_bad_config_names_the_key(ckpt, patch, message):
+    raw = json.loads((ckpt / "config.json").read_text())
+    for key in ("vision_config", "text_config"):
+        if isinstance(patch.get(key), dict):
+            patch = {**patch, key: {**raw[key], **patch[key]}}
+    with pytest.raises(ModelLoadError, match=re.escape(message)):
+        parse_config({**raw, **patch})
+
+
+def test_bad_config_is_one_line_at_the_cli(ckpt, tmp_path, capsys):
+    import shutil
+
+    from edgevlm.cli import main
+
+    folder = tmp_path / "bad"
+    shutil.copytree(ckpt, folder)
+    raw = json.loads((folder / "config.json").read_text())
+    raw["text_config"]["final_logit_softcapping"] = 30.0
+    (folder / "config.json").write_text(json.dumps(raw))
+    path = tmp_path / "x.png"
+    from PIL import Image
+
+    Image.fromarray(_image(20, 20)).save(path)
+    assert main(["ask", "--model", str(folder), "--image", str(path), QUESTION]) == 2
+    err = capsys.readouterr().err
+    assert "text_config.final_logit_softcapping" in err and err.strip().count("\n") == 0
+
+
+def test_processor_settings_that_disagree_name_the_key(ckpt):
+    cfg = parse_config(json.loads((ckpt / "config.json").read_text()))
+    pre = json.loads((ckpt / "preprocessor_config.json").read_text())
+    with pytest.raises(ModelLoadError, match="do_pan_and_scan true is not supported"):
+        Gemma3Processor.from_dir(ckpt, cfg, {**pre, "do_pan_and_scan": True})
+    with pytest.raises(ModelLoadError, match="size .* is not the encoder's 112x112 px input"):
+        Gemma3Processor.from_dir(ckpt, cfg, {**pre, "size": {"height": 896, "width": 896}})
+    with pytest.raises(ModelLoadError, match="image_seq_length 256 disagrees"):
+        Gemma3Processor.from_dir(ckpt, cfg, {**pre, "image_seq_length": 256})
+
+
+def test_registry_serves_gemma3():
+    from edgevlm.runtime.models import family_for
+
+    assert family_for({"model_type": "gemma3"}).name == "gemma3"
+    with pytest.raises(ModelLoadError, match=re.escape("gemma3 (gemma3)")):
+        family_for({"model_type": "paligemma"})
