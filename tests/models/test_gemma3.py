@@ -499,3 +499,118 @@ def test_registry_serves_gemma3():
     assert family_for({"model_type": "gemma3"}).name == "gemma3"
     with pytest.raises(ModelLoadError, match=re.escape("gemma3 (gemma3)")):
         family_for({"model_type": "paligemma"})
+
+
+# ---- INT4 bundle -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["rtn", "awq"])
+def test_int4_bundle_loads_and_answers(ckpt, engine, method, tmp_path, caplog):
+    """``edgevlm quantize`` (W4A16 RTN / AWQ with the demo calibration scenes on the decoder, the vision
+    tower and projector 16-bit): the bundle loads through the registry and answers close to the
+    16-bit model; no ONNX graphs for this family (one WARNING line, the torch bundle is built)."""
+    from edgevlm.quantize.build import BuildOptions, build_bundle
+    from edgevlm.runtime import Engine
+    from edgevlm.runtime.bundle import read_manifest
+
+    with caplog.at_level("WARNING", logger="edgevlm.quantize.build"):
+        result = build_bundle(ckpt, tmp_path / "bundle", BuildOptions(method=method, group_size=32, calib="demo",
+                                                                      calib_samples=2, awq_grid=4))
+    assert [r.getMessage() for r in caplog.records if "onnx" in r.getMessage()] == [
+        "onnx: not built (no ONNX export for the gemma3 family; supported: llava, qwen2_5_vl, qwen3_vl, smolvlm, "
+        "internvl); the torch bundle is built"]
+    manifest = read_manifest(result.bundle_dir)
+    int4 = [d for d in manifest.layers if d.action == "int4"]
+    assert int4 and all(d.name.startswith("language_model.layers.") and d.group_size == 32 for d in int4)
+    assert len(int4) == 3 * 7 and all(d.method == method for d in int4)
+    if method == "awq":
+        assert manifest.calibration.samples == 2 and manifest.calibration.tokens > 0
+        assert all(d.awq_alpha is not None for d in int4)
+        # nothing folds into Gemma's (1 + w) norms: those linears keep an explicit input scale
+        assert not any((d.awq_fold_into or "").endswith("layernorm") for d in int4)
+    assert any(d.action == "keep" and d.name.startswith("vision_tower.") for d in manifest.layers)
+    q = Engine.load(result.bundle_dir, device="cpu", dtype="float32")
+    assert q.family.name == "gemma3"
+    assert sum(type(m).__name__ == "Int4Linear" for m in q.backend.model.modules()) == len(int4)
+    img = _image(100, 150, seed=8)
+    answer = q.ask(img, QUESTION, max_new_tokens=4)
+    assert answer.stats.new_tokens >= 1 and answer.stats.vision_tokens == MM_TOKENS
+    vision = q.processor.prepare([img])
+    ids = torch.tensor([q.tokenizer.encode_request(QUESTION, vision, q.processor)])
+    with torch.no_grad():
+        got = q.backend.model.prefill(q.backend.model.embed(ids, q.backend.model.encode_vision(vision)))[0]
+        want = engine.backend.model.prefill(engine.backend.model.embed(
+            ids, engine.backend.model.encode_vision(vision)))[0]
+    cos = float(torch.nn.functional.cosine_similarity(got.float(), want.float(), dim=0))
+    assert 0.9 < cos < 1.0, cos  # quantized (not identical), still close on random tiny weights
+
+
+# ---- continuous batching (edgevlm.runtime.batching) --------------------------------------------
+
+def _single_run(engine, prepared, n_steps: int):
+    """The single-request path of ``Engine._run``: ``(logits (1 + n_steps, V), greedy tokens)``."""
+    be = engine.backend
+    ids = torch.tensor([prepared.ids])
+    first = be.prefill(be.embed(ids, be.encode_vision(prepared.vision)))
+    logits, tokens = [first.clone()], [int(first[0].argmax())]
+    for i in range(n_steps):
+        logits.append(be.decode(tokens[-1], len(prepared.ids) + i).clone())
+        tokens.append(int(logits[-1][0].argmax()))
+    return torch.cat(logits), tokens
+
+
+BATCH_REQUESTS = [((100, 150), 1, "how many shapes are there?", 7), ((64, 64), 2, "describe the scene.", 4),
+                  ((70, 100), 3, "is the red circle on the left or the right?", 5)]  # the last one: two images
+
+
+def _batch_images(size, seed):
+    return _image(*size, seed) if seed < 3 else [_image(*size, seed), _image(*size, seed + 1)]
+
+
+def test_batched_prefill_and_decode_logits_equal_single_requests(ckpt):
+    """Right-padded batched prefill with each row's image blocks (one row with two images) + batched
+    decode over the sliding and full layers = one request at a time, within 1e-4."""
+    from edgevlm.runtime import Engine
+
+    single, batched = Engine.load(ckpt), Engine.load(ckpt, backend_options={"max_batch_size": 4})
+    preps = [single.prepare(_batch_images(size, seed), q, max_new_tokens=n) for size, seed, q, n in BATCH_REQUESTS]
+    refs = [_single_run(single, p, 6) for p in preps]
+    be = batched.backend
+    embeds, ids_of, states = [], [], []
+    for p in preps:
+        ids = torch.tensor([p.ids])
+        feats, state = be.encode_vision_state(p.vision)
+        embeds.append(be.embed(ids, feats))
+        ids_of.append(ids)
+        states.append(state)
+    assert all(s is not None for s in states)  # so the batcher passes the ids (image blocks per row)
+    rows = [2, 0, 1]
+    first = be.prefill_batch(embeds, rows, input_ids=ids_of, vision_states=states)
+    for i in range(3):
+        torch.testing.assert_close(first[i : i + 1], refs[i][0][:1], rtol=1e-4, atol=1e-4)
+    by_row = {row: i for i, row in enumerate(rows)}
+    for step in range(6):
+        order = [by_row[r] for r in range(3)]
+        out = be.decode_batch([refs[i][1][step] for i in order], [len(preps[i].ids) + step for i in order])
+        for r, i in enumerate(order):
+            torch.testing.assert_close(out[r : r + 1], refs[i][0][step + 1 : step + 2], rtol=1e-4, atol=1e-4)
+
+
+def test_continuous_batcher_tokens_equal_one_at_a_time_engine_ask(ckpt):
+    from edgevlm.runtime import Engine
+    from edgevlm.runtime.batching import ContinuousBatcher, GenerationRequest
+
+    single, batched = Engine.load(ckpt), Engine.load(ckpt, backend_options={"max_batch_size": 2})
+    cases = [(_batch_images(size, seed), q, n) for size, seed, q, n in BATCH_REQUESTS]
+    reqs = []
+    for i, (im, q, n) in enumerate(cases):
+        prep = batched.prepare(im, q, max_new_tokens=n)
+        reqs.append(GenerationRequest(prep.ids, vision=prep.vision, max_new_tokens=n,
+                                      eos_token_ids=batched.eos_token_ids, request_id=i))
+    batcher = ContinuousBatcher(batched.backend)
+    results = batcher.run(reqs)
+    assert batcher.joins == 1 and max(r.batch_size for r in results) == 2
+    for (im, q, n), res in zip(cases, results, strict=True):
+        answer = single.ask(im, q, max_new_tokens=n)
+        _, ref_tokens = _single_run(single, single.prepare(im, q, max_new_tokens=n), n - 1)
+        assert res.tokens == ref_tokens[: answer.stats.new_tokens]
+        assert single.tokenizer.decode(res.tokens).strip() == answer.text
