@@ -614,3 +614,103 @@ def test_continuous_batcher_tokens_equal_one_at_a_time_engine_ask(ckpt):
         _, ref_tokens = _single_run(single, single.prepare(im, q, max_new_tokens=n), n - 1)
         assert res.tokens == ref_tokens[: answer.stats.new_tokens]
         assert single.tokenizer.decode(res.tokens).strip() == answer.text
+
+
+# ---- early exit and token pruning on the SigLIP tower (edgevlm.runtime.adaptive) ---------------
+
+def _random_heads(engine, blocks: list[int], seed: int = 0, query: bool = False):
+    from edgevlm.runtime.exits import ExitHeads, make_spec
+
+    heads = ExitHeads(make_spec(engine.config, exit_blocks=blocks, labels=[], head_hidden=16, confidence_query=query))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+    engine.backend.model.attach_exit_heads(heads)
+    return engine.backend.model.exit_heads
+
+
+def test_forced_exit_equals_the_truncated_tower_plus_adapter(engine):
+    import copy
+
+    from edgevlm.types import OperatingPoint
+
+    model = engine.backend.model
+    heads = _random_heads(engine, [1])
+    vision = engine.processor.prepare([_image(100, 150), _image(50, 60, seed=1)])
+    with torch.no_grad():
+        tokens, info = model.encode_vision_adaptive(vision, OperatingPoint(name="x", exit_layer=1))
+        tower = copy.deepcopy(model.vision_tower)
+        tower.encoder.layers = tower.encoder.layers[:1]
+        tower.post_layernorm = torch.nn.Sequential(heads.adapters["1"], tower.post_layernorm)
+        want = model.multi_modal_projector(tower(vision.pixel_values).last_hidden_state).reshape(-1, 64)
+        full = model.encode_vision(vision)
+        last, last_info = model.encode_vision_adaptive(vision, OperatingPoint(name="x", exit_layer=2))
+    assert info.exit_layers == [1] and info.blocks_run == 1
+    torch.testing.assert_close(tokens, want, rtol=1e-5, atol=1e-5)
+    assert (tokens - full).abs().max() > 1e-3  # the exit really changed the features
+    assert last_info.exit_layers == [None] and torch.equal(last, full)  # at the last block: the full tower
+    model.attach_exit_heads(None)
+
+
+def test_confidence_head_reads_the_images_patches(engine):
+    from edgevlm.runtime.adaptive import question_embedding
+    from edgevlm.types import OperatingPoint
+
+    model = engine.backend.model
+    heads = _random_heads(engine, [1], seed=3, query=True)
+    p = engine.prepare(_image(70, 100, 2), QUESTION, operating_point=OperatingPoint(name="g", exit_threshold=0.0))
+    prompt = torch.tensor([p.ids])
+    with torch.no_grad():
+        run = model.exit_run(p.vision)
+        x, grid = run.pooled_view(run.step())
+        want = float(heads.confidence_at(1, x, grid, question_embedding(model, prompt))[0])
+        _, info = model.encode_vision_adaptive(p.vision, p.operating_point, prompt)
+    assert x.shape[:2] == (1, 64) and grid == (8, 8)  # no CLS: the 8 x 8 patches in raster order
+    assert info.exit_layers == [1] and info.exit_confidences[0] == pytest.approx(want, abs=1e-6)
+    model.attach_exit_heads(None)
+
+
+def test_pruning_keeps_tokens_by_norm_and_the_prompt_matches(engine):
+    from edgevlm.types import OperatingPoint
+
+    model = engine.backend.model
+    op = OperatingPoint(name="k", keep_ratio=0.5)
+    image = _image(100, 150, 5)
+    p = engine.prepare(image, QUESTION, operating_point=op)
+    with torch.no_grad():
+        full = model.encode_vision(p.vision)
+        tokens, info = model.encode_vision_adaptive(p.vision, op)
+    index = torch.tensor(info.kept_index[0])
+    assert tokens.shape[0] == p.n_vision == MM_TOKENS // 2
+    torch.testing.assert_close(tokens, full[index])
+    norms = full.norm(dim=-1)
+    assert float(norms[index].min()) >= float(norms.sort().values[MM_TOKENS // 2 - 1])
+    assert sum(1 for i in p.ids if i == engine.config.image_token_id) == p.n_vision
+    answer = engine.ask(image, QUESTION, max_new_tokens=3, operating_point=op)
+    assert answer.stats.vision_tokens == MM_TOKENS // 2 and answer.stats.new_tokens >= 1
+
+
+def test_calibrate_then_ask_with_the_exit(ckpt, tmp_path, capsys):
+    """``edgevlm calibrate`` writes exit heads for Gemma 3's SigLIP tower and ``edgevlm ask`` runs them."""
+    import shutil
+
+    from PIL import Image
+
+    from edgevlm.cli import main
+    from edgevlm.quantize import calibrate
+    from edgevlm.runtime.exits import read_spec
+
+    model = tmp_path / "model"
+    shutil.copytree(ckpt, model)
+    assert calibrate.main([str(model), "--steps", "2", "--batch-size", "1", "--agreement-images", "5",
+                           "--questions-per-image", "1", "--no-frontier", "--threads", "1", "--exit-blocks", "1"]) == 0
+    spec = read_spec(model)
+    assert spec.has_cls_token is False and spec.exit_blocks == [1] and spec.vision_blocks == 2
+    path = tmp_path / "frame.png"
+    Image.fromarray(_image(96, 128, 8)).save(path)
+    capsys.readouterr()
+    assert main(["ask", "--image", str(path), "--model", str(model), "--json", "--max-new-tokens", "3",
+                 "--exit-layer", "1", "--keep-ratio", "0.5", QUESTION]) == 0
+    stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]
+    assert stats["exit_layer"] == 1 and stats["vision_tokens"] == MM_TOKENS // 2
