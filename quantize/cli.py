@@ -17,6 +17,7 @@ from pathlib import Path
 
 from edgevlm.cli_args import OneLineParser, fail, positive_int
 from edgevlm.errors import EdgeVLMError
+from edgevlm.runtime.models import FAMILIES  # torch-free: the registry's names
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,8 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``quantize`` arguments to ``p`` (a subparser of the ``edgevlm`` command)."""
-    p.add_argument("model_dir", metavar="MODEL_DIR", help="16-bit Hugging Face checkpoint folder (any registered family: llava, internvl, qwen2_5_vl, qwen3_vl, smolvlm)")
+    p.add_argument("model_dir", metavar="MODEL_DIR",
+                   help=f"16-bit Hugging Face checkpoint folder (any registered family: {', '.join(FAMILIES)})")
     p.add_argument("--out", required=True, metavar="BUNDLE_DIR", help="bundle folder to create (must be new or empty)")
     p.add_argument("--method", choices=("awq", "rtn"), default=None, help="default: the profile's, else awq")
     p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=None,
