@@ -276,7 +276,7 @@ def _family_calibration_inputs(files: ModelFiles, source: CheckpointReader, opts
         raise _Captured
 
     hook = model.language_model.register_forward_pre_hook(capture, with_kwargs=True)
-    dec_inputs, tables, adds, tokens = [], [], [], 0
+    dec_inputs, tables, adds, kinds, tokens = [], [], [], [], 0
     lm = model.language_model
     try:
         with torch.no_grad():
@@ -296,11 +296,14 @@ def _family_calibration_inputs(files: ModelFiles, source: CheckpointReader, opts
                 dec_inputs.append(x.float())
                 tables.append((rope[0].float(), rope[1].float()))
                 adds.append(seen["kwargs"].get("layer_adds"))
+                # Gemma 3: the sliding layers' own RoPE tables and the prompt's image blocks
+                local = None if lm.local_rope is None else tuple(t[input_pos].float() for t in lm.local_rope[:2])
+                kinds.append((local, seen["kwargs"].get("image_blocks")))
                 tokens += len(ids)
     finally:
         hook.remove()
     info = CalibrationInfo(source=str(opts.calib), samples=len(samples), tokens=tokens)
-    return dec_inputs, _DecoderRunner(cfg.text, tables, adds), info
+    return dec_inputs, _DecoderRunner(cfg.text, tables, adds, kinds), info
 
 
 # ------------------------------------------------------------------------------ blocks
@@ -308,14 +311,18 @@ class _DecoderRunner:
     """Runs one :class:`~edgevlm.runtime.decoder.DecoderLayer` on the calibration samples as the
     shared :class:`~edgevlm.runtime.decoder.Decoder` would: sample ``j``'s RoPE tables
     ``(T, Dh)`` or ``(1, T, Dh)`` float32 (1-D RoPE of :func:`~edgevlm.runtime.decoder.rope_inv_freq`,
-    or the family's multimodal RoPE), and after layer ``i`` its ``layer_adds[i]`` (DeepStack)."""
+    or the family's multimodal RoPE), and after layer ``i`` its ``layer_adds[i]`` (DeepStack). With
+    ``tc.layer_types`` (Gemma 3) and the layer index (:meth:`for_layer`), sample ``j``'s ``kinds[j]``
+    = ``(sliding layers' (cos, sin) or None, image_blocks or None)`` give each layer its own RoPE
+    tables and attention mask, as :meth:`~edgevlm.runtime.decoder.Decoder.forward` does."""
 
     def __init__(self, tc, tables: list[tuple[torch.Tensor, torch.Tensor]],
-                 adds: list[list | None] | None = None) -> None:
+                 adds: list[list | None] | None = None, kinds: list[tuple] | None = None) -> None:
         self.tc, self.tables = tc, tables
         self.adds = adds or [None] * len(tables)
+        self.kinds = kinds or [(None, None)] * len(tables)
 
-    def __call__(self, block: nn.Module, j: int, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, block: nn.Module, j: int, x: torch.Tensor, layer: int | None = None) -> torch.Tensor:
         from edgevlm.runtime.kv_cache import KVCache
 
         tc, t = self.tc, x.shape[1]
@@ -323,7 +330,21 @@ class _DecoderRunner:
         if cos.dim() == 3:  # (B, T, Dh) -> (B, 1, T, Dh): broadcast over heads (as Decoder.forward)
             cos, sin = cos[:, None], sin[:, None]
         block.self_attn.kv_cache = KVCache(1, tc.num_key_value_heads, t, tc.head_dim, dtype=x.dtype, device="cpu")
-        return block(x, cos, sin, torch.arange(t), None)
+        if tc.layer_types is None or layer is None:
+            return block(x, cos, sin, torch.arange(t), None)
+        from edgevlm.runtime.decoder import prefill_masks
+
+        local, blocks = self.kinds[j]
+        sliding = tc.layer_types[layer] == "sliding_attention"
+        if sliding and local is not None:
+            cos, sin = (v.to(x.dtype) for v in local)
+        full_mask, sliding_mask = prefill_masks(t, blocks, tc.sliding_layer_window, x.device)
+        mask = sliding_mask if sliding else full_mask
+        return block(x, cos, sin, torch.arange(t), mask, None, None, mask is not None)
+
+    def for_layer(self, i: int) -> Callable[[nn.Module, int, torch.Tensor], torch.Tensor]:
+        """The runner of decoder layer ``i`` (its kind of attention, Gemma 3)."""
+        return lambda block, j, x: self(block, j, x, i)
 
     def add_after(self, i: int, j: int, x: torch.Tensor) -> torch.Tensor:
         """Sample ``j``'s ``h[mask] += feats`` after layer ``i`` (what the Decoder adds: DeepStack)."""
@@ -468,7 +489,7 @@ def build_bundle(model_dir: str | Path, out_dir: str | Path, opts: BuildOptions 
         vis_in = None
         for i in range(n_dec):
             dec_in = _process_block(_on_meta(DecoderLayer, cfg.text), f"language_model.layers.{i}.", by_name, source, writer,
-                                    opts, dec_in, run, keep_dtype)
+                                    opts, dec_in, run.for_layer(i) if run is not None else None, keep_dtype)
             dec_in = run.after_layer(i, dec_in) if run is not None else None
             progress("quantize", n_vis + i + 1, total)
             _malloc_trim()  # hand the freed block buffers back: RSS tracks what is really held

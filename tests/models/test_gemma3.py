@@ -544,6 +544,34 @@ def test_int4_bundle_loads_and_answers(ckpt, engine, method, tmp_path, caplog):
     assert 0.9 < cos < 1.0, cos  # quantized (not identical), still close on random tiny weights
 
 
+
+def test_awq_calibration_inputs_reproduce_the_16bit_prefill(ckpt, engine):
+    """AWQ's calibration path (processor, tokenizer, encode_vision, embed, the decoder's recorded
+    inputs incl. the sliding layers' RoPE tables and the image blocks) run through the 16-bit
+    layers one by one, each with its own kind of attention, gives the model's own prefill logits."""
+    from edgevlm.quantize.build import BuildOptions, _family_calibration_inputs
+    from edgevlm.quantize.calib import load_samples
+    from edgevlm.quantize.shards import CheckpointReader
+    from edgevlm.runtime.loader import read_model_files
+
+    files = read_model_files(ckpt)
+    xs, run, _ = _family_calibration_inputs(files, CheckpointReader(files), BuildOptions(method="awq", calib="demo",
+                                                                                          calib_samples=2), [])
+    model = _load(ckpt)
+    for j, sample in enumerate(load_samples("demo", 2)):
+        vision = engine.processor.prepare([sample.image])
+        ids = engine.tokenizer.encode_request(sample.prompt, vision, engine.processor)
+        ids += engine.tokenizer.tok.encode(" " + sample.answer, add_special_tokens=False).ids
+        assert len(ids) > 2 * SLIDING_WINDOW
+        model.setup_caches(1, 256)  # the runner below swaps in caches of one sample's length
+        with torch.no_grad():
+            want = model.prefill(model.embed(torch.tensor([ids]), model.encode_vision(vision)))
+            x = xs[j]
+            for i, layer in enumerate(model.language_model.layers):
+                x = run.add_after(i, j, run.for_layer(i)(layer, j, x))
+            got = model.language_model.lm_head(model.language_model.norm(x[:, -1]))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
 # ---- continuous batching (edgevlm.runtime.batching) --------------------------------------------
 
 def _single_run(engine, prepared, n_steps: int):
