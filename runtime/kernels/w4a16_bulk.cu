@@ -97,6 +97,7 @@ w4a16_bulk_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ met
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     using M16 = Magic<BF16>;
     using S = BulkSmem<MT, GT, WARPS, STAGES>;
+    grid_dep_launch();  // PDL: the next kernel may be scheduled once every CTA of this one runs
     extern __shared__ __align__(128) unsigned char smem[];
     float* red = reinterpret_cast<float*>(smem);  // [2][WARPS - 1][MT * 4][32]
     const int warp = threadIdx.x >> 5;
@@ -138,6 +139,7 @@ w4a16_bulk_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ met
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         for (int s = 0; s < STAGES && issued < total; ++s) issue_next();
     }
+    grid_dep_wait();  // PDL: only weights were requested so far; x (and y) may belong to the previous kernel
 
     const uint4* xr[MT];
     bool xv[MT];
@@ -279,7 +281,7 @@ constexpr int kBulkSmemLimit = 200 * 1024;  // the dynamic shared memory the lau
 
 template <bool BF16, int MT, int GT, int WARPS, int STAGES, bool ZX>
 cudaError_t bulk_launch_typed(const void* qw, const void* meta, const void* x, const float* bias, void* y, int M, int N,
-                              int K, int tiles_per_cta, cudaStream_t stream) {
+                              int K, int tiles_per_cta, bool pdl, cudaStream_t stream) {
     using S = BulkSmem<MT, GT, WARPS, STAGES>;
     auto kernel = w4a16_bulk_kernel<BF16, MT, GT, WARPS, STAGES, ZX>;
     static bool attr_set = false;  // per instantiation; racing first calls set the same value
@@ -293,21 +295,21 @@ cudaError_t bulk_launch_typed(const void* qw, const void* meta, const void* x, c
     if (bytes > kBulkSmemLimit) return cudaErrorInvalidValue;
     const int tiles = N / 16;
     const int grid = (tiles + tiles_per_cta - 1) / tiles_per_cta;
-    kernel<<<grid, WARPS * 32, bytes, stream>>>(static_cast<const uint4*>(qw), static_cast<const uint32_t*>(meta),
-                                                static_cast<const uint16_t*>(x), bias, y, M, N, K, tiles_per_cta);
-    return cudaGetLastError();
+    return launch_maybe_pdl(kernel, dim3(grid), dim3(WARPS * 32), static_cast<size_t>(bytes), stream, pdl,
+                            static_cast<const uint4*>(qw), static_cast<const uint32_t*>(meta),
+                            static_cast<const uint16_t*>(x), bias, y, M, N, K, tiles_per_cta);
 }
 
 template <bool BF16, int MT, int GT>
 cudaError_t bulk_launch_cfg(int warps, int stages, bool allow_zx, const void* qw, const void* meta, const void* x, const float* bias,
-                            void* y, int M, int N, int K, int tiles_per_cta, cudaStream_t stream) {
+                            void* y, int M, int N, int K, int tiles_per_cta, bool pdl, cudaStream_t stream) {
 #define EDGEVLM_W4A16_BULK_CASE(W, ST)                                                                          \
     if (warps == W && stages == ST) {                                                                       \
         if constexpr (MT == 1)                                                                              \
             if (allow_zx && M <= kZxMaxM)                                                                            \
                 return bulk_launch_typed<BF16, MT, GT, W, ST, true>(qw, meta, x, bias, y, M, N, K, tiles_per_cta, \
-                                                                    stream);                                \
-        return bulk_launch_typed<BF16, MT, GT, W, ST, false>(qw, meta, x, bias, y, M, N, K, tiles_per_cta, stream); \
+                                                                    pdl, stream);                                \
+        return bulk_launch_typed<BF16, MT, GT, W, ST, false>(qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl, stream); \
     }
     EDGEVLM_W4A16_BULK_CASE(4, 4)
     EDGEVLM_W4A16_BULK_CASE(4, 8)
@@ -323,7 +325,7 @@ cudaError_t bulk_launch_cfg(int warps, int stages, bool allow_zx, const void* qw
 // older than sm_90; else the launch's error.
 cudaError_t launch_w4a16_bulk(bool bf16, const void* qw, const void* meta, const void* x, const float* bias, void* y,
                               int M, int N, int K, int group_size, int warps, int stages, int tiles_per_cta,
-                              bool allow_zx, cudaStream_t stream) {
+                              bool allow_zx, bool pdl, cudaStream_t stream) {
     if (M < 1 || M > 32 || N % 16 || K % 64 || (group_size != 64 && group_size != 128) || K % group_size ||
         tiles_per_cta < 1)
         return cudaErrorInvalidValue;
@@ -336,8 +338,8 @@ cudaError_t launch_w4a16_bulk(bool bf16, const void* qw, const void* meta, const
     const int mt = M <= 8 ? 1 : (M <= 16 ? 2 : 4);
 #define EDGEVLM_W4A16_BULK_MT(B, MTV)                                                                              \
     if (mt == MTV)                                                                                                 \
-        return g128 ? bulk_launch_cfg<B, MTV, 2>(warps, stages, allow_zx, qw, meta, x, bias, y, M, N, K, tiles_per_cta, stream) \
-                    : bulk_launch_cfg<B, MTV, 1>(warps, stages, allow_zx, qw, meta, x, bias, y, M, N, K, tiles_per_cta, stream);
+        return g128 ? bulk_launch_cfg<B, MTV, 2>(warps, stages, allow_zx, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl, stream) \
+                    : bulk_launch_cfg<B, MTV, 1>(warps, stages, allow_zx, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl, stream);
     if (bf16) {
         EDGEVLM_W4A16_BULK_MT(true, 1)
         EDGEVLM_W4A16_BULK_MT(true, 2)

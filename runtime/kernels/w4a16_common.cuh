@@ -127,6 +127,59 @@ __device__ __forceinline__ void warp_group_xsums(const uint16_t* __restrict__ x,
     }
 }
 
+// Programmatic dependent launch (sm_90; no-ops elsewhere). A kernel launched with the programmatic
+// stream-serialization attribute may start before the previous kernel in the stream has finished: it
+// must not read what that kernel writes, nor write anything, before grid_dep_wait() (which returns once
+// the previous grid has completed and its writes are visible; at once when there is none).
+// grid_dep_launch() lets the next such kernel be scheduled as soon as every CTA of this grid has run it.
+__device__ __forceinline__ void grid_dep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void grid_dep_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Ask L2 for the 128-byte line holding p (no register is written; sm_80+).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// Launch `kernel`; with `pdl`, as a programmatic dependent of the previous kernel in the stream (sm_90,
+// CUDA >= 11.8; where such a launch is refused it falls back to an ordinary launch, once and for all).
+template <typename... KArgs, typename... Args>
+cudaError_t launch_maybe_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                             bool pdl, Args... args) {
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 11080
+    static bool pdl_refused = false;
+    if (pdl && !pdl_refused) {
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = grid;
+        cfg.blockDim = block;
+        cfg.dynamicSmemBytes = smem;
+        cfg.stream = stream;
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+        if (err == cudaSuccess) return cudaGetLastError();
+        if (err != cudaErrorNotSupported && err != cudaErrorInvalidValue) return err;
+        (void)cudaGetLastError();  // clear it, launch plainly from now on
+        pdl_refused = true;
+    }
+#else
+    (void)pdl;
+#endif
+    kernel<<<grid, block, smem, stream>>>(static_cast<KArgs>(args)...);
+    return cudaGetLastError();
+}
+
 // (a & b) | c in one LOP3 (the compiler splits it in two when b and c are both immediates).
 __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
     uint32_t d;

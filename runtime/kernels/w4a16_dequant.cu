@@ -28,6 +28,7 @@ template <bool BF16, int WORDS>
 __global__ void __launch_bounds__(256)
 w4a16_dequant_kernel(const uint32_t* __restrict__ qweight, const __half* __restrict__ scales,
                      const uint8_t* __restrict__ zeros, uint4* __restrict__ out, int K, int group_size, unsigned words) {
+    grid_dep_launch();
     const unsigned base = blockIdx.x * (256u * WORDS) + threadIdx.x;
     const unsigned per_row = static_cast<unsigned>(K) >> 3;
     const unsigned groups = static_cast<unsigned>(K / group_size);
@@ -37,6 +38,7 @@ w4a16_dequant_kernel(const uint32_t* __restrict__ qweight, const __half* __restr
         const unsigned c = base + v * 256u;
         q[v] = c < words ? __ldcs(qweight + c) : 0u;
     }
+    grid_dep_wait();  // PDL: `out` may still be read by the previous kernel (a reused buffer)
 #pragma unroll
     for (int v = 0; v < WORDS; ++v) {
         const unsigned c = base + v * 256u;
@@ -59,22 +61,17 @@ w4a16_dequant_kernel(const uint32_t* __restrict__ qweight, const __half* __restr
 
 // qweight/scales/zeros point at row `row0` of the canonical tensors; out is (rows, K) contiguous.
 cudaError_t launch_w4a16_dequant(bool bf16, const void* qweight, const void* scales, const void* zeros, void* out,
-                                 int rows, int K, int group_size, cudaStream_t stream) {
+                                 int rows, int K, int group_size, bool pdl, cudaStream_t stream) {
     if (rows < 1 || K % 32 || (group_size != 32 && group_size != 64 && group_size != 128) || K % group_size)
         return cudaErrorInvalidValue;
     constexpr int kWords = 4;
     const long long words = static_cast<long long>(rows) * (K / 8);
     if (words >= (1LL << 31)) return cudaErrorInvalidValue;  // 32-bit indexing (a 2^34-weight chunk)
     const unsigned blocks = static_cast<unsigned>((words + 256 * kWords - 1) / (256 * kWords));
-    if (bf16)
-        w4a16_dequant_kernel<true, kWords><<<blocks, 256, 0, stream>>>(
-            static_cast<const uint32_t*>(qweight), static_cast<const __half*>(scales),
-            static_cast<const uint8_t*>(zeros), static_cast<uint4*>(out), K, group_size, static_cast<unsigned>(words));
-    else
-        w4a16_dequant_kernel<false, kWords><<<blocks, 256, 0, stream>>>(
-            static_cast<const uint32_t*>(qweight), static_cast<const __half*>(scales),
-            static_cast<const uint8_t*>(zeros), static_cast<uint4*>(out), K, group_size, static_cast<unsigned>(words));
-    return cudaGetLastError();
+    return launch_maybe_pdl(bf16 ? &w4a16_dequant_kernel<true, kWords> : &w4a16_dequant_kernel<false, kWords>,
+                            dim3(blocks), dim3(256), 0, stream, pdl, static_cast<const uint32_t*>(qweight),
+                            static_cast<const __half*>(scales), static_cast<const uint8_t*>(zeros),
+                            static_cast<uint4*>(out), K, group_size, static_cast<unsigned>(words));
 }
 
 }  // namespace edgevlm_w4a16

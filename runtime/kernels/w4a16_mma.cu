@@ -40,8 +40,10 @@ namespace edgevlm_w4a16 {
 template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH, bool LOADS_ONLY, bool ZX = false>
 __global__ void __launch_bounds__(KSPLIT * 32)
 w4a16_mma_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ meta, const uint16_t* __restrict__ x,
-                 const float* __restrict__ bias, void* __restrict__ y, int M, int N, int K, int tiles_per_cta) {
+                 const float* __restrict__ bias, void* __restrict__ y, int M, int N, int K, int tiles_per_cta,
+                 int pf_tiles) {
     using M16 = Magic<BF16>;
+    grid_dep_launch();  // PDL: the next kernel may be scheduled once every CTA of this one runs
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2;
@@ -87,8 +89,27 @@ w4a16_mma_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ meta
             ++pf_tile;                                                                                    \
         }                                                                                                 \
     } while (0)
+    // L2 prefetch (pf_tiles > 0): this warp's weight and meta bytes of tile `tl`, one 128-byte line per
+    // lane and instruction, pf_tiles tiles ahead of the register ring (the whole CTA's range when
+    // pf_tiles >= tiles_per_cta): the DRAM stream no longer waits on the ring's DEPTH.
+    auto prefetch_tile = [&](int tl) {
+        if (gw <= 0) return;
+        const size_t tile_ = static_cast<size_t>(tile0 + tl);
+        const char* wp = reinterpret_cast<const char*>(qw + (tile_ * kblocks + static_cast<size_t>(g0) * GT) * 32);
+        const int wlines = gw * GT * 4;
+        for (int l = lane; l < wlines; l += 32) prefetch_l2(wp + static_cast<size_t>(l) * 128);
+        const uintptr_t m0p = reinterpret_cast<uintptr_t>(meta + (tile_ * groups + g0) * 16);
+        const uintptr_t m1p = m0p + static_cast<uintptr_t>(gw) * 64 - 1;
+        const int mlines = static_cast<int>((m1p >> 7) - (m0p >> 7)) + 1;
+        if (lane < mlines) prefetch_l2(reinterpret_cast<const void*>(((m0p >> 7) + lane) << 7));
+    };
+    if (pf_tiles > 0) {
+        const int n = min(pf_tiles, ntiles);
+        for (int tl = 0; tl < n; ++tl) prefetch_tile(tl);
+    }
 #pragma unroll
     for (int s = 0; s < DEPTH; ++s) EDGEVLM_LOAD_ITEM(s);
+    grid_dep_wait();  // PDL: only weights were read so far; x (and y) may belong to the previous kernel
     extern __shared__ float xs_all[];  // ZX: [KSPLIT][gmax][kZxMaxM]
     float* xs = xs_all + warp * gmax * kZxMaxM;
     if constexpr (ZX) {
@@ -190,6 +211,7 @@ w4a16_mma_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ meta
                 }
                 EDGEVLM_LOAD_ITEM(s);
                 if (cur_local == gmax - 1) {  // the tile is done: fixed-order reduction over the warps
+                    if (pf_tiles > 0 && cur_tile + pf_tiles < ntiles) prefetch_tile(cur_tile + pf_tiles);
                     if (KSPLIT > 1) {
                         if (warp > 0) {
 #pragma unroll
@@ -236,30 +258,31 @@ w4a16_mma_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ meta
 
 template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH, bool LOADS_ONLY, bool ZX = false>
 cudaError_t launch_typed(const void* qw, const void* meta, const void* x, const float* bias, void* y, int M, int N,
-                         int K, int tiles_per_cta, cudaStream_t stream) {
+                         int K, int tiles_per_cta, int pf_tiles, bool pdl, cudaStream_t stream) {
     const int tiles = N / 16;
     const int grid = (tiles + tiles_per_cta - 1) / tiles_per_cta;
     const int groups = K / (GT * 64);
     const int xs_bytes = ZX ? KSPLIT * ((groups + KSPLIT - 1) / KSPLIT) * kZxMaxM * 4 : 0;
     if (xs_bytes > 16 * 1024) return cudaErrorInvalidValue;  // static (<= 30 KB) + dynamic stays under 48 KB
-    w4a16_mma_kernel<BF16, MT, GT, KSPLIT, DEPTH, LOADS_ONLY, ZX><<<grid, KSPLIT * 32, xs_bytes, stream>>>(
-        static_cast<const uint4*>(qw), static_cast<const uint32_t*>(meta), static_cast<const uint16_t*>(x), bias, y,
-        M, N, K, tiles_per_cta);
-    return cudaGetLastError();
+    return launch_maybe_pdl(w4a16_mma_kernel<BF16, MT, GT, KSPLIT, DEPTH, LOADS_ONLY, ZX>, dim3(grid), dim3(KSPLIT * 32),
+                            static_cast<size_t>(xs_bytes), stream, pdl, static_cast<const uint4*>(qw),
+                            static_cast<const uint32_t*>(meta), static_cast<const uint16_t*>(x), bias, y, M, N, K,
+                            tiles_per_cta, pf_tiles);
 }
 
 template <bool BF16, int MT, int GT>
 cudaError_t launch_split(int ksplit, int depth, int mode, const void* qw, const void* meta, const void* x,
-                         const float* bias, void* y, int M, int N, int K, int tiles_per_cta, cudaStream_t stream) {
+                         const float* bias, void* y, int M, int N, int K, int tiles_per_cta, int pf_tiles, bool pdl,
+                         cudaStream_t stream) {
 #define EDGEVLM_W4A16_CASE(KS, D)                                                                        \
     if (ksplit == KS && depth == D) {                                                                    \
         if (mode == 1)                                                                                   \
-            return launch_typed<BF16, MT, GT, KS, D, true>(qw, meta, x, bias, y, M, N, K, tiles_per_cta, stream); \
+            return launch_typed<BF16, MT, GT, KS, D, true>(qw, meta, x, bias, y, M, N, K, tiles_per_cta, pf_tiles, pdl, stream); \
         if constexpr (MT == 1)                                                                           \
             if (mode == 0 && M <= kZxMaxM)                                                               \
                 return launch_typed<BF16, MT, GT, KS, D, false, true>(qw, meta, x, bias, y, M, N, K,     \
-                                                                      tiles_per_cta, stream);           \
-        return launch_typed<BF16, MT, GT, KS, D, false>(qw, meta, x, bias, y, M, N, K, tiles_per_cta, stream); \
+                                                                      tiles_per_cta, pf_tiles, pdl, stream);           \
+        return launch_typed<BF16, MT, GT, KS, D, false>(qw, meta, x, bias, y, M, N, K, tiles_per_cta, pf_tiles, pdl, stream); \
     }
     EDGEVLM_W4A16_CASE(4, 2)
     EDGEVLM_W4A16_CASE(4, 4)
@@ -278,18 +301,18 @@ cudaError_t launch_split(int ksplit, int depth, int mode, const void* qw, const 
 // launch's error.
 cudaError_t launch_w4a16_mma(bool bf16, const void* qw, const void* meta, const void* x, const float* bias, void* y,
                              int M, int N, int K, int group_size, int ksplit, int depth, int tiles_per_cta, int mode,
-                             cudaStream_t stream) {
+                             int pf_tiles, bool pdl, cudaStream_t stream) {
     if (M < 1 || M > 16 || N % 16 || K % 64 || (group_size != 64 && group_size != 128) || K % group_size ||
-        tiles_per_cta < 1 || mode < 0 || mode > 2)
+        tiles_per_cta < 1 || mode < 0 || mode > 2 || pf_tiles < 0)
         return cudaErrorInvalidValue;
     const bool two = M > 8;
     const bool g128 = group_size == 128;
 #define EDGEVLM_W4A16_TYPE(B)                                                                                   \
     if (two)                                                                                                    \
-        return g128 ? launch_split<B, 2, 2>(ksplit, depth, mode, qw, meta, x, bias, y, M, N, K, tiles_per_cta, stream) \
-                    : launch_split<B, 2, 1>(ksplit, depth, mode, qw, meta, x, bias, y, M, N, K, tiles_per_cta, stream); \
-    return g128 ? launch_split<B, 1, 2>(ksplit, depth, mode, qw, meta, x, bias, y, M, N, K, tiles_per_cta, stream)    \
-                : launch_split<B, 1, 1>(ksplit, depth, mode, qw, meta, x, bias, y, M, N, K, tiles_per_cta, stream);
+        return g128 ? launch_split<B, 2, 2>(ksplit, depth, mode, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pf_tiles, pdl, stream) \
+                    : launch_split<B, 2, 1>(ksplit, depth, mode, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pf_tiles, pdl, stream); \
+    return g128 ? launch_split<B, 1, 2>(ksplit, depth, mode, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pf_tiles, pdl, stream)    \
+                : launch_split<B, 1, 1>(ksplit, depth, mode, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pf_tiles, pdl, stream);
     if (bf16) {
         EDGEVLM_W4A16_TYPE(true)
     }

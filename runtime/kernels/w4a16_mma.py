@@ -239,11 +239,11 @@ M_BUCKETS = (1, 8, 16, 32)
 def _parse_config(cfg) -> tuple[str, int, int, int] | None:
     """``("reg" | "bulk", a, b, tiles_per_cta)`` from a table entry (``[a, b, tpc]`` = register ring,
     the format of layout-version-1 tables; ``[kind, a, b, tpc]``; ``[kind, a, b, tpc, zx]``, see
-    :func:`zx_fold`) or None when malformed."""
+    :func:`zx_fold`; ``[kind, a, b, tpc, zx, pf]``, see :func:`prefetch_tiles`) or None when malformed."""
     try:
         if len(cfg) == 3:
             kind, rest = "reg", cfg
-        elif len(cfg) in (4, 5) and cfg[0] in KINDS:
+        elif len(cfg) in (4, 5, 6) and cfg[0] in KINDS:
             kind, rest = cfg[0], cfg[1:4]
         else:
             return None
@@ -255,9 +255,10 @@ def _parse_config(cfg) -> tuple[str, int, int, int] | None:
 
 
 @functools.cache
-def _table() -> tuple[dict, dict]:
+def _table() -> tuple[dict, dict, dict]:
     configs: dict[str, dict[str, tuple[str, int, int, int]]] = {}
     zx: dict[str, dict[str, bool]] = {}
+    pf: dict[str, dict[str, int]] = {}
     try:
         data = json.loads(CONFIGS_FILE.read_text())
         for key, row in data.get("configs", {}).items():
@@ -265,11 +266,13 @@ def _table() -> tuple[dict, dict]:
                 parsed = _parse_config(cfg)
                 if parsed is not None:
                     configs.setdefault(str(key), {})[str(m)] = parsed
-                    if len(cfg) == 5:
+                    if len(cfg) >= 5:
                         zx.setdefault(str(key), {})[str(m)] = bool(cfg[4])
+                    if len(cfg) == 6 and int(cfg[5]) >= 0:
+                        pf.setdefault(str(key), {})[str(m)] = int(cfg[5])
     except (OSError, ValueError, TypeError, AttributeError) as exc:
         logger.debug("no tuned W4A16 mma configs (%s): heuristic only", exc)
-    return configs, zx
+    return configs, zx, pf
 
 
 def tuned_configs() -> dict[str, dict[str, tuple[str, int, int, int]]]:
@@ -293,6 +296,38 @@ def zx_fold(m: int, n: int, k: int, group_size: int) -> bool:
     return _table()[1].get(f"{n}x{k}g{group_size}", {}).get(str(bucket), ZX_DEFAULT)
 
 
+PF_DEFAULT = 0
+"""L2 prefetch distance (16-row tiles, 0 = none) of the register-ring kernel for shapes the sweep did not
+measure (or tables written before the prefetch existed)."""
+
+
+def prefetch_tiles(m: int, n: int, k: int, group_size: int) -> int:
+    """How many 16-row tiles ahead the register-ring kernel asks L2 for its weights (``prefetch.global.L2``
+    of each warp's range; 0: none; >= the CTA's tiles: all of them at the start): the sweep's measured
+    choice for the shape and M bucket, else :data:`PF_DEFAULT`."""
+    bucket = next((b for b in M_BUCKETS if m <= b), M_BUCKETS[-1])
+    return _table()[2].get(f"{n}x{k}g{group_size}", {}).get(str(bucket), PF_DEFAULT)
+
+
+PDL = os.environ.get("EDGEVLM_W4A16_PDL", "1").strip() not in ("0", "false", "no", "off")
+"""Launch the kernels as programmatic dependents of the previous kernel in the stream (sm_90: the launch
+and the weight loads overlap the previous kernel's tail; the activations are read only after it has
+finished). ``EDGEVLM_W4A16_PDL=0`` turns it off."""
+PDL_CAPABILITY = (9, 0)
+_PDL_DEVICES: dict[int, bool] = {}
+
+
+def pdl_ok(device: torch.device) -> bool:
+    """Whether launches on ``device`` use programmatic dependent launch: :data:`PDL` and sm_90+."""
+    if not PDL or device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _PDL_DEVICES.get(index)
+    if ok is None:
+        ok = _PDL_DEVICES[index] = torch.cuda.get_device_capability(index) >= PDL_CAPABILITY
+    return ok
+
+
 def mma_config(m: int, n: int, k: int, group_size: int, *, bulk: bool = False) -> tuple[str, int, int, int]:
     """``(kind, a, b, TILES_PER_CTA)`` for an ``(m, k) x (n, k)^T`` product: the H200 sweep's best for
     this shape and M bucket (``w4a16_mma_configs.json``), else the default of the variant that serves
@@ -308,7 +343,7 @@ def mma_config(m: int, n: int, k: int, group_size: int, *, bulk: bool = False) -
 
 def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size: int,
               bias: torch.Tensor | None = None, config: tuple | None = None,
-              *, mode: int | None = None) -> torch.Tensor:
+              *, mode: int | None = None, prefetch: int | None = None, pdl: bool | None = None) -> torch.Tensor:
     """``x (M, K)`` bf16/fp16 (``M <= 16``; ``M <= 32`` on sm_90) times the INT4 weight in the mma layout,
     transposed, plus ``bias`` (float32 ``(N,)``): ``(M, N)`` in ``x.dtype``, fp32 accumulation, bit-stable.
 
@@ -318,7 +353,9 @@ def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size:
     register ring's ``(KSPLIT, DEPTH, TILES_PER_CTA)``; ``mode=1`` is the register ring's loads-only
     diagnostic (streams the weights, computes nothing meaningful); ``mode=0`` computes with the x-sum
     zero-point fold at M <= 4, ``mode=2`` without it (the same function to fp32 rounding); ``None``: as
-    :func:`zx_fold` says for this shape."""
+    :func:`zx_fold` says for this shape. ``prefetch``: the register ring's L2 prefetch distance in tiles
+    (``None``: :func:`prefetch_tiles` for a table configuration, 0 with an explicit ``config``); ``pdl``:
+    programmatic dependent launch (``None``: :func:`pdl_ok`)."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= BULK_MAX_M:
         raise ValueError(f"x must be (M, K) with 1 <= M <= {BULK_MAX_M}, got {tuple(x.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16):
@@ -350,10 +387,16 @@ def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size:
         raise ValueError("mode must be 0 or 2 (no x-sum zero-point fold) for the bulk kernel")
     if kind == "reg" and mode not in (0, 1, 2):
         raise ValueError("mode must be 0, 1 (loads only) or 2 for the register-ring kernel")
+    if prefetch is None:
+        prefetch = prefetch_tiles(m, n, k, group_size) if config is None else 0
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     ext = load_extension(x.device)
+    if pdl is None:
+        pdl = pdl_ok(x.device)
     if kind == "bulk":
-        return ext.w4a16_bulk(x.contiguous(), qw, meta, bias, group_size, a, b, tiles_per_cta, mode == 0)
-    return ext.w4a16_mma(x.contiguous(), qw, meta, bias, group_size, a, b, tiles_per_cta, mode)
+        return ext.w4a16_bulk(x.contiguous(), qw, meta, bias, group_size, a, b, tiles_per_cta, mode == 0, pdl)
+    return ext.w4a16_mma(x.contiguous(), qw, meta, bias, group_size, a, b, tiles_per_cta, mode, prefetch, pdl)
 
 
 def _bulk_ok(device: torch.device) -> bool:
@@ -378,7 +421,7 @@ def w4a16_dequant(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
         raise ValueError(f"rows [{row0}, {row0 + rows}) outside the weight's {n} rows")
     ext = load_extension(qweight.device)
     return ext.w4a16_dequant(qweight.contiguous(), scales.contiguous(), zeros.contiguous(), group_size, row0, rows,
-                             dtype == torch.bfloat16, out)
+                             dtype == torch.bfloat16, out, pdl_ok(qweight.device))
 
 
 def w4a16_mma_reference(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size: int,

@@ -10,21 +10,22 @@
 namespace edgevlm_w4a16 {
 cudaError_t launch_w4a16_mma(bool bf16, const void* qw, const void* meta, const void* x, const float* bias, void* y,
                              int M, int N, int K, int group_size, int ksplit, int depth, int tiles_per_cta,
-                             int mode, cudaStream_t stream);
+                             int mode, int pf_tiles, bool pdl, cudaStream_t stream);
 cudaError_t launch_w4a16_bulk(bool bf16, const void* qw, const void* meta, const void* x, const float* bias, void* y,
                               int M, int N, int K, int group_size, int warps, int stages, int tiles_per_cta,
-                              bool allow_zx, cudaStream_t stream);
+                              bool allow_zx, bool pdl, cudaStream_t stream);
 cudaError_t launch_w4a16_dequant(bool bf16, const void* qweight, const void* scales, const void* zeros, void* out,
-                                 int rows, int K, int group_size, cudaStream_t stream);
+                                 int rows, int K, int group_size, bool pdl, cudaStream_t stream);
 }
 
 // x (M, K) bf16/fp16 contiguous, qw int32 (N/16, K/64, 32, 4), meta int32 (N/16, K/g, 16), bias float32 (N,)
 // or None -> y (M, N) in x's dtype. ksplit/depth: a compiled pair; tiles_per_cta >= 1; mode 0 (x-sum
 // zero-point fold at M <= 4) or 2 (without it); mode 1 is
-// the loads-only diagnostic of bench/w4a16_marlin.py: wrong results by design).
+// the loads-only diagnostic of bench/w4a16_marlin.py: wrong results by design). pf_tiles: L2 prefetch
+// distance in 16-row tiles (0: none); pdl: launch as a programmatic dependent (sm_90).
 torch::Tensor w4a16_mma(torch::Tensor x, torch::Tensor qw, torch::Tensor meta, std::optional<torch::Tensor> bias,
                         int64_t group_size, int64_t ksplit, int64_t depth, int64_t tiles_per_cta,
-                        int64_t mode) {
+                        int64_t mode, int64_t pf_tiles, bool pdl) {
     TORCH_CHECK(x.is_cuda() && qw.is_cuda() && meta.is_cuda(), "w4a16_mma: tensors must be on a CUDA device");
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "w4a16_mma: x must be a contiguous (M, K) tensor");
     TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, "w4a16_mma: x must be bf16 or fp16");
@@ -52,7 +53,7 @@ torch::Tensor w4a16_mma(torch::Tensor x, torch::Tensor qw, torch::Tensor meta, s
         x.scalar_type() == at::kBFloat16, qw.data_ptr(), meta.data_ptr(), x.data_ptr(), bias_ptr, y.data_ptr(),
         static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), static_cast<int>(group_size),
         static_cast<int>(ksplit), static_cast<int>(depth), static_cast<int>(tiles_per_cta),
-        static_cast<int>(mode), at::cuda::getCurrentCUDAStream());
+        static_cast<int>(mode), static_cast<int>(pf_tiles), pdl, at::cuda::getCurrentCUDAStream());
     TORCH_CHECK(err == cudaSuccess, "w4a16_mma: launch failed: ", cudaGetErrorString(err));
     return y;
 }
@@ -60,7 +61,8 @@ torch::Tensor w4a16_mma(torch::Tensor x, torch::Tensor qw, torch::Tensor meta, s
 // The sm_90 bulk-copy variant (w4a16_bulk.cu): same tensors as w4a16_mma, M up to 32; warps/stages a compiled
 // pair (4 or 8 each), tiles_per_cta >= 1; allow_zx: the x-sum zero-point fold at M <= 4 (false: diagnostic).
 torch::Tensor w4a16_bulk(torch::Tensor x, torch::Tensor qw, torch::Tensor meta, std::optional<torch::Tensor> bias,
-                         int64_t group_size, int64_t warps, int64_t stages, int64_t tiles_per_cta, bool allow_zx) {
+                         int64_t group_size, int64_t warps, int64_t stages, int64_t tiles_per_cta, bool allow_zx,
+                         bool pdl) {
     TORCH_CHECK(x.is_cuda() && qw.is_cuda() && meta.is_cuda(), "w4a16_bulk: tensors must be on a CUDA device");
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "w4a16_bulk: x must be a contiguous (M, K) tensor");
     TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, "w4a16_bulk: x must be bf16 or fp16");
@@ -88,7 +90,7 @@ torch::Tensor w4a16_bulk(torch::Tensor x, torch::Tensor qw, torch::Tensor meta, 
     const cudaError_t err = edgevlm_w4a16::launch_w4a16_bulk(
         x.scalar_type() == at::kBFloat16, qw.data_ptr(), meta.data_ptr(), x.data_ptr(), bias_ptr, y.data_ptr(),
         static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), static_cast<int>(group_size),
-        static_cast<int>(warps), static_cast<int>(stages), static_cast<int>(tiles_per_cta), allow_zx,
+        static_cast<int>(warps), static_cast<int>(stages), static_cast<int>(tiles_per_cta), allow_zx, pdl,
         at::cuda::getCurrentCUDAStream());
     TORCH_CHECK(err == cudaSuccess, "w4a16_bulk: launch failed: ", cudaGetErrorString(err));
     return y;
@@ -96,7 +98,7 @@ torch::Tensor w4a16_bulk(torch::Tensor x, torch::Tensor qw, torch::Tensor meta, 
 
 // Canonical INT4 rows [row0, row0 + rows) -> dense (rows, K) in bf16 (bf16 true) or fp16, written into out when given.
 torch::Tensor w4a16_dequant(torch::Tensor qweight, torch::Tensor scales, torch::Tensor zeros, int64_t group_size,
-                            int64_t row0, int64_t rows, bool bf16, std::optional<torch::Tensor> out) {
+                            int64_t row0, int64_t rows, bool bf16, std::optional<torch::Tensor> out, bool pdl) {
     const at::ScalarType dtype = bf16 ? at::kBFloat16 : at::kHalf;
     TORCH_CHECK(qweight.is_cuda() && scales.is_cuda() && zeros.is_cuda(), "w4a16_dequant: tensors must be on CUDA");
     TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
@@ -124,7 +126,7 @@ torch::Tensor w4a16_dequant(torch::Tensor qweight, torch::Tensor scales, torch::
     const cudaError_t err = edgevlm_w4a16::launch_w4a16_dequant(
         dtype == at::kBFloat16, static_cast<const uint8_t*>(qweight.data_ptr()) + row0 * (K / 2),
         static_cast<const at::Half*>(scales.data_ptr()) + row0 * groups, static_cast<const uint8_t*>(zeros.data_ptr()) + row0 * groups,
-        y.data_ptr(), static_cast<int>(rows), static_cast<int>(K), static_cast<int>(group_size),
+        y.data_ptr(), static_cast<int>(rows), static_cast<int>(K), static_cast<int>(group_size), pdl,
         at::cuda::getCurrentCUDAStream());
     TORCH_CHECK(err == cudaSuccess, "w4a16_dequant: launch failed: ", cudaGetErrorString(err));
     return y;
