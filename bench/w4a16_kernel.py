@@ -51,6 +51,8 @@ SHAPES = {  # name: (N out, K in)
 }
 MS = (1, 8, 16, 32)
 TPC = (1, 2, 4)
+PF = (0, 1, 2, 4)  # L2 prefetch distance of the register ring, in tiles (<= tiles_per_cta; 0 = none)
+PDL_TOP = 3  # configurations per (shape, M, kind) re-timed as a chain of programmatic dependent launches
 PREFILL_MS = (32, 64, 128, 256, 600)
 CHUNKS_MB = (0, 8, 16, 32)
 REL_LIMIT = 3e-3
@@ -72,6 +74,23 @@ def marlin():
         _marlin = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(_marlin)
     return _marlin
+
+
+def import_quantize():
+    """``edgevlm.quantize`` (the bench harness moved there from runtime/): imported normally, else mapped
+    from this checkout's quantize/ as bench/gpu_suite.py's bootstrap maps runtime/ (a checkout run without
+    ``pip install -e .``, where ``edgevlm`` resolves to the checkout's edgevlm/ folder)."""
+    try:
+        import edgevlm.quantize  # noqa: F401
+    except ImportError:
+        spec = importlib.util.spec_from_file_location("edgevlm.quantize", REPO / "quantize" / "__init__.py",
+                                                      submodule_search_locations=[str(REPO / "quantize")])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["edgevlm.quantize"] = module
+        spec.loader.exec_module(module)
+    from edgevlm.quantize import benchmark
+
+    return benchmark
 
 
 RESULTS: dict = {"bench": "w4a16_kernel", "sections": {}}
@@ -139,6 +158,31 @@ def configs(kind: str, m: int):
     return [("bulk", a, b, t) for a, b in mk.BULK_CONFIGS for t in TPC]
 
 
+def variants(kind: str, m: int):
+    """``(config, mode, pf)`` triples of the sweep: every compiled configuration; the register ring with each
+    L2 prefetch distance up to its tiles per CTA; the x-sum zero-point fold (mode 0) at M <= 4 without
+    prefetch (measured slower in the previous session: kept as a check, not swept wider)."""
+    out = []
+    for c in configs(kind, m):
+        pfs = [p for p in PF if p <= c[3]] if kind == "reg" else [0]
+        out += [(c, 2, p) for p in pfs]
+        if m <= 4:
+            out.append((c, 0, 0))
+    return out
+
+
+def poisoned_call(fn, shape, dtype, dev):
+    """Run ``fn`` right after freeing a NaN-filled block of the output's size (the caching allocator hands
+    the same block to the kernel's torch.empty): an element the kernel does not write stays NaN."""
+    import torch
+
+    poison = torch.full(shape, float("nan"), dtype=dtype, device=dev)
+    ptr = poison.data_ptr()
+    del poison
+    y = fn()
+    return y, y.data_ptr() == ptr
+
+
 @section("layers")
 def run_layers(ctx, shapes, kinds):
     import torch
@@ -174,14 +218,19 @@ def run_layers(ctx, shapes, kinds):
             best = {}  # (kind, zx) -> best row
             for kind in kinds:
                 mine = []
-                for c in configs(kind, m):
-                    for mode in ((0, 2) if m <= 4 else (2,)):  # with / without the x-sum zero-point fold
-                        y = mk.w4a16_mma(x, packed, meta, g, config=c, mode=mode)
-                        err = mar.rel(y, ref)
-                        us = mar.graph_us([partial(mk.w4a16_mma, x, p, mt, g, config=c, mode=mode)
-                                           for p, mt in mma_copies])
-                        mine.append({"shape": name, "m": m, "config": list(c), "zx": mode == 0, "us": round(us, 2),
-                                     "gbps": round(moved / us / 1e3, 1), "rel_err": err, "ok": err <= REL_LIMIT})
+                for c, mode, pf in variants(kind, m):
+                    y = mk.w4a16_mma(x, packed, meta, g, config=c, mode=mode, prefetch=pf, pdl=False)
+                    err = mar.rel(y, ref)
+                    us = mar.graph_us([partial(mk.w4a16_mma, x, p, mt, g, config=c, mode=mode, prefetch=pf, pdl=False)
+                                       for p, mt in mma_copies])
+                    mine.append({"shape": name, "m": m, "config": list(c), "zx": mode == 0, "pf": pf,
+                                 "us": round(us, 2), "gbps": round(moved / us / 1e3, 1), "rel_err": err,
+                                 "ok": err <= REL_LIMIT})
+                if ctx.get("pdl"):  # the fastest few again, each call a programmatic dependent of the one before
+                    for r in sorted([r for r in mine if r["ok"]], key=lambda r: r["us"])[:PDL_TOP]:
+                        c, mode, pf = tuple(r["config"]), 0 if r["zx"] else 2, r["pf"]
+                        r["pdl_us"] = round(mar.graph_us([partial(mk.w4a16_mma, x, p, mt, g, config=c, mode=mode,
+                                                                  prefetch=pf, pdl=True) for p, mt in mma_copies]), 2)
                 sweep.extend(mine)
                 if any(not r["ok"] for r in mine):
                     checks.append({"what": f"sweep {name} M={m} {kind}", "pass": False,
@@ -193,16 +242,22 @@ def run_layers(ctx, shapes, kinds):
             if not best:
                 continue
             win = min(best.values(), key=lambda r: r["us"])
-            tuned.setdefault(f"{n}x{k}g{g}", {})[str(m)] = [*win["config"], int(win["zx"])]
-            # numerics of each variant's chosen configuration: float64 reference, 3 runs bit-identical
+            tuned.setdefault(f"{n}x{k}g{g}", {})[str(m)] = [*win["config"], int(win["zx"]), int(win["pf"])]
+            timed_pdl = [r for r in mine_all(sweep, name, m) if "pdl_us" in r]
+            win_pdl = min(timed_pdl, key=lambda r: r["pdl_us"]) if timed_pdl else None
+            # numerics of each variant's chosen configuration: float64 reference, 3 runs bit-identical, the
+            # output poisoned with NaN before each run, with and without PDL
             for (kind, zx), r in best.items():
-                outs = [mk.w4a16_mma(x, packed, meta, g, config=tuple(r["config"]), mode=0 if zx else 2)
-                        for _ in range(3)]
+                call = partial(mk.w4a16_mma, x, packed, meta, g, config=tuple(r["config"]), mode=0 if zx else 2,
+                               prefetch=r["pf"])
+                runs = [poisoned_call(partial(call, pdl=i == 1 and bool(ctx.get("pdl"))), (m, n), x.dtype, dev)
+                        for i in range(3)]
+                outs = [o for o, _ in runs]
                 err = mar.rel(outs[0], ref)
                 stable = all(torch.equal(outs[0], o) for o in outs[1:])
-                checks.append({"what": f"{name} M={m} {kind} zx={zx} {r['config']}", "rel_err": err,
-                               "bit_stable": stable,
-                               "pass": err <= REL_LIMIT and stable and bool(torch.isfinite(outs[0]).all())})
+                checks.append({"what": f"{name} M={m} {kind} zx={zx} pf={r['pf']} {r['config']}", "rel_err": err,
+                               "bit_stable": stable, "poison_reused": sum(p for _, p in runs),
+                               "pass": err <= REL_LIMIT and stable and all(bool(torch.isfinite(o).all()) for o in outs)})
             tg_us = mar.graph_us([partial(torch.ops.aten._weight_int4pack_mm, x, a, g, b) for a, b in tg_copies]) \
                 if conv else float("nan")
             bf_us = mar.graph_us([partial(F.linear, x, wb) for wb in bf_copies])
@@ -212,7 +267,18 @@ def run_layers(ctx, shapes, kinds):
                 c = tuple(best[("reg", False)]["config"])
                 loads_only_us = round(mar.graph_us([partial(mk.w4a16_mma, x, p, mt, g, config=c, mode=1)
                                                     for p, mt in mma_copies]), 2)
-            row = {"shape": name, "n": n, "k": k, "m": m, "best": [*win["config"], int(win["zx"])], "us": win["us"],
+            loads_only_pf_us = None
+            if m == 1 and ("reg", False) in best and best[("reg", False)]["pf"] > 0:
+                c = tuple(best[("reg", False)]["config"])
+                loads_only_pf_us = round(mar.graph_us([partial(mk.w4a16_mma, x, p, mt, g, config=c, mode=1,
+                                                               prefetch=best[("reg", False)]["pf"], pdl=False)
+                                                       for p, mt in mma_copies]), 2)
+            row = {"shape": name, "n": n, "k": k, "m": m, "best": [*win["config"], int(win["zx"]), int(win["pf"])],
+                   "us": win["us"], "reg_loads_only_pf_us": loads_only_pf_us,
+                   "pdl_best": [*win_pdl["config"], int(win_pdl["zx"]), int(win_pdl["pf"])] if win_pdl else None,
+                   "pdl_us": win_pdl["pdl_us"] if win_pdl else None,
+                   "pdl_gbps": round(moved / win_pdl["pdl_us"] / 1e3, 1) if win_pdl else None,
+                   "win_pdl_us": win.get("pdl_us"),
                    "gbps": win["gbps"], "pct_copy": round(100 * win["gbps"] / ctx["copy_gbps"], 1),
                    "reg_us": us_of("reg"), "reg_nozx_us": us_of("reg", False), "reg_zx_us": us_of("reg", True),
                    "bulk_us": us_of("bulk"), "bulk_nozx_us": us_of("bulk", False), "bulk_zx_us": us_of("bulk", True),
@@ -222,8 +288,10 @@ def run_layers(ctx, shapes, kinds):
                    "vs_tinygemm": round(tg_us / win["us"], 2), "vs_bf16": round(bf_us / win["us"], 2),
                    "int4_bytes": int4_bytes}
             rows.append(row)
-            print(f"{name:15s} M={m:<3d} best {win['config']} {win['us']:7.2f} us {win['gbps']:7.1f} GB/s | reg "
-                  f"{row['reg_us']} | bulk {row['bulk_us']} | tinygemm {tg_us:7.2f} | bf16 {bf_us:7.2f}", flush=True)
+            print(f"{name:15s} M={m:<3d} best {row['best']} {win['us']:7.2f} us {win['gbps']:7.1f} GB/s | pdl "
+                  f"{row['pdl_best']} {row['pdl_us']} us {row['pdl_gbps']} GB/s | reg {row['reg_us']} | bulk "
+                  f"{row['bulk_us']} | loads-only {loads_only_us} / pf {loads_only_pf_us} | tinygemm {tg_us:7.2f} | "
+                  f"bf16 {bf_us:7.2f}", flush=True)
         del mma_copies, tg_copies, bf_copies, w64, wbf
         torch.cuda.empty_cache()
     RESULTS.update(layers=rows, sweep=sweep)
@@ -231,7 +299,7 @@ def run_layers(ctx, shapes, kinds):
     table = json.dumps({"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
                         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "group_size": g,
                         "source": "bench/w4a16_kernel.py (sweep of both variants; entry: kind, a, b, "
-                                  "tiles_per_cta, zx)", "configs": tuned}, indent=1) + "\n"
+                                  "tiles_per_cta, zx, pf)", "configs": tuned}, indent=1) + "\n"
     if os.environ.get("OUT") and tuned:
         Path(os.environ["OUT"], "w4a16_mma_configs.json").write_text(table)
     if ctx.get("install_table") and tuned:  # the model section then runs with this sweep's table
@@ -240,9 +308,87 @@ def run_layers(ctx, shapes, kinds):
     return rows
 
 
+def mine_all(sweep: list[dict], name: str, m: int) -> list[dict]:
+    return [r for r in sweep if r["shape"] == name and r["m"] == m]
+
+
 def _best_us(best: dict, kind: str, zx: bool | None = None) -> float | None:
     rs = [r for (kd, z), r in best.items() if kd == kind and (zx is None or z == zx)]
     return min(r["us"] for r in rs) if rs else None
+
+
+@section("chain")
+def run_chain(ctx, prefixes=("7b", "qwen8b", "qwen2b"), ms=(1, 8, 16)):
+    """A decoder layer's four matmuls back to back (qkv, o, gate_up, down; the launch table's configurations),
+    copies rotated past L2 as in ``layers``: µs per layer with ordinary launches and with programmatic
+    dependent launch (each kernel's launch and weight loads overlap the previous one's tail). Then a
+    dependency check: 8 calls where each call's input is the previous call's output, PDL vs plain, bit-equal."""
+    import torch
+
+    from edgevlm.runtime import int4
+    from edgevlm.runtime.kernels import w4a16_mma as mk
+
+    mar = marlin()
+    dev, l2, g = ctx["dev"], ctx["l2"], 128
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(3)
+    rows = []
+    for prefix in prefixes:
+        names = [f"{prefix}.{part}" for part in ("qkv", "o", "gate_up", "down")]
+        layer = []
+        for nm in names:
+            n, k = SHAPES[nm]
+            qw = int4.quantize_int4(torch.randn(n, k, device=dev, generator=gen) * 0.02, g)
+            layer.append((n, k, *int4.repack_int4_mma(qw.qweight, qw.scales, qw.zeros, g), qw.nbytes()))
+        layer_bytes = sum(e[4] for e in layer)
+        copies = [[(n, k, p.clone(), mt.clone()) for n, k, p, mt, _ in layer]
+                  for _ in range(mar.copies_for(layer_bytes, l2))]
+        for m in ms:
+            xs = {k: torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16) for _, k, *_ in layer}
+            row = {"model": prefix, "m": m, "layer_int4_bytes": layer_bytes}
+            for pdl in (False, True):
+                calls = [partial(mk.w4a16_mma, xs[k], p, mt, g, pdl=pdl) for cp in copies for n, k, p, mt in cp]
+                us = mar.graph_us(calls) * 4  # graph_us divides by the number of calls: 4 per layer
+                row["pdl_us" if pdl else "plain_us"] = round(us, 2)
+                row["pdl_gbps" if pdl else "plain_gbps"] = round(layer_bytes / us / 1e3, 1)
+            rows.append(row)
+            print(f"chain {prefix} M={m}: plain {row['plain_us']} us ({row['plain_gbps']} GB/s), PDL {row['pdl_us']} us "
+                  f"({row['pdl_gbps']} GB/s)", flush=True)
+        del copies
+        torch.cuda.empty_cache()
+    RESULTS["chain"] = rows
+    # dependency check: y_{i+1} = f(y_i) on a square weight, eager and graphed, PDL vs plain
+    n = k = 4096
+    qw = int4.quantize_int4(torch.randn(n, k, device=dev, generator=gen) * 0.02, g)
+    packed, meta = int4.repack_int4_mma(qw.qweight, qw.scales, qw.zeros, g)
+    for m in (1, 8, 16, 32):
+        x0 = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+
+        def chain(pdl, x0=x0):
+            y = x0
+            for _ in range(8):
+                y = mk.w4a16_mma(y, packed, meta, g, pdl=pdl)
+                y = y / y.float().norm(dim=1, keepdim=True).to(y.dtype) * 64  # keep it in range; a non-PDL kernel
+                y = mk.w4a16_mma(y, packed, meta, g, pdl=pdl)  # PDL after PDL
+            return y
+
+        ref = chain(False)
+        eager = chain(True)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            chain(True)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(True)
+        graph.replay()
+        torch.cuda.synchronize()
+        ok = torch.equal(ref, eager) and torch.equal(ref, out) and bool(torch.isfinite(ref).all())
+        RESULTS.setdefault("checks", []).append({"what": f"PDL dependency chain M={m} (eager + graph) == plain",
+                                                 "pass": ok})
+        print(f"PDL dependency chain M={m}: {'bit-equal' if ok else 'DIFFERENT'}", flush=True)
+    return rows
 
 
 @section("extra_numerics")
@@ -360,17 +506,29 @@ def run_prefill(ctx, shapes):
 
 @section("model")
 def run_model(ctx, choice):
-    from edgevlm.runtime import benchmark, int4
+    from edgevlm.runtime import int4
+
+    benchmark = import_quantize()
 
     if choice:
         int4.PREFILL_DEQUANTIZER, int4.PREFILL_CHUNK_BYTES = choice[0], choice[1] << 20
-    summary = benchmark.run(models=["llava-7b"], variants=["edgevlm", "edgevlm-w4"], with_hf=False,
-                            batch_sizes=ctx["batch_sizes"], new_tokens=32, n_text=32)
+    from edgevlm.runtime.kernels import w4a16_mma as mk
+
     keep = ("model", "impl", "ttft_ms", "tpot_ms", "decode_tok_s", "step_gpu_ms", "batch_tok_s", "copy_frac", "gbps",
             "weight_bytes", "kv_bytes_per_token", "error")
-    rows = [{k: r.get(k) for k in keep if k in r} for r in summary["rows"]]
-    RESULTS["model"] = {"rows": rows, "copy_gbps": summary.get("copy_gbps"), "prefill": list(choice or ())}
-    print(benchmark.format_table(summary["rows"]), flush=True)
+    rows = []
+    copy = None
+    for label, variants_, pdl in (("pdl", ctx["model_variants"], True), ("plain", ["edgevlm-w4"], False)):
+        if label == "plain" and not ctx.get("pdl"):
+            continue
+        mk.PDL = pdl and bool(ctx.get("pdl"))
+        summary = benchmark.run(models=["llava-7b"], variants=variants_, with_hf=False,
+                                batch_sizes=ctx["batch_sizes"], new_tokens=32, n_text=32)
+        rows += [{**{k: r.get(k) for k in keep if k in r}, "w4a16_launch": label} for r in summary["rows"]]
+        copy = summary.get("copy_gbps") or copy
+        print(f"[{label}]\n" + benchmark.format_table(summary["rows"]), flush=True)
+    mk.PDL = bool(ctx.get("pdl"))
+    RESULTS["model"] = {"rows": rows, "copy_gbps": copy, "prefill": list(choice or ())}
     return rows
 
 
@@ -407,6 +565,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the four 7B shapes only")
     ap.add_argument("--batch-sizes", default="1,8,32", help="decode batch sizes of the model section")
     ap.add_argument("--prefill-ms", default="32,64,128,256,600", help="M values of the prefill section")
+    ap.add_argument("--no-pdl", action="store_true", help="no programmatic dependent launch anywhere")
+    ap.add_argument("--model-variants", default="edgevlm,edgevlm-w4",
+                    help="variants of the model section (W4A16 is also run once without PDL)")
+    ap.add_argument("--chain-models", default="7b,qwen8b,qwen2b", help="models of the chain section")
     ap.add_argument("--install-table", action="store_true",
                     help="write the sweep's launch table into runtime/kernels/ (used by the model section)")
     args = ap.parse_args(argv)
@@ -457,10 +619,15 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.update(device=props.name, torch=torch.__version__, copy_gbps=round(copy_gbps, 1), l2_mib=l2 >> 20,
                    build_s=round(build_s, 1), bulk_status=bulk,
                    date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
-    ctx = {"dev": dev, "l2": l2, "copy_gbps": copy_gbps, "install_table": args.install_table,
-           "batch_sizes": [int(b) for b in args.batch_sizes.split(",")]}
+    pdl = props.major >= 9 and not args.no_pdl
+    mk.PDL = pdl
+    ctx = {"dev": dev, "l2": l2, "copy_gbps": copy_gbps, "install_table": args.install_table, "pdl": pdl,
+           "batch_sizes": [int(b) for b in args.batch_sizes.split(",")],
+           "model_variants": [v for v in args.model_variants.split(",") if v]}
     shapes = {k: v for k, v in SHAPES.items() if k.startswith("7b.")} if args.quick else SHAPES
     layers = run_layers(ctx, shapes, kinds) if "layers" not in skip else None
+    if "chain" not in skip:
+        run_chain(ctx, tuple(p for p in args.chain_models.split(",") if p))
     chunk = run_prefill(ctx, {k: v for k, v in SHAPES.items() if k.startswith("7b.")}) if "prefill" not in skip else None
     if "model" not in skip:
         run_model(ctx, chunk)
@@ -487,13 +654,22 @@ def main(argv: list[str] | None = None) -> int:
 def print_tables() -> None:
     layers = RESULTS.get("layers") or []
     if layers:
-        print("\n| shape | M | best (kind, a, b, tpc, zx) | µs | GB/s | % copy | reg µs | reg+zx µs | bulk µs | "
-              "bulk+zx µs | tinygemm µs | bf16 µs | vs tinygemm | vs bf16 |")
-        print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("\n| shape | M | best (kind, a, b, tpc, zx, pf) | µs | GB/s | % copy | PDL chain µs | PDL GB/s | "
+              "reg µs | reg+zx µs | bulk µs | loads-only µs (pf 0 / pf) | tinygemm µs | bf16 µs | vs tinygemm | "
+              "vs bf16 |")
+        print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
         for r in layers:
             print(f"| {r['shape']} | {r['m']} | {tuple(r['best'])} | {r['us']} | {r['gbps']} | {r['pct_copy']} | "
-                  f"{r['reg_nozx_us']} | {r['reg_zx_us']} | {r['bulk_nozx_us']} | {r['bulk_zx_us']} | "
+                  f"{r.get('pdl_us')} | {r.get('pdl_gbps')} | {r['reg_nozx_us']} | {r['reg_zx_us']} | "
+                  f"{r['bulk_nozx_us']} | {r['reg_loads_only_us']} / {r.get('reg_loads_only_pf_us')} | "
                   f"{r['tinygemm_us']} | {r['bf16_us']} | {r['vs_tinygemm']}x | {r['vs_bf16']}x |")
+    chain = RESULTS.get("chain")
+    if chain:
+        print("\nfour matmuls of a decoder layer back to back (µs per layer):")
+        print("| model | M | plain µs | GB/s | PDL µs | GB/s |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for r in chain:
+            print(f"| {r['model']} | {r['m']} | {r['plain_us']} | {r['plain_gbps']} | {r['pdl_us']} | {r['pdl_gbps']} |")
     tot = RESULTS.get("prefill_totals")
     if tot:
         print("\nprefill, sum of the four 7B layers (µs):")
@@ -505,7 +681,7 @@ def print_tables() -> None:
     if model:
         print("\nwhole model (LLaVA-1.5-7B shape):")
         for r in model["rows"]:
-            print(f"  {r.get('impl')}: ttft {r.get('ttft_ms')} ms, decode {r.get('decode_tok_s')} tok/s, "
+            print(f"  {r.get('impl')} [{r.get('w4a16_launch')}]: ttft {r.get('ttft_ms')} ms, decode {r.get('decode_tok_s')} tok/s, "
                   f"batch {r.get('batch_tok_s')}, copy_frac {r.get('copy_frac')} {r.get('error') or ''}")
     if RESULTS.get("orin_prediction"):
         print("\nAGX Orin (not run; predicted):", json.dumps(RESULTS["orin_prediction"]))

@@ -136,6 +136,20 @@ def test_table_entries_parse_in_both_formats():
         assert mk._parse_config(bad) is None
 
 
+def test_prefetch_distance_and_pdl_switches():
+    assert mk._parse_config(["reg", 8, 2, 2, 0, 2]) == ("reg", 8, 2, 2)  # + the L2 prefetch distance
+    assert mk.prefetch_tiles(1, 16, 128, 128) == mk.PF_DEFAULT  # an untuned shape
+    for key, row in mk._table()[2].items():  # measured choices, where the table has them
+        n, k = (int(v) for v in key.split("g")[0].split("x"))
+        for bucket, pf in row.items():
+            assert pf >= 0 and mk.prefetch_tiles(int(bucket), n, k, 128) == pf
+    assert not mk.pdl_ok(torch.device("cpu"))
+    qw = quantize_int4(torch.randn(32, 256), 128)
+    packed, meta = repack_int4_mma(qw.qweight, qw.scales, qw.zeros, 128)
+    with pytest.raises(ValueError, match="prefetch must be"):
+        mk.w4a16_mma(torch.randn(1, 256).bfloat16(), packed, meta, 128, config=(8, 2, 1), prefetch=-1)
+
+
 def test_zx_fold_only_at_small_m():
     assert mk.zx_fold(1, 16, 128, 128) is mk.ZX_DEFAULT  # an untuned shape
     for key, row in mk._table()[1].items():  # measured choices, where the table has them
@@ -195,12 +209,22 @@ def test_cuda_kernel_matches_float64_and_is_bit_stable(m, g, dtype):
     x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
     bias = torch.randn(n, device="cuda", generator=gen)
     ref = x.double() @ dequantize_int4(qw.qweight, qw.scales, qw.zeros, g, torch.float64).T + bias.double()
+    # (mode, L2 prefetch distance, PDL): the x-sum fold; prefetch of the whole range / one and two tiles
+    # ahead of a 3-tile CTA (the rolling path); programmatic dependent launch (a no-op before sm_90)
     for cfg in [(*kd, tpc) for kd in mk.MMA_CONFIGS for tpc in (1, 3)]:
-        for mode in (0, 2):  # with and without the x-sum zero-point fold (M <= 4)
-            outs = [mk.w4a16_mma(x, packed, meta, g, bias, config=cfg, mode=mode) for _ in range(2)]
-            assert torch.isfinite(outs[0]).all()
-            assert _rel(outs[0], ref) <= 3e-3, (cfg, mode)
-            assert torch.equal(outs[0], outs[1]), (cfg, mode)
+        for mode, pf, pdl in ((0, 0, False), (2, 0, False), (2, 1, True), (2, 2, False)):
+            outs = []
+            for _ in range(2):
+                poison = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+                del poison  # the kernel's output block: an unwritten element stays NaN
+                outs.append(mk.w4a16_mma(x, packed, meta, g, bias, config=cfg, mode=mode, prefetch=pf, pdl=pdl))
+            assert torch.isfinite(outs[0]).all() and torch.isfinite(outs[1]).all(), (cfg, mode, pf)
+            assert _rel(outs[0], ref) <= 3e-3, (cfg, mode, pf)
+            assert torch.equal(outs[0], outs[1]), (cfg, mode, pf)
+            if mode == 2 and pf == 0:
+                plain = outs[0]
+            elif mode == 2:  # prefetch and PDL change when bytes arrive, not the arithmetic
+                assert torch.equal(outs[0], plain), (cfg, pf, pdl)
     # the PyTorch reference of the layout agrees with the kernel to fp32/bf16 rounding
     ref_layout = mk.w4a16_mma_reference(x.cpu(), packed.cpu(), meta.cpu(), g, bias.cpu())
     assert _rel(outs[0].cpu(), ref_layout) <= 3e-3
@@ -221,10 +245,51 @@ def test_cuda_bulk_kernel_matches_float64_and_is_bit_stable(m, g, dtype):
     ref = x.double() @ dequantize_int4(qw.qweight, qw.scales, qw.zeros, g, torch.float64).T + bias.double()
     for cfg in [("bulk", *ws, tpc) for ws in mk.BULK_CONFIGS for tpc in (1, 3)]:
         for mode in (0, 2):  # with and without the x-sum zero-point fold (M <= 4)
-            outs = [mk.w4a16_mma(x, packed, meta, g, bias, config=cfg, mode=mode) for _ in range(2)]
+            outs = [mk.w4a16_mma(x, packed, meta, g, bias, config=cfg, mode=mode, pdl=pdl) for pdl in (False, True)]
             assert torch.isfinite(outs[0]).all()
             assert _rel(outs[0], ref) <= 3e-3, (cfg, mode)
             assert torch.equal(outs[0], outs[1]), (cfg, mode)
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 8, 16, 32])
+def test_pdl_chain_reads_the_previous_output(m):
+    """Each call's input is the previous call's output (with a plain torch kernel between some): launched as
+    programmatic dependents, eagerly and in a CUDA graph, the chain gives bit-for-bit the plain result."""
+    if mk.mma_status("cuda") is not None:
+        pytest.skip(f"kernel unavailable: {mk.mma_status('cuda')}")
+    if m > mk.max_rows("cuda"):
+        pytest.skip("M > the kernel's rows here")
+    gen = torch.Generator(device="cuda").manual_seed(m + 7)
+    n = k = 1024
+    qw = quantize_int4(torch.randn(n, k, device="cuda", generator=gen) * 0.05, 128)
+    packed, meta = repack_int4_mma(qw.qweight, qw.scales, qw.zeros, 128)
+    x0 = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+
+    def chain(pdl):
+        y = x0
+        for _ in range(6):
+            y = mk.w4a16_mma(y, packed, meta, 128, pdl=pdl, prefetch=1)
+            y = mk.w4a16_mma(y, packed, meta, 128, pdl=pdl)  # a PDL kernel right after a PDL kernel
+            y = y / y.float().norm(dim=1, keepdim=True).to(y.dtype) * 32  # plain torch kernels between
+        return y
+
+    ref = chain(False)
+    assert torch.isfinite(ref).all()
+    assert torch.equal(chain(True), ref)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain(True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(True)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)
 
 
 @needs_cuda
