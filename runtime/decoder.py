@@ -98,9 +98,13 @@ class ScaledEmbedding(nn.Embedding):
         super().__init__(num_embeddings, embedding_dim)
         self.scale = scale
 
+    def scale_for(self, dtype: torch.dtype) -> float:
+        """``scale`` rounded to float32 and then to ``dtype``, as a Python number (a kernel argument:
+        no host-to-device copy, so CUDA graphs can capture the multiply)."""
+        return float(torch.tensor(self.scale, dtype=torch.float32).to(dtype))
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        return super().forward(input_ids) * torch.tensor(self.scale, dtype=torch.float32, device=w.device).to(w.dtype)
+        return super().forward(input_ids) * self.scale_for(self.weight.dtype)
 
 
 def prefill_masks(t: int, image_blocks: torch.Tensor | None, sliding_window: int | None,
