@@ -706,7 +706,7 @@ def _copy_side_files(files: ModelFiles, out: Path, ladder: list[int]) -> list[st
 
 #: families whose vision tower and decoder :mod:`edgevlm.quantize.onnx_export` exports (the vision graphs of
 #: all but LLaVA: :mod:`edgevlm.quantize.onnx_vision_export`)
-ONNX_FAMILIES = ("llava", "qwen2_5_vl", "qwen3_vl", "smolvlm", "internvl")
+ONNX_FAMILIES = ("llava", "qwen2_5_vl", "qwen3_vl", "smolvlm", "internvl", "gemma3")
 #: families with a TensorRT build (:mod:`edgevlm.quantize.tensorrt_build`: LLaVA's vision profile)
 TENSORRT_FAMILIES = ("llava",)
 

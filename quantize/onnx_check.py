@@ -200,7 +200,7 @@ def vision_check_cases(family: str, cfg) -> list[VisionCase]:
     ``u`` the patches a side of a Qwen2.5-VL attention window (``4 m`` for Qwen3-VL): a square image
     ``(1, 2u, 2u)``, a non-square ``(1, u + m, 2u + m)`` (windows that do not tile it) and a
     two-frame video ``(2, 2m, 3m)``. SmolVLM: 1 tile, 3 tiles, 2 tiles with the second half padding.
-    InternVL: 1 tile, 3 tiles.
+    InternVL: 1 tile, 3 tiles. Gemma 3: 1 image, 2 images.
 
     Raises ValueError for another family."""
     if family in ("qwen2_5_vl", "qwen3_vl"):
@@ -213,9 +213,9 @@ def vision_check_cases(family: str, cfg) -> list[VisionCase]:
         t = cfg.vision.image_size
         return [VisionCase(n_tiles=1, tile_px=t), VisionCase(n_tiles=3, tile_px=t),
                 VisionCase(n_tiles=2, tile_px=t, padded=True)]
-    if family == "internvl":  # tiles at the trained size only (no padding)
+    if family in ("internvl", "gemma3"):  # tiles / images at the trained size only (no padding)
         t = cfg.vision.image_size
-        return [VisionCase(n_tiles=1, tile_px=t), VisionCase(n_tiles=3, tile_px=t)]
+        return [VisionCase(n_tiles=1, tile_px=t), VisionCase(n_tiles=3 if family == "internvl" else 2, tile_px=t)]
     raise ValueError(f"no ONNX vision check for the {family} family")
 
 
@@ -229,6 +229,8 @@ def _torch_vision(model, family: str, pixels: torch.Tensor, grid: torch.Tensor |
         return [main, *deepstack]
     if family == "internvl":
         return [model.encode_tiles(pixels)]
+    if family == "gemma3":
+        return [model.encode_images(pixels)]
     return [model.encode_tiles(pixels, mask)]
 
 
@@ -303,7 +305,7 @@ def _check_family_decoder(ref, onnx, family: str) -> OnnxDecoderCheck:
 
     tb, ob, cfg = ref.backend, onnx.backend, ref.config
     image = np.random.default_rng(0).integers(0, 256, (96, 128, 3), dtype=np.uint8)
-    if family in ("smolvlm", "internvl"):  # one tile
+    if family in ("smolvlm", "internvl", "gemma3"):  # one tile / image (Gemma 3: the rung is ignored)
         rung = cfg.vision.image_size
     else:
         rung = 4 * cfg.vision.patch_size * cfg.vision.spatial_merge_size

@@ -2,8 +2,8 @@
 tensors (no tracing, see :mod:`edgevlm.quantize.onnx_graph` for why): ``onnx/vision.onnx`` and
 ``onnx/decoder.onnx`` (+ ``.data`` external weights) for every family of
 :data:`edgevlm.quantize.build.ONNX_FAMILIES`. This module holds LLaVA's vision graph, the decoder graph
-of all four families and :func:`export_bundle_onnx`; the Qwen2.5-VL, Qwen3-VL and SmolVLM2 vision
-graphs (and their contract) are in :mod:`edgevlm.quantize.onnx_vision_export`.
+of every family and :func:`export_bundle_onnx`; the other families' vision graphs (and their contract)
+are in :mod:`edgevlm.quantize.onnx_vision_export`.
 
 LLaVA ``vision.onnx`` (opset 17): ``pixel_values`` float32 ``(1, 3, H, W)`` with *dynamic* H and W
 (multiples of the patch size) -> ``image_features`` ``(1, N, D_text)``. The learned position
@@ -27,6 +27,13 @@ in cache slots ``P .. P+T-1`` (causal mask by slot).
 - Qwen3-VL: per-head q/k RMSNorm, and inputs ``layer_add.{i}`` float32 ``(1, T, D)`` for ``i <
   len(deepstack_visual_indexes)``, added to the hidden states after layer ``i`` (the DeepStack feature
   ``i`` at the vision positions, zeros elsewhere and in decode).
+- Gemma 3 (a text config with ``layer_types``): ``inputs_embeds`` already scaled by ``sqrt(hidden)``
+  (the host embeds as the model does), an input ``image_blocks`` int64 ``(1, T)`` (each image's run
+  numbered from 0, -1 elsewhere and in decode: :func:`edgevlm.runtime.models.gemma3.model.image_block_ids`)
+  that makes the tokens of one image attend to each other; unit-offset RMSNorm ``x * (1 + w)``, four
+  norms per layer, per-head q/k norm, the ``query_pre_attn_scalar`` scale; RoPE computed in the graph
+  from ``position_ids`` (``pos * inv_freq``: the full layers' scaled frequencies, the sliding layers'
+  own base), and the sliding layers' keys limited to ``slot - k < sliding_layer_window``.
 
 INT4 layers are ``com.microsoft::MatMulNBits`` (onnxruntime contrib operator spec: attributes ``K``,
 ``N``, ``bits=4``, ``block_size``; ``B`` uint8 ``(N, K/block, block/2)`` with the low nibble first — the
@@ -57,6 +64,7 @@ from edgevlm.quantize.onnx_graph import (
     rmsnorm,
     rope,
     save_model,
+    unit_offset_rmsnorm,
 )
 from edgevlm.runtime.models.llava.config import LlavaConfig
 
@@ -139,6 +147,8 @@ def build_decoder_graph(w: BundleTensors, cfg, max_positions: int, *, n_layer_ad
 
     tc, g = cfg.text, GraphBuilder()
     hd, nh, nkv = tc.head_dim, tc.num_attention_heads, tc.num_key_value_heads
+    gemma = tc.layer_types is not None
+    norm = unit_offset_rmsnorm if tc.norm_unit_offset else rmsnorm
     past = g.op("Slice", g.op("Shape", "past.0.key"), g.ints([2]), g.ints([3]))  # (1,) P
     new = g.op("Slice", g.op("Shape", "inputs_embeds"), g.ints([1]), g.ints([2]))  # (1,) T
     if tc.mrope_section:
@@ -152,6 +162,22 @@ def build_decoder_graph(w: BundleTensors, cfg, max_positions: int, *, n_layer_ad
                                        g.op("Squeeze", g.op("Add", past, new), g.ints([0])), g.ints(1)),
                      g.ints([0]))  # (1, T): cache slots P .. P+T-1
         pos_info = helper.make_tensor_value_info("position_ids", TensorProto.INT64, [3, 1, "seq"])
+    elif gemma:  # 1-D RoPE computed in the graph: two frequency sets, no max_position tables
+        pos = g.op("Unsqueeze", g.op("Cast", g.op("Reshape", "position_ids", g.ints([-1])), to=TensorProto.FLOAT),
+                   g.ints([1]))  # (T, 1)
+
+        def tables(inv_freq: torch.Tensor, hint: str) -> tuple[str, str]:
+            freqs = g.op("Mul", pos, g.const(inv_freq.float().numpy(), hint))  # (T, Dh/2)
+            emb = g.op("Concat", freqs, freqs, axis=-1)  # (T, Dh)
+            return tuple(g.op("Unsqueeze", g.op(f, emb), g.ints([0, 1])) for f in ("Cos", "Sin"))  # (1, 1, T, Dh)
+
+        cos, sin = tables(rope_inv_freq(tc), "inv_freq")
+        local_cos, local_sin = cos, sin
+        if tc.sliding_rope_theta is not None:
+            local_inv = 1.0 / (tc.sliding_rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
+            local_cos, local_sin = tables(local_inv, "local_inv_freq")
+        slots = "position_ids"
+        pos_info = helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "seq"])
     else:
         cos_t, sin_t = rope_tables(hd, max_positions, tc.rope_theta, "cpu", rope_inv_freq(tc))
         cos = g.op("Unsqueeze", g.op("Gather", g.const(cos_t.numpy(), "cos"), "position_ids"), g.ints([1]))  # (1,1,T,Dh)
@@ -162,11 +188,26 @@ def build_decoder_graph(w: BundleTensors, cfg, max_positions: int, *, n_layer_ad
     keys = g.op("Range", g.ints(0), g.op("Squeeze", g.op("Add", past, new), g.ints([0])), g.ints(1))  # (S,)
     visible = g.op("LessOrEqual", g.op("Unsqueeze", keys, g.ints([0, 1])),
                    g.op("Unsqueeze", slots, g.ints([2])))  # (1, T, S)
+    sliding_mask = None
+    if gemma:  # OR the image blocks; the sliding layers AND their window (Decoder.forward's rules)
+        past_blocks = g.op("ConstantOfShape", past, value=helper.make_tensor("minus1", TensorProto.INT64, [1], [-1]))
+        key_blocks = g.op("Unsqueeze", g.op("Concat", past_blocks, g.op("Reshape", "image_blocks", g.ints([-1])),
+                                            axis=0), g.ints([0, 1]))  # (1, 1, S)
+        query_blocks = g.op("Unsqueeze", "image_blocks", g.ints([2]))  # (1, T, 1)
+        same = g.op("And", g.op("Equal", query_blocks, key_blocks), g.op("GreaterOrEqual", query_blocks, g.ints(0)))
+        visible = g.op("Or", visible, same)  # (1, T, S)
+        if tc.sliding_layer_window is not None:
+            in_window = g.op("Greater", g.op("Unsqueeze", keys, g.ints([0, 1])),
+                             g.op("Sub", g.op("Unsqueeze", slots, g.ints([2])), g.ints(tc.sliding_layer_window)))
+            sliding_mask = g.op("Unsqueeze", g.op("Where", g.op("And", visible, in_window), g.const(0.0),
+                                                  g.const(np.finfo(np.float32).min)), g.ints([1]))
     mask = g.op("Unsqueeze", g.op("Where", visible, g.const(0.0), g.const(np.finfo(np.float32).min)), g.ints([1]))
-    scale = g.const(hd ** -0.5)
+    scale = g.const(tc.attn_scale if tc.attn_scale is not None else hd ** -0.5)
     x = "inputs_embeds"
     inputs = [helper.make_tensor_value_info("inputs_embeds", TensorProto.FLOAT, [1, "seq", tc.hidden_size]),
               pos_info]
+    if gemma:
+        inputs.append(helper.make_tensor_value_info("image_blocks", TensorProto.INT64, [1, "seq"]))
     inputs += [helper.make_tensor_value_info(f"layer_add.{i}", TensorProto.FLOAT, [1, "seq", tc.hidden_size])
                for i in range(n_layer_adds)]
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, tc.vocab_size])]
@@ -176,13 +217,16 @@ def build_decoder_graph(w: BundleTensors, cfg, max_positions: int, *, n_layer_ad
             inputs.append(helper.make_tensor_value_info(f"past.{i}.{kv}", TensorProto.FLOAT, [1, nkv, "past", hd]))
             outputs.append(helper.make_tensor_value_info(f"present.{i}.{kv}", TensorProto.FLOAT,
                                                          [1, nkv, "total", hd]))
-        h = rmsnorm(g, w, x, b + "input_layernorm", tc.rms_norm_eps)
+        sliding = gemma and tc.layer_types[i] == "sliding_attention"
+        layer_cos, layer_sin = (local_cos, local_sin) if sliding else (cos, sin)
+        layer_mask = sliding_mask if sliding and sliding_mask is not None else mask
+        h = norm(g, w, x, b + "input_layernorm", tc.rms_norm_eps)
         q = heads(g, linear(g, w, h, b + "self_attn.q_proj"), nh, hd)  # (1, H, T, Dh)
         k = heads(g, linear(g, w, h, b + "self_attn.k_proj"), nkv, hd)
-        if tc.qk_norm:  # Qwen3: RMSNorm over each head's Dh before RoPE
-            q = rmsnorm(g, w, q, b + "self_attn.q_norm", tc.rms_norm_eps)
-            k = rmsnorm(g, w, k, b + "self_attn.k_norm", tc.rms_norm_eps)
-        q, k = rope(g, q, cos, sin, hd // 2), rope(g, k, cos, sin, hd // 2)
+        if tc.qk_norm:  # Qwen3 / Gemma 3: RMSNorm over each head's Dh before RoPE
+            q = norm(g, w, q, b + "self_attn.q_norm", tc.rms_norm_eps)
+            k = norm(g, w, k, b + "self_attn.k_norm", tc.rms_norm_eps)
+        q, k = rope(g, q, layer_cos, layer_sin, hd // 2), rope(g, k, layer_cos, layer_sin, hd // 2)
         v = heads(g, linear(g, w, h, b + "self_attn.v_proj"), nkv, hd)
         k = g.op("Concat", f"past.{i}.key", k, axis=2, out=f"present.{i}.key")  # (1, Hkv, S, Dh)
         v = g.op("Concat", f"past.{i}.value", v, axis=2, out=f"present.{i}.value")
@@ -190,16 +234,24 @@ def build_decoder_graph(w: BundleTensors, cfg, max_positions: int, *, n_layer_ad
             rep = nh // nkv
             k, v = (g.op("Reshape", g.op("Expand", g.op("Unsqueeze", t, g.ints([2])), g.ints([1, nkv, rep, 1, 1])),
                          g.ints([1, nh, -1, hd])) for t in (k, v))
-        scores = g.op("Add", g.op("Mul", g.op("MatMul", q, g.op("Transpose", k, perm=[0, 1, 3, 2])), scale), mask)
+        scores = g.op("Add", g.op("Mul", g.op("MatMul", q, g.op("Transpose", k, perm=[0, 1, 3, 2])), scale), layer_mask)
         att = g.op("MatMul", g.op("Softmax", scores, axis=-1), v)  # (1, H, T, Dh)
-        x = g.op("Add", x, linear(g, w, merge_heads(g, att), b + "self_attn.o_proj"))
-        h = rmsnorm(g, w, x, b + "post_attention_layernorm", tc.rms_norm_eps)
+        y = linear(g, w, merge_heads(g, att), b + "self_attn.o_proj")
+        if tc.sandwich_norms:  # Gemma 3: post-attention norm on the branch, norms around the MLP
+            x = g.op("Add", x, norm(g, w, y, b + "post_attention_layernorm", tc.rms_norm_eps))
+            h = norm(g, w, x, b + "pre_feedforward_layernorm", tc.rms_norm_eps)
+        else:
+            x = g.op("Add", x, y)
+            h = rmsnorm(g, w, x, b + "post_attention_layernorm", tc.rms_norm_eps)
         gate = act(g, tc.hidden_act, linear(g, w, h, b + "mlp.gate_proj"))
-        x = g.op("Add", x, linear(g, w, g.op("Mul", gate, linear(g, w, h, b + "mlp.up_proj")), b + "mlp.down_proj"))
+        y = linear(g, w, g.op("Mul", gate, linear(g, w, h, b + "mlp.up_proj")), b + "mlp.down_proj")
+        if tc.sandwich_norms:
+            y = norm(g, w, y, b + "post_feedforward_layernorm", tc.rms_norm_eps)
+        x = g.op("Add", x, y)
         if i < n_layer_adds:
             x = g.op("Add", x, f"layer_add.{i}")
     last = g.op("Gather", x, g.ints(-1), axis=1)  # (1, D)
-    last = rmsnorm(g, w, last, "language_model.norm", tc.rms_norm_eps)
+    last = norm(g, w, last, "language_model.norm", tc.rms_norm_eps)
     head = "language_model.lm_head"
     if not (w.has(head + ".weight") or w.has(head + ".qweight")):  # tied embeddings
         w.t[head + ".weight"] = w.t["language_model.embed_tokens.weight"]

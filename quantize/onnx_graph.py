@@ -169,6 +169,13 @@ def rmsnorm(g: GraphBuilder, w: BundleTensors, x: str, module: str, eps: float) 
     return g.op("Mul", g.op("Mul", x, inv), g.const(w.f32(module + ".weight")))
 
 
+def unit_offset_rmsnorm(g: GraphBuilder, w: BundleTensors, x: str, module: str, eps: float) -> str:
+    """Gemma's RMSNorm ``x / rms(x) * (1 + w)`` (:class:`edgevlm.runtime.decoder.UnitOffsetNorm`)."""
+    ms = g.op("ReduceMean", g.op("Mul", x, x), axes=[-1], keepdims=1)
+    inv = g.op("Reciprocal", g.op("Sqrt", g.op("Add", ms, g.const(eps))))
+    return g.op("Mul", g.op("Mul", x, inv), g.const(1.0 + w.f32(module + ".weight")))
+
+
 def rope(g: GraphBuilder, x: str, cos: str, sin: str, half: int, axis: int = 3) -> str:
     """``x * cos + rotate_half(x) * sin`` (half-rotation layout) over ``axis``, the head dimension."""
     x1 = g.op("Slice", x, g.ints([0]), g.ints([half]), g.ints([axis]))

@@ -51,6 +51,12 @@ LayerNorm or RMSNorm, optional q/k RMSNorm over the full width, layer scale; the
 ``use_mean_pooling`` is false; CLS dropped, pixel shuffle by r = ``1 / downsample_ratio``, LayerNorm,
 Linear -> act -> Linear).
 
+**Gemma 3** (``runtime/models/gemma3/vision.py``): ``pixel_values`` float32 ``(N_img, 3, P, P)`` (the
+processor's images at the tower's ``image_size`` P, so no input depends on the image) ->
+``image_features`` float32 ``(N_img, mm_tokens_per_image, D_text)`` (SigLIP encoder, post-LayerNorm,
+the ``S x S`` grid average-pooled ``k x k`` with stride k, the unit-offset RMSNorm ``x * (1 + w)``,
+``MatMul`` with ``mm_input_projection_weight`` ``(D_v, D_text)``).
+
 A family not listed here gets no vision graph (the build prints one note and keeps the torch bundle).
 """
 
@@ -70,9 +76,10 @@ from edgevlm.quantize.onnx_graph import (
     merge_heads,
     rmsnorm,
     rope,
+    unit_offset_rmsnorm,
 )
 
-__all__ = ["VISION_GRAPHS", "build_internvl_vision_graph", "build_qwen2_5_vl_vision_graph",
+__all__ = ["VISION_GRAPHS", "build_gemma3_vision_graph", "build_internvl_vision_graph", "build_qwen2_5_vl_vision_graph",
            "build_qwen3_vl_vision_graph", "build_smolvlm_vision_graph"]
 
 _F, _I = TensorProto.FLOAT, TensorProto.INT64
@@ -274,10 +281,42 @@ def build_internvl_vision_graph(w: BundleTensors, cfg) -> onnx.ModelProto:
     return g.model("edgevlm_internvl_vision", inputs, outputs)
 
 
+def build_gemma3_vision_graph(w: BundleTensors, cfg) -> onnx.ModelProto:
+    """Gemma 3's SigLIP tower + average-pool projector over whole images (contract: the module docstring)."""
+    vc, g = cfg.vision, GraphBuilder()
+    p, d, side, k = vc.patch_size, vc.hidden_size, vc.grid_side, cfg.pool_kernel
+    e = "vision_tower."
+    conv = g.op("Conv", "pixel_values", g.weight(w.t[e + "embeddings.patch_embedding.weight"], "patch_w"),
+                g.const(w.f32(e + "embeddings.patch_embedding.bias"), "patch_b"),
+                kernel_shape=[p, p], strides=[p, p])  # (N, D, S, S)
+    x = g.op("Transpose", g.op("Reshape", conv, g.ints([0, d, -1])), perm=[0, 2, 1])  # (N, S*S, D)
+    x = g.op("Add", x, g.weight(w.t[e + "embeddings.position_embedding.weight"], "pos_table"))
+    for i in range(vc.num_hidden_layers):
+        b = f"{e}encoder.layers.{i}."
+        h = layernorm(g, w, x, b + "layer_norm1", vc.layer_norm_eps)
+        q, kk, v = (heads(g, linear(g, w, h, b + f"self_attn.{n}_proj"), vc.num_attention_heads, vc.head_dim)
+                    for n in ("q", "k", "v"))
+        x = g.op("Add", x, linear(g, w, merge_heads(g, attention(g, q, kk, v, None, vc.head_dim)),
+                                  b + "self_attn.out_proj"))
+        h = layernorm(g, w, x, b + "layer_norm2", vc.layer_norm_eps)
+        x = g.op("Add", x, linear(g, w, act(g, vc.hidden_act, linear(g, w, h, b + "mlp.fc1")), b + "mlp.fc2"))
+    x = layernorm(g, w, x, e + "post_layernorm", vc.layer_norm_eps)
+    grid = g.op("Reshape", g.op("Transpose", x, perm=[0, 2, 1]), g.ints([0, d, side, side]))  # (N, D, S, S)
+    pooled = g.op("AveragePool", grid, kernel_shape=[k, k], strides=[k, k])  # (N, D, S/k, S/k)
+    x = g.op("Transpose", g.op("Reshape", pooled, g.ints([0, d, -1])), perm=[0, 2, 1])  # (N, mm_tokens, D)
+    m = "multi_modal_projector."
+    x = unit_offset_rmsnorm(g, w, x, m + "mm_soft_emb_norm", vc.layer_norm_eps)
+    g.op("MatMul", x, g.weight(w.t[m + "mm_input_projection_weight"], "mm_proj"), out="image_features")
+    inputs = [_inp("pixel_values", _F, ["n_images", vc.num_channels, vc.image_size, vc.image_size])]
+    outputs = [_inp("image_features", _F, ["n_images", cfg.mm_tokens_per_image, cfg.text.hidden_size])]
+    return g.model("edgevlm_gemma3_vision", inputs, outputs)
+
+
 #: family name -> vision graph builder ``(tensors, config) -> ModelProto``
 VISION_GRAPHS = {
     "qwen2_5_vl": build_qwen2_5_vl_vision_graph,
     "qwen3_vl": build_qwen3_vl_vision_graph,
     "smolvlm": build_smolvlm_vision_graph,
     "internvl": build_internvl_vision_graph,
+    "gemma3": build_gemma3_vision_graph,
 }

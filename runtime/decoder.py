@@ -729,6 +729,12 @@ class DecoderVLM(nn.Module):
         -1) and each row's :meth:`take_vision_state`; None = nothing to add."""
         return None
 
+    def image_blocks_for(self, embeds: torch.Tensor) -> torch.Tensor | None:
+        """The decoder's ``image_blocks`` ``(1, T)`` for the prefill of ``embeds`` (the result of this
+        model's last ``embed``), handed over and forgotten; None = causal, as for every family but
+        Gemma 3. Backends that run the decoder themselves (ONNX) ask for it."""
+        return None
+
     def batch_image_blocks(self, input_ids: torch.Tensor, vision_states: list) -> torch.Tensor | None:
         """The decoder's ``image_blocks`` (bidirectional attention within each image's tokens,
         :meth:`Decoder.forward`) for a right-padded batch ``input_ids`` ``(B, T)`` (padding -1);

@@ -2,10 +2,11 @@
 (written by ``edgevlm quantize``, see :mod:`edgevlm.quantize.onnx_export` and
 :mod:`edgevlm.quantize.onnx_vision_export` for the graph contracts).
 
-LLaVA bundles run on :class:`OnnxBackend`; Qwen2.5-VL, Qwen3-VL and SmolVLM2 bundles on
+LLaVA bundles run on :class:`OnnxBackend`; the other families' bundles on
 :class:`OnnxFamilyBackend` (the vision graph through
 :class:`~edgevlm.runtime.backends.onnx_vision.VisionGraph` with host-side feeds for the request's grid,
-M-RoPE ``position_ids (3, 1, T)``, Qwen3-VL's DeepStack features as the decoder's ``layer_add`` inputs).
+M-RoPE ``position_ids (3, 1, T)``, Qwen3-VL's DeepStack features as the decoder's ``layer_add`` inputs,
+Gemma 3's ``image_blocks`` and its scaled token embeddings).
 Both keep the decoder's KV cache in :class:`DecoderSession`.
 
 Execution providers: CPU here; on ``device="cuda"`` the TensorRT and CUDA providers are put first
@@ -83,14 +84,15 @@ class DecoderSession:
         self.max_seq_len = max_seq_len
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.n_layer_adds = sum(i.name.startswith("layer_add.") for i in self.session.get_inputs())
+        self.takes_image_blocks = any(i.name == "image_blocks" for i in self.session.get_inputs())  # Gemma 3
         self._past: dict[str, np.ndarray] = {}
         self.length = 0
 
     def run(self, embeds: np.ndarray, position_ids: np.ndarray, start: int,
-            layer_adds: list[np.ndarray] | None = None) -> torch.Tensor:
+            layer_adds: list[np.ndarray] | None = None, image_blocks: np.ndarray | None = None) -> torch.Tensor:
         """``embeds`` ``(1, T, D)`` float32 at slots ``start .. start+T-1`` (the cache is cut to
-        ``start`` first) with the graph's ``position_ids`` and ``layer_add.{i}`` (zeros when None)
-        -> logits ``(1, V)`` float32."""
+        ``start`` first) with the graph's ``position_ids``, ``layer_add.{i}`` (zeros when None) and
+        Gemma 3's ``image_blocks`` ``(1, T)`` int64 (-1 everywhere when None) -> logits ``(1, V)`` float32."""
         t = embeds.shape[1]
         feeds = {"inputs_embeds": embeds, "position_ids": position_ids}
         empty = np.zeros((1, self.n_kv, 0, self.head_dim), np.float32)
@@ -101,6 +103,8 @@ class DecoderSession:
         zeros = np.zeros((1, t, self.hidden_size), np.float32)
         for i in range(self.n_layer_adds):
             feeds[f"layer_add.{i}"] = zeros if layer_adds is None else layer_adds[i]
+        if self.takes_image_blocks:
+            feeds["image_blocks"] = np.full((1, t), -1, np.int64) if image_blocks is None else image_blocks
         outs = dict(zip(self.output_names, self.session.run(self.output_names, feeds), strict=True))
         self._past = {k: v for k, v in outs.items() if k.startswith("present.")}
         self.length = start + t
@@ -180,14 +184,16 @@ class OnnxBackend(Backend):
 
 
 class OnnxFamilyBackend(Backend):
-    """A Qwen2.5-VL / Qwen3-VL / SmolVLM2 bundle on onnxruntime (batch size 1, float32): the vision
-    graph with its host-side feeds (:class:`~edgevlm.runtime.backends.onnx_vision.VisionGraph`), the
-    decoder graph with M-RoPE ``position_ids (3, 1, T)`` for the Qwen families and Qwen3-VL's DeepStack
-    features as ``layer_add.{i}`` at the vision positions of the prompt.
+    """A Qwen2.5-VL / Qwen3-VL / SmolVLM2 / InternVL / Gemma 3 bundle on onnxruntime (batch size 1,
+    float32): the vision graph with its host-side feeds
+    (:class:`~edgevlm.runtime.backends.onnx_vision.VisionGraph`), the decoder graph with M-RoPE
+    ``position_ids (3, 1, T)`` for the Qwen families, Qwen3-VL's DeepStack features as ``layer_add.{i}``
+    at the vision positions of the prompt, and Gemma 3's ``image_blocks`` of the prompt.
 
     The family's host-side rules (placing vision tokens into the prompt's embeddings, the M-RoPE
-    positions) are its model's own ``embed`` / ``position_ids``, on a copy of the model built without
-    weights except the token embedding table."""
+    positions, the image blocks) are its model's own ``embed`` / ``position_ids`` /
+    ``image_blocks_for``, on a copy of the model built without weights except the token embedding
+    table (in the family's own embedding module: Gemma 3 scales it)."""
 
     name = "onnx"
 
@@ -206,8 +212,12 @@ class OnnxFamilyBackend(Backend):
         self.embed_tokens = _embedding_table(files)  # (V, D) float32
         with torch.device("meta"):  # host-side rules only: no weights but the embedding table
             self.host = files.family.build_model(self.cfg)
-        self.host.language_model.embed_tokens = torch.nn.Embedding.from_pretrained(
-            torch.from_numpy(self.embed_tokens), freeze=True)
+        # the family's own embedding module (Gemma 3: scaled by sqrt(hidden)) with the bundle's table
+        self.host.language_model.embed_tokens.weight = torch.nn.Parameter(torch.from_numpy(self.embed_tokens),
+                                                                          requires_grad=False)
+        scale = self.cfg.text.embed_scale  # decode looks tokens up in the table: scaled alike
+        self.embed_scale = None if scale is None else np.float32(self.host.language_model.embed_tokens.scale_for(
+            torch.float32))
         self._deepstack: list[torch.Tensor] = []  # Qwen3-VL: from the last encode_vision
         self._vision_mask: torch.Tensor | None = None  # (1, T) bool, from the last embed with vision
         logger.info("onnx backend: %s %s with %s", self.family, root / ONNX_DIR, ", ".join(self.providers))
@@ -275,8 +285,10 @@ class OnnxFamilyBackend(Backend):
             raise ValueError(f"the {self.family} decoder graph takes the slots as RoPE positions only")
         else:
             pos = slots
+        blocks = self.host.image_blocks_for(embeds)  # Gemma 3: each image's tokens attend to each other
         x = embeds.detach().to("cpu", torch.float32).contiguous().numpy()
-        return self.decoder.run(x, pos.to(torch.int64).contiguous().numpy(), 0, self._layer_adds(t))
+        return self.decoder.run(x, pos.to(torch.int64).contiguous().numpy(), 0, self._layer_adds(t),
+                                None if blocks is None else blocks.to(torch.int64).contiguous().numpy())
 
     def decode(self, token_id: int, pos: int, *, operating_point: OperatingPoint | None = None,
                rope_offset: int = 0) -> torch.Tensor:
@@ -288,7 +300,8 @@ class OnnxFamilyBackend(Backend):
             raise ValueError(f"the {self.family} decoder graph takes the slots as RoPE positions only")
         else:
             positions = np.array([[pos]], dtype=np.int64)
-        return self.decoder.run(self.embed_tokens[[[token_id]]], positions, pos)
+        x = self.embed_tokens[[[token_id]]]  # (1, 1, D)
+        return self.decoder.run(x if self.embed_scale is None else x * self.embed_scale, positions, pos)
 
     def reset(self) -> None:
         self.decoder.reset()

@@ -38,7 +38,7 @@ __all__ = ["VISION_FAMILIES", "VisionGraph", "segment_tables", "vision_feeds"]
 logger = logging.getLogger(__name__)
 
 #: families whose vision.onnx this module feeds
-VISION_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "smolvlm", "internvl")
+VISION_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "smolvlm", "internvl", "gemma3")
 _MASKED = float(np.finfo(np.float32).min)  # additive bias of a padding key (finite: no row is all padding)
 
 
@@ -134,7 +134,7 @@ def vision_feeds(family: str, cfg, pixel_values: torch.Tensor, *, grid_thw: torc
         return _qwen3_vl_feeds(tower, pixel_values, grid_thw)
     if family == "smolvlm":
         return _smolvlm_feeds(cfg, pixel_values, pixel_mask)
-    if family == "internvl":  # tiles at the trained size: nothing depends on the image
+    if family in ("internvl", "gemma3"):  # tiles / images at the trained size: nothing depends on the image
         return {"pixel_values": _f32(pixel_values)}
     raise ValueError(f"no ONNX vision graph for the {family} family (supported: {', '.join(VISION_FAMILIES)})")
 

@@ -116,12 +116,19 @@ class Gemma3Model(ImageTokenVLM):
         :meth:`embed` with vision features (else causal). ``position_ids`` must be None (1-D RoPE)."""
         if position_ids is not None:
             raise ValueError("Gemma3Model uses 1-D RoPE: position_ids must be None")
+        input_pos = torch.arange(embeds.shape[1], device=embeds.device)
+        return self.language_model(embeds, input_pos, prefill=True, all_logits=all_logits,
+                                   image_blocks=self.image_blocks_for(embeds))
+
+    def image_blocks_for(self, embeds: torch.Tensor) -> torch.Tensor | None:
+        """The image runs ``(1, T)`` int64 (:func:`image_block_ids`) of the prompt whose embeddings
+        :meth:`embed` returned as ``embeds`` (that very tensor), handed over and forgotten; None for
+        other embeddings or a prompt embedded without vision features."""
         blocks = None
         if self._pending is not None and self._pending[0]() is embeds:
             blocks = self._pending[1].to(embeds.device)
         self._pending = None
-        input_pos = torch.arange(embeds.shape[1], device=embeds.device)
-        return self.language_model(embeds, input_pos, prefill=True, all_logits=all_logits, image_blocks=blocks)
+        return blocks
 
     # ---- batched prefill (continuous batching) -------------------------------------------------
     def take_vision_state(self):
