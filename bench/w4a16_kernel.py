@@ -21,7 +21,10 @@ Sections (each one's failure is recorded and the others still run):
 
 Usage::
 
-    python3 bench/w4a16_kernel.py [--skip model] [--quick]
+    python3 bench/w4a16_kernel.py [--skip model] [--quick] [--install-table] [--lean] [--no-pdl]
+
+``--lean`` also builds and sweeps the opt-in lean register-ring variant (runtime/kernels/w4a16_lean.cu, checked
+bit-identical to the register ring at the same KSPLIT); ``--no-pdl`` launches everything plainly.
 
 Prints tables, then one JSON line (also ``$OUT/w4a16_kernel.json``; the sweep's best configurations go to
 ``$OUT/w4a16_mma_configs.json``, the file runtime/kernels/ ships).
@@ -128,7 +131,7 @@ def start_sm87_build() -> subprocess.Popen | None:
         return None
     src = REPO / "runtime" / "kernels"
     cmd = " && ".join(f"{nvcc} -O3 -std=c++17 -gencode arch=compute_87,code=sm_87 -c {src / f} -o /tmp/{f}.sm87.o"
-                      for f in ("w4a16_mma.cu", "w4a16_bulk.cu", "w4a16_dequant.cu"))
+                      for f in ("w4a16_mma.cu", "w4a16_bulk.cu", "w4a16_dequant.cu", "w4a16_lean.cu"))
     return subprocess.Popen(["bash", "-c", cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -153,8 +156,9 @@ def bulk_safe(timeout_s: float = 120.0) -> str | None:
 def configs(kind: str, m: int):
     from edgevlm.runtime.kernels import w4a16_mma as mk
 
-    if kind == "reg":
-        return [] if m > mk.MMA_MAX_M else [("reg", a, b, t) for a, b in mk.MMA_CONFIGS for t in TPC]
+    if kind in ("reg", "lean"):
+        pairs = mk.MMA_CONFIGS if kind == "reg" else mk.LEAN_CONFIGS
+        return [] if m > mk.MMA_MAX_M else [(kind, a, b, t) for a, b in pairs for t in TPC]
     return [("bulk", a, b, t) for a, b in mk.BULK_CONFIGS for t in TPC]
 
 
@@ -166,7 +170,7 @@ def variants(kind: str, m: int):
     for c in configs(kind, m):
         pfs = [p for p in PF if p <= c[3]] if kind == "reg" else [0]
         out += [(c, 2, p) for p in pfs]
-        if m <= 4:
+        if m <= 4 and kind != "lean":
             out.append((c, 0, 0))
     return out
 
@@ -220,6 +224,10 @@ def run_layers(ctx, shapes, kinds):
                 mine = []
                 for c, mode, pf in variants(kind, m):
                     y = mk.w4a16_mma(x, packed, meta, g, config=c, mode=mode, prefetch=pf, pdl=False)
+                    if kind == "lean":  # the same function in the same order as the register ring at its KSPLIT
+                        twin = mk.w4a16_mma(x, packed, meta, g, config=("reg", c[1], 2, c[3]), mode=2, pdl=False)
+                        if not torch.equal(y, twin):
+                            checks.append({"what": f"lean {name} M={m} {c} == reg twin", "pass": False})
                     err = mar.rel(y, ref)
                     us = mar.graph_us([partial(mk.w4a16_mma, x, p, mt, g, config=c, mode=mode, prefetch=pf, pdl=False)
                                        for p, mt in mma_copies])
@@ -566,6 +574,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", default="1,8,32", help="decode batch sizes of the model section")
     ap.add_argument("--prefill-ms", default="32,64,128,256,600", help="M values of the prefill section")
     ap.add_argument("--no-pdl", action="store_true", help="no programmatic dependent launch anywhere")
+    ap.add_argument("--lean", action="store_true",
+                    help="build and sweep the lean register-ring variant too (EDGEVLM_W4A16_LEAN=1)")
     ap.add_argument("--model-variants", default="edgevlm,edgevlm-w4",
                     help="variants of the model section (W4A16 is also run once without PDL)")
     ap.add_argument("--chain-models", default="7b,qwen8b,qwen2b", help="models of the chain section")
@@ -576,6 +586,8 @@ def main(argv: list[str] | None = None) -> int:
     global PREFILL_MS
     PREFILL_MS = tuple(int(m) for m in args.prefill_ms.split(","))
     t0 = time.perf_counter()
+    if args.lean:
+        os.environ["EDGEVLM_W4A16_LEAN"] = "1"
     nv = start_sm87_build() if "sm87" not in skip else None
     marlin().bootstrap_imports()
     import torch
@@ -613,6 +625,10 @@ def main(argv: list[str] | None = None) -> int:
     if bulk is not None:
         os.environ["EDGEVLM_W4A16_BULK"] = "0"
     kinds = ("reg", "bulk") if bulk is None else ("reg",)
+    lean = mk.mma_status(dev, "lean") if args.lean else "not requested"
+    if lean is None:
+        kinds = (*kinds, "lean")
+    RESULTS["lean_status"] = lean
     print(f"device {props.name} sm_{props.major}{props.minor}, {props.multi_processor_count} SMs, L2 {l2 >> 20} MiB, "
           f"copy {copy_gbps:.0f} GB/s; torch {torch.__version__}; extension built in {build_s:.1f} s; "
           f"bulk variant: {'ok' if bulk is None else bulk}", flush=True)

@@ -67,10 +67,23 @@ DEFAULT_BULK_CONFIG = (8, 8, 1)
 """The bulk-copy launch configuration for shapes the sweep did not measure (sm_90)."""
 UNTUNED_PREFERS_BULK = False
 """Whether shapes the sweep did not measure use the bulk-copy variant at M <= 16 where it is usable."""
-KINDS = ("reg", "bulk")
-"""Kernel variants: ``"reg"`` the register ring (sm_80+), ``"bulk"`` the sm_90 bulk-copy ring."""
+KINDS = ("reg", "bulk", "lean")
+"""Kernel variants: ``"reg"`` the register ring (sm_80+), ``"bulk"`` the sm_90 bulk-copy ring, ``"lean"`` the
+register ring with less address arithmetic per item (``w4a16_lean.cu``, sm_80+, bit-identical to ``"reg"``;
+built only with ``EDGEVLM_W4A16_LEAN=1`` until it is measured on a GPU)."""
+LEAN_CONFIGS = ((4, 2), (4, 4), (8, 2), (8, 3), (8, 4), (16, 2), (16, 3), (16, 4))
+"""``(KSPLIT, DEPTH)`` pairs compiled into the lean variant (plus ``TILES_PER_CTA``)."""
+DEFAULT_LEAN_CONFIG = (8, 2, 1)
+LEAN_ENV = "EDGEVLM_W4A16_LEAN"
+
+
+def lean_build() -> bool:
+    """Whether the extension is built with the lean variant (``EDGEVLM_W4A16_LEAN=1``; off by default: not yet
+    measured on a GPU, see bench/results/w4a16_kernel_h200_20261202.md)."""
+    return os.environ.get(LEAN_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
 CONFIGS_FILE = Path(__file__).with_name("w4a16_mma_configs.json")
 SOURCES = ("w4a16_mma.cu", "w4a16_bulk.cu", "w4a16_dequant.cu", "w4a16_mma_ext.cpp")
+LEAN_SOURCES = ("w4a16_lean.cu",)
 HEADERS = ("w4a16_common.cuh",)
 MIN_CAPABILITY = (8, 0)  # mma.m16n8k16 bf16 and fma.rn.bf16x2 need sm_80
 BULK_CAPABILITY = (9, 0)  # cp.async.bulk + mbarrier transaction counts
@@ -108,9 +121,9 @@ def kernel_cache_dir() -> Path | None:
 
 
 @functools.cache
-def _build(arch: str):
-    """Compile (or load from torch's extension cache) the extension for ``arch``; raises
-    ``MmaKernelUnavailable`` with the reason."""
+def _build(arch: str, lean: bool = False):
+    """Compile (or load from torch's extension cache) the extension for ``arch`` (``lean``: with
+    ``w4a16_lean.cu``); raises ``MmaKernelUnavailable`` with the reason."""
     try:
         from torch.utils import cpp_extension
     except ImportError as exc:  # pragma: no cover - part of torch
@@ -125,8 +138,10 @@ def _build(arch: str):
         raise MmaKernelUnavailable(f"sm_{major}{minor} is older than sm_80 (no bf16 mma)")
     cc = f"{major}{minor}"
     src = _source_dir()
-    digest = hashlib.sha256(b"".join((src / f).read_bytes() for f in (*SOURCES, *HEADERS))).hexdigest()[:10]
-    name = f"edgevlm_w4a16_mma_v{MMA_LAYOUT_VERSION}_sm{cc}_{digest}"
+    sources = (*SOURCES, *LEAN_SOURCES) if lean else SOURCES
+    digest = hashlib.sha256(b"".join((src / f).read_bytes() for f in (*sources, *HEADERS))).hexdigest()[:10]
+    name = f"edgevlm_w4a16_mma_v{MMA_LAYOUT_VERSION}_sm{cc}{'_lean' if lean else ''}_{digest}"
+    defines = ["-DEDGEVLM_W4A16_LEAN"] if lean else []
     build_dir = kernel_cache_dir()
     try:
         if build_dir is not None:
@@ -135,9 +150,9 @@ def _build(arch: str):
         return cpp_extension.load(
             name=name,
             build_directory=str(build_dir) if build_dir is not None else None,
-            sources=[str(src / s) for s in SOURCES],
-            extra_cflags=["-O3"],
-            extra_cuda_cflags=["-O3", "-std=c++17", f"-gencode=arch=compute_{cc},code=sm_{cc}"],
+            sources=[str(src / s) for s in sources],
+            extra_cflags=["-O3", *defines],
+            extra_cuda_cflags=["-O3", "-std=c++17", f"-gencode=arch=compute_{cc},code=sm_{cc}", *defines],
             verbose=False,
         )
     except (RuntimeError, OSError, ImportError, SystemExit) as exc:  # compiler missing/failing, bad cache
@@ -163,7 +178,7 @@ def load_extension(device: torch.device | str | None = None):
         if index in _LOADED:
             return _LOADED[index]
     with _BUILD_LOCK:
-        ext = _build(_arch(torch.device("cuda", index)))
+        ext = _build(_arch(torch.device("cuda", index)), lean_build())
     _LOADED[index] = ext
     return ext
 
@@ -193,6 +208,8 @@ def mma_status(device: torch.device | str, kind: str = "reg") -> str | None:
             raise MmaKernelUnavailable("the bulk-copy variant needs sm_90 (cp.async.bulk)")
         if os.environ.get("EDGEVLM_W4A16_BULK", "1").strip() in ("0", "false", "no", "off") and kind == "bulk":
             raise MmaKernelUnavailable("the bulk-copy variant is disabled by EDGEVLM_W4A16_BULK=0")
+        if kind == "lean" and not lean_build():
+            raise MmaKernelUnavailable(f"the lean variant is built only with {LEAN_ENV}=1")
         load_extension(dev)
         reason = _probe(torch.device(key[0]), kind)
     except MmaKernelUnavailable as exc:
@@ -213,16 +230,17 @@ def _probe(dev: torch.device, kind: str) -> str | None:
     from edgevlm.runtime.int4_format import dequantize_int4, quantize_int4, repack_int4_mma
 
     gen = torch.Generator().manual_seed(0)
-    cfg = ("reg", *DEFAULT_CONFIG) if kind == "reg" else ("bulk", *DEFAULT_BULK_CONFIG)
+    cfg = {"reg": ("reg", *DEFAULT_CONFIG), "bulk": ("bulk", *DEFAULT_BULK_CONFIG),
+           "lean": ("lean", *DEFAULT_LEAN_CONFIG)}[kind]
     for g in (64, 128):
         w = torch.randn(48, 512, generator=gen)
         qw = quantize_int4(w, g)
         packed, meta = repack_int4_mma(qw.qweight.to(dev), qw.scales.to(dev), qw.zeros.to(dev), g)
         ref_w = dequantize_int4(qw.qweight, qw.scales, qw.zeros, g, torch.float64)
-        for m in ((1, 9) if kind == "reg" else (1, 9, 24)):
+        for m in ((1, 9, 24) if kind == "bulk" else (1, 9)):
             x = torch.randn(m, 512, generator=gen).to(torch.bfloat16)
             ref = x.double() @ ref_w.T
-            for mode in ((0, 2) if m <= 4 else (2,)):  # with and without the x-sum zero-point fold
+            for mode in ((0, 2) if m <= 4 and kind != "lean" else (2,)):  # with and without the x-sum fold
                 try:
                     y = w4a16_mma(x.to(dev), packed, meta, g, config=cfg, mode=mode).double().cpu()
                 except (RuntimeError, ValueError) as exc:
@@ -250,7 +268,7 @@ def _parse_config(cfg) -> tuple[str, int, int, int] | None:
         a, b, tpc = (int(v) for v in rest)
     except (TypeError, ValueError):
         return None
-    pairs = MMA_CONFIGS if kind == "reg" else BULK_CONFIGS
+    pairs = {"reg": MMA_CONFIGS, "bulk": BULK_CONFIGS, "lean": LEAN_CONFIGS}[kind]
     return (kind, a, b, tpc) if (a, b) in pairs and tpc >= 1 else None
 
 
@@ -328,14 +346,18 @@ def pdl_ok(device: torch.device) -> bool:
     return ok
 
 
-def mma_config(m: int, n: int, k: int, group_size: int, *, bulk: bool = False) -> tuple[str, int, int, int]:
+def mma_config(m: int, n: int, k: int, group_size: int, *, bulk: bool = False,
+               lean: bool = False) -> tuple[str, int, int, int]:
     """``(kind, a, b, TILES_PER_CTA)`` for an ``(m, k) x (n, k)^T`` product: the H200 sweep's best for
     this shape and M bucket (``w4a16_mma_configs.json``), else the default of the variant that serves
-    ``m``. ``bulk``: the sm_90 variant is usable (else bulk entries of the table are skipped)."""
+    ``m``. ``bulk`` / ``lean``: that variant is usable (else its entries of the table are skipped)."""
     bucket = next((b for b in M_BUCKETS if m <= b), M_BUCKETS[-1])
     tuned = tuned_configs().get(f"{n}x{k}g{group_size}", {}).get(str(bucket))
-    if tuned is not None and (bulk or tuned[0] == "reg") and (m <= MMA_MAX_M or tuned[0] == "bulk"):
+    usable = {"reg": True, "bulk": bulk, "lean": lean}
+    if tuned is not None and usable[tuned[0]] and (m <= MMA_MAX_M or tuned[0] == "bulk"):
         return tuned
+    if tuned is not None and tuned[0] == "lean" and m <= MMA_MAX_M and tuned[1:3] in MMA_CONFIGS:
+        return ("reg", *tuned[1:])  # the same schedule on the register ring (lean not built here)
     if m > MMA_MAX_M or (bulk and UNTUNED_PREFERS_BULK):
         return ("bulk", *DEFAULT_BULK_CONFIG)
     return ("reg", *DEFAULT_CONFIG)
@@ -372,17 +394,20 @@ def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size:
         raise ValueError(f"bias must be float32 ({n},)")
     m = int(x.shape[0])
     if config is None:
-        cfg = mma_config(m, n, k, group_size, bulk=m > MMA_MAX_M or _bulk_ok(x.device))
+        cfg = mma_config(m, n, k, group_size, bulk=m > MMA_MAX_M or _bulk_ok(x.device),
+                         lean=lean_build() and m <= MMA_MAX_M and mma_status(x.device, "lean") is None)
     else:
         cfg = _parse_config(config)
         if cfg is None:
             raise ValueError(f"config must be (kind in {KINDS}, a, b, TILES_PER_CTA >= 1) with (a, b) in "
-                             f"{MMA_CONFIGS} (reg) or {BULK_CONFIGS} (bulk), got {config!r}")
+                             f"{MMA_CONFIGS} (reg), {BULK_CONFIGS} (bulk) or {LEAN_CONFIGS} (lean), got {config!r}")
     kind, a, b, tiles_per_cta = cfg
     if mode is None:
-        mode = 0 if zx_fold(m, n, k, group_size) else 2
-    if kind == "reg" and m > MMA_MAX_M:
+        mode = 2 if kind == "lean" else (0 if zx_fold(m, n, k, group_size) else 2)
+    if kind in ("reg", "lean") and m > MMA_MAX_M:
         raise ValueError(f"the register-ring kernel serves M <= {MMA_MAX_M}, got M = {m}")
+    if kind == "lean" and mode != 2:
+        raise ValueError("mode must be 2 for the lean kernel (no x-sum fold, no loads-only diagnostic)")
     if kind == "bulk" and mode not in (0, 2):
         raise ValueError("mode must be 0 or 2 (no x-sum zero-point fold) for the bulk kernel")
     if kind == "reg" and mode not in (0, 1, 2):
@@ -396,6 +421,10 @@ def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size:
         pdl = pdl_ok(x.device)
     if kind == "bulk":
         return ext.w4a16_bulk(x.contiguous(), qw, meta, bias, group_size, a, b, tiles_per_cta, mode == 0, pdl)
+    if kind == "lean":
+        if not hasattr(ext, "w4a16_lean"):
+            raise MmaKernelUnavailable(f"the lean variant is built only with {LEAN_ENV}=1")
+        return ext.w4a16_lean(x.contiguous(), qw, meta, bias, group_size, a, b, tiles_per_cta, pdl)
     return ext.w4a16_mma(x.contiguous(), qw, meta, bias, group_size, a, b, tiles_per_cta, mode, prefetch, pdl)
 
 
@@ -484,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if os.environ.get("EDGEVLM_CUDA_ARCH") and not torch.cuda.is_available():
             with _BUILD_LOCK:
-                _build(os.environ["EDGEVLM_CUDA_ARCH"])
+                _build(os.environ["EDGEVLM_CUDA_ARCH"], lean_build())
         else:
             load_extension()
     except MmaKernelUnavailable as exc:

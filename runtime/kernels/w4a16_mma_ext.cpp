@@ -16,6 +16,11 @@ cudaError_t launch_w4a16_bulk(bool bf16, const void* qw, const void* meta, const
                               bool allow_zx, bool pdl, cudaStream_t stream);
 cudaError_t launch_w4a16_dequant(bool bf16, const void* qweight, const void* scales, const void* zeros, void* out,
                                  int rows, int K, int group_size, bool pdl, cudaStream_t stream);
+#ifdef EDGEVLM_W4A16_LEAN
+cudaError_t launch_w4a16_lean(bool bf16, const void* qw, const void* meta, const void* x, const float* bias, void* y,
+                              int M, int N, int K, int group_size, int ksplit, int depth, int tiles_per_cta, bool pdl,
+                              cudaStream_t stream);
+#endif
 }
 
 // x (M, K) bf16/fp16 contiguous, qw int32 (N/16, K/64, 32, 4), meta int32 (N/16, K/g, 16), bias float32 (N,)
@@ -57,6 +62,44 @@ torch::Tensor w4a16_mma(torch::Tensor x, torch::Tensor qw, torch::Tensor meta, s
     TORCH_CHECK(err == cudaSuccess, "w4a16_mma: launch failed: ", cudaGetErrorString(err));
     return y;
 }
+
+#ifdef EDGEVLM_W4A16_LEAN
+// The lean register-ring variant (w4a16_lean.cu, opt-in build): same tensors and function as w4a16_mma (mode 2),
+// M <= 16; ksplit/depth a compiled pair of that file.
+torch::Tensor w4a16_lean(torch::Tensor x, torch::Tensor qw, torch::Tensor meta, std::optional<torch::Tensor> bias,
+                         int64_t group_size, int64_t ksplit, int64_t depth, int64_t tiles_per_cta, bool pdl) {
+    TORCH_CHECK(x.is_cuda() && qw.is_cuda() && meta.is_cuda(), "w4a16_lean: tensors must be on a CUDA device");
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "w4a16_lean: x must be a contiguous (M, K) tensor");
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, "w4a16_lean: x must be bf16 or fp16");
+    TORCH_CHECK(qw.scalar_type() == at::kInt && qw.dim() == 4 && qw.is_contiguous() && qw.size(2) == 32 &&
+                    qw.size(3) == 4,
+                "w4a16_lean: qw must be a contiguous int32 (N/16, K/64, 32, 4) tensor");
+    TORCH_CHECK(meta.scalar_type() == at::kInt && meta.dim() == 3 && meta.is_contiguous() && meta.size(2) == 16,
+                "w4a16_lean: meta must be a contiguous int32 (N/16, K/g, 16) tensor");
+    const int64_t M = x.size(0), K = x.size(1), N = qw.size(0) * 16;
+    TORCH_CHECK(M >= 1 && M <= 16, "w4a16_lean: M must be 1..16, got ", M);
+    TORCH_CHECK(qw.size(1) * 64 == K, "w4a16_lean: x has ", K, " input channels, the weight ", qw.size(1) * 64);
+    TORCH_CHECK(group_size == 64 || group_size == 128, "w4a16_lean: group_size must be 64 or 128");
+    TORCH_CHECK(meta.size(0) == qw.size(0) && meta.size(1) * group_size == K, "w4a16_lean: meta does not match");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(qw.data_ptr()) % 16 == 0,
+                "w4a16_lean: x and qw must be 16-byte aligned");
+    const float* bias_ptr = nullptr;
+    if (bias.has_value() && bias->defined()) {
+        TORCH_CHECK(bias->is_cuda() && bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                    "w4a16_lean: bias must be a contiguous float32 (N,) tensor");
+        bias_ptr = bias->data_ptr<float>();
+    }
+    const c10::cuda::CUDAGuard guard(x.device());
+    auto y = torch::empty({M, N}, x.options());
+    const cudaError_t err = edgevlm_w4a16::launch_w4a16_lean(
+        x.scalar_type() == at::kBFloat16, qw.data_ptr(), meta.data_ptr(), x.data_ptr(), bias_ptr, y.data_ptr(),
+        static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), static_cast<int>(group_size),
+        static_cast<int>(ksplit), static_cast<int>(depth), static_cast<int>(tiles_per_cta), pdl,
+        at::cuda::getCurrentCUDAStream());
+    TORCH_CHECK(err == cudaSuccess, "w4a16_lean: launch failed: ", cudaGetErrorString(err));
+    return y;
+}
+#endif
 
 // The sm_90 bulk-copy variant (w4a16_bulk.cu): same tensors as w4a16_mma, M up to 32; warps/stages a compiled
 // pair (4 or 8 each), tiles_per_cta >= 1; allow_zx: the x-sum zero-point fold at M <= 4 (false: diagnostic).
@@ -136,4 +179,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("w4a16_mma", &w4a16_mma, "W4A16 decode GEMM on the tensor cores (M <= 16)");
     m.def("w4a16_bulk", &w4a16_bulk, "W4A16 decode GEMM, sm_90 bulk-copy variant (M <= 32)");
     m.def("w4a16_dequant", &w4a16_dequant, "canonical INT4 rows -> dense bf16/fp16 (prefill)");
+#ifdef EDGEVLM_W4A16_LEAN
+    m.def("w4a16_lean", &w4a16_lean, "W4A16 decode GEMM, lean register-ring variant (M <= 16)");
+#endif
 }

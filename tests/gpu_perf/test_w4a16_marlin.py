@@ -120,7 +120,8 @@ def test_launch_config_comes_from_the_sweep_table():
     assert "4096x11008g128" in table  # the H200 sweep's file ships with the package
     for row in table.values():
         for kind, a, b, tpc in row.values():
-            assert (a, b) in (mk.MMA_CONFIGS if kind == "reg" else mk.BULK_CONFIGS) and tpc >= 1
+            pairs = {"reg": mk.MMA_CONFIGS, "bulk": mk.BULK_CONFIGS, "lean": mk.LEAN_CONFIGS}[kind]
+            assert (a, b) in pairs and tpc >= 1
     cfg = table["4096x11008g128"]["1"]
     assert mk.mma_config(1, 4096, 11008, 128, bulk=True) == cfg
     if cfg[0] == "bulk":  # a GPU without the bulk variant gets the register ring instead
@@ -132,8 +133,27 @@ def test_table_entries_parse_in_both_formats():
     assert mk._parse_config(["bulk", 8, 8, 1]) == ("bulk", 8, 8, 1)
     assert mk._parse_config(["reg", 16, 4, 1]) == ("reg", 16, 4, 1)
     assert mk._parse_config(["reg", 16, 4, 1, 1]) == ("reg", 16, 4, 1)  # + the x-sum fold flag (zx_fold)
-    for bad in ([3, 4, 1], ["bulk", 8, 2, 1], ["warp", 8, 8, 1], [8, 2, 0], [8, "x", 1], 7):
+    assert mk._parse_config(["lean", 8, 3, 1, 0, 0]) == ("lean", 8, 3, 1)
+    for bad in ([3, 4, 1], ["bulk", 8, 2, 1], ["warp", 8, 8, 1], [8, 2, 0], [8, "x", 1], 7, ["lean", 8, 8, 1]):
         assert mk._parse_config(bad) is None
+
+
+def test_lean_variant_is_opt_in_and_its_table_entries_fall_back(monkeypatch):
+    monkeypatch.delenv(mk.LEAN_ENV, raising=False)
+    assert not mk.lean_build()
+    monkeypatch.setenv(mk.LEAN_ENV, "1")
+    assert mk.lean_build()
+    table = {"64x128g128": {"1": ("lean", 16, 2, 1), "8": ("lean", 8, 3, 2)}}
+    monkeypatch.setattr(mk, "tuned_configs", lambda: table)
+    assert mk.mma_config(1, 64, 128, 128, lean=True) == ("lean", 16, 2, 1)
+    assert mk.mma_config(1, 64, 128, 128) == ("reg", 16, 2, 1)  # not built here: the same schedule
+    assert mk.mma_config(8, 64, 128, 128) == ("reg", *mk.DEFAULT_CONFIG)  # DEPTH 3 has no register-ring twin
+    qw = quantize_int4(torch.randn(32, 256), 128)
+    packed, meta = repack_int4_mma(qw.qweight, qw.scales, qw.zeros, 128)
+    with pytest.raises(ValueError, match="mode must be 2"):
+        mk.w4a16_mma(torch.randn(1, 256).bfloat16(), packed, meta, 128, config=("lean", 8, 2, 1), mode=1)
+    with pytest.raises(ValueError, match="serves M <= 16"):
+        mk.w4a16_mma(torch.randn(17, 256).bfloat16(), packed, meta, 128, config=("lean", 8, 2, 1))
 
 
 def test_prefetch_distance_and_pdl_switches():
@@ -249,6 +269,33 @@ def test_cuda_bulk_kernel_matches_float64_and_is_bit_stable(m, g, dtype):
             assert torch.isfinite(outs[0]).all()
             assert _rel(outs[0], ref) <= 3e-3, (cfg, mode)
             assert torch.equal(outs[0], outs[1]), (cfg, mode)
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 3, 9, 16])
+@pytest.mark.parametrize(("g", "dtype"), [(128, torch.bfloat16), (64, torch.float16)])
+def test_cuda_lean_kernel_is_bit_identical_to_the_register_ring(m, g, dtype):
+    """The lean variant (opt-in build, EDGEVLM_W4A16_LEAN=1) computes the register ring's function in the same
+    order: bit-identical to it at the same KSPLIT, within 3e-3 of float64, every element written."""
+    if mk.mma_status("cuda", "lean") is not None:
+        pytest.skip(f"lean variant unavailable: {mk.mma_status('cuda', 'lean')}")
+    gen = torch.Generator(device="cuda").manual_seed(m * g + 5)
+    n, k = 1024, 2048 + 64 * (g == 64)  # an uneven split of the groups over the warps too
+    qw = quantize_int4(torch.randn(n, k, device="cuda", generator=gen) * 0.02, g)
+    packed, meta = repack_int4_mma(qw.qweight, qw.scales, qw.zeros, g)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+    bias = torch.randn(n, device="cuda", generator=gen)
+    ref = x.double() @ dequantize_int4(qw.qweight, qw.scales, qw.zeros, g, torch.float64).T + bias.double()
+    for ks, depth in mk.LEAN_CONFIGS:
+        for tpc in (1, 3):
+            for pdl in (False, True):
+                poison = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+                del poison
+                y = mk.w4a16_mma(x, packed, meta, g, bias, config=("lean", ks, depth, tpc), pdl=pdl)
+                assert torch.isfinite(y).all(), (ks, depth, tpc)
+                assert _rel(y, ref) <= 3e-3, (ks, depth, tpc)
+                twin = mk.w4a16_mma(x, packed, meta, g, bias, config=("reg", ks, 2, tpc), mode=2)
+                assert torch.equal(y, twin), (ks, depth, tpc, pdl)
 
 
 @needs_cuda

@@ -1,0 +1,244 @@
+// W4A16 decode GEMM, "lean" variant of the register-ring kernel (w4a16_mma.cu): the same layout
+// (MMA_LAYOUT_VERSION 1), the same arithmetic in the same order (bit-identical outputs), fewer instructions
+// around it. Opt-in build (EDGEVLM_W4A16_LEAN=1, see w4a16_mma.py); NOT measured on a GPU yet.
+//
+// Why: on the H200 the register ring spends 218 warp instructions per 1 KB item (one 16-row tile x one
+// 128-channel group; SASS of the M = 1 instance, bench/results/w4a16_kernel_h200_20261202.md), 115 of them
+// the dequantization and mma and ~100 address arithmetic and control: per item it recomputes 64-bit
+// addresses of the weights, scales and activations from (tile, group) indices, predicates the activation
+// loads of batch columns >= M and zeroes their registers first. The kernel runs at 1.5-2.2x its own
+// loads-only time, i.e. the work per byte, not the bytes in flight, limits it. Here:
+//   * weights and meta are walked with pointers advanced by constant strides (one 64-bit add per item,
+//     one more at a tile boundary);
+//   * a lane whose batch column is >= M loads row M - 1 instead of zeros: the mma's output columns are
+//     independent, those columns are never stored, so no predicate and no zeroing;
+//   * the activation fragments of an item are addressed off one per-warp base with one multiply.
+// Everything else (KSPLIT warps split K, DEPTH-deep register ring across tile boundaries, fixed-order
+// reduction over the warps, PDL) is as in w4a16_mma.cu.
+
+#include "w4a16_common.cuh"
+
+namespace edgevlm_w4a16 {
+
+template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH>
+__global__ void __launch_bounds__(KSPLIT * 32)
+w4a16_lean_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ meta, const uint16_t* __restrict__ x,
+                  const float* __restrict__ bias, void* __restrict__ y, int M, int N, int K, int tiles_per_cta) {
+    using M16 = Magic<BF16>;
+    grid_dep_launch();  // PDL: the next kernel may be scheduled once every CTA of this one runs
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int kblocks = K >> 6;
+    const int groups = kblocks / GT;
+    const int g0 = static_cast<int>(static_cast<long long>(groups) * warp / KSPLIT);
+    const int gw = static_cast<int>(static_cast<long long>(groups) * (warp + 1) / KSPLIT) - g0;
+    const int gmax = (groups + KSPLIT - 1) / KSPLIT;  // items per tile, the same for every warp
+    const int tile0 = blockIdx.x * tiles_per_cta;
+    const int ntiles = min(tiles_per_cta, N / 16 - tile0);
+    const int total = ntiles * gmax;
+    const uint32_t kMask = 0x000F000Fu;
+    const uint32_t kBias = M16::kBias2;
+
+    // the next item to load: pointers walked by constant strides (gmax items per tile, the last gmax - gw of
+    // them not loaded); at a tile boundary they jump to the next tile's first group of this warp
+    const uint4* wp = qw + (static_cast<size_t>(tile0) * kblocks + static_cast<size_t>(g0) * GT) * 32 + lane;
+    const uint32_t* mp = meta + (static_cast<size_t>(tile0) * groups + g0) * 16 + g;
+    const size_t wjump = static_cast<size_t>(kblocks - gmax * GT) * 32;
+    const size_t mjump = static_cast<size_t>(groups - gmax) * 16;
+    int ld_left = total, ld_local = 0;
+
+    // activations: lane (g, t) of batch tile mt reads row mt * 8 + g (row M - 1 past the last row: its
+    // output column is computed and never stored), 16 consecutive channels per 64-block from 16 t
+    const uint4* xb0[MT];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        xb0[mt] = reinterpret_cast<const uint4*>(x + static_cast<size_t>(min(mt * 8 + g, M - 1)) * K) + 2 * t +
+                  static_cast<size_t>(g0) * GT * 8;
+
+    uint4 wb[DEPTH][GT];
+    uint32_t mb[DEPTH][2];
+#define EDGEVLM_LEAN_LOAD(SLOT)                                                                      \
+    do {                                                                                             \
+        if (ld_left > 0 && ld_local < gw) {                                                          \
+            _Pragma("unroll") for (int i = 0; i < GT; ++i) wb[SLOT][i] = ld_stream(wp + i * 32);     \
+            mb[SLOT][0] = __ldg(mp);                                                                 \
+            mb[SLOT][1] = __ldg(mp + 8);                                                             \
+        }                                                                                            \
+        --ld_left;                                                                                   \
+        wp += GT * 32;                                                                               \
+        mp += 16;                                                                                    \
+        if (++ld_local == gmax) {                                                                    \
+            ld_local = 0;                                                                            \
+            wp += wjump;                                                                             \
+            mp += mjump;                                                                             \
+        }                                                                                            \
+    } while (0)
+#pragma unroll
+    for (int s = 0; s < DEPTH; ++s) EDGEVLM_LEAN_LOAD(s);
+    grid_dep_wait();  // PDL: only weights were read so far; x (and y) may belong to the previous kernel
+
+    float acc[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[mt][c] = 0.f;
+
+    __shared__ float red[2][KSPLIT > 1 ? KSPLIT - 1 : 1][MT * 4][32];
+    int cur_tile = 0, cur_local = 0, parity = 0;
+    for (int base = 0; base < total; base += DEPTH) {
+#pragma unroll
+        for (int s = 0; s < DEPTH; ++s) {
+            if (base + s < total) {  // uniform over the CTA: every warp walks gmax items per tile
+                if (cur_local < gw) {
+                    uint4 xf[MT][GT][2];  // this item's B fragments (L1-resident activations)
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        const uint4* p = xb0[mt] + cur_local * (GT * 8);
+#pragma unroll
+                        for (int i = 0; i < GT; ++i) {
+                            xf[mt][i][0] = __ldg(p + i * 8);
+                            xf[mt][i][1] = __ldg(p + i * 8 + 1);
+                        }
+                    }
+                    const uint32_t m0 = mb[s][0];
+                    const uint32_t m1 = mb[s][1];
+                    const uint32_t nz0 = (M16::kNegBias + (m0 >> 16)) * 0x10001u;  // -(bias + zero)
+                    const uint32_t nz1 = (M16::kNegBias + (m1 >> 16)) * 0x10001u;
+                    const float s0 = __half2float(__ushort_as_half(static_cast<unsigned short>(m0 & 0xFFFFu)));
+                    const float s1 = __half2float(__ushort_as_half(static_cast<unsigned short>(m1 & 0xFFFFu)));
+                    float gacc[2][MT][4];  // two independent mma chains (even / odd k-tiles)
+#pragma unroll
+                    for (int c2 = 0; c2 < 2; ++c2)
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                            for (int c = 0; c < 4; ++c) gacc[c2][mt][c] = 0.f;
+#pragma unroll
+                    for (int i = 0; i < GT; ++i) {
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) {
+                            const uint32_t w = word_of(wb[s][i], j);
+                            uint32_t a[4];
+#pragma unroll
+                            for (int r = 0; r < 4; ++r) {
+                                const uint32_t v = and_or(r == 0 ? w : (w >> (4 * r)), kMask, kBias);
+                                a[r] = fma2<BF16>(v, M16::kOne2, (r & 1) ? nz1 : nz0);  // q - zero, exact
+                            }
+#pragma unroll
+                            for (int mt = 0; mt < MT; ++mt) {
+                                const uint4& xq = xf[mt][i][j >> 1];
+                                mma16816<BF16>(gacc[j & 1][mt], a, (j & 1) ? xq.z : xq.x, (j & 1) ? xq.w : xq.y);
+                            }
+                        }
+                    }
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        acc[mt][0] = fmaf(s0, gacc[0][mt][0] + gacc[1][mt][0], acc[mt][0]);
+                        acc[mt][1] = fmaf(s0, gacc[0][mt][1] + gacc[1][mt][1], acc[mt][1]);
+                        acc[mt][2] = fmaf(s1, gacc[0][mt][2] + gacc[1][mt][2], acc[mt][2]);
+                        acc[mt][3] = fmaf(s1, gacc[0][mt][3] + gacc[1][mt][3], acc[mt][3]);
+                    }
+                }
+                EDGEVLM_LEAN_LOAD(s);
+                if (cur_local == gmax - 1) {  // the tile is done: fixed-order reduction over the warps
+                    if (KSPLIT > 1) {
+                        if (warp > 0) {
+#pragma unroll
+                            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                                for (int c = 0; c < 4; ++c) red[parity][warp - 1][mt * 4 + c][lane] = acc[mt][c];
+                        }
+                        __syncthreads();
+                    }
+                    if (warp == 0) {
+#pragma unroll
+                        for (int w = 1; w < KSPLIT; ++w)
+#pragma unroll
+                            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                                for (int c = 0; c < 4; ++c) acc[mt][c] += red[parity][w - 1][mt * 4 + c][lane];
+                        const int n0 = (tile0 + cur_tile) * 16 + g;
+                        const float bias0 = bias != nullptr ? bias[n0] : 0.f;
+                        const float bias1 = bias != nullptr ? bias[n0 + 8] : 0.f;
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                            for (int c = 0; c < 4; ++c) {
+                                const int m = mt * 8 + 2 * t + (c & 1);
+                                const int n = n0 + ((c & 2) ? 8 : 0);
+                                if (m < M)
+                                    store_out<BF16>(y, static_cast<size_t>(m) * N + n,
+                                                    acc[mt][c] + ((c & 2) ? bias1 : bias0));
+                            }
+                    }
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) acc[mt][c] = 0.f;
+                    parity ^= 1;
+                    ++cur_tile;
+                    cur_local = 0;
+                } else {
+                    ++cur_local;
+                }
+            }
+        }
+    }
+#undef EDGEVLM_LEAN_LOAD
+}
+
+template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH>
+cudaError_t lean_launch_typed(const void* qw, const void* meta, const void* x, const float* bias, void* y, int M,
+                              int N, int K, int tiles_per_cta, bool pdl, cudaStream_t stream) {
+    const int tiles = N / 16;
+    const int grid = (tiles + tiles_per_cta - 1) / tiles_per_cta;
+    return launch_maybe_pdl(w4a16_lean_kernel<BF16, MT, GT, KSPLIT, DEPTH>, dim3(grid), dim3(KSPLIT * 32), 0, stream,
+                            pdl, static_cast<const uint4*>(qw), static_cast<const uint32_t*>(meta),
+                            static_cast<const uint16_t*>(x), bias, y, M, N, K, tiles_per_cta);
+}
+
+template <bool BF16, int MT, int GT>
+cudaError_t lean_launch_cfg(int ksplit, int depth, const void* qw, const void* meta, const void* x, const float* bias,
+                            void* y, int M, int N, int K, int tiles_per_cta, bool pdl, cudaStream_t stream) {
+#define EDGEVLM_W4A16_LEAN_CASE(KS, D)                                                                           \
+    if (ksplit == KS && depth == D)                                                                              \
+        return lean_launch_typed<BF16, MT, GT, KS, D>(qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl, stream);
+    EDGEVLM_W4A16_LEAN_CASE(4, 2)
+    EDGEVLM_W4A16_LEAN_CASE(4, 4)
+    EDGEVLM_W4A16_LEAN_CASE(8, 2)
+    EDGEVLM_W4A16_LEAN_CASE(8, 3)
+    EDGEVLM_W4A16_LEAN_CASE(8, 4)
+    EDGEVLM_W4A16_LEAN_CASE(16, 2)
+    EDGEVLM_W4A16_LEAN_CASE(16, 3)
+    EDGEVLM_W4A16_LEAN_CASE(16, 4)
+#undef EDGEVLM_W4A16_LEAN_CASE
+    return cudaErrorInvalidValue;
+}
+
+// Entry point of the torch binding (w4a16_mma_ext.cpp, built with -DEDGEVLM_W4A16_LEAN). Same contract as
+// launch_w4a16_mma with mode 2 (no x-sum fold, no prefetch); returns cudaErrorInvalidValue for an unsupported
+// (group_size, ksplit, depth, M, tiles_per_cta) or shape.
+cudaError_t launch_w4a16_lean(bool bf16, const void* qw, const void* meta, const void* x, const float* bias, void* y,
+                              int M, int N, int K, int group_size, int ksplit, int depth, int tiles_per_cta, bool pdl,
+                              cudaStream_t stream) {
+    if (M < 1 || M > 16 || N % 16 || K % 64 || (group_size != 64 && group_size != 128) || K % group_size ||
+        tiles_per_cta < 1)
+        return cudaErrorInvalidValue;
+    const bool two = M > 8;
+    const bool g128 = group_size == 128;
+#define EDGEVLM_W4A16_LEAN_TYPE(B)                                                                                    \
+    if (two)                                                                                                          \
+        return g128 ? lean_launch_cfg<B, 2, 2>(ksplit, depth, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl, stream) \
+                    : lean_launch_cfg<B, 2, 1>(ksplit, depth, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl, stream); \
+    return g128 ? lean_launch_cfg<B, 1, 2>(ksplit, depth, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl, stream)    \
+                : lean_launch_cfg<B, 1, 1>(ksplit, depth, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl, stream);
+    if (bf16) {
+        EDGEVLM_W4A16_LEAN_TYPE(true)
+    }
+    EDGEVLM_W4A16_LEAN_TYPE(false)
+#undef EDGEVLM_W4A16_LEAN_TYPE
+}
+
+}  // namespace edgevlm_w4a16
