@@ -511,6 +511,18 @@ def test_processor_settings_that_disagree_name_the_key(ckpt):
         Gemma3Processor.from_dir(ckpt, cfg, {**pre, "image_seq_length": 256})
 
 
+def test_hub_4x_checkpoint_names_map_onto_the_model(ckpt):
+    """The hub's checkpoints (saved by transformers 4.50: ``vision_tower.vision_model.*``,
+    ``language_model.model.*``) and transformers 5's names map onto the same parameters."""
+    from safetensors.torch import load_file
+
+    saved = load_file(str(ckpt / "model.safetensors"))
+    hub = {re.sub(r"^vision_tower\.", "vision_tower.vision_model.", k): v for k, v in saved.items()}
+    hub["vision_tower.vision_model.embeddings.position_ids"] = torch.arange(64)[None]  # dropped
+    want = set(Gemma3Model(parse_config(json.loads((ckpt / "config.json").read_text()))).state_dict())
+    for state in (saved, hub):
+        assert set(map_checkpoint(state, WEIGHT_RULES, every_key_ruled=True)) | {"language_model.lm_head.weight"} == want
+
 def test_registry_serves_gemma3():
     from edgevlm.runtime.models import family_for
 
@@ -570,6 +582,23 @@ def test_int4_bundle_loads_and_answers(ckpt, engine, method, tmp_path, caplog):
             assert onnx.ask(img, QUESTION, max_new_tokens=8).text == q.ask(img, QUESTION, max_new_tokens=8).text
 
 
+
+def test_quantize_cli_then_ask_the_bundle(ckpt, tmp_path, capsys):
+    """``edgevlm quantize DIR --out B`` then ``edgevlm ask --model B --image X "q"`` (the CLI's main)."""
+    from PIL import Image
+
+    from edgevlm.cli import main
+
+    bundle = tmp_path / "b"
+    rc = main(["quantize", str(ckpt), "--out", str(bundle), "--method", "rtn", "--group-size", "32", "--json"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0, out
+    data = json.loads(out[-1])
+    assert data["int4_layers"] == 3 * 7 and 0 < data["onnx_check_max_error"] < 1e-4
+    path = tmp_path / "frame.png"
+    Image.fromarray(_image(90, 120, seed=4)).save(path)
+    assert main(["ask", "--model", str(bundle), "--image", str(path), "--max-new-tokens", "4", "--json", QUESTION]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["vision_tokens"] == MM_TOKENS
 
 def test_awq_calibration_inputs_reproduce_the_16bit_prefill(ckpt, engine):
     """AWQ's calibration path (processor, tokenizer, encode_vision, embed, the decoder's recorded
