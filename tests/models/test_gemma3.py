@@ -797,3 +797,22 @@ def test_calibrate_then_ask_with_the_exit(ckpt, tmp_path, capsys):
                  "--exit-layer", "1", "--keep-ratio", "0.5", QUESTION]) == 0
     stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]
     assert stats["exit_layer"] == 1 and stats["vision_tokens"] == MM_TOKENS // 2
+
+
+@pytest.mark.parametrize("options", [{"fuse_projections": True}, {"kv_cache_dtype": "int4"}])
+def test_fused_projections_and_int4_kv_cache_serve_gemma3(ckpt, options):
+    """q/k/v and gate/up fused (the CUDA default; the q/k norms and both RoPE tables on the fused
+    path) equal the plain layers; an INT4 KV cache answers and stays close."""
+    from edgevlm.runtime import Engine
+
+    base, other = Engine.load(ckpt), Engine.load(ckpt, backend_options=options)
+    prep = base.prepare(_image(100, 150, seed=1), QUESTION, max_new_tokens=4)
+    want, tokens = _single_run(base, prep, 3)
+    got, _ = _single_run(other, prep, 3)
+    if "fuse_projections" in options:
+        assert other.backend.model.language_model.layers[0].self_attn.qkv_proj is not None
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        # prefill attends to the exact keys / values; decode reads the 4-bit cache
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        assert float((got - want).norm() / want.norm()) < 0.25
