@@ -103,7 +103,16 @@ def build_gemma_tokenizer(folder: Path) -> dict[str, int]:
     with byte fallback, normaliser ``" " -> "▁"``, ``Split(" ", merged_with_previous)``, the
     ``▁``/byte-fallback/fuse decoder, a ``<bos> $A`` post-processor), trained on a few sentences, and
     the hub's ``tokenizer_config.json`` keys; returns ``{token: id}`` of the special tokens."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     norm = normalizers.Replace(" ", "▁")
     pre = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
