@@ -26,8 +26,15 @@ is exactly the single prefills with each row's own ``(cos, sin)`` tables (the de
 hook takes ``(B, T, Dh)``) and DeepStack's ``layer_adds`` over a ``(B, T)`` vision mask.
 
 Only one prefill group runs per iteration, so a running request's next token is delayed by at most
-one group's prefill (at most ``token_budget`` tokens), and a waiting request is admitted as soon
-as a row is free and it is the most urgent. Sampling is greedy or per-request
+one group's vision encode + prefill, and a waiting request is admitted as soon as a row is free and
+it is the most urgent. What bounds a group is that stall, a time: with ``prefill_budget_ms`` the
+batcher measures each admission (seconds per padded token, an exponential average) and lets a group
+grow past ``token_budget`` while its predicted time stays within ``prefill_budget_ms``. A token count
+alone cannot serve both ends: 1024 tokens are ~20 ms of a 7B model's prefill on an H100, but only two
+prompts of the demo model, whose whole 32-row batch prefills in a few milliseconds (the host's kernel
+launches, not the GPU, set its time: one group of 32 costs about what a group of 2 does). The
+proportional estimate over-predicts large groups of a launch-bound model (their fixed cost is
+counted per token), so a group grows over a few admissions rather than overshooting at once. Sampling is greedy or per-request
 (:class:`~edgevlm.runtime.sampling.SamplingParams`); results are token ids (detokenise with the
 engine's tokenizer). A request with an adaptive ``operating_point`` (early exit, token pruning) has
 its image encoded on its own (``backend.encode_image(..., operating_point=...)``, the exit/pruning
@@ -53,6 +60,10 @@ from edgevlm.types import OperatingPoint
 logger = logging.getLogger(__name__)
 
 DEFAULT_TOKEN_BUDGET = 1024
+DEFAULT_PREFILL_BUDGET_MS = 30.0
+"""The daemon's stall budget of one admission (vision encode + prefill), in ms: a tenth of a cloud
+profile's 300 ms default latency budget."""
+_COST_EWMA = 0.3  # weight of the newest admission in the seconds-per-token estimate
 
 
 def plan_prefill_groups(total_tokens: list[int], token_budget: int = DEFAULT_TOKEN_BUDGET,
@@ -95,8 +106,10 @@ class GenerationRequest:
 
     Attributes:
         input_ids: prompt token ids, with one image placeholder per vision token.
-        pixel_values: ``(1, 3, H, W)`` float32 normalised image, or None (LLaVA's pixel path,
-            batched per input size).
+        pixel_values: ``(1, 3, H, W)`` float32 normalised image, or ``(1, H, W, 3)`` uint8 resized
+            image normalised on the device with ``pixel_norm``, or None (LLaVA's pixel path,
+            batched per input size and ``pixel_norm``).
+        pixel_norm: ``(mean, std)`` per channel on the 0..1 scale, for uint8 ``pixel_values``.
         vision: the family processor's :class:`~edgevlm.runtime.models.base.VisionInput` (any
             family: several images, tiles, video), encoded alone; used when ``pixel_values`` is
             None. Neither = text only.
@@ -122,6 +135,7 @@ class GenerationRequest:
     request_id: Any = None
     operating_point: OperatingPoint | None = None
     on_token: Callable[[int], bool] | None = None
+    pixel_norm: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
 
 @dataclass
@@ -174,14 +188,28 @@ class ContinuousBatcher:
     ``max_batch_size``, ``max_seq_len``).
 
     Not thread-safe: one thread calls :meth:`submit`/:meth:`step` (the daemon's inference worker).
+
+    Args:
+        backend: the model's backend (see above).
+        token_budget: padded tokens per prefill group (:func:`plan_prefill_groups`); with
+            ``prefill_budget_ms``, the least a group may hold.
+        prefill_budget_ms: stall budget of one admission in ms (see the module doc); None = groups
+            of ``token_budget`` tokens only.
+        clock: monotonic seconds.
+    Raises:
+        ValueError: a non-positive ``token_budget`` or ``prefill_budget_ms``.
     """
 
-    def __init__(self, backend, *, token_budget: int = DEFAULT_TOKEN_BUDGET,
+    def __init__(self, backend, *, token_budget: int = DEFAULT_TOKEN_BUDGET, prefill_budget_ms: float | None = None,
                  image_token_id: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         if token_budget < 1:
             raise ValueError(f"token_budget must be positive, got {token_budget}")
+        if prefill_budget_ms is not None and not prefill_budget_ms > 0:
+            raise ValueError(f"prefill_budget_ms must be positive, got {prefill_budget_ms}")
         self.backend = backend
         self.token_budget = token_budget
+        self.prefill_budget_ms = prefill_budget_ms
+        self.s_per_token: float | None = None  # measured admission cost (s per padded token), EWMA
         self.image_token_id = image_token_id
         self.clock = clock
         self._waiting: list[tuple[float, GenerationRequest]] = []  # (submitted_s, request)
@@ -249,11 +277,24 @@ class ContinuousBatcher:
         self._waiting = keep
         return out
 
+    def group_token_budget(self) -> int:
+        """Padded tokens the next prefill group may hold: ``token_budget``, or more while the
+        measured cost (:attr:`s_per_token`) predicts the group within ``prefill_budget_ms``."""
+        if self.prefill_budget_ms is None or not self.s_per_token:
+            return self.token_budget
+        return max(self.token_budget, int(self.prefill_budget_ms / 1e3 / self.s_per_token))
+
+    def _observe_cost(self, padded_tokens: int, seconds: float) -> None:
+        """Feed one admission's measured vision encode + prefill time into :attr:`s_per_token`."""
+        cost = seconds / padded_tokens
+        self.s_per_token = cost if self.s_per_token is None else (
+            _COST_EWMA * cost + (1.0 - _COST_EWMA) * self.s_per_token)
+
     def _admit(self, free: list[int]) -> list[GenerationResult]:
         inf = float("inf")
         urgent = sorted(self._waiting, key=lambda sr: (sr[1].deadline_s if sr[1].deadline_s is not None else inf, sr[0]))
         cands = urgent[: len(free)]
-        groups = plan_prefill_groups([len(r.input_ids) for _, r in cands], self.token_budget)
+        groups = plan_prefill_groups([len(r.input_ids) for _, r in cands], self.group_token_budget())
         group = next(g for g in groups if 0 in g)  # the group of the most urgent request
         chosen = [cands[i] for i in group]
         chosen_ids = {id(r) for _, r in chosen}
@@ -261,28 +302,21 @@ class ContinuousBatcher:
         be = self.backend
         now = self.clock()
         joined = self.n_running > 0
-        feat_of, info_of, state_of = self._encode([r for _, r in chosen])
+        rows = free[: len(chosen)]
+        reqs = [r for _, r in chosen]
+        feat_of, info_of, state_of = self._encode(reqs)
         be.synchronize()
         t_vision = self.clock()
-        embeds, ids_of, positions, deltas = [], [], [], []
-        for i, (_, r) in enumerate(chosen):
-            ids = torch.tensor([r.input_ids], dtype=torch.long, device=be.device)  # (1, T)
-            info = info_of.get(i)
-            kept = info.kept_index[0] if info is not None and info.kept_index is not None else None
-            pos_ids, delta = be.position_ids(ids, r.vision, kept_index=kept) if r.vision is not None else (None, 0)
-            embeds.append(be.embed(ids, feat_of.get(i)))
-            ids_of.append(ids)
-            positions.append(pos_ids)  # M-RoPE (3, 1, T) or None
-            deltas.append(delta)
-        rows = free[: len(chosen)]
-        extra = {}
-        if any(p is not None for p in positions):
-            extra["position_ids"] = positions
-        if state_of:
-            extra.update(input_ids=ids_of, vision_states=[state_of.get(i) for i in range(len(chosen))])
-        logits = be.prefill_batch(embeds, rows, **extra)  # (n, V)
+        if all(r.pixel_values is not None and not _adaptive(r.operating_point) for r in reqs) and hasattr(
+                be, "prefill_images_batch"):  # LLaVA's plain images: one embed, one prefill, no per-row work
+            logits = be.prefill_images_batch([r.input_ids for r in reqs], [feat_of[i] for i in range(len(reqs))],
+                                             rows, spare_rows=free[len(reqs):])  # (n, V)
+            deltas = [0] * len(reqs)
+        else:
+            logits, deltas = self._prefill_rows(reqs, rows, feat_of, info_of, state_of)
         be.synchronize()
         t_prefill = self.clock()
+        self._observe_cost(len(reqs) * max(len(r.input_ids) for r in reqs), t_prefill - now)
         for i, ((sub, r), row) in enumerate(zip(chosen, rows, strict=True)):
             n = len(r.input_ids)
             run = _Running(req=r, row=row, pos=n, rope_delta=deltas[i],
@@ -296,15 +330,42 @@ class ContinuousBatcher:
             self.joins += len(chosen)
         return self._consume(logits, [self._rows[row] for row in rows], first=True)
 
+    def _prefill_rows(self, reqs: list[GenerationRequest], rows: list[int], feat_of: dict[int, torch.Tensor],
+                      info_of: dict[int, Any], state_of: dict[int, Any]) -> tuple[torch.Tensor, list[int]]:
+        """Prefill a group embedded row by row (any family: M-RoPE positions, DeepStack states, pruned
+        tokens). Returns the last logits ``(n, V)`` and each row's RoPE offset."""
+        be = self.backend
+        embeds, ids_of, positions, deltas = [], [], [], []
+        for i, r in enumerate(reqs):
+            ids = torch.tensor([r.input_ids], dtype=torch.long, device=be.device)  # (1, T)
+            info = info_of.get(i)
+            kept = info.kept_index[0] if info is not None and info.kept_index is not None else None
+            pos_ids, delta = be.position_ids(ids, r.vision, kept_index=kept) if r.vision is not None else (None, 0)
+            embeds.append(be.embed(ids, feat_of.get(i)))
+            ids_of.append(ids)
+            positions.append(pos_ids)  # M-RoPE (3, 1, T) or None
+            deltas.append(delta)
+        extra = {}
+        if any(p is not None for p in positions):
+            extra["position_ids"] = positions
+        if state_of:
+            extra.update(input_ids=ids_of, vision_states=[state_of.get(i) for i in range(len(reqs))])
+        return be.prefill_batch(embeds, rows, **extra), deltas  # (n, V)
+
     def _encode(self, reqs: list[GenerationRequest]
                 ) -> tuple[dict[int, torch.Tensor], dict[int, Any], dict[int, Any]]:
         """Vision features of a prefill group, by index: plain pixel images in one encoder batch per
         input size, adaptive operating points one by one (with their VisionInfo), a family's
         ``vision`` one by one (with the model's side state, e.g. DeepStack, by index when any)."""
         be = self.backend
-        plain = [i for i, r in enumerate(reqs) if r.pixel_values is not None and not _adaptive(r.operating_point)]
-        feats = be.encode_images([reqs[i].pixel_values for i in plain]) if plain else []
-        feat_of = dict(zip(plain, feats, strict=True))
+        by_norm: dict[Any, list[int]] = {}  # plain images, by their uint8 normalisation (None: float32)
+        for i, r in enumerate(reqs):
+            if r.pixel_values is not None and not _adaptive(r.operating_point):
+                by_norm.setdefault(r.pixel_norm if r.pixel_values.dtype == torch.uint8 else None, []).append(i)
+        feat_of: dict[int, torch.Tensor] = {}
+        for norm, idx in by_norm.items():
+            kw = {} if norm is None else {"normalize": norm}
+            feat_of.update(zip(idx, be.encode_images([reqs[i].pixel_values for i in idx], **kw), strict=True))
         info_of: dict[int, Any] = {}
         state_of: dict[int, Any] = {}
         for i, r in enumerate(reqs):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Generator, Hashable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -97,6 +98,10 @@ class PreparedRequest:
     vision_key: Hashable | None = None  # the vision cache's key (None: not cached)
 
 
+PROMPT_IDS_CACHE_SIZE = 1024
+"""Prompts whose token ids :class:`Engine` remembers (LRU; see ``Engine._prompt_ids``)."""
+
+
 class Engine:
     """A loaded VLM. Use :meth:`load`; calls are serialised by an internal lock.
 
@@ -132,6 +137,8 @@ class Engine:
         self._owner: int | None = None  # thread id of the request holding the engine
         self.vision_cache: VisionCache | None = None
         """Per-frame vision features (:meth:`set_vision_cache`); None = off."""
+        self._ids_cache: OrderedDict[tuple, tuple[int, ...]] = OrderedDict()  # see _prompt_ids
+        self._ids_lock = threading.Lock()  # prepare() runs on several daemon threads
 
     def set_vision_cache(self, budget_mb: float | None) -> None:
         """Cache vision features per (frame, operating point) within ``budget_mb`` MiB (LRU), so that
@@ -254,11 +261,15 @@ class Engine:
                 temperature: float = 0.0, top_p: float = 1.0, stop: list[str] | None = None,
                 seed: int | None = None, operating_point: OperatingPoint | None = None,
                 frame_timestamps_s: Sequence[float] | None = None,
-                vision_key: Hashable | None = None) -> PreparedRequest:
+                vision_key: Hashable | None = None, uint8_pixels: bool = False) -> PreparedRequest:
         """Validate a request and tokenise its prompt (what :meth:`stream` does before generating;
         also used by the daemon's batch worker): returns the operating point, sampling parameters,
         resolution rung (px), vision-token count, prompt ids (vision placeholders included) and the
         preprocessed image(s). ``image`` / ``frame_timestamps_s``: as in :meth:`ask`.
+        ``uint8_pixels``: for the batched encoder (:mod:`edgevlm.runtime.batching`), a family with
+        LLaVA's pixel path leaves one image at a plain point (no early exit or pruning) resized but
+        not normalised, ``(1, H, W, 3)`` uint8 (normalised on the device with :attr:`image_mean` /
+        :attr:`image_std`); ``ask`` never asks.
 
         Raises:
             InvalidImageError: an image is not an ``(H, W, 3)`` uint8 array, or the family cannot
@@ -273,7 +284,9 @@ class Engine:
             max_new_tokens = min(max_new_tokens, op.max_new_tokens)
         params = SamplingParams.validate(max_new_tokens, temperature, top_p, stop, seed)
         t0 = time.perf_counter()
-        if video is None:
+        if video is None and uint8_pixels and self.family.batched_pixels and len(images) == 1 and not _asks_adaptive(op):
+            vision = self.processor.prepare(images, resolution_px=op.resolution_px, uint8_pixels=True)
+        elif video is None:
             vision = self.processor.prepare(images, resolution_px=op.resolution_px)
         else:
             vision = self.processor.prepare([], resolution_px=op.resolution_px, video=video,
@@ -283,7 +296,7 @@ class Engine:
             raise InvalidRequestError(f"operating point {op.name!r}: early exit and token pruning take one image")
         n_vision = self._adaptive_vision_tokens(vision, op)
         in_prompt = vision if n_vision == vision.num_tokens else replace(vision, tokens_per_item=[n_vision])
-        ids = self.tokenizer.encode_request(prompt, in_prompt, self.processor)
+        ids = self._prompt_ids(prompt, in_prompt)
         if len(ids) >= self.max_seq_len:
             th, tw = vision.input_sizes_px[0] if vision.input_sizes_px else (0, 0)
             raise InvalidRequestError(
@@ -297,6 +310,26 @@ class Engine:
             key = (frame_id, tuple(vision.kinds), op.resolution_px, op.exit_layer, op.keep_ratio)
         return PreparedRequest(op, params, op.resolution_px or self.image_size_px, n_vision, ids, vision,
                                preprocess_ms, key)
+
+    def _prompt_ids(self, prompt: str, vision: VisionInput) -> list[int]:
+        """``tokenizer.encode_request``'s ids, remembered for a family whose expansion is a function of
+        the prompt and the vision-token counts alone (``batched_pixels``: LLaVA's image runs), the
+        last :data:`PROMPT_IDS_CACHE_SIZE` of them: a robot asks the same few questions, and the
+        chat template's render + tokenisation is the costliest pure-Python step of a request."""
+        if not (self.family.batched_pixels and vision.kinds and all(k == "image" for k in vision.kinds)):
+            return self.tokenizer.encode_request(prompt, vision, self.processor)
+        key = (prompt, tuple(vision.tokens_per_item))
+        with self._ids_lock:
+            hit = self._ids_cache.get(key)
+            if hit is not None:
+                self._ids_cache.move_to_end(key)
+                return list(hit)
+        ids = self.tokenizer.encode_request(prompt, vision, self.processor)  # InvalidRequestError: not cached
+        with self._ids_lock:
+            self._ids_cache[key] = tuple(ids)
+            if len(self._ids_cache) > PROMPT_IDS_CACHE_SIZE:
+                self._ids_cache.popitem(last=False)
+        return ids
 
     def warmup(self, resolutions: list[int] | None = None) -> None:
         """Run one 2-token request per rung (default: the resolution ladder), so that the first real

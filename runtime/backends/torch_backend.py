@@ -29,6 +29,7 @@ cloud profiles):
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -99,6 +100,11 @@ class TorchBackend(Backend):
         if fused_vision_stem:
             self.enable_fused_vision_stem()
         self._pos = torch.zeros(1, dtype=torch.long, device=self.device)  # eager decode input buffers
+        self._pinned: dict[tuple[int, ...], torch.Tensor] = {}  # encode_images' host staging, per image shape
+        self._prefill_graphs = None  # PrefillGraphs of prefill_images_batch (CUDA graphs on), made on first use
+        self._vision_forwards: dict = {}  # normalisation (None: float pixels) -> the batched encode's forward
+        self._vision_graphs: dict = {}  # normalisation -> VisionGraphs of that forward (CUDA graphs on)
+        self._no_grid = torch.zeros((1, 3), dtype=torch.long)  # VisionGraphs' grid key: LLaVA has none
         self._tok = torch.zeros(1, 1, dtype=torch.long, device=self.device)
 
     # ---- configuration -------------------------------------------------------------------------
@@ -225,19 +231,74 @@ class TorchBackend(Backend):
 
     # ---- several requests ----------------------------------------------------------------------
     @torch.inference_mode()
-    def encode_images(self, pixel_values: list[torch.Tensor]) -> list[torch.Tensor]:
+    def encode_images(self, pixel_values: list[torch.Tensor], *,
+                      normalize: tuple[Sequence[float], Sequence[float]] | None = None) -> list[torch.Tensor]:
         """Vision-encode several requests' images, one encoder batch per distinct input size:
-        ``(1, 3, H_i, W_i)`` float32 each -> ``(1, N_i, D_text)`` each, in the input order."""
+        ``(1, 3, H_i, W_i)`` float32 normalised each, or with ``normalize=(mean, std)`` (per channel,
+        0..1 scale) ``(1, H_i, W_i, 3)`` uint8 resized images, normalised here on the device as
+        :func:`~edgevlm.runtime.preprocess.preprocess` does on the host (``(x / 255 - mean) / std``
+        in float32) -> ``(1, N_i, D_text)`` each, in the input order.
+
+        On CUDA a batch is gathered in a pinned host buffer and copied asynchronously; with
+        ``cuda_graphs`` the LLaVA tower's forward (the normalisation included) replays a CUDA graph
+        per input size and batch bucket (1, 2, 4, ... rows; rows past the batch are don't-care): a
+        launch-bound tower (the demo's) costs one replay instead of a launch per kernel.
+
+        Raises ValueError: uint8 pixels without ``normalize``, or float pixels with it."""
+        uint8 = [px.dtype == torch.uint8 for px in pixel_values]
+        if any(u != (normalize is not None) for u in uint8):
+            raise ValueError("encode_images: uint8 pixels need normalize=(mean, std), float pixels none")
         out: list[torch.Tensor | None] = [None] * len(pixel_values)
         by_shape: dict[tuple[int, ...], list[int]] = {}
         for i, px in enumerate(pixel_values):
             by_shape.setdefault(tuple(px.shape[1:]), []).append(i)
         for idx in by_shape.values():
-            batch = torch.cat([pixel_values[i] for i in idx]).to(self.device)  # (n, 3, H, W)
-            feats = self.model.encode_image(batch)  # (n, N, D)
+            feats = self._encode_batch([pixel_values[i] for i in idx], normalize)  # (n, N, D)
             for j, i in enumerate(idx):
                 out[i] = feats[j : j + 1]
         return out  # type: ignore[return-value]
+
+    def _encode_batch(self, pixels: list[torch.Tensor], normalize) -> torch.Tensor:
+        """``n`` images of one size and dtype (see :meth:`encode_images`) -> ``(n, N, D_text)``."""
+        n = len(pixels)
+        forward = self._vision_forwards.get(normalize)
+        if forward is None:
+            forward = self._vision_forwards[normalize] = self._vision_forward(normalize)
+        if self.device.type != "cuda":
+            return forward(torch.cat(pixels).to(self.device), None)
+        bucket = n if self.graphs is None else 1 << (n - 1).bit_length()
+        key = (pixels[0].dtype, *pixels[0].shape[1:])
+        staging = self._pinned.get(key)
+        if staging is None or staging.shape[0] < bucket:
+            staging = torch.empty((max(bucket, self.max_batch_size), *pixels[0].shape[1:]), dtype=pixels[0].dtype,
+                                  pin_memory=True)
+            self._pinned[key] = staging
+        # the previous batch's copy out of this buffer is done: the batcher synchronizes after encoding
+        torch.cat(pixels, out=staging[:n])
+        batch = staging[:bucket].to(self.device, non_blocking=True)  # (bucket, ...)
+        if self.graphs is None:
+            return forward(batch, None)[:n]
+        graphs = self._vision_graphs.get(normalize)
+        if graphs is None:
+            from edgevlm.runtime.vision_graphs import VisionGraphs
+
+            graphs = VisionGraphs(forward, self.device, max_graphs=2 * max(1, self.max_batch_size).bit_length())
+            self._vision_graphs[normalize] = graphs
+        return graphs(batch, self._no_grid)[:n]
+
+    def _vision_forward(self, normalize):
+        """``(pixels, _) -> (B, N, D_text)``: the model's ``encode_image``, after the device-side
+        normalisation of ``(B, H, W, 3)`` uint8 pixels when ``normalize`` is given."""
+        if normalize is None:
+            return lambda px, _grid: self.model.encode_image(px)
+        mean = torch.tensor(normalize[0], dtype=torch.float32, device=self.device).view(1, 3, 1, 1)
+        std = torch.tensor(normalize[1], dtype=torch.float32, device=self.device).view(1, 3, 1, 1)
+
+        def forward(px: torch.Tensor, _grid) -> torch.Tensor:
+            x = px.permute(0, 3, 1, 2).float() * (1.0 / 255.0)  # (B, 3, H, W), preprocess's order of operations
+            return self.model.encode_image((x - mean) / std)
+
+        return forward
 
     @torch.inference_mode()
     def encode_vision_state(self, vision: VisionInput) -> tuple[torch.Tensor, object]:
@@ -279,6 +340,76 @@ class TorchBackend(Backend):
             raise ValueError(f"cache rows {rows} outside 0..{self.max_batch_size - 1}")
         return self.model.prefill_batch(embeds, torch.tensor(rows, device=self.device), input_ids=input_ids,
                                         position_ids=position_ids, vision_states=vision_states)
+
+    @torch.inference_mode()
+    def prefill_images_batch(self, input_ids: list[list[int]], image_features: list[torch.Tensor],
+                             rows: list[int], spare_rows: list[int] | None = None) -> torch.Tensor:
+        """Prefill several image prompts of a family whose placeholders take the image features in
+        order (LLaVA's ``embed``) with one embedding and one prefill call: ``input_ids[i]`` (vision
+        placeholders included) with its image's ``(1, N_i, D_text)`` features, into cache row
+        ``rows[i]``. Returns each prompt's last logits ``(n, V)``: the numbers of
+        :meth:`prefill_batch` (the same right-padded prefill, embedded once for the whole group).
+
+        With ``cuda_graphs`` the prefill replays a CUDA graph per rows and length bucket
+        (:mod:`edgevlm.runtime.prefill_graphs`); ``spare_rows`` are cache rows holding no request,
+        which the bucket's padding rows may fill (else they repeat the group's last prompt into its
+        row).
+
+        Raises ValueError: counts that disagree, a prompt past the KV cache, rows outside it."""
+        import numpy as np
+
+        n = len(input_ids)
+        if not n or n != len(rows) or n != len(image_features):
+            raise ValueError(f"{n} prompts, {len(image_features)} images for {len(rows)} cache rows")
+        lengths = [len(ids) for ids in input_ids]
+        t = max(lengths)
+        if t > self.max_seq_len:
+            raise ValueError(f"prefill of {t} positions exceeds the KV cache ({self.max_seq_len})")
+        if max(rows) >= self.max_batch_size or min(rows) < 0:
+            raise ValueError(f"cache rows {rows} outside 0..{self.max_batch_size - 1}")
+        graphs = self._prefill_graphs_for_device()
+        feats = [f.reshape(-1, f.shape[-1]) for f in image_features]  # (N_i, D_text) each
+        if graphs is not None:
+            from edgevlm.runtime.prefill_graphs import length_bucket, rows_bucket
+
+            pad_rows = rows_bucket(n) - n
+            spare = [r for r in (spare_rows or []) if r not in rows][:pad_rows]
+            rows = list(rows) + spare + [rows[-1]] * (pad_rows - len(spare))
+            input_ids = list(input_ids) + [input_ids[-1]] * pad_rows
+            lengths = lengths + [lengths[-1]] * pad_rows
+            feats = feats + [feats[-1]] * pad_rows
+            t = length_bucket(t, self.max_seq_len)
+        image_token = self.model.cfg.image_token_id
+        pad = 0 if image_token != 0 else 1  # padding must not read as a placeholder
+        host = np.full((len(input_ids), t), pad, dtype=np.int64)
+        for i, ids in enumerate(input_ids):
+            host[i, : lengths[i]] = ids
+        m = len(rows)
+        meta = np.concatenate([np.asarray(lengths, np.int64), np.asarray(rows, np.int64)])
+        pinned = self.device.type == "cuda"
+        ids_dev = torch.from_numpy(host)
+        meta_dev = torch.from_numpy(meta)
+        if pinned:
+            ids_dev, meta_dev = ids_dev.pin_memory(), meta_dev.pin_memory()
+        ids_dev = ids_dev.to(self.device, non_blocking=pinned)  # (m, T)
+        meta_dev = meta_dev.to(self.device, non_blocking=pinned)
+        embeds = self.model.embed(ids_dev, torch.cat(feats))  # (m, T, D); the features in row order
+        if graphs is not None:
+            return graphs(embeds, meta_dev[:m], meta_dev[m:])[:n]  # (n, V)
+        return self.model.language_model.prefill_batch(embeds, meta_dev[:m], meta_dev[m:])  # (n, V)
+
+    def _prefill_graphs_for_device(self):
+        """The :class:`~edgevlm.runtime.prefill_graphs.PrefillGraphs` of :meth:`prefill_images_batch`
+        (CUDA graphs on), made on first use; None = eager."""
+        if self.graphs is None:
+            return None
+        if self._prefill_graphs is None:
+            from edgevlm.runtime.prefill_graphs import PrefillGraphs
+
+            lm = self.model.language_model
+            self._prefill_graphs = PrefillGraphs(lambda e, lengths, rows: lm.prefill_batch(e, lengths, rows),
+                                                 self.device)
+        return self._prefill_graphs
 
     @torch.inference_mode()
     def decode_batch(self, token_ids: list[int], positions: list[int],

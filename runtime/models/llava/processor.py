@@ -37,7 +37,7 @@ import numpy as np
 from edgevlm.errors import InvalidImageError, InvalidRequestError
 from edgevlm.runtime.models.base import VisionInput
 from edgevlm.runtime.models.llava.config import LlavaConfig
-from edgevlm.runtime.preprocess import CLIP_MEAN, CLIP_STD, preprocess
+from edgevlm.runtime.preprocess import CLIP_MEAN, CLIP_STD, preprocess, resize_for_encoder
 
 logger = logging.getLogger(__name__)
 
@@ -194,22 +194,30 @@ class LlavaProcessor:
 
     def prepare(self, images: list[np.ndarray], *, resolution_px: int | None = None,
                 video: list[np.ndarray] | None = None,
-                video_timestamps_s: list[float] | None = None) -> VisionInput:
-        """See :class:`~edgevlm.runtime.models.base.Processor`. Raises InvalidRequestError for video
-        or no image, InvalidImageError for images that come out at different sizes."""
+                video_timestamps_s: list[float] | None = None, uint8_pixels: bool = False) -> VisionInput:
+        """See :class:`~edgevlm.runtime.models.base.Processor`. ``uint8_pixels``: where the ladder
+        rung applies (not the checkpoint's own processor), ``pixel_values`` are the resized images
+        ``(N_img, H, W, 3)`` uint8, normalised later with :attr:`image_mean` / :attr:`image_std`
+        (the batched GPU encoder does it on the device); else ``(N_img, 3, H, W)`` float32. Raises
+        InvalidRequestError for video or no image, InvalidImageError for images that come out at
+        different sizes."""
         import torch
 
         if video is not None:
             raise InvalidRequestError("LLaVA models take images, not video")
         if not images:
             raise InvalidRequestError("LLaVA needs at least one image")
-        arrays = [self.preprocess_image(im, resolution_px) for im in images]
-        shapes = {a.shape for a in arrays}
-        if len(shapes) != 1:
-            raise InvalidImageError(f"the images resize to different sizes {sorted(shapes)}: "
+        if uint8_pixels and not (resolution_px is None and self.spec.native):
+            rung = resolution_px or self.cfg.vision.image_size
+            arrays = [resize_for_encoder(im, rung, self.cfg.vision.patch_size) for im in images]  # (H, W, 3)
+            sizes = [a.shape[:2] for a in arrays]
+        else:
+            arrays = [self.preprocess_image(im, resolution_px) for im in images]  # (3, H, W)
+            sizes = [(a.shape[1], a.shape[2]) for a in arrays]
+        if len(set(sizes)) != 1:
+            raise InvalidImageError(f"the images resize to different sizes {sorted(set(sizes))}: "
                                     "give images of one aspect ratio")
-        sizes = [(a.shape[1], a.shape[2]) for a in arrays]
-        return VisionInput(pixel_values=torch.from_numpy(np.stack(arrays)),  # (N_img, 3, H, W)
+        return VisionInput(pixel_values=torch.from_numpy(np.stack(arrays)),  # (N_img, 3, H, W) | (N_img, H, W, 3)
                            tokens_per_item=[self.cfg.num_vision_tokens(h, w) for h, w in sizes],
                            kinds=["image"] * len(arrays), input_sizes_px=sizes)
 
