@@ -10,7 +10,8 @@ request to a :class:`BatchWorker`, which drives an
 * a request is validated, tokenised and preprocessed exactly as ``Engine.ask`` does (same errors,
   same token ids, same resolution rung) when the worker takes it off the queue;
 * between decode steps the waiting requests are admitted into free cache rows, prefilled in groups
-  of at most ``prefill_token_budget`` padded tokens (Orca-style iteration-level scheduling, see
+  of ``prefill_token_budget`` padded tokens or more, as many as the measured prefill time lets into
+  the scheduler's ``prefill_budget_ms`` (Orca-style iteration-level scheduling, see
   :mod:`edgevlm.runtime.batching`), and every running request advances one token per step;
 * each request ends on its own EOS / ``max_new_tokens`` (the operating point's cap included) and
   is answered at once, with an :class:`~edgevlm.types.Answer` built like ``Engine.ask``'s: the same
@@ -75,19 +76,24 @@ class BatchWorker:
 
     Args:
         engine: a loaded :class:`edgevlm.runtime.Engine` whose backend has the batched entry points.
-        token_budget: padded tokens per prefill group (:func:`~edgevlm.runtime.batching.plan_prefill_groups`).
+        token_budget: padded tokens per prefill group at least
+            (:func:`~edgevlm.runtime.batching.plan_prefill_groups`).
+        prefill_budget_ms: a group grows past ``token_budget`` while its measured encode + prefill
+            time is predicted within this many ms (the stall of the running decodes; see
+            :mod:`edgevlm.runtime.batching`); None = ``token_budget`` only.
     Raises:
         ValueError: the engine cannot batch (one cache row, or a backend without batched entry
-            points) or ``token_budget`` is not positive.
+            points), or a budget is not positive.
     """
 
-    def __init__(self, engine: Any, token_budget: int) -> None:
+    def __init__(self, engine: Any, token_budget: int, prefill_budget_ms: float | None = None) -> None:
         from edgevlm.runtime.batching import ContinuousBatcher
 
         if batch_rows(engine) < 2:
             raise ValueError("continuous batching needs a torch backend loaded with max_batch_size >= 2")
         self.engine = engine
-        self.batcher = ContinuousBatcher(engine.backend, token_budget=token_budget, clock=time.monotonic)
+        self.batcher = ContinuousBatcher(engine.backend, token_budget=token_budget,
+                                         prefill_budget_ms=prefill_budget_ms, clock=time.monotonic)
         self._items: dict[int, _Item] = {}  # id(GenerationRequest) -> item
 
     @property
@@ -113,7 +119,8 @@ class BatchWorker:
             stop: list[str] | None = None, seed: int | None = None, prepared: Any = None) -> None:
         """Validate, tokenise and preprocess a request (as ``Engine.ask`` does: ``Engine.prepare``,
         the family's processor; ``image`` one frame or several) and queue it for the next
-        admission. ``prepared``: ``engine.prepare``'s result for these arguments, made beforehand
+        admission. ``prepared``: ``engine.prepare``'s result for these arguments (with
+        ``uint8_pixels=True``: the batched encoder normalises on the device), made beforehand
         (the daemon's prepare threads, off the inference thread); then nothing is prepared here. ``deadline_s`` (monotonic): still waiting for a row after it, the request comes back from :meth:`step` with answer None. ``tag`` is returned with the answer.
         ``on_delta`` is called with each text delta as the request's tokens are decoded (streaming);
         ``temperature``, ``top_p``, ``stop`` and ``seed`` are ``Engine.ask``'s sampling knobs.
@@ -130,7 +137,7 @@ class BatchWorker:
         start = time.monotonic()
         if prepared is None:
             prepared = eng.prepare(image, prompt, max_new_tokens=max_new_tokens, operating_point=operating_point,
-                                   temperature=temperature, top_p=top_p, stop=stop, seed=seed)
+                                   temperature=temperature, top_p=top_p, stop=stop, seed=seed, uint8_pixels=True)
         op, params, vision = prepared.operating_point, prepared.params, prepared.vision
         n_vision, ids = prepared.n_vision, prepared.ids
         stats = Stats(operating_point=op.name, backend=eng.backend_name, vision_tokens=n_vision,
@@ -139,9 +146,10 @@ class BatchWorker:
             stats.input_height_px, stats.input_width_px = vision.input_sizes_px[0]
         # LLaVA's one image: pixels, batched with the group's other images of its size; any other
         # family (M-RoPE, DeepStack, tiles, several images, video): its VisionInput, encoded alone
-        pixels = None
+        pixels = norm = None
         if eng.family.batched_pixels and vision is not None and vision.kinds == ["image"]:
-            pixels, vision = vision.pixel_values, None  # (1, 3, H, W)
+            pixels, vision = vision.pixel_values, None  # (1, 3, H, W) float32 or (1, H, W, 3) uint8
+            norm = (tuple(eng.image_mean), tuple(eng.image_std))
         text, decoder = TextAssembler(params.stop), IncrementalDecoder(eng.tokenizer)
 
         def on_token(token: int) -> bool:  # detokenise as the single-request path does
@@ -152,7 +160,7 @@ class BatchWorker:
 
         req = GenerationRequest(ids, pixels, max_new_tokens=params.max_new_tokens, vision=vision,
                                 eos_token_ids=eng.eos_token_ids, deadline_s=deadline_s, params=params,
-                                operating_point=op, on_token=on_token)
+                                operating_point=op, on_token=on_token, pixel_norm=norm)
         self.batcher.submit(req)  # InvalidRequestError: cannot fit the KV cache
         self._items[id(req)] = _Item(tag, stats, start, time.monotonic(), text, decoder, on_delta)
 

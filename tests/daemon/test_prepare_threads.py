@@ -206,3 +206,50 @@ def test_a_lifted_token_cap_keeps_the_preparation() -> None:
     assert not _same_preparation(capped, capped.model_copy(update={"resolution_px": 32}))
     assert not _same_preparation(capped, capped.model_copy(update={"keep_ratio": 0.5}))
     assert _same_preparation(None, None) and not _same_preparation(capped, None)
+
+
+def test_an_admission_waits_briefly_for_jobs_still_being_prepared(tiny_engine, monkeypatch) -> None:
+    """``_gather_locked``: with one job ready and another still on a prepare thread, the worker waits
+    (up to GATHER_S) until that one is ready too; with nothing being prepared, or nothing ready yet,
+    or as many ready as free rows, it does not wait at all."""
+    import time
+    from concurrent.futures import Future
+
+    from edgevlm.daemon import scheduler as sched_mod
+
+    monkeypatch.setattr(sched_mod, "GATHER_S", 5.0)
+    sched = Scheduler(None, SourceManager([]), engine=tiny_engine, queue_max_size=8, prepare_threads=0)
+    replies = _Replies()
+    png = encode_png(_image(1))
+    ready, pending = (_job(replies, c, png, PROMPTS[0], 2) for c in ("ready", "pending"))
+    pending.prepared = Future()
+    pending.prepared.add_done_callback(sched._wake_worker)
+    sched._queue.extend([ready, pending])
+
+    def finish() -> None:
+        time.sleep(0.2)
+        pending.prepared.set_result(None)
+
+    threading.Thread(target=finish, daemon=True).start()
+    t0 = time.monotonic()
+    with sched._cond:
+        sched._gather_locked(free=4)
+    waited = time.monotonic() - t0
+    assert pending.ready() and 0.15 < waited < 4.0  # woken by the preparation's completion, not the timeout
+    # no wait: as many ready as free rows / nothing ready yet / nothing being prepared
+    late = _job(replies, "late", png, PROMPTS[1], 2)
+    late.prepared = Future()
+    sched._queue.append(late)
+    cases = [(2, [ready, pending, late]), (4, [late])]
+    for free, queue in cases:
+        sched._queue.clear()
+        sched._queue.extend(queue)
+        t0 = time.monotonic()
+        with sched._cond:
+            sched._gather_locked(free=free)
+        assert time.monotonic() - t0 < 0.1, (free, len(queue))
+    late.prepared.set_result(None)
+    t0 = time.monotonic()
+    with sched._cond:
+        sched._gather_locked(free=4)
+    assert time.monotonic() - t0 < 0.1
