@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/daemon_throughput.py [--model DIR] [--device cpu|cuda] [--profile h100]
         [--clients 1,8,32] [--duration-s 10] [--warmup-s 2] [--max-new-tokens 16] [--rows N]
-        [--batching auto|on|off] [--threads N] [--quality 90] [--py-spy DIR]
+        [--batching auto|on|off] [--threads N] [--quality 90] [--py-spy DIR [--py-spy-gil]] [--daemon-log FILE]
 
 Starts a private mosquitto with the project's broker config (:class:`edgevlm.daemon.demo_processes.Broker`,
 ``set_tcp_nodelay true``) and the real daemon in its own process (``python -m edgevlm.cli serve --config
@@ -15,7 +15,9 @@ measured window / window), p50/p99 round trip (client clock: ``Client.ask`` call
 ``e2e_ms`` p50, mean ``batch_size``, accuracy (answer text == the evaluation set's expected answer), the
 operating points the latency controller chose (JSON) and the error count by code. ``--py-spy DIR`` records the daemon process with py-spy during the measured window of
 every client count (``DIR/daemon_<n>clients.txt``, collapsed stacks, all threads, non-idle samples) and prints
-the share of samples per thread and the top self-time functions of the inference thread.
+the share of samples per thread and the top self-time functions of the inference thread; with
+``--py-spy-gil`` only the thread holding the GIL is sampled, so the shares say who holds it (a daemon whose
+threads together hold it nearly all the time is GIL-bound). ``--daemon-log FILE`` keeps the daemon's log.
 
 Prints a table, then one JSON line. Runs on CPU too (``--device cpu``; ``--rows 8`` turns on CPU batching).
 """
@@ -157,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quality", type=int, default=90, help="JPEG quality of the inline images")
     ap.add_argument("--py-spy", default=None, metavar="DIR", help="record the daemon with py-spy into DIR")
     ap.add_argument("--label", default="", help="free text for the header (e.g. 'before' / 'after')")
+    ap.add_argument("--py-spy-gil", action="store_true",
+                    help="py-spy samples only the thread holding the GIL (shares = who holds it how long)")
+    ap.add_argument("--daemon-log", default=None, help="copy the daemon's log (WARNING and up) to this file")
     args = ap.parse_args(argv)
     counts = [int(c) for c in args.clients.split(",") if c]
     if not counts or min(counts) < 1:
@@ -207,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(max(0.0, w0 - time.time()))
                 spy_proc = subprocess.Popen(
                     [spy, "record", "--pid", str(daemon.proc.pid), "--duration", str(int(args.duration_s)),
-                     "--rate", "200", "--format", "raw", "--threads", "--nonblocking", "--output", str(spy_path)],
+                     "--rate", "200", "--format", "raw", "--threads", "--nonblocking", "--output", str(spy_path),
+                     *(["--gil"] if args.py_spy_gil else [])],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             recs: list[tuple] = []
             for _ in range(n):
@@ -237,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         daemon.stop()
         broker.stop()
+        if args.daemon_log is not None and daemon.log_path.exists():
+            shutil.copyfile(daemon.log_path, args.daemon_log)
     import torch
 
     cuda = torch.cuda.get_device_name(0) if args.device.startswith("cuda") and torch.cuda.is_available() else None
