@@ -49,6 +49,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -77,6 +78,8 @@ ALPHA_BACKGROUND_RGB = (255, 255, 255)
 """Background that images with an alpha channel are composited over (opaque white)."""
 
 _cv2_log_lock = threading.Lock()
+_cv2_quiet_users = 0  # decodes in progress with OpenCV's log silenced (guarded by _cv2_log_lock)
+_cv2_saved_level: int | None = None
 
 
 def _cv2():
@@ -144,13 +147,29 @@ def _imdecode(data: bytes, flags: int) -> np.ndarray | None:
     cv_logging = getattr(getattr(cv2, "utils", None), "logging", None)
     if cv_logging is None:  # pragma: no cover - very old OpenCV
         return cv2.imdecode(buf, flags)
+    with _cv2_quiet(cv_logging):
+        return cv2.imdecode(buf, flags)
+
+
+@contextlib.contextmanager
+def _cv2_quiet(cv_logging: Any) -> Iterator[None]:
+    """OpenCV's (process-wide) log level silenced while at least one decode runs, restored when the
+    last one ends. Decodes run in parallel (the lock guards only the level and the count): a
+    daemon's prepare threads decode many JPEGs at once, and holding one lock around
+    ``cv2.imdecode`` made them take turns."""
+    global _cv2_quiet_users, _cv2_saved_level
     with _cv2_log_lock:
-        previous = cv_logging.getLogLevel()
-        cv_logging.setLogLevel(cv_logging.LOG_LEVEL_SILENT)
-        try:
-            return cv2.imdecode(buf, flags)
-        finally:
-            cv_logging.setLogLevel(previous)
+        if _cv2_quiet_users == 0:
+            _cv2_saved_level = cv_logging.getLogLevel()
+            cv_logging.setLogLevel(cv_logging.LOG_LEVEL_SILENT)
+        _cv2_quiet_users += 1
+    try:
+        yield
+    finally:
+        with _cv2_log_lock:
+            _cv2_quiet_users -= 1
+            if _cv2_quiet_users == 0 and _cv2_saved_level is not None:
+                cv_logging.setLogLevel(_cv2_saved_level)
 
 
 def _to_uint8(x: np.ndarray) -> np.ndarray:
@@ -216,6 +235,8 @@ def decode_image(data: bytes | bytearray | memoryview, *, max_pixels: int = DEFA
         grey = _composite(img[:, :, :1], img[:, :, 1])
         rgb = np.repeat(grey, 3, axis=2)
     elif img.shape[2] == 3:  # BGR
+        if img.dtype == np.uint8 and img.flags.c_contiguous:
+            return _cv2().cvtColor(img, _cv2().COLOR_BGR2RGB)  # the same bytes, ~30x faster than a strided copy
         rgb = img[:, :, ::-1]
     elif img.shape[2] == 4:  # BGRA
         rgb = _composite(img[:, :, 2::-1], img[:, :, 3])

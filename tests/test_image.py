@@ -446,3 +446,47 @@ def test_jpeg_with_valid_exif_orientation_is_rotated_silently(order, caplog) -> 
     assert img.shape == (160, 120, 3)
     assert np.abs(img.astype(int) - np.rot90(decode_image(main), k=-1).astype(int)).max() == 0
     assert not [r for r in caplog.records if r.name == "edgevlm.runtime.image"]
+
+
+def test_concurrent_decodes_run_in_parallel_equal_bytes_and_restore_the_log_level() -> None:
+    """The daemon's prepare threads decode at once: the OpenCV log level is silenced while any decode
+    runs and restored after the last; every thread gets the same RGB bytes as a lone decode."""
+    import threading
+
+    import cv2
+
+    from edgevlm.runtime import image as image_mod
+
+    rng = np.random.default_rng(7)
+    bgr = rng.integers(0, 256, (288, 384, 3), dtype=np.uint8)
+    ok, buf = cv2.imencode(".jpg", bgr, [cv2.IMWRITE_JPEG_QUALITY, 90])
+    assert ok
+    data = buf.tobytes()
+    want = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)[:, :, ::-1]
+    level = cv2.utils.logging.getLogLevel()
+    results: list[np.ndarray] = []
+    inside: list[int] = []
+    real_imdecode = cv2.imdecode
+    barrier = threading.Barrier(4)
+
+    def slow_imdecode(*args, **kwargs):  # every thread inside cv2.imdecode at once, or the barrier breaks
+        inside.append(image_mod._cv2_quiet_users)
+        barrier.wait(timeout=10)
+        return real_imdecode(*args, **kwargs)
+
+    cv2.imdecode = slow_imdecode
+    try:
+        threads = [threading.Thread(target=lambda: results.append(decode_image(data))) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+    finally:
+        cv2.imdecode = real_imdecode
+    assert len(results) == 4 and not barrier.broken
+    assert max(inside) >= 2  # decodes overlapped (one lock around imdecode would have deadlocked the barrier)
+    for rgb in results:
+        assert rgb.flags.c_contiguous and rgb.dtype == np.uint8
+        np.testing.assert_array_equal(rgb, want)
+    assert image_mod._cv2_quiet_users == 0
+    assert cv2.utils.logging.getLogLevel() == level
