@@ -99,6 +99,29 @@ def import_quantize():
 RESULTS: dict = {"bench": "w4a16_kernel", "sections": {}}
 
 
+class lean_switch:  # noqa: N801 - used as a context manager
+    """``with lean_switch(on):`` the lean variant's table entries used (True: the build has it) or not (False: the
+    table's fallback entries, as a build without it); None: unchanged. Works on the loaded extension: the kernel
+    wrapper reads ``EDGEVLM_W4A16_LEAN`` per call, the built module keeps every variant."""
+
+    def __init__(self, on: bool | None):
+        self.on, self.before = on, None
+
+    def __enter__(self):
+        self.before = os.environ.get("EDGEVLM_W4A16_LEAN")
+        if self.on is not None:
+            os.environ["EDGEVLM_W4A16_LEAN"] = "1" if self.on else "0"
+        return self
+
+    def __exit__(self, *exc):
+        if self.on is not None:
+            if self.before is None:
+                os.environ.pop("EDGEVLM_W4A16_LEAN", None)
+            else:
+                os.environ["EDGEVLM_W4A16_LEAN"] = self.before
+        return False
+
+
 def section(name):
     def wrap(fn):
         def run(*a, **kw):
@@ -200,7 +223,7 @@ def run_layers(ctx, shapes, kinds):
     conv = int4.kernel_convention(dev)
     gen = torch.Generator(device=dev)
     gen.manual_seed(0)
-    rows, checks, sweep, tuned = [], [], [], {}
+    rows, checks, sweep, tuned, fallback = [], [], [], {}, {}
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, device=dev, generator=gen) * 0.02
         qw = int4.quantize_int4(w, g)
@@ -251,6 +274,11 @@ def run_layers(ctx, shapes, kinds):
                 continue
             win = min(best.values(), key=lambda r: r["us"])
             tuned.setdefault(f"{n}x{k}g{g}", {})[str(m)] = [*win["config"], int(win["zx"]), int(win["pf"])]
+            if win["config"][0] == "lean":  # what a build without the lean variant runs instead
+                others = [r for (kd, _), r in best.items() if kd != "lean"]
+                if others:
+                    fb = min(others, key=lambda r: r["us"])
+                    fallback.setdefault(f"{n}x{k}g{g}", {})[str(m)] = [*fb["config"], int(fb["zx"]), int(fb["pf"])]
             timed_pdl = [r for r in mine_all(sweep, name, m) if "pdl_us" in r]
             win_pdl = min(timed_pdl, key=lambda r: r["pdl_us"]) if timed_pdl else None
             # numerics of each variant's chosen configuration: float64 reference, 3 runs bit-identical, the
@@ -289,6 +317,7 @@ def run_layers(ctx, shapes, kinds):
                    "win_pdl_us": win.get("pdl_us"),
                    "gbps": win["gbps"], "pct_copy": round(100 * win["gbps"] / ctx["copy_gbps"], 1),
                    "reg_us": us_of("reg"), "reg_nozx_us": us_of("reg", False), "reg_zx_us": us_of("reg", True),
+                   "lean_us": us_of("lean"), "pdl_by_kind": _pdl_by_kind(mine_all(sweep, name, m)),
                    "bulk_us": us_of("bulk"), "bulk_nozx_us": us_of("bulk", False), "bulk_zx_us": us_of("bulk", True),
                    "reg_loads_only_us": loads_only_us,
                    "tinygemm_us": round(tg_us, 2), "tinygemm_gbps": round(moved / tg_us / 1e3, 1),
@@ -306,8 +335,10 @@ def run_layers(ctx, shapes, kinds):
     RESULTS.setdefault("checks", []).extend(checks)
     table = json.dumps({"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
                         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "group_size": g,
-                        "source": "bench/w4a16_kernel.py (sweep of both variants; entry: kind, a, b, "
-                                  "tiles_per_cta, zx, pf)", "configs": tuned}, indent=1) + "\n"
+                        "source": "bench/w4a16_kernel.py (sweep of every variant; entry: kind, a, b, "
+                                  "tiles_per_cta, zx, pf; fallback: the fastest non-lean entry where the lean "
+                                  "variant won)", "configs": tuned,
+                        **({"fallback": fallback} if fallback else {})}, indent=1) + "\n"
     if os.environ.get("OUT") and tuned:
         Path(os.environ["OUT"], "w4a16_mma_configs.json").write_text(table)
     if ctx.get("install_table") and tuned:  # the model section then runs with this sweep's table
@@ -318,6 +349,15 @@ def run_layers(ctx, shapes, kinds):
 
 def mine_all(sweep: list[dict], name: str, m: int) -> list[dict]:
     return [r for r in sweep if r["shape"] == name and r["m"] == m]
+
+
+def _pdl_by_kind(rows: list[dict]) -> dict:
+    """The fastest PDL-chain µs per kernel variant (``{kind: [µs, config]}``) of one (shape, M)."""
+    out: dict = {}
+    for r in rows:
+        if "pdl_us" in r and (r["config"][0] not in out or r["pdl_us"] < out[r["config"][0]][0]):
+            out[r["config"][0]] = [r["pdl_us"], [*r["config"], int(r["zx"]), int(r["pf"])]]
+    return out
 
 
 def _best_us(best: dict, kind: str, zx: bool | None = None) -> float | None:
@@ -354,14 +394,20 @@ def run_chain(ctx, prefixes=("7b", "qwen8b", "qwen2b"), ms=(1, 8, 16)):
         for m in ms:
             xs = {k: torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16) for _, k, *_ in layer}
             row = {"model": prefix, "m": m, "layer_int4_bytes": layer_bytes}
-            for pdl in (False, True):
-                calls = [partial(mk.w4a16_mma, xs[k], p, mt, g, pdl=pdl) for cp in copies for n, k, p, mt in cp]
-                us = mar.graph_us(calls) * 4  # graph_us divides by the number of calls: 4 per layer
-                row["pdl_us" if pdl else "plain_us"] = round(us, 2)
-                row["pdl_gbps" if pdl else "plain_gbps"] = round(layer_bytes / us / 1e3, 1)
+            # with the lean variant swept: the table as installed (lean entries) and with lean switched off (the
+            # table's fallback entries: what the register ring / bulk variants give)
+            for lean_on in ((True, False) if "lean" in ctx.get("kinds", ()) else (None,)):
+                tag = "reg_" if lean_on is False else ""
+                with lean_switch(lean_on):
+                    for pdl in (False, True):
+                        calls = [partial(mk.w4a16_mma, xs[k], p, mt, g, pdl=pdl) for cp in copies for n, k, p, mt in cp]
+                        us = mar.graph_us(calls) * 4  # graph_us divides by the number of calls: 4 per layer
+                        row[f"{tag}{'pdl' if pdl else 'plain'}_us"] = round(us, 2)
+                        row[f"{tag}{'pdl' if pdl else 'plain'}_gbps"] = round(layer_bytes / us / 1e3, 1)
             rows.append(row)
             print(f"chain {prefix} M={m}: plain {row['plain_us']} us ({row['plain_gbps']} GB/s), PDL {row['pdl_us']} us "
-                  f"({row['pdl_gbps']} GB/s)", flush=True)
+                  f"({row['pdl_gbps']} GB/s)" + (f"; lean off: plain {row['reg_plain_us']} us, PDL {row['reg_pdl_us']} us"
+                                                 if "reg_pdl_us" in row else ""), flush=True)
         del copies
         torch.cuda.empty_cache()
     RESULTS["chain"] = rows
@@ -526,12 +572,18 @@ def run_model(ctx, choice):
             "weight_bytes", "kv_bytes_per_token", "error")
     rows = []
     copy = None
-    for label, variants_, pdl in (("pdl", ctx["model_variants"], True), ("plain", ["edgevlm-w4"], False)):
+    lean = "lean" in ctx.get("kinds", ())
+    runs = [("pdl", ctx["model_variants"], True, None)]
+    if lean:  # the same W4A16 model with the lean variant switched off (the register ring / bulk entries)
+        runs.append(("pdl, lean off", ["edgevlm-w4"], True, False))
+    runs.append(("plain", ["edgevlm-w4"], False, None))
+    for label, variants_, pdl, lean_on in runs:
         if label == "plain" and not ctx.get("pdl"):
             continue
         mk.PDL = pdl and bool(ctx.get("pdl"))
-        summary = benchmark.run(models=["llava-7b"], variants=variants_, with_hf=False,
-                                batch_sizes=ctx["batch_sizes"], new_tokens=32, n_text=32)
+        with lean_switch(lean_on):
+            summary = benchmark.run(models=["llava-7b"], variants=variants_, with_hf=False,
+                                    batch_sizes=ctx["batch_sizes"], new_tokens=32, n_text=32)
         rows += [{**{k: r.get(k) for k in keep if k in r}, "w4a16_launch": label} for r in summary["rows"]]
         copy = summary.get("copy_gbps") or copy
         print(f"[{label}]\n" + benchmark.format_table(summary["rows"]), flush=True)
@@ -568,12 +620,15 @@ def orin_prediction(layers: list[dict], copy_gbps: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global PREFILL_MS, PF
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip", default="", help="comma-separated sections to skip (layers,prefill,model,numerics,sm87)")
     ap.add_argument("--quick", action="store_true", help="the four 7B shapes only")
     ap.add_argument("--batch-sizes", default="1,8,32", help="decode batch sizes of the model section")
     ap.add_argument("--prefill-ms", default="32,64,128,256,600", help="M values of the prefill section")
     ap.add_argument("--no-pdl", action="store_true", help="no programmatic dependent launch anywhere")
+    ap.add_argument("--pf", default=",".join(str(p) for p in PF),
+                    help="L2 prefetch distances (tiles) the register ring is swept with (0: none)")
     ap.add_argument("--lean", action="store_true",
                     help="build and sweep the lean register-ring variant too (EDGEVLM_W4A16_LEAN=1)")
     ap.add_argument("--model-variants", default="edgevlm,edgevlm-w4",
@@ -583,8 +638,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="write the sweep's launch table into runtime/kernels/ (used by the model section)")
     args = ap.parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    global PREFILL_MS
     PREFILL_MS = tuple(int(m) for m in args.prefill_ms.split(","))
+    PF = tuple(int(p) for p in args.pf.split(","))
     t0 = time.perf_counter()
     if args.lean:
         os.environ["EDGEVLM_W4A16_LEAN"] = "1"
@@ -638,6 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     pdl = props.major >= 9 and not args.no_pdl
     mk.PDL = pdl
     ctx = {"dev": dev, "l2": l2, "copy_gbps": copy_gbps, "install_table": args.install_table, "pdl": pdl,
+           "kinds": kinds,
            "batch_sizes": [int(b) for b in args.batch_sizes.split(",")],
            "model_variants": [v for v in args.model_variants.split(",") if v]}
     shapes = {k: v for k, v in SHAPES.items() if k.startswith("7b.")} if args.quick else SHAPES
@@ -671,21 +727,24 @@ def print_tables() -> None:
     layers = RESULTS.get("layers") or []
     if layers:
         print("\n| shape | M | best (kind, a, b, tpc, zx, pf) | µs | GB/s | % copy | PDL chain µs | PDL GB/s | "
-              "reg µs | reg+zx µs | bulk µs | loads-only µs (pf 0 / pf) | tinygemm µs | bf16 µs | vs tinygemm | "
-              "vs bf16 |")
-        print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+              "lean µs | lean PDL µs | reg µs | reg PDL µs | reg+zx µs | bulk µs | loads-only µs (pf 0 / pf) | "
+              "tinygemm µs | bf16 µs | vs tinygemm | vs bf16 |")
+        print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
         for r in layers:
+            pk = r.get("pdl_by_kind") or {}
             print(f"| {r['shape']} | {r['m']} | {tuple(r['best'])} | {r['us']} | {r['gbps']} | {r['pct_copy']} | "
-                  f"{r.get('pdl_us')} | {r.get('pdl_gbps')} | {r['reg_nozx_us']} | {r['reg_zx_us']} | "
+                  f"{r.get('pdl_us')} | {r.get('pdl_gbps')} | {r.get('lean_us')} | {(pk.get('lean') or [None])[0]} | "
+                  f"{r['reg_nozx_us']} | {(pk.get('reg') or [None])[0]} | {r['reg_zx_us']} | "
                   f"{r['bulk_nozx_us']} | {r['reg_loads_only_us']} / {r.get('reg_loads_only_pf_us')} | "
                   f"{r['tinygemm_us']} | {r['bf16_us']} | {r['vs_tinygemm']}x | {r['vs_bf16']}x |")
     chain = RESULTS.get("chain")
     if chain:
         print("\nfour matmuls of a decoder layer back to back (µs per layer):")
-        print("| model | M | plain µs | GB/s | PDL µs | GB/s |")
-        print("|---|---:|---:|---:|---:|---:|")
+        print("| model | M | plain µs | GB/s | PDL µs | GB/s | lean off: plain µs | PDL µs |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for r in chain:
-            print(f"| {r['model']} | {r['m']} | {r['plain_us']} | {r['plain_gbps']} | {r['pdl_us']} | {r['pdl_gbps']} |")
+            print(f"| {r['model']} | {r['m']} | {r['plain_us']} | {r['plain_gbps']} | {r['pdl_us']} | {r['pdl_gbps']} | "
+                  f"{r.get('reg_plain_us')} | {r.get('reg_pdl_us')} |")
     tot = RESULTS.get("prefill_totals")
     if tot:
         print("\nprefill, sum of the four 7B layers (µs):")

@@ -273,10 +273,14 @@ def _parse_config(cfg) -> tuple[str, int, int, int] | None:
 
 
 @functools.cache
-def _table() -> tuple[dict, dict, dict]:
+def _table() -> tuple[dict, dict, dict, dict]:
+    """``(configs, zx, pf, fallback)`` of the launch table; ``fallback``: per shape and M bucket whose entry
+    names the lean variant, the fastest measured register-ring / bulk entry ``(kind, a, b, tpc, zx, pf)``
+    (used where the lean variant is not built or switched off)."""
     configs: dict[str, dict[str, tuple[str, int, int, int]]] = {}
     zx: dict[str, dict[str, bool]] = {}
     pf: dict[str, dict[str, int]] = {}
+    fallback: dict[str, dict[str, tuple[str, int, int, int, bool, int]]] = {}
     try:
         data = json.loads(CONFIGS_FILE.read_text())
         for key, row in data.get("configs", {}).items():
@@ -288,9 +292,16 @@ def _table() -> tuple[dict, dict, dict]:
                         zx.setdefault(str(key), {})[str(m)] = bool(cfg[4])
                     if len(cfg) == 6 and int(cfg[5]) >= 0:
                         pf.setdefault(str(key), {})[str(m)] = int(cfg[5])
+        for key, row in (data.get("fallback") or {}).items():
+            for m, cfg in row.items():
+                parsed = _parse_config(cfg)
+                if parsed is not None and parsed[0] != "lean":
+                    fallback.setdefault(str(key), {})[str(m)] = (
+                        *parsed, bool(cfg[4]) if len(cfg) >= 5 else False,
+                        max(0, int(cfg[5])) if len(cfg) == 6 else PF_DEFAULT)
     except (OSError, ValueError, TypeError, AttributeError) as exc:
         logger.debug("no tuned W4A16 mma configs (%s): heuristic only", exc)
-    return configs, zx, pf
+    return configs, zx, pf, fallback
 
 
 def tuned_configs() -> dict[str, dict[str, tuple[str, int, int, int]]]:
@@ -346,21 +357,35 @@ def pdl_ok(device: torch.device) -> bool:
     return ok
 
 
+def _choice(m: int, n: int, k: int, group_size: int, bulk: bool, lean: bool) -> tuple[tuple[str, int, int, int],
+                                                                                     bool | None, int | None]:
+    """``(config, zx, pf)`` of :func:`mma_config`; ``zx`` / ``pf`` are None where the table's own entry for
+    the shape applies (:func:`zx_fold`, :func:`prefetch_tiles`), else the fallback entry's."""
+    bucket = next((b for b in M_BUCKETS if m <= b), M_BUCKETS[-1])
+    key = f"{n}x{k}g{group_size}"
+    tuned = tuned_configs().get(key, {}).get(str(bucket))
+    usable = {"reg": True, "bulk": bulk, "lean": lean}
+    if tuned is not None and usable[tuned[0]] and (m <= MMA_MAX_M or tuned[0] == "bulk"):
+        return tuned, None, None
+    if tuned is not None and tuned[0] == "lean":
+        fb = _table()[3].get(key, {}).get(str(bucket))
+        if fb is not None and usable[fb[0]] and (m <= MMA_MAX_M or fb[0] == "bulk"):
+            return fb[:4], fb[4], fb[5]  # the sweep's fastest register-ring / bulk entry (lean not built here)
+        if m <= MMA_MAX_M and tuned[1:3] in MMA_CONFIGS:
+            return ("reg", *tuned[1:]), False, PF_DEFAULT  # the same schedule on the register ring
+    if m > MMA_MAX_M or (bulk and UNTUNED_PREFERS_BULK):
+        return ("bulk", *DEFAULT_BULK_CONFIG), False, PF_DEFAULT
+    return ("reg", *DEFAULT_CONFIG), False, PF_DEFAULT
+
+
 def mma_config(m: int, n: int, k: int, group_size: int, *, bulk: bool = False,
                lean: bool = False) -> tuple[str, int, int, int]:
     """``(kind, a, b, TILES_PER_CTA)`` for an ``(m, k) x (n, k)^T`` product: the H200 sweep's best for
     this shape and M bucket (``w4a16_mma_configs.json``), else the default of the variant that serves
-    ``m``. ``bulk`` / ``lean``: that variant is usable (else its entries of the table are skipped)."""
-    bucket = next((b for b in M_BUCKETS if m <= b), M_BUCKETS[-1])
-    tuned = tuned_configs().get(f"{n}x{k}g{group_size}", {}).get(str(bucket))
-    usable = {"reg": True, "bulk": bulk, "lean": lean}
-    if tuned is not None and usable[tuned[0]] and (m <= MMA_MAX_M or tuned[0] == "bulk"):
-        return tuned
-    if tuned is not None and tuned[0] == "lean" and m <= MMA_MAX_M and tuned[1:3] in MMA_CONFIGS:
-        return ("reg", *tuned[1:])  # the same schedule on the register ring (lean not built here)
-    if m > MMA_MAX_M or (bulk and UNTUNED_PREFERS_BULK):
-        return ("bulk", *DEFAULT_BULK_CONFIG)
-    return ("reg", *DEFAULT_CONFIG)
+    ``m``. ``bulk`` / ``lean``: that variant is usable (else its entries of the table are skipped: a lean
+    entry then gives the table's ``fallback`` entry, the fastest register-ring / bulk configuration the
+    sweep measured, else the register ring with the same KSPLIT/DEPTH where it has that pair)."""
+    return _choice(m, n, k, group_size, bulk, lean)[0]
 
 
 def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size: int,
@@ -393,9 +418,10 @@ def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size:
     if bias is not None and (bias.dtype != torch.float32 or bias.numel() != n):
         raise ValueError(f"bias must be float32 ({n},)")
     m = int(x.shape[0])
+    fb_zx = fb_pf = None
     if config is None:
-        cfg = mma_config(m, n, k, group_size, bulk=m > MMA_MAX_M or _bulk_ok(x.device),
-                         lean=lean_build() and m <= MMA_MAX_M and mma_status(x.device, "lean") is None)
+        cfg, fb_zx, fb_pf = _choice(m, n, k, group_size, m > MMA_MAX_M or _bulk_ok(x.device),
+                                    lean_build() and m <= MMA_MAX_M and mma_status(x.device, "lean") is None)
     else:
         cfg = _parse_config(config)
         if cfg is None:
@@ -403,7 +429,8 @@ def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size:
                              f"{MMA_CONFIGS} (reg), {BULK_CONFIGS} (bulk) or {LEAN_CONFIGS} (lean), got {config!r}")
     kind, a, b, tiles_per_cta = cfg
     if mode is None:
-        mode = 2 if kind == "lean" else (0 if zx_fold(m, n, k, group_size) else 2)
+        zx = zx_fold(m, n, k, group_size) if fb_zx is None else (fb_zx and m <= 4)
+        mode = 2 if kind == "lean" else (0 if zx else 2)
     if kind in ("reg", "lean") and m > MMA_MAX_M:
         raise ValueError(f"the register-ring kernel serves M <= {MMA_MAX_M}, got M = {m}")
     if kind == "lean" and mode != 2:
@@ -413,7 +440,7 @@ def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size:
     if kind == "reg" and mode not in (0, 1, 2):
         raise ValueError("mode must be 0, 1 (loads only) or 2 for the register-ring kernel")
     if prefetch is None:
-        prefetch = prefetch_tiles(m, n, k, group_size) if config is None else 0
+        prefetch = (prefetch_tiles(m, n, k, group_size) if fb_pf is None else fb_pf) if config is None else 0
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     ext = load_extension(x.device)

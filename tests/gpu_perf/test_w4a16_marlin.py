@@ -156,6 +156,35 @@ def test_lean_variant_is_opt_in_and_its_table_entries_fall_back(monkeypatch):
         mk.w4a16_mma(torch.randn(17, 256).bfloat16(), packed, meta, 128, config=("lean", 8, 2, 1))
 
 
+def test_lean_table_entries_fall_back_to_the_sweeps_best_other_entry(monkeypatch, tmp_path):
+    """A table whose entry names the lean variant carries the sweep's fastest register-ring / bulk entry as
+    ``fallback``: a build without the lean variant (or ``EDGEVLM_W4A16_LEAN=0``) runs that one."""
+    import json
+
+    table = {"configs": {"64x128g128": {"1": ["lean", 8, 3, 2, 0, 0], "8": ["lean", 16, 2, 1, 0, 0],
+                                        "16": ["lean", 8, 3, 1, 0, 0], "32": ["bulk", 8, 4, 1, 0, 0]}},
+             "fallback": {"64x128g128": {"1": ["reg", 4, 4, 2, 1, 1], "8": ["bulk", 8, 8, 1, 0, 0],
+                                         "16": ["lean", 8, 2, 1, 0, 0]}}}
+    path = tmp_path / "configs.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setattr(mk, "CONFIGS_FILE", path)
+    mk._table.cache_clear()
+    try:
+        assert mk.mma_config(1, 64, 128, 128, lean=True) == ("lean", 8, 3, 2)
+        assert mk._choice(1, 64, 128, 128, False, True) == (("lean", 8, 3, 2), None, None)
+        assert mk.mma_config(1, 64, 128, 128) == ("reg", 4, 4, 2)  # the fallback, its zx and pf too
+        assert mk._choice(1, 64, 128, 128, False, False) == (("reg", 4, 4, 2), True, 1)
+        assert mk.mma_config(8, 64, 128, 128, bulk=True) == ("bulk", 8, 8, 1)
+        # a bulk fallback where bulk is not usable: the same schedule on the register ring (lean (16, 2))
+        assert mk.mma_config(8, 64, 128, 128) == ("reg", 16, 2, 1)
+        # a lean fallback is ignored (malformed for this purpose); (8, 3) has no register-ring twin
+        assert mk.mma_config(16, 64, 128, 128) == ("reg", *mk.DEFAULT_CONFIG)
+        assert mk.mma_config(32, 64, 128, 128, bulk=True) == ("bulk", 8, 4, 1)
+    finally:
+        monkeypatch.undo()
+        mk._table.cache_clear()
+
+
 def test_prefetch_distance_and_pdl_switches():
     assert mk._parse_config(["reg", 8, 2, 2, 0, 2]) == ("reg", 8, 2, 2)  # + the L2 prefetch distance
     assert mk.prefetch_tiles(1, 16, 128, 128) == mk.PF_DEFAULT  # an untuned shape
@@ -425,12 +454,27 @@ print(json.dumps(out))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_prefill_row_chunks_assemble_the_whole_product_in_the_interpreter():
+def test_prefill_row_chunks_assemble_the_whole_product_in_the_interpreter(tmp_path):
     """The prefill path's chunked assembly (one reused buffer, bias slices, column views of the output),
-    with the Triton dequantizer under its CPU interpreter (fp32): every chunking gives the same product."""
-    from triton_support import run_interpreted
+    with the Triton dequantizer under its CPU interpreter (fp32): every chunking gives the same product.
 
-    res = run_interpreted(PREFILL_SCRIPT)
+    The child Python starts in an empty folder, not the repository root: there the checkout's top-level
+    ``edgevlm/`` folder (which holds no ``runtime``) comes first on ``sys.path`` and hides the package as
+    installed (an editable install's finder maps it back; a wheel-style layout on ``PYTHONPATH``, as on the
+    device machine, does not)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", PREFILL_SCRIPT], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    if proc.returncode != 0 and "No module named 'edgevlm" in proc.stderr:
+        pytest.skip("edgevlm.runtime is not importable in a child process here (neither installed nor on "
+                    f"PYTHONPATH): {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(res) == 6
     for shape, err in res.values():
         assert shape == [40, 160]
