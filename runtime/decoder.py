@@ -603,16 +603,16 @@ class Decoder(nn.Module):
     def enable_fused_decode(self, enabled: bool = True) -> bool:
         """Use the fused Triton decode kernels (:mod:`edgevlm.runtime.kernels.decode_fused`) for
         one-token steps where they apply: CUDA (or Triton's CPU interpreter), fused q/k/v and
-        gate/up projections (:meth:`fuse_projections`), SiLU MLP, 16-bit KV caches, power-of-two
-        head dim (q/k norm and a ``rope_offset`` are fused too); steps with ``rope`` tables run the
-        layer loop.
+        gate/up projections (:meth:`fuse_projections`), a SiLU or tanh-GELU MLP, 16-bit KV caches,
+        power-of-two head dim (q/k norm and a ``rope_offset`` are fused too, and Gemma 3's
+        configuration: unit-offset and sandwich norms, attention scale, sliding / full layers with
+        their own RoPE tables); steps with ``rope`` tables run the layer loop.
         Returns whether the fused path is now on."""
         from edgevlm.runtime.kernels import kernels_usable
+        from edgevlm.runtime.kernels.decode_fused import GATED_ACTS
 
-        c = self.cfg
-        gemma = c.norm_unit_offset or c.sandwich_norms or c.layer_types is not None or c.attn_scale is not None
-        ok = enabled and not gemma and len(self.layers) > 0 and kernels_usable(self.embed_tokens.weight.device) \
-            and self.cfg.hidden_act == "silu" and self.cfg.head_dim & (self.cfg.head_dim - 1) == 0 \
+        ok = enabled and len(self.layers) > 0 and kernels_usable(self.embed_tokens.weight.device) \
+            and self.cfg.hidden_act in GATED_ACTS and self.cfg.head_dim & (self.cfg.head_dim - 1) == 0 \
             and all(layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
                     and type(layer.self_attn.kv_cache) is KVCache for layer in self.layers)
         self.fused_decode = bool(ok)
@@ -623,35 +623,61 @@ class Decoder(nn.Module):
         """One-token decode step of rows ``0..B-1`` with the fused kernels: ``embeds (B, 1, D)``,
         cache slots ``pos (B,)`` int64, additive ``mask (B, 1, 1, kv_len)``, RoPE positions
         ``rope_pos (B,)`` int64 (None = ``pos``) -> logits ``(B, V)``. Same math as the layer loop
-        (residual adds rounded to the activation dtype, fp32 norm statistics)."""
+        (residual adds rounded to the activation dtype, fp32 norm statistics); with Gemma 3's
+        ``sandwich_norms`` each post-attention / post-feedforward norm is fused into the residual add
+        and the norm after it (:func:`~edgevlm.runtime.kernels.decode_fused.add_rms_norm`)."""
         from edgevlm.runtime.kernels.decode_fused import (
             add_rms_norm,
             decode_attention,
+            gated_act,
             rope_kv_write,
-            silu_mul,
         )
 
+        cfg = self.cfg
+        unit = cfg.norm_unit_offset
         b, d = embeds.shape[0], embeds.shape[2]
         x = embeds.reshape(b, d)  # (B, D) residual stream
         first = self.layers[0].input_layernorm
-        h = F.rms_norm(x, (d,), first.weight, first.eps) if _HAS_RMS_NORM and x.is_cuda else first(x)
+        h = F.rms_norm(x, (d,), first.weight, first.eps) if _HAS_RMS_NORM and x.is_cuda and not unit else first(x)
         kv_len = mask.shape[-1]
         n = len(self.layers)
+        window = cfg.sliding_layer_window
+        sliding_mask = None
         for i, layer in enumerate(self.layers):
             attn, cache = layer.self_attn, layer.self_attn.kv_cache
+            sliding = i in self.sliding_layers
+            cos, sin = (self.local_rope[0], self.local_rope[1]) if sliding and self.local_rope is not None \
+                else (self.rope_cos, self.rope_sin)
             qn = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.q_norm is not None else (None,) * 3
-            q = rope_kv_write(attn.qkv_proj(h), self.rope_cos, self.rope_sin, pos, cache.k, cache.v,
+            q = rope_kv_write(attn.qkv_proj(h), cos, sin, pos, cache.k, cache.v,
                               attn.n_heads, attn.n_kv_heads, rope_pos=rope_pos, q_norm=qn[0], k_norm=qn[1],
-                              norm_eps=qn[2] or 1e-6)  # (B, H, 1, Dh); k, v stored at pos
+                              norm_eps=qn[2] or 1e-6, unit_offset=unit)  # (B, H, 1, Dh); k, v stored at pos
+            win = window if sliding else None
             if cache.k.dtype == q.dtype:  # split-K Triton attention over the cache, keys 0..pos per row
-                y = decode_attention(q, cache.k, cache.v, pos, kv_len)  # (B, H, 1, Dh)
+                y = decode_attention(q, cache.k, cache.v, pos, kv_len, scale=attn.scale, window=win)  # (B, H, 1, Dh)
             else:
                 k_all, v_all = cache.read(b, kv_len, q.dtype)  # (B, Hkv, kv_len, Dh)
-                y = attn._masked_sdpa(q, k_all, v_all, mask)  # (B, H, 1, Dh)
-            x, h = add_rms_norm(x, attn.o_proj(y.reshape(b, -1)), layer.post_attention_layernorm.weight,
-                                layer.post_attention_layernorm.eps)
+                m = mask
+                if win is not None:
+                    if sliding_mask is None:
+                        sliding_mask = sliding_decode_mask(pos[:, None], kv_len, win)  # (B, 1, 1, kv_len) bool
+                    m = sliding_mask
+                y = attn._masked_sdpa(q, k_all, v_all, m)  # (B, H, 1, Dh)
+            o = attn.o_proj(y.reshape(b, -1))  # (B, D)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < n else self.norm
-            x, h = add_rms_norm(x, layer.mlp.down_proj(silu_mul(layer.mlp.gate_up_proj(h))), nxt.weight, nxt.eps)
+            if layer.sandwich_norms:  # x + post_attn(o), pre_ff(.); x + post_ff(mlp), next norm(.)
+                post, pre = layer.post_attention_layernorm, layer.pre_feedforward_layernorm
+                x, h = add_rms_norm(x, o, pre.weight, pre.eps, unit_offset=unit, delta_weight=post.weight,
+                                    delta_eps=post.eps)
+                post = layer.post_feedforward_layernorm
+                mlp = layer.mlp.down_proj(gated_act(layer.mlp.gate_up_proj(h), layer.mlp.act))
+                x, h = add_rms_norm(x, mlp, nxt.weight, nxt.eps, unit_offset=unit, delta_weight=post.weight,
+                                    delta_eps=post.eps)
+                continue
+            x, h = add_rms_norm(x, o, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
+                                unit_offset=unit)
+            x, h = add_rms_norm(x, layer.mlp.down_proj(gated_act(layer.mlp.gate_up_proj(h), layer.mlp.act)),
+                                nxt.weight, nxt.eps, unit_offset=unit)
         return self.lm_head(h)  # (B, V); h is the final norm's output
 
     def decode_step(self, token_ids: torch.Tensor, input_pos: torch.Tensor, kv_len: int,

@@ -12,8 +12,16 @@ mostly idle GPU). The plain layer runs ~17 kernels; with these three it runs ~10
   ``rope_delta`` for multimodal RoPE), optionally after Qwen3's per-head q/k RMSNorm, q written
   ``(B, H, 1, Dh)`` and the rotated k and the v written straight into the static KV cache at the
   slot (five kernels -> one; eight with q/k norm).
-* :func:`silu_mul` — SwiGLU's ``silu(gate) * up`` from the fused gate/up projection (Shazeer,
-  "GLU Variants Improve Transformer", 2020) (two kernels -> one).
+* :func:`silu_mul` / :func:`gated_act` — SwiGLU's ``silu(gate) * up`` (or GeGLU's tanh-GELU,
+  Gemma) from the fused gate/up projection (Shazeer, "GLU Variants Improve Transformer", 2020)
+  (two kernels -> one).
+
+Gemma 3 (Gemma Team, "Gemma 3 Technical Report", 2025) runs on the same kernels by configuration:
+unit-offset norm weights (``1 + w``), its post-attention / post-feedforward norms folded into
+:func:`add_rms_norm` (norm of the delta, residual add, next norm: one kernel), the
+``query_pre_attn_scalar`` score scale and the sliding layers' window in :func:`decode_attention`,
+and the sliding layers' own RoPE tables passed to :func:`rope_kv_write`. The constexpr switches are
+off for every other decoder, which compiles to the same kernels as before.
 
 All statistics and products in fp32, one rounding on store. ``TRITON_INTERPRET=1`` runs them on
 CPU (fp16/fp32) for the tests; :mod:`edgevlm.runtime.decoder` uses them on CUDA for 16-bit KV
@@ -37,22 +45,32 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, D, eps, BLOCK_D: tl.constexpr):
+    def add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, wd_ptr, s_ptr, y_ptr, D, eps, d_eps, BLOCK_D: tl.constexpr,
+                            UNIT_OFFSET: tl.constexpr, DELTA_NORM: tl.constexpr):
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK_D)
         mask = offs < D
         x = tl.load(x_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
         d = tl.load(d_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
+        if DELTA_NORM:  # Gemma's post-attention / post-feedforward norm of delta, rounded as the unfused norm
+            rstd_d = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / D + d_eps)
+            wd = tl.load(wd_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if UNIT_OFFSET:
+                wd = 1.0 + wd
+            d = (d * rstd_d * wd).to(s_ptr.dtype.element_ty).to(tl.float32)
         s = (x + d).to(s_ptr.dtype.element_ty)  # the residual stream, rounded as the unfused add
         tl.store(s_ptr + row * D + offs, s, mask=mask)
         sf = s.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / D + eps)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if UNIT_OFFSET:  # Gemma: weights stored as an offset from 1
+            w = 1.0 + w
         tl.store(y_ptr + row * D + offs, (sf * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, rpos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr,
-                       H, HKV, S, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr):
+                       H, HKV, S, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr,
+                       UNIT_OFFSET: tl.constexpr):
         b = tl.program_id(0)
         head = tl.program_id(1)  # 0..H-1: q heads, H..H+HKV-1: k heads, then v heads
         n_all = H + 2 * HKV
@@ -67,6 +85,9 @@ def _kernels():
                 w_ptr = qw_ptr if head < H else kw_ptr
                 w1 = tl.load(w_ptr + offs).to(tl.float32)
                 w2 = tl.load(w_ptr + HALF + offs).to(tl.float32)
+                if UNIT_OFFSET:  # Gemma 3's q/k norms: x / rms(x) * (1 + w)
+                    w1 = 1.0 + w1
+                    w2 = 1.0 + w2
                 x1 = (x1 * rstd * w1).to(q_ptr.dtype.element_ty).to(tl.float32)
                 x2 = (x2 * rstd * w2).to(q_ptr.dtype.element_ty).to(tl.float32)
             rpos = tl.load(rpos_ptr + b)  # RoPE position (slot + M-RoPE offset)
@@ -86,19 +107,23 @@ def _kernels():
         tl.store(dst + HALF + offs, o2.to(dst.dtype.element_ty))
 
     @triton.jit
-    def silu_mul_kernel(gu_ptr, y_ptr, INTER, BLOCK: tl.constexpr):
+    def silu_mul_kernel(gu_ptr, y_ptr, INTER, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr):
         row = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < INTER
         g = tl.load(gu_ptr + row * 2 * INTER + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * 2 * INTER + INTER + offs, mask=mask, other=0.0).to(tl.float32)
-        y = g / (1.0 + tl.exp(-g)) * u
+        if GELU_TANH:  # 0.5 g (1 + tanh(z)) == g * sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3)
+            z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            y = g / (1.0 + tl.exp(-2.0 * z)) * u
+        else:
+            y = g / (1.0 + tl.exp(-g)) * u
         tl.store(y_ptr + row * INTER + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, H, HKV, S, CHUNK, scale,
+    def attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, H, HKV, S, CHUNK, scale, WINDOW,
                           REP: tl.constexpr, REP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                          NSPLIT: tl.constexpr):
+                          NSPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr):
         bg = tl.program_id(0)  # row b, KV head g
         split = tl.program_id(1)
         b = bg // HKV
@@ -114,6 +139,8 @@ def _kernels():
         base = (b * HKV + g).to(tl.int64) * S * HEAD_DIM
         start = split * CHUNK
         stop = tl.minimum(start + CHUNK, n_keys)
+        if HAS_WINDOW:  # sliding window: keys pos - WINDOW < k <= pos (sliding_decode_mask's rule)
+            start = tl.maximum(start, n_keys - WINDOW)
         for lo in range(start, stop, BLOCK_N):
             keys = lo + tl.arange(0, BLOCK_N)
             valid = keys < stop
@@ -149,19 +176,29 @@ def _kernels():
     return add_rms_norm_kernel, rope_kv_kernel, silu_mul_kernel, attn_split_kernel, attn_combine_kernel
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 unit_offset: bool = False, delta_weight: torch.Tensor | None = None,
+                 delta_eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = x + delta`` and ``rms_norm(s) * weight`` for ``x``/``delta`` ``(R, D)`` (same dtype,
     contiguous), ``weight (D,)``: returns ``(s, normed)``, both ``(R, D)`` in ``x.dtype``.
+
+    ``unit_offset`` (Gemma): every norm weight ``w`` acts as ``1 + w`` (transformers'
+    ``Gemma3RMSNorm``). ``delta_weight (D,)`` (Gemma's sandwich norms): ``delta`` is first
+    normalised with it (eps ``delta_eps``, default ``eps``) and rounded to ``x.dtype``, as the
+    unfused ``post_attention_layernorm`` / ``post_feedforward_layernorm``, so one kernel does
+    norm + residual add + the next norm. Statistics and products in fp32.
     Raises ``ValueError`` for mismatched shapes."""
-    if x.dim() != 2 or x.shape != delta.shape or weight.shape != (x.shape[1],):
+    if x.dim() != 2 or x.shape != delta.shape or weight.shape != (x.shape[1],) \
+            or (delta_weight is not None and delta_weight.shape != (x.shape[1],)):
         raise ValueError(f"add_rms_norm: x {tuple(x.shape)}, delta {tuple(delta.shape)}, "
                          f"weight {tuple(weight.shape)} do not match")
     x, delta = x.contiguous(), delta.contiguous()
     s, y = torch.empty_like(x), torch.empty_like(x)
     kernel = _kernels()[0]
     d = x.shape[1]
-    kernel[(x.shape[0],)](x, delta, weight, s, y, d, float(eps), BLOCK_D=_next_pow2(d),
+    kernel[(x.shape[0],)](x, delta, weight, weight if delta_weight is None else delta_weight, s, y, d, float(eps),
+                          float(eps if delta_eps is None else delta_eps), BLOCK_D=_next_pow2(d),
+                          UNIT_OFFSET=bool(unit_offset), DELTA_NORM=delta_weight is not None,
                           num_warps=4 if d <= 4096 else 8)
     return s, y
 
@@ -169,7 +206,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv_heads: int, *,
                   rope_pos: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
-                  k_norm: torch.Tensor | None = None, norm_eps: float = 1e-6) -> torch.Tensor:
+                  k_norm: torch.Tensor | None = None, norm_eps: float = 1e-6,
+                  unit_offset: bool = False) -> torch.Tensor:
     """Decode-step (q/k RMSNorm +) RoPE + KV-cache write.
 
     ``qkv (B, (H + 2 Hkv) * Dh)`` — the fused q/k/v projection of one token per row; ``cos``/``sin``
@@ -178,7 +216,9 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input
     ``input_pos``). ``rope_pos (B,)`` int64: the RoPE position of each row when it is not the slot
     (multimodal RoPE decode: slot + ``rope_delta``; None = ``input_pos``), below ``P``.
     ``q_norm``/``k_norm`` ``(Dh,)``: Qwen3's per-head RMSNorm of q and k before RoPE (eps
-    ``norm_eps``; both or neither). Returns the rotated queries ``(B, H, 1, Dh)`` in ``qkv.dtype``.
+    ``norm_eps``; both or neither); ``unit_offset``: their weights act as ``1 + w`` (Gemma 3's
+    q/k norms). Sliding-window layers with their own RoPE base (Gemma 3) pass their own tables.
+    Returns the rotated queries ``(B, H, 1, Dh)`` in ``qkv.dtype``.
     Raises ``ValueError`` for mismatched shapes or an odd / non-power-of-two head dimension."""
     b = qkv.shape[0]
     hkv, s, dh = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
@@ -200,25 +240,41 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input
     kernel[(b, n_heads + 2 * hkv)](qkv, cos, sin, input_pos, input_pos if rope_pos is None else rope_pos,
                                    q_norm if qk_norm else cos, k_norm if qk_norm else cos, q, k_cache, v_cache,
                                    n_heads, hkv, s, float(norm_eps), HEAD_DIM=dh, HALF=dh // 2, QK_NORM=qk_norm,
-                                   num_warps=1)
+                                   UNIT_OFFSET=bool(unit_offset), num_warps=1)
     return q
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``gate_up (R, 2 I)`` = ``[gate | up]`` -> ``(R, I)`` in its dtype.
-    Raises ``ValueError`` for an odd last dimension."""
+#: activations :func:`gated_act` fuses (transformers' ``ACT2FN`` names)
+GATED_ACTS = ("silu", "gelu_pytorch_tanh", "gelu_new")
+
+
+def gated_act(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """``act(gate) * up`` for ``gate_up (R, 2 I)`` = ``[gate | up]`` -> ``(R, I)`` in its dtype, ``act``
+    one of :data:`GATED_ACTS`: SwiGLU's SiLU (Shazeer 2020) or GeGLU's tanh-approximated GELU
+    (Hendrycks & Gimpel 2016, eq. of ``torch.nn.functional.gelu(approximate="tanh")``; Gemma), computed
+    in fp32 as ``g * sigmoid(2 z)`` with ``z = sqrt(2/pi) (g + 0.044715 g^3)`` (= ``0.5 g (1 + tanh z)``).
+    Raises ``ValueError`` for an odd last dimension or another activation."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"silu_mul: expected (R, 2I), got {tuple(gate_up.shape)}")
+    if act not in GATED_ACTS:
+        raise ValueError(f"gated_act: activation {act!r} is not one of {', '.join(GATED_ACTS)}")
     gate_up = gate_up.contiguous()
     r, inter = gate_up.shape[0], gate_up.shape[1] // 2
     y = torch.empty(r, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _kernels()[2][(r, -(-inter // block))](gate_up, y, inter, BLOCK=block, num_warps=4)
+    _kernels()[2][(r, -(-inter // block))](gate_up, y, inter, BLOCK=block, GELU_TANH=act != "silu", num_warps=4)
     return y
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up (R, 2 I)`` = ``[gate | up]`` -> ``(R, I)`` in its dtype
+    (:func:`gated_act` with ``"silu"``). Raises ``ValueError`` for an odd last dimension."""
+    return gated_act(gate_up, "silu")
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,
-                     kv_len: int, block_n: int = 64, max_splits: int = 16) -> torch.Tensor:
+                     kv_len: int, block_n: int = 64, max_splits: int = 16, *, scale: float | None = None,
+                     window: int | None = None) -> torch.Tensor:
     """One-token grouped-query attention over the static KV cache, split over the keys
     (flash-decoding: Dao et al., "Flash-Decoding for long-context inference", 2023; online softmax,
     Milakov & Gimelshein 2018) and combined in a second kernel.
@@ -227,9 +283,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     dtype as ``q``; row ``b`` attends to its keys ``0..input_pos[b]`` (``input_pos (B,)`` int64, the
     rule of :func:`~edgevlm.runtime.kv_cache.decode_mask`), never past ``kv_len`` (static: the splits
     cover ``[0, kv_len)``, so one CUDA graph serves every position below it). Query head ``h`` reads
-    KV head ``h // (H / Hkv)``, as transformers' ``repeat_kv``. Scale ``Dh ** -0.5``, fp32 softmax and
-    accumulation. Returns ``(B, H, 1, Dh)`` in ``q.dtype``. Raises ``ValueError`` for mismatched
-    shapes or dtypes, a head count not divisible by ``Hkv``, or a non-power-of-two ``Dh``."""
+    KV head ``h // (H / Hkv)``, as transformers' ``repeat_kv``. Score scale ``scale`` (None:
+    ``Dh ** -0.5``; Gemma 3: ``query_pre_attn_scalar ** -0.5``), fp32 softmax and accumulation.
+    ``window`` (Gemma 3's sliding layers over a full-length cache): only keys ``input_pos[b] - window
+    < k <= input_pos[b]`` count (:func:`~edgevlm.runtime.decoder.sliding_decode_mask`); None = all. Returns ``(B, H, 1, Dh)`` in ``q.dtype``. Raises ``ValueError`` for mismatched
+    shapes or dtypes, a head count not divisible by ``Hkv``, a non-power-of-two ``Dh`` or a window < 1."""
     b, h, t, dh = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     if t != 1 or k_cache.shape != v_cache.shape or k_cache.shape[3] != dh or k_cache.shape[0] < b \
@@ -239,6 +297,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if dh & (dh - 1) or dh < 16 or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype \
             or not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("decode_attention needs contiguous q/k/v of one dtype and a power-of-two head_dim >= 16")
+    if window is not None and window < 1:
+        raise ValueError(f"decode_attention: window must be >= 1, got {window}")
     rep = h // hkv
     n_blocks = -(-kv_len // block_n)
     nsplit = min(max_splits, _next_pow2(n_blocks))
@@ -247,9 +307,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     m = torch.empty(b * h, nsplit, dtype=torch.float32, device=q.device)
     lse = torch.empty(b * h, nsplit, dtype=torch.float32, device=q.device)
     split_k, combine = _kernels()[3], _kernels()[4]
-    split_k[(b * hkv, nsplit)](q, k_cache, v_cache, input_pos, part, m, lse, h, hkv, s, chunk, dh ** -0.5,
+    split_k[(b * hkv, nsplit)](q, k_cache, v_cache, input_pos, part, m, lse, h, hkv, s, chunk,
+                               dh ** -0.5 if scale is None else float(scale), window or 0,
                                REP=rep, REP_PAD=max(16, _next_pow2(rep)), HEAD_DIM=dh, BLOCK_N=block_n,
-                               NSPLIT=nsplit, num_warps=4)
+                               NSPLIT=nsplit, HAS_WINDOW=window is not None, num_warps=4)
     y = torch.empty_like(q)
     combine[(b * h,)](part, m, lse, y, HEAD_DIM=dh, NSPLIT=nsplit, num_warps=1)
     return y
