@@ -19,6 +19,17 @@ the share of samples per thread and the top self-time functions of the inference
 ``--py-spy-gil`` only the thread holding the GIL is sampled, so the shares say who holds it (a daemon whose
 threads together hold it nearly all the time is GIL-bound). ``--daemon-log FILE`` keeps the daemon's log.
 
+Where the round trip goes (``stages``): each answer's ``stats.stages_ms`` (the daemon's clock, ms after
+receipt: queued, prepared, dequeued, admitted, first_token, done, replied; see
+:func:`edgevlm.daemon.scheduler.request_stages_ms`) is cut into the time of each stage (p50 and mean):
+``validate`` (paho's thread: parse, checks, submit), ``prepare`` (image decode + ``Engine.prepare`` on a
+prepare thread, queueing for one included), ``to_worker`` (ready until the worker takes it), ``to_group``
+(until its prefill group starts), ``prefill`` (to the first token), ``decode`` (to the last), ``reply``
+(until the reply thread made the response) and ``outside`` (round trip - replied: the broker both ways, the
+daemon's socket before paho reads it, the publish, the client's wake-up). Also reported: the CPU the
+window used (the host's 16 or so CPUs, the daemon process, the broker, the client processes: ``cpu``), so
+a harness that starves the daemon shows.
+
 Prints a table, then one JSON line. Runs on CPU too (``--device cpu``; ``--rows 8`` turns on CPU batching).
 """
 
@@ -69,10 +80,12 @@ def _client_main(k: int, port: int, items: list[tuple[str, str, bytes]], max_new
     from edgevlm.errors import EdgeVLMError
 
     recs = []
+    cpu_s = 0.0
     with Client("127.0.0.1", port, DEVICE_ID, resend_interval_s=None) as c:
         results.put(("ready", k))
         go.wait()
         i = k * 7
+        cpu0 = time.process_time()
         while time.time() < stop_at.value:
             q, expected, jpeg = items[i % len(items)]
             i += 1
@@ -81,10 +94,48 @@ def _client_main(k: int, port: int, items: list[tuple[str, str, bytes]], max_new
                 a = c.ask(q, image=jpeg, max_new_tokens=max_new_tokens, timeout_s=60)
                 rtt = (time.perf_counter() - t0) * 1e3
                 recs.append((time.time(), rtt, "OK", a.text.strip() == expected, a.stats.e2e_ms,
-                             getattr(a.stats, "batch_size", None) or 1, a.stats.operating_point))
+                             getattr(a.stats, "batch_size", None) or 1, a.stats.operating_point,
+                             getattr(a.stats, "stages_ms", None)))
             except EdgeVLMError as err:
-                recs.append((time.time(), (time.perf_counter() - t0) * 1e3, err.code.value, False, None, None, None))
-    results.put(("done", k, recs))
+                recs.append((time.time(), (time.perf_counter() - t0) * 1e3, err.code.value, False, None, None, None,
+                             None))
+        cpu_s = time.process_time() - cpu0  # the whole closed loop (warm-up included), this process
+    results.put(("done", k, recs, cpu_s))
+
+
+STAGES = (("validate", "queued"), ("prepare", "prepared"), ("to_worker", "dequeued"), ("to_group", "admitted"),
+          ("prefill", "first_token"), ("decode", "done"), ("reply", "replied"))
+
+
+def _stage_split(ok: list[tuple]) -> dict[str, dict[str, float]]:
+    """p50 / mean ms of each stage of the answers' round trips (see the module doc)."""
+    cut: dict[str, list[float]] = collections.defaultdict(list)
+    for r in ok:
+        stages = r[7]
+        if not stages:
+            continue
+        prev = 0.0
+        for name, key in STAGES:
+            if key in stages:
+                cut[name].append(stages[key] - prev)
+                prev = stages[key]
+        cut["outside"].append(r[1] - prev)
+    return {name: {"p50": round(_pct(v, 0.5), 2), "mean": round(sum(v) / len(v), 2), "n": len(v)}
+            for name, v in cut.items()}
+
+
+def _cpu_ticks(pid: int | None = None) -> float:
+    """CPU seconds used so far: the whole host (all CPUs, busy time) or one process (user + system)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    try:
+        if pid is None:
+            fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+            ticks = [int(x) for x in fields]
+            return (sum(ticks) - ticks[3] - ticks[4]) / hz  # minus idle and iowait
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(stat[11]) + int(stat[12])) / hz
+    except (OSError, ValueError, IndexError):
+        return float("nan")
 
 
 def _daemon_config(args: argparse.Namespace, port: int, n_max: int) -> dict[str, Any]:
@@ -215,10 +266,21 @@ def main(argv: list[str] | None = None) -> int:
                      "--rate", "200", "--format", "raw", "--threads", "--nonblocking", "--output", str(spy_path),
                      *(["--gil"] if args.py_spy_gil else [])],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(max(0.0, w0 - time.time()))
+            cpu0 = {"host": _cpu_ticks(), "daemon": _cpu_ticks(daemon.proc.pid),
+                    "broker": _cpu_ticks(broker.proc.pid if broker.proc else None)}
+            time.sleep(max(0.0, w1 - time.time()))
+            cpu = {k: round((_cpu_ticks({"host": None, "daemon": daemon.proc.pid,
+                                         "broker": broker.proc.pid if broker.proc else None}[k]) - v)
+                            / args.duration_s, 2) for k, v in cpu0.items()}  # CPUs busy on average
             recs: list[tuple] = []
+            client_cpu_s = 0.0
             for _ in range(n):
                 msg = queue.get(timeout=args.warmup_s + args.duration_s + 180)
                 recs += msg[2]
+                client_cpu_s += msg[3]
+            cpu["clients"] = round(client_cpu_s / (args.warmup_s + args.duration_s), 2)
+            cpu["host_cpus"] = os.cpu_count()
             for p in procs:
                 p.join(10)
             if spy_proc is not None:
@@ -235,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
                 "accuracy": round(sum(r[3] for r in ok) / max(1, len(ok)), 4),
                 "errors": dict(codes),
                 "operating_points": dict(collections.Counter(r[6] for r in ok).most_common()),
+                "stages_ms": _stage_split(ok),
+                "cpu": cpu,
+                "client_cpu_ms_per_answer": round(1e3 * client_cpu_s / max(1, sum(1 for r in recs if r[2] == "OK")), 3),
             }
             if spy_path is not None and spy_path.exists():
                 res["py_spy"] = _summarize_pyspy(spy_path)
@@ -258,6 +323,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['clients']} | {r['answers_per_s']:.1f} | {r['p50_ms']:.0f} | {r['p99_ms']:.0f} | "
               f"{r['e2e_p50_ms']:.1f} | {r['mean_batch_size']:.2f} | {100 * r['accuracy']:.1f}% | "
               f"{r['errors'] or '-'} |")
+    names = [name for name, _ in STAGES] + ["outside"]
+    print("\nstages of the round trip, ms p50 / mean (see the module doc); CPUs busy in the window")
+    print("| clients | " + " | ".join(names) + " | host / daemon / broker / clients CPUs |")
+    print("|---:|" + "---:|" * len(names) + "---|")
+    for r in results:
+        st, c = r["stages_ms"], r["cpu"]
+        print(f"| {r['clients']} | " + " | ".join(
+            f"{st[n]['p50']:.1f} / {st[n]['mean']:.1f}" if n in st else "-" for n in names)
+            + f" | {c['host']} / {c['daemon']} / {c['broker']} / {c['clients']} of {c['host_cpus']} |")
     print(json.dumps({"bench": "daemon_throughput", "model": args.model or "demo", "device": args.device,
                       "gpu": cuda, "profile": args.profile, "rows": args.rows, "batching": args.batching, "token_budget": args.token_budget,
                       "max_new_tokens": args.max_new_tokens, "duration_s": args.duration_s, "label": args.label,

@@ -29,7 +29,8 @@ Stats of a batched answer: ``vision_ms`` / ``prefill_ms`` are those of the prefi
 request was admitted in (shared by the group); ``ttft_ms`` / ``e2e_ms`` run from the moment the
 worker started preparing the request, so they include the wait for its prefill group and the other
 requests' prefills between its decode steps (which also lengthen ``tpot_ms``); ``batch_size`` (an
-extra field) is the most requests it shared a prefill group or decode step with, itself included.
+extra field) is the most requests it shared a prefill group or decode step with, itself included;
+``admit_ms`` (an extra field) runs from the same origin to the start of its prefill group.
 
 Not thread-safe: only the inference worker calls it. It uses the engine's backend directly, so no
 other thread may run the same engine meanwhile (in the daemon, only the worker does).
@@ -187,6 +188,7 @@ class BatchWorker:
         stats = item.stats
         stats.vision_ms, stats.prefill_ms = res.vision_s * ms, res.prefill_s * ms
         stats.ttft_ms = (prep_s + res.ttft_s) * ms
+        stats.admit_ms = round((prep_s + res.queue_s) * ms, 3)  # extra field: to its prefill group
         stats.e2e_ms = (prep_s + res.e2e_s) * ms
         stats.new_tokens = len(res.tokens) + (1 if res.eos else 0)
         stats.decode_ms = (res.e2e_s - res.ttft_s) * ms

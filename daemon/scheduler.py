@@ -122,6 +122,7 @@ class _Prepared:
     engine: Any = None
     point: Any = None
     request: Any = None  # edgevlm.runtime.engine.PreparedRequest
+    done_monotonic: float = 0.0  # when the preparation ended (for the response's stages_ms)
 
 
 @dataclass
@@ -151,6 +152,37 @@ class _Started:
         return [f.monotonic_s - self.frames[0].monotonic_s for f in self.frames]
 
 
+def request_stages_ms(job: Job, started: _Started, stats: Any) -> dict[str, float]:
+    """Where an answered request's time went, for its response's ``stats.stages_ms``: the end of each
+    stage in ms after the daemon received it (``Job.received_monotonic``), in order:
+
+    - ``queued``: the transport's checks done (paho's thread: parse, validation, image header) and
+      the job in the queue;
+    - ``prepared``: its inline image decoded (and, batching, ``Engine.prepare`` done) on a prepare
+      thread (absent when the worker prepared it itself);
+    - ``dequeued``: taken by the worker (= ``queue_ms``);
+    - ``admitted``: batching, its prefill group began (the wait for a row and a group);
+    - ``first_token``, ``done``: ``ttft_ms`` / ``e2e_ms`` after ``dequeued``;
+    - ``replied``: its response made (on the reply thread), just before it is published.
+
+    The rest of a client's round trip is outside the daemon's clock: the broker both ways, the
+    daemon's socket before paho reads it, and the publish after ``replied``."""
+    r = job.received_monotonic
+    stages: dict[str, float] = {}
+    if job.queued_monotonic is not None:
+        stages["queued"] = round((job.queued_monotonic - r) * 1000.0, 3)
+    if started.prepared is not None and started.prepared.done_monotonic:
+        stages["prepared"] = round((started.prepared.done_monotonic - r) * 1000.0, 3)
+    q = started.queue_ms
+    stages["dequeued"] = round(q, 3)
+    admit_ms = getattr(stats, "admit_ms", None)  # BatchWorker: ms from dequeue to its prefill group
+    if admit_ms is not None:
+        stages["admitted"] = round(q + admit_ms, 3)
+    stages["first_token"] = round(q + stats.ttft_ms, 3)
+    stages["done"] = round(q + stats.e2e_ms, 3)
+    return stages
+
+
 def sampling_kwargs(req: Request) -> dict[str, Any]:
     """The sampling knobs a request sets (``temperature``, ``top_p``, ``stop``, ``seed``), as
     keyword arguments of ``Engine.stream`` / ``BatchWorker.add``; unset ones are left out so the
@@ -177,6 +209,7 @@ class Job:
     on_delta: Callable[[str], None] | None = None  # streaming: called with each text delta, on the worker
     prepared: Future | None = None  # inline image: its decode (and batched: engine.prepare) on a prepare thread
     refit: tuple[Any, float, float] | None = None  # (point, service ms, predicted ms) fixed at a first dequeue
+    queued_monotonic: float | None = None  # when submit() queued it (the transport's checks were done)
 
     def ready(self) -> bool:
         """Whether the worker can take the job without waiting for its preparation."""
@@ -425,6 +458,7 @@ class Scheduler:
             else:
                 full = self._choose(job)  # DeadlineExceededError when no point fits, else None
                 if full is None:
+                    job.queued_monotonic = time.monotonic()
                     self._schedule_prepare(job)
                     self._queue.append(job)
                     self._cond.notify_all()
@@ -475,6 +509,7 @@ class Scheduler:
                                               max_new_tokens=req.max_new_tokens or self.defaults.max_new_tokens,
                                               uint8_pixels=True, **sampling_kwargs(req))
             prepared.engine, prepared.point = engine, point
+        prepared.done_monotonic = time.monotonic()
         return prepared
 
     def _expire_queued(self) -> None:
@@ -695,6 +730,7 @@ class Scheduler:
         point = started.point
         try:
             answer.stats.queue_ms = started.queue_ms
+            answer.stats.stages_ms = request_stages_ms(job, started, answer.stats)
             if point is not None:
                 self.controller.observe(point, answer.stats, prompt=req.prompt)
                 answer.stats.budget_ms = round(job.choice.budget_ms, 3)
@@ -718,6 +754,9 @@ class Scheduler:
                 wire_frame = Frame(source=f.source, ts=f.ts, pos_ms=f.pos_ms, index=f.index,
                                    frames=len(started.frames) if several else None,
                                    first_ts=started.frames[0].ts if several else None)
+            stages = getattr(answer.stats, "stages_ms", None)
+            if stages is not None:  # the response is made now, on the reply thread
+                stages["replied"] = round((time.monotonic() - job.received_monotonic) * 1000.0, 3)
             response = Response.success(answer, wire_frame, req.correlation_id)
         except Exception as exc:  # noqa: BLE001 - never a dead daemon
             logger.exception("answering failed with an unexpected error")

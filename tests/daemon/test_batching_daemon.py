@@ -109,6 +109,12 @@ def test_concurrent_requests_answered_like_single_requests(batch_daemon, tiny_en
         assert (s["vision_tokens"], s["prompt_tokens"]) == (ref.stats.vision_tokens, ref.stats.prompt_tokens)
         assert (s["input_height_px"], s["input_width_px"]) == (ref.stats.input_height_px, ref.stats.input_width_px)
         assert s["queue_ms"] > 0 and s["e2e_ms"] >= s["ttft_ms"] > 0 and s["backend"] == "torch"
+    for resp in responses:  # where the time went, ms after receipt, stage by stage (no prepare threads on CPU)
+        stages = resp["stats"]["stages_ms"]
+        assert list(stages) == ["queued", "dequeued", "admitted", "first_token", "done", "replied"], stages
+        values = list(stages.values())
+        assert all(0 <= a <= b for a, b in zip(values, values[1:], strict=False)), stages
+        assert stages["dequeued"] == round(resp["stats"]["queue_ms"], 3)
     assert max(r["stats"]["batch_size"] for r in responses) == 4  # four rows decoded together
     assert all(r["stats"]["batch_size"] >= 2 for r in responses)
     c = daemon.counters

@@ -93,6 +93,17 @@ def test_batched_jobs_are_prepared_off_the_worker_and_answer_like_engine_ask(bat
         assert resp.text == batch_engine.ask(im, p, max_new_tokens=n).text
     # the shortest finished while the others still decoded: its response went out on the reply thread
     assert replies.by_id["c0"][1].startswith("edgevlm-reply")
+    # where each request's time went (stats.stages_ms, ms after receipt, in order): the two prepared on a
+    # prepare thread say when that ended; the first, prepared by the worker itself, has no such stage
+    order = ["queued", "prepared", "dequeued", "admitted", "first_token", "done", "replied"]
+    for i in range(3):
+        stats = replies.by_id[f"c{i}"][0].stats
+        stages = stats.stages_ms
+        assert list(stages) == [k for k in order if k != "prepared" or i > 0], stages
+        values = list(stages.values())
+        assert all(0 <= a <= b for a, b in zip(values, values[1:], strict=False)), stages
+        assert stages["dequeued"] == round(stats.queue_ms, 3)
+        assert stages["done"] == pytest.approx(stats.queue_ms + stats.e2e_ms, abs=0.01)
     assert sched.counters.get("responses_ok") == 3 and sched.counters.get("batched_requests") == 3
 
 
