@@ -123,9 +123,14 @@ def test_launch_config_comes_from_the_sweep_table():
             pairs = {"reg": mk.MMA_CONFIGS, "bulk": mk.BULK_CONFIGS, "lean": mk.LEAN_CONFIGS}[kind]
             assert (a, b) in pairs and tpc >= 1
     cfg = table["4096x11008g128"]["1"]
-    assert mk.mma_config(1, 4096, 11008, 128, bulk=True) == cfg
+    assert mk.mma_config(1, 4096, 11008, 128, bulk=True, lean=True) == cfg
     if cfg[0] == "bulk":  # a GPU without the bulk variant gets the register ring instead
         assert mk.mma_config(1, 4096, 11008, 128, bulk=False)[0] == "reg"
+    if cfg[0] == "lean":  # a build without the lean variant gets the sweep's fastest other entry
+        assert mk.mma_config(1, 4096, 11008, 128, bulk=True, lean=False)[0] in ("reg", "bulk")
+    for key, row in mk._table()[3].items():  # fallbacks stand only beside lean entries
+        for bucket, fb in row.items():
+            assert table[key][bucket][0] == "lean" and fb[0] in ("reg", "bulk")
 
 
 def test_table_entries_parse_in_both_formats():
