@@ -69,6 +69,9 @@ def test_mosquitto_rr_drives_the_daemon(start_daemon, mosquitto, tiny_engine, ra
     assert response["ok"] is True, response
     assert response["text"] == _expected(tiny_engine, img)
     assert response["stats"]["new_tokens"] >= 1 and response["stats"]["vision_tokens"] == 12
+    stages = response["stats"]["stages_ms"]  # one request at a time: engine.ask, no prefill group to wait for
+    assert list(stages) == ["queued", "dequeued", "first_token", "done", "replied"], stages
+    assert all(0 <= a <= b for a, b in zip(list(stages.values()), list(stages.values())[1:], strict=False)), stages
     msg = spy.wait_messages("rr/replies", 1)[0]
     assert msg.properties.CorrelationData == b"rr-42"
 
