@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgevlm.runtime.config import TextConfig
-from edgevlm.runtime.kernels import triton_available
+from edgevlm.runtime.kernels import kernels_usable
 from edgevlm.runtime.kernels.int4kv_attention import int4kv_decode_attention
 from edgevlm.runtime.kv_cache import DEFAULT_INT4_GROUP_SIZE, KVCache, decode_mask, make_kv_cache
 from edgevlm.runtime.vision import activation
@@ -271,6 +271,7 @@ class Attention(nn.Module):
         self.q_norm = make_norm(cfg, hd) if cfg.qk_norm else None
         self.k_norm = make_norm(cfg, hd) if cfg.qk_norm else None
         self.scale = cfg.attn_scale  # None: SDPA's head_dim ** -0.5
+        self.window: int | None = None  # Gemma 3's sliding layers: their window (set by Decoder)
         self.kv_cache: KVCache | None = None
         self.qkv_proj: nn.Module | None = None  # set by fuse(): q, k, v in one matmul
         self.int4kv_kernel = True  # CUDA decode over an INT4 cache: attend from the codes (False: dequantize + SDPA)
@@ -353,12 +354,13 @@ class Attention(nn.Module):
             y = self._sdpa(q, k, v, None, is_causal=True)
         elif attend_fresh:
             y = self._masked_sdpa(q, k, v, mask)  # (B, H, T, Dh)
-        elif t == 1 and q.is_cuda and self.int4kv_kernel and self.kv_cache.kv_cache_dtype == "int4" and \
-                triton_available() and self.scale is None:
-            # decode from the 4-bit codes without dequantizing the cache (kernels/int4kv_attention.py);
-            # the mask is decode_mask's: key position <= the row's position
+        elif t == 1 and self.int4kv_kernel and self.kv_cache.kv_cache_dtype == "int4" and kernels_usable(q.device):
+            # decode from the 4-bit codes without dequantizing the cache (kernels/int4kv_attention.py,
+            # CUDA or Triton's CPU interpreter); the mask is decode_mask's (key position <= the row's
+            # position), within the window on Gemma 3's sliding layers (sliding_decode_mask's)
             pos = input_pos.reshape(-1).expand(b) if input_pos.dim() == 1 else input_pos[:, 0]  # (B,)
-            y = int4kv_decode_attention(q, self.kv_cache, pos, mask.shape[-1])  # (B, H, 1, Dh)
+            y = int4kv_decode_attention(q, self.kv_cache, pos, mask.shape[-1], scale=self.scale,
+                                        window=self.window)  # (B, H, 1, Dh)
         else:
             k_all, v_all = self.kv_cache.read(b, mask.shape[-1], q.dtype)  # (B, Hkv, kv_len, Dh)
             y = self._masked_sdpa(q, k_all, v_all, mask)
@@ -430,6 +432,8 @@ class Decoder(nn.Module):
         # Gemma 3: which layers attend within the sliding window (their own RoPE tables when
         # sliding_rope_theta is set); empty for every other decoder
         self.sliding_layers = frozenset(i for i, kind in enumerate(cfg.layer_types or ()) if kind == "sliding_attention")
+        for i in self.sliding_layers:
+            self.layers[i].self_attn.window = cfg.sliding_layer_window
         self.local_rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (cos, sin, sin_signed)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_word_embeddings = tie_word_embeddings

@@ -17,8 +17,10 @@ once and never materialises 16-bit keys or values:
   ``sum_s p_s v_s = sum_s (p_s scale_s) codes_s + sum_s p_s zero_s`` per group, so the inner
   products run on the raw codes (the query split into even and odd channels to match);
 * causal validity from each row's position (key position ``<= pos[b]``, what
-  :func:`~edgevlm.runtime.kv_cache.decode_mask` allows), so no mask tensor is read; grouped-query
-  attention by mapping query head ``h`` to KV head ``h // (H / Hkv)``.
+  :func:`~edgevlm.runtime.kv_cache.decode_mask` allows; with a ``window``, also ``> pos[b] -
+  window``, Gemma 3's sliding layers), so no mask tensor is read; grouped-query attention by
+  mapping query head ``h`` to KV head ``h // (H / Hkv)``; the score scale is a parameter (default
+  ``head_dim ** -0.5``; Gemma 3: ``query_pre_attn_scalar ** -0.5``).
 
 The decode-step *write* is fused too (:func:`int4kv_write`): the new token's keys and values are
 quantized and stored (codes, scale, zero) by one kernel per layer instead of about twenty small
@@ -45,9 +47,10 @@ def _kernel():
     @triton.jit
     def int4kv_decode_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, pos_ptr,
                              acc_ptr, m_ptr, l_ptr,
-                             H, REP, N_SPLITS, S, CHUNK, sm_scale,
+                             H, REP, N_SPLITS, S, CHUNK, sm_scale, WINDOW,
                              sc_b, sc_h, sc_s, ss_b, ss_h, ss_s,
-                             GROUPS: tl.constexpr, PAIRS: tl.constexpr, BLOCK_S: tl.constexpr):
+                             GROUPS: tl.constexpr, PAIRS: tl.constexpr, BLOCK_S: tl.constexpr,
+                             HAS_WINDOW: tl.constexpr):
         # Codes as (positions, groups, channel pairs); per group the scale/zero factor out of the
         # sums: q.k = sum_g scale_g * (sum_p q . code) + zero_g * (sum_p q), so the inner products
         # run on the raw 4-bit codes and each position's scales/zeros are loaded once per group.
@@ -74,6 +77,8 @@ def _kernel():
         for s0 in range(start, start + CHUNK, BLOCK_S):
             s = s0 + tl.arange(0, BLOCK_S)  # (BS,)
             live = (s < S) & (s <= pos)
+            if HAS_WINDOW:  # sliding window: pos - WINDOW < s (sliding_decode_mask's rule)
+                live = live & (s > pos - WINDOW)
             l3 = live[:, None, None]
             l2 = live[:, None]
             c_off = s[:, None, None] * sc_s + j[None, :, :]  # (BS, G, P)
@@ -178,7 +183,8 @@ def n_splits_for(batch: int, n_heads: int, kv_len: int, block_s: int, target_pro
 
 
 def int4kv_decode_attention(q: torch.Tensor, cache, pos: torch.Tensor, kv_len: int, *,
-                            block_s: int = 64, n_splits: int | None = None, num_warps: int = 1) -> torch.Tensor:
+                            block_s: int = 64, n_splits: int | None = None, num_warps: int = 1,
+                            scale: float | None = None, window: int | None = None) -> torch.Tensor:
     """Attention of one new token per row over an :class:`~edgevlm.runtime.kv_cache.Int4KVCache`.
 
     Args:
@@ -190,12 +196,19 @@ def int4kv_decode_attention(q: torch.Tensor, cache, pos: torch.Tensor, kv_len: i
             were the fastest overall of 16/32/64 x 1/2/4/8 on an H200 over 7B and GQA shapes at
             batch 1 and 8, 1024 and 4096 positions (``bench/gpu_int4kv.py``).
         n_splits: cache slices per (row, head); default :func:`n_splits_for`.
+        scale: the attention score scale; None = ``Dh ** -0.5`` (SDPA's default; Gemma 3 passes
+            ``query_pre_attn_scalar ** -0.5``).
+        window: a sliding window (Gemma 3's sliding layers over a full-length cache): only keys
+            ``pos[b] - window < s <= pos[b]`` count (:func:`~edgevlm.runtime.decoder.sliding_decode_mask`);
+            None = every key up to ``pos[b]``.
     Returns:
         ``(B, H, 1, Dh)`` in ``q.dtype``; equal (up to fp32 summation order) to dequantizing the
-        cache and running SDPA with :func:`~edgevlm.runtime.kv_cache.decode_mask`.
+        cache and running SDPA (with ``scale``) under :func:`~edgevlm.runtime.kv_cache.decode_mask`
+        (with ``window``: under :func:`~edgevlm.runtime.decoder.sliding_decode_mask`).
     Raises:
         ValueError: shapes that do not match the cache, ``H`` not a multiple of the KV heads, a
-            ``block_s`` that is not a power of two, ``kv_len`` outside ``1..max_seq_len``.
+            ``block_s`` that is not a power of two, ``kv_len`` outside ``1..max_seq_len``, a
+            ``window`` below 1 or a ``scale`` that is not positive.
     """
     b, h, t, dh = q.shape
     bmax, hkv, smax, half = cache.k.shape
@@ -206,6 +219,10 @@ def int4kv_decode_attention(q: torch.Tensor, cache, pos: torch.Tensor, kv_len: i
         raise ValueError(f"block_s must be a power of two >= 16, got {block_s}")
     if not 1 <= kv_len <= smax:
         raise ValueError(f"kv_len must be in 1..{smax}, got {kv_len}")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if scale is not None and not scale > 0:
+        raise ValueError(f"scale must be positive, got {scale}")
     groups, pairs = _tiles_or_raise(dh, cache.group_size)
     if tuple(pos.shape) != (b,):
         raise ValueError(f"pos must be ({b},), got {tuple(pos.shape)}")
@@ -224,10 +241,10 @@ def int4kv_decode_attention(q: torch.Tensor, cache, pos: torch.Tensor, kv_len: i
     _kernel()[0][(b, h, splits)](
         q, cache.k, cache.k_scale, cache.k_zero, cache.v, cache.v_scale, cache.v_zero,
         pos.to(torch.int32).contiguous(), acc, m, lsum,
-        h, h // hkv, splits, kv_len, chunk, 1.0 / math.sqrt(dh),
+        h, h // hkv, splits, kv_len, chunk, 1.0 / math.sqrt(dh) if scale is None else float(scale), window or 0,
         cache.k.stride(0), cache.k.stride(1), cache.k.stride(2),
         cache.k_scale.stride(0), cache.k_scale.stride(1), cache.k_scale.stride(2),
-        GROUPS=groups, PAIRS=pairs, BLOCK_S=block_s, num_warps=num_warps,
+        GROUPS=groups, PAIRS=pairs, BLOCK_S=block_s, HAS_WINDOW=window is not None, num_warps=num_warps,
     )
     w = torch.exp(m - m.amax(dim=-1, keepdim=True))  # (B, H, splits): rescale each slice's partials
     out = (acc * w[..., None]).sum(dim=2) / (lsum * w).sum(dim=-1, keepdim=True).clamp_min(1e-30)  # (B, H, Dh)
