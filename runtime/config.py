@@ -165,7 +165,10 @@ def _rope(tc: dict, where: str) -> dict[str, Any]:
     ``rope_theta``/``rope_scaling`` (4.x)."""
     params = tc.get("rope_parameters")
     if params is None:
-        params = dict(tc.get("rope_scaling") or {})
+        scaling = tc.get("rope_scaling") or {}
+        if not isinstance(scaling, dict):
+            raise ModelLoadError(f"config.json: {where}rope_scaling must be an object or null, got {scaling!r}")
+        params = dict(scaling)
         params.setdefault("rope_theta", tc.get("rope_theta", 10000.0))
     if not isinstance(params, dict):
         raise ModelLoadError(f"config.json: {where}rope_parameters must be an object")
@@ -203,6 +206,11 @@ def _rope(tc: dict, where: str) -> dict[str, Any]:
         out["mrope_section"] = tuple(mrope)
         out["mrope_interleaved"] = bool(params.get("mrope_interleaved", tc.get("mrope_interleaved", False)))
     return out
+
+
+#: the decoder sizes that must be positive integers (a zero or negative one is refused naming the key)
+POSITIVE_TEXT_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 def parse_text_config(tc: dict, where: str = "text_config.") -> TextConfig:
@@ -254,6 +262,11 @@ def parse_text_config(tc: dict, where: str = "text_config.") -> TextConfig:
         eos_token_id=int_list(tc.get("eos_token_id"), w + "eos_token_id"),
         **_rope(tc, w),
     )
+    for key in POSITIVE_TEXT_SIZES:  # checked before any division or tensor shape uses them
+        if getattr(cfg, key) < 1:
+            raise ModelLoadError(f"config.json: {w}{key} must be positive, got {getattr(cfg, key)}")
+    if not cfg.rms_norm_eps > 0:
+        raise ModelLoadError(f"config.json: {w}rms_norm_eps must be positive, got {cfg.rms_norm_eps}")
     if cfg.hidden_act not in SUPPORTED_ACTIVATIONS:
         raise ModelLoadError(f"config.json: {w}hidden_act {cfg.hidden_act!r} is not supported")
     if cfg.num_attention_heads % cfg.num_key_value_heads:

@@ -22,6 +22,7 @@ text defaults) and ``SiglipVisionConfig``. Anything the runtime cannot run raise
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from edgevlm.errors import ModelLoadError
@@ -129,7 +130,10 @@ def _rope(tc: dict, w: str) -> tuple[dict, float]:
         local_theta = local.get("rope_theta", tc.get("rope_local_base_freq", LOCAL_ROPE_THETA))
         local_type = local.get("rope_type", local.get("type", "default"))
     else:  # transformers 4.x: rope_theta + rope_scaling for the full layers, rope_local_base_freq
-        full = dict(params or tc.get("rope_scaling") or {})
+        scaling = params or tc.get("rope_scaling") or {}
+        if not isinstance(scaling, dict):
+            raise ModelLoadError(f"config.json: {w}rope_scaling must be an object or null, got {scaling!r}")
+        full = dict(scaling)
         full.setdefault("rope_theta", tc.get("rope_theta", GLOBAL_ROPE_THETA))
         local_theta = tc.get("rope_local_base_freq", LOCAL_ROPE_THETA)
         local_type = "default"
@@ -221,8 +225,8 @@ def parse_config(raw: dict) -> Gemma3Config:
                              f"patch_size {vision.patch_size}")
     text = parse_gemma3_text_config(raw.get("text_config") or {})
     mm = get_typed(raw, "mm_tokens_per_image", 256, int, "")
-    side = round(mm ** 0.5) if mm > 0 else 0
-    if side * side != mm or vision.grid_side % side:
+    side = math.isqrt(mm) if mm > 0 else 0  # exact for any int (a 400-digit one overflows a float)
+    if side < 1 or side * side != mm or vision.grid_side % side:
         raise ModelLoadError(f"config.json: mm_tokens_per_image {mm} is not a square whose side divides the "
                              f"{vision.grid_side}x{vision.grid_side} patch grid")
     ids = {}
