@@ -21,10 +21,13 @@ Sections (each one's failure is recorded and the others still run):
 
 Usage::
 
-    python3 bench/w4a16_kernel.py [--skip model] [--quick] [--install-table] [--lean] [--no-pdl]
+    python3 bench/w4a16_kernel.py [--skip model] [--quick] [--install-table] [--no-lean] [--no-pdl] [--pf 0]
 
-``--lean`` also builds and sweeps the opt-in lean register-ring variant (runtime/kernels/w4a16_lean.cu, checked
-bit-identical to the register ring at the same KSPLIT); ``--no-pdl`` launches everything plainly.
+The lean register-ring variant (runtime/kernels/w4a16_lean.cu, the default build) is first run in a child process
+against the register ring (bit-identical at the same KSPLIT, every compiled configuration), then swept with the
+others; the chain and model sections also run with it switched off (the table's fallback entries).
+``--no-lean`` builds and sweeps without it; ``--no-pdl`` launches everything plainly; ``--pf`` the register
+ring's L2 prefetch distances to sweep (``0``: none, the 12-02 measurement found every distance slower).
 
 Prints tables, then one JSON line (also ``$OUT/w4a16_kernel.json``; the sweep's best configurations go to
 ``$OUT/w4a16_mma_configs.json``, the file runtime/kernels/ ships).
@@ -671,7 +674,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pf", default=",".join(str(p) for p in PF),
                     help="L2 prefetch distances (tiles) the register ring is swept with (0: none)")
     ap.add_argument("--lean", action="store_true",
-                    help="build and sweep the lean register-ring variant too (EDGEVLM_W4A16_LEAN=1)")
+                    help="build and sweep the lean register-ring variant (the default unless EDGEVLM_W4A16_LEAN=0)")
+    ap.add_argument("--no-lean", action="store_true",
+                    help="build and sweep without the lean variant (EDGEVLM_W4A16_LEAN=0)")
     ap.add_argument("--model-variants", default="edgevlm,edgevlm-w4",
                     help="variants of the model section (W4A16 is also run once without PDL)")
     ap.add_argument("--chain-models", default="7b,qwen8b,qwen2b", help="models of the chain section")
@@ -682,8 +687,9 @@ def main(argv: list[str] | None = None) -> int:
     PREFILL_MS = tuple(int(m) for m in args.prefill_ms.split(","))
     PF = tuple(int(p) for p in args.pf.split(","))
     t0 = time.perf_counter()
-    if args.lean:
-        os.environ["EDGEVLM_W4A16_LEAN"] = "1"
+    if args.lean or args.no_lean:
+        os.environ["EDGEVLM_W4A16_LEAN"] = "0" if args.no_lean else "1"
+    want_lean = os.environ.get("EDGEVLM_W4A16_LEAN", "1").strip().lower() not in ("0", "false", "no", "off")
     nv = start_sm87_build() if "sm87" not in skip else None
     marlin().bootstrap_imports()
     import torch
@@ -721,12 +727,12 @@ def main(argv: list[str] | None = None) -> int:
     if bulk is not None:
         os.environ["EDGEVLM_W4A16_BULK"] = "0"
     kinds = ("reg", "bulk") if bulk is None else ("reg",)
-    lean = lean_safe() if args.lean else "not requested"
+    lean = lean_safe() if want_lean else "not requested"
     if lean is None:
         lean = mk.mma_status(dev, "lean")
     if lean is None:
         kinds = (*kinds, "lean")
-    elif args.lean:  # the table's lean entries (none from this sweep) are not used by this process
+    elif want_lean:  # the table's lean entries (none from this sweep) are not used by this process
         os.environ["EDGEVLM_W4A16_LEAN"] = "0"
         print(f"w4a16_kernel: lean variant not swept: {lean}", flush=True)
     RESULTS["lean_status"] = lean

@@ -1,11 +1,14 @@
 """W4A16 decode GEMM on the tensor cores (CUDA C++, M = 1..16 rows; 1..32 on sm_90) and the prefill
 dequantizer: build, availability, call, reference.
 
-Two variants of one kernel (same layout, same arithmetic, bit-stable): ``"reg"`` (``w4a16_mma.cu``,
-sm_80+: a register ring of weight loads) and ``"bulk"`` (``w4a16_bulk.cu``, sm_90 only: a per-warp
-shared-memory ring filled by the bulk-copy engine, which also serves M = 17..32 and folds the zero point
-in through per-group activation sums at M <= 4); the launch table (``w4a16_mma_configs.json``, from
-``bench/w4a16_kernel.py`` on an H200) picks the variant and configuration per shape and M bucket.
+Three variants of one kernel (same layout, same arithmetic, bit-stable): ``"reg"`` (``w4a16_mma.cu``,
+sm_80+: a register ring of weight loads), ``"lean"`` (``w4a16_lean.cu``, sm_80+: the register ring with
+~40 % fewer instructions around the arithmetic, bit-identical to ``"reg"``; built by default since the
+2026-12-02 H200 run, ``EDGEVLM_W4A16_LEAN=0`` builds and runs without it) and ``"bulk"`` (``w4a16_bulk.cu``,
+sm_90 only: a per-warp shared-memory ring filled by the bulk-copy engine, which also serves M = 17..32 and
+folds the zero point in through per-group activation sums at M <= 4); the launch table
+(``w4a16_mma_configs.json``, from ``bench/w4a16_kernel.py`` on an H200) picks the variant and configuration
+per shape and M bucket (and, where it names the lean variant, the fastest other entry as its fallback).
 :func:`w4a16_dequant` (``w4a16_dequant.cu``) writes the dense bf16/fp16 weight in one pass for
 ``dequantize + cuBLAS`` prefill. All are bound to torch by ``w4a16_mma_ext.cpp``.
 
@@ -70,7 +73,7 @@ UNTUNED_PREFERS_BULK = False
 KINDS = ("reg", "bulk", "lean")
 """Kernel variants: ``"reg"`` the register ring (sm_80+), ``"bulk"`` the sm_90 bulk-copy ring, ``"lean"`` the
 register ring with less address arithmetic per item (``w4a16_lean.cu``, sm_80+, bit-identical to ``"reg"``;
-built only with ``EDGEVLM_W4A16_LEAN=1`` until it is measured on a GPU)."""
+built unless ``EDGEVLM_W4A16_LEAN=0``)."""
 LEAN_CONFIGS = ((4, 2), (4, 4), (8, 2), (8, 3), (8, 4), (16, 2), (16, 3), (16, 4))
 """``(KSPLIT, DEPTH)`` pairs compiled into the lean variant (plus ``TILES_PER_CTA``)."""
 DEFAULT_LEAN_CONFIG = (8, 2, 1)
@@ -78,9 +81,11 @@ LEAN_ENV = "EDGEVLM_W4A16_LEAN"
 
 
 def lean_build() -> bool:
-    """Whether the extension is built with the lean variant (``EDGEVLM_W4A16_LEAN=1``; off by default: not yet
-    measured on a GPU, see bench/results/w4a16_kernel_h200_20261202.md)."""
-    return os.environ.get(LEAN_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+    """Whether the extension is built with the lean variant and its table entries are used: yes unless
+    ``EDGEVLM_W4A16_LEAN=0`` (the default since the H200 run of bench/results/w4a16_kernel_h200_20261202.md: faster
+    than the register ring on every 7B / Qwen3-VL shape at M = 1..16, bit-identical to it). Read per call: set to 0
+    after the extension was built with it, the table's fallback entries (register ring / bulk) run instead."""
+    return os.environ.get(LEAN_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 CONFIGS_FILE = Path(__file__).with_name("w4a16_mma_configs.json")
 SOURCES = ("w4a16_mma.cu", "w4a16_bulk.cu", "w4a16_dequant.cu", "w4a16_mma_ext.cpp")
 LEAN_SOURCES = ("w4a16_lean.cu",)
@@ -209,7 +214,7 @@ def mma_status(device: torch.device | str, kind: str = "reg") -> str | None:
         if os.environ.get("EDGEVLM_W4A16_BULK", "1").strip() in ("0", "false", "no", "off") and kind == "bulk":
             raise MmaKernelUnavailable("the bulk-copy variant is disabled by EDGEVLM_W4A16_BULK=0")
         if kind == "lean" and not lean_build():
-            raise MmaKernelUnavailable(f"the lean variant is built only with {LEAN_ENV}=1")
+            raise MmaKernelUnavailable(f"the lean variant is switched off ({LEAN_ENV}=0)")
         load_extension(dev)
         reason = _probe(torch.device(key[0]), kind)
     except MmaKernelUnavailable as exc:
@@ -450,7 +455,7 @@ def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size:
         return ext.w4a16_bulk(x.contiguous(), qw, meta, bias, group_size, a, b, tiles_per_cta, mode == 0, pdl)
     if kind == "lean":
         if not hasattr(ext, "w4a16_lean"):
-            raise MmaKernelUnavailable(f"the lean variant is built only with {LEAN_ENV}=1")
+            raise MmaKernelUnavailable(f"this build of the extension has no lean variant (built with {LEAN_ENV}=0)")
         return ext.w4a16_lean(x.contiguous(), qw, meta, bias, group_size, a, b, tiles_per_cta, pdl)
     return ext.w4a16_mma(x.contiguous(), qw, meta, bias, group_size, a, b, tiles_per_cta, mode, prefetch, pdl)
 

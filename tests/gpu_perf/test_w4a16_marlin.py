@@ -131,6 +131,10 @@ def test_launch_config_comes_from_the_sweep_table():
     for key, row in mk._table()[3].items():  # fallbacks stand only beside lean entries
         for bucket, fb in row.items():
             assert table[key][bucket][0] == "lean" and fb[0] in ("reg", "bulk")
+    for key, row in table.items():  # and every lean entry has one: a build without it keeps measured choices
+        for bucket, cfg in row.items():
+            if cfg[0] == "lean":
+                assert bucket in mk._table()[3].get(key, {}), (key, bucket)
 
 
 def test_table_entries_parse_in_both_formats():
@@ -143,9 +147,12 @@ def test_table_entries_parse_in_both_formats():
         assert mk._parse_config(bad) is None
 
 
-def test_lean_variant_is_opt_in_and_its_table_entries_fall_back(monkeypatch):
+def test_lean_variant_is_the_default_and_its_table_entries_fall_back(monkeypatch):
     monkeypatch.delenv(mk.LEAN_ENV, raising=False)
-    assert not mk.lean_build()
+    assert mk.lean_build()  # built and used by default since the 2026-12-02 H200 run
+    for off in ("0", "false", "off"):
+        monkeypatch.setenv(mk.LEAN_ENV, off)
+        assert not mk.lean_build()
     monkeypatch.setenv(mk.LEAN_ENV, "1")
     assert mk.lean_build()
     table = {"64x128g128": {"1": ("lean", 16, 2, 1), "8": ("lean", 8, 3, 2)}}
@@ -309,8 +316,9 @@ def test_cuda_bulk_kernel_matches_float64_and_is_bit_stable(m, g, dtype):
 @pytest.mark.parametrize("m", [1, 3, 9, 16])
 @pytest.mark.parametrize(("g", "dtype"), [(128, torch.bfloat16), (64, torch.float16)])
 def test_cuda_lean_kernel_is_bit_identical_to_the_register_ring(m, g, dtype):
-    """The lean variant (opt-in build, EDGEVLM_W4A16_LEAN=1) computes the register ring's function in the same
-    order: bit-identical to it at the same KSPLIT, within 3e-3 of float64, every element written."""
+    """The lean variant (the default build; EDGEVLM_W4A16_LEAN=0 leaves it out) computes the register ring's
+    function in the same order: bit-identical to it at the same KSPLIT, within 3e-3 of float64, every element
+    written."""
     if mk.mma_status("cuda", "lean") is not None:
         pytest.skip(f"lean variant unavailable: {mk.mma_status('cuda', 'lean')}")
     gen = torch.Generator(device="cuda").manual_seed(m * g + 5)
