@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import logging
 import signal
-import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
@@ -64,21 +63,6 @@ of one thread per core makes each of them wait for threads that the prepare thre
 the clients keep busy (this 2-core machine, loaded: ``torch.cat`` of one 384x288 image 0.25 ms with
 1 thread, 8 ms with 2; that concatenation was 33 % of the H200 worker, see
 bench/results/daemon_throughput_h200_20261201.md)."""
-
-
-CUDA_SWITCH_INTERVAL_S = 0.0005
-"""Python's thread switch interval (:func:`sys.setswitchinterval`) in a daemon whose model runs on CUDA:
-there a dozen threads (paho's network thread, the inference worker, the prepare threads, the reply
-thread) hand each request on, each needing the GIL for a moment; at Python's default of 5 ms a thread
-woken by its socket or by the GPU waits up to 5 ms for one that is running Python. 0.5 ms bounds that
-wait at a cost of a few microseconds per switch (bench/results/daemon_throughput_h200_20261202.md)."""
-
-
-def host_switch_interval_s(config: DaemonConfig) -> float | None:
-    """The thread switch interval :func:`run` sets for ``config``'s daemon process:
-    :data:`CUDA_SWITCH_INTERVAL_S` for a CUDA model, None (Python's own) for a CPU model, whose worker
-    runs the model's compute itself."""
-    return CUDA_SWITCH_INTERVAL_S if config.model.device.startswith("cuda") else None
 
 
 def host_threads(config: DaemonConfig) -> int | None:
@@ -550,9 +534,6 @@ def run(
     _setup_logging(config.log_level)
     stop = stop_event or threading.Event()
     previous: dict[int, Any] = {}
-    switch_s, previous_switch_s = host_switch_interval_s(config), sys.getswitchinterval()
-    if switch_s is not None:
-        sys.setswitchinterval(switch_s)
 
     def _on_signal(signum: int, frame: FrameType | None) -> None:
         logger.info("received %s; shutting down", signal.Signals(signum).name)
@@ -590,4 +571,3 @@ def run(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        sys.setswitchinterval(previous_switch_s)

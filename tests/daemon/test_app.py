@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import signal
 import subprocess
 import sys
@@ -13,14 +12,7 @@ from pathlib import Path
 import yaml
 
 from edgevlm.config import DaemonConfig, load_daemon_config
-from edgevlm.daemon.app import (
-    CUDA_HOST_THREADS,
-    CUDA_SWITCH_INTERVAL_S,
-    EXIT_STARTUP_FAILED,
-    host_switch_interval_s,
-    host_threads,
-    run,
-)
+from edgevlm.daemon.app import CUDA_HOST_THREADS, EXIT_STARTUP_FAILED, host_threads, run
 
 STATUS_TOPIC = "edgevlm/proc1/status"
 RUN = "import sys; from edgevlm.config import load_daemon_config; from edgevlm.daemon.app import run; " \
@@ -152,34 +144,3 @@ def test_host_threads_one_for_a_cuda_model_unless_configured() -> None:
     assert host_threads(cfg(device="cuda")) == CUDA_HOST_THREADS == 1
     assert host_threads(cfg(device="cuda:1", cpu_threads=4)) == 4
     assert host_threads(cfg(cpu_threads=2)) == 2
-
-
-def test_switch_interval_short_while_a_cuda_daemon_runs_then_restored(tmp_path) -> None:
-    """A CUDA daemon's process switches threads every 0.5 ms (its dozen threads hand requests on); a CPU
-    daemon keeps Python's own interval; run() puts the previous one back when it returns."""
-
-    def cfg(**model: object) -> DaemonConfig:
-        return DaemonConfig.model_validate({"model": model, "mqtt": {"port": 1, "device_id": "x"}})
-
-    assert host_switch_interval_s(cfg()) is None
-    assert host_switch_interval_s(cfg(device="cuda")) == CUDA_SWITCH_INTERVAL_S == 0.0005
-    assert host_switch_interval_s(cfg(device="cuda:1")) == 0.0005
-    empty = tmp_path / "no_model"
-    empty.mkdir()
-    seen: list[float] = []
-
-    class Probe(logging.Handler):  # the interval at the moment run() reports the (expected) start-up failure
-        def emit(self, record: logging.LogRecord) -> None:
-            if "start-up failed" in record.getMessage():
-                seen.append(sys.getswitchinterval())
-
-    before = sys.getswitchinterval()
-    probe = Probe()
-    logging.getLogger("edgevlm.daemon.app").addHandler(probe)
-    try:
-        assert run(cfg(path=str(empty), device="cuda")) == EXIT_STARTUP_FAILED  # no config.json: fails first
-        assert run(cfg(path=str(empty))) == EXIT_STARTUP_FAILED
-    finally:
-        logging.getLogger("edgevlm.daemon.app").removeHandler(probe)
-    assert seen == [0.0005, before]
-    assert sys.getswitchinterval() == before
