@@ -46,9 +46,10 @@ class TextConfig:
     it (``sqrt(hidden_size)``, cast to the weights' dtype first); ``attn_scale`` — the attention
     score scale (``query_pre_attn_scalar ** -0.5``; None = ``head_dim ** -0.5``); ``layer_types`` —
     ``"sliding_attention"`` / ``"full_attention"`` per layer; ``sliding_layer_window`` — the sliding
-    layers' window, applied by mask (key ``k`` visible to query ``q`` when ``q - k <
-    sliding_layer_window``) over a full-length KV cache (``sliding_window``, which bounds the cache,
-    stays None); ``sliding_rope_theta`` — the sliding layers' RoPE base ('default'
+    layers' window (key ``k`` visible to query ``q`` when ``q - k < sliding_layer_window``): a mask
+    during prefill, and a rolling KV cache of that many slots per sliding layer
+    (:meth:`~edgevlm.runtime.decoder.Decoder.setup_caches`, ``window_caches``; ``sliding_window``,
+    which bounds every layer's cache, stays None); ``sliding_rope_theta`` — the sliding layers' RoPE base ('default'
     type; the RoPE fields above are the full layers').
     """
 

@@ -11,7 +11,8 @@ Gemma 3 (Gemma Team, "Gemma 3 Technical Report", 2025) is the same decoder with 
 switches (:class:`~edgevlm.runtime.config.TextConfig`; numerics of transformers' ``Gemma3TextModel``):
 unit-offset RMSNorm in float32 (:class:`UnitOffsetNorm`), four norms per layer, embeddings scaled by
 ``sqrt(hidden_size)`` (:class:`ScaledEmbedding`), the ``query_pre_attn_scalar`` attention scale,
-interleaved sliding-window / full layers with their own RoPE tables, and bidirectional attention
+interleaved sliding-window / full layers with their own RoPE tables (the sliding layers' KV caches
+rolling buffers of window slots, :mod:`edgevlm.runtime.kv_cache`), and bidirectional attention
 within each image's tokens during prefill (``image_blocks``, see :meth:`Decoder.forward`).
 """
 
@@ -317,6 +318,7 @@ class Attention(nn.Module):
         rows: torch.Tensor | None = None,
         sin_signed: torch.Tensor | None = None,
         attend_fresh: bool = False,
+        lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x`` ``(B, T, D)`` at positions ``input_pos`` (``(T,)``, or ``(B, T)`` per row) -> ``(B, T, D)``.
 
@@ -327,6 +329,9 @@ class Attention(nn.Module):
         ``sin_signed``: :func:`signed_sin` of ``sin`` (used by the fused-projection path).
         ``attend_fresh``: a prefill from position 0 with a ``mask`` ``(B|1, 1, T, T)`` over the T fresh
         keys (sliding windows, Gemma 3's bidirectional image blocks) instead of the cache.
+        ``lengths``: ``(B,)`` real tokens per row of a right-padded prefill, for a rolling (ring)
+        cache (Gemma 3's sliding layers), which keeps each row's last ``window`` positions only;
+        a ring cache's decode ``mask`` spans its slots (see :mod:`edgevlm.runtime.kv_cache`).
         """
         if self.kv_cache is None:
             raise RuntimeError("KV cache not set up: call setup_caches() first")
@@ -349,7 +354,7 @@ class Attention(nn.Module):
             q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H|Hkv, T, Dh)
             v = self.v_proj(x).view(b, t, hkv, dh).transpose(1, 2)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        self.kv_cache.write(input_pos, k, v, rows)
+        self.kv_cache.write(input_pos, k, v, rows, lengths)
         if mask is None:
             y = self._sdpa(q, k, v, None, is_causal=True)
         elif attend_fresh:
@@ -360,7 +365,7 @@ class Attention(nn.Module):
             # position), within the window on Gemma 3's sliding layers (sliding_decode_mask's)
             pos = input_pos.reshape(-1).expand(b) if input_pos.dim() == 1 else input_pos[:, 0]  # (B,)
             y = int4kv_decode_attention(q, self.kv_cache, pos, mask.shape[-1], scale=self.scale,
-                                        window=self.window)  # (B, H, 1, Dh)
+                                        window=None if self.kv_cache.ring else self.window)  # (B, H, 1, Dh)
         else:
             k_all, v_all = self.kv_cache.read(b, mask.shape[-1], q.dtype)  # (B, Hkv, kv_len, Dh)
             y = self._masked_sdpa(q, k_all, v_all, mask)
@@ -408,9 +413,11 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
             self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
 
-    def forward(self, x, cos, sin, input_pos, mask, rows=None, sin_signed=None, attend_fresh=False) -> torch.Tensor:
+    def forward(self, x, cos, sin, input_pos, mask, rows=None, sin_signed=None, attend_fresh=False,
+                lengths=None) -> torch.Tensor:
         if self.sandwich_norms:
-            h = self.self_attn(self.input_layernorm(x), cos, sin, input_pos, mask, rows, sin_signed, attend_fresh)
+            h = self.self_attn(self.input_layernorm(x), cos, sin, input_pos, mask, rows, sin_signed, attend_fresh,
+                               lengths)
             x = x + self.post_attention_layernorm(h)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, mask, rows, sin_signed, attend_fresh)
@@ -446,12 +453,17 @@ class Decoder(nn.Module):
         self.rope_sin_signed: torch.Tensor | None = None
         self.inv_freq: torch.Tensor | None = None  # (Dh/2,) float32, set by setup_caches
         self.fused_decode = False  # see enable_fused_decode()
+        self.ring_window: int | None = None  # slots of the sliding layers' rolling caches (setup_caches)
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int, kv_cache_dtype: str | None = None,
-                     int4_group_size: int = DEFAULT_INT4_GROUP_SIZE) -> None:
+                     int4_group_size: int = DEFAULT_INT4_GROUP_SIZE, window_caches: bool = True) -> None:
         """Allocate the static KV caches (``max_batch_size`` rows of ``max_seq_len`` positions per
         layer, precision ``kv_cache_dtype``, see :func:`edgevlm.runtime.kv_cache.make_kv_cache`;
         None = the weights' dtype) and the RoPE tables (:func:`rope_inv_freq`), on the weights' device.
+
+        ``window_caches`` (Gemma 3, ``cfg.sliding_layer_window`` below ``max_seq_len``): the sliding
+        layers get rolling caches of ``sliding_layer_window`` slots instead of ``max_seq_len``
+        (:mod:`edgevlm.runtime.kv_cache`; same logits, a fraction of the memory); False = full length.
 
         Raises ``ValueError`` for an unknown ``kv_cache_dtype``, or a ``max_seq_len`` past what the
         config computes exactly: Mistral's ``sliding_window``, or ``max_position_embeddings`` for
@@ -467,10 +479,14 @@ class Decoder(nn.Module):
         self.kv_cache_dtype = kv_cache_dtype
         for layer in self.layers:
             layer.self_attn.kv_cache = None  # free the old cache before allocating the new one
-        for layer in self.layers:
+        window = self.cfg.sliding_layer_window
+        self.ring_window = window if window_caches and window is not None and window < max_seq_len \
+            and self.sliding_layers else None
+        for i, layer in enumerate(self.layers):
+            ring = self.ring_window is not None and i in self.sliding_layers
             layer.self_attn.kv_cache = make_kv_cache(
-                kv_cache_dtype, max_batch_size, self.cfg.num_key_value_heads, max_seq_len, self.cfg.head_dim,
-                dtype=w.dtype, device=w.device, int4_group_size=int4_group_size,
+                kv_cache_dtype, max_batch_size, self.cfg.num_key_value_heads, window if ring else max_seq_len,
+                self.cfg.head_dim, dtype=w.dtype, device=w.device, int4_group_size=int4_group_size, ring=ring,
             )
         # M-RoPE positions run ahead of the cache slots for video (decode reads slot + rope_offset)
         n_rope = max_seq_len if self.cfg.mrope_section is None else 2 * max_seq_len
@@ -526,7 +542,11 @@ class Decoder(nn.Module):
           -1 = causal. See :func:`prefill_masks`.
 
         With ``cfg.layer_types`` (Gemma 3) the sliding layers attend within ``cfg.sliding_layer_window``
-        and use the ``sliding_rope_theta`` tables.
+        and use the ``sliding_rope_theta`` tables; over rolling caches (:meth:`setup_caches`) a prefill
+        stores each row's last window positions (``last_index`` + 1 real tokens per row) and a decode
+        step attends to the first ``min(kv_len, window)`` slots. Raises ``ValueError`` for
+        ``image_blocks`` outside a prefill or without ``layer_types``, and for a continuation
+        prefill (``prefill=False``, T > 1) over rolling caches.
         """
         if self.rope_cos is None:
             raise RuntimeError("caches not set up: call setup_caches() first")
@@ -559,6 +579,10 @@ class Decoder(nn.Module):
                 return self._fused_decode(embeds, slot, mask, rope_pos[:, 0].expand(slot.shape) if shifted else None)
         if image_blocks is not None and not prefill:
             raise ValueError("image_blocks apply to a prefill only")
+        if self.ring_window is not None and not prefill and embeds.shape[1] > 1:
+            raise ValueError("a continuation prefill (prefill=False, T > 1) cannot run over the sliding layers' "
+                             "rolling KV caches: set them up with setup_caches(..., window_caches=False)")
+        lengths = last_index + 1 if prefill and last_index is not None and self.ring_window is not None else None
         per_layer = None
         if self.cfg.layer_types is not None:  # Gemma 3: (rope, mask, attend_fresh) per kind of layer
             per_layer = self._layer_kinds(embeds, input_pos, prefill, mask, kv_len, rope, (cos, sin, sin_signed),
@@ -571,7 +595,7 @@ class Decoder(nn.Module):
                 x = layer(x, cos, sin, input_pos, mask, rows, sin_signed)
             else:
                 (c, s, ss), m, fresh = per_layer[i in self.sliding_layers]
-                x = layer(x, c, s, input_pos, m, rows, ss, fresh)
+                x = layer(x, c, s, input_pos, m, rows, ss, fresh, lengths)
             add = layer_adds[i] if layer_adds is not None and i < len(layer_adds) else None
             if add is not None:
                 x = x.index_put((add[0],), add[1].to(x.dtype), accumulate=True)  # h[mask] += feats
@@ -598,7 +622,11 @@ class Decoder(nn.Module):
             return {False: (tables, full_mask, full_mask is not None),
                     True: (local, sliding_mask, sliding_mask is not None)}
         sliding_mask = mask
-        if window is not None:
+        if self.ring_window is not None:  # rolling caches: slots j <= position of the first min(kv_len, W)
+            allowed = decode_mask(input_pos, min(kv_len or self.max_seq_len, self.ring_window))
+            sliding_mask = torch.full(allowed.shape, float("-inf"), dtype=dt, device=embeds.device)
+            sliding_mask.masked_fill_(allowed, 0.0)
+        elif window is not None:
             allowed = sliding_decode_mask(input_pos, kv_len or self.max_seq_len, window)
             sliding_mask = torch.full(allowed.shape, float("-inf"), dtype=dt, device=embeds.device)
             sliding_mask.masked_fill_(allowed, 0.0)
@@ -647,22 +675,33 @@ class Decoder(nn.Module):
         n = len(self.layers)
         window = cfg.sliding_layer_window
         sliding_mask = None
+        if self.ring_window is not None:  # rolling caches: slot pos % W, keys = slots <= pos of min(kv_len, W)
+            ring_len = min(kv_len, self.ring_window)
+            ring_slot = pos % self.ring_window  # (B,)
+            ring_pos = pos.clamp(max=ring_len - 1)  # the kernel attends to slots 0..ring_pos
+            ring_rope = pos if rope_pos is None else rope_pos
         for i, layer in enumerate(self.layers):
             attn, cache = layer.self_attn, layer.self_attn.kv_cache
             sliding = i in self.sliding_layers
             cos, sin = (self.local_rope[0], self.local_rope[1]) if sliding and self.local_rope is not None \
                 else (self.rope_cos, self.rope_sin)
+            ring = cache.ring
             qn = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.q_norm is not None else (None,) * 3
-            q = rope_kv_write(attn.qkv_proj(h), cos, sin, pos, cache.k, cache.v,
-                              attn.n_heads, attn.n_kv_heads, rope_pos=rope_pos, q_norm=qn[0], k_norm=qn[1],
-                              norm_eps=qn[2] or 1e-6, unit_offset=unit)  # (B, H, 1, Dh); k, v stored at pos
-            win = window if sliding else None
+            q = rope_kv_write(attn.qkv_proj(h), cos, sin, ring_slot if ring else pos, cache.k, cache.v,
+                              attn.n_heads, attn.n_kv_heads, rope_pos=ring_rope if ring else rope_pos,
+                              q_norm=qn[0], k_norm=qn[1], norm_eps=qn[2] or 1e-6,
+                              unit_offset=unit)  # (B, H, 1, Dh); k, v stored at the slot
+            win = window if sliding and not ring else None
             if cache.k.dtype == q.dtype:  # split-K Triton attention over the cache, keys 0..pos per row
-                y = decode_attention(q, cache.k, cache.v, pos, kv_len, scale=attn.scale, window=win)  # (B, H, 1, Dh)
+                y = decode_attention(q, cache.k, cache.v, ring_pos if ring else pos, ring_len if ring else kv_len,
+                                     scale=attn.scale, window=win)  # (B, H, 1, Dh)
             else:
-                k_all, v_all = cache.read(b, kv_len, q.dtype)  # (B, Hkv, kv_len, Dh)
+                n_keys = ring_len if ring else kv_len
+                k_all, v_all = cache.read(b, n_keys, q.dtype)  # (B, Hkv, n_keys, Dh)
                 m = mask
-                if win is not None:
+                if ring:
+                    m = decode_mask(pos[:, None], n_keys)  # (B, 1, 1, W') bool
+                elif win is not None:
                     if sliding_mask is None:
                         sliding_mask = sliding_decode_mask(pos[:, None], kv_len, win)  # (B, 1, 1, kv_len) bool
                     m = sliding_mask

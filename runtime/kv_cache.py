@@ -24,6 +24,17 @@ Precisions (``kv_cache_dtype``, the profile key of the same name):
 
 Buffers start as zeros (codes and scales) and are never NaN/Inf, so masked-out (stale or unused)
 slots contribute exactly 0 to attention.
+
+Rolling (ring) caches, any precision (``ring=True``; Gemma 3's sliding-window layers): the cache
+holds ``W = max_seq_len`` slots and position ``p`` lives in slot ``p % W`` (the rolling buffer of
+Mistral 7B, Jiang et al. 2023, sec. 2). Keys are stored already rotated (RoPE at their own position),
+and attention does not depend on the order of the keys, so a decode query at position ``p`` attends to
+slots ``j <= p`` of the first ``min(kv_len, W)``: :func:`decode_mask` over the slots, exactly the keys
+``p - W < k <= p`` (slot ``j`` holds position ``p - ((p - j) mod W)``; slots ``j > p`` are not written
+yet). A multi-token write is a prefill from position 0: only the last ``W`` positions of each row
+(``lengths``, for right-padded batches) are stored, gathered into their slots (static shapes, no host
+sync; the prefill's own attention runs over the fresh keys). Shapes never depend on the position, so
+CUDA-graph decode captures as before.
 """
 
 from __future__ import annotations
@@ -47,11 +58,12 @@ class KVCache(nn.Module):
     kv_cache_dtype = "16-bit"
 
     def __init__(self, max_batch_size: int, n_kv_heads: int, max_seq_len: int, head_dim: int, *,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, ring: bool = False) -> None:
         super().__init__()
         shape = (max_batch_size, n_kv_heads, max_seq_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.ring = ring  # rolling buffer: position p in slot p % max_seq_len (see the module docstring)
 
     @property
     def max_seq_len(self) -> int:
@@ -65,14 +77,43 @@ class KVCache(nn.Module):
         _scatter(getattr(self, name), input_pos, rows, x.to(getattr(self, name).dtype))
 
     def write(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              rows: torch.Tensor | None = None) -> None:
+              rows: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> None:
         """Store ``k``/``v`` ``(B, n_kv_heads, T, head_dim)``.
 
         ``input_pos``: ``(T,)`` int64 positions shared by all rows, or ``(B, T)`` per row.
         ``rows``: ``(B,)`` int64 cache rows to write (None = rows ``0..B-1``).
+        ``lengths``: ``(B,)`` int64 real tokens per row of a right-padded prefill; read by ring
+        caches only (None = ``T``). Raises ``ValueError`` for a ring-cache write that is neither one
+        token per row nor a prefill with shared positions (see :meth:`ring_layout`).
         """
+        if self.ring:
+            input_pos, k, v = self.ring_layout(input_pos, k, v, lengths)
         self._store(input_pos, rows, "k", k)
         self._store(input_pos, rows, "v", v)
+
+    def ring_layout(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Positions -> slots of a ring cache of ``W = max_seq_len`` slots: ``(slots, k, v)`` to store.
+
+        One token per row (``T = 1``, decode): slot ``input_pos % W``. A prefill (``T > 1``; ``input_pos``
+        ``(T,)`` = ``0..T-1``): each row's slot ``j`` gets position ``last - ((last - j) mod W)`` with
+        ``last = lengths[b] - 1`` (None: ``T - 1``), i.e. the last ``W`` real positions; slots with no
+        position yet (``j > last``) get position 0's values, masked until a decode step writes them.
+        Returns ``(W,)`` slots and ``k``/``v`` gathered to ``(B, n_kv_heads, W, head_dim)``.
+        Raises ``ValueError`` for per-row positions with ``T > 1`` (a continuation prefill, which a
+        rolling buffer cannot hold: its queries need keys it would overwrite)."""
+        w = self.max_seq_len
+        b, hkv, t, dh = k.shape
+        if t == 1:
+            return input_pos % w, k, v
+        if input_pos.dim() != 1:
+            raise ValueError("a ring KV cache takes one token per row or a prefill from position 0 "
+                             f"with shared positions (T,), got input_pos {tuple(input_pos.shape)}")
+        last = torch.full((b,), t - 1, device=k.device) if lengths is None else (lengths.to(k.device) - 1)  # (B,)
+        slots = torch.arange(w, device=k.device)
+        src = (last[:, None] - (last[:, None] - slots) % w).clamp(0, t - 1)  # (B, W) position held by slot j
+        idx = src[:, None, :, None].expand(b, hkv, w, dh)
+        return slots, k.gather(2, idx), v.gather(2, idx)
 
     def read(self, batch: int, kv_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of rows ``0..batch-1``, positions ``[0, kv_len)``:
@@ -115,8 +156,10 @@ class Int4KVCache(KVCache):
     kv_cache_dtype = "int4"
 
     def __init__(self, max_batch_size: int, n_kv_heads: int, max_seq_len: int, head_dim: int, *,
-                 dtype: torch.dtype, device: torch.device | str, group_size: int = DEFAULT_INT4_GROUP_SIZE) -> None:
+                 dtype: torch.dtype, device: torch.device | str, group_size: int = DEFAULT_INT4_GROUP_SIZE,
+                 ring: bool = False) -> None:
         nn.Module.__init__(self)
+        self.ring = ring
         group_size = min(group_size, head_dim)
         if head_dim % 2 or head_dim % group_size:
             raise ValueError(f"int4 KV cache: head_dim={head_dim} must be even and a multiple of group_size={group_size}")
@@ -132,16 +175,19 @@ class Int4KVCache(KVCache):
                                  persistent=False)
 
     def write(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              rows: torch.Tensor | None = None) -> None:
+              rows: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> None:
         """As :meth:`KVCache.write`; a CUDA decode step (T = 1) quantizes and stores keys and values
         in one Triton kernel (:func:`edgevlm.runtime.kernels.int4kv_attention.int4kv_write`, the
         same arithmetic), other writes with :func:`quantize_kv_int4`."""
+        if self.ring:
+            input_pos, k, v = self.ring_layout(input_pos, k, v, lengths)
         if k.is_cuda and k.shape[2] == 1 and self._fused_write_ok(k.shape[-1]):
             from edgevlm.runtime.kernels.int4kv_attention import int4kv_write
 
             int4kv_write(self, input_pos, k, v, rows)
             return
-        super().write(input_pos, k, v, rows)
+        self._store(input_pos, rows, "k", k)
+        self._store(input_pos, rows, "v", v)
 
     def _fused_write_ok(self, head_dim: int) -> bool:
         from edgevlm.runtime.kernels import triton_available
@@ -195,8 +241,9 @@ class Fp8KVCache(KVCache):
     kv_cache_dtype = "fp8_e4m3"
 
     def __init__(self, max_batch_size: int, n_kv_heads: int, max_seq_len: int, head_dim: int, *,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, ring: bool = False) -> None:
         nn.Module.__init__(self)
+        self.ring = ring
         if not hasattr(torch, "float8_e4m3fn"):
             raise ValueError(f"fp8_e4m3 KV cache needs torch >= 2.1 with float8 dtypes (this is {torch.__version__})")
         base = (max_batch_size, n_kv_heads, max_seq_len)
@@ -225,19 +272,20 @@ class Fp8KVCache(KVCache):
 
 def make_kv_cache(kv_cache_dtype: str | None, max_batch_size: int, n_kv_heads: int, max_seq_len: int, head_dim: int,
                   *, dtype: torch.dtype, device: torch.device | str,
-                  int4_group_size: int = DEFAULT_INT4_GROUP_SIZE) -> KVCache:
-    """A cache of precision ``kv_cache_dtype`` (one of :data:`KV_CACHE_DTYPES`; None = ``dtype``).
+                  int4_group_size: int = DEFAULT_INT4_GROUP_SIZE, ring: bool = False) -> KVCache:
+    """A cache of precision ``kv_cache_dtype`` (one of :data:`KV_CACHE_DTYPES`; None = ``dtype``);
+    ``ring``: a rolling buffer of ``max_seq_len`` slots (see the module docstring).
 
     Raises ``ValueError`` for an unknown precision or a head_dim the int4 layout cannot hold."""
     args = (max_batch_size, n_kv_heads, max_seq_len, head_dim)
     if kv_cache_dtype is None:
-        return KVCache(*args, dtype=dtype, device=device)
+        return KVCache(*args, dtype=dtype, device=device, ring=ring)
     if kv_cache_dtype in _FLOAT_KV:
-        return KVCache(*args, dtype=_FLOAT_KV[kv_cache_dtype], device=device)
+        return KVCache(*args, dtype=_FLOAT_KV[kv_cache_dtype], device=device, ring=ring)
     if kv_cache_dtype == "int4":
-        return Int4KVCache(*args, dtype=dtype, device=device, group_size=int4_group_size)
+        return Int4KVCache(*args, dtype=dtype, device=device, group_size=int4_group_size, ring=ring)
     if kv_cache_dtype == "fp8_e4m3":
-        return Fp8KVCache(*args, dtype=dtype, device=device)
+        return Fp8KVCache(*args, dtype=dtype, device=device, ring=ring)
     raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r} (one of {', '.join(KV_CACHE_DTYPES)})")
 
 

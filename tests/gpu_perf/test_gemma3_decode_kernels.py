@@ -62,7 +62,8 @@ GEMMA_DECODER = """
 
 
 FUSED_SCRIPT = GEMMA_DECODER + """
-    dec.setup_caches(2, 64)
+    dec.setup_caches(2, 64, window_caches=sys.argv[2] == "ring")
+    assert [layer.self_attn.kv_cache.k.shape[2] for layer in dec.layers] == ([8, 64, 8] if sys.argv[2] == "ring" else [64] * 3)
     dec.fuse_projections()
     res = {"enabled_off": dec.enable_fused_decode(False)}
     eager = run(20, 64)
@@ -77,13 +78,14 @@ FUSED_SCRIPT = GEMMA_DECODER + """
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_fused_decode_step_equals_the_eager_gemma3_decoder_in_the_interpreter(dtype):
+@pytest.mark.parametrize("dtype,caches", [("float32", "ring"), ("float32", "full"), ("float16", "ring")])
+def test_fused_decode_step_equals_the_eager_gemma3_decoder_in_the_interpreter(dtype, caches):
     """20 decode steps past the sliding window (row 1 reaches slot 51), both kinds of layer: the
     fused step (unit-offset norms, sandwich norms folded into the residual adds, tanh-GELU, the
-    ``query_pre_attn_scalar`` scale, the window and the sliding layers' RoPE tables) gives the eager
-    decoder's logits (measured fp32 ~1e-7 relative, fp16 ~1e-3)."""
-    res = run_interpreted(FUSED_SCRIPT, dtype)
+    ``query_pre_attn_scalar`` scale, the sliding layers' RoPE tables, and their window over a
+    full-length cache or their 8-slot rolling cache) gives the eager decoder's logits (measured fp32
+    3.4e-7 relative, fp16 1.3e-3)."""
+    res = run_interpreted(FUSED_SCRIPT, dtype, caches)
     assert res["enabled_off"] is False and res["enabled_on"] is True
     assert res["shape"] == [20, 2, 97]
     assert res["rel"] < (1e-5 if dtype == "float32" else 5e-3), res
@@ -213,7 +215,7 @@ def test_int4kv_kernel_takes_a_scale_and_a_window_in_the_interpreter():
 
 
 INT4_DECODER_SCRIPT = GEMMA_DECODER + """
-    dec.setup_caches(2, 64, kv_cache_dtype="int4", int4_group_size=8)
+    dec.setup_caches(2, 64, kv_cache_dtype="int4", int4_group_size=8, window_caches=sys.argv[2] == "ring")
     res = {}
     for kernel in (False, True):
         for layer in dec.layers:
@@ -228,11 +230,13 @@ INT4_DECODER_SCRIPT = GEMMA_DECODER + """
 
 
 @needs_triton
-def test_gemma3_decodes_from_the_int4_cache_codes_in_the_interpreter():
+@pytest.mark.parametrize("caches", ["ring", "full"])
+def test_gemma3_decodes_from_the_int4_cache_codes_in_the_interpreter(caches):
     """A Gemma 3 decoder over an INT4 KV cache: the kernel path (attention straight from the codes
-    with the ``query_pre_attn_scalar`` scale and, on sliding layers, the window) gives the logits of
-    the dequantize + SDPA path over 20 decode steps past the window."""
-    res = run_interpreted(INT4_DECODER_SCRIPT, "float32")
+    with the ``query_pre_attn_scalar`` scale and, on sliding layers, the window over a full-length
+    cache or the slots of their rolling cache) gives the logits of the dequantize + SDPA path over 20
+    decode steps past the window."""
+    res = run_interpreted(INT4_DECODER_SCRIPT, "float32", caches)
     assert res["windows"] == [8, None, 8] and abs(res["scale"] - 24 ** -0.5) < 1e-12
     assert 0 < res["rel"] < 3e-5, res  # measured 6.2e-6 (fp32 sums in another order; 0 = kernel not run)
     assert res["argmax_same"]

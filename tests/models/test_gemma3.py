@@ -825,3 +825,54 @@ def test_fused_projections_and_int4_kv_cache_serve_gemma3(ckpt, options):
         # prefill attends to the exact keys / values; decode reads the 4-bit cache
         torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
         assert float((got - want).norm() / want.norm()) < 0.25
+
+
+# ---- rolling KV caches of the sliding layers ----------------------------------------------------
+
+def _decode_logits(model, ids: torch.Tensor, vision, n: int = 20) -> tuple[torch.Tensor, list[int]]:
+    """Prefill + ``n`` greedy decode steps: the logits ``(1 + n, V)`` and the fed tokens."""
+    with torch.no_grad():
+        out = [model.prefill(model.embed(ids, model.encode_vision(vision)))]
+        tokens = []
+        for step in range(n):
+            tokens.append(int(out[-1].argmax(-1)))
+            out.append(model.decode(torch.tensor([[tokens[-1]]]), torch.tensor([ids.shape[1] + step])))
+    return torch.cat(out), tokens
+
+
+def test_sliding_layers_keep_a_window_sized_rolling_cache(ckpt, hf, ours):
+    """The sliding layers' caches hold ``sliding_window`` (8) slots, the full layer's all 256; a
+    prompt of 40 tokens (five windows) and 20 decode steps give the logits of the full-length caches
+    (measured 3.3e-7 relative) and of transformers run over the same tokens with the image's
+    token_type_ids (measured 5.4e-7; bound 1e-4)."""
+    hf_model, hf_proc = hf
+    model, proc = ours
+    assert [layer.self_attn.kv_cache.k.shape[2] for layer in model.language_model.layers] == [SLIDING_WINDOW, 256,
+                                                                                              SLIDING_WINDOW]
+    assert [layer.self_attn.kv_cache.ring for layer in model.language_model.layers] == [True, False, True]
+    full = _load(ckpt)
+    full.setup_caches(1, 256, window_caches=False)
+    assert all(layer.self_attn.kv_cache.k.shape[2] == 256 for layer in full.language_model.layers)
+    img = _image(100, 150, seed=3)
+    vision = proc.prepare([img])
+    ids = torch.tensor([_our_ids(ckpt, proc, vision)])
+    assert ids.shape[1] > 4 * SLIDING_WINDOW
+    ring_logits, tokens = _decode_logits(model, ids, vision)
+    full_logits, full_tokens = _decode_logits(full, ids, vision)
+    assert tokens == full_tokens and len(set(tokens)) > 1
+    assert max_rel_error(ring_logits, full_logits) <= 1e-5
+    ref = _hf_inputs(hf_proc, img)
+    seq = torch.cat([ref["input_ids"], torch.tensor([tokens[:-1]])], dim=1)  # prompt + the fed tokens
+    types = torch.cat([ref["token_type_ids"], torch.zeros(1, len(tokens) - 1, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        hf_logits = hf_model(input_ids=seq, pixel_values=ref["pixel_values"], token_type_ids=types,
+                             attention_mask=torch.ones_like(seq)).logits[0, ids.shape[1] - 1:]  # (1 + n - 1, V)
+    assert hf_logits.shape[0] == ring_logits.shape[0] - 1
+    assert max_rel_error(ring_logits[:-1], hf_logits) <= TOL
+
+
+def test_rolling_cache_refuses_a_continuation_prefill(ckpt):
+    model = _load(ckpt)
+    lm = model.language_model
+    with torch.no_grad(), pytest.raises(ValueError, match="continuation prefill"):
+        lm(lm.embed_tokens(torch.tensor([[5, 6, 7]])), torch.arange(3), prefill=False)
