@@ -1,7 +1,7 @@
-"""``edgevlm bench`` for the Qwen2.5-VL, Qwen3-VL, SmolVLM2 and InternVL families: edgevlm vs transformers.
+"""``edgevlm bench`` for the Qwen2.5-VL, Qwen3-VL, SmolVLM2, InternVL and Gemma 3 families: edgevlm vs transformers.
 
 Models (:data:`FAMILY_MODEL_NAMES`): the published ``config.json`` values of Qwen2.5-VL-3B-Instruct,
-Qwen3-VL-2B / 8B-Instruct, SmolVLM2-2.2B-Instruct and InternVL3-1B-hf (:data:`CONFIGS`; weights
+Qwen3-VL-2B / 8B-Instruct, SmolVLM2-2.2B-Instruct, InternVL3-1B-hf and Gemma-3-4B-it (:data:`CONFIGS`; weights
 random, only shapes and cost matter), the ``tiny-*`` configs of the same structure (CPU tests of
 this harness), or a local checkpoint folder of a registered family (:func:`build_from_dir`, its
 real weights). transformers' ``...ForConditionalGeneration`` is built (random weights: on the device,
@@ -9,7 +9,9 @@ real weights). transformers' ``...ForConditionalGeneration`` is built (random we
 ``edgevlm.runtime.models``) runs over the very same tensors (a folder: loaded a second time by
 :func:`edgevlm.runtime.loader.load_model`) through
 :class:`~edgevlm.runtime.backends.torch_backend.TorchBackend` (``encode_vision``, M-RoPE
-``position_ids``, ``prefill``, CUDA-graph ``decode`` with the RoPE offset). At each input size
+``position_ids``, ``prefill``, CUDA-graph ``decode`` with the RoPE offset). transformers gets what its
+processor returns besides the pixels: Qwen's ``mm_token_type_ids``, Gemma 3's ``token_type_ids`` (1 on
+image tokens: each image attends to itself bidirectionally, as ours does). At each input size
 (``(W, H)`` px random uint8 frame through the family's own preprocessing at the checkpoint's
 defaults) and each decode batch, one row per implementation:
 
@@ -120,10 +122,24 @@ CONFIGS: dict[str, dict] = {
                           "patch_size": [14, 14], "layer_scale_init_value": 0.1, "norm_type": "layer_norm",
                           "use_qk_norm": False, "attention_bias": True, "use_mean_pooling": True},
     },
+    # Gemma-3-4B-it (the hub's config.json; the rest are Gemma3TextConfig's defaults: 8 / 4 heads of 256,
+    # query_pre_attn_scalar 256, vocab 262208, every 6th layer full, RoPE 1e6 / local 1e4): SigLIP so400m
+    # (27 x 1152, 896 px, 14 px patches) pooled to 256 tokens + a 34 x 2560 decoder, MLP 10240, window 1024
+    "gemma3-4b": {
+        "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "eoi_token_index": 256000,
+        "eos_token_id": [1, 106], "image_token_index": 262144, "initializer_range": 0.02,
+        "mm_tokens_per_image": 256, "model_type": "gemma3",
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                        "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024},
+        "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                          "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                          "patch_size": 14, "vision_use_head": False},
+    },
 }
 #: tiny CPU configs -> the published config whose structure they keep
 TINY: dict[str, str] = {"tiny-qwen2.5-vl": "qwen2.5-vl-3b", "tiny-qwen3-vl": "qwen3-vl-2b",
-                        "tiny-smolvlm": "smolvlm2-2.2b", "tiny-internvl": "internvl3-1b"}
+                        "tiny-smolvlm": "smolvlm2-2.2b", "tiny-internvl": "internvl3-1b", "tiny-gemma3": "gemma3-4b"}
 FAMILY_MODEL_NAMES = (*CONFIGS, *TINY)
 
 #: SmolVLM2's image processor at the hub's settings (longest edge 4 x 384, 384 px tiles).
@@ -154,7 +170,11 @@ def _tiny(name: str) -> dict:
     raw = copy.deepcopy(CONFIGS[name])
     small_ids = {"bos_token_id": 1000, "eos_token_id": 1001, "vision_start_token_id": 1002, "vision_end_token_id": 1003,
                  "image_token_id": 1004, "video_token_id": 1005}
-    if name.startswith("qwen"):
+    if name.startswith("gemma3"):
+        raw.update(image_token_index=1004, boi_token_index=1002, eoi_token_index=1003, eos_token_id=[1001],
+                   mm_tokens_per_image=16)
+        raw["text_config"].update(vocab_size=1024)
+    elif name.startswith("qwen"):
         raw.update(small_ids)
         (raw["text_config"] if "text_config" in raw else raw).update(vocab_size=1024)
     else:
@@ -171,6 +191,12 @@ def _tiny(name: str) -> dict:
         raw["text_config"]["rope_parameters"]["mrope_section"] = [6, 5, 5]
         raw["vision_config"].update(depth=4, hidden_size=64, intermediate_size=96, num_heads=2, out_hidden_size=64,
                                     num_position_embeddings=64, deepstack_visual_indexes=[0, 2])
+    elif name == "gemma3-4b":  # sliding / full / sliding, window 8 (shorter than the prompt), 8 x 8 patches
+        raw["text_config"].update(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        raw["vision_config"].update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                    image_size=112)
     elif name == "internvl3-1b":
         raw["image_seq_length"] = 4  # (32 / 8 * 0.5)^2
         raw["text_config"].update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -200,6 +226,7 @@ def hf_class(model_type: str):
             "smolvlm": (transformers.SmolVLMConfig, transformers.SmolVLMForConditionalGeneration),
             "idefics3": (transformers.Idefics3Config, transformers.Idefics3ForConditionalGeneration),
             "internvl": (transformers.InternVLConfig, transformers.InternVLForConditionalGeneration),
+            "gemma3": (transformers.Gemma3Config, transformers.Gemma3ForConditionalGeneration),
             }[model_type]
 
 
@@ -279,6 +306,8 @@ def make_request(files: ModelFiles, size: tuple[int, int], n_text: int = 32, see
     mid = [cfg.image_token_id] * vision.num_tokens
     if getattr(cfg, "vision_start_token_id", None) is not None:
         mid = [cfg.vision_start_token_id, *mid, cfg.vision_start_token_id + 1]
+    elif getattr(cfg, "boi_token_id", None) is not None:  # Gemma 3: <start_of_image> ... <end_of_image>
+        mid = [cfg.boi_token_id, *mid, cfg.eoi_token_id]
     ids = text[: n_text // 2] + mid + text[n_text // 2:]
     return torch.tensor([ids]), vision
 
@@ -294,6 +323,9 @@ def _hf_inputs(hf, files, ids, vision, device, dtype, batch: int = 1) -> dict:
                   mm_token_type_ids=mm)
     elif files.family.name == "internvl":  # (tiles of every image, 3, T, T)
         kw.update(pixel_values=px.repeat(batch, 1, 1, 1))
+    elif files.family.name == "gemma3":  # (images, 3, S, S) and token types: 1 = image token (bidirectional runs)
+        kw.update(pixel_values=px.repeat(batch, 1, 1, 1),
+                  token_type_ids=(ids == files.config.image_token_id).long().to(device))
     else:  # SmolVLM: (batch, tiles, 3, T, T)
         kw.update(pixel_values=px.unsqueeze(0).repeat(batch, *([1] * px.dim())))
     return kw
@@ -362,7 +394,9 @@ def bench_ours(model, files, ids, vision, *, new_tokens: int, device, ceilings: 
         row["decode_tok_s"] = batch * 1e3 / row["tpot_ms"]
         w_bytes = decoder_weight_bytes(model)
         kv_tok = sum(layer.self_attn.kv_cache.bytes_per_token() for layer in dec.layers)
-        step = w_bytes + batch * be.kv_len_for(t + new_tokens) * kv_tok
+        kv_len = be.kv_len_for(t + new_tokens)  # attended positions; a rolling cache (Gemma 3) its slots at most
+        step = w_bytes + batch * sum(layer.self_attn.kv_cache.bytes_per_token()
+                                     * min(kv_len, layer.self_attn.kv_cache.max_seq_len) for layer in dec.layers)
         row.update(weight_bytes=w_bytes, kv_bytes_per_token=kv_tok, bytes_per_step_mb=step / 2**20,
                    gbps=step / row["tpot_ms"] / 1e6)
         row["copy_frac"] = row["gbps"] / ceilings["copy_gbps"]

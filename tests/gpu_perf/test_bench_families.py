@@ -179,7 +179,8 @@ def test_real_configs_parse_in_both_runtimes():
     for name in CONFIGS:
         hf_cfg, files = model_files(name)
         text = files.config.text
-        assert (text.num_hidden_layers, text.hidden_size) in ((24, 2048), (28, 2048), (36, 2048), (36, 4096), (24, 896))
+        assert (text.num_hidden_layers, text.hidden_size) in ((24, 2048), (28, 2048), (36, 2048), (36, 4096), (24, 896),
+                                                              (34, 2560))
         assert files.family.name == {"qwen2.5-vl-3b": "qwen2_5_vl", "qwen3-vl-2b": "qwen3_vl", "qwen3-vl-8b": "qwen3_vl",
-                                     "smolvlm2-2.2b": "smolvlm", "internvl3-1b": "internvl"}[name]
+                                     "smolvlm2-2.2b": "smolvlm", "internvl3-1b": "internvl", "gemma3-4b": "gemma3"}[name]
     assert model_files("internvl3-1b")[1].config.image_seq_len == 256
