@@ -165,6 +165,46 @@ class BatchWorker:
         self.batcher.submit(req)  # InvalidRequestError: cannot fit the KV cache
         self._items[id(req)] = _Item(tag, stats, start, time.monotonic(), text, decoder, on_delta)
 
+    def warm_up(self, image: np.ndarray, prompt: str, *, max_new_tokens: int = 2,
+                operating_point: OperatingPoint | None = None) -> list[int]:
+        """Run one prefill group of each rows bucket (1, 2, 4, ... up to :attr:`rows` copies of
+        ``prompt`` about ``image``, each decoding up to ``max_new_tokens`` tokens) before the first
+        request, so that the CUDA graphs the batched path replays (the vision tower per batch
+        bucket, the prefill per rows x length bucket, the decode step per batch) are captured now
+        rather than inside the first groups of each size that clients send (a capture stalls every
+        running request for 50-100 ms), at ``operating_point`` (its resolution sets the vision graphs'
+        geometry; None = the model's default). The answers are dropped; the token and time budgets are
+        restored and the measured admission cost forgotten (captures are not admissions). Call only
+        while idle. Returns the group sizes run.
+
+        Raises:
+            Whatever :meth:`add` / :meth:`step` raise (the caller logs it and serves anyway).
+        """
+        if not self.idle:
+            raise RuntimeError("warm_up needs an idle BatchWorker")
+        b = self.batcher
+        saved = (b.token_budget, b.prefill_budget_ms)
+        b.token_budget, b.prefill_budget_ms = 1 << 30, None  # one group of exactly n
+        sizes: list[int] = []
+        try:
+            n = 1
+            while True:
+                n = min(n, self.rows)
+                for _ in range(n):
+                    self.add(None, image, prompt, max_new_tokens=max_new_tokens, operating_point=operating_point,
+                             deadline_s=None)
+                while not self.idle:
+                    self.step()
+                sizes.append(n)
+                if n >= self.rows:
+                    return sizes
+                n *= 2
+        finally:
+            if not self.idle:
+                self.abort()
+            b.token_budget, b.prefill_budget_ms = saved
+            b.s_per_token = None
+
     def step(self) -> list[tuple[Any, Answer | None]]:
         """One batcher iteration (expire, admit one prefill group, one decode step). Returns
         ``(tag, answer)`` for each request that finished in it; answer None = its deadline passed

@@ -53,7 +53,10 @@ measured prefill time stays within ``prefill_budget_ms``, and each request is an
 it finishes. Between steps, queued requests whose deadline passed
 are answered ``DEADLINE_EXCEEDED`` at once. The predicted queue wait counts the free rows: zero
 while a row is free, else the predicted work ahead divided by the rows. Monitors run only while
-the batch and the queue are empty.
+the batch and the queue are empty. On a CUDA backend the worker first runs one prefill group of
+each rows bucket (1, 2, 4, ... rows; :meth:`~edgevlm.daemon.batching.BatchWorker.warm_up`), so that
+the CUDA graphs are captured before the first request rather than inside the first groups of each
+size (a capture stalls the running requests for 50-100 ms).
 """
 
 from __future__ import annotations
@@ -95,6 +98,11 @@ FRAME_WAIT_S = 5.0
 
 GATHER_S = 0.002
 """How long the batching worker waits for requests still being prepared to join an admission (s)."""
+
+WARM_UP_IMAGE_PX = (288, 384)
+"""``(height, width)`` of the grey image the batching worker's start-up warm-up asks about (a 4:3
+camera frame, the demo's scenes): the vision graphs are captured per input geometry."""
+WARM_UP_PROMPT = "what is in the image ?"
 
 
 def _same_preparation(a: Any, b: Any) -> bool:
@@ -309,6 +317,7 @@ class Scheduler:
         self.model_id: str | None = None  # the model served, for requests naming a 'model' (set by the daemon)
         self._batch: Any = None  # BatchWorker of the current engine while batching
         self._batch_rows = 1  # KV-cache rows the worker batches over (1 = no batching)
+        self.warm_up_groups: list[int] = []  # group sizes of the last batched warm-up (CUDA graphs)
         self._active: dict[int, tuple[float, float]] = {}  # batched jobs: id -> (start, predicted service ms)
         self._expiry_thread: threading.Thread | None = None
         self.prepare_threads = default_prepare_threads() if prepare_threads is None else prepare_threads
@@ -800,7 +809,32 @@ class Scheduler:
         self._batch_rows = rows
         logger.info("continuous batching: %d KV-cache rows, prefill groups of >= %d tokens within %s ms",
                     rows, self.prefill_token_budget, self.prefill_budget_ms)
+        self._warm_up(self._batch)
         return self._batch
+
+    def _warm_up(self, batch: Any) -> None:
+        """With CUDA graphs (a CUDA backend), capture the batched path's graphs for every rows bucket
+        now (:meth:`BatchWorker.warm_up`), before requests come: at start-up, and for a hot-reloaded
+        engine before it serves. A failure is logged and the worker serves anyway (a shape it
+        missed is captured when first used, as without the warm-up)."""
+        if not getattr(batch.engine.backend, "cuda_graphs", False):
+            return
+        import numpy as np
+
+        t0 = time.monotonic()
+        point = None  # the controller's choice with its default budget and no queue: what serving starts at
+        try:
+            if self.controller is not None:
+                point = self.controller.choose(self.controller.default_budget_ms, max_new_tokens=2,
+                                               queue_wait_ms=0.0).point
+            sizes = batch.warm_up(np.full((*WARM_UP_IMAGE_PX, 3), 128, dtype=np.uint8), WARM_UP_PROMPT,
+                                  operating_point=point)
+        except Exception:  # noqa: BLE001 - a warm-up must never keep the daemon from serving
+            logger.exception("batched warm-up failed; its CUDA graphs are captured when first used")
+            return
+        self.warm_up_groups = sizes
+        logger.info("batched warm-up at %s: prefill groups of %s requests in %.0f ms (CUDA graphs captured)",
+                    getattr(point, "name", "the default point"), sizes, (time.monotonic() - t0) * 1000.0)
 
     def _run_batched(self) -> None:
         while True:

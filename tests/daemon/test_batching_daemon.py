@@ -284,3 +284,36 @@ def test_profile_runtime_batching_keys(tmp_path) -> None:
     bad.write_text(yaml.safe_dump(src))
     with pytest.raises(ConfigError, match="runtime.prefill_token_budget"):
         load_profile(bad)
+
+
+def test_warm_up_runs_one_group_per_rows_bucket_and_leaves_the_worker_as_it_was(tiny_model_dir, tiny_engine) -> None:
+    """BatchWorker.warm_up (run at start-up on a CUDA backend, to capture the CUDA graphs of every rows
+    bucket): groups of 1, 2, 4 ... rows, the worker idle afterwards with its budgets restored and no
+    admission cost learnt from the warm-up; requests after it answer as engine.ask does."""
+    from edgevlm.daemon.batching import BatchWorker
+    from edgevlm.daemon.scheduler import WARM_UP_IMAGE_PX, WARM_UP_PROMPT
+    from edgevlm.runtime import Engine
+
+    engine = Engine.load(tiny_model_dir, device="cpu", backend_options={"max_batch_size": 6})
+    batch = BatchWorker(engine, token_budget=64, prefill_budget_ms=30.0)
+    image = np.full((*WARM_UP_IMAGE_PX, 3), 128, dtype=np.uint8)
+    assert batch.warm_up(image, WARM_UP_PROMPT) == [1, 2, 4, 6]
+    assert batch.idle and batch.free_slots() == 6
+    b = batch.batcher
+    assert (b.token_budget, b.prefill_budget_ms, b.s_per_token) == (64, 30.0, None)
+    assert b.steps >= 4
+    img = _image(5, 48, 64)
+    batch.add("after", img, PROMPTS[0], max_new_tokens=4, operating_point=None, deadline_s=None)
+    out = []
+    while not batch.idle:
+        out += batch.step()
+    assert [(tag, a.text) for tag, a in out] == [("after", tiny_engine.ask(img, PROMPTS[0], max_new_tokens=4).text)]
+    batch.add("busy", img, PROMPTS[0], max_new_tokens=4, operating_point=None, deadline_s=None)
+    with pytest.raises(RuntimeError, match="idle"):
+        batch.warm_up(image, WARM_UP_PROMPT)
+
+
+def test_a_cpu_daemon_runs_no_warm_up(batch_daemon) -> None:
+    """No CUDA graphs to capture on the CPU: the batching daemon starts without the warm-up."""
+    daemon = batch_daemon(rows=4)
+    assert daemon.scheduler._batch is not None and daemon.scheduler.warm_up_groups == []
