@@ -179,6 +179,8 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     question = " ".join(args.question).strip()
     if not question:
         raise _UsageError("the question is empty")
+    if args.backend == "tensorrt" and not args.device.startswith("cuda"):  # before the TensorRT import
+        raise _UsageError(f"--backend tensorrt needs --device cuda (got --device {args.device})")
 
     from edgevlm.runtime.image import load_image, native_stderr_captured  # OpenCV: the runtime extra
 
@@ -222,12 +224,12 @@ def _cmd_ask(args: argparse.Namespace) -> int:
         raise _UsageError(f"{' / '.join(asked)}: early exit and token pruning are not supported for the "
                           f"{engine.family.name} family (supported: {ok})")
     points = engine.exit_points
+    exit_flags = [flag for flag in ("--exit-layer", "--exit-threshold") if adaptive[flag] is not None]
+    if exit_flags and not points:  # no exit heads: named by the flag, before the engine's operating point
+        raise _UsageError(f"{' / '.join(exit_flags)}: {engine.no_exit_heads_reason}")
     if args.exit_layer is not None and args.exit_layer not in points:
-        if points:
-            raise _UsageError(f"--exit-layer {args.exit_layer} is not an exit point of this model (exit points: "
-                              f"{', '.join(map(str, points))})")
-        if args.exit_layer >= engine.config.exit_geometry.vision_blocks:  # below that the engine says the same
-            raise _UsageError(engine.no_exit_heads_reason)
+        raise _UsageError(f"--exit-layer {args.exit_layer} is not an exit point of this model (exit points: "
+                          f"{', '.join(map(str, points))})")
     knobs = {"resolution_px": args.resolution, "exit_layer": args.exit_layer,
              "exit_threshold": args.exit_threshold, "keep_ratio": args.keep_ratio}
     op = OperatingPoint(name="cli", **knobs) if any(v is not None for v in knobs.values()) else None

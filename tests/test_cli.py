@@ -602,3 +602,26 @@ def test_plain_text_strips_inline_markup() -> None:
 
     rst = "``edgevlm x``: see :class:`~edgevlm.Client` and :func:`edgevlm.runtime.load`, **not** *this*; 2 * 3"
     assert plain_text(rst) == "edgevlm x: see Client and edgevlm.runtime.load, not this; 2 * 3"
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--exit-layer", "1"], "--exit-layer"), (["--exit-threshold", "0.9"], "--exit-threshold"),
+    (["--exit-layer", "1", "--exit-threshold", "0.9"], "--exit-layer / --exit-threshold"),
+])
+def test_ask_exit_flags_without_exit_heads_name_the_flag(tiny_model: Path, image_files: dict[str, Path], capsys,
+                                                         flags, named):
+    # was "operating point 'cli': this model has no exit heads ..." (the CLI's internal point name)
+    code = main(["ask", "--image", str(image_files["scene.png"]), "--model", str(tiny_model), *flags, "hi"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"edgevlm: error: {named}: this model has no exit heads (run `edgevlm calibrate` on it)"], err
+
+
+@pytest.mark.parametrize("device", ["cpu"])
+def test_ask_tensorrt_on_the_cpu_is_refused_before_anything_loads(image_files: dict[str, Path], capsys, device):
+    # was "backend 'tensorrt' needs optional dependencies ... pip install 'edgevlm[tensorrt]'" on a CPU
+    # machine: installing TensorRT would only lead to "needs a CUDA device"
+    code = main(["ask", "--image", str(image_files["scene.png"]), "--backend", "tensorrt", "--device", device, "hi"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"edgevlm: error: --backend tensorrt needs --device cuda (got --device {device})"], err

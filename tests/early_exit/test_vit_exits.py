@@ -444,7 +444,7 @@ def test_heads_of_other_weights_or_another_model_are_refused(calibrated, tmp_pat
     Image.fromarray(_image()).save(path)
     rc = main(["ask", "--image", str(path), "--model", str(other), "--exit-layer", "1", QUESTION])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and err == [f"edgevlm: error: operating point 'cli': the exit heads in {other} were calibrated "
+    assert rc == 2 and err == [f"edgevlm: error: --exit-layer: the exit heads in {other} were calibrated "
                                "for other weights and are not used (rerun `edgevlm calibrate`)"]
 
     spec = json.loads((model / "exits.json").read_text())

@@ -167,7 +167,7 @@ def test_ask_exit_flags_without_exit_heads_are_one_line_exit_2(checkpoint, flags
     err = captured.err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and captured.out == ""
     # early exit is supported for the family, but this checkpoint has no exit heads yet
-    assert err[0] == "edgevlm: error: operating point 'cli': this model has no exit heads (run `edgevlm calibrate` on it)"
+    assert err[0] == f"edgevlm: error: {flags[0]}: this model has no exit heads (run `edgevlm calibrate` on it)"
 
 
 def test_quantize_cli_builds_the_bundle(checkpoint, tmp_path, capsys):
