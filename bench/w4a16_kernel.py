@@ -305,7 +305,12 @@ def run_layers(ctx, shapes, kinds):
                     for r in sorted([r for r in mine if r["ok"]], key=lambda r: r["us"])[:PDL_TOP]:
                         c, mode, pf = tuple(r["config"]), 0 if r["zx"] else 2, r["pf"]
                         r["pdl_us"] = round(mar.graph_us([partial(mk.w4a16_mma, x, p, mt, g, config=c, mode=mode,
-                                                                  prefetch=pf, pdl=True) for p, mt in mma_copies]), 2)
+                                                                  prefetch=pf, pdl=True, late_trigger=False)
+                                                          for p, mt in mma_copies]), 2)
+                        if kind == "lean" and ctx.get("lean_trigger"):  # released after the last ring refill
+                            r["pdl_late_us"] = round(mar.graph_us([partial(mk.w4a16_mma, x, p, mt, g, config=c,
+                                                                           pdl=True, late_trigger=True)
+                                                                   for p, mt in mma_copies]), 2)
                 sweep.extend(mine)
                 if any(not r["ok"] for r in mine):
                     checks.append({"what": f"sweep {name} M={m} {kind}", "pass": False,
@@ -335,6 +340,10 @@ def run_layers(ctx, shapes, kinds):
                 outs = [o for o, _ in runs]
                 err = mar.rel(outs[0], ref)
                 stable = all(torch.equal(outs[0], o) for o in outs[1:])
+                if kind == "lean" and ctx.get("lean_trigger"):
+                    late, _ = poisoned_call(partial(call, pdl=True, late_trigger=True), (m, n), x.dtype, dev)
+                    stable = stable and torch.equal(outs[0], late)
+                    outs.append(late)
                 checks.append({"what": f"{name} M={m} {kind} zx={zx} pf={r['pf']} {r['config']}", "rel_err": err,
                                "bit_stable": stable, "poison_reused": sum(p for _, p in runs),
                                "pass": err <= REL_LIMIT and stable and all(bool(torch.isfinite(o).all()) for o in outs)})
@@ -401,6 +410,8 @@ def _pdl_by_kind(rows: list[dict]) -> dict:
     for r in rows:
         if "pdl_us" in r and (r["config"][0] not in out or r["pdl_us"] < out[r["config"][0]][0]):
             out[r["config"][0]] = [r["pdl_us"], [*r["config"], int(r["zx"]), int(r["pf"])]]
+        if "pdl_late_us" in r and ("lean_late" not in out or r["pdl_late_us"] < out["lean_late"][0]):
+            out["lean_late"] = [r["pdl_late_us"], [*r["config"], 0, 0]]
     return out
 
 
@@ -443,11 +454,15 @@ def run_chain(ctx, prefixes=("7b", "qwen8b", "qwen2b"), ms=(1, 8, 16)):
             for lean_on in ((True, False) if "lean" in ctx.get("kinds", ()) else (None,)):
                 tag = "reg_" if lean_on is False else ""
                 with lean_switch(lean_on):
-                    for pdl in (False, True):
-                        calls = [partial(mk.w4a16_mma, xs[k], p, mt, g, pdl=pdl) for cp in copies for n, k, p, mt in cp]
+                    modes = [("plain", False, False), ("pdl", True, False)]
+                    if ctx.get("lean_trigger") and lean_on:  # lean entries released after their last ring refill
+                        modes.append(("late_pdl", True, True))
+                    for label, pdl, late in modes:
+                        calls = [partial(mk.w4a16_mma, xs[k], p, mt, g, pdl=pdl, late_trigger=late)
+                                 for cp in copies for n, k, p, mt in cp]
                         us = mar.graph_us(calls) * 4  # graph_us divides by the number of calls: 4 per layer
-                        row[f"{tag}{'pdl' if pdl else 'plain'}_us"] = round(us, 2)
-                        row[f"{tag}{'pdl' if pdl else 'plain'}_gbps"] = round(layer_bytes / us / 1e3, 1)
+                        row[f"{tag}{label}_us"] = round(us, 2)
+                        row[f"{tag}{label}_gbps"] = round(layer_bytes / us / 1e3, 1)
             rows.append(row)
             print(f"chain {prefix} M={m}: plain {row['plain_us']} us ({row['plain_gbps']} GB/s), PDL {row['pdl_us']} us "
                   f"({row['pdl_gbps']} GB/s)" + (f"; lean off: plain {row['reg_plain_us']} us, PDL {row['reg_pdl_us']} us"
@@ -617,14 +632,20 @@ def run_model(ctx, choice):
     rows = []
     copy = None
     lean = "lean" in ctx.get("kinds", ())
-    runs = [("pdl", ctx["model_variants"], True, None)]
+    late = bool(ctx.get("lean_trigger")) and lean
+    runs = [("pdl", ctx["model_variants"], True, None, late)]
     if lean:  # the same W4A16 model with the lean variant switched off (the register ring / bulk entries)
-        runs.append(("pdl, lean off", ["edgevlm-w4"], True, False))
-    runs.append(("plain", ["edgevlm-w4"], False, None))
-    for label, variants_, pdl, lean_on in runs:
-        if label == "plain" and not ctx.get("pdl"):
+        runs.append(("pdl, lean off", ["edgevlm-w4"], True, False, False))
+    if late:  # the lean kernels released at entry (as the default build) instead of after the last refill
+        runs.append(("pdl, late trigger off", ["edgevlm-w4"], True, None, False))
+    runs.append(("plain", ["edgevlm-w4"], False, None, False))
+    for i in range(1, ctx.get("model_ab", 1)):  # PDL on / off again, alternating, to see the run-to-run spread
+        runs += [(f"pdl #{i + 1}", ["edgevlm-w4"], True, None, late), (f"plain #{i + 1}", ["edgevlm-w4"], False, None, False)]
+    for label, variants_, pdl, lean_on, late_on in runs:
+        if label.startswith("plain") and not ctx.get("pdl"):
             continue
         mk.PDL = pdl and bool(ctx.get("pdl"))
+        mk.LEAN_LATE_TRIGGER = late_on
         with lean_switch(lean_on):
             summary = benchmark.run(models=["llava-7b"], variants=variants_, with_hf=False,
                                     batch_sizes=ctx["batch_sizes"], new_tokens=32, n_text=32)
@@ -632,6 +653,7 @@ def run_model(ctx, choice):
         copy = summary.get("copy_gbps") or copy
         print(f"[{label}]\n" + benchmark.format_table(summary["rows"]), flush=True)
     mk.PDL = bool(ctx.get("pdl"))
+    mk.LEAN_LATE_TRIGGER = True
     RESULTS["model"] = {"rows": rows, "copy_gbps": copy, "prefill": list(choice or ())}
     return rows
 
@@ -677,6 +699,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="build and sweep the lean register-ring variant (the default unless EDGEVLM_W4A16_LEAN=0)")
     ap.add_argument("--no-lean", action="store_true",
                     help="build and sweep without the lean variant (EDGEVLM_W4A16_LEAN=0)")
+    ap.add_argument("--lean-trigger", action="store_true",
+                    help="also build the lean variant's late PDL trigger (EDGEVLM_W4A16_LEAN_TRIGGER=1, opt-in) and "
+                         "time it beside the entry trigger (layers, chain, model)")
+    ap.add_argument("--model-ab", type=int, default=1,
+                    help="run the W4A16 model with PDL on and off this many times each, alternating")
     ap.add_argument("--model-variants", default="edgevlm,edgevlm-w4",
                     help="variants of the model section (W4A16 is also run once without PDL)")
     ap.add_argument("--chain-models", default="7b,qwen8b,qwen2b", help="models of the chain section")
@@ -690,6 +717,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.lean or args.no_lean:
         os.environ["EDGEVLM_W4A16_LEAN"] = "0" if args.no_lean else "1"
     want_lean = os.environ.get("EDGEVLM_W4A16_LEAN", "1").strip().lower() not in ("0", "false", "no", "off")
+    if args.lean_trigger:
+        os.environ["EDGEVLM_W4A16_LEAN_TRIGGER"] = "1"
     nv = start_sm87_build() if "sm87" not in skip else None
     marlin().bootstrap_imports()
     import torch
@@ -744,8 +773,10 @@ def main(argv: list[str] | None = None) -> int:
                    date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
     pdl = props.major >= 9 and not args.no_pdl
     mk.PDL = pdl
+    lean_trigger = "lean" in kinds and pdl and bool(getattr(mk.load_extension(dev), "lean_late_trigger", False))
+    RESULTS["lean_trigger"] = lean_trigger
     ctx = {"dev": dev, "l2": l2, "copy_gbps": copy_gbps, "install_table": args.install_table, "pdl": pdl,
-           "kinds": kinds,
+           "kinds": kinds, "lean_trigger": lean_trigger, "model_ab": max(1, args.model_ab),
            "batch_sizes": [int(b) for b in args.batch_sizes.split(",")],
            "model_variants": [v for v in args.model_variants.split(",") if v]}
     shapes = {k: v for k, v in SHAPES.items() if k.startswith("7b.")} if args.quick else SHAPES
@@ -792,11 +823,11 @@ def print_tables() -> None:
     chain = RESULTS.get("chain")
     if chain:
         print("\nfour matmuls of a decoder layer back to back (µs per layer):")
-        print("| model | M | plain µs | GB/s | PDL µs | GB/s | lean off: plain µs | PDL µs |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        print("| model | M | plain µs | GB/s | PDL µs | GB/s | PDL, late trigger µs | lean off: plain µs | PDL µs |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in chain:
             print(f"| {r['model']} | {r['m']} | {r['plain_us']} | {r['plain_gbps']} | {r['pdl_us']} | {r['pdl_gbps']} | "
-                  f"{r.get('reg_plain_us')} | {r.get('reg_pdl_us')} |")
+                  f"{r.get('late_pdl_us')} | {r.get('reg_plain_us')} | {r.get('reg_pdl_us')} |")
     tot = RESULTS.get("prefill_totals")
     if tot:
         print("\nprefill, sum of the four 7B layers (µs):")

@@ -17,17 +17,24 @@
 //   * the activation fragments of an item are addressed off one per-warp base with one multiply.
 // Everything else (KSPLIT warps split K, DEPTH-deep register ring across tile boundaries, fixed-order
 // reduction over the warps, PDL) is as in w4a16_mma.cu.
+//
+// LATE_TRIGGER (opt-in build, -DEDGEVLM_W4A16_LEAN_TRIGGER / EDGEVLM_W4A16_LEAN_TRIGGER=1; NOT measured on a GPU):
+// under PDL the next kernel is released once every CTA has issued its last weight load (the ring's last refill)
+// instead of at entry. At entry, the next kernel's CTAs take SM slots while this grid's partial last wave still
+// runs; on the H200 the lean kernel gained less from PDL than the register ring and lost on some shapes
+// (bench/results/w4a16_kernel_h200_20261202.md). Only the release point moves: the arithmetic, the order and the
+// outputs are the same (bit-identical).
 
 #include "w4a16_common.cuh"
 
 namespace edgevlm_w4a16 {
 
-template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH>
+template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH, bool LATE_TRIGGER = false>
 __global__ void __launch_bounds__(KSPLIT * 32)
 w4a16_lean_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ meta, const uint16_t* __restrict__ x,
                   const float* __restrict__ bias, void* __restrict__ y, int M, int N, int K, int tiles_per_cta) {
     using M16 = Magic<BF16>;
-    grid_dep_launch();  // PDL: the next kernel may be scheduled once every CTA of this one runs
+    if constexpr (!LATE_TRIGGER) grid_dep_launch();  // PDL: the next kernel may be scheduled once every CTA runs
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2;
@@ -68,7 +75,7 @@ w4a16_lean_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ met
             mb[SLOT][0] = __ldg(mp);                                                                 \
             mb[SLOT][1] = __ldg(mp + 8);                                                             \
         }                                                                                            \
-        --ld_left;                                                                                   \
+        if (--ld_left == 0 && LATE_TRIGGER) grid_dep_launch(); /* the last refill: release the next */ \
         wp += GT * 32;                                                                               \
         mp += 16;                                                                                    \
         if (++ld_local == gmax) {                                                                    \
@@ -193,9 +200,17 @@ w4a16_lean_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ met
 
 template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH>
 cudaError_t lean_launch_typed(const void* qw, const void* meta, const void* x, const float* bias, void* y, int M,
-                              int N, int K, int tiles_per_cta, bool pdl, cudaStream_t stream) {
+                              int N, int K, int tiles_per_cta, bool pdl, bool late_trigger, cudaStream_t stream) {
     const int tiles = N / 16;
     const int grid = (tiles + tiles_per_cta - 1) / tiles_per_cta;
+#ifdef EDGEVLM_W4A16_LEAN_TRIGGER
+    if (late_trigger)
+        return launch_maybe_pdl(w4a16_lean_kernel<BF16, MT, GT, KSPLIT, DEPTH, true>, dim3(grid), dim3(KSPLIT * 32), 0,
+                                stream, pdl, static_cast<const uint4*>(qw), static_cast<const uint32_t*>(meta),
+                                static_cast<const uint16_t*>(x), bias, y, M, N, K, tiles_per_cta);
+#else
+    if (late_trigger) return cudaErrorInvalidValue;  // not compiled in (opt-in build)
+#endif
     return launch_maybe_pdl(w4a16_lean_kernel<BF16, MT, GT, KSPLIT, DEPTH>, dim3(grid), dim3(KSPLIT * 32), 0, stream,
                             pdl, static_cast<const uint4*>(qw), static_cast<const uint32_t*>(meta),
                             static_cast<const uint16_t*>(x), bias, y, M, N, K, tiles_per_cta);
@@ -203,10 +218,12 @@ cudaError_t lean_launch_typed(const void* qw, const void* meta, const void* x, c
 
 template <bool BF16, int MT, int GT>
 cudaError_t lean_launch_cfg(int ksplit, int depth, const void* qw, const void* meta, const void* x, const float* bias,
-                            void* y, int M, int N, int K, int tiles_per_cta, bool pdl, cudaStream_t stream) {
+                            void* y, int M, int N, int K, int tiles_per_cta, bool pdl, bool late_trigger,
+                            cudaStream_t stream) {
 #define EDGEVLM_W4A16_LEAN_CASE(KS, D)                                                                           \
     if (ksplit == KS && depth == D)                                                                              \
-        return lean_launch_typed<BF16, MT, GT, KS, D>(qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl, stream);
+        return lean_launch_typed<BF16, MT, GT, KS, D>(qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl,         \
+                                                      late_trigger, stream);
     EDGEVLM_W4A16_LEAN_CASE(4, 2)
     EDGEVLM_W4A16_LEAN_CASE(4, 4)
     EDGEVLM_W4A16_LEAN_CASE(8, 2)
@@ -221,10 +238,11 @@ cudaError_t lean_launch_cfg(int ksplit, int depth, const void* qw, const void* m
 
 // Entry point of the torch binding (w4a16_mma_ext.cpp, built with -DEDGEVLM_W4A16_LEAN). Same contract as
 // launch_w4a16_mma with mode 2 (no x-sum fold, no prefetch); returns cudaErrorInvalidValue for an unsupported
-// (group_size, ksplit, depth, M, tiles_per_cta) or shape.
+// (group_size, ksplit, depth, M, tiles_per_cta) or shape, and for late_trigger in a build without
+// -DEDGEVLM_W4A16_LEAN_TRIGGER. late_trigger: the PDL release after the last ring refill (see LATE_TRIGGER).
 cudaError_t launch_w4a16_lean(bool bf16, const void* qw, const void* meta, const void* x, const float* bias, void* y,
                               int M, int N, int K, int group_size, int ksplit, int depth, int tiles_per_cta, bool pdl,
-                              cudaStream_t stream) {
+                              bool late_trigger, cudaStream_t stream) {
     if (M < 1 || M > 16 || N % 16 || K % 64 || (group_size != 64 && group_size != 128) || K % group_size ||
         tiles_per_cta < 1)
         return cudaErrorInvalidValue;
@@ -232,10 +250,14 @@ cudaError_t launch_w4a16_lean(bool bf16, const void* qw, const void* meta, const
     const bool g128 = group_size == 128;
 #define EDGEVLM_W4A16_LEAN_TYPE(B)                                                                                    \
     if (two)                                                                                                          \
-        return g128 ? lean_launch_cfg<B, 2, 2>(ksplit, depth, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl, stream) \
-                    : lean_launch_cfg<B, 2, 1>(ksplit, depth, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl, stream); \
-    return g128 ? lean_launch_cfg<B, 1, 2>(ksplit, depth, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl, stream)    \
-                : lean_launch_cfg<B, 1, 1>(ksplit, depth, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl, stream);
+        return g128 ? lean_launch_cfg<B, 2, 2>(ksplit, depth, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl,      \
+                                               late_trigger, stream)                                                  \
+                    : lean_launch_cfg<B, 2, 1>(ksplit, depth, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl,      \
+                                               late_trigger, stream);                                                 \
+    return g128 ? lean_launch_cfg<B, 1, 2>(ksplit, depth, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl,          \
+                                           late_trigger, stream)                                                      \
+                : lean_launch_cfg<B, 1, 1>(ksplit, depth, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl,          \
+                                           late_trigger, stream);
     if (bf16) {
         EDGEVLM_W4A16_LEAN_TYPE(true)
     }

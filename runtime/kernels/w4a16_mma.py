@@ -86,6 +86,32 @@ def lean_build() -> bool:
     than the register ring on every 7B / Qwen3-VL shape at M = 1..16, bit-identical to it). Read per call: set to 0
     after the extension was built with it, the table's fallback entries (register ring / bulk) run instead."""
     return os.environ.get(LEAN_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+LEAN_TRIGGER_ENV = "EDGEVLM_W4A16_LEAN_TRIGGER"
+
+
+def lean_trigger_build() -> bool:
+    """Whether the lean variant is also built with its late PDL trigger (``EDGEVLM_W4A16_LEAN_TRIGGER=1``; off by
+    default, NOT measured on a GPU): under PDL the next kernel is released after each CTA's last weight load instead
+    of at entry. Where built, lean launches under PDL use it unless ``late_trigger=False`` is passed."""
+    return lean_build() and os.environ.get(LEAN_TRIGGER_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+LEAN_LATE_TRIGGER = True
+"""In a build with the late trigger (:func:`lean_trigger_build`): lean launches under PDL use it by default
+(``late_trigger=None``). A switch for benchmarks (the build flag is the opt-in)."""
+
+
+def _build_flags(lean: bool, trigger: bool) -> tuple[str, list[str]]:
+    """``(name suffix, -D defines)`` of the extension build with the lean variant / its late trigger."""
+    if not lean:
+        return "", []
+    if trigger:
+        return "_lean_lt", ["-DEDGEVLM_W4A16_LEAN", "-DEDGEVLM_W4A16_LEAN_TRIGGER"]
+    return "_lean", ["-DEDGEVLM_W4A16_LEAN"]
+
+
 CONFIGS_FILE = Path(__file__).with_name("w4a16_mma_configs.json")
 SOURCES = ("w4a16_mma.cu", "w4a16_bulk.cu", "w4a16_dequant.cu", "w4a16_mma_ext.cpp")
 LEAN_SOURCES = ("w4a16_lean.cu",)
@@ -126,9 +152,10 @@ def kernel_cache_dir() -> Path | None:
 
 
 @functools.cache
-def _build(arch: str, lean: bool = False):
+def _build(arch: str, lean: bool = False, trigger: bool = False):
     """Compile (or load from torch's extension cache) the extension for ``arch`` (``lean``: with
-    ``w4a16_lean.cu``); raises ``MmaKernelUnavailable`` with the reason."""
+    ``w4a16_lean.cu``; ``trigger``: also its late-PDL-trigger instances); raises ``MmaKernelUnavailable`` with
+    the reason."""
     try:
         from torch.utils import cpp_extension
     except ImportError as exc:  # pragma: no cover - part of torch
@@ -145,8 +172,8 @@ def _build(arch: str, lean: bool = False):
     src = _source_dir()
     sources = (*SOURCES, *LEAN_SOURCES) if lean else SOURCES
     digest = hashlib.sha256(b"".join((src / f).read_bytes() for f in (*sources, *HEADERS))).hexdigest()[:10]
-    name = f"edgevlm_w4a16_mma_v{MMA_LAYOUT_VERSION}_sm{cc}{'_lean' if lean else ''}_{digest}"
-    defines = ["-DEDGEVLM_W4A16_LEAN"] if lean else []
+    suffix, defines = _build_flags(lean, trigger)
+    name = f"edgevlm_w4a16_mma_v{MMA_LAYOUT_VERSION}_sm{cc}{suffix}_{digest}"
     build_dir = kernel_cache_dir()
     try:
         if build_dir is not None:
@@ -183,7 +210,7 @@ def load_extension(device: torch.device | str | None = None):
         if index in _LOADED:
             return _LOADED[index]
     with _BUILD_LOCK:
-        ext = _build(_arch(torch.device("cuda", index)), lean_build())
+        ext = _build(_arch(torch.device("cuda", index)), lean_build(), lean_trigger_build())
     _LOADED[index] = ext
     return ext
 
@@ -395,7 +422,8 @@ def mma_config(m: int, n: int, k: int, group_size: int, *, bulk: bool = False,
 
 def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size: int,
               bias: torch.Tensor | None = None, config: tuple | None = None,
-              *, mode: int | None = None, prefetch: int | None = None, pdl: bool | None = None) -> torch.Tensor:
+              *, mode: int | None = None, prefetch: int | None = None, pdl: bool | None = None,
+              late_trigger: bool | None = None) -> torch.Tensor:
     """``x (M, K)`` bf16/fp16 (``M <= 16``; ``M <= 32`` on sm_90) times the INT4 weight in the mma layout,
     transposed, plus ``bias`` (float32 ``(N,)``): ``(M, N)`` in ``x.dtype``, fp32 accumulation, bit-stable.
 
@@ -407,7 +435,9 @@ def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size:
     zero-point fold at M <= 4, ``mode=2`` without it (the same function to fp32 rounding); ``None``: as
     :func:`zx_fold` says for this shape. ``prefetch``: the register ring's L2 prefetch distance in tiles
     (``None``: :func:`prefetch_tiles` for a table configuration, 0 with an explicit ``config``); ``pdl``:
-    programmatic dependent launch (``None``: :func:`pdl_ok`)."""
+    programmatic dependent launch (``None``: :func:`pdl_ok`); ``late_trigger``: the lean variant releases its PDL
+    dependent after the last weight load instead of at entry (``None``: where the build has it, see
+    :func:`lean_trigger_build`, and ``pdl``; ``True`` raises :class:`MmaKernelUnavailable` where it does not)."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= BULK_MAX_M:
         raise ValueError(f"x must be (M, K) with 1 <= M <= {BULK_MAX_M}, got {tuple(x.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16):
@@ -456,7 +486,11 @@ def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size:
     if kind == "lean":
         if not hasattr(ext, "w4a16_lean"):
             raise MmaKernelUnavailable(f"this build of the extension has no lean variant (built with {LEAN_ENV}=0)")
-        return ext.w4a16_lean(x.contiguous(), qw, meta, bias, group_size, a, b, tiles_per_cta, pdl)
+        built = bool(getattr(ext, "lean_late_trigger", False))
+        if late_trigger and not built:
+            raise MmaKernelUnavailable(f"the lean late PDL trigger is built only with {LEAN_TRIGGER_ENV}=1")
+        late = built and pdl and LEAN_LATE_TRIGGER if late_trigger is None else bool(late_trigger)
+        return ext.w4a16_lean(x.contiguous(), qw, meta, bias, group_size, a, b, tiles_per_cta, pdl, late)
     return ext.w4a16_mma(x.contiguous(), qw, meta, bias, group_size, a, b, tiles_per_cta, mode, prefetch, pdl)
 
 
@@ -545,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if os.environ.get("EDGEVLM_CUDA_ARCH") and not torch.cuda.is_available():
             with _BUILD_LOCK:
-                _build(os.environ["EDGEVLM_CUDA_ARCH"], lean_build())
+                _build(os.environ["EDGEVLM_CUDA_ARCH"], lean_build(), lean_trigger_build())
         else:
             load_extension()
     except MmaKernelUnavailable as exc:

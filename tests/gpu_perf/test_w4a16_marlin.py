@@ -168,6 +168,21 @@ def test_lean_variant_is_the_default_and_its_table_entries_fall_back(monkeypatch
         mk.w4a16_mma(torch.randn(17, 256).bfloat16(), packed, meta, 128, config=("lean", 8, 2, 1))
 
 
+def test_lean_late_trigger_is_an_opt_in_build(monkeypatch):
+    """The lean variant's late PDL trigger (after the last ring refill) is compiled only with
+    EDGEVLM_W4A16_LEAN_TRIGGER=1 (a separately named build) and never without the lean variant."""
+    monkeypatch.delenv(mk.LEAN_ENV, raising=False)
+    monkeypatch.delenv(mk.LEAN_TRIGGER_ENV, raising=False)
+    assert not mk.lean_trigger_build()
+    monkeypatch.setenv(mk.LEAN_TRIGGER_ENV, "1")
+    assert mk.lean_trigger_build()
+    monkeypatch.setenv(mk.LEAN_ENV, "0")
+    assert not mk.lean_trigger_build()
+    assert mk._build_flags(False, True) == ("", [])
+    assert mk._build_flags(True, False) == ("_lean", ["-DEDGEVLM_W4A16_LEAN"])
+    assert mk._build_flags(True, True) == ("_lean_lt", ["-DEDGEVLM_W4A16_LEAN", "-DEDGEVLM_W4A16_LEAN_TRIGGER"])
+
+
 def test_lean_table_entries_fall_back_to_the_sweeps_best_other_entry(monkeypatch, tmp_path):
     """A table whose entry names the lean variant carries the sweep's fastest register-ring / bulk entry as
     ``fallback``: a build without the lean variant (or ``EDGEVLM_W4A16_LEAN=0``) runs that one."""
@@ -338,6 +353,59 @@ def test_cuda_lean_kernel_is_bit_identical_to_the_register_ring(m, g, dtype):
                 assert _rel(y, ref) <= 3e-3, (ks, depth, tpc)
                 twin = mk.w4a16_mma(x, packed, meta, g, bias, config=("reg", ks, 2, tpc), mode=2)
                 assert torch.equal(y, twin), (ks, depth, tpc, pdl)
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 9, 16])
+def test_cuda_lean_late_trigger_gives_the_same_outputs_and_keeps_the_dependency(m):
+    """The opt-in late PDL trigger (EDGEVLM_W4A16_LEAN_TRIGGER=1 build) moves only when the next kernel may start:
+    every lean configuration gives the bit-identical output with it, NaN-poisoned outputs are all written, and a
+    chain whose every call reads the previous call's output (plain torch kernels between some) is bit-equal to
+    ordinary launches, eagerly and in a CUDA graph."""
+    if mk.mma_status("cuda", "lean") is not None:
+        pytest.skip(f"lean variant unavailable: {mk.mma_status('cuda', 'lean')}")
+    if not getattr(mk.load_extension("cuda"), "lean_late_trigger", False):
+        pytest.skip(f"built without the late trigger ({mk.LEAN_TRIGGER_ENV}=1 builds it)")
+    gen = torch.Generator(device="cuda").manual_seed(m + 21)
+    n = k = 1024
+    qw = quantize_int4(torch.randn(n, k, device="cuda", generator=gen) * 0.05, 128)
+    packed, meta = repack_int4_mma(qw.qweight, qw.scales, qw.zeros, 128)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    for ks, depth in mk.LEAN_CONFIGS:
+        for tpc in (1, 3):
+            cfg = ("lean", ks, depth, tpc)
+            ref = mk.w4a16_mma(x, packed, meta, 128, config=cfg, pdl=False, late_trigger=False)
+            for pdl in (False, True):
+                poison = torch.full((m, n), float("nan"), device="cuda", dtype=x.dtype)
+                del poison
+                y = mk.w4a16_mma(x, packed, meta, 128, config=cfg, pdl=pdl, late_trigger=True)
+                assert torch.isfinite(y).all() and torch.equal(y, ref), (cfg, pdl)
+
+    def chain(late):
+        y = x
+        for i in range(6):
+            cfg = ("lean", *mk.LEAN_CONFIGS[i % len(mk.LEAN_CONFIGS)], 1 + i % 2)
+            y = mk.w4a16_mma(y, packed, meta, 128, config=cfg, pdl=late is not None, late_trigger=bool(late))
+            y = mk.w4a16_mma(y, packed, meta, 128, config=cfg, pdl=late is not None, late_trigger=bool(late))
+            y = y / y.float().norm(dim=1, keepdim=True).to(y.dtype) * 32  # plain torch kernels between
+        return y
+
+    plain = chain(None)
+    assert torch.isfinite(plain).all()
+    assert torch.equal(chain(True), plain)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain(True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(True)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain)
 
 
 @needs_cuda
