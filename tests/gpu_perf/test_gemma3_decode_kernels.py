@@ -18,7 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from triton_support import needs_triton, run_interpreted  # noqa: E402
+from triton_support import REPO, needs_triton, run_interpreted  # noqa: E402
 
 #: builds ``dec`` (a Gemma 3 Decoder with random weights) for the scripts below; argv[1] = dtype
 GEMMA_DECODER = """
@@ -257,7 +257,7 @@ def test_int4kv_kernel_rejects_a_bad_scale_or_window():
 ENGINE_SCRIPT = """
     import json, sys, tempfile
     from pathlib import Path
-    sys.path[:0] = ["tests", "tests/models"]
+    sys.path[:0] = [sys.argv[1] + "/tests", sys.argv[1] + "/tests/models"]  # argv[1]: the repository
     import torch
     from test_gemma3 import QUESTION, _image, _single_run, build_checkpoint
     from edgevlm.runtime import Engine
@@ -282,7 +282,7 @@ def test_engine_serves_gemma3_through_the_fused_decode_step_in_the_interpreter()
     """The tiny Gemma 3 checkpoint of tests/models/test_gemma3.py through ``Engine`` with the torch
     backend's ``fused_decode`` (its CUDA default) on rolling caches: 18 decode steps after a
     40-token prompt (window 8) give the plain engine's logits and tokens (measured ~3e-7)."""
-    res = run_interpreted(ENGINE_SCRIPT)
+    res = run_interpreted(ENGINE_SCRIPT, str(REPO))
     assert res["fused"] is True and res["ring"] == [True, False, True] and res["prompt"] > 32
     assert res["fused_steps"] == 18
     assert res["tokens_same"] and res["rel"] < 1e-5, res
