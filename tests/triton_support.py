@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -19,9 +20,12 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 def run_interpreted(script: str, *args: str) -> dict:
     """Run ``script`` (with ``args`` as ``sys.argv[1:]``) in a fresh Python with ``TRITON_INTERPRET=1``
     (kernels on the CPU); return the JSON object its last stdout line prints. Fails the test with the
-    script's stderr."""
+    script's stderr. The child starts in an empty temporary folder, not the repository root, where the
+    top-level ``edgevlm/`` source folder would hide an installed package laid out as the wheel has it
+    (``edgevlm.runtime`` is ``runtime/`` in the repository)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
+    with tempfile.TemporaryDirectory(prefix="edgevlm-triton-") as cwd:
+        proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], env=env, cwd=cwd,
+                              capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

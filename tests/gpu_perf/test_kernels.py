@@ -4,16 +4,13 @@ Triton's CPU interpreter when triton is installed (bf16 is checked on the GPU by
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
-REPO = Path(__file__).resolve().parents[2]
+
+from triton_support import run_interpreted  # noqa: E402
 
 
 def test_fused_stem_option_without_cuda_is_a_load_error(make_backend):
@@ -72,13 +69,7 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_fused_stem_matches_float64_in_the_triton_interpreter():
-    import json
-
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = run_interpreted(SCRIPT)
     assert len(rows) == 4
     for dtype, _d, _p, err, finite, module_diff in rows:
         assert finite  # every element written (the output was poisoned with NaN)
