@@ -1,8 +1,9 @@
-"""Decoder sizes and RoPE keys of ``config.json`` that used to crash the loader (found by trying the CLI):
+"""Checkpoint metadata that used to crash the loader or be silently ignored (found by trying the CLI):
 a zero / negative size, a zero ``num_key_value_heads`` (ZeroDivisionError), a non-object 4.x
 ``rope_scaling`` (``dict("linear")``), a non-positive ``rms_norm_eps``, and Gemma 3's
 ``mm_tokens_per_image: 0`` (modulo by zero) were ``internal error: ...`` with exit 1 (or a torch
-warning before the error line). Each is now a :class:`ModelLoadError` naming the key, one line, exit 2.
+warning before the error line); a preprocessor_config.json / processor_config.json that is not a JSON
+object was ignored. Each is now a :class:`ModelLoadError` naming the key or file, one line, exit 2.
 
 Run: ``.venv/bin/python -m pytest -q tests/runtime/test_config_sizes.py``.
 """
@@ -84,3 +85,27 @@ def test_bad_size_is_one_line_exit_2_at_the_cli(tmp_path, capsys, key, value, me
     assert main(["ask", "--model", str(folder), "--image", str(image), "hi"]) == 2
     err = capsys.readouterr().err
     assert err == f"edgevlm: error: config.json: {message}\n"
+
+
+@pytest.mark.parametrize(("name", "text", "kind"), [
+    ("preprocessor_config.json", "[]", "list"), ("preprocessor_config.json", '"x"', "str"),
+    ("processor_config.json", "[1]", "list"), ("processor_config.json", "5", "int"),
+])
+def test_image_processor_file_that_is_not_an_object_is_refused(tmp_path, capsys, name, text, kind):
+    """Was: silently ignored, the model loaded with a WARNING that the checkpoint *has no*
+    preprocessor_config.json and ran on default pixels."""
+    pytest.importorskip("torch")
+    from PIL import Image
+
+    from edgevlm.cli import main
+    from edgevlm.runtime.loader import read_model_files
+
+    folder = tmp_path / "model"
+    shutil.copytree(DEMO, folder)
+    (folder / name).write_text(text)
+    with pytest.raises(ModelLoadError, match=f"{name}: expected a JSON object, got {kind}"):
+        read_model_files(folder)
+    image = tmp_path / "x.png"
+    Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(image)
+    assert main(["ask", "--model", str(folder), "--image", str(image), "hi"]) == 2
+    assert capsys.readouterr().err == f"edgevlm: error: {folder / name}: expected a JSON object, got {kind}\n"
