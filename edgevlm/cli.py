@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         metavar="DIR",
         default=None,
-        help="model folder (Hugging Face LLaVA format) or engine bundle; default: the demo model",
+        help="Hugging Face checkpoint folder of any registered model family (another model_type is refused "
+        "with the supported list) or engine bundle; default: the demo model",
     )
     ask.add_argument(
         "--backend",

@@ -625,3 +625,12 @@ def test_ask_tensorrt_on_the_cpu_is_refused_before_anything_loads(image_files: d
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"edgevlm: error: --backend tensorrt needs --device cuda (got --device {device})"], err
+
+
+def test_ask_help_does_not_say_llava_only(capsys):
+    # was "model folder (Hugging Face LLaVA format)" while six families load (the help stays
+    # registry-free: `edgevlm --help` imports nothing of edgevlm.runtime, tests/test_packaging.py)
+    with pytest.raises(SystemExit):
+        main(["ask", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "LLaVA format" not in out and "checkpoint folder of any registered model family" in out, out
