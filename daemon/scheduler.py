@@ -823,10 +823,13 @@ class Scheduler:
 
         t0 = time.monotonic()
         point = None  # the controller's choice with its default budget and no queue: what serving starts at
-        try:
-            if self.controller is not None:
+        if self.controller is not None:
+            try:
                 point = self.controller.choose(self.controller.default_budget_ms, max_new_tokens=2,
                                                queue_wait_ms=0.0).point
+            except EdgeVLMError as err:  # no point fits the default budget: warm the model's default
+                logger.info("batched warm-up at the model's default point: %s", err.message)
+        try:
             sizes = batch.warm_up(np.full((*WARM_UP_IMAGE_PX, 3), 128, dtype=np.uint8), WARM_UP_PROMPT,
                                   operating_point=point)
         except Exception:  # noqa: BLE001 - a warm-up must never keep the daemon from serving
