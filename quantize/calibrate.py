@@ -382,10 +382,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--adapter-attn-dim", type=non_negative_int, default=0,
                     help="inner width of an attention layer in each adapter (0 = MLP only)")
     ap.add_argument("--adapter-blocks", type=non_negative_int, default=0,
-                    help="full ViT blocks in each adapter, initialised from the encoder's last blocks")
+                    help="full ViT blocks in each adapter, initialised from the encoder's last blocks (LLaVA only)")
     ap.add_argument("--kd-steps", type=non_negative_int, default=None,
                     help="answer-distillation steps through the frozen decoder after the feature loss "
-                         "(LLaVA; default 100, 0 with --keep-adapters and for the Qwen / SmolVLM families)")
+                         "(LLaVA only: default 100, 0 with --keep-adapters; the other families take 0)")
     ap.add_argument("--agreement-images", type=positive_int, default=300, help="images for the confidence heads")
     ap.add_argument("--questions-per-image", type=positive_int, default=3)
     ap.add_argument("--question-conditioned", action="store_true",

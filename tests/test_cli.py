@@ -634,3 +634,15 @@ def test_ask_help_does_not_say_llava_only(capsys):
         main(["ask", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "LLaVA format" not in out and "checkpoint folder of any registered model family" in out, out
+
+
+def test_calibrate_help_says_kd_steps_and_adapter_blocks_are_llava_only(capsys):
+    # was "0 ... for the Qwen / SmolVLM families", while InternVL and Gemma 3 refuse them too
+    from edgevlm.quantize.calibrate import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Qwen / SmolVLM families" not in out
+    assert "(LLaVA only: default 100, 0 with --keep-adapters; the other families take 0)" in out
+    assert "initialised from the encoder's last blocks (LLaVA only)" in out
