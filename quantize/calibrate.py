@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -414,6 +415,22 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _check_writable(out: Path, *, given: bool) -> None:
+    """Create ``out`` and check that files can be written into it, before any training.
+
+    Raises:
+        ValueError: the folder cannot be created or is not writable (named as ``--out`` when given,
+            else as the model folder, with the hint to give ``--out``).
+    """
+    what = f"--out {out}" if given else f"model folder {out} (the default --out)"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{what}: cannot create the folder ({exc.strerror or exc})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} is not writable" + ("" if given else "; give --out FOLDER"))
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry (``edgevlm calibrate``). Returns 0, or 2 after a one-line error."""
     args = build_parser().parse_args(argv)
@@ -463,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         from edgevlm.runtime.exits import EXITS_JSON, EXITS_WEIGHTS, load_exit_heads, save_exit_heads
 
         engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
+        out = Path(args.out) if args.out else Path(engine.model_dir)
+        _check_writable(out, given=args.out is not None)  # before the training, not after it
         if args.kd_steps is None:  # answer distillation is LLaVA's (a ViT family's model has exit_run)
             args.kd_steps = 0 if args.keep_adapters or hasattr(engine.backend.model, "exit_run") else 100
         heads = calibrate(engine, exit_blocks=args.exit_blocks, steps=args.steps, batch_size=args.batch_size,
@@ -473,7 +492,6 @@ def main(argv: list[str] | None = None) -> int:
                           lr=args.lr, rungs=args.rungs, workers=args.workers, time_budget_s=args.time_budget_s,
                           risk_delta=args.risk_delta, init=args.init, keep_adapters=args.keep_adapters,
                           progress=say)
-        out = Path(args.out) if args.out else Path(engine.model_dir)
         weights, spec_path = save_exit_heads(heads, out)
         say(f"calibrate: wrote {weights} and {spec_path}")
         written = [EXITS_WEIGHTS, EXITS_JSON]

@@ -646,3 +646,22 @@ def test_calibrate_help_says_kd_steps_and_adapter_blocks_are_llava_only(capsys):
     assert "Qwen / SmolVLM families" not in out
     assert "(LLaVA only: default 100, 0 with --keep-adapters; the other families take 0)" in out
     assert "initialised from the encoder's last blocks (LLaVA only)" in out
+
+
+@pytest.mark.parametrize("kind", ["file", "proc"])
+def test_calibrate_unwritable_out_is_refused_before_training(tmp_path, capsys, kind):
+    # was: the whole training ran (hours on a real model), then "[Errno 2] No such file or directory"
+    from edgevlm.quantize.calibrate import main as calibrate_main
+
+    out = tmp_path / "a-file" if kind == "file" else Path("/proc/edgevlm-calibrate-out")
+    if kind == "file":
+        out.write_text("x")
+    import time
+
+    demo = Path(__file__).resolve().parents[1] / "runtime" / "demo" / "model"
+    t0 = time.perf_counter()
+    assert calibrate_main([str(demo), "--out", str(out), "--no-frontier", "--steps", "1", "--agreement-images",
+                           "5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"edgevlm: error: --out {out}: cannot create the folder (") and err.count("\n") == 1, err
+    assert "calibrate:" not in err and time.perf_counter() - t0 < 60  # no training step ran
