@@ -27,5 +27,19 @@ def run_interpreted(script: str, *args: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="edgevlm-triton-") as cwd:
         proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], env=env, cwd=cwd,
                               capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0 and _NUMPY_SCALAR_ERROR in proc.stderr and _numpy_refuses_array_scalars():
+        pytest.skip("this Triton's CPU interpreter converts 1-element arrays with int(), which NumPy >= 2.5 "
+                    "refuses (seen with Triton 3.6 + NumPy 2.5.2 on the H200 image); the compiled kernels "
+                    "are tested on the GPU itself")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+_NUMPY_SCALAR_ERROR = "only 0-dimensional arrays can be converted to Python scalars"
+
+
+def _numpy_refuses_array_scalars() -> bool:
+    """NumPy 2.5 turned the deprecated ``int(array of ndim > 0)`` into a TypeError."""
+    import numpy as np
+
+    return tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 5)
