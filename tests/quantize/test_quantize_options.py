@@ -1,0 +1,47 @@
+"""``edgevlm quantize`` options that did nothing or gave a wrong hint (found by trying the CLI on a
+Gemma 3 checkpoint): ``--lm-head int4`` on a checkpoint whose head is tied to the embeddings was a
+silent no-op (the bundle's summary and manifest said nothing); a non-LLaVA family's manifest told
+the user to quantize the vision encoder "with --vision int4", which that family refuses.
+
+Run: ``.venv/bin/python -m pytest -q tests/quantize/test_quantize_options.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from edgevlm.errors import ConfigError  # noqa: E402
+from edgevlm.quantize.build import BuildOptions, build_bundle  # noqa: E402
+
+
+def test_lm_head_int4_on_tied_embeddings_is_refused(tmp_path, capsys):
+    from edgevlm.cli import main
+    from edgevlm.runtime.testing import write_tiny_checkpoint
+
+    src = write_tiny_checkpoint(tmp_path / "src", seed=1, tie_word_embeddings=True)
+    with pytest.raises(ConfigError, match=r"--lm-head int4: this checkpoint has no lm_head of its own"):
+        build_bundle(src, tmp_path / "b", BuildOptions(method="rtn", onnx=False, lm_head=True))
+    assert not (tmp_path / "b").exists() and not (tmp_path / "b.partial").exists()
+    assert main(["quantize", str(src), "--out", str(tmp_path / "c"), "--method", "rtn", "--lm-head", "int4",
+                 "--no-onnx"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["edgevlm: error: --lm-head int4: this checkpoint has no lm_head of its own (tie_word_embeddings: "
+                   "the head is the embedding matrix, which stays 16-bit); use --lm-head fp16"], err
+    # an untied head is still quantized
+    untied = write_tiny_checkpoint(tmp_path / "untied", seed=1)
+    res = build_bundle(untied, tmp_path / "d", BuildOptions(method="rtn", onnx=False, lm_head=True))
+    assert next(d for d in res.manifest.layers if d.name == "language_model.lm_head").action == "int4"
+
+
+def test_non_llava_vision_reason_does_not_offer_vision_int4(tmp_path):
+    from family_support import write_checkpoint
+
+    src = write_checkpoint("gemma3", tmp_path / "gemma3")  # its tower is `vision_tower.*`, as LLaVA's
+    res = build_bundle(src, tmp_path / "b", BuildOptions(method="rtn", onnx=False))
+    vision = [d for d in res.manifest.layers if d.name.startswith("vision_tower.") and d.action == "keep"]
+    assert vision and all(d.reason == "vision encoder stays 16-bit (the gemma3 family)" for d in vision), vision[:2]
+    assert not [d for d in res.manifest.layers if "--vision int4" in d.reason]
+    assert "--vision int4" not in (res.bundle_dir / "README.md").read_text()
