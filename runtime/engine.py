@@ -314,8 +314,10 @@ class Engine:
     def _prompt_ids(self, prompt: str, vision: VisionInput) -> list[int]:
         """``tokenizer.encode_request``'s ids, remembered for a family whose expansion is a function of
         the prompt and the vision-token counts alone (``batched_pixels``: LLaVA's image runs), the
-        last :data:`PROMPT_IDS_CACHE_SIZE` of them: a robot asks the same few questions, and the
-        chat template's render + tokenisation is the costliest pure-Python step of a request."""
+        last :data:`PROMPT_IDS_CACHE_SIZE` of them that fit the KV cache (a longer prompt, which
+        :meth:`prepare` refuses, is not kept: each entry stays below ``max_seq_len`` ids): a robot
+        asks the same few questions, and the chat template's render + tokenisation is the costliest
+        pure-Python step of a request."""
         if not (self.family.batched_pixels and vision.kinds and all(k == "image" for k in vision.kinds)):
             return self.tokenizer.encode_request(prompt, vision, self.processor)
         key = (prompt, tuple(vision.tokens_per_item))
@@ -325,6 +327,8 @@ class Engine:
                 self._ids_cache.move_to_end(key)
                 return list(hit)
         ids = self.tokenizer.encode_request(prompt, vision, self.processor)  # InvalidRequestError: not cached
+        if len(ids) >= self.max_seq_len:  # refused by prepare: kept out, so an entry's size is bounded by the cache
+            return ids
         with self._ids_lock:
             self._ids_cache[key] = tuple(ids)
             if len(self._ids_cache) > PROMPT_IDS_CACHE_SIZE:

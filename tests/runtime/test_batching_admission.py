@@ -159,6 +159,21 @@ def test_prompt_ids_cache_gives_fresh_ids_and_still_refuses_bad_prompts(batch_en
             batch_engine.prepare(image, f"what is {token} ?", operating_point=op64)
 
 
+def test_prompt_ids_cache_keeps_no_prompt_past_the_kv_cache(batch_engine) -> None:
+    """A prompt too long for the KV cache is refused, and not remembered: the cache holds at most
+    PROMPT_IDS_CACHE_SIZE entries of fewer than max_seq_len ids each (was: every refused prompt,
+    of any length, was stored first, so a caller of the SDK could fill it with huge prompts)."""
+    image = _images(1)[0]
+    op = OperatingPoint(name="r64", resolution_px=64)
+    before = dict(batch_engine._ids_cache)
+    for i in range(3):
+        long_prompt = f"{i} " + "red circle " * batch_engine.max_seq_len
+        with pytest.raises(InvalidRequestError, match="KV cache|max_seq_len|too long|positions"):
+            batch_engine.prepare(image, long_prompt, operating_point=op)
+    assert dict(batch_engine._ids_cache) == before
+    assert all(len(ids) < batch_engine.max_seq_len for ids in batch_engine._ids_cache.values())
+
+
 def test_batched_entry_points_refuse_inconsistent_inputs(batch_engine) -> None:
     be = batch_engine.backend
     u = batch_engine.prepare(_images(1)[0], PROMPTS[0], uint8_pixels=True)
