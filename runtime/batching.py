@@ -226,13 +226,16 @@ class ContinuousBatcher:
         return len(self._waiting)
 
     def submit(self, req: GenerationRequest) -> None:
-        """Queue a request. Raises InvalidRequestError when it cannot fit the KV cache or has no
-        tokens/budget."""
+        """Queue a request. Raises InvalidRequestError when it cannot fit the KV cache, has no
+        tokens/budget, or has uint8 ``pixel_values`` without a ``pixel_norm`` of three means and
+        three positive stds (refused here: at admission it would fail the whole prefill group)."""
         n = len(req.input_ids)
         if n < 1 or n >= self.backend.max_seq_len:
             raise InvalidRequestError(f"prompt of {n} tokens; the KV cache holds {self.backend.max_seq_len} positions")
         if req.max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be positive, got {req.max_new_tokens}")
+        if req.pixel_values is not None and req.pixel_values.dtype == torch.uint8:
+            pixel_norm_key(req.pixel_norm)
         self._waiting.append((self.clock(), req))
 
     def abort(self) -> list[GenerationRequest]:
@@ -361,7 +364,8 @@ class ContinuousBatcher:
         by_norm: dict[Any, list[int]] = {}  # plain images, by their uint8 normalisation (None: float32)
         for i, r in enumerate(reqs):
             if r.pixel_values is not None and not _adaptive(r.operating_point):
-                by_norm.setdefault(r.pixel_norm if r.pixel_values.dtype == torch.uint8 else None, []).append(i)
+                key = pixel_norm_key(r.pixel_norm) if r.pixel_values.dtype == torch.uint8 else None
+                by_norm.setdefault(key, []).append(i)
         feat_of: dict[int, torch.Tensor] = {}
         for norm, idx in by_norm.items():
             kw = {} if norm is None else {"normalize": norm}
@@ -449,6 +453,20 @@ class ContinuousBatcher:
     def _result(req, tokens, reason, sub, admitted, first, end) -> GenerationResult:
         return GenerationResult(request_id=req.request_id, tokens=list(tokens), finish_reason=reason,
                                 queue_s=admitted - sub, ttft_s=first - sub, e2e_s=end - sub, key=id(req))
+
+
+def pixel_norm_key(pixel_norm: Any) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """``(mean, std)`` of uint8 pixels (:attr:`GenerationRequest.pixel_norm`, any sequences of numbers)
+    as tuples of three floats: hashable, so requests group by its value. Raises InvalidRequestError for
+    None, another shape, or a std that is not positive."""
+    try:
+        mean, std = (tuple(float(v) for v in part) for part in pixel_norm)
+    except (TypeError, ValueError):
+        mean = std = ()
+    if len(mean) != 3 or len(std) != 3 or not all(s > 0 for s in std):
+        raise InvalidRequestError("uint8 pixel_values need pixel_norm = (3 means, 3 positive stds) on the 0..1 "
+                                  f"scale, got {pixel_norm!r}")
+    return mean, std  # type: ignore[return-value]
 
 
 def _adaptive(op: OperatingPoint | None) -> bool:

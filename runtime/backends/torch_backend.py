@@ -244,10 +244,16 @@ class TorchBackend(Backend):
         per input size and batch bucket (1, 2, 4, ... rows; rows past the batch are don't-care): a
         launch-bound tower (the demo's) costs one replay instead of a launch per kernel.
 
-        Raises ValueError: uint8 pixels without ``normalize``, or float pixels with it."""
+        Raises ValueError: uint8 pixels without ``normalize``, float pixels with it, or a ``normalize``
+        that is not three means and three stds."""
         uint8 = [px.dtype == torch.uint8 for px in pixel_values]
         if any(u != (normalize is not None) for u in uint8):
             raise ValueError("encode_images: uint8 pixels need normalize=(mean, std), float pixels none")
+        if normalize is not None:  # tuples of floats: the key of the cached forward / graphs (lists would not hash)
+            mean, std = (tuple(float(v) for v in part) for part in normalize)
+            if len(mean) != 3 or len(std) != 3:
+                raise ValueError(f"encode_images: normalize must be (3 means, 3 stds), got {normalize!r}")
+            normalize = (mean, std)
         out: list[torch.Tensor | None] = [None] * len(pixel_values)
         by_shape: dict[tuple[int, ...], list[int]] = {}
         for i, px in enumerate(pixel_values):

@@ -174,6 +174,29 @@ def test_prompt_ids_cache_keeps_no_prompt_past_the_kv_cache(batch_engine) -> Non
     assert all(len(ids) < batch_engine.max_seq_len for ids in batch_engine._ids_cache.values())
 
 
+def test_uint8_request_without_a_usable_pixel_norm_is_refused_at_submit(batch_engine) -> None:
+    """uint8 pixels with no (or a malformed) pixel_norm are refused by submit with a typed error, and the
+    other requests are served (was: accepted, then ValueError from encode_images inside step(), which
+    fails every request of the group); lists as pixel_norm work like tuples (was: unhashable)."""
+    images = _images(2)
+    good = _request(batch_engine, images[0], PROMPTS[0])
+    b = ContinuousBatcher(batch_engine.backend)
+    for norm in (None, ((0.5,) * 3,), ((0.5,) * 3, (0.5, 0.5)), ((0.5,) * 3, (0.5, 0.0, 0.5)), ("abc", "def")):
+        bad = _request(batch_engine, images[1], PROMPTS[1])
+        bad.pixel_norm = norm
+        with pytest.raises(InvalidRequestError, match="pixel_norm"):
+            b.submit(bad)
+    listed = _request(batch_engine, images[1], PROMPTS[1])
+    listed.pixel_norm = tuple(list(part) for part in _norm(batch_engine))  # lists inside
+    res = b.run([good, listed])
+    tok = batch_engine.tokenizer
+    assert [tok.decode(r.tokens).strip() for r in res] == [
+        _asked(batch_engine, images[0], PROMPTS[0]).strip(), _asked(batch_engine, images[1], PROMPTS[1]).strip()]
+    feats_list = batch_engine.backend.encode_images([listed.pixel_values], normalize=listed.pixel_norm)
+    feats_tuple = batch_engine.backend.encode_images([listed.pixel_values], normalize=_norm(batch_engine))
+    assert torch.equal(feats_list[0], feats_tuple[0])
+
+
 def test_batched_entry_points_refuse_inconsistent_inputs(batch_engine) -> None:
     be = batch_engine.backend
     u = batch_engine.prepare(_images(1)[0], PROMPTS[0], uint8_pixels=True)
