@@ -391,7 +391,7 @@ class ContinuousBatcher:
             op = r.operating_point
             # question-conditioned exit confidence heads read the prompt (as Engine does)
             prompt = torch.tensor([r.input_ids], dtype=torch.long) if op.exit_threshold is not None else None
-            feat_of[i] = be.encode_image(r.pixel_values, operating_point=op, prompt_ids=prompt)  # (1, N', D)
+            feat_of[i] = be.encode_image(_float_pixels(r), operating_point=op, prompt_ids=prompt)  # (1, N', D)
             info_of[i] = getattr(be, "last_vision_info", None)
             self._take_state(state_of, i)  # pruned tokens keep their unpruned RoPE positions
         return feat_of, info_of, state_of
@@ -467,6 +467,19 @@ def pixel_norm_key(pixel_norm: Any) -> tuple[tuple[float, float, float], tuple[f
         raise InvalidRequestError("uint8 pixel_values need pixel_norm = (3 means, 3 positive stds) on the 0..1 "
                                   f"scale, got {pixel_norm!r}")
     return mean, std  # type: ignore[return-value]
+
+
+def _float_pixels(r: GenerationRequest) -> torch.Tensor:
+    """``r.pixel_values`` as the ``(1, 3, H, W)`` float32 normalised image: as given, or uint8 ``(1, H, W, 3)``
+    normalised with ``r.pixel_norm`` in :func:`~edgevlm.runtime.preprocess.preprocess`'s order of operations
+    (``(x / 255 - mean) / std`` in float32: the same numbers). For the per-request (adaptive) vision path,
+    whose encoder takes float pixels only."""
+    px = r.pixel_values
+    if px.dtype != torch.uint8:
+        return px
+    mean, std = (torch.tensor(v, dtype=torch.float32).view(1, 3, 1, 1) for v in pixel_norm_key(r.pixel_norm))
+    x = px.permute(0, 3, 1, 2).float() * (1.0 / 255.0)  # (1, 3, H, W)
+    return (x - mean) / std
 
 
 def _adaptive(op: OperatingPoint | None) -> bool:

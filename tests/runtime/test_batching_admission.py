@@ -197,6 +197,22 @@ def test_uint8_request_without_a_usable_pixel_norm_is_refused_at_submit(batch_en
     assert torch.equal(feats_list[0], feats_tuple[0])
 
 
+def test_uint8_pixels_at_an_adaptive_point_answer_as_engine_ask(batch_engine) -> None:
+    """A uint8 request at a token-pruning point goes the per-request vision path, whose encoder takes
+    float pixels: normalised there with its pixel_norm, it answers as Engine.ask (was: the uint8
+    (1, H, W, 3) tensor reached the patch convolution: RuntimeError inside step(), the group failed)."""
+    image, prompt = _images(1)[0], PROMPTS[0]
+    op = OperatingPoint(name="prune", keep_ratio=0.5)
+    plain = batch_engine.prepare(image, prompt, max_new_tokens=N_NEW, uint8_pixels=True)
+    pruned = batch_engine.prepare(image, prompt, max_new_tokens=N_NEW, operating_point=op)
+    assert plain.vision.pixel_values.dtype == torch.uint8 and pruned.n_vision < plain.n_vision
+    req = GenerationRequest(pruned.ids, plain.vision.pixel_values, max_new_tokens=N_NEW,
+                            eos_token_ids=batch_engine.eos_token_ids, operating_point=op, pixel_norm=_norm(batch_engine))
+    res = ContinuousBatcher(batch_engine.backend).run([req])
+    assert res[0].tokens
+    assert batch_engine.tokenizer.decode(res[0].tokens) == _asked(batch_engine, image, prompt, op)
+
+
 def test_batched_entry_points_refuse_inconsistent_inputs(batch_engine) -> None:
     be = batch_engine.backend
     u = batch_engine.prepare(_images(1)[0], PROMPTS[0], uint8_pixels=True)
