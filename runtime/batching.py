@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from edgevlm.errors import InvalidRequestError
+from edgevlm.runtime.preprocess import normalize_for_encoder
 from edgevlm.runtime.sampling import SamplingParams, make_generator, select_token
 from edgevlm.types import OperatingPoint
 
@@ -471,15 +472,13 @@ def pixel_norm_key(pixel_norm: Any) -> tuple[tuple[float, float, float], tuple[f
 
 def _float_pixels(r: GenerationRequest) -> torch.Tensor:
     """``r.pixel_values`` as the ``(1, 3, H, W)`` float32 normalised image: as given, or uint8 ``(1, H, W, 3)``
-    normalised with ``r.pixel_norm`` in :func:`~edgevlm.runtime.preprocess.preprocess`'s order of operations
-    (``(x / 255 - mean) / std`` in float32: the same numbers). For the per-request (adaptive) vision path,
-    whose encoder takes float pixels only."""
+    normalised with ``r.pixel_norm`` by :func:`~edgevlm.runtime.preprocess.normalize_for_encoder` (the host
+    path's numbers). For the per-request (adaptive) vision path, whose encoder takes float pixels only."""
     px = r.pixel_values
     if px.dtype != torch.uint8:
         return px
-    mean, std = (torch.tensor(v, dtype=torch.float32).view(1, 3, 1, 1) for v in pixel_norm_key(r.pixel_norm))
-    x = px.permute(0, 3, 1, 2).float() * (1.0 / 255.0)  # (1, 3, H, W)
-    return (x - mean) / std
+    mean, std = pixel_norm_key(r.pixel_norm)
+    return torch.from_numpy(normalize_for_encoder(px[0].cpu().numpy(), mean, std))[None]  # (1, 3, H, W)
 
 
 def _adaptive(op: OperatingPoint | None) -> bool:

@@ -93,6 +93,13 @@ def preprocess(
     Raises:
         ValueError: the array is not ``(H, W, 3)`` uint8.
     """
-    x = resize_for_encoder(image_rgb, resolution_px, patch_px).astype(np.float32) * (1.0 / 255.0)  # (H', W', 3)
+    return normalize_for_encoder(resize_for_encoder(image_rgb, resolution_px, patch_px), mean, std)
+
+
+def normalize_for_encoder(image_rgb: np.ndarray, mean: tuple[float, float, float] = CLIP_MEAN,
+                          std: tuple[float, float, float] = CLIP_STD) -> np.ndarray:
+    """The second half of :func:`preprocess`: ``(H, W, 3)`` uint8 RGB (already resized) -> ``(3, H, W)``
+    float32 ``(x / 255 - mean) / std`` per channel (0..1 scale), in this order, in float32."""
+    x = image_rgb.astype(np.float32) * (1.0 / 255.0)  # (H, W, 3)
     x = (x - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
-    return np.ascontiguousarray(x.transpose(2, 0, 1))  # (3, H', W')
+    return np.ascontiguousarray(x.transpose(2, 0, 1))  # (3, H, W)
