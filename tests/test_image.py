@@ -469,8 +469,11 @@ def test_concurrent_decodes_run_in_parallel_equal_bytes_and_restore_the_log_leve
     real_imdecode = cv2.imdecode
     barrier = threading.Barrier(4)
 
+    levels: list[int] = []
+
     def slow_imdecode(*args, **kwargs):  # every thread inside cv2.imdecode at once, or the barrier breaks
         inside.append(image_mod._cv2_quiet_users)
+        levels.append(cv2.utils.logging.getLogLevel())
         barrier.wait(timeout=10)
         return real_imdecode(*args, **kwargs)
 
@@ -485,6 +488,7 @@ def test_concurrent_decodes_run_in_parallel_equal_bytes_and_restore_the_log_leve
         cv2.imdecode = real_imdecode
     assert len(results) == 4 and not barrier.broken
     assert max(inside) >= 2  # decodes overlapped (one lock around imdecode would have deadlocked the barrier)
+    assert levels == [cv2.utils.logging.LOG_LEVEL_SILENT] * 4  # every decode ran with OpenCV's log silenced
     for rgb in results:
         assert rgb.flags.c_contiguous and rgb.dtype == np.uint8
         np.testing.assert_array_equal(rgb, want)
