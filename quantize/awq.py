@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from edgevlm.runtime.decoder import RMSNorm
 from edgevlm.runtime.int4 import fake_quantize_int4
 
 logger = logging.getLogger(__name__)
@@ -61,10 +62,14 @@ class AWQResult:
 
 
 def _is_norm(m: nn.Module, k: int) -> bool:
+    """Whether AWQ may fold its input scale into ``m``'s ``(k,)`` weight: an ``nn.LayerNorm`` or the
+    runtime's :class:`~edgevlm.runtime.decoder.RMSNorm` (``x_hat * w``). Gemma's
+    :class:`~edgevlm.runtime.decoder.UnitOffsetNorm` (``x_hat * (1 + w)``) is not: its consumers keep an
+    explicit input scale instead."""
     w = getattr(m, "weight", None)
-    if isinstance(m, nn.LayerNorm):
-        return w is not None and tuple(w.shape) == (k,)
-    return type(m).__name__.endswith("RMSNorm") and isinstance(w, torch.Tensor) and tuple(w.shape) == (k,)
+    if not isinstance(m, (nn.LayerNorm, RMSNorm)) or not isinstance(w, torch.Tensor):
+        return False
+    return tuple(w.shape) == (k,)
 
 
 def _foldable(prev: nn.Module, consumers: list[nn.Module]) -> bool:

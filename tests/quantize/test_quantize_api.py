@@ -234,3 +234,22 @@ def test_reservoir_keeps_uniform_sample_and_full_mean():
     torch.testing.assert_close(obs.mean_abs, torch.full((4,), 9.5))
     batches = obs.rows[:, 0]
     assert batches.min() < 5 and batches.max() > 14  # not just the first 50 rows
+
+
+def test_awq_folds_into_plain_rms_and_layer_norms_only():
+    """The fold target is chosen by class, not by name: Gemma's unit-offset norm (``x_hat * (1 + w)``)
+    is never folded into, a same-named stand-in neither; a weight of another width is not a target."""
+    from edgevlm.runtime.decoder import RMSNorm, UnitOffsetNorm
+
+    assert awq._is_norm(RMSNorm(8, 1e-6), 8)
+    assert awq._is_norm(nn.LayerNorm(8), 8)
+    assert not awq._is_norm(RMSNorm(8, 1e-6), 16)
+    assert not awq._is_norm(UnitOffsetNorm(8, 1e-6), 8)
+    assert not awq._is_norm(nn.LayerNorm(8, elementwise_affine=False), 8)
+
+    class LookalikeRMSNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(8))
+
+    assert not awq._is_norm(LookalikeRMSNorm(), 8)
