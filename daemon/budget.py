@@ -65,7 +65,7 @@ from typing import Any
 from edgevlm.errors import ConfigError, DeadlineExceededError
 from edgevlm.profile import FrontierPoint, Profile, load_frontier, load_profile
 from edgevlm.runtime.policy import Controller, Decision, PointProfile
-from edgevlm.types import OperatingPoint, Stats
+from edgevlm.types import OperatingPoint, Stats, asks_adaptive_vision
 
 logger = logging.getLogger(__name__)
 
@@ -370,13 +370,6 @@ def _fits_ladder(profile: Profile, engine: Any) -> bool:
     return not off
 
 
-def adaptive_point(p: Any) -> bool:
-    """Whether a (frontier or operating) point encodes its image with early exit or token pruning:
-    one request at a time, outside the batched vision encoder."""
-    return (p.exit_threshold is not None or p.exit_layer is not None
-            or (p.keep_ratio is not None and p.keep_ratio < 1.0))
-
-
 def build_controller(config: Any, engine: Any, *, batched: bool = False) -> BudgetController | None:
     """A :class:`BudgetController` for ``engine`` under daemon ``config`` (None when
     ``controller.enabled`` is false). See the module doc for where the frontier comes from.
@@ -411,9 +404,9 @@ def build_controller(config: Any, engine: Any, *, batched: bool = False) -> Budg
         if dropped:
             logger.warning("controller: dropping points this model/backend cannot run (early exit or token pruning): %s",
                            ", ".join(dropped))
-        if batched and any(not adaptive_point(p) for p in ok):
-            solo = [p.name for p in ok if adaptive_point(p)]
-            ok = [p for p in ok if not adaptive_point(p)]
+        if batched and any(not asks_adaptive_vision(p) for p in ok):
+            solo = [p.name for p in ok if asks_adaptive_vision(p)]
+            ok = [p for p in ok if not asks_adaptive_vision(p)]
             if solo:
                 logger.info("controller: continuous batching: leaving out the points that encode one image at a "
                             "time (early exit, token pruning): %s", ", ".join(solo))

@@ -6,6 +6,8 @@ puts on the wire; ``OperatingPoint`` is the set of knobs one inference call runs
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_RESOLUTION_PX = 8192
@@ -41,6 +43,14 @@ class OperatingPoint(BaseModel):
     keep_ratio: float | None = Field(
         None, gt=0.0, le=1.0, description="Fraction of vision tokens kept before the projector."
     )
+
+
+def asks_adaptive_vision(point: Any) -> bool:
+    """Whether ``point`` (an :class:`OperatingPoint`, a profile's ``FrontierPoint``, or None) encodes its
+    image with early exit (``exit_layer`` / ``exit_threshold``) or token pruning (``keep_ratio`` < 1):
+    then the image is encoded one request at a time, outside the batched vision encoder."""
+    return point is not None and (point.exit_layer is not None or point.exit_threshold is not None
+                                  or (point.keep_ratio is not None and point.keep_ratio < 1.0))
 
 
 class Stats(BaseModel):

@@ -56,7 +56,7 @@ import torch
 from edgevlm.errors import InvalidRequestError
 from edgevlm.runtime.preprocess import normalize_for_encoder
 from edgevlm.runtime.sampling import SamplingParams, make_generator, select_token
-from edgevlm.types import OperatingPoint
+from edgevlm.types import OperatingPoint, asks_adaptive_vision
 
 logger = logging.getLogger(__name__)
 
@@ -311,7 +311,7 @@ class ContinuousBatcher:
         feat_of, info_of, state_of = self._encode(reqs)
         be.synchronize()
         t_vision = self.clock()
-        if all(r.pixel_values is not None and not _adaptive(r.operating_point) for r in reqs) and hasattr(
+        if all(r.pixel_values is not None and not asks_adaptive_vision(r.operating_point) for r in reqs) and hasattr(
                 be, "prefill_images_batch"):  # LLaVA's plain images: one embed, one prefill, no per-row work
             logits = be.prefill_images_batch([r.input_ids for r in reqs], [feat_of[i] for i in range(len(reqs))],
                                              rows, spare_rows=free[len(reqs):])  # (n, V)
@@ -364,7 +364,7 @@ class ContinuousBatcher:
         be = self.backend
         by_norm: dict[Any, list[int]] = {}  # plain images, by their uint8 normalisation (None: float32)
         for i, r in enumerate(reqs):
-            if r.pixel_values is not None and not _adaptive(r.operating_point):
+            if r.pixel_values is not None and not asks_adaptive_vision(r.operating_point):
                 key = pixel_norm_key(r.pixel_norm) if r.pixel_values.dtype == torch.uint8 else None
                 by_norm.setdefault(key, []).append(i)
         feat_of: dict[int, torch.Tensor] = {}
@@ -376,7 +376,7 @@ class ContinuousBatcher:
         for i, r in enumerate(reqs):
             if r.pixel_values is not None or r.vision is None or not r.vision.kinds:
                 continue
-            if _adaptive(r.operating_point):  # LLaVA's early exit / pruning of its one image
+            if asks_adaptive_vision(r.operating_point):  # LLaVA's early exit / pruning of its one image
                 op = r.operating_point
                 prompt = torch.tensor([r.input_ids], dtype=torch.long) if op.exit_threshold is not None else None
                 feat_of[i] = be.encode_vision(r.vision, operating_point=op, prompt_ids=prompt)
@@ -387,7 +387,7 @@ class ContinuousBatcher:
             if state is not None:
                 state_of[i] = state
         for i, r in enumerate(reqs):
-            if r.pixel_values is None or not _adaptive(r.operating_point):
+            if r.pixel_values is None or not asks_adaptive_vision(r.operating_point):
                 continue
             op = r.operating_point
             # question-conditioned exit confidence heads read the prompt (as Engine does)
@@ -481,7 +481,3 @@ def _float_pixels(r: GenerationRequest) -> torch.Tensor:
     return torch.from_numpy(normalize_for_encoder(px[0].cpu().numpy(), mean, std))[None]  # (1, 3, H, W)
 
 
-def _adaptive(op: OperatingPoint | None) -> bool:
-    """Whether ``op`` asks for early exit or token pruning (the per-request vision path)."""
-    return op is not None and (op.exit_layer is not None or op.exit_threshold is not None
-                               or (op.keep_ratio is not None and op.keep_ratio < 1.0))

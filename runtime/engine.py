@@ -30,7 +30,7 @@ from edgevlm.runtime.preprocess import CLIP_MEAN, CLIP_STD, preprocess
 from edgevlm.runtime.sampling import SamplingParams, TextAssembler, make_generator, select_token
 from edgevlm.runtime.tokenizer import IncrementalDecoder, VLMTokenizer
 from edgevlm.runtime.vision_cache import VisionCache, content_key
-from edgevlm.types import Answer, OperatingPoint, Stats
+from edgevlm.types import Answer, OperatingPoint, Stats, asks_adaptive_vision
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +39,6 @@ DEFAULT_MAX_SEQ_LEN = 4096
 
 #: Frames one request may send to a video-capable family (each costs vision tokens and encoder time).
 MAX_VIDEO_FRAMES = 64
-
-
-def _asks_adaptive(op: OperatingPoint) -> bool:
-    """Whether ``op`` asks for early exit or token pruning."""
-    return op.exit_layer is not None or op.exit_threshold is not None or (
-        op.keep_ratio is not None and op.keep_ratio < 1.0)
 
 
 def _ms(t0: float, t1: float) -> float:
@@ -284,7 +278,7 @@ class Engine:
             max_new_tokens = min(max_new_tokens, op.max_new_tokens)
         params = SamplingParams.validate(max_new_tokens, temperature, top_p, stop, seed)
         t0 = time.perf_counter()
-        if video is None and uint8_pixels and self.family.batched_pixels and len(images) == 1 and not _asks_adaptive(op):
+        if video is None and uint8_pixels and self.family.batched_pixels and len(images) == 1 and not asks_adaptive_vision(op):
             vision = self.processor.prepare(images, resolution_px=op.resolution_px, uint8_pixels=True)
         elif video is None:
             vision = self.processor.prepare(images, resolution_px=op.resolution_px)
@@ -292,7 +286,7 @@ class Engine:
             vision = self.processor.prepare([], resolution_px=op.resolution_px, video=video,
                                             video_timestamps_s=video_ts)
         preprocess_ms = _ms(t0, time.perf_counter())
-        if len(vision.tokens_per_item) > 1 and _asks_adaptive(op):
+        if len(vision.tokens_per_item) > 1 and asks_adaptive_vision(op):
             raise InvalidRequestError(f"operating point {op.name!r}: early exit and token pruning take one image")
         n_vision = self._adaptive_vision_tokens(vision, op)
         in_prompt = vision if n_vision == vision.num_tokens else replace(vision, tokens_per_item=[n_vision])
@@ -375,7 +369,7 @@ class Engine:
         from edgevlm.runtime.vision import exit_plan
 
         n_vision = vision.num_tokens
-        if _asks_adaptive(op) and not self.family.adaptive_vision:
+        if asks_adaptive_vision(op) and not self.family.adaptive_vision:
             raise InvalidRequestError(f"operating point {op.name!r}: early exit and token pruning are not "
                                       f"supported for the {self.family.name} family")
         if op.exit_layer is not None or op.exit_threshold is not None:

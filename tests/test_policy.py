@@ -221,3 +221,20 @@ def test_a_refusing_controller_forgets_a_stale_slowdown():
 def test_bad_parameters(kwargs):
     with pytest.raises(ValueError):
         Controller(**kwargs)
+
+
+def test_asks_adaptive_vision_is_one_rule_for_operating_and_frontier_points():
+    """Early exit (a layer or a threshold) or a keep ratio below 1 sends an image through the
+    per-request encoder; keep ratio 1, no exit, or no point at all keeps it in the batched encoder."""
+    from edgevlm.profile import FrontierPoint
+    from edgevlm.types import OperatingPoint, asks_adaptive_vision
+
+    assert not asks_adaptive_vision(None)
+    assert not asks_adaptive_vision(OperatingPoint())
+    assert not asks_adaptive_vision(OperatingPoint(keep_ratio=1.0, resolution_px=256, max_new_tokens=8))
+    assert asks_adaptive_vision(OperatingPoint(exit_layer=3))
+    assert asks_adaptive_vision(OperatingPoint(exit_threshold=0.9))
+    assert asks_adaptive_vision(OperatingPoint(keep_ratio=0.5))
+    measured = {"accuracy": 0.9, "vision_ms": 3.0, "prefill_ms": 2.0, "tpot_ms": 1.0}
+    assert not asks_adaptive_vision(FrontierPoint(name="r384", resolution_px=384, **measured))
+    assert asks_adaptive_vision(FrontierPoint(name="r384-k0.25", resolution_px=384, keep_ratio=0.25, **measured))
