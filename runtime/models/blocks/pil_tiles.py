@@ -1,5 +1,5 @@
-"""Pillow resize, tile normalisation and the resample / mean / std settings reader shared by the tiling
-processors (SmolVLM / Idefics3, InternVL).
+"""Pillow resize, tile normalisation, the resample / mean / std settings reader and the image-only request
+check shared by the PIL processors (SmolVLM / Idefics3, InternVL, Gemma 3).
 
 Both follow transformers' slow (PIL) image processors: resize a ``(H, W, 3)`` uint8 image with the
 checkpoint's ``resample`` filter code (transformers' ``PILImageResampling``: the Pillow
@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from edgevlm.errors import InvalidImageError, ModelLoadError
+from edgevlm.errors import InvalidImageError, InvalidRequestError, ModelLoadError
 
 #: Pillow resampling filters by their integer code (transformers' PILImageResampling)
 PIL_FILTERS = {0: "NEAREST", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC", 4: "BOX", 5: "HAMMING"}
@@ -46,6 +46,19 @@ def read_pil_settings(pre: dict, defaults: Any, where: str) -> dict[str, Any]:
         raise ModelLoadError(f"{where}: image_std must not contain 0")
     return {"resample": resample, "image_mean": _triple(pre, "image_mean", defaults.image_mean, where),
             "image_std": std}
+
+
+def check_image_request(model_type: str, video: Any, resolution_px: Any) -> None:
+    """Refuse what an image-only processor cannot serve: a ``video`` (send the frames as images) and a
+    ``resolution_px`` that is not a positive int (None = the checkpoint's own size).
+
+    Raises:
+        InvalidRequestError: either of the above, naming the field.
+    """
+    if video is not None:
+        raise InvalidRequestError(f"video: {model_type} models take images only (send the frames as images)")
+    if resolution_px is not None and (not isinstance(resolution_px, int) or resolution_px <= 0):
+        raise InvalidRequestError(f"resolution_px must be a positive int, got {resolution_px!r}")
 
 
 def check_rgb(image: Any) -> np.ndarray:

@@ -31,7 +31,12 @@ import numpy as np
 from edgevlm.errors import InvalidRequestError, ModelLoadError
 from edgevlm.model_folder import read_json
 from edgevlm.runtime.models.base import VisionInput
-from edgevlm.runtime.models.blocks.pil_tiles import PilTileProcessor, check_rgb, read_pil_settings
+from edgevlm.runtime.models.blocks.pil_tiles import (
+    PilTileProcessor,
+    check_image_request,
+    check_rgb,
+    read_pil_settings,
+)
 from edgevlm.runtime.models.gemma3.config import Gemma3Config
 
 logger = logging.getLogger(__name__)
@@ -143,10 +148,7 @@ class Gemma3Processor(PilTileProcessor):
         """
         import torch
 
-        if video is not None:
-            raise InvalidRequestError(f"video: {self.cfg.model_type} models take images only (send the frames as images)")
-        if resolution_px is not None and (not isinstance(resolution_px, int) or resolution_px <= 0):
-            raise InvalidRequestError(f"resolution_px must be a positive int, got {resolution_px!r}")
+        check_image_request(self.cfg.model_type, video, resolution_px)
         p, seq = self.image_cfg.image_px, self.image_cfg.image_seq_len
         pixel_values = (torch.from_numpy(np.concatenate([self.preprocess_image(img) for img in images]))
                         if images else torch.zeros(0, 3, p, p))

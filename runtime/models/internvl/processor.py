@@ -36,7 +36,12 @@ import numpy as np
 from edgevlm.errors import InvalidRequestError, ModelLoadError
 from edgevlm.model_folder import read_json
 from edgevlm.runtime.models.base import VisionInput
-from edgevlm.runtime.models.blocks.pil_tiles import PilTileProcessor, check_rgb, read_pil_settings
+from edgevlm.runtime.models.blocks.pil_tiles import (
+    PilTileProcessor,
+    check_image_request,
+    check_rgb,
+    read_pil_settings,
+)
 from edgevlm.runtime.models.internvl.config import InternVLConfig
 
 logger = logging.getLogger(__name__)
@@ -180,10 +185,7 @@ class InternVLProcessor(PilTileProcessor):
         """
         import torch
 
-        if video is not None:
-            raise InvalidRequestError(f"video: {self.cfg.model_type} models take images only (send the frames as images)")
-        if resolution_px is not None and (not isinstance(resolution_px, int) or resolution_px <= 0):
-            raise InvalidRequestError(f"resolution_px must be a positive int, got {resolution_px!r}")
+        check_image_request(self.cfg.model_type, video, resolution_px)
         t, seq = self.image_cfg.tile_px, self.image_cfg.image_seq_len
         budget = None if resolution_px is None else max(1, (resolution_px // t) ** 2)
         per_image = [self.preprocess_image(img, budget) for img in images]
