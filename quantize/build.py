@@ -442,7 +442,7 @@ def build_bundle(model_dir: str | Path, out_dir: str | Path, opts: BuildOptions 
     if out_dir == model_dir or model_dir in out_dir.parents:
         raise ConfigError(f"output folder {out_dir} must not be inside the model folder")
     cfg = files.config
-    if opts.vision == "int4" and files.family.name != "llava":
+    if opts.vision == "int4" and not files.family.int4_vision:
         raise ConfigError(f"--vision int4 is not supported for the {files.family.name} family (its vision encoder "
                           "stays 16-bit; INT4 vision: llava); use --vision fp16")
     ladder = _resolve_ladder(files, opts)
@@ -451,17 +451,11 @@ def build_bundle(model_dir: str | Path, out_dir: str | Path, opts: BuildOptions 
 
     source = CheckpointReader(files)
     decisions = plan_layers(list_linears(files, source), group_size=opts.group_size, method=opts.method,
-                            vision=opts.vision, lm_head=opts.lm_head)
+                            vision=opts.vision, lm_head=opts.lm_head, int4_vision=files.family.int4_vision)
     by_name = {d.name: d for d in decisions}
     if opts.lm_head and "language_model.lm_head" not in by_name:  # was: a silent no-op
         raise ConfigError("--lm-head int4: this checkpoint has no lm_head of its own (tie_word_embeddings: the head "
                           "is the embedding matrix, which stays 16-bit); use --lm-head fp16")
-    if files.family.name != "llava":  # the plan's generic hint names an option this family refuses
-        for d in decisions:
-            if d.action == "keep" and d.reason.endswith("(quantize it with --vision int4)"):
-                by_name[d.name] = d.model_copy(update=dict(reason=f"vision encoder stays 16-bit (the "
-                                                                 f"{files.family.name} family)"))
-        decisions = list(by_name.values())
     for d in decisions:  # lm_head is always round-to-nearest (AWQ is applied per block only)
         if d.name == "language_model.lm_head" and d.action == "int4":
             by_name[d.name] = d.model_copy(update=dict(method="rtn", reason=d.reason + "; RTN (no AWQ for lm_head)"))

@@ -78,9 +78,12 @@ def plan_layers(
     vision: str = "fp16",
     lm_head: bool = False,
     roles: bool = True,
+    int4_vision: bool = True,
 ) -> list[LayerDecision]:
     """Decide every layer. With ``roles=False`` (generic modules, see ``quantize_``) every given
-    layer is a candidate; otherwise the LLaVA role rules in the module docstring apply."""
+    layer is a candidate; otherwise the LLaVA role rules in the module docstring apply.
+    ``int4_vision``: whether the family can quantize its vision tower (the family's
+    ``ModelFamily.int4_vision``); without it a kept tower's reason names no ``--vision int4``."""
     out = []
     for info in layers:
         role = layer_role(info.name) if roles else "decoder"
@@ -88,7 +91,8 @@ def plan_layers(
                     out_features=info.out_features)
         reason = {
             "lm_head": "lm_head stays 16-bit (quantize it with --lm-head int4)",
-            "vision": "vision encoder stays 16-bit (quantize it with --vision int4)",
+            "vision": ("vision encoder stays 16-bit (quantize it with --vision int4)" if int4_vision
+                       else "vision encoder stays 16-bit (this family's tower is not quantized)"),
             "projector": "projector stays 16-bit",
             "vision_fixed": "vision encoder / connector stays 16-bit",
             "other": "not a decoder layer: stays 16-bit",

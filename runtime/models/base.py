@@ -56,6 +56,9 @@ class ModelFamily:
         batched_pixels: the model has LLaVA's pixel path (``encode_image`` of ``(B, 3, H, W)``
             pixels, 1-D RoPE), so continuous batching encodes its plain images as one batch per
             input size; other families batch too, encoding each request's ``VisionInput`` alone.
+        int4_vision: ``edgevlm quantize --vision int4`` can quantize the vision tower's linears
+            (LLaVA's CLIP / SigLIP encoder); other families' towers stay 16-bit and the option is
+            refused in one line.
     """
 
     name: str
@@ -70,6 +73,7 @@ class ModelFamily:
     batched_pixels: bool = False
     max_images: int = 1
     vision_state_free: bool = True
+    int4_vision: bool = False
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,22 @@ def test_non_llava_vision_reason_does_not_offer_vision_int4(tmp_path):
     src = write_checkpoint("gemma3", tmp_path / "gemma3")  # its tower is `vision_tower.*`, as LLaVA's
     res = build_bundle(src, tmp_path / "b", BuildOptions(method="rtn", onnx=False))
     vision = [d for d in res.manifest.layers if d.name.startswith("vision_tower.") and d.action == "keep"]
-    assert vision and all(d.reason == "vision encoder stays 16-bit (the gemma3 family)" for d in vision), vision[:2]
+    assert vision and all(d.reason == "vision encoder stays 16-bit (this family's tower is not quantized)" for d in vision), vision[:2]
     assert not [d for d in res.manifest.layers if "--vision int4" in d.reason]
     assert "--vision int4" not in (res.bundle_dir / "README.md").read_text()
+
+
+def test_int4_vision_is_a_family_capability():
+    """Only LLaVA's registry entry quantizes its tower; the plan's hint follows the flag, not a name."""
+    from edgevlm.quantize.plan import LinearInfo, plan_layers
+    from edgevlm.runtime.models import FAMILIES, get_family
+
+    assert [name for name in FAMILIES if get_family(name).int4_vision] == ["llava"]
+    tower = [LinearInfo(name="vision_tower.encoder.layers.0.mlp.fc1", source_key="k", in_features=256,
+                        out_features=512)]
+    (kept,) = plan_layers(tower, group_size=128, method="rtn", int4_vision=False)
+    assert kept.action == "keep" and "--vision int4" not in kept.reason
+    (offered,) = plan_layers(tower, group_size=128, method="rtn")
+    assert offered.action == "keep" and offered.reason.endswith("(quantize it with --vision int4)")
+    (quantized,) = plan_layers(tower, group_size=128, method="rtn", vision="int4")
+    assert quantized.action == "int4"

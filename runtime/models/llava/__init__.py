@@ -38,6 +38,7 @@ FAMILY = ModelFamily(
     optional_prefixes=OPTIONAL_PREFIXES,
     adaptive_vision=True,
     batched_pixels=True,
+    int4_vision=True,
 )
 
 __all__ = ["FAMILY"]
