@@ -20,6 +20,13 @@ Telemetry: Prometheus metrics on ``metrics.listen``; the JSON summary on
 metrics and, through :class:`~edgevlm.daemon.tegrastats.ThrottleDetector`, a slowdown hint for
 the latency controller (``hint_slowdown``) when the scheduler has one. Each camera's state is
 published retained on ``<prefix>/<device_id>/sources/<name>``.
+
+With ``mqtt.front_processes: N`` (N >= 1; 0, the default, is all of the above in one process), N front
+processes (:mod:`edgevlm.daemon.front`, started and restarted by :mod:`edgevlm.daemon.fronts`) take the
+request topics through an MQTT v5 shared subscription, validate the requests and decode their images,
+and publish the answers; this process keeps its own connection for the status, the retained state,
+telemetry, reload results and audio, and READY waits for every front's subscription too. Shutdown
+stops the fronts after the scheduler (each answers what it still holds ``BUSY``).
 """
 
 from __future__ import annotations
@@ -187,7 +194,9 @@ class Daemon:
             metrics=self.metrics,
             on_ready=self._on_broker_ready,
             on_connection=self._on_connection,
+            serve_requests=config.mqtt.front_processes == 0,  # else the front processes take the requests
         )
+        self.fronts = self._make_fronts()
         self.http = self._make_http(engine)
         self.scheduler.model_id = served_model_id(config, engine)
         self.offload = self._make_offload()
@@ -210,6 +219,15 @@ class Daemon:
 
         batched = batching_settings(self.config)[0] and batch_rows(engine) >= 2
         return build_controller(self.config, engine, batched=batched)
+
+    def _make_fronts(self) -> Any:
+        """The MQTT front processes (``edgevlm.daemon.fronts``), when ``mqtt.front_processes`` >= 1."""
+        if not self.config.mqtt.front_processes:
+            return None
+        from edgevlm.daemon.fronts import FrontProcesses
+
+        return FrontProcesses(self.config, self.scheduler, self.counters, self.metrics,
+                              on_ready=self._on_broker_ready)
 
     def _make_http(self, engine: Any) -> Any:
         """The OpenAI-compatible HTTP API (``edgevlm.daemon.openai_api``), when ``http.enabled``."""
@@ -325,7 +343,13 @@ class Daemon:
 
     # ------------------------------------------------------------------ callbacks
     def _on_broker_ready(self) -> None:
+        """The daemon's connection is subscribed, or (with front processes) every front is: READY
+        once both hold."""
+        if self.fronts is not None and not (self.fronts.ready() and self.bridge.wait_ready(0)):
+            return
         status = f"serving {self.bridge.request_topic} on {self.config.mqtt.host}:{self.config.mqtt.port}"
+        if self.fronts is not None:
+            status += f" through {self.fronts.count} front process(es)"
         if not self.ready_sent.is_set():
             self.ready_sent.set()
             self.notifier.ready(status)
@@ -392,6 +416,8 @@ class Daemon:
             raise
         self.heartbeat.beat()
         self.notifier.status(f"model loaded; connecting to the broker at {self.config.mqtt.host}:{self.config.mqtt.port}")
+        if self.fronts is not None:
+            self.fronts.start()
         self.bridge.start()
         self._started = True
         self.watchdog.start()
@@ -435,8 +461,16 @@ class Daemon:
             )
 
     def wait_ready(self, timeout_s: float | None) -> bool:
-        """Wait until the broker connection is up and the request topic subscribed."""
-        return self.bridge.wait_ready(timeout_s)
+        """Wait until the broker connection is up and the request topic subscribed (with front
+        processes: by every front)."""
+        import time
+
+        until = None if timeout_s is None else time.monotonic() + timeout_s
+        if not self.bridge.wait_ready(timeout_s):
+            return False
+        if self.fronts is None:
+            return True
+        return self.fronts.wait_ready(None if until is None else max(0.0, until - time.monotonic()))
 
     def stop(self) -> None:
         """Shut down cleanly within ``service.shutdown_timeout_s`` (+ the MQTT goodbye); idempotent."""
@@ -446,6 +480,8 @@ class Daemon:
         bound_s = self.config.service.shutdown_timeout_s
         self.notifier.stopping("shutting down")
         self.bridge.stop_accepting()
+        if self.fronts is not None:
+            self.fronts.stop_accepting()
         if self.http is not None:
             self.http.stop_accepting()
         self.reload.stop()
@@ -461,6 +497,10 @@ class Daemon:
         if self.http is not None:
             failed += self.http.fail_outstanding(
                 BusyError(f"the daemon is shutting down; the request did not finish within {bound_s} s"))
+        if self.fronts is not None:
+            failed += self.fronts.fail_outstanding(
+                BusyError(f"the daemon is shutting down; the request did not finish within {bound_s} s"))
+            self.fronts.stop()
         if failed:
             logger.warning("shutdown: %d request(s) in flight answered BUSY", failed)
         if self.http is not None:

@@ -85,6 +85,7 @@ from edgevlm.protocol import (
     parse_request,
     pool_request_topic,
     pool_subscription,
+    request_subscription,
     request_timeout_ms,
     request_topic,
     status_topic,
@@ -139,6 +140,12 @@ class MqttBridge:
         on_ready: called (on paho's thread) after every successful (re)subscription.
         on_connection: called with ``True``/``False`` and a reason when the connection comes up
             or is lost.
+        serve_requests: subscribe the request topics (the device's and the pool's); False for the
+            daemon's own connection when front processes take them (``mqtt.front_processes``).
+        share_group: subscribe the device's request topic as the shared subscription
+            ``$share/<share_group>/...`` (a front process; the pool's is shared already).
+        announce: own the retained status (the last will "offline", "online" on connect,
+            "offline" at stop); False for a front process (the daemon's process owns it).
     """
 
     def __init__(
@@ -152,8 +159,13 @@ class MqttBridge:
         metrics: Any = None,
         on_ready: Callable[[], None] | None = None,
         on_connection: Callable[[bool, str], None] | None = None,
+        serve_requests: bool = True,
+        share_group: str | None = None,
+        announce: bool = True,
     ) -> None:
         self.config = config
+        self.serve_requests = serve_requests
+        self.announce = announce
         self.scheduler = scheduler
         self.counters = counters or scheduler.counters
         self.limits = limits or LimitsConfig()
@@ -161,6 +173,8 @@ class MqttBridge:
         self.on_ready = on_ready
         self.on_connection = on_connection
         self.request_topic = request_topic(config.prefix, config.device_id)
+        self.request_filter = (request_subscription(config.prefix, config.device_id, share_group)
+                               if share_group is not None else self.request_topic)
         # a pool member also takes requests from the pool's topic, through a shared subscription
         self.pool_topic = pool_request_topic(config.prefix, config.pool) if config.pool else None
         self.pool_subscription = (pool_subscription(config.prefix, config.pool, config.pool_group or config.pool)
@@ -211,8 +225,9 @@ class MqttBridge:
                 keyfile=str(cfg.tls.keyfile) if cfg.tls.keyfile else None,
             )
             client.tls_insecure_set(cfg.tls.insecure)
-        will = StatusMessage(state="offline", device_id=cfg.device_id, pool=cfg.pool).to_bytes()
-        client.will_set(self.status_topic, will, qos=cfg.qos, retain=True)
+        if self.announce:
+            will = StatusMessage(state="offline", device_id=cfg.device_id, pool=cfg.pool).to_bytes()
+            client.will_set(self.status_topic, will, qos=cfg.qos, retain=True)
         self._set_delays(cfg.reconnect_min_delay_s, cfg.reconnect_max_delay_s, client)
         client.on_connect = self._on_connect
         client.on_connect_fail = self._on_connect_fail
@@ -263,7 +278,8 @@ class MqttBridge:
         broker's UNSUBACK; the device's own request topic stays. Returns whether the broker
         confirmed it (False when not a member or not connected)."""
         client = self._client
-        if self.pool_subscription is None or client is None or not self._connected.is_set():
+        if (self.pool_subscription is None or not self.serve_requests or client is None
+                or not self._connected.is_set()):
             return False
         done = threading.Event()
         previous = client.on_unsubscribe
@@ -299,7 +315,7 @@ class MqttBridge:
         if client is None:
             return
         self._stopping = True
-        if self._connected.is_set():
+        if self._connected.is_set() and self.announce:
             offline = StatusMessage(state="offline", device_id=self.config.device_id, ts=time.time(),
                                     pool=self.config.pool)
             info = client.publish(self.status_topic, offline.to_bytes(), qos=self.config.qos, retain=True)
@@ -585,18 +601,27 @@ class MqttBridge:
         self.counters.inc("mqtt_connects")
         logger.info("MQTT: connected%s; subscribing to %s%s",
                     f" (broker max packet {self.max_packet_bytes} B)" if self.max_packet_bytes else "",
-                    self.request_topic,
+                    self.request_filter if self.serve_requests else
+                    f"{self.request_topic}'s other topics (the front processes take its requests)",
                     f" and, as a member of pool {self.config.pool!r}, {self.pool_subscription}"
                     if self.pool_subscription is not None and self._accepting else "")  # fmt: skip
         options = SubscribeOptions(qos=self.config.qos, retainHandling=SubscribeOptions.RETAIN_DO_NOT_SEND)
-        topics = [(self.request_topic, options)]
-        if self.pool_subscription is not None and self._accepting:
-            topics.append((self.pool_subscription, SubscribeOptions(qos=self.config.qos)))
+        topics = []
+        if self.serve_requests:
+            topics.append((self.request_filter, options))
+            if self.pool_subscription is not None and self._accepting:
+                topics.append((self.pool_subscription, SubscribeOptions(qos=self.config.qos)))
         topics += [(t, SubscribeOptions(qos=self.config.qos, retainHandling=2)) for t in self._handlers]
-        _, mid = client.subscribe(topics)
-        self._sub_mids.add(mid)
-        online = self._online.model_copy(update={"ts": time.time()})
-        self.publish_safe(self.status_topic, online.to_bytes(), retain=True)
+        if topics:
+            _, mid = client.subscribe(topics)
+            self._sub_mids.add(mid)
+        if self.announce:
+            online = self._online.model_copy(update={"ts": time.time()})
+            self.publish_safe(self.status_topic, online.to_bytes(), retain=True)
+        if not topics:  # nothing to subscribe (front processes take the requests): ready now
+            self._subscribed.set()
+            if self.on_ready is not None:
+                self.on_ready()
         for topic, payload in list(self._retained.items()):
             if topic != self.status_topic:
                 self.publish_safe(topic, payload, retain=True)

@@ -218,6 +218,7 @@ class Job:
     prepared: Future | None = None  # inline image: its decode (and batched: engine.prepare) on a prepare thread
     refit: tuple[Any, float, float] | None = None  # (point, service ms, predicted ms) fixed at a first dequeue
     queued_monotonic: float | None = None  # when submit() queued it (the transport's checks were done)
+    image: Any = None  # (H, W, 3) uint8 RGB decoded by a front process (edgevlm.daemon.front); the request has no file
 
     def ready(self) -> bool:
         """Whether the worker can take the job without waiting for its preparation."""
@@ -487,7 +488,7 @@ class Scheduler:
         An idle worker prepares the job itself (no thread hand-off on the latency path). A source
         request is resolved by the worker (its newest frame is taken when it runs)."""
         pool = self._prepare_pool
-        if pool is None or job.request.image_bytes is None or not self._busy_locked():
+        if pool is None or (job.request.image_bytes is None and job.image is None) or not self._busy_locked():
             return
         try:
             job.prepared = pool.submit(self._prepare_inline, job)
@@ -510,7 +511,7 @@ class Scheduler:
         from edgevlm.runtime.image import decode_image
 
         req = job.request
-        prepared = _Prepared(decode_image(req.image_bytes))
+        prepared = _Prepared(job.image if job.image is not None else decode_image(req.image_bytes))
         batch, engine = self._batch, self._engine
         if batch is not None and batch.engine is engine and engine is not None:
             point = job.refit[0] if job.refit is not None else job.choice.point if job.choice is not None else None
@@ -709,6 +710,8 @@ class Scheduler:
             prepared = job.prepared.result() if job.prepared is not None else None  # raises its typed error
             if prepared is not None:
                 image, frame, frames = prepared.image, None, None
+            elif job.image is not None:  # decoded by a front process
+                image, frame, frames = job.image, None, None
             else:
                 image, frame, frames = self._resolve_image(req, deadline)
             started = _Started(dequeued, queue_ms, image, frame, req.max_new_tokens or self.defaults.max_new_tokens,

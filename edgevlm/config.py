@@ -149,6 +149,13 @@ class DaemonConfig(StrictModel):
                 raise ValueError(f"monitors[{i}].source: unknown source {mon.source!r} (sources: {sorted(seen)})")
         return self
 
+    @model_validator(mode="after")
+    def _fronts_and_offload(self) -> DaemonConfig:
+        if self.mqtt.front_processes and self.offload.pool is not None:
+            # a front hands the daemon decoded pixels, not the image file the offload forwards
+            raise ValueError("mqtt.front_processes: cannot be combined with offload.pool (set one of them)")
+        return self
+
 
 def parse_daemon_config(data: Any, *, base_dir: Path | None = None) -> DaemonConfig:
     """Validate a config mapping. Relative video-file paths and model paths resolve against

@@ -88,6 +88,14 @@ class MqttConfig(StrictModel):
         description="Recent requests remembered by Response Topic + Correlation Data: a re-sent request "
         "is answered from this cache (or absorbed while it runs) instead of running twice.",
     )
+    front_processes: int = Field(
+        0, ge=0, le=64, strict=True,
+        description="MQTT front processes (0 = off: one process does everything). N >= 1 starts N processes, "
+        "each with its own broker connection in an MQTT v5 shared subscription on the request topics: they "
+        "receive, validate and decode requests (inline images to uint8 pixels) and publish the answers, and "
+        "the daemon's process only schedules and runs the model (a GPU daemon bound by one Python process). "
+        "Client ids <client_id>-front<i>; a front that dies is restarted.",
+    )
 
     @field_validator("prefix")
     @classmethod

@@ -189,6 +189,12 @@ def pool_subscription(prefix: str, pool: str, group: str) -> str:
     return f"$share/{_check_level(group, 'pool group')}/{pool_request_topic(prefix, pool)}"
 
 
+def request_subscription(prefix: str, device_id: str, group: str) -> str:
+    """``$share/<group>/<prefix>/<device_id>/request``: the MQTT v5 shared subscription (section
+    4.8.2) through which a daemon's front processes (``mqtt.front_processes``) split its requests."""
+    return f"$share/{_check_level(group, 'front group')}/{request_topic(prefix, device_id)}"
+
+
 def pool_response_topic(prefix: str, pool: str, token: str) -> str:
     """``<prefix>/pools/<pool>/response/<token>``: a per-client response topic of a pool client."""
     return f"{check_prefix(prefix)}/pools/{check_pool(pool)}/response/{_check_level(token, 'token')}"

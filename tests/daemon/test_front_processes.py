@@ -1,0 +1,194 @@
+"""MQTT front processes (``mqtt.front_processes``): the link, and a real daemon with two fronts on a
+real mosquitto answering with the demo model on the CPU as the one-process daemon does."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgevlm import Client
+from edgevlm.config import DaemonConfig
+from edgevlm.daemon.front_link import FrontLink, LinkClosed
+
+
+@pytest.fixture(scope="module")
+def demo_engine():
+    from edgevlm.runtime import demo
+
+    if not (demo.model_dir() / "model.safetensors").is_file():
+        pytest.skip(f"the demo model is not in {demo.model_dir()}")
+    from edgevlm.runtime import Engine
+
+    return Engine.load(None, device="cpu")
+
+
+def _scenes(n: int) -> list[tuple[np.ndarray, str]]:
+    """``n`` (frame, question) pairs from the demo's scene video."""
+    import cv2
+
+    from edgevlm.runtime import demo
+
+    truth = json.loads(demo.scenes_json_path().read_text())
+    cap = cv2.VideoCapture(str(demo.video_path()))
+    frames = []
+    ok, bgr = cap.read()
+    while ok:
+        frames.append(bgr[:, :, ::-1].copy())
+        ok, bgr = cap.read()
+    cap.release()
+    items = []
+    for seg in truth["segments"]:
+        frame = frames[(seg["start_frame"] + seg["end_frame"]) // 2]
+        items += [(frame, qa["question"]) for qa in seg["questions"][:2]]
+        if len(items) >= n:
+            return items[:n]
+    return items
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_link_carries_meta_and_pixels_and_reports_a_closed_end() -> None:
+    import threading
+
+    a, b = FrontLink.pair()
+    pixels = np.random.default_rng(0).integers(0, 256, (288, 384, 3), dtype=np.uint8)
+    sender = threading.Thread(target=lambda: (a.send(("job", 7, None, 1.5, 1000, "timeout_ms", pixels.shape), pixels),
+                                              a.send(("ready",))))  # more than the socket buffers: a reader needed
+    sender.start()
+    meta, payload = b.recv()
+    assert meta == ("job", 7, None, 1.5, 1000, "timeout_ms", (288, 384, 3))
+    assert np.array_equal(np.asarray(payload).reshape(meta[6]), pixels)
+    assert b.recv() == (("ready",), None)
+    sender.join(5)
+    a.close()
+    with pytest.raises(LinkClosed):
+        b.recv()
+    with pytest.raises(LinkClosed):
+        a.send(("ready",))
+    b.close()
+
+
+def test_front_processes_config_is_off_by_default_and_refused_with_offload() -> None:
+    assert DaemonConfig().mqtt.front_processes == 0
+    from edgevlm.config import parse_daemon_config
+    from edgevlm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="front_processes"):
+        parse_daemon_config({"mqtt": {"front_processes": 2}, "offload": {"pool": "p"}})
+    with pytest.raises(ConfigError, match="front_processes"):
+        parse_daemon_config({"mqtt": {"front_processes": -1}})
+
+
+def _ask_all(host: str, port: int, device: str, items: list[tuple[np.ndarray, str]]) -> list[str]:
+    with Client(host, port, device) as client:
+        answers = [client.ask(q, image=frame, timeout_s=60) for frame, q in items]
+    for a in answers:
+        assert a.stats is not None and a.stats.e2e_ms > 0
+    return [a.text for a in answers]
+
+
+def _raw(raw, topic: str, body: dict | bytes, corr: bytes) -> dict:
+    reply = f"test/replies/{corr.decode()}"
+    raw.subscribe(reply)
+    payload = body if isinstance(body, bytes) else json.dumps(body).encode()
+    raw.publish(topic, payload, response_topic=reply, correlation=corr)
+    msg = raw.wait_messages(reply, 1, timeout_s=30)[0]
+    assert msg.properties.CorrelationData == corr
+    return json.loads(msg.payload)
+
+
+def test_two_fronts_answer_like_one_process_and_refuse_bad_input_from_the_front(
+        start_daemon, mosquitto, demo_engine, raw_client, make_video, wait_until, encode_image) -> None:
+    items = _scenes(4)
+    defaults = {"max_new_tokens": 8, "timeout_ms": 60000}
+    one = start_daemon(engine=demo_engine, device_id="one", defaults=defaults)
+    expected = _ask_all(mosquitto.host, mosquitto.port, "one", items)
+    one.stop()
+
+    video = make_video(n_frames=6, size=(64, 48))
+    daemon = start_daemon(engine=demo_engine, device_id="two", defaults=defaults, mqtt={"front_processes": 2},
+                          sources=[{"name": "cam", "uri": str(video)}], metrics={"listen": None})
+    assert daemon.fronts is not None and len(daemon.fronts.pids()) == 2
+    assert _ask_all(mosquitto.host, mosquitto.port, "two", items) == expected
+
+    raw = raw_client()
+    topic = "edgevlm/two/request"
+    # a corrupt JPEG whose header is fine: the front's decoder refuses it
+    good = encode_image(items[0][0], ".jpg")
+    corrupt = good[:200] + bytes(len(good) - 200)
+    r = _raw(raw, topic, {"schema_version": 1, "prompt": "what?", "image_b64": base64.b64encode(corrupt).decode()},
+             b"c1")
+    assert r["ok"] is False and r["error"]["code"] == "INVALID_IMAGE"
+    r = _raw(raw, topic, {"schema_version": 1, "prompt": "what?", "source": "cam", "max_new_tokens": "8"}, b"c2")
+    assert r["ok"] is False and r["error"]["code"] == "INVALID_REQUEST"
+    r = _raw(raw, topic, b"{not json", b"c3")
+    assert r["ok"] is False and r["error"]["code"] == "INVALID_REQUEST"
+    r = _raw(raw, topic, {"schema_version": 1, "prompt": "what?", "source": "nope"}, b"c4")
+    assert r["ok"] is False and r["error"]["code"] == "UNKNOWN_SOURCE"  # from the daemon's process
+    # a source request goes through a front without pixels; its frame is taken in the daemon's process
+    r = _raw(raw, topic, {"schema_version": 1, "prompt": "what colour is it?", "source": "cam"}, b"c5")
+    assert r["ok"] is True and r["frame"]["source"] == "cam" and r["stats"]["e2e_ms"] > 0
+
+    # the fronts' counters reach the daemon's (one system): every request received, each refusal by code
+    c = daemon.counters
+    wait_until(lambda: c.get("responses_sent") >= len(items) + 5, 5, "the fronts' counters")
+    assert c.get("errors_INVALID_IMAGE") == 1 and c.get("errors_UNKNOWN_SOURCE") == 1
+    assert c.get("errors_INVALID_REQUEST") == 2
+    assert c.get("requests_received") == len(items) + 5
+    # and the metrics: every answer once, by code (the fronts' refusals forwarded, the rest observed here)
+    wait_until(lambda: daemon.metrics.summary()["requests_total"] == len(items) + 5, 5, "the answers' metrics")
+    assert daemon.metrics.summary()["requests"] == {**daemon.metrics.summary()["requests"], "OK": len(items) + 1,
+                                                     "INVALID_IMAGE": 1, "INVALID_REQUEST": 2, "UNKNOWN_SOURCE": 1}
+
+
+def test_killed_front_is_restarted_and_shutdown_leaves_no_process(
+        start_daemon, mosquitto, demo_engine, wait_until) -> None:
+    items = _scenes(2)
+    daemon = start_daemon(engine=demo_engine, device_id="three", mqtt={"front_processes": 2},
+                          defaults={"max_new_tokens": 8, "timeout_ms": 60000})
+    first = daemon.fronts.pids()
+    os.kill(first[0], signal.SIGKILL)
+    wait_until(lambda: daemon.fronts.restarts == 1 and daemon.fronts.ready(), 30, "the front's restart")
+    assert daemon.counters.get("front_restarts") == 1
+    pids = daemon.fronts.pids()
+    assert pids[1] == first[1] and pids[0] != first[0]
+    # several requests: the broker hands them to both fronts, the new one included
+    texts = _ask_all(mosquitto.host, mosquitto.port, "three", items * 2)
+    assert texts[:2] == texts[2:]
+    t0 = time.monotonic()
+    daemon.stop()
+    assert time.monotonic() - t0 < 15
+    assert not any(_alive(pid) for pid in pids), "a front process outlived the daemon"
+
+
+def test_a_request_held_by_a_killed_front_is_answered_through_the_clients_resend(
+        start_daemon, mosquitto, demo_engine, wait_until) -> None:
+    import threading
+
+    frame, question = _scenes(1)[0]
+    daemon = start_daemon(engine=demo_engine, device_id="four", mqtt={"front_processes": 2},
+                          defaults={"max_new_tokens": 8, "timeout_ms": 60000})
+    got: list = []
+    with Client(mosquitto.host, mosquitto.port, "four", resend_interval_s=0.5) as client:
+        with daemon.scheduler.paused():
+            asker = threading.Thread(target=lambda: got.append(client.ask(question, image=frame, timeout_s=30)))
+            asker.start()
+            wait_until(lambda: daemon.scheduler.queue_size() == 1, 10, "the request in the queue")
+            for pid in daemon.fronts.pids():  # whichever front holds it
+                os.kill(pid, signal.SIGKILL)
+            wait_until(lambda: daemon.fronts.restarts == 2 and daemon.fronts.ready(), 30, "the fronts' restart")
+        asker.join(30)
+    assert got and got[0].text == demo_engine.ask(frame, question, max_new_tokens=8).text
