@@ -3,6 +3,7 @@
     .venv/bin/python bench/daemon_throughput.py [--model DIR] [--device cpu|cuda] [--profile h100]
         [--clients 1,8,32] [--duration-s 10] [--warmup-s 2] [--max-new-tokens 16] [--rows N]
         [--batching auto|on|off] [--threads N] [--quality 90] [--py-spy DIR [--py-spy-gil]] [--daemon-log FILE]
+        [--front-processes 0,2,4] [--members 2]
 
 Starts a private mosquitto with the project's broker config (:class:`edgevlm.daemon.demo_processes.Broker`,
 ``set_tcp_nodelay true``) and the real daemon in its own process (``python -m edgevlm.cli serve --config
@@ -30,6 +31,15 @@ daemon's socket before paho reads it, the publish, the client's wake-up). Also r
 window used (the host's 16 or so CPUs, the daemon process, the broker, the client processes: ``cpu``), so
 a harness that starves the daemon shows.
 
+Variants, each a fresh daemon (and its own rows in the table): ``--front-processes 0,2,4`` runs the
+daemon with ``mqtt.front_processes`` = each value (0 = one process; N = N MQTT front processes that receive,
+validate and decode, the daemon's process only schedules and runs the model; see
+:mod:`edgevlm.daemon.front`); ``--members M`` (after those) runs M separate one-process daemons on the same
+device joined to one pool (``mqtt.pool``), the clients in pool mode (``Client(pool=...)``): the other way to
+use more than one Python process. ``cpu`` then also splits the front processes' CPU (``fronts``: the daemon
+process's children) from the daemon process's, and ``daemon_cpu_ms_per_answer`` / ``fronts_cpu_ms_per_answer``
+give the CPU each spends per answer (the daemon process's is what a GIL-bound daemon runs out of).
+
 Prints a table, then one JSON line. Runs on CPU too (``--device cpu``; ``--rows 8`` turns on CPU batching).
 """
 
@@ -50,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 DEVICE_ID = "bench"
+POOL = "benchpool"
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -73,7 +84,7 @@ def _items(n: int, seed: int, quality: int) -> list[tuple[str, str, bytes]]:
 
 
 def _client_main(k: int, port: int, items: list[tuple[str, str, bytes]], max_new_tokens: int, go: Any,
-                 stop_at: Any, results: Any) -> None:
+                 stop_at: Any, results: Any, pool: str | None = None) -> None:
     """One closed-loop client process: waits for ``go``, asks until ``stop_at`` (wall clock), and puts
     its records ``(t_done, rtt_ms, code, correct, e2e_ms, batch_size, operating_point)`` on ``results``."""
     from edgevlm.client import Client
@@ -81,7 +92,7 @@ def _client_main(k: int, port: int, items: list[tuple[str, str, bytes]], max_new
 
     recs = []
     cpu_s = 0.0
-    with Client("127.0.0.1", port, DEVICE_ID, resend_interval_s=None) as c:
+    with Client("127.0.0.1", port, "" if pool else DEVICE_ID, resend_interval_s=None, pool=pool) as c:
         results.put(("ready", k))
         go.wait()
         i = k * 7
@@ -138,7 +149,21 @@ def _cpu_ticks(pid: int | None = None) -> float:
         return float("nan")
 
 
-def _daemon_config(args: argparse.Namespace, port: int, n_max: int) -> dict[str, Any]:
+def _children(pid: int) -> list[int]:
+    """Ids of the processes whose parent is ``pid`` (a daemon's front processes)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry.name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def _daemon_config(args: argparse.Namespace, port: int, n_max: int, *, front_processes: int = 0,
+                   member: int | None = None) -> dict[str, Any]:
     model: dict[str, Any] = {"path": args.model, "device": args.device}
     if args.threads is not None:
         model["cpu_threads"] = args.threads
@@ -149,7 +174,8 @@ def _daemon_config(args: argparse.Namespace, port: int, n_max: int) -> dict[str,
     if args.batching != "auto":
         model["continuous_batching"] = args.batching == "on"
     cfg: dict[str, Any] = {
-        "mqtt": {"host": "127.0.0.1", "port": port, "device_id": DEVICE_ID},
+        "mqtt": {"host": "127.0.0.1", "port": port, "device_id": DEVICE_ID if member is None else f"{DEVICE_ID}{member}",
+                 "front_processes": front_processes, **({"pool": POOL} if member is not None else {})},
         "model": model,
         "defaults": {"max_new_tokens": args.max_new_tokens, "timeout_ms": 60000},
         "queue_max_size": max(64, 2 * n_max),
@@ -190,6 +216,117 @@ def _summarize_pyspy(path: Path, top: int = 12) -> dict[str, Any]:
     }
 
 
+def _run_variant(args: argparse.Namespace, broker: Any, items: list[tuple[str, str, bytes]], counts: list[int],
+                 spy: str | None, fronts: int, members: int | None) -> list[dict[str, Any]]:
+    """Start the daemon(s) of one variant (``fronts`` front processes, or ``members`` pool members),
+    run every client count against it, stop it; the results, one per client count."""
+    from edgevlm.client import Client
+    from edgevlm.daemon.demo_processes import DaemonProcess
+
+    pool = POOL if members is not None else None
+    daemons = []
+    for m in range(members if members is not None else 1):
+        work = Path(tempfile.mkdtemp(prefix="edgevlm-throughput-"))
+        cfg = _daemon_config(args, broker.port, max(counts), front_processes=fronts,
+                             member=m if members is not None else None)
+        daemons.append(DaemonProcess(cfg, work).start())
+    results: list[dict[str, Any]] = []
+    ctx = mp.get_context("spawn")
+    label = f"{members} members" if members is not None else f"{fronts} front processes"
+    try:
+        t_load = time.monotonic()
+        for m, daemon in enumerate(daemons):
+            with Client("127.0.0.1", broker.port, DEVICE_ID if pool is None else f"{DEVICE_ID}{m}") as c:
+                while not c.wait_online(2.0):
+                    daemon.check_alive()
+                    if time.monotonic() - t_load > 600:
+                        raise RuntimeError("the daemon did not come online in 600 s")
+        with Client("127.0.0.1", broker.port, "" if pool else DEVICE_ID, pool=pool) as c:
+            for q, _, jpeg in items[:8 * len(daemons)]:  # warm-up through the whole path (CUDA graphs, caches)
+                c.ask(q, image=jpeg, max_new_tokens=args.max_new_tokens, timeout_s=120)
+        main_pids = [d.proc.pid for d in daemons]
+        front_pids = [c for pid in main_pids for c in _children(pid)]
+        for n in counts:
+            go, stop_at = ctx.Event(), ctx.Value("d", 0.0)
+            queue = ctx.Queue()
+            procs = [ctx.Process(target=_client_main, args=(k, broker.port, items, args.max_new_tokens, go,
+                                                             stop_at, queue, pool), daemon=True) for k in range(n)]
+            for p in procs:
+                p.start()
+            for _ in range(n):
+                queue.get(timeout=120)  # every client connected
+            t0 = time.time()
+            w0, w1 = t0 + args.warmup_s, t0 + args.warmup_s + args.duration_s
+            stop_at.value = w1
+            go.set()
+            spy_proc = None
+            spy_path = None
+            if args.py_spy and spy is not None:
+                Path(args.py_spy).mkdir(parents=True, exist_ok=True)
+                tag = f"_f{fronts}" if fronts else (f"_m{members}" if members is not None else "")
+                spy_path = Path(args.py_spy) / f"daemon{tag}_{n}clients.txt"
+                time.sleep(max(0.0, w0 - time.time()))
+                spy_proc = subprocess.Popen(
+                    [spy, "record", "--pid", str(main_pids[0]), "--duration", str(int(args.duration_s)),
+                     "--rate", "200", "--format", "raw", "--threads", "--nonblocking", "--output", str(spy_path),
+                     *(["--gil"] if args.py_spy_gil else [])],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(max(0.0, w0 - time.time()))
+
+            def cpu_now() -> dict[str, float]:
+                return {"host": _cpu_ticks(), "daemon": sum(_cpu_ticks(p) for p in main_pids),
+                        "fronts": sum(_cpu_ticks(p) for p in front_pids),
+                        "broker": _cpu_ticks(broker.proc.pid if broker.proc else None)}
+
+            cpu0 = cpu_now()
+            time.sleep(max(0.0, w1 - time.time()))
+            cpu1 = cpu_now()
+            cpu = {k: round((cpu1[k] - v) / args.duration_s, 2) for k, v in cpu0.items()}  # CPUs busy on average
+            recs: list[tuple] = []
+            client_cpu_s = 0.0
+            for _ in range(n):
+                msg = queue.get(timeout=args.warmup_s + args.duration_s + 180)
+                recs += msg[2]
+                client_cpu_s += msg[3]
+            cpu["clients"] = round(client_cpu_s / (args.warmup_s + args.duration_s), 2)
+            cpu["host_cpus"] = os.cpu_count()
+            for p in procs:
+                p.join(10)
+            if spy_proc is not None:
+                spy_proc.wait(60)
+            for daemon in daemons:
+                daemon.check_alive()
+            window = [r for r in recs if w0 <= r[0] <= w1]
+            ok = [r for r in window if r[2] == "OK"]
+            codes = collections.Counter(r[2] for r in window if r[2] != "OK")
+            res = {
+                "variant": label, "front_processes": fronts, "members": members,
+                "clients": n, "answers": len(ok), "answers_per_s": round(len(ok) / args.duration_s, 2),
+                "p50_ms": round(_pct([r[1] for r in ok], 0.5), 1), "p99_ms": round(_pct([r[1] for r in ok], 0.99), 1),
+                "e2e_p50_ms": round(_pct([r[4] for r in ok if r[4] is not None], 0.5), 1),
+                "mean_batch_size": round(sum(r[5] for r in ok) / max(1, len(ok)), 2),
+                "accuracy": round(sum(r[3] for r in ok) / max(1, len(ok)), 4),
+                "errors": dict(codes),
+                "operating_points": dict(collections.Counter(r[6] for r in ok).most_common()),
+                "stages_ms": _stage_split(ok),
+                "cpu": cpu,
+                "daemon_cpu_ms_per_answer": round(1e3 * (cpu1["daemon"] - cpu0["daemon"]) / max(1, len(ok)), 3),
+                "fronts_cpu_ms_per_answer": round(1e3 * (cpu1["fronts"] - cpu0["fronts"]) / max(1, len(ok)), 3),
+                "client_cpu_ms_per_answer": round(1e3 * client_cpu_s / max(1, sum(1 for r in recs if r[2] == "OK")), 3),
+            }
+            if spy_path is not None and spy_path.exists():
+                res["py_spy"] = _summarize_pyspy(spy_path)
+            results.append(res)
+            print(f"{label}, {n} clients: {res}", file=sys.stderr, flush=True)
+    finally:
+        for m, daemon in enumerate(daemons):
+            daemon.stop()
+            if args.daemon_log is not None and daemon.log_path.exists():
+                suffix = f".f{fronts}" if fronts else (f".m{members}-{m}" if members is not None else "")
+                shutil.copyfile(daemon.log_path, args.daemon_log + suffix)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="model folder (default: the demo model)")
@@ -213,103 +350,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--py-spy-gil", action="store_true",
                     help="py-spy samples only the thread holding the GIL (shares = who holds it how long)")
     ap.add_argument("--daemon-log", default=None, help="copy the daemon's log (WARNING and up) to this file")
+    ap.add_argument("--front-processes", default="0", metavar="N[,N...]",
+                    help="variants: mqtt.front_processes of each daemon run (0 = one process), e.g. 0,2,4")
+    ap.add_argument("--members", default="", metavar="M[,M...]",
+                    help="variants after those: M one-process daemons in a pool, clients in pool mode, e.g. 2")
     args = ap.parse_args(argv)
+    try:
+        variants: list[tuple[int, int | None]] = [(int(f), None) for f in args.front_processes.split(",") if f]
+        variants += [(0, int(m)) for m in args.members.split(",") if m]
+    except ValueError:
+        print("--front-processes / --members: give comma-separated integers, e.g. 0,2,4", file=sys.stderr)
+        return 2
+    if not variants or min(f for f, _ in variants) < 0 or min((m for _, m in variants if m is not None), default=1) < 1:
+        print("--front-processes: give counts >= 0; --members: counts >= 1", file=sys.stderr)
+        return 2
     counts = [int(c) for c in args.clients.split(",") if c]
     if not counts or min(counts) < 1:
         print("--clients: give positive counts, e.g. 1,8,32", file=sys.stderr)
         return 2
 
-    from edgevlm.client import Client
-    from edgevlm.daemon.demo_processes import DaemonProcess, start_private_broker
+    from edgevlm.daemon.demo_processes import start_private_broker
 
     items = _items(args.items, args.seed, args.quality)  # encoded before any clock starts
     broker = start_private_broker("edgevlm-throughput-")
     if broker is None:
         print("mosquitto not found: apt-get install mosquitto", file=sys.stderr)
         return 2
-    work = Path(tempfile.mkdtemp(prefix="edgevlm-throughput-"))
-    daemon = DaemonProcess(_daemon_config(args, broker.port, max(counts)), work).start()
     spy = shutil.which("py-spy") or (str(Path(sys.executable).parent / "py-spy")
                                      if (Path(sys.executable).parent / "py-spy").exists() else None)
     results: list[dict[str, Any]] = []
-    ctx = mp.get_context("spawn")
     try:
-        t_load = time.monotonic()
-        with Client("127.0.0.1", broker.port, DEVICE_ID) as c:
-            while not c.wait_online(2.0):
-                daemon.check_alive()
-                if time.monotonic() - t_load > 600:
-                    raise RuntimeError("the daemon did not come online in 600 s")
-            for q, _, jpeg in items[:8]:  # warm-up through the whole path (CUDA graphs, caches)
-                c.ask(q, image=jpeg, max_new_tokens=args.max_new_tokens, timeout_s=120)
-        for n in counts:
-            go, stop_at = ctx.Event(), ctx.Value("d", 0.0)
-            queue = ctx.Queue()
-            procs = [ctx.Process(target=_client_main, args=(k, broker.port, items, args.max_new_tokens, go,
-                                                             stop_at, queue), daemon=True) for k in range(n)]
-            for p in procs:
-                p.start()
-            for _ in range(n):
-                queue.get(timeout=120)  # every client connected
-            t0 = time.time()
-            w0, w1 = t0 + args.warmup_s, t0 + args.warmup_s + args.duration_s
-            stop_at.value = w1
-            go.set()
-            spy_proc = None
-            spy_path = None
-            if args.py_spy and spy is not None:
-                Path(args.py_spy).mkdir(parents=True, exist_ok=True)
-                spy_path = Path(args.py_spy) / f"daemon_{n}clients.txt"
-                time.sleep(max(0.0, w0 - time.time()))
-                spy_proc = subprocess.Popen(
-                    [spy, "record", "--pid", str(daemon.proc.pid), "--duration", str(int(args.duration_s)),
-                     "--rate", "200", "--format", "raw", "--threads", "--nonblocking", "--output", str(spy_path),
-                     *(["--gil"] if args.py_spy_gil else [])],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            time.sleep(max(0.0, w0 - time.time()))
-            cpu0 = {"host": _cpu_ticks(), "daemon": _cpu_ticks(daemon.proc.pid),
-                    "broker": _cpu_ticks(broker.proc.pid if broker.proc else None)}
-            time.sleep(max(0.0, w1 - time.time()))
-            cpu = {k: round((_cpu_ticks({"host": None, "daemon": daemon.proc.pid,
-                                         "broker": broker.proc.pid if broker.proc else None}[k]) - v)
-                            / args.duration_s, 2) for k, v in cpu0.items()}  # CPUs busy on average
-            recs: list[tuple] = []
-            client_cpu_s = 0.0
-            for _ in range(n):
-                msg = queue.get(timeout=args.warmup_s + args.duration_s + 180)
-                recs += msg[2]
-                client_cpu_s += msg[3]
-            cpu["clients"] = round(client_cpu_s / (args.warmup_s + args.duration_s), 2)
-            cpu["host_cpus"] = os.cpu_count()
-            for p in procs:
-                p.join(10)
-            if spy_proc is not None:
-                spy_proc.wait(60)
-            daemon.check_alive()
-            window = [r for r in recs if w0 <= r[0] <= w1]
-            ok = [r for r in window if r[2] == "OK"]
-            codes = collections.Counter(r[2] for r in window if r[2] != "OK")
-            res = {
-                "clients": n, "answers": len(ok), "answers_per_s": round(len(ok) / args.duration_s, 2),
-                "p50_ms": round(_pct([r[1] for r in ok], 0.5), 1), "p99_ms": round(_pct([r[1] for r in ok], 0.99), 1),
-                "e2e_p50_ms": round(_pct([r[4] for r in ok if r[4] is not None], 0.5), 1),
-                "mean_batch_size": round(sum(r[5] for r in ok) / max(1, len(ok)), 2),
-                "accuracy": round(sum(r[3] for r in ok) / max(1, len(ok)), 4),
-                "errors": dict(codes),
-                "operating_points": dict(collections.Counter(r[6] for r in ok).most_common()),
-                "stages_ms": _stage_split(ok),
-                "cpu": cpu,
-                "client_cpu_ms_per_answer": round(1e3 * client_cpu_s / max(1, sum(1 for r in recs if r[2] == "OK")), 3),
-            }
-            if spy_path is not None and spy_path.exists():
-                res["py_spy"] = _summarize_pyspy(spy_path)
-            results.append(res)
-            print(f"{n} clients: {res}", file=sys.stderr, flush=True)
+        for fronts, members in variants:
+            results += _run_variant(args, broker, items, counts, spy, fronts, members)
     finally:
-        daemon.stop()
         broker.stop()
-        if args.daemon_log is not None and daemon.log_path.exists():
-            shutil.copyfile(daemon.log_path, args.daemon_log)
     import torch
 
     cuda = torch.cuda.get_device_name(0) if args.device.startswith("cuda") and torch.cuda.is_available() else None
@@ -317,24 +391,26 @@ def main(argv: list[str] | None = None) -> int:
           f"rows {args.rows}  batching {args.batching}  token budget {args.token_budget}  max_new_tokens {args.max_new_tokens}  window "
           f"{args.duration_s:.0f} s  {platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}  {args.label}")
-    print("| clients | answers/s | p50 ms | p99 ms | daemon e2e p50 ms | mean batch | accuracy | errors |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("| variant | clients | answers/s | p50 ms | p99 ms | daemon e2e p50 ms | mean batch | accuracy | errors |"
+          " daemon / fronts CPU ms per answer |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
     for r in results:
-        print(f"| {r['clients']} | {r['answers_per_s']:.1f} | {r['p50_ms']:.0f} | {r['p99_ms']:.0f} | "
+        print(f"| {r['variant']} | {r['clients']} | {r['answers_per_s']:.1f} | {r['p50_ms']:.0f} | {r['p99_ms']:.0f} | "
               f"{r['e2e_p50_ms']:.1f} | {r['mean_batch_size']:.2f} | {100 * r['accuracy']:.1f}% | "
-              f"{r['errors'] or '-'} |")
+              f"{r['errors'] or '-'} | {r['daemon_cpu_ms_per_answer']:.2f} / {r['fronts_cpu_ms_per_answer']:.2f} |")
     names = [name for name, _ in STAGES] + ["outside"]
     print("\nstages of the round trip, ms p50 / mean (see the module doc); CPUs busy in the window")
-    print("| clients | " + " | ".join(names) + " | host / daemon / broker / clients CPUs |")
-    print("|---:|" + "---:|" * len(names) + "---|")
+    print("| variant | clients | " + " | ".join(names) + " | host / daemon / fronts / broker / clients CPUs |")
+    print("|---|---:|" + "---:|" * len(names) + "---|")
     for r in results:
         st, c = r["stages_ms"], r["cpu"]
-        print(f"| {r['clients']} | " + " | ".join(
+        print(f"| {r['variant']} | {r['clients']} | " + " | ".join(
             f"{st[n]['p50']:.1f} / {st[n]['mean']:.1f}" if n in st else "-" for n in names)
-            + f" | {c['host']} / {c['daemon']} / {c['broker']} / {c['clients']} of {c['host_cpus']} |")
+            + f" | {c['host']} / {c['daemon']} / {c['fronts']} / {c['broker']} / {c['clients']} of {c['host_cpus']} |")
     print(json.dumps({"bench": "daemon_throughput", "model": args.model or "demo", "device": args.device,
                       "gpu": cuda, "profile": args.profile, "rows": args.rows, "batching": args.batching, "token_budget": args.token_budget,
                       "max_new_tokens": args.max_new_tokens, "duration_s": args.duration_s, "label": args.label,
+                      "front_processes": args.front_processes, "members": args.members,
                       "results": results, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}))
     return 0
 
