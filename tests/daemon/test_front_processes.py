@@ -154,7 +154,7 @@ def test_two_fronts_answer_like_one_process_and_refuse_bad_input_from_the_front(
                                                      "INVALID_IMAGE": 1, "INVALID_REQUEST": 2, "UNKNOWN_SOURCE": 1}
 
 
-def test_killed_front_is_restarted_and_shutdown_leaves_no_process(
+def test_killed_front_is_restarted_reload_works_and_shutdown_leaves_no_process(
         start_daemon, mosquitto, demo_engine, wait_until) -> None:
     items = _scenes(2)
     daemon = start_daemon(engine=demo_engine, device_id="three", mqtt={"front_processes": 2},
@@ -168,6 +168,10 @@ def test_killed_front_is_restarted_and_shutdown_leaves_no_process(
     # several requests: the broker hands them to both fronts, the new one included
     texts = _ask_all(mosquitto.host, mosquitto.port, "three", items * 2)
     assert texts[:2] == texts[2:]
+    # a hot reload swaps the engine in the daemon's process; the fronts keep serving
+    result = daemon.reload.reload_now(None, "test")
+    assert result.ok, result
+    assert _ask_all(mosquitto.host, mosquitto.port, "three", items) == texts[:2]
     t0 = time.monotonic()
     daemon.stop()
     assert time.monotonic() - t0 < 15
