@@ -36,6 +36,7 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -81,30 +82,37 @@ def host_threads(config: DaemonConfig) -> int | None:
     return CUDA_HOST_THREADS if m.device.startswith("cuda") else None
 
 
+def load_engine(config: DaemonConfig, path: Path | None) -> Any:
+    """Load the engine at ``path`` (None = the demo model) as ``config`` says: ``model.device``,
+    ``dtype``, ``backend``, the host threads, and the backend options (the profile's for a CUDA model,
+    then ``model.max_batch_size``). The one rule for the engine at start-up and at a hot reload.
+
+    Raises:
+        ModelLoadError: the model cannot be loaded (see :meth:`edgevlm.runtime.Engine.load`).
+    """
+    from edgevlm.runtime import Engine
+
+    m = config.model
+    logger.info("loading model %s on %s (backend %s)", path or "<demo model>", m.device, m.backend)
+    threads = host_threads(config)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    options = {}
+    if config.profile is not None and m.device.startswith("cuda"):
+        from edgevlm.profile import load_profile
+
+        options = load_profile(config.profile).backend_options(m.backend, m.device)
+        logger.info("profile %s: backend options %s", config.profile, options)
+    if m.max_batch_size is not None:  # the config overrides the profile (torch only: checked by the schema)
+        options["max_batch_size"] = m.max_batch_size
+    return Engine.load(path, device=m.device, dtype=m.dtype, backend=m.backend, backend_options=options)
+
+
 def engine_loader(config: DaemonConfig) -> Callable[[], Any]:
     """A function that loads the configured engine (run on the inference worker's thread)."""
-
-    def load() -> Any:
-        from edgevlm.runtime import Engine
-
-        m = config.model
-        logger.info("loading model %s on %s (backend %s)", m.path or "<demo model>", m.device, m.backend)
-        threads = host_threads(config)
-        if threads is not None:
-            import torch
-
-            torch.set_num_threads(threads)
-        options = {}
-        if config.profile is not None and m.device.startswith("cuda"):
-            from edgevlm.profile import load_profile
-
-            options = load_profile(config.profile).backend_options(m.backend, m.device)
-            logger.info("profile %s: backend options %s", config.profile, options)
-        if m.max_batch_size is not None:  # the config overrides the profile (torch only: checked by the schema)
-            options["max_batch_size"] = m.max_batch_size
-        return Engine.load(m.path, device=m.device, dtype=m.dtype, backend=m.backend, backend_options=options)
-
-    return load
+    return lambda: load_engine(config, config.model.path)
 
 
 def batching_settings(config: DaemonConfig) -> tuple[bool, int]:
@@ -269,8 +277,6 @@ class Daemon:
 
     def _make_reload(self, engine: Any) -> Any:
         """Hot reload (SIGHUP or ``reload.watch_dir``), publishing on ``<prefix>/<device_id>/reload``."""
-        from pathlib import Path
-
         from edgevlm.daemon.reload import ReloadManager
 
         current = getattr(engine, "model_dir", None) if engine is not None else self.config.model.path
@@ -278,6 +284,7 @@ class Daemon:
             self.config,
             self.scheduler,
             current_path=Path(current) if current is not None else None,
+            loader=lambda path: load_engine(self.config, path),  # the start-up options (rows, profile)
             publish=self._on_reload,
             controller_factory=self._make_controller,
             notifier=self.notifier,

@@ -113,9 +113,10 @@ class ReloadManager:
         current_path: the folder the serving engine was loaded from (None = the demo model).
         publish: called with each :class:`ReloadResult`.
         controller_factory: builds the latency controller for a new engine (or returns None).
+        loader: ``loader(path) -> engine``: loads a candidate exactly as the serving engine was
+            loaded (the daemon passes :func:`edgevlm.daemon.app.load_engine`: device, dtype, backend,
+            KV-cache rows, the profile's runtime options).
         notifier: a :class:`~edgevlm.daemon.sdnotify.SystemdNotifier`.
-        loader: ``loader(path) -> engine`` (default ``Engine.load`` with the config's device,
-            dtype and backend).
     """
 
     def __init__(
@@ -124,10 +125,10 @@ class ReloadManager:
         scheduler: Any,
         *,
         current_path: Path | None,
+        loader: Callable[[Path | None], Any],
         publish: Callable[[ReloadResult], None] | None = None,
         controller_factory: Callable[[Any], Any] | None = None,
         notifier: Any = None,
-        loader: Callable[[Path | None], Any] | None = None,
     ) -> None:
         self.config = config
         self.scheduler = scheduler
@@ -135,7 +136,7 @@ class ReloadManager:
         self.publish = publish
         self.controller_factory = controller_factory
         self.notifier = notifier
-        self.loader = loader or self._load_engine
+        self.loader = loader
         self.results: list[ReloadResult] = []
         self._requests: queue.Queue[tuple[str, Path | None]] = queue.Queue()
         self._stop = threading.Event()
@@ -225,12 +226,6 @@ class ReloadManager:
                 self.reload_now(path, trigger)
             except Exception:  # noqa: BLE001 - the reload thread must survive anything
                 logger.exception("reload failed unexpectedly")
-
-    def _load_engine(self, path: Path | None) -> Any:
-        from edgevlm.runtime import Engine
-
-        m = self.config.model
-        return Engine.load(path, device=m.device, dtype=m.dtype, backend=m.backend)
 
     def _verify(self, path: Path | None) -> None:
         if path is None:

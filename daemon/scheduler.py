@@ -852,6 +852,8 @@ class Scheduler:
                 self._wait_locked(lambda batch=batch: batch.idle and (self._paused or not self._any_ready_locked()))
                 if self._stopping and batch.idle:
                     return
+                if batch.idle and batch.engine is not self._engine:
+                    continue  # a hot reload swapped the engine while we waited: batch on the new one
                 jobs: list[Job] = []
                 if not self._paused and not self._stopping:
                     self._gather_locked(batch.free_slots())

@@ -122,6 +122,54 @@ def test_concurrent_requests_answered_like_single_requests(batch_daemon, tiny_en
     assert c.get("batch_joins") >= 2  # the last two were admitted into a running batch
 
 
+def test_engine_swapped_while_the_worker_waits_loses_no_request(batch_daemon, tiny_model_dir, tiny_engine,
+                                                                 raw_client, encode_image, wait_until) -> None:
+    """A hot reload swaps the engine while the batched worker waits with the old engine's batch: the
+    queued requests are batched on the new engine and every one is answered (they were admitted into
+    the old batch, which was then dropped: one request per row never answered)."""
+    from edgevlm.runtime import Engine
+
+    daemon = batch_daemon(rows=4)
+    new = Engine.load(tiny_model_dir, backend_options={"max_batch_size": 4})
+    raw = raw_client()
+    reply = "test/batch/swap"
+    raw.subscribe(reply)
+    cases = [(_image(20 + i), PROMPTS[i % 4], 3) for i in range(6)]
+    with daemon.scheduler.paused():
+        corrs = _send(raw, reply, [_body(encode_image, im, p, max_new_tokens=n) for im, p, n in cases])
+        _queued(daemon, 6, wait_until)
+        assert daemon.scheduler.wait_idle(10.0)
+        old = daemon.scheduler.replace_engine(new)
+    assert old is not new
+    responses = _responses(raw, reply, corrs)
+    for (im, p, n), resp in zip(cases, responses, strict=True):
+        assert resp["ok"] is True, resp
+        assert resp["text"] == tiny_engine.ask(im, p, max_new_tokens=n).text
+    assert max(r["stats"]["batch_size"] for r in responses) == 4
+    assert daemon.scheduler._batch.engine is new
+
+
+def test_hot_reload_keeps_the_configured_kv_cache_rows(batch_daemon, tiny_model_dir, raw_client, encode_image,
+                                                       wait_until) -> None:
+    """A reload loads the new engine with the start-up options (model.max_batch_size rows here), so
+    batching goes on after it (it used to load 1 row: batching silently off until a restart)."""
+    from edgevlm.daemon.batching import batch_rows
+
+    daemon = batch_daemon(rows=3)
+    before = daemon.scheduler.engine
+    result = daemon.reload.reload_now(tiny_model_dir, "test")
+    assert result.ok, result
+    assert daemon.scheduler.engine is not before and batch_rows(daemon.scheduler.engine) == 3
+    raw = raw_client()
+    reply = "test/batch/reloaded"
+    raw.subscribe(reply)
+    with daemon.scheduler.paused():
+        corrs = _send(raw, reply, [_body(encode_image, _image(40 + i), PROMPTS[i], max_new_tokens=3) for i in range(3)])
+        _queued(daemon, 3, wait_until)
+    responses = _responses(raw, reply, corrs)
+    assert all(r["ok"] for r in responses) and max(r["stats"]["batch_size"] for r in responses) >= 2
+
+
 def test_request_arriving_during_decode_joins_the_batch(batch_daemon, tiny_engine, raw_client, encode_image,
                                                         wait_until) -> None:
     daemon = batch_daemon(rows=4)
