@@ -228,7 +228,8 @@ else
 fi
 
 # -- W4A16 tensor-core kernel (runtime/kernels/w4a16_*.cu) -----------------------------------------
-# The decode kernel (w4a16_mma.cu), its sm_90 variant (w4a16_bulk.cu; a stub on an Orin) and the prefill
+# The decode kernels (w4a16_lean.cu, the default, and w4a16_mma.cu, its fallback; EDGEVLM_W4A16_LEAN=0
+# builds without the lean one), the sm_90 variant (w4a16_bulk.cu; a stub on an Orin) and the prefill
 # dequantizer (w4a16_dequant.cu), one extension. Compiled here for this GPU (sm_87 on an AGX Orin, with
 # JetPack's nvcc) into the venv's kernel cache,
 # where the runtime looks first; otherwise it compiles on the first INT4 decode, and without nvcc INT4
