@@ -40,7 +40,10 @@ use more than one Python process. ``cpu`` then also splits the front processes' 
 process's children) from the daemon process's, and ``daemon_cpu_ms_per_answer`` / ``fronts_cpu_ms_per_answer``
 give the CPU each spends per answer (the daemon process's is what a GIL-bound daemon runs out of).
 
-Prints a table, then one JSON line. Runs on CPU too (``--device cpu``; ``--rows 8`` turns on CPU batching).
+Prints a table, then one JSON line. Runs on CPU too (``--device cpu``). CPU batching: ``--device cpu --rows 8
+--batching on`` (``--rows`` alone only sizes the KV cache: ``--batching auto`` leaves ``model.continuous_batching``
+unset, and the daemon's default for it is off on CPU, whatever the rows; each flag sets one config key as a user
+would, so a row of the table is reproduced by the same daemon config).
 """
 
 from __future__ import annotations
@@ -338,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--rows", type=int, default=None, help="model.max_batch_size (default: the profile's / 1)")
     ap.add_argument("--batching", choices=("auto", "on", "off"), default="auto",
-                    help="model.continuous_batching (auto: the profile's on CUDA, off on CPU)")
+                    help="model.continuous_batching (auto: unset, i.e. the profile's on CUDA, off on CPU even with --rows; "
+                         "CPU batching is --rows N --batching on)")
     ap.add_argument("--threads", type=int, default=None, help="model.cpu_threads")
     ap.add_argument("--token-budget", type=int, default=None,
                     help="model.prefill_token_budget (default: the profile's, 1024)")
