@@ -12,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "daemon_throughput.py"
 
 
