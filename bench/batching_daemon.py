@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.warmup()
         cfg = parse_daemon_config({
             "mqtt": {"host": "127.0.0.1", "port": broker.port, "device_id": "bench"},
-            "model": {"continuous_batching": rows > 1, "prefill_token_budget": args.token_budget},
+            "model": {"continuous_batching": rows > 1, "max_batch_size": rows, "prefill_token_budget": args.token_budget},
             "defaults": {"max_new_tokens": args.max_new_tokens, "timeout_ms": 60000},
             "queue_max_size": max(64, n), "metrics": {"listen": None}, "telemetry": {"interval_s": None},
             "tegrastats": {"enabled": False}, "controller": {"enabled": args.controller},

@@ -157,6 +157,34 @@ class DaemonConfig(StrictModel):
         return self
 
 
+def _check_batching_rows(cfg: DaemonConfig) -> None:
+    """``model.continuous_batching: true`` needs KV-cache rows to batch over: ``model.max_batch_size``,
+    else the profile's ``runtime.max_batch_size`` for a CUDA model with a profile (what
+    :func:`edgevlm.daemon.app.engine_loader` loads), else 1 row, with which the worker would only log a
+    warning at start and serve one request at a time.
+
+    Raises:
+        ConfigError: batching asked for explicitly over fewer than 2 rows.
+    """
+    m = cfg.model
+    if m.continuous_batching is not True or m.max_batch_size is not None:
+        return  # an explicit max_batch_size < 2 is refused by the schema
+    rows, source = 1, f"without it a model on {m.device!r} gets 1 row"
+    if cfg.profile is not None and m.device.startswith("cuda"):
+        from edgevlm.profile import load_profile
+
+        # the rows load_engine gives the engine: the profile's backend options (a CUDA profile's runtime)
+        options = load_profile(cfg.profile).backend_options(m.backend, m.device)
+        if "max_batch_size" in options:
+            rows = options["max_batch_size"]
+            source = f"profile {cfg.profile}'s runtime.max_batch_size is {rows}"
+        else:
+            source = f"profile {cfg.profile} is not a CUDA profile, so a model on {m.device!r} gets 1 row"
+    if rows < 2:
+        raise ConfigError(f"model.continuous_batching: needs model.max_batch_size >= 2 (the KV-cache rows it "
+                          f"batches over; {source})")
+
+
 def parse_daemon_config(data: Any, *, base_dir: Path | None = None) -> DaemonConfig:
     """Validate a config mapping. Relative video-file paths and model paths resolve against
     ``base_dir`` (the config file's folder; default: the working directory); a video file that
@@ -202,6 +230,7 @@ def parse_daemon_config(data: Any, *, base_dir: Path | None = None) -> DaemonCon
             load_profile(cfg.profile)
         except ConfigError as exc:
             raise ConfigError(f"profile: {exc.message}") from None
+    _check_batching_rows(cfg)
     for i, mic in enumerate(cfg.audio):
         if mic.file is None:
             continue

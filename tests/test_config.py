@@ -229,3 +229,40 @@ def test_model_cpu_threads_and_backend_names(tmp_path):
         DaemonConfig.model_validate({"model": {"cpu_threads": 0}})
     with pytest.raises(ValidationError):
         DaemonConfig.model_validate({"model": {"backend": "onnxruntime"}})
+
+
+# ---- continuous batching without KV-cache rows (found by trying `edgevlm serve` on the CPU) --------------
+
+
+def test_continuous_batching_without_rows_is_refused_at_check_config(tmp_path, capsys):
+    """``model.continuous_batching: true`` with no ``model.max_batch_size`` on the CPU used to pass
+    ``--check-config`` and start a daemon that only logged a warning and served one request at a time
+    (an explicit ``max_batch_size: 1`` was already refused): now one line, exit 2."""
+    from edgevlm.cli import main
+    from edgevlm.config import ConfigError, parse_daemon_config
+
+    with pytest.raises(ConfigError, match=r"model.continuous_batching: needs model.max_batch_size >= 2 .*"
+                                          r"without it a model on 'cpu' gets 1 row"):
+        parse_daemon_config({"model": {"continuous_batching": True}})
+    cfg = parse_daemon_config({"model": {"continuous_batching": True, "max_batch_size": 4}})
+    assert cfg.model.max_batch_size == 4
+    assert parse_daemon_config({"model": {"continuous_batching": False}}).model.continuous_batching is False
+    path = tmp_path / "daemon.yaml"
+    path.write_text("model:\n  continuous_batching: true\n")
+    assert main(["serve", "--check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("edgevlm: error: model.continuous_batching: needs model.max_batch_size >= 2")
+    assert err.count("\n") == 1
+
+
+def test_continuous_batching_on_cuda_takes_the_profile_rows():
+    from edgevlm.config import ConfigError, parse_daemon_config
+
+    cfg = parse_daemon_config({"profile": "h100", "model": {"device": "cuda", "continuous_batching": True}})
+    assert cfg.model.max_batch_size is None  # the profile's rows (>= 2) are used
+    with pytest.raises(ConfigError, match=r"model.continuous_batching: needs model.max_batch_size >= 2 .*profile cpu "
+                                          r"is not a CUDA profile"):
+        parse_daemon_config({"profile": "cpu", "model": {"device": "cuda", "continuous_batching": True}})
+    with pytest.raises(ConfigError, match=r"model.continuous_batching: .*a model on 'cpu' gets 1 row"):
+        parse_daemon_config({"profile": "h100", "model": {"device": "cpu", "continuous_batching": True}})
+

@@ -365,3 +365,19 @@ def test_a_cpu_daemon_runs_no_warm_up(batch_daemon) -> None:
     """No CUDA graphs to capture on the CPU: the batching daemon starts without the warm-up."""
     daemon = batch_daemon(rows=4)
     assert daemon.scheduler._batch is not None and daemon.scheduler.warm_up_groups == []
+
+
+def test_batching_bench_passes_its_rows_in_the_config(tmp_path) -> None:
+    """``bench/batching_daemon.py`` builds its engine itself; its config asks for continuous batching, so it
+    must name the rows too (``model.continuous_batching`` without ``model.max_batch_size`` on CPU is refused)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "bench" / "batching_daemon.py"
+    proc = subprocess.run([sys.executable, str(bench), "--clients", "2", "--per-client", "2", "--rows", "2",
+                           "--max-new-tokens", "3", "--budget-ms", "20000"],
+                          capture_output=True, text=True, timeout=170, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [(r["mode"], r["rows"], r["answered"]) for r in result["results"]] == [("off", 1, 4), ("on", 2, 4)]
