@@ -8,7 +8,10 @@ one the daemon starts with. It checks what can be checked without loading the we
   every loaded file inside the folder and, for a bundle, listed in the manifest, the backend's
   artifacts); an engine bundle's manifest (no ``..`` or absolute paths) and, with
   ``verify_hashes``, the SHA-256 of every file (a corrupted ``onnx/vision.onnx`` is named);
-  ``config.json`` parses as a supported model; the tokenizer loads and the chat template compiles
+  ``config.json`` parses as a supported model; the image processor's settings
+  (``processor_config.json`` / ``preprocessor_config.json``) are what the family's processor accepts
+  at load (``ModelFamily.read_image_config``: a JSON object, ``image_mean`` of 3 values, Gemma 3's
+  ``size`` and ``do_pan_and_scan``, ...); the tokenizer loads and the chat template compiles
   and renders; ``exits.json`` (when present) is JSON and the frontier the controller will read
   (``controller.frontier``, else the folder's ``frontier.json``) validates; ``model.device`` exists (CUDA available, ``cuda:N`` within the device count); the
   backend's library imports (onnxruntime, tensorrt). A failure raises ConfigError naming the key:
@@ -81,7 +84,9 @@ def check_model(cfg: DaemonConfig, *, verify_hashes: bool = True) -> None:
         elif is_bundle(path):
             read_manifest(path)
         raw = read_json(path / "config.json")
-        model_cfg = family_for(raw).parse_config(raw)  # what the loader parses (torch-free)
+        family = family_for(raw)
+        model_cfg = family.parse_config(raw)  # what the loader parses (torch-free)
+        family.read_image_config(path, model_cfg)  # what the processor reads at load (torch-free)
         VLMTokenizer.from_dir(path, model_cfg.image_token_id)
         read_json(path / "exits.json", required=False)  # the loader parses it (its schema needs torch)
     except ModelLoadError as exc:

@@ -35,7 +35,7 @@ from typing import Any
 from edgevlm.errors import ModelLoadError
 
 __all__ = ["BUNDLE_BACKEND_FILES", "LOADED_FILES", "check_config_model_path", "check_loaded_files", "check_model_folder",
-           "check_safetensors", "confined_path", "read_json", "weight_files"]
+           "check_safetensors", "confined_path", "read_image_processor", "read_json", "weight_files"]
 
 REFUSED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.gguf", "*.h5", "*.msgpack")
 """Weight-file patterns that are never loaded (pickle-based or not supported)."""
@@ -155,6 +155,28 @@ def read_json(path: Path, *, required: bool = True) -> Any:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"{path}: not valid JSON ({exc})") from exc
 
+
+def read_image_processor(model_dir: Path) -> dict | None:
+    """The image processor's settings: ``processor_config.json``'s ``image_processor`` (transformers
+    5 writes the processor's parts nested there) or the top level of ``preprocessor_config.json``;
+    None when the checkpoint has neither. Read by the loader (``ModelFiles.image_processor``) and by a
+    family's ``read_image_config`` (``edgevlm serve --check-config``).
+
+    Raises:
+        ModelLoadError: either file holds something other than a JSON object (was: ignored, with a
+            warning that the checkpoint has no such file).
+    """
+    proc = read_json(model_dir / "processor_config.json", required=False)
+    if proc is not None and not isinstance(proc, dict):
+        raise ModelLoadError(f"{model_dir / 'processor_config.json'}: expected a JSON object, got "
+                             f"{type(proc).__name__}")
+    if isinstance(proc, dict) and isinstance(proc.get("image_processor"), dict):
+        return proc["image_processor"]
+    pre = read_json(model_dir / "preprocessor_config.json", required=False)
+    if pre is not None and not isinstance(pre, dict):
+        raise ModelLoadError(f"{model_dir / 'preprocessor_config.json'}: expected a JSON object, got "
+                             f"{type(pre).__name__}")
+    return pre
 
 def weight_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a checkpoint: the shards of ``model.safetensors.index.json``

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from edgevlm.errors import ModelLoadError
-from edgevlm.model_folder import check_safetensors, read_json, weight_files
+from edgevlm.model_folder import check_safetensors, read_image_processor, read_json, weight_files
 from edgevlm.runtime.models import family_for
 from edgevlm.runtime.models.base import ModelFamily
 
@@ -49,28 +49,6 @@ class ModelFiles:
     image_processor: dict | None = None
     image_mean: tuple[float, float, float] | None = None
     image_std: tuple[float, float, float] | None = None
-
-
-def read_image_processor(model_dir: Path) -> dict | None:
-    """The image processor's settings: ``processor_config.json``'s ``image_processor`` (transformers
-    5 writes the processor's parts nested there) or the top level of ``preprocessor_config.json``;
-    None when the checkpoint has neither.
-
-    Raises:
-        ModelLoadError: either file holds something other than a JSON object (was: ignored, with a
-            warning that the checkpoint has no such file).
-    """
-    proc = read_json(model_dir / "processor_config.json", required=False)
-    if proc is not None and not isinstance(proc, dict):
-        raise ModelLoadError(f"{model_dir / 'processor_config.json'}: expected a JSON object, got "
-                             f"{type(proc).__name__}")
-    if isinstance(proc, dict) and isinstance(proc.get("image_processor"), dict):
-        return proc["image_processor"]
-    pre = read_json(model_dir / "preprocessor_config.json", required=False)
-    if pre is not None and not isinstance(pre, dict):
-        raise ModelLoadError(f"{model_dir / 'preprocessor_config.json'}: expected a JSON object, got "
-                             f"{type(pre).__name__}")
-    return pre
 
 
 def read_model_files(model_dir: str | Path) -> ModelFiles:

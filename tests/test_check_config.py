@@ -189,3 +189,51 @@ def test_weight_map_pointing_outside_the_bundle(bundle, tmp_path, capsys):
         assert err == (f"edgevlm: error: model.path: bundle {dst}: model.safetensors.index.json is not listed in "
                        "manifest.json, so no SHA-256 covers it (a file added after the build is refused: remove it, "
                        "or rebuild the bundle)")
+
+
+# ---- the image processor's settings: what the family's processor refuses at load, --check-config refuses
+
+
+@pytest.fixture(scope="module")
+def gemma3_src(tmp_path_factory) -> Path:
+    from family_support import write_checkpoint
+
+    return write_checkpoint("gemma3", tmp_path_factory.mktemp("g3") / "model")
+
+
+def _edit_preprocessor(src: Path, tmp_path: Path, edit) -> Path:
+    model = tmp_path / "model"
+    shutil.copytree(src, model)
+    pre = json.loads((model / "preprocessor_config.json").read_text())
+    (model / "preprocessor_config.json").write_text(json.dumps(edit(pre)))
+    return model
+
+
+@pytest.mark.parametrize(("edit", "needle"), [
+    (lambda pre: {**pre, "image_mean": [0.5, 0.5]}, "image_mean"),
+    (lambda pre: {**pre, "do_pan_and_scan": True}, "do_pan_and_scan true is not supported"),
+    (lambda pre: {**pre, "size": {"height": 224, "width": 224}}, "is not the encoder's"),
+    (lambda pre: [pre], "preprocessor_config.json: expected a JSON object, got list"),
+], ids=["two-value-mean", "pan-and-scan", "wrong-size", "not-an-object"])
+def test_gemma3_image_processor_file_the_load_refuses(gemma3_src, tmp_path, capsys, edit, needle):
+    """Found by a new user: these files passed ``--check-config`` as OK, then ``serve`` refused the model
+    (one line, exit 2). Now --check-config runs the family's image-processor reader, the load's own code."""
+    from edgevlm.errors import ModelLoadError
+    from edgevlm.runtime import Engine
+
+    model = _edit_preprocessor(gemma3_src, tmp_path, edit)
+    with pytest.raises(ModelLoadError) as load:
+        Engine.load(model)
+    code, err = _check(_config(tmp_path, model=f"  path: {model}\n"), capsys)
+    assert code == 2 and err == f"model.path: {load.value.message}" and needle in err, (err, load.value.message)
+
+
+def test_gemma3_good_image_processor_file_is_ok(gemma3_src, tmp_path, capsys):
+    code, out = _check(_config(tmp_path, model=f"  path: {gemma3_src}\n"), capsys)
+    assert code == 0, out
+
+
+def test_llava_preprocessor_config_not_an_object(tiny_src, tmp_path, capsys):
+    model = _edit_preprocessor(tiny_src, tmp_path, lambda pre: "clip")
+    code, err = _check(_config(tmp_path, model=f"  path: {model}\n"), capsys)
+    assert code == 2 and err == f"model.path: {model}/preprocessor_config.json: expected a JSON object, got str", err

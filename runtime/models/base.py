@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -37,6 +38,10 @@ class ModelFamily:
         build_model: family config -> the model (a :class:`VLMModel`), called under
             ``torch.device("meta")``; the loader fills the weights.
         make_processor: :class:`~edgevlm.runtime.loader.ModelFiles` -> :class:`Processor`.
+        read_image_config: ``(model_dir, family config) ->`` the checkpoint's image-processor
+            settings, read by the same code ``make_processor`` builds the processor with (torch-free,
+            no weights); raises ``ModelLoadError`` naming the file or key. ``edgevlm serve
+            --check-config`` runs it, so a processor file the load would refuse is refused there too.
         supports_video: whether the processor takes video (the Engine sends several frames of a
             request as one video).
         vision_state_free: ``encode_vision``'s result is all ``prefill`` needs, so the Engine may
@@ -67,6 +72,7 @@ class ModelFamily:
     weight_rules: tuple[tuple[str, str | None], ...]
     build_model: Callable[[Any], Any]
     make_processor: Callable[[ModelFiles], Processor]
+    read_image_config: Callable[[Path, Any], Any]
     supports_video: bool = False
     optional_prefixes: tuple[str, ...] = ()
     adaptive_vision: bool = False

@@ -452,7 +452,7 @@ def test_greedy_16_tokens_match_generate(ckpt, ours):
 
 
 def test_video_size_rule_counts_frames():
-    from edgevlm.runtime.models.qwen3_vl.processor import QWEN3_VIDEO_DEFAULTS as cfg
+    from edgevlm.runtime.models.qwen_vl.preprocess import QWEN3_VIDEO_DEFAULTS as cfg
 
     # numbers worked from Qwen3VLVideoProcessor's smart_resize (factor 32, temporal factor 2)
     assert video_target_size(4, 70, 100, cfg) == (160, 224)  # below min_pixels 128*32*32: scaled up
@@ -467,7 +467,7 @@ def test_video_size_rule_counts_frames():
 
 
 def test_frame_sampling_and_timestamps_follow_transformers():
-    from edgevlm.runtime.models.qwen3_vl.processor import QWEN3_VIDEO_DEFAULTS as cfg
+    from edgevlm.runtime.models.qwen_vl.preprocess import QWEN3_VIDEO_DEFAULTS as cfg
 
     assert sample_frames(4, 2.0, cfg) == [0, 1, 2, 3]
     assert sample_frames(60, 30.0, cfg) == [0, 20, 39, 59]  # int(60 / 30 * 2) = 4 frames, round(linspace)

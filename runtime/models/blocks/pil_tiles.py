@@ -125,14 +125,24 @@ class PilTileProcessor:
         self.image_cfg = image_cfg
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, cfg: Any, image_processor: dict | None = None):
-        """The processor of the checkpoint in ``model_dir``; ``image_processor`` = the loader's
-        settings dict (None: read them from the folder the way the loader does)."""
-        from edgevlm.runtime.loader import read_image_processor
+    def read_settings(cls, model_dir: str | Path, cfg: Any, image_processor: dict | None = None) -> Any:
+        """The checkpoint's ``image_cfg`` (``read_config``); ``image_processor`` = the loader's
+        settings dict (None: read them from the folder the way the loader does). The family's
+        ``read_image_config``, which ``edgevlm serve --check-config`` runs.
+
+        Raises:
+            ModelLoadError: a processor file that is not a JSON object, or a key ``read_config`` refuses.
+        """
+        from edgevlm.model_folder import read_image_processor
 
         model_dir = Path(model_dir)
         pre = image_processor if image_processor is not None else read_image_processor(model_dir)
-        return cls(cfg, cls.read_config(pre, model_dir, cfg))
+        return cls.read_config(pre, model_dir, cfg)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, cfg: Any, image_processor: dict | None = None):
+        """The processor of the checkpoint in ``model_dir`` (see :meth:`read_settings`)."""
+        return cls(cfg, cls.read_settings(model_dir, cfg, image_processor))
 
     @property
     def image_mean(self) -> tuple[float, float, float]:

@@ -9,7 +9,8 @@ is not implemented. Early exit and token pruning run through :mod:`edgevlm.runti
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from edgevlm.runtime.models.base import ModelFamily
 from edgevlm.runtime.models.gemma3.config import MODEL_TYPES, Gemma3Config, parse_config
@@ -47,6 +48,13 @@ def make_processor(files: ModelFiles) -> Gemma3Processor:
     return Gemma3Processor.from_dir(files.model_dir, files.config, files.image_processor)
 
 
+def read_image_config(model_dir: Path, cfg: Gemma3Config) -> Any:
+    """The checkpoint's image-processor settings, as :func:`make_processor` reads them (torch-free)."""
+    from edgevlm.runtime.models.gemma3.processor import Gemma3Processor
+
+    return Gemma3Processor.read_settings(model_dir, cfg)
+
+
 FAMILY = ModelFamily(
     name="gemma3",
     model_types=MODEL_TYPES,
@@ -54,6 +62,7 @@ FAMILY = ModelFamily(
     weight_rules=WEIGHT_RULES,
     build_model=build_model,
     make_processor=make_processor,
+    read_image_config=read_image_config,
     supports_video=False,
     max_images=8,
     adaptive_vision=True,  # exit heads + pruning on the SigLIP tower (edgevlm.runtime.adaptive)

@@ -10,7 +10,8 @@ InternVL's video mode (``Frame{i}:`` prompts) is not implemented, so video reque
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from edgevlm.runtime.models.base import ModelFamily
 from edgevlm.runtime.models.internvl.config import MODEL_TYPES, InternVLConfig, parse_config
@@ -45,6 +46,13 @@ def make_processor(files: ModelFiles) -> InternVLProcessor:
     return InternVLProcessor.from_dir(files.model_dir, files.config, files.image_processor)
 
 
+def read_image_config(model_dir: Path, cfg: InternVLConfig) -> Any:
+    """The checkpoint's image-processor settings, as :func:`make_processor` reads them (torch-free)."""
+    from edgevlm.runtime.models.internvl.processor import InternVLProcessor
+
+    return InternVLProcessor.read_settings(model_dir, cfg)
+
+
 FAMILY = ModelFamily(
     name="internvl",
     model_types=MODEL_TYPES,
@@ -52,6 +60,7 @@ FAMILY = ModelFamily(
     weight_rules=WEIGHT_RULES,
     build_model=build_model,
     make_processor=make_processor,
+    read_image_config=read_image_config,
     supports_video=False,
     max_images=8,
     adaptive_vision=True,  # exit heads + pruning on InternViT (edgevlm.runtime.adaptive)

@@ -8,6 +8,7 @@ Files: :mod:`.config` (``config.json``), :mod:`.model` (modules and the weight-n
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from edgevlm.runtime.models.base import ModelFamily
@@ -27,6 +28,13 @@ def make_processor(files: Any) -> Any:
 
     return make(files)
 
+
+def read_image_config(model_dir: Path, cfg: Any) -> Any:
+    from edgevlm.runtime.models.llava.processor import read_image_config as read
+
+    return read(model_dir, cfg)
+
+
 FAMILY = ModelFamily(
     name="llava",
     model_types=("llava",),
@@ -34,6 +42,7 @@ FAMILY = ModelFamily(
     weight_rules=WEIGHT_RULES,
     build_model=build_model,
     make_processor=make_processor,
+    read_image_config=read_image_config,
     supports_video=False,
     optional_prefixes=OPTIONAL_PREFIXES,
     adaptive_vision=True,

@@ -239,6 +239,14 @@ class LlavaProcessor:
         return "".join(out)
 
 
+def read_image_config(model_dir: Path, cfg: LlavaConfig) -> ImageProcessorSpec:
+    """The checkpoint's image-processor settings as :func:`make_processor` reads them (the family's
+    ``read_image_config``; torch-free)."""
+    from edgevlm.model_folder import read_image_processor
+
+    return image_processor_spec(read_image_processor(Path(model_dir)), cfg, model_dir)
+
+
 def make_processor(files) -> LlavaProcessor:
     """The processor of a LLaVA checkpoint (:class:`~edgevlm.runtime.loader.ModelFiles`)."""
     cfg = files.config

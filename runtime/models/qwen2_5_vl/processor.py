@@ -25,13 +25,13 @@ import torch
 
 from edgevlm.errors import InvalidRequestError
 from edgevlm.runtime.models.base import VisionInput
+from edgevlm.runtime.models.qwen2_5_vl import read_image_config
 from edgevlm.runtime.models.qwen2_5_vl.config import Qwen25VLConfig
 from edgevlm.runtime.models.qwen_vl.preprocess import (
     QwenPixelConfig,
     frames_fps,
     prepare_image,
     prepare_video,
-    read_pixel_configs,
     sample_frame_indices,
 )
 
@@ -52,9 +52,7 @@ class Qwen25VLProcessor:
     @classmethod
     def from_files(cls, files) -> Qwen25VLProcessor:
         """From a ``ModelFiles`` (``model_dir``, ``config``); ModelLoadError for bad processor files."""
-        v = files.config.vision
-        image, video = read_pixel_configs(files.model_dir, patch_size=v.patch_size,
-                                          temporal_patch_size=v.temporal_patch_size, merge_size=v.spatial_merge_size)
+        image, video = read_image_config(files.model_dir, files.config)
         return cls(files.config, image, video)
 
     def _rung(self, cfg: QwenPixelConfig, resolution_px: int | None) -> QwenPixelConfig:

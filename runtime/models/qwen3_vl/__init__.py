@@ -28,13 +28,20 @@ def make_processor_for_folder(model_dir: str | Path, cfg: Qwen3VLConfig) -> Any:
     """The processor of a checkpoint folder: its image and video processor files over the defaults
     of the processor classes Qwen3-VL names (``Qwen2VLImageProcessor``, ``Qwen3VLVideoProcessor``).
     Raises ModelLoadError naming a bad key."""
-    from edgevlm.runtime.models.qwen3_vl.processor import QWEN3_VIDEO_DEFAULTS, Qwen3VLProcessor
-    from edgevlm.runtime.models.qwen_vl.preprocess import read_pixel_configs
+    from edgevlm.runtime.models.qwen3_vl.processor import Qwen3VLProcessor
+
+    image, video = read_image_config(model_dir, cfg)
+    return Qwen3VLProcessor(cfg, image, video)
+
+
+def read_image_config(model_dir: str | Path, cfg: Qwen3VLConfig) -> Any:
+    """The ``(image, video)`` processor settings of a checkpoint folder (torch-free; see
+    :func:`make_processor_for_folder`)."""
+    from edgevlm.runtime.models.qwen_vl.preprocess import QWEN3_VIDEO_DEFAULTS, read_pixel_configs
 
     v = cfg.vision
-    image, video = read_pixel_configs(model_dir, patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
-                                      merge_size=v.spatial_merge_size, video_defaults=QWEN3_VIDEO_DEFAULTS)
-    return Qwen3VLProcessor(cfg, image, video)
+    return read_pixel_configs(model_dir, patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
+                              merge_size=v.spatial_merge_size, video_defaults=QWEN3_VIDEO_DEFAULTS)
 
 
 def _make_processor(files: Any) -> Any:
@@ -48,6 +55,7 @@ FAMILY = ModelFamily(
     weight_rules=WEIGHT_RULES,
     build_model=build_model,
     make_processor=_make_processor,
+    read_image_config=read_image_config,
     supports_video=True,
     vision_state_free=False,  # DeepStack features stashed by encode_vision for prefill
     adaptive_vision=True,  # exit heads + pruning on the CLS-free ViT (edgevlm.runtime.adaptive)

@@ -47,12 +47,6 @@ VIDEO_TOKEN = "<|video_pad|>"
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
 
-#: transformers' Qwen3VLVideoProcessor class defaults (what a checkpoint's file leaves out).
-QWEN3_VIDEO_DEFAULTS = QwenPixelConfig(
-    min_pixels=128 * 32 * 32, max_pixels=32 * 32 * 768, patch_size=16, temporal_patch_size=2, merge_size=2,
-    image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5), do_sample_frames=True, fps=2.0,
-    min_frames=4, max_frames=768,
-)
 #: transformers' fallback frame rate when a video comes without timestamps.
 DEFAULT_VIDEO_FPS = 24.0
 

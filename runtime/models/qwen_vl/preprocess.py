@@ -78,6 +78,12 @@ class QwenPixelConfig:
 IMAGE_DEFAULTS = QwenPixelConfig()
 #: transformers' Qwen2VLVideoProcessor defaults (128 to 768 merged patches per frame).
 VIDEO_DEFAULTS = QwenPixelConfig(min_pixels=128 * 28 * 28, max_pixels=28 * 28 * 768)
+#: transformers' Qwen3VLVideoProcessor class defaults (what a checkpoint's file leaves out).
+QWEN3_VIDEO_DEFAULTS = QwenPixelConfig(
+    min_pixels=128 * 32 * 32, max_pixels=32 * 32 * 768, patch_size=16, temporal_patch_size=2, merge_size=2,
+    image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5), do_sample_frames=True, fps=2.0,
+    min_frames=4, max_frames=768,
+)
 
 
 def _apply_keys(base: QwenPixelConfig, d: dict, where: str) -> QwenPixelConfig:

@@ -8,7 +8,8 @@ The family of the smallest robots (Orin Nano class). Modules: :mod:`.config` (``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from edgevlm.runtime.models.base import ModelFamily
 from edgevlm.runtime.models.smolvlm.config import MODEL_TYPES, SmolVLMConfig, parse_config
@@ -43,6 +44,13 @@ def make_processor(files: ModelFiles) -> SmolVLMProcessor:
     return SmolVLMProcessor.from_dir(files.model_dir, files.config, files.image_processor)
 
 
+def read_image_config(model_dir: Path, cfg: SmolVLMConfig) -> Any:
+    """The checkpoint's image-processor settings, as :func:`make_processor` reads them (torch-free)."""
+    from edgevlm.runtime.models.smolvlm.processor import SmolVLMProcessor
+
+    return SmolVLMProcessor.read_settings(model_dir, cfg)
+
+
 FAMILY = ModelFamily(
     name="smolvlm",
     model_types=MODEL_TYPES,
@@ -50,6 +58,7 @@ FAMILY = ModelFamily(
     weight_rules=WEIGHT_RULES,
     build_model=build_model,
     make_processor=make_processor,
+    read_image_config=read_image_config,
     supports_video=False,
     max_images=8,
     adaptive_vision=True,  # exit heads + pruning on the CLS-free ViT (edgevlm.runtime.adaptive)
