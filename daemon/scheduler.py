@@ -74,7 +74,7 @@ from typing import Any
 
 from edgevlm.config import DefaultsConfig
 from edgevlm.daemon.metrics_common import EventCounters
-from edgevlm.daemon.sources import CapturedFrame, SourceManager
+from edgevlm.daemon.sources import CapturedFrame, SourceManager, evenly_spaced
 from edgevlm.errors import (
     BusyError,
     DeadlineExceededError,
@@ -146,6 +146,7 @@ class _Started:
     predicted_ms: float | None = None
     service_ms: float = 0.0  # predicted worker time (batched: for the queue-wait prediction)
     frames: list[CapturedFrame] | None = None  # a frames / frames_s request's frames, oldest first
+    window_frames: int | None = None  # frames in a frames_s window sampled down to the model's limit
     prepared: _Prepared | None = None  # made by a prepare thread (inline images)
 
     @property
@@ -709,13 +710,13 @@ class Scheduler:
         try:
             prepared = job.prepared.result() if job.prepared is not None else None  # raises its typed error
             if prepared is not None:
-                image, frame, frames = prepared.image, None, None
+                image, frame, frames, window = prepared.image, None, None, None
             elif job.image is not None:  # decoded by a front process
-                image, frame, frames = job.image, None, None
+                image, frame, frames, window = job.image, None, None, None
             else:
-                image, frame, frames = self._resolve_image(req, deadline)
+                image, frame, frames, window = self._resolve_image(req, deadline)
             started = _Started(dequeued, queue_ms, image, frame, req.max_new_tokens or self.defaults.max_new_tokens,
-                               frames=frames, prepared=prepared)
+                               frames=frames, window_frames=window, prepared=prepared)
             if job.refit is not None:  # dequeued before, and prepared again for the point chosen then
                 started.point, started.service_ms, started.predicted_ms = job.refit
             elif job.choice is not None and self.controller is not None:
@@ -742,6 +743,8 @@ class Scheduler:
         point = started.point
         try:
             answer.stats.queue_ms = started.queue_ms
+            if started.window_frames is not None:
+                answer.stats.window_frames = started.window_frames
             answer.stats.stages_ms = request_stages_ms(job, started, answer.stats)
             if point is not None:
                 self.controller.observe(point, answer.stats, prompt=req.prompt)
@@ -986,22 +989,34 @@ class Scheduler:
                 self._complete(job, started, answer)
 
     def _resolve_image(self, req: Request, deadline: float | None
-                       ) -> tuple[Any, CapturedFrame | None, list[CapturedFrame] | None]:
+                       ) -> tuple[Any, CapturedFrame | None, list[CapturedFrame] | None, int | None]:
         """``(image or list of frames' images, newest source frame, the frames of a frames /
-        frames_s request)``."""
+        frames_s request, the frames of a frames_s window that was sampled down)``.
+
+        ``frames_s`` is a time window: when it holds more frames than the model takes in one request
+        (``Engine.max_frames``: a family without video takes ``max_images``, e.g. 8) and the model
+        takes several, the window is sampled to that many frames evenly spaced in it, the oldest and
+        the newest kept (:func:`~edgevlm.daemon.sources.evenly_spaced`; as video VLM serving samples
+        a clip's frames); the window's count is returned for ``stats.window_frames``. ``frames: N`` is
+        a count the caller chose, sent as asked (the engine refuses more than its limit, naming it), as
+        is any window for a one-image model."""
         if req.image_bytes is not None:
             from edgevlm.runtime.image import decode_image
 
-            return decode_image(req.image_bytes), None, None
+            return decode_image(req.image_bytes), None, None, None
         assert req.source is not None  # guaranteed by Request validation
         src = self.sources.get(req.source)
         wait_s = FRAME_WAIT_S if deadline is None else max(0.0, min(FRAME_WAIT_S, deadline - time.monotonic()))
         # a fresh frame (max_frame_age_s), else InternalError with reason no_frame / stale_frame
         if req.frames is not None or req.frames_s is not None:
             frames = src.recent_frames(wait_s, count=req.frames, window_s=req.frames_s)
-            return [f.image for f in frames], frames[-1], frames
+            limit = getattr(self._engine, "max_frames", None)  # None: an engine without a frame limit
+            window = None
+            if req.frames_s is not None and limit is not None and 2 <= limit < len(frames):
+                window, frames = len(frames), evenly_spaced(frames, limit)
+            return [f.image for f in frames], frames[-1], frames, window
         frame = src.frame_for_request(wait_s)
-        return frame.image, frame, None
+        return frame.image, frame, None, None
 
     def _fail(self, job: Job, err: EdgeVLMError) -> None:
         self.counters.inc(f"errors_{err.code.value}")

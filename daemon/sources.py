@@ -100,6 +100,16 @@ class CapturedFrame:
         return max(0.0, time.monotonic() - self.monotonic_s)
 
 
+def evenly_spaced(frames: list[CapturedFrame], n: int) -> list[CapturedFrame]:
+    """``n`` of ``frames`` (oldest first) evenly spaced over them, the oldest and the newest kept
+    (``n`` >= 2), in order: how a ``frames_s`` window is sampled down to the frames a model takes.
+    Fewer than ``n`` frames are returned as they are."""
+    if len(frames) <= n:
+        return list(frames)
+    last = len(frames) - 1
+    return [frames[round(i * last / (n - 1))] for i in range(n)]
+
+
 def to_rgb(frame: np.ndarray) -> np.ndarray:
     """An OpenCV frame (BGR, BGRA or grey, uint8) as ``(H, W, 3)`` uint8 RGB."""
     cv2 = _cv2()

@@ -393,7 +393,9 @@ class Client:
             max_new_tokens: cap on generated tokens (None = the daemon's default).
             budget_ms: latency budget for operating-point selection.
             frames: ask about the last N frames of ``source`` (1..32; the request's ``frames`` field).
-            frames_s: ask about the frames of ``source`` from the last S seconds (the ``frames_s`` field).
+            frames_s: ask about the frames of ``source`` from the last S seconds (the ``frames_s`` field;
+                a window of more frames than the model takes is sampled evenly to its limit, see
+                ``Answer.stats.window_frames``).
             model: the model to answer with (the ``model`` field; a daemon that does not serve it
                 forwards the request to its offload pool, else refuses it).
             temperature: sampling temperature, 0 to 2 (None = the daemon's default, 0: greedy).

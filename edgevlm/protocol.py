@@ -274,7 +274,10 @@ class Request(BaseModel):
     frames_s: StrictFloat | StrictInt | None = Field(
         None, gt=0, le=MAX_REQUEST_FRAMES_S,
         description="Ask about the frames of ``source`` captured in the last S seconds (up to the newest "
-        f"frame; at most {MAX_REQUEST_FRAMES} frames, the newest kept), as ``frames``.",
+        f"frame; at most {MAX_REQUEST_FRAMES} frames, the newest kept), as ``frames``. A window holding more "
+        "frames than the model takes in one request (a family without video: its max_images, e.g. 8) is "
+        "sampled to that many, evenly spaced, the oldest and the newest kept; the response's "
+        "stats.window_frames then says how many the window held (frame.frames: how many were sent).",
     )
     reply_to: StrictStr | None = Field(
         None,

@@ -67,6 +67,11 @@ class Stats(BaseModel):
     decode_ms: float = Field(0.0, description="Total decode time after the first token.")
     e2e_ms: float = Field(0.0, description="End-to-end time of the call.")
     queue_ms: float = Field(0.0, description="Time spent waiting in the daemon's queue.")
+    window_frames: int | None = Field(
+        None, description="A frames_s request whose window held more frames than the model takes in one request "
+        "(families without video: their max_images, e.g. 8): the frames in the window, of which the answer is "
+        "about frame.frames, evenly spaced, the oldest and the newest included. None: every frame was sent.",
+    )
     prompt_tokens: int = Field(0, description="Text tokens in the prompt (without vision tokens).")
     vision_tokens: int = Field(0, description="Vision tokens fed to the decoder.")
     new_tokens: int = Field(0, description="Generated tokens (including a final stop token).")

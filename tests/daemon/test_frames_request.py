@@ -151,3 +151,69 @@ def test_questions_about_one_source_frame_share_its_vision_tokens(start_daemon, 
         assert second["text"] == qwen_engine.ask(frame, "describe the scene.", max_new_tokens=6).text
     finally:
         qwen_engine.set_vision_cache(None)
+
+
+# ---- a frames_s window on a family limited to N images (Gemma 3, SmolVLM, InternVL: max_images 8)
+
+
+@pytest.fixture(scope="module")
+def gemma3_engine(tmp_path_factory):
+    from family_support import write_checkpoint
+
+    from edgevlm.runtime import Engine
+
+    return Engine.load(write_checkpoint("gemma3", tmp_path_factory.mktemp("gemma3_frames") / "model"))
+
+
+def _http_chat(daemon, body: dict) -> dict:
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{daemon.http.port}/v1/chat/completions",
+                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.loads(resp.read())
+
+
+def test_frames_s_window_is_sampled_to_the_family_image_limit(start_daemon, gemma3_engine, make_video, raw_client,
+                                                              wait_until):
+    """Found by a new user: ``frames_s: 1`` on a 10 fps camera asked a Gemma 3 model (at most 8 images) about
+    the 11 frames of the window and got INVALID_REQUEST "11 frames: ... at most 8 frame(s)", a count never
+    sent. The window is a time span: it is sampled to 8 frames evenly spaced in it (the oldest and the newest
+    kept), on the MQTT wire and the HTTP API alike; ``stats.window_frames`` says how many it held."""
+    import urllib.request
+
+    from edgevlm.daemon.sources import evenly_spaced
+
+    path = make_video(n_frames=60, fps=10.0, size=(112, 84))
+    daemon = start_daemon(engine=gemma3_engine, sources=[{"name": "cam", "uri": str(path)}],
+                          defaults={"max_new_tokens": 6, "timeout_ms": 60000}, http={"enabled": True, "port": 0})
+    src = daemon.sources.get("cam")
+    wait_until(lambda: (f := src.latest()) is not None and f.index is not None and f.index >= 12, 20, "13 frames")
+    decoded = _decoded(path)
+    raw = raw_client()
+    for _ in range(5):  # a response whose window lies within one pass of the looping file
+        resp = _roundtrip(raw, {"prompt": PROMPT, "source": "cam", "frames_s": 1})
+        assert resp["ok"], resp
+        window, newest = resp["stats"]["window_frames"], resp["frame"]["index"]
+        if newest >= window - 1:
+            break
+        time.sleep(0.3)
+    assert resp["frame"]["frames"] == 8 and 9 <= window <= 12, resp  # about 11 frames in 1 s at 10 fps
+    assert resp["frame"]["ts"] - resp["frame"]["first_ts"] <= 1.0 + 1e-6
+    sampled = evenly_spaced(decoded[newest - window + 1:newest + 1], 8)
+    assert resp["text"] == gemma3_engine.ask(sampled, PROMPT, max_new_tokens=6).text
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{daemon.http.port}/v1/models", timeout=30) as models:
+        model_id = json.loads(models.read())["data"][0]["id"]
+    out = _http_chat(daemon, {"model": model_id, "max_tokens": 6, "frames_s": 1, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "edgevlm://sources/cam"}}, {"type": "text", "text": PROMPT}]}]})
+    ext = out["edgevlm"]
+    assert out["choices"][0]["message"]["content"] and ext["frame"]["frames"] == 8, out
+    assert 9 <= ext["stats"]["window_frames"] <= 12
+
+    # a window within the limit is sent whole, and a count the caller chose is not sampled: over the limit
+    # it is refused naming it
+    resp = _roundtrip(raw, {"prompt": PROMPT, "source": "cam", "frames_s": 0.25})
+    assert resp["ok"] and 2 <= resp["frame"]["frames"] <= 4 and "window_frames" not in resp["stats"], resp
+    resp = _roundtrip(raw, {"prompt": PROMPT, "source": "cam", "frames": 9})
+    assert resp["error"]["code"] == "INVALID_REQUEST" and "at most 8 frame(s)" in resp["error"]["message"], resp
