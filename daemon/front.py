@@ -156,7 +156,7 @@ class LinkedSubmitter:
         shape = None if pixels is None else tuple(pixels.shape)
         try:
             self.link.send(("job", job_id, request, job.received_monotonic, job.timeout_ms, job.deadline_limit,
-                            shape), None if pixels is None else _contiguous(pixels))  # fmt: skip
+                            shape, job.dedup), None if pixels is None else _contiguous(pixels))  # fmt: skip
         except LinkClosed:
             with self._lock:
                 self._pending.pop(job_id, None)

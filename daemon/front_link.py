@@ -17,7 +17,8 @@ front's slots reclaimed: more states for no measured gain
 (``bench/results/daemon_throughput_h200_20261202.md``, "Night").
 
 Messages, front -> daemon: ``("job", job_id, request, received_monotonic, timeout_ms,
-deadline_limit, shape)`` + pixels (``shape`` None: a source request, no payload), ``("ready",)``,
+deadline_limit, shape, dedup)`` + pixels (``shape`` None: a source request, no payload; ``dedup``
+the request's recent-answers key and payload digest, or None), ``("ready",)``,
 ``("events", {name: n})`` (counter deltas), ``("metric", method, args)``. Daemon -> front:
 ``("reply", job_id)`` + the response's JSON, ``("stop_accepting",)``, ``("stop", message)``.
 """

@@ -11,7 +11,11 @@ are applied to the daemon's counters and metrics: one metrics system.
 
 A supervisor thread restarts a front that exits (logged at WARNING, counted as ``front_restarts``);
 the requests it held are lost with it, and the SDK's re-send (same Correlation Data) reaches another
-front through the shared subscription. :meth:`stop` tells every front to answer what it holds and
+front through the shared subscription. Since the broker hands a re-send to any front, duplicates are
+also recognised here, across the fronts, by the key and payload digest each front sends with a job
+(:class:`~edgevlm.daemon.delivery.RecentAnswers`, as the one-process bridge does): a re-send of a job
+still queued or running waits for that job's response, one already answered gets it again; nothing
+runs twice. :meth:`stop` tells every front to answer what it holds and
 disconnect, waits for them, and kills any that do not exit in time.
 """
 
@@ -26,11 +30,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edgevlm.config import DaemonConfig
+from edgevlm.daemon.delivery import DedupKey, RecentAnswers
 from edgevlm.daemon.front import FORWARDED_METRICS, front_main
 from edgevlm.daemon.front_link import FrontLink, LinkClosed
 from edgevlm.daemon.metrics_common import EventCounters
 from edgevlm.daemon.scheduler import Job, Scheduler
-from edgevlm.errors import EdgeVLMError, InternalError
+from edgevlm.errors import EdgeVLMError, ErrorCode, InternalError
 from edgevlm.protocol import Response
 
 logger = logging.getLogger(__name__)
@@ -77,6 +82,8 @@ class FrontProcesses:
         self._all_ready = threading.Event()
         self._supervisor: threading.Thread | None = None
         self.restarts = 0
+        self.recent_answers = RecentAnswers(config.mqtt.dedup_cache_size)
+        self._waiters: dict[DedupKey, list[tuple[_Front, int]]] = {}  # in-flight key -> re-sends waiting on it
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -211,17 +218,32 @@ class FrontProcesses:
     def _submit(self, front: _Front, meta: tuple[Any, ...], payload: Any) -> None:
         import numpy as np
 
-        _, job_id, request, received, timeout_ms, limit, shape = meta
+        _, job_id, request, received, timeout_ms, limit, shape, dedup = meta
+        if dedup is not None:
+            key, digest = dedup
+            with self._lock:  # with the reply's answered/forget: a re-send never misses its answer
+                seen, cached = self.recent_answers.claim(key, digest)
+                if seen == "in_flight":
+                    self._waiters.setdefault(key, []).append((front, job_id))
+            if seen != "new":
+                self.counters.inc(f"duplicate_{seen}")
+                if self.metrics is not None:
+                    self.metrics.duplicate_request(seen)
+                if cached is not None:
+                    self._send_reply(front, job_id, cached)
+                return
         image = None if shape is None else np.asarray(payload, dtype=np.uint8).reshape(shape)
-        reply = self._reply_function(front, job_id, received, timeout_ms)
+        reply = self._reply_function(front, job_id, received, timeout_ms, dedup)
         self.scheduler.submit(Job(request=request, reply=reply, received_monotonic=received, timeout_ms=timeout_ms,
                                   deadline_limit=limit, image=image))  # fmt: skip
         if self.metrics is not None:
             self.metrics.set_queue_depth(self.scheduler.queue_size())
 
-    def _reply_function(self, front: _Front, job_id: int, received: float,
-                        timeout_ms: int) -> Callable[[Response], None]:  # fmt: skip
-        """A once-only reply function: observe the response, send its JSON to ``front``."""
+    def _reply_function(self, front: _Front, job_id: int, received: float, timeout_ms: int,
+                        dedup: tuple[DedupKey, bytes] | None = None) -> Callable[[Response], None]:  # fmt: skip
+        """A once-only reply function: observe the response, send its JSON to ``front`` and to the
+        fronts holding a re-send of it; remember it for later re-sends (a ``BUSY`` one is forgotten:
+        a re-send runs again)."""
         done = threading.Lock()
         answered = [False]
 
@@ -233,22 +255,33 @@ class FrontProcesses:
                 answered[0] = True
             with self._lock:
                 front.outstanding.pop(job_id, None)
+                waiters = self._waiters.pop(dedup[0], []) if dedup is not None else []
+                if dedup is not None:
+                    if response.error is not None and response.error.code == ErrorCode.BUSY:
+                        self.recent_answers.forget(*dedup)
+                    else:
+                        self.recent_answers.answered(dedup[0], dedup[1], response)
             if self.metrics is not None:
                 self.metrics.observe_response(response, received, timeout_ms, self.scheduler.queue_size())
-            try:
-                payload = response.to_bytes()
-            except Exception as exc:  # noqa: BLE001 - never leave a request unanswered
-                logger.error("a response cannot be serialized (%s); sending INTERNAL", exc)
-                payload = Response.failure(InternalError(
-                    f"the response could not be serialized: {type(exc).__name__}"), response.correlation_id).to_bytes()
-            try:
-                front.link.send(("reply", job_id), payload)
-            except LinkClosed:  # the front died: its client re-sends to another front
-                self.counters.inc("responses_dropped")
+            for target, target_job in [(front, job_id), *waiters]:
+                self._send_reply(target, target_job, response)
 
         with self._lock:
             front.outstanding[job_id] = reply
         return reply
+
+    def _send_reply(self, front: _Front, job_id: int, response: Response) -> None:
+        """Send ``response``'s JSON to ``front`` as the answer to its job ``job_id``."""
+        try:
+            payload = response.to_bytes()
+        except Exception as exc:  # noqa: BLE001 - never leave a request unanswered
+            logger.error("a response cannot be serialized (%s); sending INTERNAL", exc)
+            payload = Response.failure(InternalError(
+                f"the response could not be serialized: {type(exc).__name__}"), response.correlation_id).to_bytes()
+        try:
+            front.link.send(("reply", job_id), payload)
+        except LinkClosed:  # the front died: its client re-sends to another front
+            self.counters.inc("responses_dropped")
 
     def _send(self, front: _Front, meta: tuple[Any, ...]) -> None:
         try:

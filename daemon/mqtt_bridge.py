@@ -484,7 +484,7 @@ class MqttBridge:
             return
         assert request is not None
         self.scheduler.submit(Job(request=request, reply=reply, received_monotonic=received, timeout_ms=timeout_ms,
-                                  deadline_limit=limit))  # fmt: skip
+                                  deadline_limit=limit, dedup=None if key is None else (key, digest)))  # fmt: skip
         if self.metrics is not None:
             self.metrics.set_queue_depth(self.scheduler.queue_size())
 

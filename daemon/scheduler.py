@@ -220,6 +220,7 @@ class Job:
     refit: tuple[Any, float, float] | None = None  # (point, service ms, predicted ms) fixed at a first dequeue
     queued_monotonic: float | None = None  # when submit() queued it (the transport's checks were done)
     image: Any = None  # (H, W, 3) uint8 RGB decoded by a front process (edgevlm.daemon.front); the request has no file
+    dedup: Any = None  # (key, payload digest) of the MQTT recent-answers cache (a front's re-sends, fronts.py)
 
     def ready(self) -> bool:
         """Whether the worker can take the job without waiting for its preparation."""

@@ -196,3 +196,35 @@ def test_a_request_held_by_a_killed_front_is_answered_through_the_clients_resend
             wait_until(lambda: daemon.fronts.restarts == 2 and daemon.fronts.ready(), 30, "the fronts' restart")
         asker.join(30)
     assert got and got[0].text == demo_engine.ask(frame, question, max_new_tokens=8).text
+
+
+def test_a_resend_reaching_another_front_is_absorbed_not_run_twice(
+        start_daemon, mosquitto, demo_engine, raw_client, encode_image, wait_until) -> None:
+    # the broker hands a re-send (same Correlation Data, same payload) to any front of the shared
+    # subscription: the one-process rule (absorbed while it runs, answered from the cache after) holds
+    frame, question = _scenes(1)[0]
+    daemon = start_daemon(engine=demo_engine, device_id="five", mqtt={"front_processes": 2},
+                          defaults={"max_new_tokens": 8, "timeout_ms": 60000})
+    raw = raw_client()
+    reply = "test/replies/dup"
+    raw.subscribe(reply)
+    body = json.dumps({"schema_version": 1, "prompt": question,
+                       "image_b64": base64.b64encode(encode_image(frame, ".png")).decode()}).encode()
+    with daemon.scheduler.paused():
+        for _ in range(4):  # round-robin: both fronts get copies
+            raw.publish("edgevlm/five/request", body, response_topic=reply, correlation=b"d1")
+        wait_until(lambda: daemon.counters.get("duplicate_in_flight") + daemon.scheduler.queue_size() >= 4
+                   or daemon.scheduler.queue_size() > 1, 10, "the copies")
+        time.sleep(0.3)
+        assert daemon.scheduler.queue_size() == 1, "a re-send ran twice"
+    msgs = raw.wait_messages(reply, 1, timeout_s=30)
+    assert json.loads(msgs[0].payload)["ok"] is True
+    wait_until(lambda: daemon.scheduler.queue_size() == 0, 10, "the queue drained")
+    time.sleep(0.5)
+    assert daemon.counters.get("requests_received") == 1
+    # a later re-send, to whichever front, is answered from the cache (nothing runs again)
+    for _ in range(2):
+        raw.publish("edgevlm/five/request", body, response_topic=reply, correlation=b"d1")
+    wait_until(lambda: daemon.counters.get("duplicate_answered") >= 1, 10, "the cached answers")
+    time.sleep(0.5)
+    assert daemon.counters.get("requests_received") == 1
