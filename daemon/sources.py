@@ -102,10 +102,18 @@ class CapturedFrame:
 
 def evenly_spaced(frames: list[CapturedFrame], n: int) -> list[CapturedFrame]:
     """``n`` of ``frames`` (oldest first) evenly spaced over them, the oldest and the newest kept
-    (``n`` >= 2), in order: how a ``frames_s`` window is sampled down to the frames a model takes.
-    Fewer than ``n`` frames are returned as they are."""
+    (``n`` >= 2; ``n`` = 1: the newest), in order, no frame twice: how a ``frames_s`` window is
+    sampled down to the frames a model takes. Fewer than ``n`` frames are returned as they are.
+
+    Raises:
+        ValueError: ``n`` < 1.
+    """
+    if n < 1:
+        raise ValueError(f"evenly_spaced: n must be >= 1, got {n}")
     if len(frames) <= n:
         return list(frames)
+    if n == 1:
+        return [frames[-1]]
     last = len(frames) - 1
     return [frames[round(i * last / (n - 1))] for i in range(n)]
 

@@ -217,3 +217,20 @@ def test_frames_s_window_is_sampled_to_the_family_image_limit(start_daemon, gemm
     assert resp["ok"] and 2 <= resp["frame"]["frames"] <= 4 and "window_frames" not in resp["stats"], resp
     resp = _roundtrip(raw, {"prompt": PROMPT, "source": "cam", "frames": 9})
     assert resp["error"]["code"] == "INVALID_REQUEST" and "at most 8 frame(s)" in resp["error"]["message"], resp
+
+
+def test_evenly_spaced_keeps_exactly_n_in_order_the_oldest_and_newest_and_no_duplicate() -> None:
+    from edgevlm.daemon.sources import evenly_spaced
+
+    for length in range(0, 41):
+        frames = list(range(length))
+        for n in range(1, length + 3):
+            got = evenly_spaced(frames, n)  # type: ignore[arg-type]
+            assert len(got) == min(n, length), (length, n)
+            assert got == sorted(set(got)), (length, n)  # in order, no frame twice
+            if length and n >= 2:
+                assert got[0] == 0 and got[-1] == length - 1, (length, n)
+            if length and n == 1:
+                assert got == [length - 1], length  # one frame: the newest
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        evenly_spaced([1, 2], 0)  # type: ignore[list-item]
