@@ -232,10 +232,16 @@ class FrontProcesses:
                 if cached is not None:
                     self._send_reply(front, job_id, cached)
                 return
-        image = None if shape is None else np.asarray(payload, dtype=np.uint8).reshape(shape)
         reply = self._reply_function(front, job_id, received, timeout_ms, dedup)
-        self.scheduler.submit(Job(request=request, reply=reply, received_monotonic=received, timeout_ms=timeout_ms,
-                                  deadline_limit=limit, image=image))  # fmt: skip
+        try:
+            image = None if shape is None else np.asarray(payload, dtype=np.uint8).reshape(shape)
+            self.scheduler.submit(Job(request=request, reply=reply, received_monotonic=received, timeout_ms=timeout_ms,
+                                      deadline_limit=limit, image=image))  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - never an unanswered request (nor a key in flight for ever)
+            logger.exception("front %d: submitting job %d failed", front.index, job_id)
+            reply(Response.failure(InternalError(f"internal error: {type(exc).__name__}: {exc}"),
+                                   request.correlation_id))  # fmt: skip
+            return
         if self.metrics is not None:
             self.metrics.set_queue_depth(self.scheduler.queue_size())
 

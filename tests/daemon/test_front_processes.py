@@ -228,3 +228,43 @@ def test_a_resend_reaching_another_front_is_absorbed_not_run_twice(
     wait_until(lambda: daemon.counters.get("duplicate_answered") >= 1, 10, "the cached answers")
     time.sleep(0.5)
     assert daemon.counters.get("requests_received") == 1
+
+
+def test_a_job_the_daemon_cannot_submit_is_answered_internal_and_its_resend_too(start_daemon, demo_engine) -> None:
+    # a job message that fails in the daemon's process (pixels that do not fill the shape) is answered
+    # INTERNAL, not left unanswered with its key in flight (which would absorb every re-send)
+    import threading
+
+    from edgevlm.daemon.fronts import FrontProcesses, _Front
+    from edgevlm.protocol import Request
+
+    daemon = start_daemon(engine=demo_engine, device_id="six", defaults={"max_new_tokens": 4, "timeout_ms": 60000})
+    fronts = FrontProcesses(daemon.config.model_copy(update={"mqtt": daemon.config.mqtt.model_copy(
+        update={"front_processes": 1})}), daemon.scheduler, daemon.counters)  # fmt: skip
+    ours, theirs = FrontLink.pair()
+    front = _Front(0, None, ours)
+    threading.Thread(target=fronts._read, args=(front,), daemon=True).start()
+    theirs.sock.settimeout(30)
+    from edgevlm.daemon.front import _without_image
+
+    png = base64.b64encode(bytes.fromhex("89504e470d0a1a0a")).decode()  # the front strips the file anyway
+    request = _without_image(Request.model_validate({"schema_version": 1, "prompt": "what?", "correlation_id": "x1",
+                                                     "image_b64": png}))
+    dedup = (("test/replies/x", b"Dx1"), b"digest")
+    pixels = np.zeros((32, 32, 3), np.uint8)
+    theirs.send(("job", 1, request, time.monotonic(), 60000, "timeout_ms", (32, 32, 3), dedup), pixels[:5])
+    meta, payload = theirs.recv()
+    assert meta == ("reply", 1)
+    r = json.loads(bytes(payload))
+    assert r["ok"] is False and r["error"]["code"] == "INTERNAL" and r["correlation_id"] == "x1"
+    # its re-send (another front) is answered from the recent answers, as the one-process bridge does
+    theirs.send(("job", 2, request, time.monotonic(), 60000, "timeout_ms", (32, 32, 3), dedup), pixels)
+    meta, again = theirs.recv()
+    assert meta == ("reply", 2) and json.loads(bytes(again))["error"] == r["error"]
+    # and a new request on the link runs
+    fresh = (("test/replies/x", b"Dx2"), b"digest")
+    theirs.send(("job", 3, request, time.monotonic(), 60000, "timeout_ms", (32, 32, 3), fresh), pixels)
+    meta, payload = theirs.recv()
+    assert meta == ("reply", 3) and json.loads(bytes(payload))["ok"] is True, bytes(payload)
+    theirs.close()
+    ours.close()
