@@ -275,12 +275,12 @@ class Front:
         failed = self.bridge.fail_outstanding(BusyError(message))
         if failed:
             logger.warning("front %d: %d request(s) in flight answered BUSY", self.index, failed)
+        flusher.join(1.0)  # before the last flush: two flushes at once would send one delta twice
         try:
             self._flush_events()
         except LinkClosed:
             pass
         self.bridge.stop(timeout_s=5.0)
-        flusher.join(1.0)
         self.link.close()
 
 
