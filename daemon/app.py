@@ -407,6 +407,8 @@ class Daemon:
 
         Raises:
             ModelLoadError: the model could not be loaded (everything started is stopped again).
+            OSError, ValueError: paho refused the broker connection's set-up (a TLS file it cannot
+                read; everything started, the front processes included, is stopped again).
         """
         self.notifier.status("starting camera sources")
         self.sources.start()
@@ -423,9 +425,18 @@ class Daemon:
             raise
         self.heartbeat.beat()
         self.notifier.status(f"model loaded; connecting to the broker at {self.config.mqtt.host}:{self.config.mqtt.port}")
-        if self.fronts is not None:
-            self.fronts.start()
-        self.bridge.start()
+        try:
+            if self.fronts is not None:
+                self.fronts.start()
+            self.bridge.start()  # raises on what paho refuses at set-up (a TLS file it cannot read)
+        except BaseException:
+            if self.fronts is not None:
+                self.fronts.stop()  # else they, and their supervisor restarting them, outlive the failed start
+            self.scheduler.stop(timeout_s=1.0)
+            self.sources.stop()
+            if self.audio is not None:
+                self.audio.stop()
+            raise
         self._started = True
         self.watchdog.start()
         if self.metrics is not None and self.config.metrics.listen is not None:

@@ -268,3 +268,22 @@ def test_a_job_the_daemon_cannot_submit_is_answered_internal_and_its_resend_too(
     assert meta == ("reply", 3) and json.loads(bytes(payload))["ok"] is True, bytes(payload)
     theirs.close()
     ours.close()
+
+
+def test_a_start_that_fails_at_the_broker_connection_leaves_no_front_process(mosquitto, demo_engine, tmp_path) -> None:
+    # the daemon's own connection cannot be set up (a CA file that is not there): start raises, and the
+    # fronts it started are stopped with it (were: left running, their supervisor restarting them)
+    from edgevlm.daemon.app import Daemon
+
+    cfg = DaemonConfig.model_validate({"mqtt": {"host": mosquitto.host, "port": mosquitto.port, "device_id": "seven",
+                                                "front_processes": 2,
+                                                "tls": {"ca_certs": str(tmp_path / "missing-ca.pem")}}})
+    daemon = Daemon(cfg, engine=demo_engine)
+    with pytest.raises(Exception):  # noqa: B017,PT011 - paho's own error for the missing file
+        daemon.start()
+    pids = daemon.fronts.pids()
+    time.sleep(1.0)  # the supervisor would have restarted a front by now
+    try:
+        assert daemon.fronts.restarts == 0 and not any(_alive(pid) for pid in pids), "front processes left running"
+    finally:
+        daemon.fronts.stop()
