@@ -9,7 +9,9 @@ job's reply function observes the response in the daemon's metrics (as the bridg
 its JSON back to the front that received the request. A front's counter deltas and metric calls
 are applied to the daemon's counters and metrics: one metrics system.
 
-A supervisor thread restarts a front that exits (logged at WARNING, counted as ``front_restarts``);
+A supervisor thread restarts a front that exits (logged at WARNING, counted as ``front_restarts``;
+a front that keeps exiting within :data:`STABLE_S` of its start is restarted after a delay doubling
+from :data:`SUPERVISE_S` up to :data:`RESTART_BACKOFF_MAX_S`, not every :data:`SUPERVISE_S`);
 the requests it held are lost with it, and the SDK's re-send (same Correlation Data) reaches another
 front through the shared subscription. Since the broker hands a re-send to any front, duplicates are
 also recognised here, across the fronts, by the key and payload digest each front sends with a job
@@ -42,6 +44,10 @@ logger = logging.getLogger(__name__)
 
 SUPERVISE_S = 0.2
 """How often the supervisor checks that every front process is alive (s)."""
+RESTART_BACKOFF_MAX_S = 10.0
+"""The longest delay before a front that keeps exiting soon after its start is started again (s)."""
+STABLE_S = 30.0
+"""A front that ran this long before it exited is restarted at once, its backoff reset (s)."""
 STOP_JOIN_S = 10.0
 """How long :meth:`FrontProcesses.stop` waits for the fronts to exit before killing them (s)."""
 
@@ -54,6 +60,8 @@ class _Front:
     ready: bool = False
     reader: threading.Thread | None = None
     outstanding: dict[int, Callable[[Response], None]] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
+    restart_at: float | None = None  # set once the supervisor found it dead: when it starts it again
 
 
 class FrontProcesses:
@@ -82,6 +90,7 @@ class FrontProcesses:
         self._all_ready = threading.Event()
         self._supervisor: threading.Thread | None = None
         self.restarts = 0
+        self._quick_exits = [0] * self.count  # per front: exits in a row within STABLE_S of a start
         self.recent_answers = RecentAnswers(config.mqtt.dedup_cache_size)
         self._waiters: dict[DedupKey, list[tuple[_Front, int]]] = {}  # in-flight key -> re-sends waiting on it
 
@@ -168,16 +177,26 @@ class FrontProcesses:
                 if self._stopping:
                     return
                 dead = [f for f in self._fronts if f is not None and not f.process.is_alive()]
+            now = time.monotonic()
             for front in dead:
-                logger.warning("front process %d (pid %s) exited with code %s; restarting it (%d request(s) it "
-                               "held are lost: clients re-send)", front.index, front.process.pid,
-                               front.process.exitcode, len(front.outstanding))  # fmt: skip
-                front.link.close()
+                if front.restart_at is None:  # found dead just now
+                    quick = now - front.started < STABLE_S
+                    k = self._quick_exits[front.index] = self._quick_exits[front.index] + 1 if quick else 0
+                    delay_s = 0.0 if k <= 1 else min(RESTART_BACKOFF_MAX_S, SUPERVISE_S * 2 ** (k - 1))
+                    front.restart_at = now + delay_s
+                    logger.warning("front process %d (pid %s) exited with code %s; restarting it%s (%d request(s) "
+                                   "it held are lost: clients re-send)", front.index, front.process.pid,
+                                   front.process.exitcode, f" in {delay_s:.1f} s" if delay_s else "",
+                                   len(front.outstanding))  # fmt: skip
+                    front.link.close()
+                    with self._lock:
+                        front.ready = False
+                        self._all_ready.clear()
+                if now < front.restart_at:
+                    continue
                 with self._lock:
                     if self._stopping:
                         return
-                    front.ready = False
-                    self._all_ready.clear()
                 self._spawn(front.index)
                 self.restarts += 1
                 self.counters.inc("front_restarts")

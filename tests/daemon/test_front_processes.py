@@ -287,3 +287,19 @@ def test_a_start_that_fails_at_the_broker_connection_leaves_no_front_process(mos
         assert daemon.fronts.restarts == 0 and not any(_alive(pid) for pid in pids), "front processes left running"
     finally:
         daemon.fronts.stop()
+
+
+def test_a_front_that_keeps_exiting_is_restarted_after_a_growing_delay(start_daemon, demo_engine, wait_until) -> None:
+    # a front that dies soon after each start (a crash at start-up) is not restarted every 0.2 s for ever
+    from edgevlm.daemon.fronts import SUPERVISE_S
+
+    daemon = start_daemon(engine=demo_engine, device_id="eight", mqtt={"front_processes": 1})
+    for n in range(1, 5):
+        pid = daemon.fronts.pids()[0]
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        wait_until(lambda n=n: daemon.fronts.restarts == n, 30, f"restart {n}")
+        took = time.monotonic() - t0
+    # the 4th exit in a row: restarted 0.2 * 2**3 s after it was found dead
+    assert took >= SUPERVISE_S * 2 ** 3, took
+    wait_until(daemon.fronts.ready, 30, "the restarted front")
