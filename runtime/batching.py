@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from edgevlm.errors import InvalidRequestError
-from edgevlm.runtime.preprocess import normalize_for_encoder
+from edgevlm.runtime.preprocess import normalize_for_encoder, pixel_norm
 from edgevlm.runtime.sampling import SamplingParams, make_generator, select_token
 from edgevlm.types import OperatingPoint, asks_adaptive_vision
 
@@ -456,18 +456,14 @@ class ContinuousBatcher:
                                 queue_s=admitted - sub, ttft_s=first - sub, e2e_s=end - sub, key=id(req))
 
 
-def pixel_norm_key(pixel_norm: Any) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
-    """``(mean, std)`` of uint8 pixels (:attr:`GenerationRequest.pixel_norm`, any sequences of numbers)
-    as tuples of three floats: hashable, so requests group by its value. Raises InvalidRequestError for
-    None, another shape, or a std that is not positive."""
+def pixel_norm_key(value: Any) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """:attr:`GenerationRequest.pixel_norm` as :func:`~edgevlm.runtime.preprocess.pixel_norm` reads it
+    (hashable: requests group by its value). Raises InvalidRequestError for None, another shape, or a
+    std that is not positive."""
     try:
-        mean, std = (tuple(float(v) for v in part) for part in pixel_norm)
-    except (TypeError, ValueError):
-        mean = std = ()
-    if len(mean) != 3 or len(std) != 3 or not all(s > 0 for s in std):
-        raise InvalidRequestError("uint8 pixel_values need pixel_norm = (3 means, 3 positive stds) on the 0..1 "
-                                  f"scale, got {pixel_norm!r}")
-    return mean, std  # type: ignore[return-value]
+        return pixel_norm(value)
+    except ValueError as exc:
+        raise InvalidRequestError(f"uint8 pixel_values need pixel_norm: {exc}") from None
 
 
 def _float_pixels(r: GenerationRequest) -> torch.Tensor:

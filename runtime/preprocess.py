@@ -11,6 +11,8 @@ Torch-free: numpy + OpenCV only.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 # CLIP's normalisation constants (openai/clip-vit-large-patch14 preprocessor_config.json).
@@ -94,6 +96,22 @@ def preprocess(
         ValueError: the array is not ``(H, W, 3)`` uint8.
     """
     return normalize_for_encoder(resize_for_encoder(image_rgb, resolution_px, patch_px), mean, std)
+
+
+def pixel_norm(value: Any) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """``(mean, std)`` of uint8 pixels normalised later (per channel, 0..1 scale; any sequences of numbers)
+    as tuples of three floats: hashable, so images can be grouped and forwards cached by its value.
+
+    Raises:
+        ValueError: None, another shape, a non-number, or a std that is not positive.
+    """
+    try:
+        mean, std = (tuple(float(v) for v in part) for part in value)
+    except (TypeError, ValueError):
+        mean = std = ()
+    if len(mean) != 3 or len(std) != 3 or not all(s > 0 for s in std):
+        raise ValueError(f"pixel normalisation must be (3 means, 3 positive stds) on the 0..1 scale, got {value!r}")
+    return mean, std  # type: ignore[return-value]
 
 
 def normalize_for_encoder(image_rgb: np.ndarray, mean: tuple[float, float, float] = CLIP_MEAN,

@@ -39,6 +39,7 @@ from edgevlm.runtime.backends import Backend
 from edgevlm.runtime.kv_cache import DEFAULT_INT4_GROUP_SIZE, KV_CACHE_DTYPES, kv_bucket
 from edgevlm.runtime.loader import ModelFiles, load_model
 from edgevlm.runtime.models.base import VisionInput
+from edgevlm.runtime.preprocess import pixel_norm
 from edgevlm.types import OperatingPoint
 
 logger = logging.getLogger(__name__)
@@ -245,15 +246,12 @@ class TorchBackend(Backend):
         launch-bound tower (the demo's) costs one replay instead of a launch per kernel.
 
         Raises ValueError: uint8 pixels without ``normalize``, float pixels with it, or a ``normalize``
-        that is not three means and three stds."""
+        that is not three means and three positive stds (:func:`~edgevlm.runtime.preprocess.pixel_norm`)."""
         uint8 = [px.dtype == torch.uint8 for px in pixel_values]
         if any(u != (normalize is not None) for u in uint8):
             raise ValueError("encode_images: uint8 pixels need normalize=(mean, std), float pixels none")
         if normalize is not None:  # tuples of floats: the key of the cached forward / graphs (lists would not hash)
-            mean, std = (tuple(float(v) for v in part) for part in normalize)
-            if len(mean) != 3 or len(std) != 3:
-                raise ValueError(f"encode_images: normalize must be (3 means, 3 stds), got {normalize!r}")
-            normalize = (mean, std)
+            normalize = pixel_norm(normalize)
         out: list[torch.Tensor | None] = [None] * len(pixel_values)
         by_shape: dict[tuple[int, ...], list[int]] = {}
         for i, px in enumerate(pixel_values):

@@ -218,6 +218,9 @@ def test_batched_entry_points_refuse_inconsistent_inputs(batch_engine) -> None:
     u = batch_engine.prepare(_images(1)[0], PROMPTS[0], uint8_pixels=True)
     with pytest.raises(ValueError, match="uint8"):
         be.encode_images([u.vision.pixel_values])
+    for bad in ((0.5, 0.5), ((0.5,) * 3, (0.5, 0.5, 0.0))):  # two stds; a zero std (the batcher's one rule)
+        with pytest.raises(ValueError, match="3 positive stds"):
+            be.encode_images([u.vision.pixel_values], normalize=bad)
     feats = be.encode_images([u.vision.pixel_values], normalize=_norm(batch_engine))
     with pytest.raises(ValueError, match="cache rows"):
         be.prefill_images_batch([u.ids], feats, [0, 1])
