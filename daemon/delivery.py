@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 
+from edgevlm.errors import ErrorCode
 from edgevlm.protocol import Response
 
 logger = logging.getLogger(__name__)
@@ -54,18 +55,19 @@ class RecentAnswers:
                 self._entries.popitem(last=False)
             return "new", None
 
-    def answered(self, key: DedupKey, digest: bytes, response: Response) -> None:
+    def settle(self, key: DedupKey, digest: bytes, response: Response) -> None:
+        """The request ``(key, digest)`` was answered with ``response``: remember it for re-sends, or,
+        for a transient ``BUSY``, drop the entry so that a re-send (to this daemon or, in a pool,
+        another) runs again. An entry already replaced by another payload is left alone."""
+        busy = response.error is not None and response.error.code == ErrorCode.BUSY
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None and entry[0] == digest:
-                self._entries[key] = (digest, response)
-
-    def forget(self, key: DedupKey, digest: bytes) -> None:
-        """Drop an entry: its answer was transient (``BUSY``), so a re-send must run again."""
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None and entry[0] == digest:
+            if entry is None or entry[0] != digest:
+                return
+            if busy:
                 del self._entries[key]
+            else:
+                self._entries[key] = (digest, response)
 
     def __len__(self) -> int:
         with self._lock:

@@ -37,7 +37,7 @@ from edgevlm.daemon.front import FORWARDED_METRICS, front_main
 from edgevlm.daemon.front_link import FrontLink, LinkClosed
 from edgevlm.daemon.metrics_common import EventCounters
 from edgevlm.daemon.scheduler import Job, Scheduler
-from edgevlm.errors import EdgeVLMError, ErrorCode, InternalError
+from edgevlm.errors import EdgeVLMError, InternalError
 from edgevlm.protocol import Response
 
 logger = logging.getLogger(__name__)
@@ -282,10 +282,7 @@ class FrontProcesses:
                 front.outstanding.pop(job_id, None)
                 waiters = self._waiters.pop(dedup[0], []) if dedup is not None else []
                 if dedup is not None:
-                    if response.error is not None and response.error.code == ErrorCode.BUSY:
-                        self.recent_answers.forget(*dedup)
-                    else:
-                        self.recent_answers.answered(dedup[0], dedup[1], response)
+                    self.recent_answers.settle(dedup[0], dedup[1], response)
             if self.metrics is not None:
                 self.metrics.observe_response(response, received, timeout_ms, self.scheduler.queue_size())
             for target, target_job in [(front, job_id), *waiters]:

@@ -69,7 +69,6 @@ from edgevlm.daemon.scheduler import Job, Scheduler
 from edgevlm.errors import (
     BusyError,
     EdgeVLMError,
-    ErrorCode,
     InternalError,
     InvalidImageError,
     InvalidRequestError,
@@ -527,11 +526,7 @@ class MqttBridge:
             self._observe(response, received, timeout_ms)
             response = self._publish_reply(topic, correlation_data, response)
             if dedup is not None:
-                busy = response.error is not None and response.error.code == ErrorCode.BUSY
-                if busy:  # transient: a re-send (to this daemon or, in a pool, another) runs again
-                    self.recent_answers.forget(dedup[0], dedup[1])
-                else:
-                    self.recent_answers.answered(dedup[0], dedup[1], response)
+                self.recent_answers.settle(dedup[0], dedup[1], response)
 
         with self._lock:
             self._outstanding[key] = reply

@@ -338,3 +338,25 @@ def test_dedup_cache_size_must_be_a_positive_integer() -> None:
     for bad in (0, "8", 2.0):
         with pytest.raises((ConfigError, ValueError), match="dedup_cache_size"):
             DaemonConfig.model_validate({"mqtt": {"dedup_cache_size": bad}})
+
+
+def test_recent_answers_settle_keeps_an_answer_and_drops_a_busy_one() -> None:
+    """One rule for both transports (the one-process bridge and the front processes): an answer is
+    kept for re-sends, a BUSY answer is dropped so that a re-send runs again, and a key since taken
+    by another payload is not touched."""
+    from edgevlm.daemon.delivery import RecentAnswers
+    from edgevlm.errors import BusyError
+    from edgevlm.protocol import Response
+
+    cache = RecentAnswers(8)
+    ok = Response(ok=True, text="two", correlation_id="a")
+    assert cache.claim(("t", b"a"), b"d1") == ("new", None)
+    cache.settle(("t", b"a"), b"d1", ok)
+    assert cache.claim(("t", b"a"), b"d1") == ("answered", ok)
+    assert cache.claim(("t", b"b"), b"d1") == ("new", None)
+    cache.settle(("t", b"b"), b"d1", Response.failure(BusyError("queue full"), "b"))
+    assert cache.claim(("t", b"b"), b"d1") == ("new", None)  # dropped: the re-send runs
+    assert cache.claim(("t", b"c"), b"d1") == ("new", None)
+    assert cache.claim(("t", b"c"), b"d2") == ("new", None)  # the same key, another payload
+    cache.settle(("t", b"c"), b"d1", ok)  # the first payload's answer does not land on the second
+    assert cache.claim(("t", b"c"), b"d2") == ("in_flight", None)
