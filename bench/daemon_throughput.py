@@ -3,7 +3,7 @@
     .venv/bin/python bench/daemon_throughput.py [--model DIR] [--device cpu|cuda] [--profile h100]
         [--clients 1,8,32] [--duration-s 10] [--warmup-s 2] [--max-new-tokens 16] [--rows N]
         [--batching auto|on|off] [--threads N] [--quality 90] [--py-spy DIR [--py-spy-gil]] [--daemon-log FILE]
-        [--front-processes 0,2,4] [--members 2]
+        [--front-processes auto,0,2,4] [--members 2]
 
 Starts a private mosquitto with the project's broker config (:class:`edgevlm.daemon.demo_processes.Broker`,
 ``set_tcp_nodelay true``) and the real daemon in its own process (``python -m edgevlm.cli serve --config
@@ -31,8 +31,10 @@ daemon's socket before paho reads it, the publish, the client's wake-up). Also r
 window used (the host's 16 or so CPUs, the daemon process, the broker, the client processes: ``cpu``), so
 a harness that starves the daemon shows.
 
-Variants, each a fresh daemon (and its own rows in the table): ``--front-processes 0,2,4`` runs the
-daemon with ``mqtt.front_processes`` = each value (0 = one process; N = N MQTT front processes that receive,
+Variants, each a fresh daemon (and its own rows in the table): ``--front-processes auto,0,2,4`` runs the
+daemon with ``mqtt.front_processes`` = each value (``auto``, the default here: the daemon's default, which
+for a CUDA model with continuous batching is up to 4 fronts, the row says how many; 0 = one process; N = N
+MQTT front processes that receive,
 validate and decode, the daemon's process only schedules and runs the model; see
 :mod:`edgevlm.daemon.front`); ``--members M`` (after those) runs M separate one-process daemons on the same
 device joined to one pool (``mqtt.pool``), the clients in pool mode (``Client(pool=...)``): the other way to
@@ -40,7 +42,8 @@ use more than one Python process. ``cpu`` then also splits the front processes' 
 process's children) from the daemon process's, and ``daemon_cpu_ms_per_answer`` / ``fronts_cpu_ms_per_answer``
 give the CPU each spends per answer (the daemon process's is what a GIL-bound daemon runs out of).
 
-Prints a table, then one JSON line. Runs on CPU too (``--device cpu``). CPU batching: ``--device cpu --rows 8
+Prints a table, whether issue 13's goal at 32 clients is met (:data:`GOAL_ANSWERS_PER_S`,
+:data:`GOAL_P99_MS`), then one JSON line. Runs on CPU too (``--device cpu``). CPU batching: ``--device cpu --rows 8
 --batching on`` (``--rows`` alone only sizes the KV cache: ``--batching auto`` leaves ``model.continuous_batching``
 unset, and the daemon's default for it is off on CPU, whatever the rows; each flag sets one config key as a user
 would, so a row of the table is reproduced by the same daemon config).
@@ -152,6 +155,20 @@ def _cpu_ticks(pid: int | None = None) -> float:
         return float("nan")
 
 
+GOAL_CLIENTS = 32
+GOAL_ANSWERS_PER_S = 600.0
+GOAL_P99_MS = 300.0
+"""Issue 13's throughput goal (demo model, H200): at 32 clients, answers/s and p99 round trip."""
+
+
+def _cmdline(pid: int) -> str:
+    """A process's command line ("" when it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _children(pid: int) -> list[int]:
     """Ids of the processes whose parent is ``pid`` (a daemon's front processes)."""
     out = []
@@ -165,7 +182,7 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _daemon_config(args: argparse.Namespace, port: int, n_max: int, *, front_processes: int = 0,
+def _daemon_config(args: argparse.Namespace, port: int, n_max: int, *, front_processes: int | str = 0,
                    member: int | None = None) -> dict[str, Any]:
     model: dict[str, Any] = {"path": args.model, "device": args.device}
     if args.threads is not None:
@@ -220,7 +237,7 @@ def _summarize_pyspy(path: Path, top: int = 12) -> dict[str, Any]:
 
 
 def _run_variant(args: argparse.Namespace, broker: Any, items: list[tuple[str, str, bytes]], counts: list[int],
-                 spy: str | None, fronts: int, members: int | None) -> list[dict[str, Any]]:
+                 spy: str | None, fronts: int | str, members: int | None) -> list[dict[str, Any]]:
     """Start the daemon(s) of one variant (``fronts`` front processes, or ``members`` pool members),
     run every client count against it, stop it; the results, one per client count."""
     from edgevlm.client import Client
@@ -248,7 +265,9 @@ def _run_variant(args: argparse.Namespace, broker: Any, items: list[tuple[str, s
             for q, _, jpeg in items[:8 * len(daemons)]:  # warm-up through the whole path (CUDA graphs, caches)
                 c.ask(q, image=jpeg, max_new_tokens=args.max_new_tokens, timeout_s=120)
         main_pids = [d.proc.pid for d in daemons]
-        front_pids = [c for pid in main_pids for c in _children(pid)]
+        front_pids = [c for pid in main_pids for c in _children(pid) if "resource_tracker" not in _cmdline(c)]
+        if fronts == "auto":  # what the daemon's default resolved to
+            label = f"auto ({len(front_pids)} front processes)"
         for n in counts:
             go, stop_at = ctx.Event(), ctx.Value("d", 0.0)
             queue = ctx.Queue()
@@ -354,18 +373,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--py-spy-gil", action="store_true",
                     help="py-spy samples only the thread holding the GIL (shares = who holds it how long)")
     ap.add_argument("--daemon-log", default=None, help="copy the daemon's log (WARNING and up) to this file")
-    ap.add_argument("--front-processes", default="0", metavar="N[,N...]",
-                    help="variants: mqtt.front_processes of each daemon run (0 = one process), e.g. 0,2,4")
+    ap.add_argument("--front-processes", default="auto", metavar="N[,N...]",
+                    help="variants: mqtt.front_processes of each daemon run (0 = one process, auto = the "
+                         "daemon's default), e.g. auto,0,2,4")
     ap.add_argument("--members", default="", metavar="M[,M...]",
                     help="variants after those: M one-process daemons in a pool, clients in pool mode, e.g. 2")
     args = ap.parse_args(argv)
     try:
-        variants: list[tuple[int, int | None]] = [(int(f), None) for f in args.front_processes.split(",") if f]
+        variants: list[tuple[int | str, int | None]] = [
+            (f if f == "auto" else int(f), None) for f in args.front_processes.split(",") if f]
         variants += [(0, int(m)) for m in args.members.split(",") if m]
     except ValueError:
-        print("--front-processes / --members: give comma-separated integers, e.g. 0,2,4", file=sys.stderr)
+        print("--front-processes / --members: give comma-separated integers (or auto), e.g. auto,0,2,4",
+              file=sys.stderr)
         return 2
-    if not variants or min(f for f, _ in variants) < 0 or min((m for _, m in variants if m is not None), default=1) < 1:
+    if not variants or min((f for f, _ in variants if f != "auto"), default=0) < 0 \
+            or min((m for _, m in variants if m is not None), default=1) < 1:
         print("--front-processes: give counts >= 0; --members: counts >= 1", file=sys.stderr)
         return 2
     counts = [int(c) for c in args.clients.split(",") if c]
@@ -411,6 +434,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['variant']} | {r['clients']} | " + " | ".join(
             f"{st[n]['p50']:.1f} / {st[n]['mean']:.1f}" if n in st else "-" for n in names)
             + f" | {c['host']} / {c['daemon']} / {c['fronts']} / {c['broker']} / {c['clients']} of {c['host_cpus']} |")
+    goal_rows = [r for r in results if r["clients"] == GOAL_CLIENTS]
+    if goal_rows:
+        print(f"\ngoal at {GOAL_CLIENTS} clients (issue 13, set for the demo model on the H200): >= "
+              f"{GOAL_ANSWERS_PER_S:.0f} answers/s, p99 <= {GOAL_P99_MS:.0f} ms, no errors")
+        for r in goal_rows:
+            r["goal_met"] = (r["answers_per_s"] >= GOAL_ANSWERS_PER_S and r["p99_ms"] <= GOAL_P99_MS
+                             and not r["errors"])
+            print(f"  {r['variant']}: {'met' if r['goal_met'] else 'NOT met'} ({r['answers_per_s']:.1f} answers/s, "
+                  f"p99 {r['p99_ms']:.0f} ms, accuracy {100 * r['accuracy']:.1f}%)")
     print(json.dumps({"bench": "daemon_throughput", "model": args.model or "demo", "device": args.device,
                       "gpu": cuda, "profile": args.profile, "rows": args.rows, "batching": args.batching, "token_budget": args.token_budget,
                       "max_new_tokens": args.max_new_tokens, "duration_s": args.duration_s, "label": args.label,

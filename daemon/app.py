@@ -21,7 +21,8 @@ metrics and, through :class:`~edgevlm.daemon.tegrastats.ThrottleDetector`, a slo
 the latency controller (``hint_slowdown``) when the scheduler has one. Each camera's state is
 published retained on ``<prefix>/<device_id>/sources/<name>``.
 
-With ``mqtt.front_processes: N`` (N >= 1; 0, the default, is all of the above in one process), N front
+With ``mqtt.front_processes: N`` (N >= 1; 0 is all of the above in one process; the default ``auto`` is
+up to 4 for a CUDA model with continuous batching, else 0: :func:`front_process_count`), N front
 processes (:mod:`edgevlm.daemon.front`, started and restarted by :mod:`edgevlm.daemon.fronts`) take the
 request topics through an MQTT v5 shared subscription, validate the requests and decode their images,
 and publish the answers; this process keeps its own connection for the status, the retained state,
@@ -133,6 +134,43 @@ def batching_settings(config: DaemonConfig) -> tuple[bool, int]:
     return enabled, budget
 
 
+FRONT_CPUS = 4
+"""``mqtt.front_processes: auto`` starts one front process per this many host CPUs."""
+MAX_AUTO_FRONTS = 4
+"""The most front processes ``auto`` starts (4 served 819 answers/s at 32 clients on the H200, 2 served
+715: ``bench/results/daemon_throughput_h200_20261202.md``)."""
+
+
+def front_process_count(config: DaemonConfig, host_cpus: int | None = None) -> tuple[int, str]:
+    """``mqtt.front_processes`` resolved: ``(count, why)``.
+
+    A configured count is used as is. ``auto`` gives a CUDA model with continuous batching (what the
+    cloud profiles turn on: a GPU daemon one Python process holds back) ``min(4, host_cpus // 4)``
+    fronts, and 0 to everything else: a CPU or Jetson model (no batching; its cores run the model), a
+    non-torch backend, or a daemon with ``offload.pool`` (which forwards image files, not pixels).
+
+    Args:
+        config: the validated daemon configuration.
+        host_cpus: CPUs this process may run on (default: ``os.sched_getaffinity``, else ``os.cpu_count``).
+    """
+    import os
+
+    asked = config.mqtt.front_processes
+    if asked != "auto":
+        return asked, "mqtt.front_processes"
+    if config.offload.pool is not None:
+        return 0, "auto: offload.pool is set"
+    if not (config.model.device.startswith("cuda") and batching_settings(config)[0]):
+        return 0, "auto: not a CUDA model with continuous batching"
+    if host_cpus is None:
+        try:
+            host_cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            host_cpus = os.cpu_count() or 1
+    count = min(MAX_AUTO_FRONTS, host_cpus // FRONT_CPUS)
+    return count, f"auto: a CUDA model with continuous batching, {host_cpus} host CPUs"
+
+
 def worker_busy_timeout_s(config: DaemonConfig) -> float:
     """How long one request may run before the worker counts as hung: the configured value, else
     twice the default request deadline plus 60 s, at most an hour."""
@@ -169,6 +207,9 @@ class Daemon:
         self.counters = self.metrics.events if self.metrics is not None else EventCounters()
         self.sources = SourceManager(config.sources, listener=self._on_source_state)
         batching = batching_settings(config)
+        self.front_count, front_why = front_process_count(config)
+        if config.mqtt.front_processes == "auto":
+            logger.info("mqtt.front_processes: %d (%s)", self.front_count, front_why)
         self.scheduler = Scheduler(
             None if engine is not None else engine_loader(config),
             self.sources,
@@ -202,7 +243,7 @@ class Daemon:
             metrics=self.metrics,
             on_ready=self._on_broker_ready,
             on_connection=self._on_connection,
-            serve_requests=config.mqtt.front_processes == 0,  # else the front processes take the requests
+            serve_requests=self.front_count == 0,  # else the front processes take the requests
         )
         self.fronts = self._make_fronts()
         self.http = self._make_http(engine)
@@ -229,13 +270,13 @@ class Daemon:
         return build_controller(self.config, engine, batched=batched)
 
     def _make_fronts(self) -> Any:
-        """The MQTT front processes (``edgevlm.daemon.fronts``), when ``mqtt.front_processes`` >= 1."""
-        if not self.config.mqtt.front_processes:
+        """The MQTT front processes (``edgevlm.daemon.fronts``), when :func:`front_process_count` >= 1."""
+        if not self.front_count:
             return None
         from edgevlm.daemon.fronts import FrontProcesses
 
-        return FrontProcesses(self.config, self.scheduler, self.counters, self.metrics,
-                              on_ready=self._on_broker_ready)
+        return FrontProcesses(self.config, self.front_count, self.scheduler, self.counters, self.metrics,
+                              on_ready=self._on_broker_ready, on_connection=self._on_connection)
 
     def _make_http(self, engine: Any) -> Any:
         """The OpenAI-compatible HTTP API (``edgevlm.daemon.openai_api``), when ``http.enabled``."""

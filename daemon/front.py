@@ -223,14 +223,22 @@ class Front:
         mqtt = config.mqtt.model_copy(update={"client_id": front_client_id(config, index)})
         online = StatusMessage(state="online", device_id=mqtt.device_id, pool=mqtt.pool)  # not published
         self.bridge = MqttBridge(mqtt, self.submitter, online, self.counters, limits=config.limits,  # type: ignore[arg-type]
-                                 metrics=self.metrics, on_ready=self._on_ready, share_group=SHARE_GROUP,
-                                 announce=False)  # fmt: skip
+                                 metrics=self.metrics, on_ready=self._on_ready, on_connection=self._on_connection,
+                                 share_group=SHARE_GROUP, announce=False)  # fmt: skip
         self._flushed: dict[str, int] = {}
         self._stop = threading.Event()
 
     def _on_ready(self) -> None:
         try:
             self.link.send(("ready",))
+        except LinkClosed:
+            pass
+
+    def _on_connection(self, up: bool, reason: str) -> None:
+        """Tell the daemon's process about a change of this front's broker connection (a lost one
+        makes this front not ready there until it has subscribed again)."""
+        try:
+            self.link.send(("connection", up, reason))
         except LinkClosed:
             pass
 

@@ -18,7 +18,8 @@ front's slots reclaimed: more states for no measured gain
 
 Messages, front -> daemon: ``("job", job_id, request, received_monotonic, timeout_ms,
 deadline_limit, shape, dedup)`` + pixels (``shape`` None: a source request, no payload; ``dedup``
-the request's recent-answers key and payload digest, or None), ``("ready",)``,
+the request's recent-answers key and payload digest, or None), ``("ready",)`` (subscribed),
+``("connection", up, reason)`` (its broker connection came up or went down),
 ``("events", {name: n})`` (counter deltas), ``("metric", method, args)``. Daemon -> front:
 ``("reply", job_id)`` + the response's JSON, ``("stop_accepting",)``, ``("stop", message)``.
 """

@@ -68,21 +68,32 @@ class FrontProcesses:
     """N front processes feeding the scheduler (see the module doc).
 
     Args:
-        config: the daemon's configuration (``mqtt.front_processes`` fronts).
+        config: the daemon's configuration.
+        count: how many fronts (>= 1; ``mqtt.front_processes`` resolved by
+            :func:`edgevlm.daemon.app.front_process_count`).
         scheduler: where the fronts' jobs go.
         counters: the daemon's event counters (the fronts' deltas are added to them).
         metrics: the daemon's :class:`~edgevlm.daemon.metrics.Metrics`, or None.
         on_ready: called (on a reader thread) whenever every front has subscribed.
+        on_connection: called (on a reader thread) with ``(False, reason)`` when a front loses its
+            broker connection (and is no longer ready until it has subscribed again: ``on_ready``).
+
+    Raises:
+        ValueError: ``count`` < 1.
     """
 
-    def __init__(self, config: DaemonConfig, scheduler: Scheduler, counters: EventCounters, metrics: Any = None,
-                 on_ready: Callable[[], None] | None = None) -> None:  # fmt: skip
+    def __init__(self, config: DaemonConfig, count: int, scheduler: Scheduler, counters: EventCounters,
+                 metrics: Any = None, on_ready: Callable[[], None] | None = None,
+                 on_connection: Callable[[bool, str], None] | None = None) -> None:  # fmt: skip
+        if count < 1:
+            raise ValueError(f"front processes: need at least 1, got {count}")
         self.config = config
         self.scheduler = scheduler
         self.counters = counters
         self.metrics = metrics
         self.on_ready = on_ready
-        self.count = config.mqtt.front_processes
+        self.on_connection = on_connection
+        self.count = count
         self._ctx = multiprocessing.get_context("spawn")
         self._lock = threading.Lock()
         self._fronts: list[_Front | None] = [None] * self.count
@@ -223,6 +234,14 @@ class FrontProcesses:
         elif kind == "metric":
             if self.metrics is not None and meta[1] in FORWARDED_METRICS:
                 getattr(self.metrics, meta[1])(*meta[2])
+        elif kind == "connection":  # ("connection", up, reason) from the front's broker connection
+            if not meta[1]:
+                with self._lock:
+                    front.ready = False  # until it has subscribed again ("ready")
+                    self._all_ready.clear()
+                logger.warning("front %d lost its broker connection (%s)", front.index, meta[2])
+                if self.on_connection is not None:
+                    self.on_connection(False, f"front {front.index}: {meta[2]}")
         elif kind == "ready":
             front.ready = True
             with self._lock:

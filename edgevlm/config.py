@@ -151,8 +151,9 @@ class DaemonConfig(StrictModel):
 
     @model_validator(mode="after")
     def _fronts_and_offload(self) -> DaemonConfig:
-        if self.mqtt.front_processes and self.offload.pool is not None:
-            # a front hands the daemon decoded pixels, not the image file the offload forwards
+        if self.mqtt.front_processes not in (0, "auto") and self.offload.pool is not None:
+            # a front hands the daemon decoded pixels, not the image file the offload forwards ('auto'
+            # resolves to 0 with offload.pool: edgevlm.daemon.app.front_process_count)
             raise ValueError("mqtt.front_processes: cannot be combined with offload.pool (set one of them)")
         return self
 

@@ -19,6 +19,9 @@ from edgevlm.protocol import (
 )
 from edgevlm.validation import ConfigPath, StrictModel
 
+MAX_FRONT_PROCESSES = 64
+"""The most front processes ``mqtt.front_processes`` may ask for."""
+
 
 def _default_device_id() -> str:
     host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname()) or "edgevlm"
@@ -88,14 +91,27 @@ class MqttConfig(StrictModel):
         description="Recent requests remembered by Response Topic + Correlation Data: a re-sent request "
         "is answered from this cache (or absorbed while it runs) instead of running twice.",
     )
-    front_processes: int = Field(
-        0, ge=0, le=64, strict=True,
-        description="MQTT front processes (0 = off: one process does everything). N >= 1 starts N processes, "
+    front_processes: int | Literal["auto"] = Field(
+        "auto",
+        description="MQTT front processes: 0 = off (one process does everything); N >= 1 starts N processes, "
         "each with its own broker connection in an MQTT v5 shared subscription on the request topics: they "
         "receive, validate and decode requests (inline images to uint8 pixels) and publish the answers, and "
         "the daemon's process only schedules and runs the model (a GPU daemon bound by one Python process). "
-        "Client ids <client_id>-front<i>; a front that dies is restarted.",
+        "Client ids <client_id>-front<i>; a front that dies is restarted. 'auto' (the default): one front per "
+        "4 host CPUs, at most 4, for a CUDA model with continuous batching (the cloud profiles) without "
+        "offload.pool; else 0 (edgevlm.daemon.app.front_process_count).",
     )
+
+    @field_validator("front_processes", mode="before")
+    @classmethod
+    def _front_processes(cls, v: object) -> object:
+        if v == "auto":
+            return v
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"give a count from 0 to {MAX_FRONT_PROCESSES} or 'auto', not {v!r}")
+        if not 0 <= v <= MAX_FRONT_PROCESSES:
+            raise ValueError(f"give a count from 0 to {MAX_FRONT_PROCESSES} or 'auto', not {v}")
+        return v
 
     @field_validator("prefix")
     @classmethod

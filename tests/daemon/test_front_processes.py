@@ -81,15 +81,46 @@ def test_link_carries_meta_and_pixels_and_reports_a_closed_end() -> None:
     b.close()
 
 
-def test_front_processes_config_is_off_by_default_and_refused_with_offload() -> None:
-    assert DaemonConfig().mqtt.front_processes == 0
+def test_front_processes_config_defaults_to_auto_and_refuses_bad_counts() -> None:
     from edgevlm.config import parse_daemon_config
     from edgevlm.errors import ConfigError
 
+    assert DaemonConfig().mqtt.front_processes == "auto"
+    assert parse_daemon_config({"mqtt": {"front_processes": 3}}).mqtt.front_processes == 3
     with pytest.raises(ConfigError, match="front_processes"):
         parse_daemon_config({"mqtt": {"front_processes": 2}, "offload": {"pool": "p"}})
-    with pytest.raises(ConfigError, match="front_processes"):
-        parse_daemon_config({"mqtt": {"front_processes": -1}})
+    for bad in (-1, 65, "4", True, 2.0, "many"):
+        with pytest.raises(ConfigError, match="front_processes"):
+            parse_daemon_config({"mqtt": {"front_processes": bad}})
+    # auto with offload.pool is fine (it resolves to 0)
+    assert parse_daemon_config({"offload": {"pool": "p"}}).mqtt.front_processes == "auto"
+
+
+def test_auto_front_processes_only_for_a_batching_cuda_model() -> None:
+    from edgevlm.config import parse_daemon_config
+    from edgevlm.daemon.app import front_process_count
+
+    cloud = {"model": {"device": "cuda"}, "profile": "h100"}  # the profile batches over 32 rows on CUDA
+    assert front_process_count(parse_daemon_config(cloud), host_cpus=16)[0] == 4
+    assert front_process_count(parse_daemon_config(cloud), host_cpus=64)[0] == 4
+    assert front_process_count(parse_daemon_config(cloud), host_cpus=8)[0] == 2
+    assert front_process_count(parse_daemon_config(cloud), host_cpus=3)[0] == 0
+    off = {**cloud, "model": {"device": "cuda", "continuous_batching": False}}
+    assert front_process_count(parse_daemon_config(off), host_cpus=16) == (
+        0, "auto: not a CUDA model with continuous batching")
+    assert front_process_count(parse_daemon_config({"model": {"device": "cuda"}, "profile": "jetson-agx-orin-64gb"}),
+                               host_cpus=12)[0] == 0  # no batching on the Jetson profiles
+    assert front_process_count(parse_daemon_config({}), host_cpus=16)[0] == 0  # a CPU model
+    assert front_process_count(parse_daemon_config({**cloud, "offload": {"pool": "p"}}), host_cpus=16) == (
+        0, "auto: offload.pool is set")
+    assert front_process_count(parse_daemon_config({**cloud, "mqtt": {"front_processes": 1}}), host_cpus=16) == (
+        1, "mqtt.front_processes")
+    assert front_process_count(parse_daemon_config({**cloud, "mqtt": {"front_processes": 0}}), host_cpus=16)[0] == 0
+
+
+def test_the_default_daemon_on_the_cpu_runs_in_one_process(start_daemon, demo_engine) -> None:
+    daemon = start_daemon(engine=demo_engine, device_id="nine")
+    assert daemon.config.mqtt.front_processes == "auto" and daemon.front_count == 0 and daemon.fronts is None
 
 
 def _ask_all(host: str, port: int, device: str, items: list[tuple[np.ndarray, str]]) -> list[str]:
@@ -239,8 +270,7 @@ def test_a_job_the_daemon_cannot_submit_is_answered_internal_and_its_resend_too(
     from edgevlm.protocol import Request
 
     daemon = start_daemon(engine=demo_engine, device_id="six", defaults={"max_new_tokens": 4, "timeout_ms": 60000})
-    fronts = FrontProcesses(daemon.config.model_copy(update={"mqtt": daemon.config.mqtt.model_copy(
-        update={"front_processes": 1})}), daemon.scheduler, daemon.counters)  # fmt: skip
+    fronts = FrontProcesses(daemon.config, 1, daemon.scheduler, daemon.counters)
     ours, theirs = FrontLink.pair()
     front = _Front(0, None, ours)
     threading.Thread(target=fronts._read, args=(front,), daemon=True).start()
@@ -303,3 +333,24 @@ def test_a_front_that_keeps_exiting_is_restarted_after_a_growing_delay(start_dae
     # the 4th exit in a row: restarted 0.2 * 2**3 s after it was found dead
     assert took >= SUPERVISE_S * 2 ** 3, took
     wait_until(daemon.fronts.ready, 30, "the restarted front")
+
+
+def test_a_front_that_loses_the_broker_is_not_ready_until_it_has_subscribed_again(
+        start_daemon, mosquitto, demo_engine, wait_until) -> None:
+    # READY (and fronts.ready()) follow every front's broker connection, not only its first subscription
+    frame, question = _scenes(1)[0]
+    lost: list[str] = []
+    daemon = start_daemon(engine=demo_engine, device_id="ten", mqtt={"front_processes": 2, "reconnect_min_delay_s": 0.2,
+                                                                     "reconnect_max_delay_s": 0.5},
+                          defaults={"max_new_tokens": 8, "timeout_ms": 60000})
+    report = daemon.fronts.on_connection  # the daemon's (systemd status): still called
+    daemon.fronts.on_connection = lambda up, reason: (lost.append(reason), report(up, reason))
+    assert daemon.fronts.ready()
+    mosquitto.stop()
+    wait_until(lambda: not daemon.fronts.ready(), 15, "the fronts to report the lost broker")
+    wait_until(lambda: {r.split(":")[0] for r in lost} == {"front 0", "front 1"}, 15, "both fronts' reports")
+    mosquitto.start(port=mosquitto.port)
+    wait_until(daemon.fronts.ready, 30, "the fronts to subscribe again")
+    with Client(mosquitto.host, mosquitto.port, "ten") as client:
+        assert client.ask(question, image=frame, timeout_s=60).text == demo_engine.ask(frame, question,
+                                                                                     max_new_tokens=8).text
