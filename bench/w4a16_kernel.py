@@ -652,7 +652,7 @@ def run_model(ctx, choice):
         rows += [{**{k: r.get(k) for k in keep if k in r}, "w4a16_launch": label} for r in summary["rows"]]
         copy = summary.get("copy_gbps") or copy
         print(f"[{label}]\n" + benchmark.format_table(summary["rows"]), flush=True)
-    mk.PDL = bool(ctx.get("pdl"))
+    mk.PDL = bool(ctx.get("lib_pdl")) and bool(ctx.get("pdl"))  # the library's own setting again
     mk.LEAN_LATE_TRIGGER = True
     RESULTS["model"] = {"rows": rows, "copy_gbps": copy, "prefill": list(choice or ())}
     return rows
@@ -772,10 +772,12 @@ def main(argv: list[str] | None = None) -> int:
                    build_s=round(build_s, 1), bulk_status=bulk,
                    date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
     pdl = props.major >= 9 and not args.no_pdl
+    lib_pdl = mk.PDL  # off unless EDGEVLM_W4A16_PDL=1; the sections below pass / set PDL themselves
     mk.PDL = pdl
     lean_trigger = "lean" in kinds and pdl and bool(getattr(mk.load_extension(dev), "lean_late_trigger", False))
     RESULTS["lean_trigger"] = lean_trigger
     ctx = {"dev": dev, "l2": l2, "copy_gbps": copy_gbps, "install_table": args.install_table, "pdl": pdl,
+           "lib_pdl": lib_pdl,
            "kinds": kinds, "lean_trigger": lean_trigger, "model_ab": max(1, args.model_ab),
            "batch_sizes": [int(b) for b in args.batch_sizes.split(",")],
            "model_variants": [v for v in args.model_variants.split(",") if v]}

@@ -370,10 +370,15 @@ def prefetch_tiles(m: int, n: int, k: int, group_size: int) -> int:
     return _table()[2].get(f"{n}x{k}g{group_size}", {}).get(str(bucket), PF_DEFAULT)
 
 
-PDL = os.environ.get("EDGEVLM_W4A16_PDL", "1").strip() not in ("0", "false", "no", "off")
+PDL = os.environ.get("EDGEVLM_W4A16_PDL", "0").strip().lower() in ("1", "true", "yes", "on")
 """Launch the kernels as programmatic dependents of the previous kernel in the stream (sm_90: the launch
 and the weight loads overlap the previous kernel's tail; the activations are read only after it has
-finished). ``EDGEVLM_W4A16_PDL=0`` turns it off."""
+finished). Off by default, ``EDGEVLM_W4A16_PDL=1`` turns it on: in the whole LLaVA-1.5-7B-shape W4A16
+decode on an H200 (2026-12-02, ``bench/w4a16_kernel.py --skip layers,prefill,numerics,sm87 --batch-sizes
+1,8,32 --model-ab 3 --lean``, three alternations) plain launches won every time: 427.6 / 424.5 / 424.0 tok/s
+at batch 1 against 410.6 / 399.7 / 410.3 with PDL, 2310 / 2308 / 2369 against 2232 / 2216 / 2352 at batch 8
+(``bench/results/w4a16_kernel_h200_20261202.md``). In isolated chains of W4A16 kernels PDL still gains a few
+per cent; between the model's torch / Triton kernels it costs more than it hides."""
 PDL_CAPABILITY = (9, 0)
 _PDL_DEVICES: dict[int, bool] = {}
 

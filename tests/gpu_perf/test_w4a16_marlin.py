@@ -226,6 +226,28 @@ def test_prefetch_distance_and_pdl_switches():
         mk.w4a16_mma(torch.randn(1, 256).bfloat16(), packed, meta, 128, config=(8, 2, 1), prefetch=-1)
 
 
+def test_pdl_is_off_unless_asked_for():
+    """Programmatic dependent launch is opt-in (EDGEVLM_W4A16_PDL=1): plain launches won the whole-model A/B
+    on the H200 (2026-12-02). The switch is read at import, so each setting runs in a fresh interpreter."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    code = "from edgevlm.runtime.kernels import w4a16_mma as mk; print(int(mk.PDL))"
+    seen = {}
+    for value in (None, "0", "1", "on", "no"):
+        env = {k: v for k, v in os.environ.items() if k != "EDGEVLM_W4A16_PDL"}
+        if value is not None:
+            env["EDGEVLM_W4A16_PDL"] = value
+        with tempfile.TemporaryDirectory() as cwd:  # not the repo root: its edgevlm/ folder would hide the package
+            out = subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True,
+                                 timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        seen[value] = out.stdout.strip().splitlines()[-1]
+    assert seen == {None: "0", "0": "0", "1": "1", "on": "1", "no": "0"}
+
+
 def test_zx_fold_only_at_small_m():
     assert mk.zx_fold(1, 16, 128, 128) is mk.ZX_DEFAULT  # an untuned shape
     for key, row in mk._table()[1].items():  # measured choices, where the table has them
