@@ -17,7 +17,7 @@ The overhead per request is ``rtt - e2e_ms``: JSON + base64, two MQTT hops, the 
 handling (inline: JPEG decode). Without ``--model`` a tiny random checkpoint
 (``edgevlm.runtime.testing``) is used, so the engine time is a few ms and any stall shows. Goals (issue
 13): p50 <= 2 ms (source) and <= 10 ms (inline JPEG) with the project's broker config, <= 5 ms
-(source) against mosquitto's defaults. Prints a table, then one JSON line.
+(source) against mosquitto's defaults. Prints a table, the goals' verdicts, then one JSON line.
 """
 
 from __future__ import annotations
@@ -42,6 +42,14 @@ def _measure(client, n: int, max_new_tokens: int, **what) -> list[float]:
         answer = client.ask("what is in the picture ?", max_new_tokens=max_new_tokens, timeout_s=60, **what)
         overhead.append((time.perf_counter() - t0) * 1000 - answer.stats.e2e_ms)
     return overhead
+
+
+GOALS_P50_MS = (
+    ("source, project broker config", "tuned_source_p50_ms", 2.0),
+    ("inline JPEG, project broker config", "tuned_inline_p50_ms", 10.0),
+    ("source, mosquitto defaults", "default_source_p50_ms", 5.0),
+)
+"""Issue 13's goals for the overhead ``rtt - e2e_ms``: (what, JSON key, p50 limit in ms)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,6 +121,13 @@ def main(argv: list[str] | None = None) -> int:
             key = f"{'tuned' if broker_name == 'project config' else 'default'}_{kind.split()[0]}"
             out[f"{key}_p50_ms"] = round(_pct(values, 0.5), 3)
             out[f"{key}_p99_ms"] = round(_pct(values, 0.99), 3)
+    verdicts = []
+    for name, key, limit_ms in GOALS_P50_MS:
+        value = out.get(key)
+        met = isinstance(value, float) and value <= limit_ms
+        verdicts.append(met)
+        print(f"goal (issue 13, this CPU): {name} rtt - e2e p50 <= {limit_ms:g} ms: {'met' if met else 'NOT met'} ({value})")
+    out["goals_met"] = all(verdicts)
     print(json.dumps(out))
     return 0
 
