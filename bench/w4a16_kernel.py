@@ -82,6 +82,19 @@ def marlin():
     return _marlin
 
 
+_breakdown = None
+
+
+def breakdown():
+    """bench/decode_step_breakdown.py as a module (``variant``: the decode step before / after session 8)."""
+    global _breakdown
+    if _breakdown is None:
+        spec = importlib.util.spec_from_file_location("decode_step_breakdown", REPO / "bench" / "decode_step_breakdown.py")
+        _breakdown = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_breakdown)
+    return _breakdown
+
+
 def import_quantize():
     """``edgevlm.quantize`` (the bench harness moved there from runtime/): imported normally, else mapped
     from this checkout's quantize/ as bench/gpu_suite.py's bootstrap maps runtime/ (a checkout run without
@@ -641,12 +654,19 @@ def run_model(ctx, choice):
     runs.append(("plain", ["edgevlm-w4"], False, None, False))
     for i in range(1, ctx.get("model_ab", 1)):  # PDL on / off again, alternating, to see the run-to-run spread
         runs += [(f"pdl #{i + 1}", ["edgevlm-w4"], True, None, late), (f"plain #{i + 1}", ["edgevlm-w4"], False, None, False)]
-    for label, variants_, pdl, lean_on, late_on in runs:
+    runs = [(*r, None) for r in runs]
+    if ctx.get("model_ab_fusion"):  # instead: the decode step of session 8 vs before it, launches as the library's
+        lib = bool(ctx.get("lib_pdl"))
+        runs = []
+        for i in range(ctx.get("model_ab", 1)):
+            runs += [(f"fused #{i + 1}", ctx["model_variants"] if i == 0 else ["edgevlm-w4"], lib, None, False, "after"),
+                     (f"unfused #{i + 1}", ["edgevlm-w4"], lib, None, False, "before")]
+    for label, variants_, pdl, lean_on, late_on, step in runs:
         if label.startswith("plain") and not ctx.get("pdl"):
             continue
         mk.PDL = pdl and bool(ctx.get("pdl"))
         mk.LEAN_LATE_TRIGGER = late_on
-        with lean_switch(lean_on):
+        with lean_switch(lean_on), breakdown().variant(step or "after"):
             summary = benchmark.run(models=["llava-7b"], variants=variants_, with_hf=False,
                                     batch_sizes=ctx["batch_sizes"], new_tokens=32, n_text=32)
         rows += [{**{k: r.get(k) for k in keep if k in r}, "w4a16_launch": label} for r in summary["rows"]]
@@ -704,6 +724,9 @@ def main(argv: list[str] | None = None) -> int:
                          "time it beside the entry trigger (layers, chain, model)")
     ap.add_argument("--model-ab", type=int, default=1,
                     help="run the W4A16 model with PDL on and off this many times each, alternating")
+    ap.add_argument("--model-ab-fusion", action="store_true",
+                    help="--model-ab alternates the decode step of session 8 (one attention kernel per layer, no "
+                         "unused mask / RoPE gathers) with the one before it, launches as the library's default")
     ap.add_argument("--model-variants", default="edgevlm,edgevlm-w4",
                     help="variants of the model section (W4A16 is also run once without PDL)")
     ap.add_argument("--chain-models", default="7b,qwen8b,qwen2b", help="models of the chain section")
@@ -777,7 +800,7 @@ def main(argv: list[str] | None = None) -> int:
     lean_trigger = "lean" in kinds and pdl and bool(getattr(mk.load_extension(dev), "lean_late_trigger", False))
     RESULTS["lean_trigger"] = lean_trigger
     ctx = {"dev": dev, "l2": l2, "copy_gbps": copy_gbps, "install_table": args.install_table, "pdl": pdl,
-           "lib_pdl": lib_pdl,
+           "lib_pdl": lib_pdl, "model_ab_fusion": args.model_ab_fusion,
            "kinds": kinds, "lean_trigger": lean_trigger, "model_ab": max(1, args.model_ab),
            "batch_sizes": [int(b) for b in args.batch_sizes.split(",")],
            "model_variants": [v for v in args.model_variants.split(",") if v]}

@@ -552,6 +552,18 @@ class Decoder(nn.Module):
             raise RuntimeError("caches not set up: call setup_caches() first")
         dt = embeds.dtype
         shifted = not (isinstance(rope_offset, int) and rope_offset == 0)
+        if not prefill and self.fused_decode and embeds.shape[1] == 1 \
+                and type(self.layers[0].self_attn.kv_cache) is KVCache and input_pos.dim() == 2 and not all_logits \
+                and rows is not None and rope is None and layer_adds is None:
+            # the fused step builds no mask and gathers no RoPE rows (its kernels read the tables at the
+            # positions): ~8 small kernels fewer per step
+            slot = input_pos[:, 0]  # (B,); M-RoPE: RoPE position = slot + offset
+            rope_pos = None
+            if shifted:
+                off = rope_offset
+                rope_pos = (input_pos + (off[:, None] if isinstance(off, torch.Tensor) and off.dim() == 1 else off))
+                rope_pos = rope_pos[:, 0].expand(slot.shape)
+            return self._fused_decode(embeds, slot, kv_len or self.max_seq_len, rope_pos)
         if rope is not None:
             cos, sin = rope[0].to(dt), rope[1].to(dt)  # (T|B,T, Dh)
             sin_signed = signed_sin(sin)
@@ -572,11 +584,6 @@ class Decoder(nn.Module):
             allowed = decode_mask(input_pos, kv_len or self.max_seq_len)
             mask = torch.full(allowed.shape, float("-inf"), dtype=dt, device=embeds.device)
             mask.masked_fill_(allowed, 0.0)
-            if self.fused_decode and embeds.shape[1] == 1 and type(self.layers[0].self_attn.kv_cache) is KVCache \
-                    and input_pos.dim() == 2 and not all_logits and rows is not None and rope is None \
-                    and layer_adds is None:
-                slot = input_pos[:, 0]  # (B,); M-RoPE: RoPE position = slot + offset
-                return self._fused_decode(embeds, slot, mask, rope_pos[:, 0].expand(slot.shape) if shifted else None)
         if image_blocks is not None and not prefill:
             raise ValueError("image_blocks apply to a prefill only")
         if self.ring_window is not None and not prefill and embeds.shape[1] > 1:
@@ -650,18 +657,23 @@ class Decoder(nn.Module):
         self.fused_decode = bool(ok)
         return self.fused_decode
 
-    def _fused_decode(self, embeds: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+    def _fused_decode(self, embeds: torch.Tensor, pos: torch.Tensor, kv_len: int,
                       rope_pos: torch.Tensor | None = None) -> torch.Tensor:
         """One-token decode step of rows ``0..B-1`` with the fused kernels: ``embeds (B, 1, D)``,
-        cache slots ``pos (B,)`` int64, additive ``mask (B, 1, 1, kv_len)``, RoPE positions
-        ``rope_pos (B,)`` int64 (None = ``pos``) -> logits ``(B, V)``. Same math as the layer loop
-        (residual adds rounded to the activation dtype, fp32 norm statistics); with Gemma 3's
+        cache slots ``pos (B,)`` int64 (row ``b`` attends to keys ``0..pos[b]`` of the first ``kv_len``),
+        RoPE positions ``rope_pos (B,)`` int64 (None = ``pos``) -> logits ``(B, V)``. Same math as the
+        layer loop (residual adds rounded to the activation dtype, fp32 norm statistics); with Gemma 3's
         ``sandwich_norms`` each post-attention / post-feedforward norm is fused into the residual add
-        and the norm after it (:func:`~edgevlm.runtime.kernels.decode_fused.add_rms_norm`)."""
+        and the norm after it (:func:`~edgevlm.runtime.kernels.decode_fused.add_rms_norm`). Where
+        :data:`~edgevlm.runtime.kernels.decode_fused.FUSED_ATTENTION` is on, a layer over a 16-bit
+        full-length cache without a sliding window runs RoPE, the KV write and attention as one kernel
+        (:func:`~edgevlm.runtime.kernels.decode_fused.rope_decode_attention`)."""
+        from edgevlm.runtime.kernels import decode_fused
         from edgevlm.runtime.kernels.decode_fused import (
             add_rms_norm,
             decode_attention,
             gated_act,
+            rope_decode_attention,
             rope_kv_write,
         )
 
@@ -671,8 +683,8 @@ class Decoder(nn.Module):
         x = embeds.reshape(b, d)  # (B, D) residual stream
         first = self.layers[0].input_layernorm
         h = F.rms_norm(x, (d,), first.weight, first.eps) if _HAS_RMS_NORM and x.is_cuda and not unit else first(x)
-        kv_len = mask.shape[-1]
-        n = len(self.layers)
+        mask = None  # additive (B, 1, 1, kv_len), built only for a layer whose cache is not 16-bit
+        one_kernel = decode_fused.FUSED_ATTENTION
         window = cfg.sliding_layer_window
         sliding_mask = None
         if self.ring_window is not None:  # rolling caches: slot pos % W, keys = slots <= pos of min(kv_len, W)
@@ -687,17 +699,38 @@ class Decoder(nn.Module):
                 else (self.rope_cos, self.rope_sin)
             ring = cache.ring
             qn = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.q_norm is not None else (None,) * 3
-            q = rope_kv_write(attn.qkv_proj(h), cos, sin, ring_slot if ring else pos, cache.k, cache.v,
+            win = window if sliding and not ring else None
+            qkv = attn.qkv_proj(h)  # (B, (H + 2 Hkv) Dh)
+            if one_kernel and not ring and win is None and cache.k.dtype == embeds.dtype:
+                try:
+                    y = rope_decode_attention(qkv, cos, sin, pos, cache.k, cache.v, attn.n_heads, attn.n_kv_heads,
+                                              kv_len, rope_pos=rope_pos, q_norm=qn[0], k_norm=qn[1],
+                                              norm_eps=qn[2] or 1e-6, unit_offset=unit,
+                                              scale=attn.scale)  # (B, H, 1, Dh); k, v at the slot
+                except Exception as exc:  # noqa: BLE001 - e.g. a Triton that cannot compile it: the 3 kernels
+                    if torch.cuda.is_current_stream_capturing():
+                        raise
+                    logger.warning("rope_decode_attention unavailable (%s: %s); decoding with rope_kv_write + "
+                                   "decode_attention", type(exc).__name__, str(exc)[:200])
+                    decode_fused.FUSED_ATTENTION = one_kernel = False
+                else:
+                    o = attn.o_proj(y.reshape(b, -1))  # (B, D)
+                    x, h = self._fused_mlp(layer, i, x, o, unit, gated_act, add_rms_norm)
+                    continue
+            q = rope_kv_write(qkv, cos, sin, ring_slot if ring else pos, cache.k, cache.v,
                               attn.n_heads, attn.n_kv_heads, rope_pos=ring_rope if ring else rope_pos,
                               q_norm=qn[0], k_norm=qn[1], norm_eps=qn[2] or 1e-6,
                               unit_offset=unit)  # (B, H, 1, Dh); k, v stored at the slot
-            win = window if sliding and not ring else None
             if cache.k.dtype == q.dtype:  # split-K Triton attention over the cache, keys 0..pos per row
                 y = decode_attention(q, cache.k, cache.v, ring_pos if ring else pos, ring_len if ring else kv_len,
                                      scale=attn.scale, window=win)  # (B, H, 1, Dh)
             else:
                 n_keys = ring_len if ring else kv_len
                 k_all, v_all = cache.read(b, n_keys, q.dtype)  # (B, Hkv, n_keys, Dh)
+                if mask is None and not ring and win is None:
+                    allowed = decode_mask(pos[:, None], kv_len)  # (B, 1, 1, kv_len), as forward() builds it
+                    mask = torch.full(allowed.shape, float("-inf"), dtype=embeds.dtype, device=embeds.device)
+                    mask.masked_fill_(allowed, 0.0)
                 m = mask
                 if ring:
                     m = decode_mask(pos[:, None], n_keys)  # (B, 1, 1, W') bool
@@ -707,21 +740,26 @@ class Decoder(nn.Module):
                     m = sliding_mask
                 y = attn._masked_sdpa(q, k_all, v_all, m)  # (B, H, 1, Dh)
             o = attn.o_proj(y.reshape(b, -1))  # (B, D)
-            nxt = self.layers[i + 1].input_layernorm if i + 1 < n else self.norm
-            if layer.sandwich_norms:  # x + post_attn(o), pre_ff(.); x + post_ff(mlp), next norm(.)
-                post, pre = layer.post_attention_layernorm, layer.pre_feedforward_layernorm
-                x, h = add_rms_norm(x, o, pre.weight, pre.eps, unit_offset=unit, delta_weight=post.weight,
-                                    delta_eps=post.eps)
-                post = layer.post_feedforward_layernorm
-                mlp = layer.mlp.down_proj(gated_act(layer.mlp.gate_up_proj(h), layer.mlp.act))
-                x, h = add_rms_norm(x, mlp, nxt.weight, nxt.eps, unit_offset=unit, delta_weight=post.weight,
-                                    delta_eps=post.eps)
-                continue
-            x, h = add_rms_norm(x, o, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
-                                unit_offset=unit)
-            x, h = add_rms_norm(x, layer.mlp.down_proj(gated_act(layer.mlp.gate_up_proj(h), layer.mlp.act)),
-                                nxt.weight, nxt.eps, unit_offset=unit)
+            x, h = self._fused_mlp(layer, i, x, o, unit, gated_act, add_rms_norm)
         return self.lm_head(h)  # (B, V); h is the final norm's output
+
+    def _fused_mlp(self, layer, i: int, x: torch.Tensor, o: torch.Tensor, unit: bool, gated_act, add_rms_norm):
+        """The rest of layer ``i`` in :meth:`_fused_decode` after the attention output projection ``o (B, D)``:
+        residual add + norm, the gated MLP, residual add + the next layer's (or the final) norm. Returns the
+        residual stream and the next norm's output, both ``(B, D)``."""
+        nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+        if layer.sandwich_norms:  # x + post_attn(o), pre_ff(.); x + post_ff(mlp), next norm(.)
+            post, pre = layer.post_attention_layernorm, layer.pre_feedforward_layernorm
+            x, h = add_rms_norm(x, o, pre.weight, pre.eps, unit_offset=unit, delta_weight=post.weight,
+                                delta_eps=post.eps)
+            post = layer.post_feedforward_layernorm
+            mlp = layer.mlp.down_proj(gated_act(layer.mlp.gate_up_proj(h), layer.mlp.act))
+            return add_rms_norm(x, mlp, nxt.weight, nxt.eps, unit_offset=unit, delta_weight=post.weight,
+                                delta_eps=post.eps)
+        x, h = add_rms_norm(x, o, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
+                            unit_offset=unit)
+        return add_rms_norm(x, layer.mlp.down_proj(gated_act(layer.mlp.gate_up_proj(h), layer.mlp.act)),
+                            nxt.weight, nxt.eps, unit_offset=unit)
 
     def decode_step(self, token_ids: torch.Tensor, input_pos: torch.Tensor, kv_len: int,
                     rope_offset: int | torch.Tensor = 0) -> torch.Tensor:

@@ -23,6 +23,12 @@ unit-offset norm weights (``1 + w``), its post-attention / post-feedforward norm
 and the sliding layers' own RoPE tables passed to :func:`rope_kv_write`. The constexpr switches are
 off for every other decoder, which compiles to the same kernels as before.
 
+* :func:`rope_decode_attention` — :func:`rope_kv_write` and :func:`decode_attention` in one kernel (three
+  kernels -> one): each CTA rotates its KV head's queries and the fresh key itself, the CTA whose key
+  range holds the slot writes k and v into the cache, the fresh key stands in for the slot's row where a
+  CTA reads the cache, and the last CTA of each KV head to finish (an atomic counter per head, reset by
+  that CTA) combines the splits.
+
 All statistics and products in fp32, one rounding on store. ``TRITON_INTERPRET=1`` runs them on
 CPU (fp16/fp32) for the tests; :mod:`edgevlm.runtime.decoder` uses them on CUDA for 16-bit KV
 caches (the int4/fp8 caches quantize on write and keep the unfused path).
@@ -31,8 +37,16 @@ caches (the int4/fp8 caches quantize on write and keep the unfused path).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
+
+FUSED_ATTENTION = os.environ.get("EDGEVLM_DECODE_FUSED_ATTENTION", "1").strip().lower() not in ("0", "false", "no",
+                                                                                                 "off")
+"""Whether :meth:`~edgevlm.runtime.decoder.Decoder._fused_decode` runs :func:`rope_decode_attention` (RoPE,
+KV write, split attention and the combine in one kernel) where it applies, instead of :func:`rope_kv_write`
++ :func:`decode_attention` (three kernels). ``EDGEVLM_DECODE_FUSED_ATTENTION=0`` turns it off; read at each
+step, so a new CUDA graph capture picks up a change."""
 
 
 def _next_pow2(n: int) -> int:
@@ -173,7 +187,109 @@ def _kernels():
         y = tl.sum(o * w[:, None], 0) / tl.sum(den * w, 0)
         tl.store(y_ptr + bh * HEAD_DIM + d, y.to(y_ptr.dtype.element_ty))
 
-    return add_rms_norm_kernel, rope_kv_kernel, silu_mul_kernel, attn_split_kernel, attn_combine_kernel
+    @triton.jit
+    def rope_attn_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, rpos_ptr, qw_ptr, kw_ptr, k_ptr, v_ptr, o_ptr, m_ptr,
+                         l_ptr, cnt_ptr, y_ptr, H, HKV, S, CHUNK, scale, eps,
+                         REP: tl.constexpr, REP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+                         BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, QK_NORM: tl.constexpr,
+                         UNIT_OFFSET: tl.constexpr, COMPILED: tl.constexpr):
+        bg = tl.program_id(0)  # row b, KV head g
+        split = tl.program_id(1)
+        b = bg // HKV
+        g = bg % HKV
+        pos = tl.load(pos_ptr + b)  # cache slot of the fresh token; keys 0..pos are attended
+        rpos = tl.load(rpos_ptr + b)  # its RoPE position
+        rows = tl.arange(0, REP_PAD)
+        keep = rows < REP
+        head = g * REP + rows  # the query heads sharing KV head g
+        d = tl.arange(0, HEAD_DIM)
+        partner = (d + HALF) % HEAD_DIM  # half-rotation: x[d] pairs with x[d +- Dh/2]
+        first = d < HALF
+        src = qkv_ptr + b * (H + 2 * HKV) * HEAD_DIM
+        qx = tl.load(src + head[:, None] * HEAD_DIM + d[None, :], mask=keep[:, None], other=0.0).to(tl.float32)
+        qp = tl.load(src + head[:, None] * HEAD_DIM + partner[None, :], mask=keep[:, None], other=0.0).to(tl.float32)
+        kx = tl.load(src + (H + g) * HEAD_DIM + d).to(tl.float32)
+        kp = tl.load(src + (H + g) * HEAD_DIM + partner).to(tl.float32)
+        if QK_NORM:  # per-head RMSNorm before RoPE (Qwen3, Gemma 3), rounded as the unfused norm
+            wq = tl.load(qw_ptr + d).to(tl.float32)
+            wqp = tl.load(qw_ptr + partner).to(tl.float32)
+            wk = tl.load(kw_ptr + d).to(tl.float32)
+            wkp = tl.load(kw_ptr + partner).to(tl.float32)
+            if UNIT_OFFSET:
+                wq = 1.0 + wq
+                wqp = 1.0 + wqp
+                wk = 1.0 + wk
+                wkp = 1.0 + wkp
+            rq = 1.0 / tl.sqrt(tl.sum(qx * qx, axis=1) / HEAD_DIM + eps)  # (REP_PAD,)
+            qx = (qx * rq[:, None] * wq[None, :]).to(qkv_ptr.dtype.element_ty).to(tl.float32)
+            qp = (qp * rq[:, None] * wqp[None, :]).to(qkv_ptr.dtype.element_ty).to(tl.float32)
+            rk = 1.0 / tl.sqrt(tl.sum(kx * kx, axis=0) / HEAD_DIM + eps)
+            kx = (kx * rk * wk).to(qkv_ptr.dtype.element_ty).to(tl.float32)
+            kp = (kp * rk * wkp).to(qkv_ptr.dtype.element_ty).to(tl.float32)
+        c = tl.load(cos_ptr + rpos * HEAD_DIM + d % HALF).to(tl.float32)  # cos[j] == cos[j + Dh/2], as rope_kv
+        sn = tl.load(sin_ptr + rpos * HEAD_DIM + d % HALF).to(tl.float32)
+        # first half: x1 c - x2 s; second half: x2 c + x1 s
+        q = (qx * c[None, :] + tl.where(first, -qp, qp) * sn[None, :]).to(qkv_ptr.dtype.element_ty)
+        kf = (kx * c + tl.where(first, -kp, kp) * sn).to(k_ptr.dtype.element_ty)  # the fresh key, as cached
+        vf = tl.load(src + (H + HKV + g) * HEAD_DIM + d).to(v_ptr.dtype.element_ty)
+        base = (b * HKV + g).to(tl.int64) * S * HEAD_DIM
+        start = split * CHUNK
+        if (pos >= start) & (pos < start + CHUNK):  # the one CTA of this head whose keys hold the slot
+            tl.store(k_ptr + base + pos * HEAD_DIM + d, kf)
+            tl.store(v_ptr + base + pos * HEAD_DIM + d, vf)
+        stop = tl.minimum(start + CHUNK, pos + 1)
+        m = tl.full([REP_PAD], float("-inf"), tl.float32)
+        den = tl.zeros([REP_PAD], tl.float32)
+        acc = tl.zeros([REP_PAD, HEAD_DIM], tl.float32)
+        for lo in range(start, stop, BLOCK_N):
+            keys = lo + tl.arange(0, BLOCK_N)
+            valid = keys < stop
+            fresh = keys == pos  # the slot's row comes from registers, never from the cache
+            k = tl.load(k_ptr + base + keys[:, None] * HEAD_DIM + d[None, :], mask=(valid & ~fresh)[:, None],
+                        other=0.0)
+            k = tl.where(fresh[:, None], kf[None, :], k)
+            sc = tl.dot(q, tl.trans(k)) * scale  # (REP_PAD, BLOCK_N) fp32
+            sc = tl.where(valid[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, 1))
+            p = tl.exp(sc - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            v = tl.load(v_ptr + base + keys[:, None] * HEAD_DIM + d[None, :], mask=(valid & ~fresh)[:, None],
+                        other=0.0)
+            v = tl.where(fresh[:, None], vf[None, :], v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            den = den * alpha + tl.sum(p, 1)
+            m = m_new
+        part = (b * H + head) * NSPLIT  # partials (B * H, NSPLIT, ...)
+        tl.store(o_ptr + (part + split)[:, None] * HEAD_DIM + d[None, :], acc, mask=keep[:, None])
+        tl.store(m_ptr + part + split, m, mask=keep)
+        tl.store(l_ptr + part + split, den, mask=keep)
+        tl.debug_barrier()  # every thread's partials issued before the counter moves
+        if COMPILED:  # each thread's stores visible GPU-wide (__threadfence) before the counter moves
+            tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [split], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+            tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + bg, 1, sem="acq_rel")  # splits of this head finished before this one
+        if done == NSPLIT - 1:  # the last one combines (the others' partials read past L1)
+            sp = tl.arange(0, NSPLIT)
+            ms = tl.load(m_ptr + part[:, None] + sp[None, :], mask=keep[:, None], other=float("-inf"),
+                         cache_modifier=".cg")  # (REP_PAD, NSPLIT); -inf for a split without keys
+            ls = tl.load(l_ptr + part[:, None] + sp[None, :], mask=keep[:, None], other=0.0, cache_modifier=".cg")
+            m_all = tl.max(ms, 1)
+            w = tl.where(ms > float("-inf"), tl.exp(ms - m_all[:, None]), 0.0)
+            total = tl.where(keep, tl.sum(ls * w, 1), 1.0)
+            y = tl.zeros([REP_PAD, HEAD_DIM], tl.float32)
+            for i in tl.static_range(NSPLIT):
+                wi = tl.sum(tl.where(sp[None, :] == i, w, 0.0), 1)  # (REP_PAD,) weight of split i
+                oi = tl.load(o_ptr + (part + i)[:, None] * HEAD_DIM + d[None, :], mask=keep[:, None], other=0.0,
+                             cache_modifier=".cg")
+                y += oi * wi[:, None]
+            y = y / total[:, None]
+            tl.store(y_ptr + (b * H + head)[:, None] * HEAD_DIM + d[None, :], y.to(y_ptr.dtype.element_ty),
+                     mask=keep[:, None])
+            tl.atomic_xchg(cnt_ptr + bg, 0)  # ready for the next launch (and graph replay)
+
+    return add_rms_norm_kernel, rope_kv_kernel, silu_mul_kernel, attn_split_kernel, attn_combine_kernel, \
+        rope_attn_kernel
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
@@ -313,4 +429,72 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                NSPLIT=nsplit, HAS_WINDOW=window is not None, num_warps=4)
     y = torch.empty_like(q)
     combine[(b * h,)](part, m, lse, y, HEAD_DIM=dh, NSPLIT=nsplit, num_warps=1)
+    return y
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(n: int, device: torch.device) -> torch.Tensor:
+    """``(>= n,)`` int32 zeros, one per (row, KV head) of :func:`rope_decode_attention`: every launch leaves
+    them at zero again (the last CTA of a head resets its own), so one buffer per device serves every
+    layer, launch and CUDA-graph replay of one stream. Allocated outside a capture where possible (the
+    CUDA-graph warm-up runs first)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+    return buf
+
+
+def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv_heads: int, kv_len: int,
+                          *, rope_pos: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
+                          k_norm: torch.Tensor | None = None, norm_eps: float = 1e-6, unit_offset: bool = False,
+                          scale: float | None = None, block_n: int = 64, max_splits: int = 16) -> torch.Tensor:
+    """:func:`rope_kv_write` then :func:`decode_attention`, in one kernel: the decode step's attention
+    from the fused q/k/v projection.
+
+    ``qkv (B, (H + 2 Hkv) * Dh)`` one token per row; ``cos``/``sin`` ``(P, Dh)`` RoPE tables;
+    ``input_pos (B,)`` int64 each row's cache slot, which receives the rotated key and the value, and the
+    last key the row attends to (keys ``0..input_pos[b]``, never past ``kv_len``); ``k_cache``/``v_cache``
+    ``(B_max, Hkv, S, Dh)`` contiguous, ``qkv``'s dtype. ``rope_pos (B,)`` int64: RoPE positions when
+    they are not the slots (M-RoPE decode; None = ``input_pos``); ``q_norm``/``k_norm`` ``(Dh,)``:
+    per-head RMSNorm before RoPE (eps ``norm_eps``, ``unit_offset``: weights act as ``1 + w``);
+    ``scale``: score scale (None: ``Dh ** -0.5``). No sliding window and no rolling cache (those keep the
+    two-kernel path). Returns ``(B, H, 1, Dh)`` in ``qkv.dtype``; the same function as the two kernels
+    (queries and keys rounded to the activation dtype as they store them; the splits' combine sums in
+    another order: equal to fp32 rounding). Raises ``ValueError`` as those two do."""
+    b = qkv.shape[0]
+    hkv, s, dh = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    if hkv != n_kv_heads or qkv.dim() != 2 or qkv.shape[1] != (n_heads + 2 * hkv) * dh or n_heads % hkv:
+        raise ValueError(f"rope_decode_attention: qkv {tuple(qkv.shape)} does not match {n_heads} + 2 x {hkv} "
+                         f"heads of {dh}")
+    if dh % 2 or dh & (dh - 1) or dh < 16 or not (k_cache.is_contiguous() and v_cache.is_contiguous()) \
+            or k_cache.shape != v_cache.shape or k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype:
+        raise ValueError("rope_decode_attention needs a power-of-two head_dim >= 16 and contiguous caches of "
+                         "qkv's dtype")
+    if cos.dim() != 2 or cos.shape[1] != dh or sin.shape != cos.shape or cos.shape[0] < s \
+            or input_pos.shape != (b,) or k_cache.shape[0] < b or not 1 <= kv_len <= s:
+        raise ValueError("rope_decode_attention: cos/sin must be (P >= S, Dh), input_pos (B,), 1 <= kv_len <= S")
+    if rope_pos is not None and rope_pos.shape != (b,):
+        raise ValueError(f"rope_decode_attention: rope_pos must be (B,) = ({b},), got {tuple(rope_pos.shape)}")
+    if (q_norm is None) != (k_norm is None) or (q_norm is not None and (q_norm.shape != (dh,) or k_norm.shape != (dh,))):
+        raise ValueError("rope_decode_attention: q_norm and k_norm must both be (Dh,) or both None")
+    qkv = qkv.contiguous()
+    rep = n_heads // hkv
+    n_blocks = -(-kv_len // block_n)
+    nsplit = min(max_splits, _next_pow2(n_blocks))
+    chunk = block_n * -(-n_blocks // nsplit)
+    part = torch.empty(b * n_heads, nsplit, dh, dtype=torch.float32, device=qkv.device)
+    m = torch.empty(b * n_heads, nsplit, dtype=torch.float32, device=qkv.device)
+    lse = torch.empty(b * n_heads, nsplit, dtype=torch.float32, device=qkv.device)
+    y = torch.empty(b, n_heads, 1, dh, dtype=qkv.dtype, device=qkv.device)
+    qk_norm = q_norm is not None
+    compiled = os.environ.get("TRITON_INTERPRET", "0") != "1"
+    _kernels()[5][(b * hkv, nsplit)](
+        qkv, cos, sin, input_pos, input_pos if rope_pos is None else rope_pos, q_norm if qk_norm else cos,
+        k_norm if qk_norm else cos, k_cache, v_cache, part, m, lse, _counters(b * hkv, qkv.device), y,
+        n_heads, hkv, s, chunk, dh ** -0.5 if scale is None else float(scale), float(norm_eps),
+        REP=rep, REP_PAD=max(16, _next_pow2(rep)), HEAD_DIM=dh, HALF=dh // 2, BLOCK_N=block_n, NSPLIT=nsplit,
+        QK_NORM=qk_norm, UNIT_OFFSET=bool(unit_offset), COMPILED=compiled, num_warps=4)
     return y

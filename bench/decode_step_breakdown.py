@@ -1,0 +1,294 @@
+#!/usr/bin/env python3
+"""Where the time of a W4A16 decode step goes outside the INT4 matmuls: kernels grouped per step.
+
+Builds the LLaVA-1.5-7B-shape model the way ``bench/w4a16_kernel.py``'s model section does (random
+weights, bf16, decoder linears RTN W4A16 group 128, fused q/k/v and gate/up, the fused Triton decode step,
+CUDA graphs), fills the bf16 KV cache with random values, and for each decode-step variant and batch size
+captures the step at the bench's attended length (a 609-token prompt -> ``kv_len`` bucket 768, rows at
+position 609), then
+
+* times graph replays with CUDA events (median step, ms),
+* replays ``--steps`` steps under ``torch.profiler`` and groups the CUDA kernels: ``int4_matmul``
+  (the W4A16 kernels), ``attention`` (RoPE + KV write + attention kernels), ``norm``, ``elementwise``
+  (SiLU*up, fills, copies, gathers, masks), ``lm_head`` (the bf16 cuBLAS product), ``other``; per group
+  kernels per step and µs per step; ``gap_us`` = the event-timed step minus the kernels' busy time (the
+  graph's launch gaps between kernels),
+* at batch 1 also the decode loop of the bench harness (``TorchBackend.decode`` + argmax + ``int()`` per
+  token, 32 tokens): ``tpot_ms`` and the host/sync time around the graph (``tpot - step``).
+
+Variants (``--variants``):
+
+* ``before`` -- the step as it was before session 8: RoPE + KV write (``rope_kv_write``), split attention and
+  its combine (``decode_attention``) as three kernels per layer, and the decode mask / RoPE row gathers that
+  the old ``Decoder.forward`` built every step although the fused step does not read them (re-created here
+  by :func:`legacy_prologue`, the same torch ops),
+* ``nomask`` -- without those unused mask / gather kernels, three attention kernels,
+* ``after`` -- and :func:`~edgevlm.runtime.kernels.decode_fused.rope_decode_attention`: one attention kernel
+  per layer (the default).
+
+Prints a table per batch size, then one JSON line. Usage (on a CUDA GPU)::
+
+    python3 bench/decode_step_breakdown.py [--batch-sizes 1,8] [--steps 20] [--variants before,nomask,after]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+GROUPS = ("int4_matmul", "attention", "norm", "elementwise", "lm_head", "other")
+
+
+def group_of(name: str) -> str:
+    """The group of a CUDA kernel name (see the module docstring)."""
+    n = name.lower()
+    if "w4a16" in n:
+        return "int4_matmul"
+    if "attn" in n or "rope" in n or "flash" in n or "sdpa" in n or "softmax" in n:
+        return "attention"
+    if "rms" in n or "norm" in n:
+        return "norm"
+    if any(k in n for k in ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk", "sm90_", "sm80_")):
+        return "lm_head"
+    if any(k in n for k in ("silu", "gated", "elementwise", "vectorized", "fill", "copy", "index", "arange",
+                            "compare", "reduce", "cat", "where", "embedding")):
+        return "elementwise"
+    return "other"
+
+
+@contextlib.contextmanager
+def legacy_prologue(on: bool):
+    """While ``on``: every fused decode step (``Decoder._fused_decode``, all decoders) first builds what
+    ``Decoder.forward`` built before session 8 and the fused step never read: the RoPE rows ``cos`` /
+    ``sin`` / ``sin_signed`` at the positions (gather + cast each) and the additive decode mask
+    (``decode_mask``, ``full``, ``masked_fill_``). Same torch ops, same shapes: the old step's extra kernels."""
+    import torch
+
+    from edgevlm.runtime.decoder import Decoder
+    from edgevlm.runtime.kv_cache import decode_mask
+
+    if not on:
+        yield
+        return
+    real = Decoder._fused_decode
+
+    def step(self, embeds, pos, kv_len, rope_pos=None):
+        ip = pos[:, None]  # (B, 1) as input_pos was
+        rp = ip if rope_pos is None else rope_pos[:, None]
+        for table in (self.rope_cos, self.rope_sin, self.rope_sin_signed):
+            table[rp].to(embeds.dtype)
+        allowed = decode_mask(ip, kv_len)
+        mask = torch.full(allowed.shape, float("-inf"), dtype=embeds.dtype, device=embeds.device)
+        mask.masked_fill_(allowed, 0.0)
+        return real(self, embeds, pos, kv_len, rope_pos)
+
+    Decoder._fused_decode = step
+    try:
+        yield
+    finally:
+        Decoder._fused_decode = real
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    """Switches of one variant (``before`` / ``nomask`` / ``after``) for the body's captures."""
+    from edgevlm.runtime.kernels import decode_fused
+
+    old = decode_fused.FUSED_ATTENTION
+    decode_fused.FUSED_ATTENTION = name == "after"
+    try:
+        with legacy_prologue(name == "before"):
+            yield
+    finally:
+        decode_fused.FUSED_ATTENTION = old
+
+
+def profile_replays(replay, steps: int) -> tuple[dict, list]:
+    """Kernels of ``steps`` calls of ``replay`` under torch.profiler: ``({group: [µs/step, kernels/step]},
+    [(name, µs/step, calls/step)])`` plus the busy time (union of kernel intervals) per step as
+    ``groups["_busy_us"]``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            replay()
+        torch.cuda.synchronize()
+    per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    spans = []
+    for ev in prof.events():
+        if ev.device_type.name != "CUDA":
+            continue
+        per[ev.name][0] += ev.device_time / steps
+        per[ev.name][1] += 1
+        tr = getattr(ev, "time_range", None)
+        if tr is not None:
+            spans.append((tr.start, tr.end))
+    groups = {g: [0.0, 0.0] for g in GROUPS}
+    for name, (us, n) in per.items():
+        groups[group_of(name)][0] += us
+        groups[group_of(name)][1] += n / steps
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b <= end:
+            continue
+        busy += b - max(a, end)
+        end = b
+    groups["_busy_us"] = busy / steps
+    rows = sorted(((name[:80], us, n / steps) for name, (us, n) in per.items()), key=lambda r: -r[1])
+    return groups, rows
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(pkg)
+    except Exception:  # noqa: BLE001 - not installed
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llava-7b")
+    ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--variants", default="before,nomask,after")
+    ap.add_argument("--steps", type=int, default=20, help="profiled steps per (variant, batch)")
+    ap.add_argument("--prompt", type=int, default=609, help="row position of the step (the bench's prompt length)")
+    ap.add_argument("--new-tokens", type=int, default=32, help="tokens of the batch-1 decode loop")
+    ap.add_argument("--rounds", type=int, default=3, help="alternations of the variants for the step times")
+    ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--out", default="", help="also write the JSON here")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    from edgevlm.quantize.bench_measure import event_ms, wall_ms
+    from edgevlm.quantize.bench_models import build_models, quantize_decoder_w4
+    from edgevlm.runtime.backends.torch_backend import TorchBackend
+    from edgevlm.runtime.kernels import decode_fused
+
+    if not torch.cuda.is_available():
+        print("decode_step_breakdown: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    names = [v for v in args.variants.split(",") if v]
+    t0 = time.perf_counter()
+    max_seq = ((args.prompt + args.new_tokens + 16 + 255) // 256) * 256  # the bench harness's cache length
+    model, _, _ = build_models(args.model, device=dev, dtype=torch.bfloat16, max_seq_len=64, with_hf=False)
+    model.setup_caches(1, max_seq)
+    quantize_decoder_w4(model)
+    be = TorchBackend(model, max_batch_size=max(batches))
+    dec = model.language_model
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for layer in dec.layers:  # attention over real-looking keys, not zeros
+        layer.self_attn.kv_cache.k.normal_(generator=gen)
+        layer.self_attn.kv_cache.v.normal_(generator=gen)
+    kv_len = be.kv_len_for(args.prompt + 1)
+    build_s = time.perf_counter() - t0
+    print(f"{args.model} W4A16 built in {build_s:.1f} s; fused decode {dec.fused_decode}; kv_len {kv_len}, "
+          f"rows at position {args.prompt}", flush=True)
+    result = {"bench": "decode_step_breakdown", "model": args.model, "gpu": torch.cuda.get_device_name(dev),
+              "torch": torch.__version__, "triton": _version("triton"), "kv_len": kv_len, "position": args.prompt, "steps": args.steps,
+              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": []}
+
+    def set_rows(b: int) -> None:
+        be.graphs.tokens[:b].fill_(7)
+        be.graphs.positions[:b].fill_(args.prompt)
+
+    # step times: the variants alternated `rounds` times (graphs re-captured per variant)
+    times: dict[tuple[str, int], list[float]] = defaultdict(list)
+    tpot: dict[str, list[float]] = defaultdict(list)
+
+    def run_variant_times(name: str) -> None:
+        with variant(name):
+            be.graphs.reset()
+            for b in batches:
+                set_rows(b)
+                times[(name, b)].append(event_ms(lambda b=b: be.graphs.replay(b, kv_len), dev, warmup=5, iters=40))
+            if 1 in batches:  # the harness's batch-1 loop: decode + argmax + int() per token
+                def loop() -> None:
+                    tok, pos = 7, args.prompt
+                    for _ in range(args.new_tokens):
+                        tok = int(be.decode(tok, pos)[0].argmax())
+                        pos += 1
+                tpot[name].append(wall_ms(loop, dev, warmup=1, iters=3) / args.new_tokens)
+            if name == "after" and not decode_fused.FUSED_ATTENTION:
+                raise RuntimeError("rope_decode_attention fell back to the three kernels (see the warning)")
+
+    failed: dict[str, str] = {}
+    for _ in range(args.rounds):
+        for name in [n for n in names if n not in failed]:
+            try:
+                run_variant_times(name)
+            except Exception as exc:  # noqa: BLE001 - keep the other variants' numbers
+                failed[name] = f"{type(exc).__name__}: {exc}"[:500]
+                print(f"variant {name} failed: {failed[name]}", flush=True)
+    names = [n for n in names if n not in failed]
+    result["failed"] = failed
+    # one profile per (variant, batch), and the outputs of the variants compared
+    logits = {}
+    for name in names:
+        with variant(name):
+            be.graphs.reset()
+            for b in batches:
+                set_rows(b)
+                out = be.graphs.replay(b, kv_len).float().clone()
+                logits[(name, b)] = out
+                groups, rows = profile_replays(lambda b=b: be.graphs.replay(b, kv_len), args.steps)
+                step_ms = statistics.median(times[(name, b)])
+                run = {"variant": name, "batch": b, "step_ms": round(step_ms, 4),
+                       "step_ms_all": [round(t, 4) for t in times[(name, b)]],
+                       "busy_us": round(groups.pop("_busy_us"), 1),
+                       "groups": {g: {"us": round(v[0], 1), "kernels": round(v[1], 1)} for g, v in groups.items()},
+                       "top": [[n, round(us, 2), round(c, 2)] for n, us, c in rows[: args.top]]}
+                run["gap_us"] = round(step_ms * 1e3 - run["busy_us"], 1)
+                run["kernels"] = round(sum(v["kernels"] for v in run["groups"].values()), 1)
+                if b == 1 and tpot.get(name):
+                    run["tpot_ms"] = round(statistics.median(tpot[name]), 4)
+                    run["tpot_ms_all"] = [round(t, 4) for t in tpot[name]]
+                    run["tok_s"] = round(1e3 / run["tpot_ms"], 1)
+                    run["host_gap_ms"] = round(run["tpot_ms"] - step_ms, 4)
+                result["runs"].append(run)
+    ref = names[0]
+    for (name, b), out in logits.items():
+        base = logits[(ref, b)]
+        err = float((out - base).norm() / base.norm())
+        for run in result["runs"]:
+            if run["variant"] == name and run["batch"] == b:
+                run["logits_rel_vs_" + ref] = err
+                run["argmax_same_vs_" + ref] = bool(torch.equal(out.argmax(-1), base.argmax(-1)))
+    be.graphs.reset()
+    for b in batches:
+        print(f"\nbatch {b}: µs per step by group (kernels per step)")
+        head = f"{'group':12s}" + "".join(f"{n:>18s}" for n in names)
+        print(head)
+        runs = {r["variant"]: r for r in result["runs"] if r["batch"] == b}
+        for g in GROUPS:
+            print(f"{g:12s}" + "".join(f"{runs[n]['groups'][g]['us']:>11.1f} ({runs[n]['groups'][g]['kernels']:>4.0f})"
+                                       for n in names))
+        for key in ("busy_us", "gap_us", "kernels", "step_ms", "tpot_ms", "tok_s", "host_gap_ms",
+                    "logits_rel_vs_" + ref):
+            if all(key in runs[n] for n in names):
+                print(f"{key:12s}" + "".join(f"{runs[n][key]:>18.4g}" for n in names))
+        for n in names:
+            print(f"  top kernels, {n}: " + "; ".join(f"{k} {us} us x{c}" for k, us, c in runs[n]["top"][:8]))
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    line = json.dumps(result)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
