@@ -24,7 +24,9 @@ Variants (``--variants``):
   by :func:`legacy_prologue`, the same torch ops),
 * ``nomask`` -- without those unused mask / gather kernels, three attention kernels,
 * ``after`` -- and :func:`~edgevlm.runtime.kernels.decode_fused.rope_decode_attention`: one attention kernel
-  per layer (the default).
+  per layer (the default),
+* ``after_pdl`` -- ``after`` with the W4A16 kernels as programmatic dependent launches (opt-in),
+* ``after_w4head`` -- ``after`` with an RTN W4A16 ``lm_head`` (a what-if: other logits).
 
 Prints a table per batch size, then one JSON line. Usage (on a CUDA GPU)::
 
@@ -98,17 +100,31 @@ def legacy_prologue(on: bool):
 
 
 @contextlib.contextmanager
-def variant(name: str):
-    """Switches of one variant (``before`` / ``nomask`` / ``after``) for the body's captures."""
+def variant(name: str, dec=None):
+    """Switches of one variant for the body's captures: ``before`` / ``nomask`` / ``after`` (module
+    docstring); ``after_pdl``: ``after`` with the W4A16 kernels launched as programmatic dependents
+    (``EDGEVLM_W4A16_PDL=1``); ``after_w4head``: ``after`` with ``dec``'s bf16 ``lm_head`` replaced by an RTN
+    W4A16 ``Int4Linear`` (group 128; other logits: a what-if for bundles whose head is quantized)."""
     from edgevlm.runtime.kernels import decode_fused
+    from edgevlm.runtime.kernels import w4a16_mma as mk
 
-    old = decode_fused.FUSED_ATTENTION
-    decode_fused.FUSED_ATTENTION = name == "after"
+    old, old_pdl, head = decode_fused.FUSED_ATTENTION, mk.PDL, None
+    decode_fused.FUSED_ATTENTION = name.startswith("after")
+    mk.PDL = True if name == "after_pdl" else old_pdl
+    if name == "after_w4head":
+        from edgevlm.runtime.int4 import Int4Linear
+
+        head = dec.lm_head
+        if getattr(dec, "_bench_w4_head", None) is None:
+            dec._bench_w4_head = Int4Linear.from_linear(head, 128).to(head.weight.device)
+        dec.lm_head = dec._bench_w4_head
     try:
         with legacy_prologue(name == "before"):
             yield
     finally:
-        decode_fused.FUSED_ATTENTION = old
+        decode_fused.FUSED_ATTENTION, mk.PDL = old, old_pdl
+        if head is not None:
+            dec.lm_head = head
 
 
 def profile_replays(replay, steps: int) -> tuple[dict, list]:
@@ -160,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llava-7b")
     ap.add_argument("--batch-sizes", default="1,8")
-    ap.add_argument("--variants", default="before,nomask,after")
+    ap.add_argument("--variants", default="before,nomask,after,after_pdl,after_w4head")
     ap.add_argument("--steps", type=int, default=20, help="profiled steps per (variant, batch)")
     ap.add_argument("--prompt", type=int, default=609, help="row position of the step (the bench's prompt length)")
     ap.add_argument("--new-tokens", type=int, default=32, help="tokens of the batch-1 decode loop")
@@ -210,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     tpot: dict[str, list[float]] = defaultdict(list)
 
     def run_variant_times(name: str) -> None:
-        with variant(name):
+        with variant(name, dec):
             be.graphs.reset()
             for b in batches:
                 set_rows(b)
@@ -222,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                         tok = int(be.decode(tok, pos)[0].argmax())
                         pos += 1
                 tpot[name].append(wall_ms(loop, dev, warmup=1, iters=3) / args.new_tokens)
-            if name == "after" and not decode_fused.FUSED_ATTENTION:
+            if name.startswith("after") and not decode_fused.FUSED_ATTENTION:
                 raise RuntimeError("rope_decode_attention fell back to the three kernels (see the warning)")
 
     failed: dict[str, str] = {}
@@ -238,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     # one profile per (variant, batch), and the outputs of the variants compared
     logits = {}
     for name in names:
-        with variant(name):
+        with variant(name, dec):
             be.graphs.reset()
             for b in batches:
                 set_rows(b)
