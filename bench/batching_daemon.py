@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         engine.warmup()
         cfg = parse_daemon_config({
             "mqtt": {"host": "127.0.0.1", "port": broker.port, "device_id": "bench"},
-            "model": {"continuous_batching": rows > 1, "max_batch_size": rows, "prefill_token_budget": args.token_budget},
+            # vision cache off: the clients repeat images, and batching (encoding every group) does not use it
+            "model": {"continuous_batching": rows > 1, "max_batch_size": rows, "prefill_token_budget": args.token_budget,
+                      "vision_cache_mb": 0},
             "defaults": {"max_new_tokens": args.max_new_tokens, "timeout_ms": 60000},
             "queue_max_size": max(64, n), "metrics": {"listen": None}, "telemetry": {"interval_s": None},
             "tegrastats": {"enabled": False}, "controller": {"enabled": args.controller},

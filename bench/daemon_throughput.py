@@ -184,7 +184,8 @@ def _children(pid: int) -> list[int]:
 
 def _daemon_config(args: argparse.Namespace, port: int, n_max: int, *, front_processes: int | str = 0,
                    member: int | None = None) -> dict[str, Any]:
-    model: dict[str, Any] = {"path": args.model, "device": args.device}
+    # the clients cycle over --items images: a vision cache would answer repeats from memory, so it is off
+    model: dict[str, Any] = {"path": args.model, "device": args.device, "vision_cache_mb": 0}
     if args.threads is not None:
         model["cpu_threads"] = args.threads
     if args.rows is not None:

@@ -43,7 +43,8 @@ def run_pool(n_members: int, args: argparse.Namespace, model: Path, work: Path) 
             d.mkdir(parents=True)
             members.append(DaemonProcess({
                 "mqtt": {"host": "127.0.0.1", "port": broker.port, "device_id": f"m{i}", "pool": "bench"},
-                "model": {"path": str(model), "device": "cpu", "cpu_threads": 1},
+                # vision cache off: the clients repeat images, which it would answer from memory
+                "model": {"path": str(model), "device": "cpu", "cpu_threads": 1, "vision_cache_mb": 0},
                 "queue_max_size": 64, "defaults": {"max_new_tokens": args.max_new_tokens, "timeout_ms": 60000},
                 "metrics": {"listen": None}, "log_level": "WARNING"}, d).start())
         with Client("127.0.0.1", broker.port, pool="bench") as watcher:

@@ -85,8 +85,8 @@ def host_threads(config: DaemonConfig) -> int | None:
 
 def load_engine(config: DaemonConfig, path: Path | None) -> Any:
     """Load the engine at ``path`` (None = the demo model) as ``config`` says: ``model.device``,
-    ``dtype``, ``backend``, the host threads, and the backend options (the profile's for a CUDA model,
-    then ``model.max_batch_size``). The one rule for the engine at start-up and at a hot reload.
+    ``dtype``, ``backend``, the host threads, the backend options (the profile's for a CUDA model,
+    then ``model.max_batch_size``) and the vision cache (``model.vision_cache_mb``). The one rule for the engine at start-up and at a hot reload.
 
     Raises:
         ModelLoadError: the model cannot be loaded (see :meth:`edgevlm.runtime.Engine.load`).
@@ -108,7 +108,8 @@ def load_engine(config: DaemonConfig, path: Path | None) -> Any:
         logger.info("profile %s: backend options %s", config.profile, options)
     if m.max_batch_size is not None:  # the config overrides the profile (torch only: checked by the schema)
         options["max_batch_size"] = m.max_batch_size
-    return Engine.load(path, device=m.device, dtype=m.dtype, backend=m.backend, backend_options=options)
+    return Engine.load(path, device=m.device, dtype=m.dtype, backend=m.backend, backend_options=options,
+                       vision_cache_mb=m.vision_cache_mb or None)
 
 
 def engine_loader(config: DaemonConfig) -> Callable[[], Any]:

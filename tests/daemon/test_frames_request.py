@@ -234,3 +234,20 @@ def test_evenly_spaced_keeps_exactly_n_in_order_the_oldest_and_newest_and_no_dup
                 assert got == [length - 1], length  # one frame: the newest
     with pytest.raises(ValueError, match="n must be >= 1"):
         evenly_spaced([1, 2], 0)  # type: ignore[list-item]
+
+
+def test_the_daemon_loads_its_engine_with_the_configured_vision_cache(tiny_model_dir) -> None:
+    # model.vision_cache_mb reaches the engine the daemon loads (at start and at a hot reload: load_engine)
+    from edgevlm.config import parse_daemon_config
+    from edgevlm.daemon.app import load_engine
+    from edgevlm.errors import ConfigError
+
+    def loaded(**model):
+        return load_engine(parse_daemon_config({"model": {"path": str(tiny_model_dir), **model}}), tiny_model_dir)
+
+    assert loaded().vision_cache.budget_bytes == 64 * 2**20  # on by default
+    assert loaded(vision_cache_mb=0.5).vision_cache.budget_bytes == 2**19
+    assert loaded(vision_cache_mb=0).vision_cache is None
+    for bad in (-1, "64", True, 2e6):
+        with pytest.raises(ConfigError, match="vision_cache_mb"):
+            parse_daemon_config({"model": {"vision_cache_mb": bad}})
