@@ -184,7 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--out", default="", help="also write the JSON here")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(REPO))
+    try:  # the installed package (the device's layout maps quantize/ into it); a bare checkout as the fallback
+        import edgevlm.quantize  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, str(REPO))
     import torch
 
     from edgevlm.quantize.bench_measure import event_ms, wall_ms

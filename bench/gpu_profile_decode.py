@@ -51,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-len", type=int, default=1024)
     ap.add_argument("--top", type=int, default=18)
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(REPO))
+    try:  # the installed package (the device's layout maps quantize/ into it); a bare checkout as the fallback
+        import edgevlm.quantize  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, str(REPO))
     from edgevlm.quantize.bench_models import build_models, quantize_decoder_w4
     from edgevlm.runtime.backends.torch_backend import TorchBackend
 

@@ -27,7 +27,8 @@ off for every other decoder, which compiles to the same kernels as before.
   kernels -> one): each CTA rotates its KV head's queries and the fresh key itself, the CTA whose key
   range holds the slot writes k and v into the cache, the fresh key stands in for the slot's row where a
   CTA reads the cache, and the last CTA of each KV head to finish (an atomic counter per head, reset by
-  that CTA) combines the splits.
+  that CTA) combines the splits (none at large batch: one CTA per head). Opt-in
+  (:data:`FUSED_ATTENTION`): its first version measured slower than the three kernels.
 
 All statistics and products in fp32, one rounding on store. ``TRITON_INTERPRET=1`` runs them on
 CPU (fp16/fp32) for the tests; :mod:`edgevlm.runtime.decoder` uses them on CUDA for 16-bit KV
@@ -41,12 +42,14 @@ import os
 
 import torch
 
-FUSED_ATTENTION = os.environ.get("EDGEVLM_DECODE_FUSED_ATTENTION", "1").strip().lower() not in ("0", "false", "no",
-                                                                                                 "off")
+FUSED_ATTENTION = os.environ.get("EDGEVLM_DECODE_FUSED_ATTENTION", "0").strip().lower() in ("1", "true", "yes", "on")
 """Whether :meth:`~edgevlm.runtime.decoder.Decoder._fused_decode` runs :func:`rope_decode_attention` (RoPE,
 KV write, split attention and the combine in one kernel) where it applies, instead of :func:`rope_kv_write`
-+ :func:`decode_attention` (three kernels). ``EDGEVLM_DECODE_FUSED_ATTENTION=0`` turns it off; read at each
-step, so a new CUDA graph capture picks up a change."""
++ :func:`decode_attention` (three kernels). Off by default, ``EDGEVLM_DECODE_FUSED_ATTENTION=1`` opts in: its
+first version measured slower in the whole 7B W4A16 decode on an H200 (2026-12-02, three alternations:
+404-415 vs 427-441 tok/s at batch 1, 1697-1773 vs 2281-2400 at 8, 2366-2405 vs 3916-4014 at 32;
+``bench/results/w4a16_kernel_h200_20261202.md``, session 8); the version here (no per-thread fence, fewer
+splits at large batch) is not measured yet. Read at each step, so a new CUDA graph capture picks up a change."""
 
 
 def _next_pow2(n: int) -> int:
@@ -192,7 +195,7 @@ def _kernels():
                          l_ptr, cnt_ptr, y_ptr, H, HKV, S, CHUNK, scale, eps,
                          REP: tl.constexpr, REP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                          BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, QK_NORM: tl.constexpr,
-                         UNIT_OFFSET: tl.constexpr, COMPILED: tl.constexpr):
+                         UNIT_OFFSET: tl.constexpr):
         bg = tl.program_id(0)  # row b, KV head g
         split = tl.program_id(1)
         b = bg // HKV
@@ -259,15 +262,18 @@ def _kernels():
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             den = den * alpha + tl.sum(p, 1)
             m = m_new
+        if NSPLIT == 1:  # one CTA per head saw every key: no partials, no counter
+            tl.store(y_ptr + (b * H + head)[:, None] * HEAD_DIM + d[None, :],
+                     (acc / tl.where(keep, den, 1.0)[:, None]).to(y_ptr.dtype.element_ty), mask=keep[:, None])
+            return
         part = (b * H + head) * NSPLIT  # partials (B * H, NSPLIT, ...)
         tl.store(o_ptr + (part + split)[:, None] * HEAD_DIM + d[None, :], acc, mask=keep[:, None])
         tl.store(m_ptr + part + split, m, mask=keep)
         tl.store(l_ptr + part + split, den, mask=keep)
-        tl.debug_barrier()  # every thread's partials issued before the counter moves
-        if COMPILED:  # each thread's stores visible GPU-wide (__threadfence) before the counter moves
-            tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [split], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-            tl.debug_barrier()
+        # every thread's partials issued before one thread's release of the counter (the barrier orders them
+        # before it at CTA scope; the gpu-scope acq_rel atomic makes them visible with it, as CUTLASS's
+        # semaphore does after __syncthreads)
+        tl.debug_barrier()
         done = tl.atomic_add(cnt_ptr + bg, 1, sem="acq_rel")  # splits of this head finished before this one
         if done == NSPLIT - 1:  # the last one combines (the others' partials read past L1)
             sp = tl.arange(0, NSPLIT)
@@ -446,6 +452,16 @@ def _counters(n: int, device: torch.device) -> torch.Tensor:
     return buf
 
 
+@functools.cache
+def _cta_budget(device: torch.device) -> int:
+    """CTAs :func:`rope_decode_attention` aims for at most (about four per SM: one wave at its occupancy); its
+    splits of the keys are halved until ``rows x KV heads x splits`` fits (each split's CTA waits for its
+    partials to land and bumps a counter, a cost paid per wave). 528 (an H200's 132 SMs) off CUDA."""
+    if device.type != "cuda":
+        return 4 * 132
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor,
                           k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv_heads: int, kv_len: int,
                           *, rope_pos: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
@@ -460,8 +476,9 @@ def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     ``(B_max, Hkv, S, Dh)`` contiguous, ``qkv``'s dtype. ``rope_pos (B,)`` int64: RoPE positions when
     they are not the slots (M-RoPE decode; None = ``input_pos``); ``q_norm``/``k_norm`` ``(Dh,)``:
     per-head RMSNorm before RoPE (eps ``norm_eps``, ``unit_offset``: weights act as ``1 + w``);
-    ``scale``: score scale (None: ``Dh ** -0.5``). No sliding window and no rolling cache (those keep the
-    two-kernel path). Returns ``(B, H, 1, Dh)`` in ``qkv.dtype``; the same function as the two kernels
+    ``scale``: score scale (None: ``Dh ** -0.5``). The keys are split as :func:`decode_attention` splits them
+    (``block_n``, up to ``max_splits``), halved while ``B x Hkv x splits`` exceeds :func:`_cta_budget`; one
+    split writes the output directly. No sliding window and no rolling cache (those keep the two-kernel path). Returns ``(B, H, 1, Dh)`` in ``qkv.dtype``; the same function as the two kernels
     (queries and keys rounded to the activation dtype as they store them; the splits' combine sums in
     another order: equal to fp32 rounding). Raises ``ValueError`` as those two do."""
     b = qkv.shape[0]
@@ -484,17 +501,19 @@ def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     rep = n_heads // hkv
     n_blocks = -(-kv_len // block_n)
     nsplit = min(max_splits, _next_pow2(n_blocks))
+    ctas = _cta_budget(qkv.device)
+    while nsplit > 1 and b * hkv * nsplit > ctas:  # enough (row, head) pairs: splitting keys only adds waits
+        nsplit //= 2
     chunk = block_n * -(-n_blocks // nsplit)
     part = torch.empty(b * n_heads, nsplit, dh, dtype=torch.float32, device=qkv.device)
     m = torch.empty(b * n_heads, nsplit, dtype=torch.float32, device=qkv.device)
     lse = torch.empty(b * n_heads, nsplit, dtype=torch.float32, device=qkv.device)
     y = torch.empty(b, n_heads, 1, dh, dtype=qkv.dtype, device=qkv.device)
     qk_norm = q_norm is not None
-    compiled = os.environ.get("TRITON_INTERPRET", "0") != "1"
     _kernels()[5][(b * hkv, nsplit)](
         qkv, cos, sin, input_pos, input_pos if rope_pos is None else rope_pos, q_norm if qk_norm else cos,
         k_norm if qk_norm else cos, k_cache, v_cache, part, m, lse, _counters(b * hkv, qkv.device), y,
         n_heads, hkv, s, chunk, dh ** -0.5 if scale is None else float(scale), float(norm_eps),
         REP=rep, REP_PAD=max(16, _next_pow2(rep)), HEAD_DIM=dh, HALF=dh // 2, BLOCK_N=block_n, NSPLIT=nsplit,
-        QK_NORM=qk_norm, UNIT_OFFSET=bool(unit_offset), COMPILED=compiled, num_warps=4)
+        QK_NORM=qk_norm, UNIT_OFFSET=bool(unit_offset), num_warps=4)
     return y
