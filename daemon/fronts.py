@@ -243,13 +243,13 @@ class FrontProcesses:
                 if self.on_connection is not None:
                     self.on_connection(False, f"front {front.index}: {meta[2]}")
         elif kind == "ready":
-            front.ready = True
-            with self._lock:
+            with self._lock:  # set under the lock: another front's "connection" lost may clear it meanwhile
+                front.ready = True
                 everyone = all(f is not None and f.ready for f in self._fronts)
-            if everyone:
-                self._all_ready.set()
-                if self.on_ready is not None:
-                    self.on_ready()
+                if everyone:
+                    self._all_ready.set()
+            if everyone and self.on_ready is not None:
+                self.on_ready()
         else:
             logger.warning("front %d: unknown link message %r", front.index, kind)
 

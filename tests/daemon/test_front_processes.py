@@ -354,3 +354,47 @@ def test_a_front_that_loses_the_broker_is_not_ready_until_it_has_subscribed_agai
     with Client(mosquitto.host, mosquitto.port, "ten") as client:
         assert client.ask(question, image=frame, timeout_s=60).text == demo_engine.ask(frame, question,
                                                                                      max_new_tokens=8).text
+
+
+def test_a_front_that_loses_the_broker_while_another_subscribes_again_leaves_the_fronts_not_ready() -> None:
+    # front 0 subscribes again ("ready") while front 1's reader thread reports that front 1 lost the
+    # broker: whatever the interleaving, fronts.ready() ends False until front 1 has subscribed again
+    # (READY / the systemd status follow it). Front 1's report runs the moment front 0's handler first
+    # lets go of the lock: it was lost when front 0's handler set "all ready" after the lock.
+    import threading
+
+    from edgevlm.daemon.fronts import FrontProcesses, _Front
+    from edgevlm.daemon.metrics_common import EventCounters
+
+    readies: list[bool] = []
+    fronts = FrontProcesses(DaemonConfig(), 2, None, EventCounters(),  # type: ignore[arg-type]
+                            on_ready=lambda: readies.append(fronts.ready()))  # fmt: skip
+    zero, one = _Front(0, None, None), _Front(1, None, None)  # type: ignore[arg-type]
+    fronts._fronts[:] = [zero, one]
+    for front in (zero, one):
+        fronts._dispatch(front, ("ready",), None)
+    assert fronts.ready() and readies == [True]
+    fronts._dispatch(zero, ("connection", False, "keepalive timeout"), None)
+    assert not fronts.ready()
+
+    lock = fronts._lock
+
+    class Interleaved:
+        pending = [lambda: fronts._dispatch(one, ("connection", False, "broker closed it"), None)]
+
+        def __enter__(self) -> None:
+            lock.acquire()
+
+        def __exit__(self, *exc: object) -> None:
+            lock.release()
+            while self.pending:  # on its own thread, as front 1's reader runs it
+                reader = threading.Thread(target=self.pending.pop())
+                reader.start()
+                reader.join(5)
+
+    fronts._lock = Interleaved()  # type: ignore[assignment]
+    fronts._dispatch(zero, ("ready",), None)
+    assert (zero.ready, one.ready) == (True, False)
+    assert not fronts.ready() and not fronts.wait_ready(0.05)
+    fronts._dispatch(one, ("ready",), None)
+    assert fronts.ready() and readies[-1] is True
