@@ -263,7 +263,8 @@ class Engine:
         ``uint8_pixels``: for the batched encoder (:mod:`edgevlm.runtime.batching`), a family with
         LLaVA's pixel path leaves one image at a plain point (no early exit or pruning) resized but
         not normalised, ``(1, H, W, 3)`` uint8 (normalised on the device with :attr:`image_mean` /
-        :attr:`image_std`); ``ask`` never asks.
+        :attr:`image_std`); ``ask`` never asks. The batched encoder does not read the vision cache, so
+        with ``uint8_pixels`` no ``vision_key`` is made (no hash of the pixels).
 
         Raises:
             InvalidImageError: an image is not an ``(H, W, 3)`` uint8 array, or the family cannot
@@ -298,7 +299,8 @@ class Engine:
                 f"the KV cache holds {self.max_seq_len} positions"
             )
         key = None
-        if self.vision_cache is not None and self.family.vision_state_free and op.exit_threshold is None:
+        if self.vision_cache is not None and not uint8_pixels and self.family.vision_state_free \
+                and op.exit_threshold is None:
             frame_id = vision_key if vision_key is not None else content_key(
                 images + (video or []), tuple(video_ts) if video_ts is not None else None)
             key = (frame_id, tuple(vision.kinds), op.resolution_px, op.exit_layer, op.keep_ratio)

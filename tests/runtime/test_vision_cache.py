@@ -61,6 +61,19 @@ def test_another_frame_or_operating_point_or_key_is_encoded_again(cached_engine,
     assert len(calls) == 4 and eng.vision_cache.hits == 2
 
 
+def test_the_batched_prepare_makes_no_key(cached_engine, image, monkeypatch):
+    # uint8_pixels (the batched encoder, which never reads the cache): no key, so no hash of the pixels
+    import edgevlm.runtime.engine as engine_module
+
+    eng, _ = cached_engine
+    eng.set_vision_cache(16)
+    hashed = []
+    monkeypatch.setattr(engine_module, "content_key", lambda *a, **k: hashed.append(1) or content_key(*a, **k))
+    assert eng.prepare(image, QUESTIONS[0], uint8_pixels=True).vision_key is None and hashed == []
+    key = eng.prepare(image, QUESTIONS[0]).vision_key
+    assert key is not None and key[0] == content_key([image]) and hashed == [1]
+
+
 def test_lru_eviction_keeps_the_budget():
     cache = VisionCache(3 * 400)  # three (10, 10) float32 entries
     feats = [torch.full((10, 10), float(i)) for i in range(4)]
