@@ -61,6 +61,10 @@ class Stats(BaseModel):
 
     preprocess_ms: float = Field(0.0, description="Image decode/resize/normalise time.")
     vision_ms: float = Field(0.0, description="Vision encoder + projector time.")
+    vision_cached: bool = Field(
+        False, description="The vision tokens came from the engine's vision cache (another question about the same "
+        "frame and operating point encoded them): the encoder did not run and vision_ms is the lookup's time.",
+    )
     prefill_ms: float = Field(0.0, description="Decoder prefill time (prompt + vision tokens).")
     ttft_ms: float = Field(0.0, description="Time to first token, from the start of the call.")
     tpot_ms: float = Field(0.0, description="Mean time per output token after the first.")

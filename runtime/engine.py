@@ -500,6 +500,7 @@ class Engine:
         cached = cache.get(p.vision_key) if cache is not None else None
         if cached is not None:  # this frame at this operating point was encoded already
             feats, info = cached
+            stats.vision_cached = True
         else:
             if op.exit_threshold is not None:  # question-conditioned exit confidence reads the prompt
                 feats = be.encode_vision(vision, operating_point=op,

@@ -300,7 +300,8 @@ class Controller:
     def observe(self, name: str, stats: Stats) -> None:
         """Feed back what the engine measured for a request run at point ``name``.
 
-        Unknown names are ignored (logged). Stages reported as 0 ms (not run) leave their EWMA as is.
+        Unknown names are ignored (logged). Stages reported as 0 ms (not run) leave their EWMA as is, and
+        so does the vision stage of a vision-cache hit (``stats.vision_cached``).
         Each measurement counts as at most ``MAX_STEP`` times (or 1/``MAX_STEP`` of) its prediction.
         """
         with self._lock:
@@ -312,7 +313,10 @@ class Controller:
             self._refusing_since = None
             n = max(1, stats.new_tokens)
             predicted = self._service_ms(name, n)
-            observed = stats.vision_ms + stats.prefill_ms + max(0, n - 1) * stats.tpot_ms
+            # a vision-cache hit ran no encoder: its ~0 ms says nothing of the encoder's speed, so the
+            # prediction stands in for it (the next frame's first question pays the encoder again)
+            vision_ms = live.vision_ms * self._slowdown if stats.vision_cached else stats.vision_ms
+            observed = vision_ms + stats.prefill_ms + max(0, n - 1) * stats.tpot_ms
             if predicted > 0 and observed > 0:
                 ratio = min(max(observed / predicted, 1 / MAX_STEP), MAX_STEP)
                 self._ratios.append(ratio)
@@ -321,7 +325,7 @@ class Controller:
             # per-point figures, normalised by the device-wide slowdown, move 4x slower than the
             # slowdown itself so that a change seen everywhere lands in the shared factor
             a, s = self.alpha / 4, self._slowdown
-            live.vision_ms = _ewma(live.vision_ms, stats.vision_ms / s, a)
+            live.vision_ms = _ewma(live.vision_ms, 0.0 if stats.vision_cached else stats.vision_ms / s, a)
             live.prefill_ms = _ewma(live.prefill_ms, stats.prefill_ms / s, a)
             live.tpot_ms = _ewma(live.tpot_ms, stats.tpot_ms / s, a)
             live.samples += 1

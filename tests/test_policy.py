@@ -238,3 +238,22 @@ def test_asks_adaptive_vision_is_one_rule_for_operating_and_frontier_points():
     measured = {"accuracy": 0.9, "vision_ms": 3.0, "prefill_ms": 2.0, "tpot_ms": 1.0}
     assert not asks_adaptive_vision(FrontierPoint(name="r384", resolution_px=384, **measured))
     assert asks_adaptive_vision(FrontierPoint(name="r384-k0.25", resolution_px=384, keep_ratio=0.25, **measured))
+
+
+def test_a_vision_cache_hit_teaches_the_controller_nothing_about_the_encoder():
+    # three questions about one frame: the 2nd and 3rd ran no encoder (vision_ms ~0, vision_cached); the
+    # first question about the next frame must still be predicted with the encoder's full time
+    c = Controller(FRONTIER)
+    before = c.predict_ms("r384", 5)  # 60 + 40 + 4 x 5 = 120 ms
+    for _ in range(20):
+        c.observe("r384", Stats(vision_ms=0.05, vision_cached=True, prefill_ms=40.0, tpot_ms=5.0, new_tokens=5))
+    assert c.predict_ms("r384", 5) == pytest.approx(before)
+    # the same hits reported without the flag would have pulled the prediction down
+    wrong = Controller(FRONTIER)
+    for _ in range(20):
+        wrong.observe("r384", stats(0.05, 40.0, 5.0))
+    assert wrong.predict_ms("r384", 5) < 0.8 * before
+    # a slower device still shows through a hit's prefill and decode
+    for _ in range(20):
+        c.observe("r384", Stats(vision_ms=0.05, vision_cached=True, prefill_ms=80.0, tpot_ms=10.0, new_tokens=5))
+    assert c.predict_ms("r384", 5) > 1.5 * before

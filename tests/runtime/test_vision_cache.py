@@ -44,6 +44,9 @@ def test_four_questions_about_one_frame_encode_once_and_answer_as_without_cache(
     assert [a.text for a in on] == [a.text for a in off]
     assert [a.stats.vision_tokens for a in on] == [a.stats.vision_tokens for a in off]
     assert (eng.vision_cache.hits, eng.vision_cache.misses, len(eng.vision_cache)) == (3, 1, 1)
+    # the answers say which ran the encoder (the latency controller learns nothing of the encoder from a hit)
+    assert [a.stats.vision_cached for a in on] == [False, True, True, True]
+    assert not any(a.stats.vision_cached for a in off)
 
 
 def test_another_frame_or_operating_point_or_key_is_encoded_again(cached_engine, image):
