@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import logging
 import os
 import threading
@@ -675,10 +676,15 @@ class Scheduler:
         kwargs = {"max_new_tokens": started.max_new_tokens, "operating_point": started.point, **sampling_kwargs(req)}
         if started.frames is not None:
             kwargs["frame_timestamps_s"] = started.frame_timestamps_s
-        if started.frame is not None and getattr(self._engine, "vision_cache", None) is not None:
-            # a source frame is named by its seq: the vision cache needs no pixel hash
-            seqs = tuple(f.seq for f in started.frames) if started.frames is not None else (started.frame.seq,)
-            kwargs["vision_key"] = ("source", started.frame.source, seqs)
+        if getattr(self._engine, "vision_cache", None) is not None:
+            if started.frame is not None:
+                # a source frame is named by its seq: the vision cache needs no pixel hash
+                seqs = tuple(f.seq for f in started.frames) if started.frames is not None else (started.frame.seq,)
+                kwargs["vision_key"] = ("source", started.frame.source, seqs)
+            elif req.image_bytes is not None:
+                # an inline image by its file's hash: a JPEG is ~60x smaller than its pixels (1080p: ~0.2
+                # vs ~7 ms of hashing on a 2-core x86 CPU)
+                kwargs["vision_key"] = ("inline", hashlib.blake2b(req.image_bytes, digest_size=16).hexdigest())
         if job.on_delta is None:
             return self._engine.ask(started.image, req.prompt, **kwargs)
         stream = self._engine.stream(started.image, req.prompt, **kwargs)

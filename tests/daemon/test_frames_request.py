@@ -251,3 +251,34 @@ def test_the_daemon_loads_its_engine_with_the_configured_vision_cache(tiny_model
     for bad in (-1, "64", True, 2e6):
         with pytest.raises(ConfigError, match="vision_cache_mb"):
             parse_daemon_config({"model": {"vision_cache_mb": bad}})
+
+
+def test_questions_about_one_inline_image_share_its_vision_tokens_keyed_by_the_file(start_daemon, qwen_engine,
+                                                                                    raw_client, encode_image):
+    """An inline image is named by its file's hash (not its pixels'): the second question about the same
+    JPEG reuses the vision tokens (stats.vision_cached) and answers as the engine does without the cache."""
+    import base64
+    import hashlib
+
+    import cv2
+
+    rng = np.random.default_rng(7)
+    image = rng.integers(0, 256, (84, 112, 3), dtype=np.uint8)
+    jpeg = encode_image(image, ".jpg")
+    daemon = start_daemon(engine=qwen_engine, defaults={"max_new_tokens": 6, "timeout_ms": 60000})
+    assert daemon.fronts is None
+    raw = raw_client()
+    qwen_engine.set_vision_cache(16)
+    try:
+        body = {"image_b64": base64.b64encode(jpeg).decode()}
+        first = _roundtrip(raw, {**body, "prompt": PROMPT})
+        second = _roundtrip(raw, {**body, "prompt": "describe the scene."})
+        assert first["ok"] and second["ok"], (first, second)
+        assert (first["stats"]["vision_cached"], second["stats"]["vision_cached"]) == (False, True)
+        assert qwen_engine.vision_cache.keys() == [(("inline", hashlib.blake2b(jpeg, digest_size=16).hexdigest()),
+                                                    *qwen_engine.vision_cache.keys()[0][1:])]
+        pixels = cv2.cvtColor(cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
+        qwen_engine.set_vision_cache(None)
+        assert second["text"] == qwen_engine.ask(pixels, "describe the scene.", max_new_tokens=6).text
+    finally:
+        qwen_engine.set_vision_cache(None)
