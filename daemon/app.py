@@ -108,8 +108,12 @@ def load_engine(config: DaemonConfig, path: Path | None) -> Any:
         logger.info("profile %s: backend options %s", config.profile, options)
     if m.max_batch_size is not None:  # the config overrides the profile (torch only: checked by the schema)
         options["max_batch_size"] = m.max_batch_size
-    return Engine.load(path, device=m.device, dtype=m.dtype, backend=m.backend, backend_options=options,
-                       vision_cache_mb=m.vision_cache_mb or None)
+    engine = Engine.load(path, device=m.device, dtype=m.dtype, backend=m.backend, backend_options=options,
+                         vision_cache_mb=m.vision_cache_mb or None)
+    if engine.vision_cache is not None:
+        logger.info("vision cache: %g MiB (questions about one frame at an operating point without exit_threshold "
+                    "share its vision tokens; not with continuous batching)", m.vision_cache_mb)
+    return engine
 
 
 def engine_loader(config: DaemonConfig) -> Callable[[], Any]:
