@@ -59,6 +59,7 @@ class ModelConfig(StrictModel):
         64.0,
         ge=0,
         le=1048576,
+        allow_inf_nan=False,
         description="Per-frame vision cache in MiB (LRU; 0 = off): several questions about one frame run the "
         "vision encoder once per (frame, operating point). A source frame is named by its sequence number, an "
         "inline image by the hash of its pixels (edgevlm.runtime.Engine.set_vision_cache). Not used by "

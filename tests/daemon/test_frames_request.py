@@ -248,7 +248,7 @@ def test_the_daemon_loads_its_engine_with_the_configured_vision_cache(tiny_model
     assert loaded().vision_cache.budget_bytes == 64 * 2**20  # on by default
     assert loaded(vision_cache_mb=0.5).vision_cache.budget_bytes == 2**19
     assert loaded(vision_cache_mb=0).vision_cache is None
-    for bad in (-1, "64", True, 2e6):
+    for bad in (-1, "64", True, 2e6, float("nan"), float("inf")):
         with pytest.raises(ConfigError, match="vision_cache_mb"):
             parse_daemon_config({"model": {"vision_cache_mb": bad}})
 
