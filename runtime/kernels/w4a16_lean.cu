@@ -1,8 +1,8 @@
 // W4A16 decode GEMM, "lean" variant of the register-ring kernel (w4a16_mma.cu): the same layout
-// (MMA_LAYOUT_VERSION 1) and schedule, fewer instructions per weight word. Built by default (EDGEVLM_W4A16_LEAN=0
-// leaves it out, see w4a16_mma.py): on the H200 it beat the register ring on every 7B / Qwen3-VL shape at
-// M = 1..16 (7B qkv at M = 1: 13.93 -> 11.48 us; a 7B layer's four matmuls back to back 53.7 -> 47.4 us;
-// bench/results/w4a16_kernel_h200_20261202.md) before the zero fold below.
+// (MMA_LAYOUT_VERSION 1), the same arithmetic in the same order (bit-identical outputs), fewer instructions
+// around it. Built by default (EDGEVLM_W4A16_LEAN=0 leaves it out, see w4a16_mma.py): on the H200 it beat the
+// register ring on every 7B / Qwen3-VL shape at M = 1..16 (7B qkv at M = 1: 13.93 -> 11.48 us; a 7B layer's
+// four matmuls back to back 53.7 -> 47.4 us), bit-identical to it (bench/results/w4a16_kernel_h200_20261202.md).
 //
 // Why: on the H200 the register ring spends 218 warp instructions per 1 KB item (one 16-row tile x one
 // 128-channel group; SASS of the M = 1 instance, bench/results/w4a16_kernel_h200_20261202.md), 115 of them
@@ -14,29 +14,17 @@
 //     one more at a tile boundary);
 //   * a lane whose batch column is >= M loads row M - 1 instead of zeros: the mma's output columns are
 //     independent, those columns are never stored, so no predicate and no zeroing;
-//   * the activation fragments of an item are addressed off one per-warp base with one multiply;
-//   * the zero fold (session 8, issue 15): the register ring turns each 32-bit weight word (8 nibbles, one
-//     16x16 A fragment) into q - zero with 3 shifts, 4 lop3 (the magic-number conversion: nibble | 0x4300 is
-//     the bf16 128 + q, | 0x6400 the fp16 1024 + q, both exact) and 4 fma2 that subtract (bias + zero), then
-//     MT mma. Here the 4 fma2 are gone: bias + q goes straight into the mma, and per k16 step and batch tile a
-//     second mma with the constant A fragment -(bias + zero_n) (the row's zero from the meta word, rows g and
-//     g + 8: the same registers the fma2 used) adds -(bias + zero_n) * sum_k x[m, k] into the same fp32
-//     accumulator chain, right after that step's (bias + q) product. 7 + 2 MT instead of 11 + MT instructions
-//     per word (MT = 1: 12 -> 9). This is the asymmetric-quantization identity sum (q - z) x = sum q x -
-//     z sum x (Jacob et al., "Quantization and Training of Neural Networks for Efficient Integer-Arithmetic-Only
-//     Inference", CVPR 2018, eq. 7) with the activation sum computed by the tensor cores in the same loop: no
-//     extra loads, no x-sum prologue (the 12-01 x-sum fold of w4a16_mma.cu / w4a16_bulk.cu computes the sums
-//     per warp first and lost at M > 4). Static count (nvcc 13.0, sm_90, cuobjdump -sass; one item of the
-//     bf16 M = 1 instance MT 1, GT 2, KSPLIT 8, DEPTH 2, the path of an item that does not end a tile): 158 ->
-//     141 warp instructions (32 HADD2 out, 8 HMMA in, ~7 register moves the compiler adds around the extra
-//     fragment); M = 9..16 (MT 2): 185 -> 180.
-//     Numerics: no longer bit-identical to the register ring. The fp32 accumulator now holds
-//     sum (bias + q) x before the correction lands, a cancellation of up to (bias + 15) / |q - zero| (bf16
-//     bias 128, fp16 1024): an fp32 emulation gives ~3e-7 (bf16) / ~7e-6 (fp16) relative on the group sums,
-//     far under the bf16 / fp16 output rounding (~1e-3 / ~1.5e-4). Fixed order: bit-stable across runs.
-//     kZeroFoldF16 = false keeps the fma2 dequantization for the fp16 instances.
+//   * the activation fragments of an item are addressed off one per-warp base with one multiply.
 // Everything else (KSPLIT warps split K, DEPTH-deep register ring across tile boundaries, fixed-order
 // reduction over the warps, PDL) is as in w4a16_mma.cu.
+//
+// Tried and reverted (H200, 12-02 session 8, bench/results/w4a16_kernel_h200_20261202.md): the zero point folded
+// out of the inner loop (bias + q straight into the mma, plus a second mma per k16 step with the constant A
+// fragment -(bias + zero) on the same activations). 158 -> 141 warp instructions per 1 KB item at M = 1, within
+// 1.3e-4 of the register ring, but 2-33 % slower on every 7B / Qwen3-VL shape at M = 1, 8, 16 (7B down M = 1
+// 11.08 -> 14.72 us; a 7B layer's four matmuls 47.8 -> 53.0 us). Where the register count stayed (gate_up (8, 2):
+// 64) it lost 2-4 %: 16 instead of 8 mma per item cost more than the 32 fma2 they replaced; where it grew
+// (down (16, 2): 64 -> 76 registers, one 512-thread CTA per SM instead of two) it lost up to a third.
 //
 // LATE_TRIGGER (opt-in build, -DEDGEVLM_W4A16_LEAN_TRIGGER / EDGEVLM_W4A16_LEAN_TRIGGER=1; NOT measured on a GPU):
 // under PDL the next kernel is released once every CTA has issued its last weight load (the ring's last refill)
@@ -48,10 +36,6 @@
 #include "w4a16_common.cuh"
 
 namespace edgevlm_w4a16 {
-
-// The zero fold in the fp16 instances too (bias 1024 instead of bf16's 128: ~8x the cancellation, see the top).
-// false: the fp16 instances subtract (bias + zero) with fma2 before the mma as before (bf16 folds regardless).
-constexpr bool kZeroFoldF16 = true;
 
 template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH, bool LATE_TRIGGER = false>
 __global__ void __launch_bounds__(KSPLIT * 32)
@@ -73,7 +57,6 @@ w4a16_lean_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ met
     const int total = ntiles * gmax;
     const uint32_t kMask = 0x000F000Fu;
     const uint32_t kBias = M16::kBias2;
-    constexpr bool kZeroFold = BF16 || kZeroFoldF16;
 
     // the next item to load: pointers walked by constant strides (gmax items per tile, the last gmax - gw of
     // them not loaded); at a tile boundary they jump to the next tile's first group of this warp
@@ -140,8 +123,6 @@ w4a16_lean_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ met
                     const uint32_t m1 = mb[s][1];
                     const uint32_t nz0 = (M16::kNegBias + (m0 >> 16)) * 0x10001u;  // -(bias + zero)
                     const uint32_t nz1 = (M16::kNegBias + (m1 >> 16)) * 0x10001u;
-                    // A fragment of -(bias + zero): a[0], a[2] row g, a[1], a[3] row g + 8 (m16n8k16 layout)
-                    const uint32_t az[4] = {nz0, nz1, nz0, nz1};
                     const float s0 = __half2float(__ushort_as_half(static_cast<unsigned short>(m0 & 0xFFFFu)));
                     const float s1 = __half2float(__ushort_as_half(static_cast<unsigned short>(m1 & 0xFFFFu)));
                     float gacc[2][MT][4];  // two independent mma chains (even / odd k-tiles)
@@ -159,21 +140,13 @@ w4a16_lean_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ met
                             uint32_t a[4];
 #pragma unroll
                             for (int r = 0; r < 4; ++r) {
-                                const uint32_t v = and_or(r == 0 ? w : (w >> (4 * r)), kMask, kBias);  // bias + q
-                                if constexpr (kZeroFold)
-                                    a[r] = v;
-                                else
-                                    a[r] = fma2<BF16>(v, M16::kOne2, (r & 1) ? nz1 : nz0);  // q - zero, exact
+                                const uint32_t v = and_or(r == 0 ? w : (w >> (4 * r)), kMask, kBias);
+                                a[r] = fma2<BF16>(v, M16::kOne2, (r & 1) ? nz1 : nz0);  // q - zero, exact
                             }
 #pragma unroll
                             for (int mt = 0; mt < MT; ++mt) {
                                 const uint4& xq = xf[mt][i][j >> 1];
-                                const uint32_t b0 = (j & 1) ? xq.z : xq.x;
-                                const uint32_t b1 = (j & 1) ? xq.w : xq.y;
-                                mma16816<BF16>(gacc[j & 1][mt], a, b0, b1);
-                                // the zero fold: + (-(bias + zero_n)) * sum of this k16 step's x, into the same
-                                // chain right after its (bias + q) product (the partial sum stays small)
-                                if constexpr (kZeroFold) mma16816<BF16>(gacc[j & 1][mt], az, b0, b1);
+                                mma16816<BF16>(gacc[j & 1][mt], a, (j & 1) ? xq.z : xq.x, (j & 1) ? xq.w : xq.y);
                             }
                         }
                     }
@@ -272,7 +245,7 @@ cudaError_t lean_launch_cfg(int ksplit, int depth, const void* qw, const void* m
 }
 
 // Entry point of the torch binding (w4a16_mma_ext.cpp, built with -DEDGEVLM_W4A16_LEAN). Same contract as
-// launch_w4a16_mma with mode 2 (no prefetch; the same function up to fp32 rounding: the zero fold); returns cudaErrorInvalidValue for an unsupported
+// launch_w4a16_mma with mode 2 (no x-sum fold, no prefetch); returns cudaErrorInvalidValue for an unsupported
 // (group_size, ksplit, depth, M, tiles_per_cta) or shape, and for late_trigger in a build without
 // -DEDGEVLM_W4A16_LEAN_TRIGGER. late_trigger: the PDL release after the last ring refill (see LATE_TRIGGER).
 cudaError_t launch_w4a16_lean(bool bf16, const void* qw, const void* meta, const void* x, const float* bias, void* y,

@@ -350,53 +350,44 @@ def test_cuda_bulk_kernel_matches_float64_and_is_bit_stable(m, g, dtype):
             assert torch.equal(outs[0], outs[1]), (cfg, mode)
 
 
-LEAN_CASES = [(128, torch.bfloat16), (64, torch.bfloat16), (128, torch.float16), (64, torch.float16)]
-
-
 @needs_cuda
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
-@pytest.mark.parametrize(("g", "dtype"), LEAN_CASES)
-def test_cuda_lean_kernel_matches_float64_and_the_register_ring(m, g, dtype):
-    """The lean variant (the default build; EDGEVLM_W4A16_LEAN=0 leaves it out) feeds the biased codes (bias + q)
-    to the mma and folds the zero point in through a second mma per k16 step (w4a16_lean.cu): no longer
-    bit-identical to the register ring, which subtracts (bias + zero) before the mma. Every configuration: within
-    3e-3 of float64 and no further from it than the register ring plus 3e-4 (the fold's fp32 cancellation is
-    ~1e-5 relative), within 1e-3 of the register ring, bit-identical across runs and with PDL, every element
+@pytest.mark.parametrize("m", [1, 3, 9, 16])
+@pytest.mark.parametrize(("g", "dtype"), [(128, torch.bfloat16), (64, torch.float16)])
+def test_cuda_lean_kernel_is_bit_identical_to_the_register_ring(m, g, dtype):
+    """The lean variant (the default build; EDGEVLM_W4A16_LEAN=0 leaves it out) computes the register ring's
+    function in the same order: bit-identical to it at the same KSPLIT, within 3e-3 of float64, every element
     written."""
     if mk.mma_status("cuda", "lean") is not None:
         pytest.skip(f"lean variant unavailable: {mk.mma_status('cuda', 'lean')}")
     gen = torch.Generator(device="cuda").manual_seed(m * g + 5)
     n, k = 1024, 2048 + 64 * (g == 64)  # an uneven split of the groups over the warps too
     qw = quantize_int4(torch.randn(n, k, device="cuda", generator=gen) * 0.02, g)
-    assert int(qw.zeros.min()) < int(qw.zeros.max())  # asymmetric, varied zero points
     packed, meta = repack_int4_mma(qw.qweight, qw.scales, qw.zeros, g)
     x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
     bias = torch.randn(n, device="cuda", generator=gen)
     ref = x.double() @ dequantize_int4(qw.qweight, qw.scales, qw.zeros, g, torch.float64).T + bias.double()
     for ks, depth in mk.LEAN_CONFIGS:
         for tpc in (1, 3):
-            twin = mk.w4a16_mma(x, packed, meta, g, bias, config=("reg", ks, 2, tpc), mode=2)
-            outs = []
-            for pdl in (False, True, False):
+            for pdl in (False, True):
                 poison = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
                 del poison
-                outs.append(mk.w4a16_mma(x, packed, meta, g, bias, config=("lean", ks, depth, tpc), pdl=pdl))
-            y = outs[0]
-            assert torch.isfinite(y).all(), (ks, depth, tpc)
-            assert torch.equal(y, outs[1]) and torch.equal(y, outs[2]), (ks, depth, tpc)
-            assert _rel(y, ref) <= 3e-3, (ks, depth, tpc)
-            assert _rel(y, ref) <= _rel(twin, ref) + 3e-4, (ks, depth, tpc, _rel(y, ref), _rel(twin, ref))
-            assert _rel(y, twin) <= 1e-3, (ks, depth, tpc, _rel(y, twin))
+                y = mk.w4a16_mma(x, packed, meta, g, bias, config=("lean", ks, depth, tpc), pdl=pdl)
+                assert torch.isfinite(y).all(), (ks, depth, tpc)
+                assert _rel(y, ref) <= 3e-3, (ks, depth, tpc)
+                twin = mk.w4a16_mma(x, packed, meta, g, bias, config=("reg", ks, 2, tpc), mode=2)
+                assert torch.equal(y, twin), (ks, depth, tpc, pdl)
 
 
 @needs_cuda
 @pytest.mark.parametrize("m", [1, 8, 16])
-@pytest.mark.parametrize(("g", "dtype"), LEAN_CASES)
-def test_cuda_lean_zero_fold_at_extreme_zero_points_and_offset_activations(m, g, dtype):
-    """The zero fold's worst case: zero points at 0 and 15 (and all between), codes at both ends, activations with
-    a large common offset, so sum_k x is large and the fold's fp32 cancellation of sum_k (bias + q) x against
-    (bias + zero) * sum_k x (bias 128 in bf16, 1024 in fp16) is at its deepest. Within 3e-3 of float64 at every
-    (KSPLIT, DEPTH), no further than the register ring plus 3e-4, bit-stable."""
+@pytest.mark.parametrize(("g", "dtype"), [(128, torch.bfloat16), (64, torch.bfloat16), (128, torch.float16),
+                                          (64, torch.float16)])
+def test_cuda_lean_kernel_at_extreme_zero_points_and_offset_activations(m, g, dtype):
+    """Zero points at 0 and 15 (and all between), codes at both ends, activations with a large common offset (the
+    case that stresses any zero-point fold: sum_k x large against sum_k (q - zero) x; a fold through a second mma
+    was measured on the H200 on 12-02 and reverted, bench/results/w4a16_kernel_h200_20261202.md, session 8). The
+    lean kernel: within 3e-3 of float64 at every (KSPLIT, DEPTH), bit-identical to the register ring and across
+    runs."""
     if mk.mma_status("cuda", "lean") is not None:
         pytest.skip(f"lean variant unavailable: {mk.mma_status('cuda', 'lean')}")
     gen = torch.Generator(device="cuda").manual_seed(1000 + m * g)
@@ -409,17 +400,15 @@ def test_cuda_lean_zero_fold_at_extreme_zero_points_and_offset_activations(m, g,
     zeros[1::3, 1::2] = 15
     scales = (torch.rand(n, k // g, device="cuda", generator=gen) * 0.004 + 0.0005).to(torch.float16)
     packed, meta = repack_int4_mma(pack_int4(codes), scales, zeros, g)
-    w64 = dequantize_int4(pack_int4(codes), scales, zeros, g, torch.float64)
     x = (torch.randn(m, k, device="cuda", generator=gen) * 0.5 + 2.0).to(dtype)
     x[m // 2] = -x[m // 2]  # one row with a large negative offset
-    ref = x.double() @ w64.T
+    ref = x.double() @ dequantize_int4(pack_int4(codes), scales, zeros, g, torch.float64).T
     for ks, depth in mk.LEAN_CONFIGS:
         y = mk.w4a16_mma(x, packed, meta, g, config=("lean", ks, depth, 1))
-        twin = mk.w4a16_mma(x, packed, meta, g, config=("reg", ks, 2, 1), mode=2)
         assert torch.isfinite(y).all(), (ks, depth)
-        assert torch.equal(y, mk.w4a16_mma(x, packed, meta, g, config=("lean", ks, depth, 1))), (ks, depth)
         assert _rel(y, ref) <= 3e-3, (ks, depth, _rel(y, ref))
-        assert _rel(y, ref) <= _rel(twin, ref) + 3e-4, (ks, depth, _rel(y, ref), _rel(twin, ref))
+        assert torch.equal(y, mk.w4a16_mma(x, packed, meta, g, config=("lean", ks, depth, 1))), (ks, depth)
+        assert torch.equal(y, mk.w4a16_mma(x, packed, meta, g, config=("reg", ks, 2, 1), mode=2)), (ks, depth)
 
 
 @needs_cuda
