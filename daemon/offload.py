@@ -134,9 +134,11 @@ class Offloader:
         elapsed_ms = (now - job.received_monotonic) * 1000.0
         frame: Frame | None = None
         if req.source is not None:
-            captured = self.sources.get(req.source).frame_for_request(1.0)
+            src = self.sources.get(req.source)
+            captured = src.frame_by_seq(req.frame_seq) if req.frame_seq is not None else src.frame_for_request(1.0)
             image_b64 = base64.b64encode(_jpeg(captured.image)).decode("ascii")
-            frame = Frame(source=captured.source, ts=captured.ts, pos_ms=captured.pos_ms, index=captured.index)
+            frame = Frame(source=captured.source, ts=captured.ts, pos_ms=captured.pos_ms, index=captured.index,
+                          seq=captured.seq)
         else:
             image_b64 = req.image_b64
         fields: dict[str, Any] = {"prompt": req.prompt, "image_b64": image_b64}

@@ -773,7 +773,7 @@ class Scheduler:
             if started.frame is not None:
                 f = started.frame
                 several = started.frames is not None
-                wire_frame = Frame(source=f.source, ts=f.ts, pos_ms=f.pos_ms, index=f.index,
+                wire_frame = Frame(source=f.source, ts=f.ts, pos_ms=f.pos_ms, index=f.index, seq=f.seq,
                                    frames=len(started.frames) if several else None,
                                    first_ts=started.frames[0].ts if several else None)
             stages = getattr(answer.stats, "stages_ms", None)
@@ -1022,7 +1022,7 @@ class Scheduler:
             if req.frames_s is not None and limit is not None and 2 <= limit < len(frames):
                 window, frames = len(frames), evenly_spaced(frames, limit)
             return [f.image for f in frames], frames[-1], frames, window
-        frame = src.frame_for_request(wait_s)
+        frame = src.frame_by_seq(req.frame_seq) if req.frame_seq is not None else src.frame_for_request(wait_s)
         return frame.image, frame, None, None
 
     def _fail(self, job: Job, err: EdgeVLMError) -> None:

@@ -45,7 +45,7 @@ import numpy as np
 
 from edgevlm.config import SourceConfig
 from edgevlm.daemon.capture import CaptureBackend, GstSubprocessCapture, capture_path, make_backend
-from edgevlm.errors import InternalError, UnknownSourceError
+from edgevlm.errors import InternalError, InvalidRequestError, UnknownSourceError
 from edgevlm.protocol import MAX_REQUEST_FRAMES
 
 logger = logging.getLogger(__name__)
@@ -263,6 +263,29 @@ class FrameSource:
             f"camera {self.state}" + (f": {self.last_error}" if self.last_error else ""),
             details=details,
         )
+
+    def frame_by_seq(self, seq: int) -> CapturedFrame:
+        """The frame numbered ``seq`` while the ring (:data:`RECENT_FRAMES`) still holds it: a
+        ``frame_seq`` request (another question about the frame of an earlier answer).
+
+        Raises:
+            InvalidRequestError: the source holds no such frame (details ``reason: frame_gone`` with
+                ``oldest_seq`` / ``newest_seq``, None before the first frame).
+        """
+        with self._cond:
+            frame = next((f for f in self._recent if f.seq == seq), None)
+            if frame is None and self._latest is not None and self._latest.seq == seq:
+                frame = self._latest
+            oldest = self._recent[0].seq if self._recent else None
+            newest = self._latest.seq if self._latest is not None else None
+        if frame is None:
+            raise InvalidRequestError(
+                f"frame_seq {seq}: source {self.name!r} no longer holds that frame (it keeps its last "
+                f"{RECENT_FRAMES}: {oldest}..{newest})" if newest is not None and seq <= newest else
+                f"frame_seq {seq}: source {self.name!r} has not delivered that frame (newest: {newest})",
+                details={"reason": "frame_gone", "source": self.name, "frame_seq": seq,
+                         "oldest_seq": oldest, "newest_seq": newest})  # fmt: skip
+        return frame
 
     def recent_frames(self, wait_s: float, *, count: int | None = None,
                       window_s: float | None = None) -> list[CapturedFrame]:

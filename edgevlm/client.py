@@ -382,6 +382,7 @@ class Client:
         top_p: float | None = None,
         stop: list[str] | None = None,
         seed: int | None = None,
+        frame_seq: int | None = None,
     ) -> Answer:
         """Ask a question about the newest frame of ``source`` or about ``image``.
 
@@ -402,10 +403,12 @@ class Client:
             top_p: nucleus sampling mass in (0, 1], with ``temperature`` > 0.
             stop: up to 4 non-empty strings; the answer ends before the first of them.
             seed: sampling seed, an integer in ``[0, 2**63 - 1]``, with ``temperature`` > 0.
+            frame_seq: ask about this frame of ``source`` (an earlier answer's ``frame_seq``) while the
+                daemon still holds it (the source's last 32 frames): several questions about one frame.
 
         Returns:
-            The :class:`~edgevlm.types.Answer`, with ``frame_ts``/``source``/``frame_pos_ms`` of the
-            frame used for a source request.
+            The :class:`~edgevlm.types.Answer`, with ``frame_ts``/``source``/``frame_pos_ms``/``frame_seq``
+            of the frame used for a source request.
 
         Raises:
             InvalidRequestError, InvalidImageError, UnknownSourceError, BusyError,
@@ -434,6 +437,8 @@ class Client:
             body["frames"] = frames
         if frames_s is not None:
             body["frames_s"] = frames_s
+        if frame_seq is not None:
+            body["frame_seq"] = frame_seq
         if model is not None:
             body["model"] = model
         sampling = {"temperature": temperature, "top_p": top_p, "stop": stop, "seed": seed}

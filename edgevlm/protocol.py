@@ -279,6 +279,13 @@ class Request(BaseModel):
         "sampled to that many, evenly spaced, the oldest and the newest kept; the response's "
         "stats.window_frames then says how many the window held (frame.frames: how many were sent).",
     )
+    frame_seq: StrictInt | None = Field(
+        None, ge=1,
+        description="Ask about this frame of ``source`` (the ``frame.seq`` of an earlier answer) instead of the "
+        "newest, while the source still holds it (its last 32 frames); an older or future one is refused "
+        "INVALID_REQUEST (details: reason frame_gone, oldest_seq, newest_seq). Several questions about one frame "
+        "then share its vision tokens (the daemon's vision cache).",
+    )
     reply_to: StrictStr | None = Field(
         None,
         min_length=1,
@@ -301,6 +308,10 @@ class Request(BaseModel):
             raise ValueError("frames: give at most one of 'frames' and 'frames_s'")
         if (self.frames is not None or self.frames_s is not None) and self.source is None:
             raise ValueError("frames: 'frames' / 'frames_s' ask about recent frames of a 'source'")
+        if self.frame_seq is not None and self.source is None:
+            raise ValueError("frame_seq: asks about a frame of a 'source'")
+        if self.frame_seq is not None and (self.frames is not None or self.frames_s is not None):
+            raise ValueError("frame_seq: give at most one of 'frame_seq', 'frames' and 'frames_s'")
         if self.image_b64 is not None:
             try:
                 self._image_bytes = base64.b64decode(self.image_b64, validate=True)
@@ -332,6 +343,8 @@ class Frame(BaseModel):
     ts: float = Field(description="Capture timestamp, UNIX seconds.")
     pos_ms: float | None = Field(None, description="Media position in a video file (ms), else None.")
     index: int | None = Field(None, description="Frame index within the video file's current loop.")
+    seq: int | None = Field(None, description="The source's frame number (1 for its first frame, increasing): "
+                            "a later request's ``frame_seq`` asks about this frame again.")
     frames: int | None = Field(None, description="How many frames the answer is about, for a ``frames`` / "
                                "``frames_s`` request (ts / pos_ms / index are the newest one's); None = one frame.")
     first_ts: float | None = Field(None, description="Capture timestamp of the oldest of several frames, "
@@ -388,6 +401,7 @@ class Response(BaseModel):
             frame_ts=self.frame.ts if self.frame else None,
             source=self.frame.source if self.frame else None,
             frame_pos_ms=self.frame.pos_ms if self.frame else None,
+            frame_seq=self.frame.seq if self.frame else None,
         )
 
 

@@ -108,3 +108,6 @@ class Answer(BaseModel):
     frame_pos_ms: float | None = Field(
         None, description="Media position (ms) of the frame used when the source is a video file."
     )
+    frame_seq: int | None = Field(
+        None, description="The source's number of the frame used (``Client.ask(frame_seq=...)`` asks about it again)."
+    )

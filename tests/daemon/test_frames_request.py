@@ -282,3 +282,72 @@ def test_questions_about_one_inline_image_share_its_vision_tokens_keyed_by_the_f
         assert second["text"] == qwen_engine.ask(pixels, "describe the scene.", max_new_tokens=6).text
     finally:
         qwen_engine.set_vision_cache(None)
+
+
+def test_frame_seq_asks_again_about_the_frame_of_an_earlier_answer(start_daemon, qwen_engine, make_video,
+                                                                    raw_client, wait_until):
+    """A camera moves on between questions: frame_seq (an earlier answer's frame.seq) pins the frame, so
+    several questions about one camera frame share its vision tokens; a frame the source no longer
+    holds, or has not delivered, is refused INVALID_REQUEST (reason frame_gone) and the daemon goes on."""
+    path = make_video(n_frames=6, fps=10.0, size=(112, 84))
+    daemon = start_daemon(engine=qwen_engine, sources=[{"name": "cam", "uri": str(path)}],
+                          defaults={"max_new_tokens": 6, "timeout_ms": 60000})
+    wait_until(lambda: daemon.sources.get("cam").latest() is not None, 20, "a frame")
+    raw = raw_client()
+    qwen_engine.set_vision_cache(16)
+    try:
+        first = _roundtrip(raw, {"prompt": PROMPT, "source": "cam"})
+        seq = first["frame"]["seq"]
+        assert isinstance(seq, int) and seq >= 1
+        wait_until(lambda: daemon.sources.get("cam").latest().seq > seq, 10, "the camera to move on")
+        second = _roundtrip(raw, {"prompt": "describe the scene.", "source": "cam", "frame_seq": seq})
+        assert second["ok"], second
+        assert (second["frame"]["seq"], second["frame"]["ts"], second["frame"]["index"]) == (
+            seq, first["frame"]["ts"], first["frame"]["index"])
+        assert (first["stats"]["vision_cached"], second["stats"]["vision_cached"]) == (False, True)
+        frame = _decoded(path)[first["frame"]["index"]]
+        qwen_engine.set_vision_cache(None)
+        assert second["text"] == qwen_engine.ask(frame, "describe the scene.", max_new_tokens=6).text
+    finally:
+        qwen_engine.set_vision_cache(None)
+    # the ring keeps the last 32 frames: an old one is gone, a future one not there yet
+    wait_until(lambda: daemon.sources.get("cam").latest().seq > seq + 40, 20, "40 more frames")
+    gone = _roundtrip(raw, {"prompt": PROMPT, "source": "cam", "frame_seq": seq})
+    assert gone["ok"] is False and gone["error"]["code"] == "INVALID_REQUEST"
+    details = gone["error"]["details"]
+    assert details["reason"] == "frame_gone" and details["frame_seq"] == seq and details["oldest_seq"] > seq
+    assert "no longer holds" in gone["error"]["message"]
+    future = _roundtrip(raw, {"prompt": PROMPT, "source": "cam", "frame_seq": 10**9})
+    assert future["error"]["code"] == "INVALID_REQUEST" and "has not delivered" in future["error"]["message"]
+    assert _roundtrip(raw, {"prompt": PROMPT, "source": "cam"})["ok"]  # and the daemon goes on
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"image_b64": "aGVsbG8=", "frame_seq": 3}, "frame_seq: asks about a frame of a 'source'"),
+    ({"source": "cam", "frame_seq": 3, "frames": 2}, "at most one of 'frame_seq'"),
+    ({"source": "cam", "frame_seq": 3, "frames_s": 1.0}, "at most one of 'frame_seq'"),
+    ({"source": "cam", "frame_seq": 0}, "frame_seq"),
+    ({"source": "cam", "frame_seq": "3"}, "frame_seq"),
+    ({"source": "cam", "frame_seq": True}, "frame_seq"),
+])
+def test_bad_frame_seq_is_invalid_request(body, message) -> None:
+    from edgevlm.errors import InvalidRequestError
+    from edgevlm.protocol import parse_request
+
+    with pytest.raises(InvalidRequestError, match=message):
+        parse_request(json.dumps({"schema_version": 1, "prompt": "what?", **body}).encode())
+
+
+def test_the_sdk_asks_again_about_an_answers_frame(start_daemon, mosquitto, make_video, wait_until) -> None:
+    from edgevlm import Client
+
+    path = make_video(n_frames=6, fps=10.0, size=(64, 48))
+    daemon = start_daemon(sources=[{"name": "cam", "uri": str(path)}], defaults={"max_new_tokens": 4})
+    wait_until(lambda: daemon.sources.get("cam").latest() is not None, 20, "a frame")
+    with Client(mosquitto.host, mosquitto.port, "dev1") as client:
+        first = client.ask("what colour?", source="cam", timeout_s=30)
+        assert first.frame_seq is not None and first.source == "cam"
+        wait_until(lambda: daemon.sources.get("cam").latest().seq > first.frame_seq, 10, "the camera to move on")
+        again = client.ask("how many?", source="cam", frame_seq=first.frame_seq, timeout_s=30)
+        assert (again.frame_seq, again.frame_ts, again.frame_pos_ms) == (first.frame_seq, first.frame_ts,
+                                                                         first.frame_pos_ms)
