@@ -46,6 +46,7 @@ import time
 import traceback
 from functools import partial
 from pathlib import Path
+from types import ModuleType
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = {  # name: (N out, K in)
@@ -69,30 +70,27 @@ MODELS = {
     "llava-1.5-7b": {"layers": 32, "prefix": "7b", "lm_head": (32064, 4096), "trt_edge_llm_tok_s": None},
 }
 ORIN_GBPS = 204.8
-_marlin = None
+_bench_modules: dict[str, ModuleType] = {}
+
+
+def _bench_module(name: str) -> ModuleType:
+    """``bench/<name>.py`` as a module, loaded once."""
+    if name not in _bench_modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _bench_modules[name] = module
+    return _bench_modules[name]
 
 
 def marlin():
     """bench/w4a16_marlin.py as a module (graph_us, copies_for, rel, bootstrap_imports)."""
-    global _marlin
-    if _marlin is None:
-        spec = importlib.util.spec_from_file_location("w4a16_marlin", REPO / "bench" / "w4a16_marlin.py")
-        _marlin = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(_marlin)
-    return _marlin
-
-
-_breakdown = None
+    return _bench_module("w4a16_marlin")
 
 
 def breakdown():
     """bench/decode_step_breakdown.py as a module (``variant``: the decode step before / after session 8)."""
-    global _breakdown
-    if _breakdown is None:
-        spec = importlib.util.spec_from_file_location("decode_step_breakdown", REPO / "bench" / "decode_step_breakdown.py")
-        _breakdown = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(_breakdown)
-    return _breakdown
+    return _bench_module("decode_step_breakdown")
 
 
 def import_quantize():
