@@ -144,7 +144,7 @@ def main():
     # table's non-lean fallback (register ring / bulk)
     print("layers: shape M cfg | new us (GB/s) | old us (GB/s) | new/old | reg-table us", flush=True)
     for model in ("7b", "qwen8b"):
-        for (n, k), part in zip(SHAPES[model], PARTS):
+        for (n, k), part in zip(SHAPES[model], PARTS, strict=False):
             cps, nbytes = make(n, k, mar.copies_for(n * k // 2, l2))
             for m in (1, 8, 16):
                 x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
@@ -212,7 +212,7 @@ def main():
     # ---- does the fold move the best lean configuration? 7B shapes, every lean (KSPLIT, DEPTH) x tpc 1/2
     if not args.skip_sweep:
         print("sweep (new lean): shape M: best cfg us | table cfg us", flush=True)
-        for (n, k), part in zip(SHAPES["7b"], PARTS):
+        for (n, k), part in zip(SHAPES["7b"], PARTS, strict=False):
             cps, nbytes = make(n, k, mar.copies_for(n * k // 2, l2))
             for m in (1, 8, 16):
                 x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
