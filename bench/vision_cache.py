@@ -1,12 +1,14 @@
 """The per-frame vision cache (issue 13 §4): 4 questions about one frame, cache on vs off.
 
     .venv/bin/python bench/vision_cache.py [--model DIR] [--frames 8] [--questions 4]
-        [--max-new-tokens 8] [--rung PX] [--threads 1] [--device cpu]
+        [--max-new-tokens 8] [--rung PX] [--exit-threshold T] [--threads 1] [--device cpu]
 
 For each of ``--frames`` demo scenes (the shipped demo model's held-out set), asks ``--questions``
 distinct questions about that one frame, first with the vision cache off, then on
 (``Engine.set_vision_cache``; the first question of a frame encodes it, the others reuse its vision
-tokens). Reports the mean time for all questions of one frame (sum of e2e), the mean vision_ms per
+tokens; with ``--exit-threshold T``, an early-exit point gated at T, what the latency controller
+picks for the demo model: the cache keeps the frame's encoder walk and the later questions read
+their exit heads off it). Reports the mean time for all questions of one frame (sum of e2e), the mean vision_ms per
 question, the speed-up, and whether every answer is identical between the two (greedy: it must be).
 Prints a table and ends with one JSON line.
 """
@@ -28,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--questions", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--rung", type=int, default=None, help="resolution rung (px); default: the largest")
+    ap.add_argument("--exit-threshold", type=float, default=None,
+                    help="an early-exit point gated at this confidence (e.g. 0.95, the demo controller's choice)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args(argv)
@@ -41,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     engine = Engine.load(args.model, device=args.device)
     rung = args.rung or max(engine.resolution_ladder)
-    op = OperatingPoint(name=f"r{rung}", resolution_px=rung)
+    op = OperatingPoint(name=f"r{rung}" + (f"-x{args.exit_threshold:g}" if args.exit_threshold is not None else ""),
+                        resolution_px=rung, exit_threshold=args.exit_threshold)
     items = []
     for it in scenes.eval_set(args.frames * 3):  # frames with enough distinct questions
         qs = [qa.question for qa in scenes.all_questions(it.scene)][:args.questions]
@@ -67,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     identical = results["on"]["texts"] == results["off"]["texts"]
     speedup = results["off"]["frame_ms"] / results["on"]["frame_ms"]
     print(f"model {engine.model_dir}  device={args.device}  threads={args.threads}  rung={rung}px  "
-          f"frames={len(items)} x {args.questions} questions  ({elapsed:.0f} s)  {platform.processor() or ''}")
+          f"point={op.name}  frames={len(items)} x {args.questions} questions  ({elapsed:.0f} s)  {platform.processor() or ''}")
     print(f"| cache | encoder runs | ms per frame ({args.questions} questions) | vision ms / question |")
     print("| --- | --- | --- | --- |")
     for mode in ("off", "on"):
@@ -75,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {mode} | {r['encodes']} | {r['frame_ms']:.1f} | {r['vision_ms']:.2f} |")
     print(f"speed-up {speedup:.2f}x; answers identical: {identical}")
     print(json.dumps({"bench": "vision_cache", "model": str(engine.model_dir), "device": args.device,
-                      "threads": args.threads, "rung_px": rung, "frames": len(items), "questions": args.questions,
+                      "threads": args.threads, "rung_px": rung, "operating_point": op.name, "frames": len(items), "questions": args.questions,
                       "max_new_tokens": args.max_new_tokens,
                       "off_ms_per_frame": round(results["off"]["frame_ms"], 2),
                       "on_ms_per_frame": round(results["on"]["frame_ms"], 2),

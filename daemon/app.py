@@ -111,8 +111,8 @@ def load_engine(config: DaemonConfig, path: Path | None) -> Any:
     engine = Engine.load(path, device=m.device, dtype=m.dtype, backend=m.backend, backend_options=options,
                          vision_cache_mb=m.vision_cache_mb or None)
     if engine.vision_cache is not None:
-        logger.info("vision cache: %g MiB (questions about one frame at an operating point without exit_threshold "
-                    "share its vision tokens; not with continuous batching)", m.vision_cache_mb)
+        logger.info("vision cache: %g MiB (questions about one frame share its vision tokens, or with an "
+                    "exit_threshold its encoder walk; not with continuous batching)", m.vision_cache_mb)
     return engine
 
 

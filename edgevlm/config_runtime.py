@@ -62,9 +62,9 @@ class ModelConfig(StrictModel):
         allow_inf_nan=False,
         description="Per-frame vision cache in MiB (LRU; 0 = off): several questions about one frame run the "
         "vision encoder once per (frame, operating point). A source frame is named by its sequence number, an "
-        "inline image by the hash of its pixels (edgevlm.runtime.Engine.set_vision_cache). Not used by "
-        "continuous batching (which encodes each group's images in one batch), exit_threshold points or "
-        "Qwen3-VL. 64 MiB holds ~13 LLaVA-1.5 frames (576 x 4096 bf16).",
+        "inline image by the hash of its file; an exit_threshold point keeps the frame's encoder walk instead "
+        "(edgevlm.runtime.Engine.set_vision_cache). Not used by continuous batching (which encodes each group's "
+        "images in one batch), pruned exit points or Qwen3-VL. 64 MiB holds ~13 LLaVA-1.5 frames (576 x 4096 bf16).",
     )
 
     @field_validator("device")

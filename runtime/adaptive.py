@@ -31,6 +31,7 @@ from typing import Protocol
 import torch
 
 from edgevlm.runtime.vision import VisionInfo, exit_plan
+from edgevlm.runtime.vision_cache import VisionTrunk
 
 
 class ViTRun(Protocol):
@@ -65,7 +66,8 @@ class ViTRun(Protocol):
 
 
 def encode_adaptive(run: ViTRun, heads, *, exit_layer: int | None = None, exit_threshold: float | None = None,
-                    keep_ratio: float | None = None, query: torch.Tensor | None = None
+                    keep_ratio: float | None = None, query: torch.Tensor | None = None,
+                    seen: dict[int, torch.Tensor] | None = None
                     ) -> tuple[torch.Tensor, list[torch.Tensor], VisionInfo]:
     """Walk ``run`` with early exit and token pruning (see the module doc).
 
@@ -75,6 +77,10 @@ def encode_adaptive(run: ViTRun, heads, *, exit_layer: int | None = None, exit_t
         exit_layer, exit_threshold: the operating point's exit knobs (:func:`exit_plan`).
         keep_ratio: fraction of the connector's output tokens kept per group (None: all).
         query: ``(1, Q)`` question embedding for question-conditioned confidence heads.
+        seen: block -> its output for the blocks ``run`` has run already (a
+            :class:`~edgevlm.runtime.vision_cache.VisionTrunk`'s: a run resumed on a later question
+            about the same frame): those are read, not run again; the exit blocks and the last block
+            run here are added to it. None: ``run`` starts at block 0 and nothing is kept.
     Returns:
         ``((N', D_text) vision tokens, side features pruned alike, VisionInfo)``.
     Raises:
@@ -88,9 +94,18 @@ def encode_adaptive(run: ViTRun, heads, *, exit_layer: int | None = None, exit_t
     info = VisionInfo(exit_layers=[None], exit_confidences=[None])
     exited = None
     hidden = None
-    while run.blocks_run < run.n_blocks:
-        hidden = run.step()
-        i = run.blocks_run
+    done = run.blocks_run  # > 0 only for a resumed run (then ``seen`` holds its exit blocks)
+    i = 0
+    while i < run.n_blocks:
+        i += 1
+        if i <= done:  # run on an earlier question about this frame
+            if i not in plan and i != run.n_blocks:
+                continue
+            hidden = seen[i]
+        else:
+            hidden = run.step()
+            if seen is not None and (i in plan or i == run.n_blocks):
+                seen[i] = hidden
         if i not in plan:
             continue
         threshold = plan[i]
@@ -102,7 +117,7 @@ def encode_adaptive(run: ViTRun, heads, *, exit_layer: int | None = None, exit_t
                 continue
         exited = i
         break
-    info.blocks_run = run.blocks_run
+    info.blocks_run = i
     if exited is not None:
         info.exit_layers[0] = exited
         tokens, side = run.finish(hidden, exited, lambda h: heads.adapt(exited, h))
@@ -118,15 +133,21 @@ def encode_adaptive(run: ViTRun, heads, *, exit_layer: int | None = None, exit_t
     return tokens, side, info
 
 
-def encode_model_adaptive(model, vision, operating_point=None, prompt_ids: torch.Tensor | None = None
-                          ) -> tuple[torch.Tensor, list[torch.Tensor], VisionInfo]:
+def encode_model_adaptive(model, vision, operating_point=None, prompt_ids: torch.Tensor | None = None,
+                          trunk: VisionTrunk | None = None) -> tuple[torch.Tensor, list[torch.Tensor], VisionInfo]:
     """:func:`encode_adaptive` over ``model.exit_run(vision)`` with ``model.exit_heads`` and the
     operating point's knobs (None: the full tower, every token); ``prompt_ids`` ``(1, T)`` int64
-    feed question-conditioned confidence heads. Returns what :func:`encode_adaptive` returns."""
+    feed question-conditioned confidence heads; ``trunk``: the frame's kept walk (its run resumed,
+    its exit blocks read; see :mod:`edgevlm.runtime.vision_cache`). Returns what
+    :func:`encode_adaptive` returns."""
     op = operating_point
-    return encode_adaptive(model.exit_run(vision), model.exit_heads, exit_layer=getattr(op, "exit_layer", None),
-                           exit_threshold=getattr(op, "exit_threshold", None),
-                           keep_ratio=getattr(op, "keep_ratio", None), query=question_embedding(model, prompt_ids))
+    run = trunk.run if trunk is not None and trunk.run is not None else model.exit_run(vision)
+    out = encode_adaptive(run, model.exit_heads, exit_layer=getattr(op, "exit_layer", None),
+                          exit_threshold=getattr(op, "exit_threshold", None), keep_ratio=getattr(op, "keep_ratio", None),
+                          query=question_embedding(model, prompt_ids), seen=trunk.seen if trunk is not None else None)
+    if trunk is not None:
+        trunk.run, trunk.blocks_run = run, run.blocks_run
+    return out
 
 
 def question_embedding(model, prompt_ids: torch.Tensor | None) -> torch.Tensor | None:

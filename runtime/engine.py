@@ -29,7 +29,7 @@ from edgevlm.runtime.models.base import VisionInput
 from edgevlm.runtime.preprocess import CLIP_MEAN, CLIP_STD, preprocess
 from edgevlm.runtime.sampling import SamplingParams, TextAssembler, make_generator, select_token
 from edgevlm.runtime.tokenizer import IncrementalDecoder, VLMTokenizer
-from edgevlm.runtime.vision_cache import VisionCache, content_key
+from edgevlm.runtime.vision_cache import VisionCache, VisionTrunk, content_key
 from edgevlm.types import Answer, OperatingPoint, Stats, asks_adaptive_vision
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ class PreparedRequest:
     vision: VisionInput | None = None
     preprocess_ms: float = 0.0
     vision_key: Hashable | None = None  # the vision cache's key (None: not cached)
+    vision_trunk: bool = False  # the key holds a VisionTrunk (an exit_threshold point), not vision tokens
 
 
 PROMPT_IDS_CACHE_SIZE = 1024
@@ -138,9 +139,12 @@ class Engine:
         """Cache vision features per (frame, operating point) within ``budget_mb`` MiB (LRU), so that
         several questions about one frame run the vision encoder once; None or 0 turns it off. A
         frame is identified by the ``vision_key`` given to :meth:`ask` (e.g. a source's
-        ``(name, seq)``) or else by the content hash of its pixels. Requests whose vision depends on
-        the question (``exit_threshold``) and families whose encoder leaves state for the prefill
-        (``family.vision_state_free`` False: Qwen3-VL) are not cached.
+        ``(name, seq)``) or else by the content hash of its pixels. Points whose vision depends on
+        the question (``exit_threshold``) keep the frame's encoder walk instead (a
+        :class:`~edgevlm.runtime.vision_cache.VisionTrunk`: one image, no pruning, the torch
+        backend): the next question's exit heads read the kept blocks and only blocks past them
+        run. Families whose encoder leaves state for the prefill (``family.vision_state_free``
+        False: Qwen3-VL) are not cached.
 
         Raises:
             InvalidRequestError: ``budget_mb`` is not a number >= 0.
@@ -298,14 +302,19 @@ class Engine:
                 f"prompt is {len(ids)} tokens ({len(ids) - n_vision} text + {n_vision} vision at {tw}x{th} px); "
                 f"the KV cache holds {self.max_seq_len} positions"
             )
-        key = None
+        key, trunk = None, False
+        # an exit_threshold point's tokens depend on the question, its encoder blocks do not: the frame's
+        # walk is kept instead (VisionTrunk: one image, no pruning, a backend that takes one)
+        trunk = op.exit_threshold is not None and op.keep_ratio in (None, 1.0) \
+            and len(vision.tokens_per_item) == 1 and getattr(self.backend, "vision_trunks", False)
         if self.vision_cache is not None and not uint8_pixels and self.family.vision_state_free \
-                and op.exit_threshold is None:
+                and (op.exit_threshold is None or trunk):
             frame_id = vision_key if vision_key is not None else content_key(
                 images + (video or []), tuple(video_ts) if video_ts is not None else None)
-            key = (frame_id, tuple(vision.kinds), op.resolution_px, op.exit_layer, op.keep_ratio)
+            key = (frame_id, tuple(vision.kinds), op.resolution_px,
+                   *(("trunk",) if trunk else (op.exit_layer, op.keep_ratio)))
         return PreparedRequest(op, params, op.resolution_px or self.image_size_px, n_vision, ids, vision,
-                               preprocess_ms, key)
+                               preprocess_ms, key, key is not None and trunk)
 
     def _prompt_ids(self, prompt: str, vision: VisionInput) -> list[int]:
         """``tokenizer.encode_request``'s ids, remembered for a family whose expansion is a function of
@@ -498,7 +507,15 @@ class Engine:
         t1 = time.perf_counter()
         cache = self.vision_cache if p.vision_key is not None else None
         cached = cache.get(p.vision_key) if cache is not None else None
-        if cached is not None:  # this frame at this operating point was encoded already
+        if p.vision_trunk:  # an early exit over the frame's kept encoder walk (read, then extended)
+            trunk = cached[0] if cached is not None else VisionTrunk()
+            before = trunk.blocks_run
+            feats = be.encode_vision(vision, operating_point=op, prompt_ids=torch.tensor([ids], dtype=torch.long),
+                                     trunk=trunk)
+            info = getattr(be, "last_vision_info", None)
+            stats.vision_cached = cached is not None and trunk.blocks_run == before  # no encoder block ran
+            cache.put(p.vision_key, trunk)  # re-counted: it may hold more blocks now
+        elif cached is not None:  # this frame at this operating point was encoded already
             feats, info = cached
             stats.vision_cached = True
         else:

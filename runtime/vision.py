@@ -25,6 +25,7 @@ from torch import nn
 if TYPE_CHECKING:
     from edgevlm.runtime.models.blocks.vit_config import ViTGeometry
     from edgevlm.runtime.models.llava.config import LlavaConfig, VisionConfig
+    from edgevlm.runtime.vision_cache import VisionTrunk
 
 logger = logging.getLogger(__name__)
 
@@ -307,6 +308,7 @@ def encode_adaptive(
     keep_ratio: float | None = None,
     prune_score: str = "cls_attention",
     exit_query: torch.Tensor | None = None,
+    trunk: VisionTrunk | None = None,
 ) -> tuple[torch.Tensor, VisionInfo]:
     """Pixels -> vision tokens with early exit and token pruning (see :mod:`edgevlm.runtime.exits`
     and :mod:`edgevlm.runtime.pruning`).
@@ -322,10 +324,14 @@ def encode_adaptive(
         exit_heads: an :class:`~edgevlm.runtime.exits.ExitHeads` or None.
         exit_query: ``(B, Q)`` question embedding for question-conditioned confidence heads
             (:func:`edgevlm.runtime.exits.query_embedding`); None = unknown question.
+        trunk: this frame's :class:`~edgevlm.runtime.vision_cache.VisionTrunk` (one image, no
+            pruning): the blocks it holds are read, not run again, and the blocks run here are added
+            to it. The result equals the walk without it.
     Returns:
         ``(B, N', D_text)`` vision tokens and a :class:`VisionInfo`.
     Raises:
-        ValueError: a bad exit request (:func:`exit_plan`), ``keep_ratio`` or ``prune_score``.
+        ValueError: a bad exit request (:func:`exit_plan`), ``keep_ratio`` or ``prune_score``, or a
+            ``trunk`` with several images or with pruning.
     """
     from edgevlm.runtime.pruning import SCORES, feature_norm_scores, select_tokens
 
@@ -342,39 +348,60 @@ def encode_adaptive(
     if want_attn and not enc.has_cls_token:
         raise ValueError("prune_score 'cls_attention' needs a tower with a CLS token; use 'feature_norm'")
 
-    x = enc.stem(pixel_values)  # (B, 1 + N, D)
+    b = pixel_values.shape[0]
+    if trunk is not None and (b != 1 or prune):
+        raise ValueError("a vision trunk serves one image without pruning")
     p = cfg.vision.patch_size
     grid_hw = (pixel_values.shape[-2] // p, pixel_values.shape[-1] // p)
-    b = x.shape[0]
+    done = 0  # blocks already run on this frame (a trunk's): read, not run
+    if trunk is not None and trunk.x is not None:
+        x, done, states = trunk.x, trunk.blocks_run, dict(trunk.states)
+    else:
+        x = enc.stem(pixel_values)  # (B, 1 + N, D)
+        states = {0: x} if 0 in feature_idx else {}
+        if trunk is not None:
+            trunk.x, trunk.states = x, dict(states)
     info = VisionInfo(exit_layers=[None] * b, exit_confidences=[None] * b)
     out: list[torch.Tensor | None] = [None] * b  # per sample: (1 + N, F) features
     scores: list[torch.Tensor | None] = [None] * b  # per sample: (1 + N,) CLS attention
     active = list(range(b))  # batch rows still in x, as original sample indices
-    states = {0: x} if 0 in feature_idx else {}
     attn = None
     for i, block in enumerate(enc.layers, start=1):
-        if want_attn and (i in plan or i == n_blocks):
-            x, attn = block.forward_with_cls_attention(x)  # attn (B_active, 1 + N)
+        if i <= done:  # run on an earlier question about this frame: its exit blocks were kept
+            info.blocks_run = i
+            if i not in plan:
+                continue
+            xi = trunk.seen[i]
         else:
-            x = block(x)
-        info.blocks_run = i
-        if i in feature_idx:
-            states[i] = x
-        if i not in plan:
-            continue
+            if want_attn and (i in plan or i == n_blocks):
+                x, attn = block.forward_with_cls_attention(x)  # attn (B_active, 1 + N)
+            else:
+                x = block(x)
+            xi = x
+            info.blocks_run = i
+            if i in feature_idx:
+                states[i] = x
+            if trunk is not None:
+                trunk.x, trunk.blocks_run = x, i
+                if i in feature_idx:
+                    trunk.states[i] = x
+                if i in plan:
+                    trunk.seen[i] = x
+            if i not in plan:
+                continue
         threshold = plan[i]
         if threshold is None:  # forced exit: no confidence head is consulted (none reported)
-            leave = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+            leave = torch.ones(xi.shape[0], dtype=torch.bool, device=xi.device)
         else:
             query = exit_query[active] if exit_query is not None else None  # (B_active, Q)
-            conf = exit_heads.confidence_at(i, x, grid_hw, query)  # (B_active,)
+            conf = exit_heads.confidence_at(i, xi, grid_hw, query)  # (B_active,)
             leave = conf >= threshold
             for row, sample in enumerate(active):
                 info.exit_confidences[sample] = float(conf[row])
         if not bool(leave.any()):
             continue
         rows = leave.nonzero()[:, 0]
-        adapted = exit_heads.adapt(i, x[rows])  # (b_exit, 1 + N, F)
+        adapted = exit_heads.adapt(i, xi[rows])  # (b_exit, 1 + N, F)
         for j, row in enumerate(rows.tolist()):
             sample = active[row]
             out[sample], info.exit_layers[sample] = adapted[j], i

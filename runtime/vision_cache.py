@@ -7,6 +7,14 @@ a caller-supplied key (a source's ``(name, seq)``) or the content hash of the im
 (:func:`content_key`: BLAKE2b-128 over each array's shape, dtype and bytes). Entries are evicted in
 least-recently-used order to stay within ``budget_bytes`` (features counted at
 ``numel * element_size``); an entry larger than the whole budget is not stored.
+
+Early exit gated by a question-conditioned confidence (``exit_threshold``) makes the vision tokens
+depend on the question, but not the encoder's blocks: block ``k``'s output is a function of the
+frame alone. For those points the cache keeps a :class:`VisionTrunk` per (frame, resolution) — the
+outputs of the exit blocks walked so far and the encoder positioned at its deepest block — and the
+next question's walk reads its exit heads off the stored outputs, running only the blocks past the
+deepest one it needs (:func:`edgevlm.runtime.vision.encode_adaptive`,
+:func:`edgevlm.runtime.adaptive.encode_adaptive`). Its answer equals the uncached walk's.
 """
 
 from __future__ import annotations
@@ -64,9 +72,10 @@ class VisionCache:
             self.hits += 1
             return entry[0], entry[1]
 
-    def put(self, key: Hashable, features: torch.Tensor, info: Any = None) -> None:
-        """Store ``features`` for ``key``, evicting least recently used entries past the budget."""
-        size = features.numel() * features.element_size()
+    def put(self, key: Hashable, features: Any, info: Any = None) -> None:
+        """Store ``features`` (a tensor, or a :class:`VisionTrunk`) for ``key``, evicting least
+        recently used entries past the budget."""
+        size = features.nbytes() if isinstance(features, VisionTrunk) else features.numel() * features.element_size()
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
@@ -84,3 +93,32 @@ class VisionCache:
         with self._lock:
             self._entries.clear()
             self.bytes_used = 0
+
+
+class VisionTrunk:
+    """The encoder walk of one frame at one resolution, kept for the next question's early exit
+    (see the module doc). A family's adaptive encode fills it; nothing here runs a model.
+
+    Attributes:
+        blocks_run: encoder blocks run on this frame so far (0: none, not even the stem).
+        seen: block -> its output ``(1, T, D)`` for the exit blocks (and the last block) walked.
+        x: the deepest block's output ``(1, T, D)`` (LLaVA's tower: where the next block starts).
+        states: LLaVA's feature-layer outputs (``vision_feature_indices``) computed so far.
+        run: a ``ViTRun`` positioned at ``blocks_run`` (the native-resolution families).
+    """
+
+    def __init__(self) -> None:
+        self.blocks_run = 0
+        self.seen: dict[int, torch.Tensor] = {}
+        self.x: torch.Tensor | None = None
+        self.states: dict[int, torch.Tensor] = {}
+        self.run: Any = None
+
+    def nbytes(self) -> int:
+        """Bytes held in tensors (each counted once; a ``ViTRun``'s own state as one more block)."""
+        tensors = {id(t): t for t in [*self.seen.values(), *self.states.values(), self.x] if t is not None}
+        held = sum(t.numel() * t.element_size() for t in tensors.values())
+        if self.run is not None and self.seen:
+            last = self.seen[max(self.seen)]
+            held += last.numel() * last.element_size()
+        return held

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -159,15 +160,22 @@ class TorchBackend(Backend):
         self.last_vision_info = None
         return self.model.encode_image(pixel_values.to(self.device))  # (1, N, D_text)
 
+    vision_trunks = True
+    """:meth:`encode_vision` takes a ``trunk`` (:class:`~edgevlm.runtime.vision_cache.VisionTrunk`)."""
+
     @torch.inference_mode()
     def encode_vision(self, vision: VisionInput, *, operating_point: OperatingPoint | None = None,
-                      prompt_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      prompt_ids: torch.Tensor | None = None, trunk: Any = None) -> torch.Tensor:
         """The family model's ``encode_vision``: ``(N_total, D_text)`` vision tokens (with its
         ``encode_vision_adaptive``, early exit / token pruning, when ``operating_point`` asks for
-        them; ``prompt_ids`` ``(1, T)`` for question-conditioned exit confidence heads)."""
+        them; ``prompt_ids`` ``(1, T)`` for question-conditioned exit confidence heads; ``trunk``:
+        the frame's kept encoder walk for an early exit, see :mod:`edgevlm.runtime.vision_cache`)."""
         op = operating_point
         if op is not None and (op.exit_layer, op.exit_threshold, op.keep_ratio) != (None, None, None):
-            feats, self.last_vision_info = self.model.encode_vision_adaptive(vision, op, prompt_ids)
+            if trunk is not None:
+                feats, self.last_vision_info = self.model.encode_vision_adaptive(vision, op, prompt_ids, trunk)
+            else:
+                feats, self.last_vision_info = self.model.encode_vision_adaptive(vision, op, prompt_ids)
             return feats  # (N', D_text)
         self.last_vision_info = None
         return self.model.encode_vision(vision)  # (N_total, D_text)

@@ -173,12 +173,14 @@ class VLMModel(Protocol):
         ...
 
     def encode_vision_adaptive(self, vision: VisionInput, operating_point: Any = None,
-                               prompt_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+                               prompt_ids: torch.Tensor | None = None, trunk: Any = None) -> tuple[torch.Tensor, Any]:
         """Families with ``adaptive_vision``: :meth:`encode_vision` with the operating point's
         early exit (``exit_layer`` / ``exit_threshold``, the attached exit heads) and token pruning
         (``keep_ratio``): ``((N', D_text) vision tokens, VisionInfo)`` (``N'`` =
         :func:`~edgevlm.runtime.pruning.pruned_tokens_per_item`'s sum); ``prompt_ids`` ``(1, T)``
-        for question-conditioned confidence heads. Raises ValueError for an exit the heads cannot
+        for question-conditioned confidence heads; ``trunk``: the frame's kept encoder walk
+        (:class:`~edgevlm.runtime.vision_cache.VisionTrunk`, one image, no pruning), read and
+        extended, with the same result. Raises ValueError for an exit the heads cannot
         serve (see :func:`edgevlm.runtime.vision.exit_plan`)."""
         ...
 

@@ -79,3 +79,34 @@ def test_demo_model_16bit_png_gives_the_8bit_answer(start_daemon, mosquitto, dem
         a8 = client.ask(question, image=encode_image(frame, ".png"), timeout_s=120).text
     assert a16 == a8
     assert _norm(a16) == _norm(truth)
+
+
+def test_questions_about_one_frame_share_its_encoder_walk_at_the_controllers_exit_point(
+        start_daemon, mosquitto, demo_engine, encode_image) -> None:
+    """The daemon's default for the demo model: the latency controller picks an exit_threshold point,
+    and the vision cache keeps the frame's encoder walk for it: the later questions about one JPEG run
+    no encoder block (stats.vision_cached) and answer as the engine does without the cache."""
+    items = _frames_and_questions(1)
+    frame = items[0][0]
+    questions = [q for f, q, _ in items if f is frame][:4]
+    jpeg = encode_image(frame, ".jpg")
+    start_daemon(engine=demo_engine, defaults={"max_new_tokens": 16, "timeout_ms": 120000})
+    demo_engine.set_vision_cache(16)
+    try:
+        with Client(mosquitto.host, mosquitto.port, "dev1") as client:
+            answers = [client.ask(q, image=jpeg, timeout_s=120) for q in questions]
+    finally:
+        demo_engine.set_vision_cache(None)
+    import cv2
+
+    pixels = cv2.cvtColor(cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
+    points = {a.stats.operating_point for a in answers}
+    assert all("-x" in name for name in points), points  # exit_threshold points (the demo frontier's)
+    assert [a.stats.vision_cached for a in answers] == [False, True, True, True][:len(answers)]
+    from edgevlm.profile import load_frontier
+    from edgevlm.runtime import demo
+
+    frontier = {p.name: p.operating_point() for p in load_frontier(demo.model_dir() / "frontier.json").points}
+    for a, q in zip(answers, questions, strict=True):
+        op = frontier[a.stats.operating_point].model_copy(update={"max_new_tokens": None})  # the cap is lifted
+        assert a.text == demo_engine.ask(pixels, q, max_new_tokens=16, operating_point=op).text

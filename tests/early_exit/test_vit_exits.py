@@ -512,3 +512,68 @@ def test_certified_threshold_where_the_late_blocks_do_nothing(tmp_path):
     full = engine.ask(image, QUESTION, max_new_tokens=6)
     gated = engine.ask(image, QUESTION, max_new_tokens=6, operating_point=OperatingPoint(name="g", exit_threshold=0.0))
     assert gated.stats.exit_layer == 2 and gated.text == full.text
+
+
+def test_a_kept_encoder_walk_serves_the_next_questions_early_exit_exactly(checkpoint, engine):
+    """A VisionTrunk (the vision cache's entry for an exit_threshold point): a question that exits at
+    the first exit block, then one that walks to the end resuming from it, then the first again —
+    each equal to its walk without the trunk, and no block run twice."""
+    from edgevlm.runtime.adaptive import encode_model_adaptive
+    from edgevlm.runtime.vision_cache import VisionTrunk
+
+    model = engine.backend.model
+    n = engine.config.exit_geometry.vision_blocks
+    blocks = [b for b in (1, 2) if b < n]  # a tiny tower may have 2 blocks
+    _heads(engine, blocks, seed=4, query=True)
+    image = _image(70, 100, 5)
+    early = OperatingPoint(name="early", exit_threshold=0.0)  # exits at block 1
+    never = OperatingPoint(name="never", exit_threshold=1.0)  # a sigmoid confidence never reaches 1: full depth
+    p = engine.prepare(image, QUESTION, operating_point=early)
+    prompt = torch.tensor([p.ids])
+    steps = []
+    real_run = model.exit_run
+
+    def counting_run(vision):
+        run = real_run(vision)
+        real_step = run.step
+        run.step = lambda: (steps.append(run.blocks_run + 1), real_step())[1]
+        return run
+
+    trunk = VisionTrunk()
+    with torch.no_grad():
+        want_early = encode_model_adaptive(model, p.vision, early, prompt)
+        want_never = encode_model_adaptive(model, p.vision, never, prompt)
+        model.exit_run = counting_run
+        try:
+            got = [encode_model_adaptive(model, p.vision, op, prompt, trunk) for op in (early, never, early)]
+        finally:
+            model.exit_run = real_run
+    assert steps == list(range(1, n + 1)), steps  # every block once, in order, over the three questions
+    assert trunk.blocks_run == n and sorted(trunk.seen) == sorted({*blocks, n})
+    for (tokens, side, info), (want_t, want_s, want_i) in zip(got, [want_early, want_never, want_early], strict=True):
+        assert torch.equal(tokens, want_t) and all(torch.equal(a, b) for a, b in zip(side, want_s, strict=True))
+        assert (info.exit_layers, info.exit_confidences, info.blocks_run) == (
+            want_i.exit_layers, want_i.exit_confidences, want_i.blocks_run)
+    assert got[0][2].exit_layers == [1] and got[1][2].exit_layers == [None]
+
+
+def test_the_engines_vision_cache_serves_exit_threshold_points(checkpoint, engine):
+    family, _ = checkpoint
+    if not engine.family.vision_state_free:
+        pytest.skip(f"{family}: its encoder leaves state for the prefill (DeepStack): not cached")
+    _heads(engine, [b for b in (1, 2) if b < engine.config.exit_geometry.vision_blocks], seed=6, query=True)
+    image = _image(70, 100, 7)
+    op = OperatingPoint(name="gated", exit_threshold=0.5)
+    questions = [QUESTION, "what colour is the largest shape?", "is there a circle?"]
+    engine.set_vision_cache(None)
+    off = [engine.ask(image, q, max_new_tokens=3, operating_point=op) for q in questions]
+    engine.set_vision_cache(16)
+    try:
+        on = [engine.ask(image.copy(), q, max_new_tokens=3, operating_point=op) for q in questions]
+        assert [a.text for a in on] == [a.text for a in off]
+        assert [a.stats.exit_layer for a in on] == [a.stats.exit_layer for a in off]
+        assert [a.stats.exit_confidence for a in on] == [a.stats.exit_confidence for a in off]
+        assert on[0].stats.vision_cached is False and len(engine.vision_cache) == 1
+        assert engine.vision_cache.keys()[0][-1] == "trunk"
+    finally:
+        engine.set_vision_cache(None)

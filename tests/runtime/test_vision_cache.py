@@ -101,3 +101,75 @@ def test_bad_budget_is_invalid_request(engine, bad):
     with pytest.raises(InvalidRequestError, match="vision cache budget"):
         engine.set_vision_cache(bad)
     assert engine.vision_cache is None
+
+
+@pytest.fixture(scope="module")
+def demo_engine():
+    """The shipped demo model (LLaVA-style tower with calibrated, question-conditioned exit heads)."""
+    from edgevlm.runtime import Engine, demo
+
+    if not (demo.model_dir() / "model.safetensors").is_file():
+        pytest.skip(f"the demo model is not in {demo.model_dir()}")
+    return Engine.load(None, device="cpu")
+
+
+def test_a_kept_encoder_walk_serves_llavas_next_early_exit_exactly(demo_engine, image):
+    """LLaVA's tower (runtime.vision.encode_adaptive) with a VisionTrunk: exit at the first exit block,
+    then walk to the end resuming there, then exit early again — each equal to the walk without the
+    trunk, and every block run once in all."""
+    from edgevlm.runtime.vision_cache import VisionTrunk
+
+    eng = demo_engine
+    be = eng.backend
+    layers = be.model.vision_tower.encoder.layers
+    n = eng.config.exit_geometry.vision_blocks
+    early = OperatingPoint(name="early", resolution_px=384, exit_threshold=0.0)
+    never = OperatingPoint(name="never", resolution_px=384, exit_threshold=1.0)
+    p = eng.prepare(image, QUESTIONS[0], operating_point=early)
+    prompt = torch.tensor([p.ids])
+    want = {op.name: (be.encode_vision(p.vision, operating_point=op, prompt_ids=prompt), be.last_vision_info)
+            for op in (early, never)}
+    runs: list[int] = []
+    hooks = [layer.register_forward_hook(lambda m, i, o, k=k: runs.append(k)) for k, layer in enumerate(layers, 1)]
+    trunk = VisionTrunk()
+    try:
+        for op in (early, never, early):
+            feats = be.encode_vision(p.vision, operating_point=op, prompt_ids=prompt, trunk=trunk)
+            info = be.last_vision_info
+            assert torch.equal(feats, want[op.name][0])
+            assert (info.exit_layers, info.exit_confidences) == (want[op.name][1].exit_layers,
+                                                                 want[op.name][1].exit_confidences)
+    finally:
+        for h in hooks:
+            h.remove()
+    first_exit = want["early"][1].exit_layers[0]
+    assert first_exit is not None and want["never"][1].exit_layers == [None]
+    assert runs == list(range(1, n + 1)) and trunk.blocks_run == n  # each block once, over three questions
+    with pytest.raises(ValueError, match="one image without pruning"):
+        pruned = OperatingPoint(name="k", resolution_px=384, exit_threshold=0.5, keep_ratio=0.5)
+        be.encode_vision(p.vision, operating_point=pruned, prompt_ids=prompt, trunk=VisionTrunk())
+
+
+def test_the_demo_controllers_exit_point_answers_from_the_cache_as_without_it(demo_engine, image):
+    """The point the latency controller picks for the demo model by default (r384-x0.95-t16, an
+    exit_threshold point): with the cache on, the 2nd-4th questions about one frame run no encoder
+    block (stats.vision_cached) and answer as without the cache."""
+    eng = demo_engine
+    op = OperatingPoint(name="r384-x0.95-t16", resolution_px=384, exit_threshold=0.95, max_new_tokens=16)
+    eng.set_vision_cache(None)
+    off = [eng.ask(image, q, max_new_tokens=8, operating_point=op) for q in QUESTIONS]
+    eng.set_vision_cache(16)
+    try:
+        on = [eng.ask(image.copy(), q, max_new_tokens=8, operating_point=op) for q in QUESTIONS]
+        assert [a.text for a in on] == [a.text for a in off]
+        assert [(a.stats.exit_layer, a.stats.exit_confidence) for a in on] == [
+            (a.stats.exit_layer, a.stats.exit_confidence) for a in off]
+        n = eng.config.exit_geometry.vision_blocks
+        depth = [a.stats.exit_layer or n for a in on]
+        # a question runs encoder blocks only past the deepest block an earlier one reached
+        assert [a.stats.vision_cached for a in on] == [False] + [
+            depth[i] <= max(depth[:i]) for i in range(1, len(on))]
+        assert any(a.stats.vision_cached for a in on)  # the demo's questions exit where the first did
+        assert eng.vision_cache.keys()[0][-1] == "trunk"
+    finally:
+        eng.set_vision_cache(None)

@@ -92,10 +92,10 @@ class Gemma3Model(ImageTokenVLM):
         return Gemma3ExitRun(self.vision_tower, self.multi_modal_projector, self.cfg,
                              vision.pixel_values.to(w.device, w.dtype))
 
-    def encode_vision_adaptive(self, vision: VisionInput, operating_point=None, prompt_ids=None):
+    def encode_vision_adaptive(self, vision: VisionInput, operating_point=None, prompt_ids=None, trunk=None):
         """:meth:`encode_vision` with early exit and token pruning (:func:`edgevlm.runtime.adaptive.encode_model_adaptive`):
         ``((N', D_text) vision tokens, VisionInfo)``; each image keeps its own share of tokens."""
-        tokens, _, info = adaptive.encode_model_adaptive(self, vision, operating_point, prompt_ids)
+        tokens, _, info = adaptive.encode_model_adaptive(self, vision, operating_point, prompt_ids, trunk)
         self._vision_state = IMAGE_BLOCKS
         return tokens, info
 

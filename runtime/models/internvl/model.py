@@ -56,10 +56,10 @@ class InternVLModel(ImageTokenVLM):
         return InternVLExitRun(self.vision_tower, self.multi_modal_projector, self.cfg,
                                vision.pixel_values.to(w.device, w.dtype))
 
-    def encode_vision_adaptive(self, vision: VisionInput, operating_point=None, prompt_ids=None):
+    def encode_vision_adaptive(self, vision: VisionInput, operating_point=None, prompt_ids=None, trunk=None):
         """:meth:`encode_vision` with early exit and token pruning (:func:`edgevlm.runtime.adaptive.encode_adaptive`):
         ``((N', D_text) vision tokens, VisionInfo)``; each tile keeps its own share of tokens."""
-        tokens, _, info = adaptive.encode_model_adaptive(self, vision, operating_point, prompt_ids)
+        tokens, _, info = adaptive.encode_model_adaptive(self, vision, operating_point, prompt_ids, trunk)
         return tokens, info
 
     def encode_tiles(self, pixel_values: torch.Tensor) -> torch.Tensor:

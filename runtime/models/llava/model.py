@@ -21,6 +21,7 @@ from edgevlm.runtime.models.base import VisionInput
 from edgevlm.runtime.models.blocks.siglip import SiglipVisionConfig, SiglipVisionEmbeddings
 from edgevlm.runtime.models.llava.config import LlavaConfig
 from edgevlm.runtime.vision import VisionBlock, VisionInfo, VisionTower, encode_adaptive
+from edgevlm.runtime.vision_cache import VisionTrunk
 from edgevlm.types import OperatingPoint
 
 logger = logging.getLogger(__name__)
@@ -97,13 +98,14 @@ class LlavaModel(DecoderVLM):
 
     def encode_image_adaptive(
         self, pixel_values: torch.Tensor, operating_point: OperatingPoint | None = None,
-        prompt_ids: torch.Tensor | None = None,
+        prompt_ids: torch.Tensor | None = None, trunk: VisionTrunk | None = None,
     ) -> tuple[torch.Tensor, VisionInfo]:
         """Like :meth:`encode_image` with the operating point's early exit (``exit_layer``,
         ``exit_threshold``) and token pruning (``keep_ratio``); see
         :func:`edgevlm.runtime.vision.encode_adaptive`. Returns ``(B, N', D_text)`` vision tokens
         and what was done. ``prompt_ids`` ``(B, T)``: the prompts, read by question-conditioned
-        exit confidence heads. Raises ValueError for an exit the heads cannot serve."""
+        exit confidence heads; ``trunk``: the frame's kept encoder walk (one image, no pruning; see
+        :mod:`edgevlm.runtime.vision_cache`). Raises ValueError for an exit the heads cannot serve."""
         op = operating_point
         query = None
         if prompt_ids is not None and self.exit_heads is not None and self.exit_heads.needs_query:
@@ -120,6 +122,7 @@ class LlavaModel(DecoderVLM):
             keep_ratio=op.keep_ratio if op is not None else None,
             prune_score=self.prune_score,
             exit_query=query,
+            trunk=trunk,
         )
         has_cls = int(self.cfg.cls_feature)
         self._rope_positions = None
@@ -129,10 +132,11 @@ class LlavaModel(DecoderVLM):
         return feats, info
 
     def encode_vision_adaptive(self, vision: VisionInput, operating_point: OperatingPoint | None = None,
-                               prompt_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, VisionInfo]:
+                               prompt_ids: torch.Tensor | None = None, trunk: VisionTrunk | None = None
+                               ) -> tuple[torch.Tensor, VisionInfo]:
         """The family interface's adaptive encode: :meth:`encode_image_adaptive` of ``vision``'s
         pixels, flattened to ``(N_img * N', D_text)``."""
-        feats, info = self.encode_image_adaptive(vision.pixel_values, operating_point, prompt_ids)
+        feats, info = self.encode_image_adaptive(vision.pixel_values, operating_point, prompt_ids, trunk)
         return feats.flatten(0, 1), info
 
     def classify_image(self, pixel_values: torch.Tensor, block: int | None = None) -> torch.Tensor:

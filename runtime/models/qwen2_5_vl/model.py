@@ -45,10 +45,10 @@ class Qwen25VLModel(DecoderVLM):
             raise ValueError("Qwen2.5-VL vision input needs grid_thw")
         return Qwen25ExitRun(self.visual, vision.pixel_values.to(w.device, w.dtype), vision.grid_thw.cpu())
 
-    def encode_vision_adaptive(self, vision, operating_point=None, prompt_ids=None):
+    def encode_vision_adaptive(self, vision, operating_point=None, prompt_ids=None, trunk=None):
         """:meth:`encode_vision` with early exit and token pruning (:func:`edgevlm.runtime.adaptive.encode_adaptive`):
         ``((N', D_text) vision tokens, VisionInfo)``."""
-        tokens, _, info = adaptive.encode_model_adaptive(self, vision, operating_point, prompt_ids)
+        tokens, _, info = adaptive.encode_model_adaptive(self, vision, operating_point, prompt_ids, trunk)
         return tokens, info
 
     def encode_vision(self, vision) -> torch.Tensor:

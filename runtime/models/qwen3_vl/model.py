@@ -58,11 +58,11 @@ class Qwen3VLModel(DecoderVLM):
         return Qwen3ExitRun(self.visual, vision.pixel_values.to(self.device, self.dtype),
                             vision.grid_thw.to(self.device))
 
-    def encode_vision_adaptive(self, vision, operating_point=None, prompt_ids=None):
+    def encode_vision_adaptive(self, vision, operating_point=None, prompt_ids=None, trunk=None):
         """:meth:`encode_vision` with early exit and token pruning (:func:`edgevlm.runtime.adaptive.encode_adaptive`):
         ``((N', D_text) vision tokens, VisionInfo)``; the DeepStack features (those past an exit
         from the adapter's output, pruned like the tokens) are kept for the next :meth:`prefill`."""
-        tokens, self._deepstack, info = adaptive.encode_model_adaptive(self, vision, operating_point, prompt_ids)
+        tokens, self._deepstack, info = adaptive.encode_model_adaptive(self, vision, operating_point, prompt_ids, trunk)
         return tokens, info
 
     # ---- vision ---------------------------------------------------------------------------------

@@ -57,10 +57,10 @@ class SmolVLMModel(ImageTokenVLM):
             patch_mask = patch_attention_mask(pixel_mask.to(w.device), self.cfg.vision.patch_size)
         return SmolVLMExitRun(self.vision_model, self.connector, vision.pixel_values.to(w.device, w.dtype), patch_mask)
 
-    def encode_vision_adaptive(self, vision: VisionInput, operating_point=None, prompt_ids=None):
+    def encode_vision_adaptive(self, vision: VisionInput, operating_point=None, prompt_ids=None, trunk=None):
         """:meth:`encode_vision` with early exit and token pruning (:func:`edgevlm.runtime.adaptive.encode_adaptive`):
         ``((N', D_text) vision tokens, VisionInfo)``; each tile keeps its own share of tokens."""
-        tokens, _, info = adaptive.encode_model_adaptive(self, vision, operating_point, prompt_ids)
+        tokens, _, info = adaptive.encode_model_adaptive(self, vision, operating_point, prompt_ids, trunk)
         return tokens, info
 
     def encode_tiles(self, pixel_values: torch.Tensor, pixel_mask: torch.Tensor | None = None) -> torch.Tensor:
