@@ -67,7 +67,8 @@ class ViTRun(Protocol):
 
 def encode_adaptive(run: ViTRun, heads, *, exit_layer: int | None = None, exit_threshold: float | None = None,
                     keep_ratio: float | None = None, query: torch.Tensor | None = None,
-                    seen: dict[int, torch.Tensor] | None = None
+                    seen: dict[int, torch.Tensor] | None = None,
+                    finished: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] | None = None
                     ) -> tuple[torch.Tensor, list[torch.Tensor], VisionInfo]:
     """Walk ``run`` with early exit and token pruning (see the module doc).
 
@@ -81,6 +82,9 @@ def encode_adaptive(run: ViTRun, heads, *, exit_layer: int | None = None, exit_t
             :class:`~edgevlm.runtime.vision_cache.VisionTrunk`'s: a run resumed on a later question
             about the same frame): those are read, not run again; the exit blocks and the last block
             run here are added to it. None: ``run`` starts at block 0 and nothing is kept.
+        finished: exit block (the last block for the full depth) -> the connector's ``(tokens,
+            side features)`` made there for an earlier question about the frame (the trunk's):
+            returned as they are, and what is made here is added.
     Returns:
         ``((N', D_text) vision tokens, side features pruned alike, VisionInfo)``.
     Raises:
@@ -118,11 +122,17 @@ def encode_adaptive(run: ViTRun, heads, *, exit_layer: int | None = None, exit_t
         exited = i
         break
     info.blocks_run = i
+    end = exited if exited is not None else run.n_blocks
     if exited is not None:
         info.exit_layers[0] = exited
+    if finished is not None and end in finished:  # this exit's tokens, made for an earlier question
+        tokens, side = finished[end]
+    elif exited is not None:
         tokens, side = run.finish(hidden, exited, lambda h: heads.adapt(exited, h))
     else:
         tokens, side = run.finish(hidden)
+    if finished is not None:
+        finished[end] = (tokens, side)
     info.tokens_total = tokens.shape[0]
     if keep_ratio is not None and keep_ratio < 1.0:
         index = select_in_groups(tokens, run.token_groups, keep_ratio)  # (N',) ascending
@@ -144,7 +154,8 @@ def encode_model_adaptive(model, vision, operating_point=None, prompt_ids: torch
     run = trunk.run if trunk is not None and trunk.run is not None else model.exit_run(vision)
     out = encode_adaptive(run, model.exit_heads, exit_layer=getattr(op, "exit_layer", None),
                           exit_threshold=getattr(op, "exit_threshold", None), keep_ratio=getattr(op, "keep_ratio", None),
-                          query=question_embedding(model, prompt_ids), seen=trunk.seen if trunk is not None else None)
+                          query=question_embedding(model, prompt_ids), seen=trunk.seen if trunk is not None else None,
+                          finished=trunk.tokens if trunk is not None else None)
     if trunk is not None:
         trunk.run, trunk.blocks_run = run, run.blocks_run
     return out

@@ -325,8 +325,9 @@ def encode_adaptive(
         exit_query: ``(B, Q)`` question embedding for question-conditioned confidence heads
             (:func:`edgevlm.runtime.exits.query_embedding`); None = unknown question.
         trunk: this frame's :class:`~edgevlm.runtime.vision_cache.VisionTrunk` (one image, no
-            pruning): the blocks it holds are read, not run again, and the blocks run here are added
-            to it. The result equals the walk without it.
+            pruning): the blocks it holds are read, not run again, an exit's tokens made for an
+            earlier question are returned as they are, and what is made here is added to it. The
+            result equals the walk without it.
     Returns:
         ``(B, N', D_text)`` vision tokens and a :class:`VisionInfo`.
     Raises:
@@ -401,6 +402,10 @@ def encode_adaptive(
         if not bool(leave.any()):
             continue
         rows = leave.nonzero()[:, 0]
+        if trunk is not None and i in trunk.tokens:  # an earlier question about this frame left here too
+            info.exit_layers[0] = i
+            tokens, info.tokens_total, info.tokens_kept = trunk.tokens[i]
+            return tokens, info
         adapted = exit_heads.adapt(i, xi[rows])  # (b_exit, 1 + N, F)
         for j, row in enumerate(rows.tolist()):
             sample = active[row]
@@ -413,6 +418,9 @@ def encode_adaptive(
         x = x[stay]
         states = {k: v[stay] for k, v in states.items()}
         attn = attn[stay] if attn is not None else None
+    if active and trunk is not None and n_blocks in trunk.tokens:  # the full depth, made for an earlier question
+        tokens, info.tokens_total, info.tokens_kept = trunk.tokens[n_blocks]
+        return tokens, info
     if active:
         full = torch.cat([states[k] for k in feature_idx], dim=-1) if len(feature_idx) > 1 else states[feature_idx[0]]
         for row, sample in enumerate(active):
@@ -432,4 +440,7 @@ def encode_adaptive(
         info.kept_index = index.tolist()
         feats = torch.cat([feats[:, :1], patches], dim=1) if has_cls else patches
     info.tokens_kept = feats.shape[1]
-    return tower.projector(feats), info  # (B, N', D_text)
+    tokens = tower.projector(feats)  # (B, N', D_text)
+    if trunk is not None:  # the tokens of this exit (or of the full depth) are the frame's: kept for the next question
+        trunk.tokens[info.exit_layers[0] or n_blocks] = (tokens, info.tokens_total, info.tokens_kept)
+    return tokens, info

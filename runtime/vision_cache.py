@@ -105,6 +105,9 @@ class VisionTrunk:
         x: the deepest block's output ``(1, T, D)`` (LLaVA's tower: where the next block starts).
         states: LLaVA's feature-layer outputs (``vision_feature_indices``) computed so far.
         run: a ``ViTRun`` positioned at ``blocks_run`` (the native-resolution families).
+        tokens: exit block (the last block for the full depth) -> the vision tokens made there
+            (LLaVA: ``(tokens, tokens_total, tokens_kept)``; the ViTRun families: ``(tokens, side
+            features)``): an exit's tokens depend on the frame and the block, not the question.
     """
 
     def __init__(self) -> None:
@@ -113,10 +116,13 @@ class VisionTrunk:
         self.x: torch.Tensor | None = None
         self.states: dict[int, torch.Tensor] = {}
         self.run: Any = None
+        self.tokens: dict[int, tuple] = {}
 
     def nbytes(self) -> int:
         """Bytes held in tensors (each counted once; a ``ViTRun``'s own state as one more block)."""
-        tensors = {id(t): t for t in [*self.seen.values(), *self.states.values(), self.x] if t is not None}
+        made = [t for entry in self.tokens.values() for item in entry
+                for t in (item if isinstance(item, list) else [item]) if isinstance(t, torch.Tensor)]
+        tensors = {id(t): t for t in [*self.seen.values(), *self.states.values(), self.x, *made] if t is not None}
         held = sum(t.numel() * t.element_size() for t in tensors.values())
         if self.run is not None and self.seen:
             last = self.seen[max(self.seen)]
