@@ -550,6 +550,7 @@ def test_a_kept_encoder_walk_serves_the_next_questions_early_exit_exactly(checkp
             model.exit_run = real_run
     assert steps == list(range(1, n + 1)), steps  # every block once, in order, over the three questions
     assert trunk.blocks_run == n and sorted(trunk.seen) == sorted({*blocks, n})
+    assert set(trunk.tokens) == {1, n}  # the tokens made at each exit (and the full depth), kept
     for (tokens, side, info), (want_t, want_s, want_i) in zip(got, [want_early, want_never, want_early], strict=True):
         assert torch.equal(tokens, want_t) and all(torch.equal(a, b) for a, b in zip(side, want_s, strict=True))
         assert (info.exit_layers, info.exit_confidences, info.blocks_run) == (

@@ -145,6 +145,7 @@ def test_a_kept_encoder_walk_serves_llavas_next_early_exit_exactly(demo_engine, 
     first_exit = want["early"][1].exit_layers[0]
     assert first_exit is not None and want["never"][1].exit_layers == [None]
     assert runs == list(range(1, n + 1)) and trunk.blocks_run == n  # each block once, over three questions
+    assert set(trunk.tokens) == {first_exit, n}  # the tokens of each exit made, for the next question
     with pytest.raises(ValueError, match="one image without pruning"):
         pruned = OperatingPoint(name="k", resolution_px=384, exit_threshold=0.5, keep_ratio=0.5)
         be.encode_vision(p.vision, operating_point=pruned, prompt_ids=prompt, trunk=VisionTrunk())
