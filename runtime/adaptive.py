@@ -99,6 +99,7 @@ def encode_adaptive(run: ViTRun, heads, *, exit_layer: int | None = None, exit_t
     exited = None
     hidden = None
     done = run.blocks_run  # > 0 only for a resumed run (then ``seen`` holds its exit blocks)
+    exit_blocks = set(heads.exit_blocks) if heads is not None else set()
     i = 0
     while i < run.n_blocks:
         i += 1
@@ -108,7 +109,8 @@ def encode_adaptive(run: ViTRun, heads, *, exit_layer: int | None = None, exit_t
             hidden = seen[i]
         else:
             hidden = run.step()
-            if seen is not None and (i in plan or i == run.n_blocks):
+            # every exit block, not only this plan's: a later plan (another exit_layer cap) may read it
+            if seen is not None and (i in plan or i in exit_blocks or i == run.n_blocks):
                 seen[i] = hidden
         if i not in plan:
             continue

@@ -355,6 +355,7 @@ def encode_adaptive(
     p = cfg.vision.patch_size
     grid_hw = (pixel_values.shape[-2] // p, pixel_values.shape[-1] // p)
     done = 0  # blocks already run on this frame (a trunk's): read, not run
+    exit_blocks = set(exit_heads.exit_blocks) if exit_heads is not None else set()
     if trunk is not None and trunk.x is not None:
         x, done, states = trunk.x, trunk.blocks_run, dict(trunk.states)
     else:
@@ -386,7 +387,7 @@ def encode_adaptive(
                 trunk.x, trunk.blocks_run = x, i
                 if i in feature_idx:
                     trunk.states[i] = x
-                if i in plan:
+                if i in plan or i in exit_blocks:  # every exit block: a later plan (another exit_layer cap) may read it
                     trunk.seen[i] = x
             if i not in plan:
                 continue

@@ -578,3 +578,29 @@ def test_the_engines_vision_cache_serves_exit_threshold_points(checkpoint, engin
         assert engine.vision_cache.keys()[0][-1] == "trunk"
     finally:
         engine.set_vision_cache(None)
+
+
+def test_a_trunk_walked_under_an_exit_layer_cap_serves_an_uncapped_point_exactly(checkpoint, engine):
+    """exit_threshold with exit_layer reads only the exit blocks up to the cap, yet walks on to the end
+    when none is confident; the trunk it leaves (one cache key for every exit_threshold point) must
+    serve a point that reads the deeper exit blocks too (was: KeyError on the block not kept)."""
+    from edgevlm.runtime.adaptive import encode_model_adaptive
+    from edgevlm.runtime.vision_cache import VisionTrunk
+
+    model = engine.backend.model
+    n = engine.config.exit_geometry.vision_blocks
+    blocks = [b for b in range(1, n)][:2]
+    if len(blocks) < 2:
+        pytest.skip("the tiny tower has fewer than two exit blocks")
+    _heads(engine, blocks, seed=8, query=True)
+    image = _image(70, 100, 9)
+    capped = OperatingPoint(name="capped", exit_threshold=1.0, exit_layer=blocks[0])
+    never = OperatingPoint(name="never", exit_threshold=1.0)
+    p = engine.prepare(image, QUESTION, operating_point=never)
+    prompt = torch.tensor([p.ids])
+    trunk = VisionTrunk()
+    with torch.no_grad():
+        want = encode_model_adaptive(model, p.vision, never, prompt)
+        encode_model_adaptive(model, p.vision, capped, prompt, trunk)
+        got = encode_model_adaptive(model, p.vision, never, prompt, trunk)
+    assert torch.equal(got[0], want[0]) and got[2] == want[2]

@@ -174,3 +174,25 @@ def test_the_demo_controllers_exit_point_answers_from_the_cache_as_without_it(de
         assert eng.vision_cache.keys()[0][-1] == "trunk"
     finally:
         eng.set_vision_cache(None)
+
+
+def test_a_trunk_walked_under_an_exit_layer_cap_serves_an_uncapped_point_exactly(demo_engine, image):
+    """exit_threshold with exit_layer consults only the exit blocks up to the cap, yet may walk to the
+    end; the trunk it leaves (one cache key for every exit_threshold point) must still serve a point
+    whose plan reads the deeper exit blocks (was: KeyError on the block the capped walk did not keep)."""
+    from edgevlm.runtime.vision_cache import VisionTrunk
+
+    eng = demo_engine
+    be = eng.backend
+    first = be.model.exit_heads.exit_blocks[0]
+    capped = OperatingPoint(name="capped", resolution_px=384, exit_threshold=1.0, exit_layer=first)
+    never = OperatingPoint(name="never", resolution_px=384, exit_threshold=1.0)
+    p = eng.prepare(image, QUESTIONS[0], operating_point=never)
+    prompt = torch.tensor([p.ids])
+    want = be.encode_vision(p.vision, operating_point=never, prompt_ids=prompt)
+    want_info = be.last_vision_info
+    trunk = VisionTrunk()
+    be.encode_vision(p.vision, operating_point=capped, prompt_ids=prompt, trunk=trunk)
+    got = be.encode_vision(p.vision, operating_point=never, prompt_ids=prompt, trunk=trunk)
+    assert torch.equal(got, want)
+    assert be.last_vision_info == want_info
