@@ -9,7 +9,7 @@ GenAI provider, live-vlm-webui and agent frameworks can call the robot's model:
   frame of a configured camera; nothing is ever fetched from the network). ``max_tokens`` /
   ``max_completion_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``, ``stream`` (server-sent
   events, ``stream_options.include_usage``) and the edgevlm extensions ``budget_ms`` / ``timeout_ms`` /
-  ``frames`` / ``frames_s``
+  ``frames`` / ``frames_s`` / ``frame_seq``
   (the MQTT request fields of the same names). System messages are prepended to the question.
 - ``GET /v1/models``: the one model served. ``GET /health``: liveness + queue depth, no token needed.
 
@@ -285,6 +285,7 @@ def to_request(body: Any, *, model_id: str, multiple_images: str = "refuse") -> 
         # several recent frames of a camera (edgevlm://sources/<name>), validated as on the MQTT wire
         "frames": body.get("frames"),
         "frames_s": body.get("frames_s"),
+        "frame_seq": body.get("frame_seq"),  # that frame again (an earlier answer's edgevlm.frame.seq)
     }
     request = parse_request({k: v for k, v in fields.items() if v is not None})
     return request, bool(stream), bool(options.get("include_usage"))

@@ -153,6 +153,25 @@ def test_camera_reference_answers_about_the_newest_frame(http_daemon) -> None:
     assert out.model_extra["edgevlm"]["frame"]["source"] == "front"
 
 
+def test_camera_frame_seq_asks_about_that_frame_again(http_daemon) -> None:
+    """The HTTP answer names its frame's ``seq`` (edgevlm.frame.seq); ``frame_seq`` (an extension
+    field, as on the MQTT wire) asks about that frame again, or is refused as frame_gone (was: silently
+    dropped, the answer about the newest frame)."""
+    daemon = http_daemon()
+    client = client_for(daemon)
+    first = client.chat.completions.create(
+        model="edgevlm-demo", messages=user(QUESTION, "edgevlm://sources/front"), max_tokens=4)
+    seq = first.model_extra["edgevlm"]["frame"]["seq"]
+    time.sleep(0.5)  # the camera moves on
+    again = client.chat.completions.create(model="edgevlm-demo", messages=user(QUESTION, "edgevlm://sources/front"),
+                                           max_tokens=4, extra_body={"frame_seq": seq})
+    assert again.model_extra["edgevlm"]["frame"]["seq"] == seq
+    status, body = _error(lambda: client.chat.completions.create(
+        model="edgevlm-demo", messages=user(QUESTION, "edgevlm://sources/front"), max_tokens=4,
+        extra_body={"frame_seq": 10**12}))
+    assert (status, body["code"]) == (400, "INVALID_REQUEST") and "frame_seq" in body["message"], body
+
+
 def test_frigate_genai_request_shape(http_daemon, demo_engine, frames) -> None:
     """Frigate's OpenAI provider: text first, then one image_url part per frame (detail low), newest last."""
     daemon = http_daemon(multiple_images="last")
