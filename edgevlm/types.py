@@ -62,8 +62,10 @@ class Stats(BaseModel):
     preprocess_ms: float = Field(0.0, description="Image decode/resize/normalise time.")
     vision_ms: float = Field(0.0, description="Vision encoder + projector time.")
     vision_cached: bool = Field(
-        False, description="The vision tokens came from the engine's vision cache (another question about the same "
-        "frame and operating point encoded them): the encoder did not run and vision_ms is the lookup's time.",
+        False, description="The vision tokens came from the engine's vision cache: another question about the same "
+        "frame encoded it (at the same operating point; for an early exit, the frame's encoder walk, of which this "
+        "request ran at most the deeper blocks it needed). vision_ms is what this request still ran, no measure of "
+        "the encoder.",
     )
     prefill_ms: float = Field(0.0, description="Decoder prefill time (prompt + vision tokens).")
     ttft_ms: float = Field(0.0, description="Time to first token, from the start of the call.")

@@ -509,11 +509,12 @@ class Engine:
         cached = cache.get(p.vision_key) if cache is not None else None
         if p.vision_trunk:  # an early exit over the frame's kept encoder walk (read, then extended)
             trunk = cached[0] if cached is not None else VisionTrunk()
-            before = trunk.blocks_run
             feats = be.encode_vision(vision, operating_point=op, prompt_ids=torch.tensor([ids], dtype=torch.long),
                                      trunk=trunk)
             info = getattr(be, "last_vision_info", None)
-            stats.vision_cached = cached is not None and trunk.blocks_run == before  # no encoder block ran
+            # from the cache: an earlier question ran this frame's walk (this one at most its deeper blocks, so
+            # its vision_ms is no measure of the encoder: the latency controller does not learn from it)
+            stats.vision_cached = cached is not None
             cache.put(p.vision_key, trunk)  # re-counted: it may hold more blocks now
         elif cached is not None:  # this frame at this operating point was encoded already
             feats, info = cached

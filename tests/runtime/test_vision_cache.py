@@ -167,10 +167,9 @@ def test_the_demo_controllers_exit_point_answers_from_the_cache_as_without_it(de
             (a.stats.exit_layer, a.stats.exit_confidence) for a in off]
         n = eng.config.exit_geometry.vision_blocks
         depth = [a.stats.exit_layer or n for a in on]
-        # a question runs encoder blocks only past the deepest block an earlier one reached
-        assert [a.stats.vision_cached for a in on] == [False] + [
-            depth[i] <= max(depth[:i]) for i in range(1, len(on))]
-        assert any(a.stats.vision_cached for a in on)  # the demo's questions exit where the first did
+        # the 2nd-4th read the frame's walk (running at most blocks past the deepest one reached before)
+        assert [a.stats.vision_cached for a in on] == [False, True, True, True]
+        assert max(depth) >= 1
         assert eng.vision_cache.keys()[0][-1] == "trunk"
     finally:
         eng.set_vision_cache(None)
