@@ -484,6 +484,7 @@ class OpenAIServer:
             return parsed
         req, stream, include_usage = parsed
         if not self._accepting:
+            self._count(ErrorCode.BUSY)
             return error_response(BusyError("the daemon is shutting down"))
         return await (self._stream(req, include_usage) if stream else self._complete(req))
 
@@ -513,6 +514,10 @@ class OpenAIServer:
             self.metrics.observe_response(response, received, timeout_ms, self.scheduler.queue_size())
 
     def _count(self, code: ErrorCode) -> None:
+        """A request refused here, before the scheduler: counted as the MQTT bridge counts its own refusals
+        (the events ``requests_received`` and ``errors_<code>``, and the answer in the metrics)."""
+        self.scheduler.counters.inc("requests_received")
+        self.scheduler.counters.inc(f"errors_{code.value if isinstance(code, ErrorCode) else code}")
         if self.metrics is not None:
             self.metrics.observe_answer(None, code)
 

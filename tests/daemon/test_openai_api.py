@@ -254,6 +254,10 @@ def test_bad_inputs_are_openai_errors_with_edgevlm_codes(http_daemon, frames) ->
         assert needle in body["message"], body
     # the daemon is still serving
     assert client.chat.completions.create(model="edgevlm-demo", messages=user(QUESTION, uri), max_tokens=4)
+    # every refusal counted once in the daemon's events, as MQTT's are, whether the HTTP front door or the
+    # scheduler refused it (one metrics system: edgevlm_events_total{event="errors_<code>"})
+    for code in ("INVALID_REQUEST", "INVALID_IMAGE", "UNKNOWN_SOURCE", "DEADLINE_EXCEEDED"):
+        assert daemon.counters.get(f"errors_{code}") == sum(c[2] == code for c in cases), code
 
 
 def test_stream_refused_before_the_first_token_is_an_http_error(http_daemon) -> None:
