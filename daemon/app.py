@@ -86,7 +86,8 @@ def host_threads(config: DaemonConfig) -> int | None:
 def load_engine(config: DaemonConfig, path: Path | None) -> Any:
     """Load the engine at ``path`` (None = the demo model) as ``config`` says: ``model.device``,
     ``dtype``, ``backend``, the host threads, the backend options (the profile's for a CUDA model,
-    then ``model.max_batch_size``) and the vision cache (``model.vision_cache_mb``). The one rule for the engine at start-up and at a hot reload.
+    then ``model.max_batch_size``) and the vision cache (``model.vision_cache_mb``). The one rule
+    for the engine at start-up and at a hot reload.
 
     Raises:
         ModelLoadError: the model cannot be loaded (see :meth:`edgevlm.runtime.Engine.load`).

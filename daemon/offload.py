@@ -134,8 +134,7 @@ class Offloader:
         elapsed_ms = (now - job.received_monotonic) * 1000.0
         frame: Frame | None = None
         if req.source is not None:
-            src = self.sources.get(req.source)
-            captured = src.frame_by_seq(req.frame_seq) if req.frame_seq is not None else src.frame_for_request(1.0)
+            captured = self.sources.get(req.source).frame_for_request(1.0, req.frame_seq)
             image_b64 = base64.b64encode(_jpeg(captured.image)).decode("ascii")
             frame = Frame(source=captured.source, ts=captured.ts, pos_ms=captured.pos_ms, index=captured.index,
                           seq=captured.seq)

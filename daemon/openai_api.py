@@ -517,7 +517,7 @@ class OpenAIServer:
         """A request refused here, before the scheduler: counted as the MQTT bridge counts its own refusals
         (the events ``requests_received`` and ``errors_<code>``, and the answer in the metrics)."""
         self.scheduler.counters.inc("requests_received")
-        self.scheduler.counters.inc(f"errors_{code.value if isinstance(code, ErrorCode) else code}")
+        self.scheduler.counters.inc(f"errors_{code.value}")
         if self.metrics is not None:
             self.metrics.observe_answer(None, code)
 

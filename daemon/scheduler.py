@@ -1022,7 +1022,7 @@ class Scheduler:
             if req.frames_s is not None and limit is not None and 2 <= limit < len(frames):
                 window, frames = len(frames), evenly_spaced(frames, limit)
             return [f.image for f in frames], frames[-1], frames, window
-        frame = src.frame_by_seq(req.frame_seq) if req.frame_seq is not None else src.frame_for_request(wait_s)
+        frame = src.frame_for_request(wait_s, req.frame_seq)
         return frame.image, frame, None, None
 
     def _fail(self, job: Job, err: EdgeVLMError) -> None:

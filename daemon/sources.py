@@ -222,17 +222,21 @@ class FrameSource:
                 self._cond.wait(1.0 if remaining is None else min(remaining, 1.0))
             return self._latest if self._latest is not None and self._latest.seq > after_seq else None
 
-    def frame_for_request(self, wait_s: float) -> CapturedFrame:
+    def frame_for_request(self, wait_s: float, seq: int | None = None) -> CapturedFrame:
         """The newest frame if it is fresh (``max_frame_age_s``), else wait up to ``wait_s`` for a
         fresh one (not at all while the camera is ``reconnecting`` or ``stalled``: the single
-        inference worker must not wait on a camera that is down).
+        inference worker must not wait on a camera that is down). With ``seq`` (a request's
+        ``frame_seq``): that frame, :meth:`frame_by_seq`.
 
         Raises:
+            InvalidRequestError: ``seq`` is a frame the source does not hold (:meth:`frame_by_seq`).
             InternalError: no frame yet (details ``reason: no_frame``), only a frame that is too
                 old (``reason: stale_frame``, with ``frame_age_s``, ``max_frame_age_s`` and the
                 source ``state``), or a ``frozen`` camera (``reason: frozen_frame``, with
                 ``frozen_for_s`` and ``frozen_after_s``); the message says which.
         """
+        if seq is not None:
+            return self.frame_by_seq(seq)
         self._check_frozen()
         max_age = self.config.max_frame_age_s
         if self.state in (RECONNECTING, STALLED):

@@ -302,7 +302,7 @@ class Engine:
                 f"prompt is {len(ids)} tokens ({len(ids) - n_vision} text + {n_vision} vision at {tw}x{th} px); "
                 f"the KV cache holds {self.max_seq_len} positions"
             )
-        key, trunk = None, False
+        key = None
         # an exit_threshold point's tokens depend on the question, its encoder blocks do not: the frame's
         # walk is kept instead (VisionTrunk: one image, no pruning, a backend that takes one)
         trunk = op.exit_threshold is not None and op.keep_ratio in (None, 1.0) \

@@ -369,8 +369,8 @@ def encode_adaptive(
     active = list(range(b))  # batch rows still in x, as original sample indices
     attn = None
     for i, block in enumerate(enc.layers, start=1):
+        info.blocks_run = i
         if i <= done:  # run on an earlier question about this frame: its exit blocks were kept
-            info.blocks_run = i
             if i not in plan:
                 continue
             xi = trunk.seen[i]
@@ -380,7 +380,6 @@ def encode_adaptive(
             else:
                 x = block(x)
             xi = x
-            info.blocks_run = i
             if i in feature_idx:
                 states[i] = x
             if trunk is not None:

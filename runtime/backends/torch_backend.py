@@ -172,10 +172,7 @@ class TorchBackend(Backend):
         the frame's kept encoder walk for an early exit, see :mod:`edgevlm.runtime.vision_cache`)."""
         op = operating_point
         if op is not None and (op.exit_layer, op.exit_threshold, op.keep_ratio) != (None, None, None):
-            if trunk is not None:
-                feats, self.last_vision_info = self.model.encode_vision_adaptive(vision, op, prompt_ids, trunk)
-            else:
-                feats, self.last_vision_info = self.model.encode_vision_adaptive(vision, op, prompt_ids)
+            feats, self.last_vision_info = self.model.encode_vision_adaptive(vision, op, prompt_ids, trunk)
             return feats  # (N', D_text)
         self.last_vision_info = None
         return self.model.encode_vision(vision)  # (N_total, D_text)
