@@ -26,7 +26,8 @@ Variants (``--variants``):
 * ``after`` -- and :func:`~edgevlm.runtime.kernels.decode_fused.rope_decode_attention`: one attention kernel
   per layer (the default),
 * ``after_pdl`` -- ``after`` with the W4A16 kernels as programmatic dependent launches (opt-in),
-* ``after_w4head`` -- ``after`` with an RTN W4A16 ``lm_head`` (a what-if: other logits).
+* ``after_w4head`` -- ``after`` with an RTN W4A16 ``lm_head`` (a what-if: other logits),
+* ``nomask_pdl``, ``nomask_w4head`` -- the same two switches on ``nomask`` (the default three attention kernels).
 
 Prints a table per batch size, then one JSON line. Usage (on a CUDA GPU)::
 
@@ -102,16 +103,16 @@ def legacy_prologue(on: bool):
 @contextlib.contextmanager
 def variant(name: str, dec=None):
     """Switches of one variant for the body's captures: ``before`` / ``nomask`` / ``after`` (module
-    docstring); ``after_pdl``: ``after`` with the W4A16 kernels launched as programmatic dependents
-    (``EDGEVLM_W4A16_PDL=1``); ``after_w4head``: ``after`` with ``dec``'s bf16 ``lm_head`` replaced by an RTN
-    W4A16 ``Int4Linear`` (group 128; other logits: a what-if for bundles whose head is quantized)."""
+    docstring); the suffix ``_pdl``: the W4A16 kernels launched as programmatic dependents
+    (``EDGEVLM_W4A16_PDL=1``); ``_w4head``: ``dec``'s bf16 ``lm_head`` replaced by an RTN W4A16
+    ``Int4Linear`` (group 128; other logits: a what-if for bundles whose head is quantized)."""
     from edgevlm.runtime.kernels import decode_fused
     from edgevlm.runtime.kernels import w4a16_mma as mk
 
     old, old_pdl, head = decode_fused.FUSED_ATTENTION, mk.PDL, None
     decode_fused.FUSED_ATTENTION = name.startswith("after")
-    mk.PDL = True if name == "after_pdl" else old_pdl
-    if name == "after_w4head":
+    mk.PDL = True if name.endswith("_pdl") else old_pdl
+    if name.endswith("_w4head"):
         from edgevlm.runtime.int4 import Int4Linear
 
         head = dec.lm_head

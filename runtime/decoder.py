@@ -812,6 +812,13 @@ class DecoderVLM(nn.Module):
         self.language_model.setup_caches(max_batch_size, max_seq_len, **kwargs)
 
     # ---- batched prefill (continuous batching, edgevlm.runtime.batching) -----------------------
+    def prefill_graphable(self) -> bool:
+        """Whether the next ``prefill(embeds)`` (no ``position_ids``) is the decoder's plain causal
+        prefill from slot 0, i.e. ``language_model.prefill_batch`` of one row at the slots, which a
+        backend may replay from a CUDA graph (:mod:`edgevlm.runtime.prefill_graphs`). False here: a
+        family says so itself (side state, M-RoPE, bidirectional image attention keep it eager)."""
+        return False
+
     def take_vision_state(self):
         """Side features the last :meth:`encode_vision` kept for the next prefill, handed over and
         forgotten (a batch encodes several requests before prefilling them together). None here:

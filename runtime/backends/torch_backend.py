@@ -9,7 +9,13 @@ cloud profiles):
 
 * ``cuda_graphs`` (default: True on CUDA): decode steps replay CUDA graphs
   (:mod:`edgevlm.runtime.cuda_graphs`), and so does the vision tower of families that offer it
-  (``enable_vision_graphs``, :mod:`edgevlm.runtime.vision_graphs`); ignored on CPU (eager).
+  (``enable_vision_graphs``, :mod:`edgevlm.runtime.vision_graphs`) and LLaVA's tower (one graph per
+  input size and batch bucket); a prefill replays one per rows and length bucket
+  (:mod:`edgevlm.runtime.prefill_graphs`): the batched prefill of plain images, and a single
+  request's prefill where the family's is the decoder's plain causal one
+  (``DecoderVLM.prefill_graphable``: LLaVA without pruned positions, SmolVLM, InternVL). Ignored
+  on CPU (eager). A 7B prefill launched eagerly is bound by the host's kernel launches; replayed,
+  by the GPU (``bench/ttft_breakdown.py``).
 * ``kv_cache_dtype``: ``bf16``/``fp16``/``fp32``/``int4``/``fp8_e4m3`` (default: the model dtype),
   see :mod:`edgevlm.runtime.kv_cache`.
 * ``max_batch_size`` (default 1): KV cache rows, i.e. requests decoded together (every
@@ -102,12 +108,14 @@ class TorchBackend(Backend):
         if fused_vision_stem:
             self.enable_fused_vision_stem()
         self._pos = torch.zeros(1, dtype=torch.long, device=self.device)  # eager decode input buffers
-        self._pinned: dict[tuple[int, ...], torch.Tensor] = {}  # encode_images' host staging, per image shape
+        # encode_images' pinned host staging per image shape, with the event of its last copy to the device
+        self._pinned: dict[tuple, tuple[torch.Tensor, torch.cuda.Event]] = {}
         self._prefill_graphs = None  # PrefillGraphs of prefill_images_batch (CUDA graphs on), made on first use
         self._vision_forwards: dict = {}  # normalisation (None: float pixels) -> the batched encode's forward
         self._vision_graphs: dict = {}  # normalisation -> VisionGraphs of that forward (CUDA graphs on)
         self._no_grid = torch.zeros((1, 3), dtype=torch.long)  # VisionGraphs' grid key: LLaVA has none
         self._tok = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        self._single_meta = torch.zeros(2, 1, dtype=torch.long, device=self.device)  # a single prefill's length, row
 
     # ---- configuration -------------------------------------------------------------------------
     @property
@@ -158,6 +166,8 @@ class TorchBackend(Backend):
                                                                             prompt_ids)
             return feats  # (1, N', D_text)
         self.last_vision_info = None
+        if self.graphs is not None and pixel_values.dtype != torch.uint8:
+            return self._encode_batch(list(pixel_values.split(1)), None)  # (N_img, N, D_text), graph replays
         return self.model.encode_image(pixel_values.to(self.device))  # (1, N, D_text)
 
     vision_trunks = True
@@ -175,7 +185,17 @@ class TorchBackend(Backend):
             feats, self.last_vision_info = self.model.encode_vision_adaptive(vision, op, prompt_ids, trunk)
             return feats  # (N', D_text)
         self.last_vision_info = None
+        if self.graphs is not None and self._pixel_tower(vision):  # LLaVA's tower: graph replays
+            return self.encode_image(vision.pixel_values).flatten(0, 1)  # as LlavaModel.encode_vision
         return self.model.encode_vision(vision)  # (N_total, D_text)
+
+    def _pixel_tower(self, vision: VisionInput) -> bool:
+        """Whether ``vision`` is float images for LLaVA's pixel path (the model's ``encode_image`` of
+        ``(B, 3, H, W)``, which :meth:`encode_images` batches); other families encode their
+        ``VisionInput`` themselves."""
+        return (callable(getattr(self.model, "encode_image", None)) and bool(vision.kinds)
+                and all(k == "image" for k in vision.kinds) and vision.pixel_values.dim() == 4
+                and vision.pixel_values.dtype != torch.uint8)
 
     def position_ids(self, input_ids: torch.Tensor, vision: VisionInput | None, *,
                      kept_index: list[int] | None = None) -> tuple[torch.Tensor | None, int]:
@@ -216,9 +236,27 @@ class TorchBackend(Backend):
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
         if embeds.shape[1] > self.max_seq_len:
             raise ValueError(f"prefill of {embeds.shape[1]} positions exceeds the KV cache ({self.max_seq_len})")
+        if position_ids is None and self.graphs is not None and embeds.shape[0] == 1 and \
+                getattr(self.model, "prefill_graphable", lambda: False)():
+            return self._graph_prefill(embeds)  # (1, V)
         if position_ids is None:
             return self.model.prefill(embeds)  # (1, V)
         return self.model.prefill(embeds, position_ids=position_ids)
+
+    def _graph_prefill(self, embeds: torch.Tensor) -> torch.Tensor:
+        """A single prompt's plain prefill ``(1, T, D)`` into cache row 0 as a replay of the batched
+        prefill's graph for one row (right-padded to the length bucket: causal attention keeps the
+        padding out of the real positions, and decode overwrites the cache slots it fills before it
+        attends to them) -> the last logits ``(1, V)``."""
+        from edgevlm.runtime.prefill_graphs import length_bucket
+
+        t = embeds.shape[1]
+        padded = length_bucket(t, self.max_seq_len)
+        if padded > t:
+            embeds = torch.nn.functional.pad(embeds, (0, 0, 0, padded - t))
+        meta = self._single_meta
+        meta[0].fill_(t)  # lengths (1,), rows (1,) = 0
+        return self._prefill_graphs_for_device()(embeds, meta[0], meta[1])
 
     @torch.inference_mode()
     def decode(self, token_id: int, pos: int, *, operating_point: OperatingPoint | None = None,
@@ -276,22 +314,29 @@ class TorchBackend(Backend):
         if self.device.type != "cuda":
             return forward(torch.cat(pixels).to(self.device), None)
         bucket = n if self.graphs is None else 1 << (n - 1).bit_length()
-        key = (pixels[0].dtype, *pixels[0].shape[1:])
-        staging = self._pinned.get(key)
-        if staging is None or staging.shape[0] < bucket:
-            staging = torch.empty((max(bucket, self.max_batch_size), *pixels[0].shape[1:]), dtype=pixels[0].dtype,
-                                  pin_memory=True)
-            self._pinned[key] = staging
-        # the previous batch's copy out of this buffer is done: the batcher synchronizes after encoding
-        torch.cat(pixels, out=staging[:n])
-        batch = staging[:bucket].to(self.device, non_blocking=True)  # (bucket, ...)
+        if pixels[0].device.type == "cuda":  # already on the device (rows past n are don't-care)
+            batch = torch.cat(pixels if bucket == n else [*pixels, pixels[-1].expand(bucket - n, *pixels[-1].shape[1:])])
+        else:
+            key = (pixels[0].dtype, *pixels[0].shape[1:])
+            staging, copied = self._pinned.get(key, (None, None))
+            if staging is None or staging.shape[0] < bucket:
+                staging = torch.empty((max(bucket, self.max_batch_size), *pixels[0].shape[1:]),
+                                      dtype=pixels[0].dtype, pin_memory=True)
+            elif copied is not None:
+                copied.synchronize()  # the previous copy out of this buffer (usually long done)
+            torch.cat(pixels, out=staging[:n])
+            batch = staging[:bucket].to(self.device, non_blocking=True)  # (bucket, ...)
+            copied = torch.cuda.Event()
+            copied.record()
+            self._pinned[key] = (staging, copied)
         if self.graphs is None:
             return forward(batch, None)[:n]
         graphs = self._vision_graphs.get(normalize)
         if graphs is None:
             from edgevlm.runtime.vision_graphs import VisionGraphs
 
-            graphs = VisionGraphs(forward, self.device, max_graphs=2 * max(1, self.max_batch_size).bit_length())
+            # the sizes of a resolution ladder x the batch buckets (graphs share one memory pool)
+            graphs = VisionGraphs(forward, self.device, max_graphs=4 + 2 * max(1, self.max_batch_size).bit_length())
             self._vision_graphs[normalize] = graphs
         return graphs(batch, self._no_grid)[:n]
 

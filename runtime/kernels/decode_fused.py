@@ -439,6 +439,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+# every counter buffer ever handed out stays allocated: a CUDA graph captured with a smaller one keeps its
+# address (freeing it when a larger batch needs more counters made those graphs' replays write freed memory)
+_COUNTERS_KEPT: list[torch.Tensor] = []
 
 
 def _counters(n: int, device: torch.device) -> torch.Tensor:
@@ -449,6 +452,7 @@ def _counters(n: int, device: torch.device) -> torch.Tensor:
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < n:
         buf = _COUNTERS[device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+        _COUNTERS_KEPT.append(buf)
     return buf
 
 

@@ -205,3 +205,41 @@ def test_cuda_one_kernel_in_a_cuda_graph_replays_like_eager():
         eager = df.rope_decode_attention(qkv, cos, sin, pos, k3, v3, h, hkv, 768)
         torch.cuda.synchronize()
         assert torch.equal(out, eager) and torch.equal(k2, k3) and torch.equal(v2, v3)
+
+
+def test_counter_buffers_outlive_a_larger_request():
+    """A CUDA graph captured with the counters of a small batch keeps their address: a later, larger batch gets
+    a new buffer, and the old one stays allocated (freeing it made replays write freed memory: an illegal
+    address on the H200 once batch 32 followed graphs of batch 1 and 8)."""
+    from edgevlm.runtime.kernels import decode_fused as df
+
+    dev = torch.device("cpu")
+    df._COUNTERS.pop(dev, None)
+    small = df._counters(64, dev)
+    assert df._counters(200, dev) is small  # fits: the same buffer
+    big = df._counters(1024, dev)
+    assert big.numel() >= 1024 and big is not small
+    assert any(t is small for t in df._COUNTERS_KEPT) and any(t is big for t in df._COUNTERS_KEPT)
+    assert df._counters(8, dev) is big  # the largest serves every later request
+
+
+@needs_cuda
+def test_cuda_graph_replays_after_a_larger_batch_took_new_counters():
+    from edgevlm.runtime.kernels import decode_fused as df
+
+    dev = torch.device("cuda")
+    h, hkv, dh, s = 32, 32, 128, 1024
+    cos, sin, qkv, kc, vc, _, _ = _case(h, hkv, dh, s, 2, False, torch.bfloat16, dev, seed=7)
+    pos = torch.tensor([600, 5], device=dev)
+    k2, v2 = kc.clone(), vc.clone()
+    df.rope_decode_attention(qkv, cos, sin, pos, k2, v2, h, hkv, 768)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = df.rope_decode_attention(qkv, cos, sin, pos, k2, v2, h, hkv, 768)
+    cos_b, sin_b, qkv_b, kc_b, vc_b, _, _ = _case(h, hkv, dh, s, 32, False, torch.bfloat16, dev, seed=8)
+    df.rope_decode_attention(qkv_b, cos_b, sin_b, torch.full((32,), 300, device=dev), kc_b, vc_b, h, hkv, 768)
+    graph.replay()
+    k3, v3 = kc.clone(), vc.clone()
+    eager = df.rope_decode_attention(qkv, cos, sin, pos, k3, v3, h, hkv, 768)
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)

@@ -42,6 +42,11 @@ class ImageTokenVLM(DecoderVLM):
         """Plain 1-D RoPE: positions are the cache slots, ``(None, 0)``."""
         return None, 0
 
+    def prefill_graphable(self) -> bool:
+        """True: :meth:`prefill` is the decoder's plain causal prefill (1-D RoPE at the slots, no
+        side state), see :meth:`DecoderVLM.prefill_graphable`."""
+        return True
+
     def prefill(self, embeds: torch.Tensor, *, position_ids: torch.Tensor | None = None,
                 all_logits: bool = False) -> torch.Tensor:
         """Run the prompt ``embeds`` ``(1, T, D)`` from slot 0 into the KV cache -> logits ``(1, V)``

@@ -109,6 +109,11 @@ class Gemma3Model(ImageTokenVLM):
         self._pending = (weakref.ref(embeds), blocks) if blocks is not None else None
         return embeds
 
+    def prefill_graphable(self) -> bool:
+        """False: an image's tokens attend to each other in :meth:`prefill` (not the plain causal
+        prefill that :meth:`DecoderVLM.prefill_graphable` asks for); it runs eagerly."""
+        return False
+
     def prefill(self, embeds: torch.Tensor, *, position_ids: torch.Tensor | None = None,
                 all_logits: bool = False) -> torch.Tensor:
         """Run the prompt ``embeds`` ``(1, T, D)`` from slot 0 -> logits ``(1, V)`` (``(1, T, V)``

@@ -194,6 +194,12 @@ class LlavaModel(DecoderVLM):
         pos[slots] = start + original - pruned
         return pos
 
+    def prefill_graphable(self) -> bool:
+        """Whether the next :meth:`prefill` is the decoder's plain causal one (see
+        :meth:`DecoderVLM.prefill_graphable`): yes unless the last :meth:`embed` placed pruned vision
+        tokens at their unpruned RoPE positions."""
+        return self._rope_positions is None
+
     def prefill(self, embeds: torch.Tensor, *, position_ids: torch.Tensor | None = None,
                 all_logits: bool = False) -> torch.Tensor:
         """Run the prompt ``embeds`` ``(B, T, D)`` from slot 0 into the KV cache; returns the last
