@@ -33,6 +33,7 @@ are re-exported here.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -85,6 +86,16 @@ MMA_MAX_CALLS = 2
 # 0 = the whole weight at once. bench/w4a16_kernel.py measures the choice (results/w4a16_kernel_h200_*.md).
 PREFILL_DEQUANTIZER = "cuda"
 PREFILL_CHUNK_BYTES = 0
+# Prefill through the Triton W4A16 GEMM (runtime/kernels/w4a16_gemm.py: dequantization inside the GEMM's main
+# loop, no dense weight written) instead of dequantize + cuBLAS, for M >= PREFILL_GEMM_MIN_M rows, only on the GPU
+# model its launch table was measured on and only for the shapes and M buckets where that table says it beat
+# dequantize + cuBLAS (bench/w4a16_prefill_gemm.py). EDGEVLM_W4A16_PREFILL_GEMM overrides per call: 0 = never,
+# 1 = as the table says, force = every prefill of a CUDA layer (benchmarks, tests). H200 table of 2026-12-02: it wins
+# only in the M <= 128 bucket on the gate_up shapes and 7B's qkv (M = 65..128 there: M <= 64 is the mma kernel's);
+# at M = 600 it is ~1.9x slower than dequantize + cuBLAS, which stays the prefill path (results/w4a16_prefill_gemm_*).
+PREFILL_GEMM = True
+PREFILL_GEMM_MIN_M = 33
+PREFILL_GEMM_ENV = "EDGEVLM_W4A16_PREFILL_GEMM"
 
 _MMA_FALLBACK_LOGGED: set[str] = set()
 
@@ -125,6 +136,33 @@ def mma_max_rows(device: torch.device) -> int:
     from edgevlm.runtime.kernels.w4a16_mma import max_rows
 
     return min(max_rows(device), MMA_BULK_MAX_M)
+
+
+@functools.cache
+def _cuda_device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def prefill_gemm_ok(m: int, out_features: int, in_features: int, group_size: int, device: torch.device) -> bool:
+    """Whether prefill of ``m`` rows of this layer shape on ``device`` runs the Triton W4A16 GEMM rather than
+    dequantize + cuBLAS: a CUDA device with triton, ``m >= PREFILL_GEMM_MIN_M``, and (unless
+    ``EDGEVLM_W4A16_PREFILL_GEMM=force``) :data:`PREFILL_GEMM` or the variable at 1, the table measured on a GPU
+    of this name and faster than dequantize + cuBLAS there for this shape and M bucket. Host-side only (no
+    device work): safe while a CUDA graph is being captured."""
+    env = os.environ.get(PREFILL_GEMM_ENV, "").strip().lower()
+    if env in ("0", "false", "no", "off") or m < PREFILL_GEMM_MIN_M:
+        return False
+    dev = torch.device(device)
+    if dev.type != "cuda" or not _triton_w4a16(dev):
+        return False
+    if env == "force":
+        return True
+    if not (PREFILL_GEMM or env in ("1", "true", "yes", "on")):
+        return False
+    from edgevlm.runtime.kernels.w4a16_gemm import prefers_gemm, table_device
+
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return table_device() == _cuda_device_name(index) and prefers_gemm(m, out_features, in_features, group_size)
 
 
 def _prefill_dequant(lin: Int4Linear, dtype: torch.dtype, dequantizer: str, row0: int, rows: int,
@@ -276,11 +314,14 @@ class Int4Linear(nn.Module):
       group size 64/128, ``out_features % 16 == 0``: the tensor-core W4A16 kernel over the mma layout
       (:mod:`edgevlm.runtime.kernels.w4a16_mma`, repacked from the canonical buffers on first use and
       cached, or a bundle's stored copy: :meth:`set_mma_layout`); above those rows (prefill) the same
-      extension's one-pass dequantizer + cuBLAS (``"cuda_dequant"``, see :data:`PREFILL_CHUNK_BYTES`). Where the extension is absent (see
+      extension's one-pass dequantizer + cuBLAS (``"cuda_dequant"``, see :data:`PREFILL_CHUNK_BYTES`), or, where
+      :func:`prefill_gemm_ok` says the measured table favours it, the Triton W4A16 GEMM that dequantizes in its
+      main loop (``"triton_gemm"``, :mod:`edgevlm.runtime.kernels.w4a16_gemm`). Where the extension is absent (see
       :func:`mma_kernel_ok`, one log line) the paths below.
     * CUDA, ``M <= CUDA_TRITON_KERNEL_MAX_M`` rows (decode): tinygemm ``aten._weight_int4pack_mm``
       (bf16 activations; 43 % of copy bandwidth on 7B shapes on an H200, ``bench/w4a16_tune.py``);
-      above it the Triton dequantizer + cuBLAS (:mod:`edgevlm.runtime.kernels.w4a16`; prefill).
+      above it the Triton dequantizer + cuBLAS (:mod:`edgevlm.runtime.kernels.w4a16`; prefill; or the Triton GEMM
+      where :func:`prefill_gemm_ok` says so).
       Where tinygemm is missing, the Triton W4A16 GEMV serves decode (~2x slower than tinygemm,
       ~25x faster than torch-op dequantization). Without triton: tinygemm up to
       ``CUDA_KERNEL_MAX_M``, then torch-op dequantization; ``kernel = "tinygemm"`` forces that.
@@ -381,7 +422,7 @@ class Int4Linear(nn.Module):
         if mma_ok and 0 < m <= MMA_MAX_CALLS * mma_max_rows(device):
             return "mma"
         if mma_ok and self.in_features % 32 == 0:  # prefill: the extension's dequantizer + cuBLAS
-            return "cuda_dequant"
+            return self._prefill_path(m, device, "cuda_dequant")
         triton_ok = (self.kernel == "triton" or (self.kernel == "auto" and dev_type == "cuda")) \
             and _triton_w4a16(device)
         conv = None if self.kernel == "triton" else kernel_convention(device)
@@ -401,8 +442,16 @@ class Int4Linear(nn.Module):
         if triton_ok:
             from edgevlm.runtime.kernels.w4a16 import GEMV_MAX_M
 
-            return "triton_gemv" if conv is None and m <= GEMV_MAX_M else "triton_dequant"
+            if conv is None and m <= GEMV_MAX_M:
+                return "triton_gemv"
+            return self._prefill_path(m, device, "triton_dequant")
         return "dequant"
+
+    def _prefill_path(self, m: int, device: torch.device, dequant_path: str) -> str:
+        """``"triton_gemm"`` where :func:`prefill_gemm_ok` says so (kernel ``"auto"`` only), else ``dequant_path``."""
+        if self.kernel == "auto" and prefill_gemm_ok(m, self.out_features, self.in_features, self.group_size, device):
+            return "triton_gemm"
+        return dequant_path
 
     def _kernel_tensors(self, conv: str) -> tuple[torch.Tensor, torch.Tensor]:
         cache = self._kernel_cache
@@ -467,6 +516,15 @@ class Int4Linear(nn.Module):
             return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # (..., N)
         if path == "cuda_dequant":
             return _prefill_matmul(x2.contiguous(), self).reshape(*x.shape[:-1], self.out_features)  # (..., N)
+        if path == "triton_gemm":
+            if x2.dtype in (torch.bfloat16, torch.float16):
+                from edgevlm.runtime.kernels.w4a16_gemm import w4a16_gemm
+
+                y = w4a16_gemm(x2, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
+            else:  # the GEMM takes 16-bit activations; float32 prefill takes the dense reference path
+                y = F.linear(x2, self.dequantized_weight(x2.dtype),
+                             self.bias.to(x2.dtype) if self.bias is not None else None)
+            return y.reshape(*x.shape[:-1], self.out_features)  # (..., N)
         if path == "triton_gemv1":
             from edgevlm.runtime.kernels.w4a16 import w4a16_gemv1
 
@@ -553,7 +611,7 @@ def prepare_int4_kernels(module: nn.Module) -> int:
             if path == "mma":
                 m._mma_tensors()
                 count += 1
-            elif path not in ("dequant", "triton_gemv", "triton_gemv1", "triton_dequant", "cuda_dequant"):
+            elif path not in ("dequant", "triton_gemv", "triton_gemv1", "triton_dequant", "cuda_dequant", "triton_gemm"):
                 m._kernel_tensors(path)
                 count += 1
     if count:
