@@ -27,7 +27,10 @@ Variants (``--variants``):
   per layer (the default),
 * ``after_pdl`` -- ``after`` with the W4A16 kernels as programmatic dependent launches (opt-in),
 * ``after_w4head`` -- ``after`` with an RTN W4A16 ``lm_head`` (a what-if: other logits),
-* ``nomask_pdl``, ``nomask_w4head`` -- the same two switches on ``nomask`` (the default three attention kernels).
+* ``nomask_pdl``, ``nomask_w4head`` -- the same two switches on ``nomask`` (the default three attention kernels),
+* ``nomask_split16`` -- ``nomask`` with :func:`~edgevlm.runtime.kernels.decode_fused.decode_attention` splitting the
+  keys 16 ways at every batch size (its schedule before 2026-12-02; now the splits shrink to about one wave of CTAs
+  and one split skips the combine kernel).
 
 Prints a table per batch size, then one JSON line. Usage (on a CUDA GPU)::
 
@@ -103,14 +106,16 @@ def legacy_prologue(on: bool):
 @contextlib.contextmanager
 def variant(name: str, dec=None):
     """Switches of one variant for the body's captures: ``before`` / ``nomask`` / ``after`` (module
-    docstring); the suffix ``_pdl``: the W4A16 kernels launched as programmatic dependents
+    docstring); the suffix ``_split16``: the old 16-way key split of ``decode_attention``; ``_pdl``: the W4A16 kernels launched as programmatic dependents
     (``EDGEVLM_W4A16_PDL=1``); ``_w4head``: ``dec``'s bf16 ``lm_head`` replaced by an RTN W4A16
     ``Int4Linear`` (group 128; other logits: a what-if for bundles whose head is quantized)."""
     from edgevlm.runtime.kernels import decode_fused
     from edgevlm.runtime.kernels import w4a16_mma as mk
 
-    old, old_pdl, head = decode_fused.FUSED_ATTENTION, mk.PDL, None
+    old, old_pdl, old_budget, head = decode_fused.FUSED_ATTENTION, mk.PDL, decode_fused.ATTENTION_CTA_BUDGET, None
     decode_fused.FUSED_ATTENTION = name.startswith("after")
+    if name.endswith("_split16"):  # decode_attention's schedule before 2026-12-02: 16 key splits at any batch
+        decode_fused.ATTENTION_CTA_BUDGET = 1 << 30
     mk.PDL = True if name.endswith("_pdl") else old_pdl
     if name.endswith("_w4head"):
         from edgevlm.runtime.int4 import Int4Linear
@@ -123,7 +128,7 @@ def variant(name: str, dec=None):
         with legacy_prologue(name == "before"):
             yield
     finally:
-        decode_fused.FUSED_ATTENTION, mk.PDL = old, old_pdl
+        decode_fused.FUSED_ATTENTION, mk.PDL, decode_fused.ATTENTION_CTA_BUDGET = old, old_pdl, old_budget
         if head is not None:
             dec.lm_head = head
 

@@ -51,6 +51,10 @@ first version measured slower in the whole 7B W4A16 decode on an H200 (2026-12-0
 ``bench/results/w4a16_kernel_h200_20261202.md``, session 8); the version here (no per-thread fence, fewer
 splits at large batch) is not measured yet. Read at each step, so a new CUDA graph capture picks up a change."""
 
+ATTENTION_CTA_BUDGET: int | None = None
+"""CTAs :func:`decode_attention` aims for when it splits the keys (None: about one wave, :func:`_cta_budget`). A
+huge value keeps ``max_splits`` splits at every batch size (the schedule before 2026-12-02; benchmarks A/B it)."""
+
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
@@ -138,7 +142,7 @@ def _kernels():
         tl.store(y_ptr + row * INTER + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, H, HKV, S, CHUNK, scale, WINDOW,
+    def attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, y_ptr, H, HKV, S, CHUNK, scale, WINDOW,
                           REP: tl.constexpr, REP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                           NSPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr):
         bg = tl.program_id(0)  # row b, KV head g
@@ -171,11 +175,16 @@ def _kernels():
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             den = den * alpha + tl.sum(p, 1)
             m = m_new
-        out = (b * H + head) * NSPLIT + split  # partials (B * H, NSPLIT, ...)
         keep = rows < REP
-        tl.store(o_ptr + out[:, None] * HEAD_DIM + d[None, :], acc, mask=keep[:, None])
-        tl.store(m_ptr + out, m, mask=keep)
-        tl.store(l_ptr + out, den, mask=keep)
+        if NSPLIT == 1:  # this CTA saw every key of its rows: the output, no partials, no combine
+            y = acc / den[:, None]
+            tl.store(y_ptr + (b * H + head)[:, None] * HEAD_DIM + d[None, :], y.to(y_ptr.dtype.element_ty),
+                     mask=keep[:, None])
+        else:
+            out = (b * H + head) * NSPLIT + split  # partials (B * H, NSPLIT, ...)
+            tl.store(o_ptr + out[:, None] * HEAD_DIM + d[None, :], acc, mask=keep[:, None])
+            tl.store(m_ptr + out, m, mask=keep)
+            tl.store(l_ptr + out, den, mask=keep)
 
     @triton.jit
     def attn_combine_kernel(o_ptr, m_ptr, l_ptr, y_ptr, HEAD_DIM: tl.constexpr, NSPLIT: tl.constexpr):
@@ -396,10 +405,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,
                      kv_len: int, block_n: int = 64, max_splits: int = 16, *, scale: float | None = None,
-                     window: int | None = None) -> torch.Tensor:
+                     window: int | None = None, cta_budget: int | None = None) -> torch.Tensor:
     """One-token grouped-query attention over the static KV cache, split over the keys
     (flash-decoding: Dao et al., "Flash-Decoding for long-context inference", 2023; online softmax,
     Milakov & Gimelshein 2018) and combined in a second kernel.
+
+    Splits: the ``kv_len / block_n`` key blocks over up to ``max_splits`` CTAs per (row, KV head), halved
+    while ``B x Hkv x splits`` exceeds ``cta_budget`` (None: :data:`ATTENTION_CTA_BUDGET`, else
+    :func:`_cta_budget`, about one wave): a
+    batch with enough (row, head) pairs to fill the GPU gains nothing from splitting the keys and pays
+    per CTA (its query load, its partials, the combine). One split writes the output itself, without
+    the combine kernel (batch 32 of a 7B's 32 KV heads; batch 1 keeps 16 splits).
 
     ``q`` ``(B, H, 1, Dh)`` contiguous; ``k_cache``/``v_cache`` ``(B_max, Hkv, S, Dh)`` contiguous, same
     dtype as ``q``; row ``b`` attends to its keys ``0..input_pos[b]`` (``input_pos (B,)`` int64, the
@@ -424,17 +440,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     rep = h // hkv
     n_blocks = -(-kv_len // block_n)
     nsplit = min(max_splits, _next_pow2(n_blocks))
+    budget = cta_budget if cta_budget is not None else ATTENTION_CTA_BUDGET or _cta_budget(q.device)
+    while nsplit > 1 and b * hkv * nsplit > budget:
+        nsplit //= 2
     chunk = block_n * -(-n_blocks // nsplit)
-    part = torch.empty(b * h, nsplit, dh, dtype=torch.float32, device=q.device)
-    m = torch.empty(b * h, nsplit, dtype=torch.float32, device=q.device)
-    lse = torch.empty(b * h, nsplit, dtype=torch.float32, device=q.device)
+    y = torch.empty_like(q)
+    parts = 1 if nsplit == 1 else nsplit  # one split: the kernel writes y; the partials are not read
+    part = torch.empty(b * h if nsplit > 1 else 1, parts, dh, dtype=torch.float32, device=q.device)
+    m = torch.empty(b * h if nsplit > 1 else 1, parts, dtype=torch.float32, device=q.device)
+    lse = torch.empty_like(m)
     split_k, combine = _kernels()[3], _kernels()[4]
-    split_k[(b * hkv, nsplit)](q, k_cache, v_cache, input_pos, part, m, lse, h, hkv, s, chunk,
+    split_k[(b * hkv, nsplit)](q, k_cache, v_cache, input_pos, part, m, lse, y, h, hkv, s, chunk,
                                dh ** -0.5 if scale is None else float(scale), window or 0,
                                REP=rep, REP_PAD=max(16, _next_pow2(rep)), HEAD_DIM=dh, BLOCK_N=block_n,
                                NSPLIT=nsplit, HAS_WINDOW=window is not None, num_warps=4)
-    y = torch.empty_like(q)
-    combine[(b * h,)](part, m, lse, y, HEAD_DIM=dh, NSPLIT=nsplit, num_warps=1)
+    if nsplit > 1:
+        combine[(b * h,)](part, m, lse, y, HEAD_DIM=dh, NSPLIT=nsplit, num_warps=1)
     return y
 
 
@@ -458,9 +479,10 @@ def _counters(n: int, device: torch.device) -> torch.Tensor:
 
 @functools.cache
 def _cta_budget(device: torch.device) -> int:
-    """CTAs :func:`rope_decode_attention` aims for at most (about four per SM: one wave at its occupancy); its
-    splits of the keys are halved until ``rows x KV heads x splits`` fits (each split's CTA waits for its
-    partials to land and bumps a counter, a cost paid per wave). 528 (an H200's 132 SMs) off CUDA."""
+    """CTAs :func:`decode_attention` and :func:`rope_decode_attention` aim for at most (about four per SM:
+    one wave at their occupancy); their splits of the keys are halved until ``rows x KV heads x splits``
+    fits (each split costs a CTA's set-up, partials and their combine; in the one-kernel form also a wait
+    for the partials to land and a counter, a cost paid per wave). 528 (an H200's 132 SMs) off CUDA."""
     if device.type != "cuda":
         return 4 * 132
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count

@@ -173,13 +173,18 @@ ATTN_SCRIPT = """
     from edgevlm.runtime.kernels.decode_fused import decode_attention
     torch.manual_seed(0)
     out = []
-    for b, h, hkv, dh, s, kv_len, pos, dtype in [(1, 4, 2, 16, 64, 40, [17], torch.float32),
-                                                (2, 8, 2, 32, 300, 300, [0, 299], torch.float32),
-                                                (3, 4, 4, 16, 2048, 1100, [1099, 5, 640], torch.float16)]:
+    # budget: CTAs aimed for (None: the device's); 1 and 4 force one split (no combine) and two splits
+    for b, h, hkv, dh, s, kv_len, pos, dtype, budget in [
+            (1, 4, 2, 16, 64, 40, [17], torch.float32, None),
+            (2, 8, 2, 32, 300, 300, [0, 299], torch.float32, None),
+            (3, 4, 4, 16, 2048, 1100, [1099, 5, 640], torch.float16, None),
+            (2, 8, 2, 32, 300, 300, [0, 299], torch.float32, 1),
+            (3, 4, 4, 16, 2048, 1100, [1099, 5, 640], torch.float16, 1),
+            (2, 8, 2, 32, 300, 300, [7, 250], torch.float32, 8)]:
         q = torch.randn(b, h, 1, dh).to(dtype)
         k = torch.randn(b + 1, hkv, s, dh).to(dtype)
         v = torch.randn(b + 1, hkv, s, dh).to(dtype)
-        y = decode_attention(q, k, v, torch.tensor(pos), kv_len, block_n=16 if dh == 16 else 32)
+        y = decode_attention(q, k, v, torch.tensor(pos), kv_len, block_n=16 if dh == 16 else 32, cta_budget=budget)
         rep = h // hkv
         ref = torch.stack([torch.nn.functional.scaled_dot_product_attention(
             q[i].double(), k[i, :, : pos[i] + 1].double().repeat_interleave(rep, 0),
@@ -192,8 +197,10 @@ ATTN_SCRIPT = """
 @needs_triton
 def test_decode_attention_matches_float64_in_the_interpreter():
     """GQA (rep 2 and 4) and plain heads, rows at different positions, a kv_len that is not a
-    multiple of the key block, positions 0 and kv_len - 1; fp32 and fp16."""
+    multiple of the key block, positions 0 and kv_len - 1; fp32 and fp16; the keys in up to 16
+    splits, in two, and in one (the output written without the combine kernel)."""
     res = run_interpreted(ATTN_SCRIPT)
+    assert len(res["rel"]) == 6
     for err, finite, dtype in res["rel"]:
         assert finite and err < (1e-5 if dtype == "torch.float32" else 2e-3), (err, dtype)
 
