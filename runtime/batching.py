@@ -317,7 +317,7 @@ class ContinuousBatcher:
                                              rows, spare_rows=free[len(reqs):])  # (n, V)
             deltas = [0] * len(reqs)
         else:
-            logits, deltas = self._prefill_rows(reqs, rows, feat_of, info_of, state_of)
+            logits, deltas = self._prefill_rows(reqs, rows, feat_of, info_of, state_of, spare_rows=free[len(reqs):])
         be.synchronize()
         t_prefill = self.clock()
         self._observe_cost(len(reqs) * max(len(r.input_ids) for r in reqs), t_prefill - now)
@@ -335,9 +335,11 @@ class ContinuousBatcher:
         return self._consume(logits, [self._rows[row] for row in rows], first=True)
 
     def _prefill_rows(self, reqs: list[GenerationRequest], rows: list[int], feat_of: dict[int, torch.Tensor],
-                      info_of: dict[int, Any], state_of: dict[int, Any]) -> tuple[torch.Tensor, list[int]]:
+                      info_of: dict[int, Any], state_of: dict[int, Any], spare_rows: list[int] | None = None
+                      ) -> tuple[torch.Tensor, list[int]]:
         """Prefill a group embedded row by row (any family: M-RoPE positions, DeepStack states, pruned
-        tokens). Returns the last logits ``(n, V)`` and each row's RoPE offset."""
+        tokens; a CUDA-graph replay on the torch backend, whose padding rows may fill ``spare_rows``,
+        free cache rows). Returns the last logits ``(n, V)`` and each row's RoPE offset."""
         be = self.backend
         embeds, ids_of, positions, deltas = [], [], [], []
         for i, r in enumerate(reqs):
@@ -354,6 +356,8 @@ class ContinuousBatcher:
             extra["position_ids"] = positions
         if state_of:
             extra.update(input_ids=ids_of, vision_states=[state_of.get(i) for i in range(len(reqs))])
+        if spare_rows:
+            extra["spare_rows"] = spare_rows
         return be.prefill_batch(embeds, rows, **extra), deltas  # (n, V)
 
     def _encode(self, reqs: list[GenerationRequest]

@@ -132,6 +132,23 @@ def prefill_masks(t: int, image_blocks: torch.Tensor | None, sliding_window: int
     return full, sliding
 
 
+def add_at_mask(x: torch.Tensor, mask: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(B, T, D)`` with ``feats`` ``(N, D)`` added at the True positions of ``mask`` ``(B, T)``
+    bool in row-major order (the k-th True position gets ``feats[k]``, cast to ``x``'s dtype; rows of
+    ``feats`` past the mask count are unused) -> a new ``(B, T, D)``: ``h[mask] += feats``.
+
+    Without a host sync (a CUDA graph captures it): boolean indexing counts the mask on the host,
+    so the rows are gathered by the mask's running count instead. The sums are those of
+    ``index_put(..., accumulate=True)`` (one ``x + f`` rounding per position); other positions keep
+    ``x`` exactly. A mask count above N reads ``feats[N - 1]`` again (callers check the counts)."""
+    n = feats.shape[0]
+    if n == 0:
+        return x
+    src = (torch.cumsum(mask.reshape(-1), 0) - 1).clamp_(0, n - 1)  # (B*T,) int64: feature row per position
+    gathered = feats.to(x.dtype).index_select(0, src).view(x.shape)  # (B, T, D)
+    return torch.where(mask[..., None], x + gathered, x)
+
+
 def sliding_decode_mask(input_pos: torch.Tensor, kv_len: int, sliding_window: int) -> torch.Tensor:
     """:func:`~edgevlm.runtime.kv_cache.decode_mask` restricted to a sliding window: key position
     ``k`` visible to a query at position ``p`` when ``p - sliding_window < k <= p``; ``(1, 1, T,
@@ -536,7 +553,8 @@ class Decoder(nn.Module):
           the ``rope_delta`` of the prompt). Position + offset must stay within the tables
           (``max_seq_len``, twice that with ``mrope_section``).
         * ``layer_adds``: per decoder layer ``i`` (list index), None or ``(mask (B, T) bool, feats
-          (N, D))``: after layer ``i``, ``h[mask] += feats`` (DeepStack, Qwen3-VL), N = mask count.
+          (N, D))``: after layer ``i``, ``h[mask] += feats`` (DeepStack, Qwen3-VL), N >= the mask
+          count (rows past it unused: a captured prefill pads them), see :func:`add_at_mask`.
         * ``image_blocks``: prefill only, ``(B, T)`` int64: tokens sharing an id >= 0 attend to each
           other in both directions (Gemma 3's image tokens, transformers' ``block_sequence_ids``);
           -1 = causal. See :func:`prefill_masks`.
@@ -605,7 +623,7 @@ class Decoder(nn.Module):
                 x = layer(x, c, s, input_pos, m, rows, ss, fresh, lengths)
             add = layer_adds[i] if layer_adds is not None and i < len(layer_adds) else None
             if add is not None:
-                x = x.index_put((add[0],), add[1].to(x.dtype), accumulate=True)  # h[mask] += feats
+                x = add_at_mask(x, add[0], add[1])  # h[mask] += feats
         if not all_logits and last_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last_index][:, None]  # (B, 1, D)
         elif not all_logits:
@@ -811,13 +829,35 @@ class DecoderVLM(nn.Module):
         ``kwargs``: its KV precision and layout options)."""
         self.language_model.setup_caches(max_batch_size, max_seq_len, **kwargs)
 
-    # ---- batched prefill (continuous batching, edgevlm.runtime.batching) -----------------------
-    def prefill_graphable(self) -> bool:
-        """Whether the next ``prefill(embeds)`` (no ``position_ids``) is the decoder's plain causal
-        prefill from slot 0, i.e. ``language_model.prefill_batch`` of one row at the slots, which a
-        backend may replay from a CUDA graph (:mod:`edgevlm.runtime.prefill_graphs`). False here: a
-        family says so itself (side state, M-RoPE, bidirectional image attention keep it eager)."""
-        return False
+    # ---- prefill: one prompt, or several in cache rows (continuous batching) ---------------------
+    def prefill_inputs(self, embeds: torch.Tensor, position_ids: torch.Tensor | None = None) -> dict:
+        """The decoder hooks of the prefill of ``embeds`` ``(1, T, D)`` (the result of this model's
+        last ``embed``) from slot 0, as :meth:`Decoder.prefill_batch` keyword arguments for that one
+        row: ``rope`` ``(cos, sin)`` ``(1, T, Dh)`` float32 (RoPE at positions other than the slots),
+        ``layer_adds`` (per layer None or ``(mask (1, T) bool, feats (N, D))``, DeepStack) and
+        ``image_blocks`` ``(1, T)`` int64 (bidirectional image attention); a key is absent where the
+        hook is unused. Side state the family kept for this prefill (DeepStack features, pruned
+        positions, image runs) is handed over and forgotten, exactly as :meth:`prefill` does: the
+        two are one code path, so a backend running ``Decoder.prefill_batch`` itself (a CUDA graph,
+        :mod:`edgevlm.runtime.prefill_graphs`) computes what :meth:`prefill` would.
+
+        Here: ``position_ids`` (M-RoPE ``(3, 1, T)``) -> the :meth:`rope_tables` at them, None -> no
+        hooks. Raises ``ValueError`` where the family takes no ``position_ids`` (1-D RoPE) or the
+        side state does not match ``embeds``."""
+        if position_ids is None:
+            return {}
+        cos, sin = self.rope_tables(position_ids)  # (T, Dh) each
+        return {"rope": (cos[None].float(), sin[None].float())}
+
+    def prefill(self, embeds: torch.Tensor, *, position_ids: torch.Tensor | None = None,
+                all_logits: bool = False) -> torch.Tensor:
+        """Run the prompt ``embeds`` ``(B, T, D)`` (B = 1 but for LLaVA's plain prompts) from slot 0
+        into the KV cache -> the last logits ``(B, V)``, or ``(B, T, V)`` with ``all_logits``, in
+        the weights' dtype. ``position_ids``: the family's (M-RoPE ``(3, 1, T)``; None = the slots);
+        the family's hooks and side state come from :meth:`prefill_inputs` (see there for errors)."""
+        hooks = self.prefill_inputs(embeds, position_ids)
+        input_pos = torch.arange(embeds.shape[1], device=embeds.device)
+        return self.language_model(embeds, input_pos, prefill=True, all_logits=all_logits, **hooks)
 
     def take_vision_state(self):
         """Side features the last :meth:`encode_vision` kept for the next prefill, handed over and
@@ -855,17 +895,18 @@ class DecoderVLM(nn.Module):
         None = causal, as for every family but Gemma 3."""
         return None
 
-    def prefill_batch(self, embeds: list[torch.Tensor], rows: torch.Tensor, *,
-                      input_ids: list[torch.Tensor] | None = None,
-                      position_ids: list[torch.Tensor | None] | None = None,
-                      vision_states: list | None = None) -> torch.Tensor:
-        """Prefill several prompts at once into cache ``rows`` ``(B,)`` int64 (each from slot 0):
-        ``embeds`` ``(1, T_i, D)`` each (right-padded to the longest), ``input_ids`` ``(1, T_i)``
-        each (needed only with ``vision_states``), ``position_ids`` per row: the family's
-        ``position_ids`` (M-RoPE ``(3, 1, T_i)``; None = the slots), ``vision_states`` per row: its
-        :meth:`take_vision_state`. Returns each prompt's last logits ``(B, V)``; the same numbers
-        as one :meth:`prefill` per prompt up to float reassociation (rows never attend to each other
-        or to padding: causal attention over right padding)."""
+    def prefill_batch_inputs(self, embeds: list[torch.Tensor], rows: torch.Tensor, *,
+                             input_ids: list[torch.Tensor] | None = None,
+                             position_ids: list[torch.Tensor | None] | None = None,
+                             vision_states: list | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+        """The arguments of :meth:`Decoder.prefill_batch` for the prompts of :meth:`prefill_batch`
+        (same arguments): ``(embeds (B, T, D) right-padded with zeros to the longest, lengths (B,)
+        int64, rows (B,) int64, hooks)``, all on the embeddings' device; ``hooks`` holds the present
+        ones of ``rope`` ``(cos, sin)`` ``(B, T, Dh)`` float32 (a row without tables: the decoder's
+        own at the slots; padding zeros), ``layer_adds`` (:meth:`batch_layer_adds`) and
+        ``image_blocks`` ``(B, T)`` (:meth:`batch_image_blocks`, padding -1). Raises ``ValueError``
+        where a family's state and its row disagree."""
         lm = self.language_model
         n = len(embeds)
         lengths = [e.shape[1] for e in embeds]
@@ -875,7 +916,7 @@ class DecoderVLM(nn.Module):
         ropes = [self.row_rope(input_ids[i] if input_ids is not None else None,
                                position_ids[i] if position_ids is not None else None,
                                vision_states[i] if vision_states is not None else None) for i in range(n)]
-        rope = None
+        hooks: dict = {}
         if any(r is not None for r in ropes):
             slots = torch.arange(t, device=dev)
             cos_rows, sin_rows = [], []
@@ -887,14 +928,28 @@ class DecoderVLM(nn.Module):
                     cos, sin = F.pad(cos, (0, 0, 0, t - length)), F.pad(sin, (0, 0, 0, t - length))
                 cos_rows.append(cos)
                 sin_rows.append(sin)
-            rope = torch.stack(cos_rows), torch.stack(sin_rows)  # (B, T, Dh) each
-        layer_adds = image_blocks = None
+            hooks["rope"] = torch.stack(cos_rows), torch.stack(sin_rows)  # (B, T, Dh) each
         if vision_states is not None and any(s is not None for s in vision_states):
             ids = torch.cat([F.pad(i.to(dev), (0, t - i.shape[1]), value=-1) for i in input_ids])  # (B, T)
             layer_adds = self.batch_layer_adds(ids, vision_states)
             image_blocks = self.batch_image_blocks(ids, vision_states)
-        if image_blocks is None:
-            return lm.prefill_batch(x, torch.tensor(lengths, device=dev), rows.to(dev)[:n], rope=rope,
-                                    layer_adds=layer_adds)
-        return lm.prefill_batch(x, torch.tensor(lengths, device=dev), rows.to(dev)[:n], rope=rope,
-                                layer_adds=layer_adds, image_blocks=image_blocks)
+            if layer_adds is not None:
+                hooks["layer_adds"] = layer_adds
+            if image_blocks is not None:
+                hooks["image_blocks"] = image_blocks
+        return x, torch.tensor(lengths, device=dev), rows.to(dev)[:n], hooks
+
+    def prefill_batch(self, embeds: list[torch.Tensor], rows: torch.Tensor, *,
+                      input_ids: list[torch.Tensor] | None = None,
+                      position_ids: list[torch.Tensor | None] | None = None,
+                      vision_states: list | None = None) -> torch.Tensor:
+        """Prefill several prompts at once into cache ``rows`` ``(B,)`` int64 (each from slot 0):
+        ``embeds`` ``(1, T_i, D)`` each (right-padded to the longest), ``input_ids`` ``(1, T_i)``
+        each (needed only with ``vision_states``), ``position_ids`` per row: the family's
+        ``position_ids`` (M-RoPE ``(3, 1, T_i)``; None = the slots), ``vision_states`` per row: its
+        :meth:`take_vision_state`. Returns each prompt's last logits ``(B, V)``; the same numbers
+        as one :meth:`prefill` per prompt up to float reassociation (rows never attend to each other
+        or to padding: causal attention over right padding). See :meth:`prefill_batch_inputs`."""
+        x, lengths, rows, hooks = self.prefill_batch_inputs(embeds, rows, input_ids=input_ids,
+                                                            position_ids=position_ids, vision_states=vision_states)
+        return self.language_model.prefill_batch(x, lengths, rows, **hooks)

@@ -11,10 +11,10 @@ cloud profiles):
   (:mod:`edgevlm.runtime.cuda_graphs`), and so does the vision tower of families that offer it
   (``enable_vision_graphs``, :mod:`edgevlm.runtime.vision_graphs`) and LLaVA's tower (one graph per
   input size and batch bucket); a prefill replays one per rows and length bucket
-  (:mod:`edgevlm.runtime.prefill_graphs`): the batched prefill of plain images, and a single
-  request's prefill where the family's is the decoder's plain causal one
-  (``DecoderVLM.prefill_graphable``: LLaVA without pruned positions, SmolVLM, InternVL). Ignored
-  on CPU (eager). A 7B prefill launched eagerly is bound by the host's kernel launches; replayed,
+  (:mod:`edgevlm.runtime.prefill_graphs`) for every family, a single request's and the batched
+  rows' alike, the family's hooks (M-RoPE tables, Qwen3-VL's DeepStack, Gemma 3's image blocks,
+  pruned LLaVA tokens' positions: ``DecoderVLM.prefill_inputs`` / ``prefill_batch_inputs``) as
+  graph inputs. Ignored on CPU (eager). A 7B prefill launched eagerly is bound by the host's kernel launches; replayed,
   by the GPU (``bench/ttft_breakdown.py``).
 * ``kv_cache_dtype``: ``bf16``/``fp16``/``fp32``/``int4``/``fp8_e4m3`` (default: the model dtype),
   see :mod:`edgevlm.runtime.kv_cache`.
@@ -110,7 +110,7 @@ class TorchBackend(Backend):
         self._pos = torch.zeros(1, dtype=torch.long, device=self.device)  # eager decode input buffers
         # encode_images' pinned host staging per image shape, with the event of its last copy to the device
         self._pinned: dict[tuple, tuple[torch.Tensor, torch.cuda.Event]] = {}
-        self._prefill_graphs = None  # PrefillGraphs of prefill_images_batch (CUDA graphs on), made on first use
+        self._prefill_graphs = None  # PrefillGraphs of every prefill (CUDA graphs on), made on first use
         self._vision_forwards: dict = {}  # normalisation (None: float pixels) -> the batched encode's forward
         self._vision_graphs: dict = {}  # normalisation -> VisionGraphs of that forward (CUDA graphs on)
         self._no_grid = torch.zeros((1, 3), dtype=torch.long)  # VisionGraphs' grid key: LLaVA has none
@@ -234,29 +234,45 @@ class TorchBackend(Backend):
     @torch.inference_mode()
     def prefill(self, embeds: torch.Tensor, *, operating_point: OperatingPoint | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """See :meth:`Backend.prefill`: ``embeds`` ``(1, T, D)`` (the model's last ``embed``) from slot 0
+        with the family's ``position_ids`` -> the last logits ``(1, V)``. With ``cuda_graphs`` a
+        replay of the prefill graph of one row for every family (:meth:`_replay_prefill`).
+
+        Raises ValueError: a prompt past the KV cache, or what the model's ``prefill`` refuses."""
         if embeds.shape[1] > self.max_seq_len:
             raise ValueError(f"prefill of {embeds.shape[1]} positions exceeds the KV cache ({self.max_seq_len})")
-        if position_ids is None and self.graphs is not None and embeds.shape[0] == 1 and \
-                getattr(self.model, "prefill_graphable", lambda: False)():
-            return self._graph_prefill(embeds)  # (1, V)
+        graphs = self._prefill_graphs_for_device()
+        prefill_inputs = getattr(self.model, "prefill_inputs", None)
+        if graphs is not None and prefill_inputs is not None and embeds.shape[0] == 1:
+            # the family's hooks of this prefill (its pending side state handed over, as its prefill does)
+            hooks = prefill_inputs(embeds, position_ids)
+            meta = self._single_meta
+            meta[0].fill_(embeds.shape[1])  # lengths (1,); rows (1,) = 0
+            return self._replay_prefill(graphs, embeds, meta[0], meta[1], hooks)  # (1, V)
         if position_ids is None:
             return self.model.prefill(embeds)  # (1, V)
         return self.model.prefill(embeds, position_ids=position_ids)
 
-    def _graph_prefill(self, embeds: torch.Tensor) -> torch.Tensor:
-        """A single prompt's plain prefill ``(1, T, D)`` into cache row 0 as a replay of the batched
-        prefill's graph for one row (right-padded to the length bucket: causal attention keeps the
-        padding out of the real positions, and decode overwrites the cache slots it fills before it
-        attends to them) -> the last logits ``(1, V)``."""
-        from edgevlm.runtime.prefill_graphs import length_bucket
+    def _replay_prefill(self, graphs, embeds: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, hooks: dict,
+                        spare_rows: list[int] | None = None) -> torch.Tensor:
+        """``Decoder.prefill_batch(embeds (n, T, D), lengths (n,), rows (n,), **hooks)`` (the
+        family's ``prefill_inputs`` / ``prefill_batch_inputs``) as a replay of ``graphs``: padded to
+        the rows and length buckets (:func:`~edgevlm.runtime.prefill_graphs.pad_prefill`; padding
+        rows go to ``spare_rows``, cache rows holding no request, else repeat the last prompt into
+        its own row) -> the last logits ``(n, V)``. ``rows`` may be on the device (n = 1 needs no
+        padding row); with padding rows it is read on the host."""
+        from edgevlm.runtime.prefill_graphs import length_bucket, pad_prefill, rows_bucket
 
-        t = embeds.shape[1]
-        padded = length_bucket(t, self.max_seq_len)
-        if padded > t:
-            embeds = torch.nn.functional.pad(embeds, (0, 0, 0, padded - t))
-        meta = self._single_meta
-        meta[0].fill_(t)  # lengths (1,), rows (1,) = 0
-        return self._prefill_graphs_for_device()(embeds, meta[0], meta[1])
+        n, t = embeds.shape[:2]
+        pad_rows = rows_bucket(n) - n
+        extra: list[int] = []
+        if pad_rows:
+            taken = set(rows.tolist())
+            extra = [r for r in (spare_rows or []) if r not in taken][:pad_rows]
+            extra += [int(rows[-1])] * (pad_rows - len(extra))
+        embeds, lengths, rows, hooks = pad_prefill(embeds, lengths, rows, hooks, length_bucket(t, self.max_seq_len),
+                                                   extra)
+        return graphs(embeds, lengths, rows, **hooks)[:n]
 
     @torch.inference_mode()
     def decode(self, token_id: int, pos: int, *, operating_point: OperatingPoint | None = None,
@@ -372,11 +388,14 @@ class TorchBackend(Backend):
     def prefill_batch(self, embeds: list[torch.Tensor], rows: list[int], *,
                       input_ids: list[torch.Tensor] | None = None,
                       position_ids: list[torch.Tensor | None] | None = None,
-                      vision_states: list | None = None) -> torch.Tensor:
+                      vision_states: list | None = None, spare_rows: list[int] | None = None) -> torch.Tensor:
         """Prefill several prompts ``(1, T_i, D)`` into cache rows ``rows`` (right-padded to the
         longest); returns each prompt's last logits ``(n, V)``. Per prompt, optionally: its ids
         ``(1, T_i)``, its :meth:`position_ids` (M-RoPE ``(3, 1, T_i)`` or None) and its
-        :meth:`encode_vision_state` state (see the model's ``prefill_batch``).
+        :meth:`encode_vision_state` state (see the model's ``prefill_batch``). With ``cuda_graphs``
+        a replay of the prefill graph of the rows and length buckets (every family: the model's
+        ``prefill_batch_inputs`` as graph inputs); ``spare_rows``: cache rows holding no request,
+        which the bucket's padding rows may fill (else they repeat the last prompt into its row).
 
         Raises ValueError: counts that disagree, a prompt past the KV cache, rows outside it."""
         if len(embeds) != len(rows) or not embeds:
@@ -392,8 +411,14 @@ class TorchBackend(Backend):
             raise ValueError(f"prefill of {t} positions exceeds the KV cache ({self.max_seq_len})")
         if max(rows) >= self.max_batch_size or min(rows) < 0:
             raise ValueError(f"cache rows {rows} outside 0..{self.max_batch_size - 1}")
-        return self.model.prefill_batch(embeds, torch.tensor(rows, device=self.device), input_ids=input_ids,
-                                        position_ids=position_ids, vision_states=vision_states)
+        rows_dev = torch.tensor(rows, device=self.device)
+        graphs = self._prefill_graphs_for_device()
+        if graphs is None or not hasattr(self.model, "prefill_batch_inputs"):
+            return self.model.prefill_batch(embeds, rows_dev, input_ids=input_ids, position_ids=position_ids,
+                                            vision_states=vision_states)
+        x, lengths, rows_dev, hooks = self.model.prefill_batch_inputs(
+            embeds, rows_dev, input_ids=input_ids, position_ids=position_ids, vision_states=vision_states)
+        return self._replay_prefill(graphs, x, lengths, rows_dev, hooks, spare_rows)  # (n, V)
 
     @torch.inference_mode()
     def prefill_images_batch(self, input_ids: list[list[int]], image_features: list[torch.Tensor],
@@ -453,16 +478,15 @@ class TorchBackend(Backend):
         return self.model.language_model.prefill_batch(embeds, meta_dev[:m], meta_dev[m:])  # (n, V)
 
     def _prefill_graphs_for_device(self):
-        """The :class:`~edgevlm.runtime.prefill_graphs.PrefillGraphs` of :meth:`prefill_images_batch`
-        (CUDA graphs on), made on first use; None = eager."""
+        """The :class:`~edgevlm.runtime.prefill_graphs.PrefillGraphs` of every prefill (:meth:`prefill`,
+        :meth:`prefill_batch`, :meth:`prefill_images_batch`; CUDA graphs on), made on first use;
+        None = eager."""
         if self.graphs is None:
             return None
         if self._prefill_graphs is None:
             from edgevlm.runtime.prefill_graphs import PrefillGraphs
 
-            lm = self.model.language_model
-            self._prefill_graphs = PrefillGraphs(lambda e, lengths, rows: lm.prefill_batch(e, lengths, rows),
-                                                 self.device)
+            self._prefill_graphs = PrefillGraphs(self.model.language_model.prefill_batch, self.device)
         return self._prefill_graphs
 
     @torch.inference_mode()

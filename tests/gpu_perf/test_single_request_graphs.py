@@ -1,8 +1,9 @@
 """A single request's vision encode and prefill replay CUDA graphs (TorchBackend.encode_image /
 encode_vision / prefill with ``cuda_graphs``): the same answer as the eager path, graphs reused per
-length bucket, and the families or operating points whose prefill is not the plain causal one (pruned
-positions, Gemma 3's image blocks, M-RoPE) stay eager. The ``prefill_graphable`` flags are checked on
-CPU; the CUDA parts skip without a GPU."""
+length bucket; a pruned operating point (its tokens at their unpruned RoPE positions) replays a graph
+of its own with the RoPE tables as an input. Every family's hooks: ``test_prefill_graphs_families.py``.
+What the families hand the graph (``prefill_inputs``) is checked on CPU; the CUDA parts skip without a
+GPU."""
 
 from __future__ import annotations
 
@@ -23,28 +24,35 @@ def _family(name: str, device: str):
     return ours, files, make_request
 
 
-def test_llava_prefill_is_graphable_unless_pruned_positions_are_pending(make_backend):
+def test_llava_prefill_inputs_hand_over_pruned_positions(make_backend):
     from edgevlm.types import OperatingPoint
 
     be = make_backend()
     model = be.model
     ids, px = make_prompt(3, 6)
-    assert model.prefill_graphable()
+    assert model.prefill_inputs(model.embed(torch.tensor([ids]), model.encode_image(px))) == {}
     feats, _ = model.encode_image_adaptive(px, OperatingPoint(name="p", keep_ratio=0.5))
     n_kept = feats.shape[1]
     pruned_ids = [i for i in ids if i != 4][:3] + [4] * n_kept + [i for i in ids if i != 4][3:]
     embeds = model.embed(torch.tensor([pruned_ids]), feats)
-    assert not model.prefill_graphable()  # the pruned tokens' RoPE positions wait for this prefill
-    be.prefill(embeds)
-    assert model.prefill_graphable()
+    hooks = model.prefill_inputs(embeds)  # the pruned tokens' RoPE positions, handed over
+    assert set(hooks) == {"rope"} and hooks["rope"][0].shape == (1, len(pruned_ids), model.cfg.text.head_dim)
+    assert model.prefill_inputs(embeds) == {}
 
 
-@pytest.mark.parametrize("name, graphable", [("tiny-smolvlm", True), ("tiny-internvl", True),
-                                             ("tiny-gemma3", False), ("tiny-qwen2.5-vl", False),
-                                             ("tiny-qwen3-vl", False)])
-def test_family_prefill_graphable_flags(name, graphable):
-    ours, _, _ = _family(name, "cpu")
-    assert ours.prefill_graphable() is graphable
+@pytest.mark.parametrize("name, hooks", [("tiny-smolvlm", set()), ("tiny-internvl", set()),
+                                         ("tiny-gemma3", {"image_blocks"}), ("tiny-qwen2.5-vl", {"rope"}),
+                                         ("tiny-qwen3-vl", {"rope", "layer_adds"})])
+def test_family_prefill_inputs(name, hooks):
+    ours, files, make_request = _family(name, "cpu")
+    ids, vision = make_request(files, (64, 64), n_text=12)
+    embeds = ours.embed(ids, ours.encode_vision(vision))
+    pos, _ = ours.position_ids(ids, vision)
+    assert set(ours.prefill_inputs(embeds, pos)) == hooks
+    if pos is None:  # 1-D RoPE: no positions taken; a text-only prompt is the plain causal prefill
+        with pytest.raises(ValueError, match="1-D RoPE"):
+            ours.prefill_inputs(embeds, torch.zeros(3, 1, ids.shape[1], dtype=torch.long))
+        assert ours.prefill_inputs(ours.embed(ids)) == {}
 
 
 @needs_cuda
@@ -75,14 +83,21 @@ def test_single_request_graphs_equal_eager_on_cuda(perf_files):
     # one prefill graph per length bucket: all three prompts fit the first 64 positions
     assert len(graphed._prefill_graphs) == 1
     assert len(graphed._vision_graphs[None]) == 2  # two input sizes, one batch bucket
-    # a pruned operating point prefills eagerly (its tokens sit at their unpruned positions)
+    # a pruned operating point (its tokens at their unpruned positions) replays a graph with RoPE tables
     from edgevlm.types import OperatingPoint
 
     ids, px = prompts[0]
-    feats = graphed.encode_image(px, operating_point=OperatingPoint(name="p", keep_ratio=0.5))
-    pruned = [i for i in ids if i != 4][:3] + [4] * feats.shape[1] + [i for i in ids if i != 4][3:]
-    graphed.prefill(graphed.embed(torch.tensor([pruned], device="cuda"), feats))
-    assert len(graphed._prefill_graphs) == 1
+    op = OperatingPoint(name="p", keep_ratio=0.5)
+
+    def pruned_prefill(be):
+        feats = be.encode_image(px, operating_point=op)
+        pruned = [i for i in ids if i != 4][:3] + [4] * feats.shape[1] + [i for i in ids if i != 4][3:]
+        return be.prefill(be.embed(torch.tensor([pruned], device="cuda"), feats)).float().clone()
+
+    want = pruned_prefill(eager)
+    assert rel_err(pruned_prefill(graphed), want) < 2e-2
+    assert len(graphed._prefill_graphs) == 2 and not graphed._prefill_graphs._eager
+    assert rel_err(pruned_prefill(graphed), want) < 2e-2 and len(graphed._prefill_graphs) == 2  # replayed
 
 
 @needs_cuda

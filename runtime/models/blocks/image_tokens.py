@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 
 class ImageTokenVLM(DecoderVLM):
     """A :class:`~edgevlm.runtime.models.base.VLMModel` base: ``embed``, ``position_ids``,
-    ``prefill``, ``decode`` and ``forward`` for a model with ``cfg.image_token_id``,
-    ``language_model`` (the shared decoder) and its own ``encode_vision``."""
+    ``decode`` and ``forward`` for a model with ``cfg.image_token_id``, ``language_model`` (the
+    shared decoder) and its own ``encode_vision``; ``prefill`` is :meth:`DecoderVLM.prefill` (no
+    hooks: ``position_ids`` must be None, 1-D RoPE)."""
 
     def embed(self, input_ids: torch.Tensor, vision_features: torch.Tensor | None = None) -> torch.Tensor:
         """Token embeddings ``(1, T, D)`` for ``input_ids`` ``(1, T)`` with the image-token
@@ -41,20 +42,6 @@ class ImageTokenVLM(DecoderVLM):
     def position_ids(self, input_ids: torch.Tensor, vision: VisionInput | None = None) -> tuple[None, int]:
         """Plain 1-D RoPE: positions are the cache slots, ``(None, 0)``."""
         return None, 0
-
-    def prefill_graphable(self) -> bool:
-        """True: :meth:`prefill` is the decoder's plain causal prefill (1-D RoPE at the slots, no
-        side state), see :meth:`DecoderVLM.prefill_graphable`."""
-        return True
-
-    def prefill(self, embeds: torch.Tensor, *, position_ids: torch.Tensor | None = None,
-                all_logits: bool = False) -> torch.Tensor:
-        """Run the prompt ``embeds`` ``(1, T, D)`` from slot 0 into the KV cache -> logits ``(1, V)``
-        (``(1, T, V)`` with ``all_logits``). ``position_ids`` must be None (1-D RoPE)."""
-        if position_ids is not None:
-            raise ValueError(f"{type(self).__name__} uses 1-D RoPE: position_ids must be None")
-        input_pos = torch.arange(embeds.shape[1], device=embeds.device)
-        return self.language_model(embeds, input_pos, prefill=True, all_logits=all_logits)
 
     def decode(self, token_ids: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         """One decode step: ``token_ids`` ``(B, 1)`` int64 at cache slot ``input_pos`` ``(1,)`` -> ``(B, V)``."""

@@ -10,8 +10,8 @@ RoPE), so the INT4 bundles, KV-cache precisions and continuous batching reach it
 
 Attention is bidirectional among the tokens of one image during prefill (transformers'
 ``token_type_ids`` -> ``block_sequence_ids`` masks; causal elsewhere and in decode): :meth:`embed`
-records the image runs of the prompt it embeds (:func:`image_block_ids`) and :meth:`prefill` of those
-same embeddings hands them to the decoder as ``image_blocks``; in a batched prefill
+records the image runs of the prompt it embeds (:func:`image_block_ids`) and the prefill of those
+same embeddings (:meth:`Gemma3Model.prefill_inputs`) hands them to the decoder as ``image_blocks``; in a batched prefill
 (:meth:`batch_image_blocks`) they come from each row's ids, which the batcher passes because
 :meth:`take_vision_state` reports a state after every vision encode.
 
@@ -109,21 +109,15 @@ class Gemma3Model(ImageTokenVLM):
         self._pending = (weakref.ref(embeds), blocks) if blocks is not None else None
         return embeds
 
-    def prefill_graphable(self) -> bool:
-        """False: an image's tokens attend to each other in :meth:`prefill` (not the plain causal
-        prefill that :meth:`DecoderVLM.prefill_graphable` asks for); it runs eagerly."""
-        return False
-
-    def prefill(self, embeds: torch.Tensor, *, position_ids: torch.Tensor | None = None,
-                all_logits: bool = False) -> torch.Tensor:
-        """Run the prompt ``embeds`` ``(1, T, D)`` from slot 0 -> logits ``(1, V)`` (``(1, T, V)``
-        with ``all_logits``), each image's tokens attending to each other when ``embeds`` came from
-        :meth:`embed` with vision features (else causal). ``position_ids`` must be None (1-D RoPE)."""
+    def prefill_inputs(self, embeds: torch.Tensor, position_ids: torch.Tensor | None = None) -> dict:
+        """:meth:`DecoderVLM.prefill_inputs`: ``image_blocks`` ``(1, T)`` (each image's tokens attend
+        to each other) when ``embeds`` came from :meth:`embed` with vision features (handed over
+        and forgotten, :meth:`image_blocks_for`), else no hooks (causal). Raises ``ValueError`` for
+        ``position_ids`` (1-D RoPE)."""
         if position_ids is not None:
             raise ValueError("Gemma3Model uses 1-D RoPE: position_ids must be None")
-        input_pos = torch.arange(embeds.shape[1], device=embeds.device)
-        return self.language_model(embeds, input_pos, prefill=True, all_logits=all_logits,
-                                   image_blocks=self.image_blocks_for(embeds))
+        blocks = self.image_blocks_for(embeds)
+        return {} if blocks is None else {"image_blocks": blocks}
 
     def image_blocks_for(self, embeds: torch.Tensor) -> torch.Tensor | None:
         """The image runs ``(1, T)`` int64 (:func:`image_block_ids`) of the prompt whose embeddings

@@ -194,30 +194,20 @@ class LlavaModel(DecoderVLM):
         pos[slots] = start + original - pruned
         return pos
 
-    def prefill_graphable(self) -> bool:
-        """Whether the next :meth:`prefill` is the decoder's plain causal one (see
-        :meth:`DecoderVLM.prefill_graphable`): yes unless the last :meth:`embed` placed pruned vision
-        tokens at their unpruned RoPE positions."""
-        return self._rope_positions is None
-
-    def prefill(self, embeds: torch.Tensor, *, position_ids: torch.Tensor | None = None,
-                all_logits: bool = False) -> torch.Tensor:
-        """Run the prompt ``embeds`` ``(B, T, D)`` from slot 0 into the KV cache; returns the last
-        logits ``(B, V)`` (or ``(B, T, V)`` with ``all_logits``). ``position_ids`` ``(T,)``: RoPE
-        positions other than the slots (None: the slots, or the unpruned positions that the last
-        pruned :meth:`embed` left)."""
+    def prefill_inputs(self, embeds: torch.Tensor, position_ids: torch.Tensor | None = None) -> dict:
+        """:meth:`DecoderVLM.prefill_inputs` of a prefill of ``embeds`` ``(B, T, D)`` from slot 0:
+        ``rope`` ``(1, T, Dh)`` float32 at ``position_ids`` ``(T,)`` when given, else at the unpruned
+        positions that the last pruned :meth:`embed` left (handed over and forgotten): pruned
+        vision tokens keep their unpruned RoPE distances (keys are cached already rotated, and
+        decoding resumes at slot T with the normal tables); no hooks otherwise (the slots)."""
         t = embeds.shape[1]
-        input_pos = torch.arange(t, device=embeds.device)
         positions, self._rope_positions = self._rope_positions, None
         if position_ids is not None:
             positions = position_ids.reshape(-1).to(embeds.device)
-        dec = self.language_model
         if positions is None or positions.shape[0] != t:
-            return dec(embeds, input_pos, prefill=True, all_logits=all_logits)
-        # pruned vision tokens: RoPE at the chosen positions gives them their unpruned distances;
-        # keys are cached already rotated, and decoding resumes at slot T with the normal tables.
-        rope = rope_cos_sin(dec.inv_freq, positions)  # (T, Dh) float32 each
-        return dec(embeds, input_pos, prefill=True, all_logits=all_logits, rope=rope)
+            return {}
+        cos, sin = rope_cos_sin(self.language_model.inv_freq, positions)  # (T, Dh) float32 each
+        return {"rope": (cos[None], sin[None])}
 
     # ---- batched prefill (edgevlm.runtime.batching) ---------------------------------------------
     def take_vision_state(self) -> tuple[list[int], int, int] | None:

@@ -120,16 +120,6 @@ class Qwen25VLModel(DecoderVLM):
         device = lm.embed_tokens.weight.device
         return cos.to(device), sin.to(device)
 
-    def prefill(self, embeds: torch.Tensor, *, position_ids: torch.Tensor | None = None,
-                all_logits: bool = False) -> torch.Tensor:
-        """Fill cache slots ``0..T-1`` from ``embeds`` ``(1, T, D)``; logits ``(1, V)`` of the last
-        position, or ``(1, T, V)`` with ``all_logits``. ``position_ids`` ``(3, 1, T)``: M-RoPE
-        positions (None = slots)."""
-        t = embeds.shape[1]
-        input_pos = torch.arange(t, device=embeds.device)
-        rope = None if position_ids is None else self.rope_tables(position_ids)
-        return self.language_model(embeds, input_pos, prefill=True, all_logits=all_logits, rope=rope)
-
     def decode(self, token_ids: torch.Tensor, input_pos: torch.Tensor,
                rope_offset: int | torch.Tensor = 0) -> torch.Tensor:
         """One step: ``token_ids`` ``(B, 1)`` at cache slot ``input_pos`` ``(1,)`` (or ``(B,)``) ->

@@ -131,23 +131,20 @@ class Qwen3VLModel(DecoderVLM):
         return pos[:, None].to(input_ids.device), rope_delta
 
     # ---- decoder --------------------------------------------------------------------------------
-    def prefill(self, embeds: torch.Tensor, *, position_ids: torch.Tensor | None = None,
-                all_logits: bool = False) -> torch.Tensor:
-        """Prefill from cache slot 0: ``embeds`` ``(1, T, D)``, M-RoPE ``position_ids`` ``(3, 1, T)``
-        (None = 1-D positions) -> logits ``(1, V)`` (``(1, T, V)`` with ``all_logits``). The DeepStack
-        features of the last :meth:`encode_vision` are added at the vision positions of the last
-        :meth:`embed` (consumed: a later text-only prefill gets none)."""
+    def prefill_inputs(self, embeds: torch.Tensor, position_ids: torch.Tensor | None = None) -> dict:
+        """:meth:`DecoderVLM.prefill_inputs` of a prefill from cache slot 0 of ``embeds`` ``(1, T, D)``:
+        ``rope`` of the M-RoPE ``position_ids`` ``(3, 1, T)`` (None = 1-D positions), and
+        ``layer_adds``: the DeepStack features of the last :meth:`encode_vision` added at the
+        vision positions of the last :meth:`embed` (consumed: a later text-only prefill gets none).
+        Raises ``ValueError`` when ``embeds`` does not match the last :meth:`embed`."""
         t = embeds.shape[1]
-        slots = torch.arange(t, device=embeds.device)
-        rope = None if position_ids is None else self.rope_tables(position_ids)
-        layer_adds = None
+        hooks = super().prefill_inputs(embeds, position_ids)
         if self._vision_mask is not None and self._deepstack:
             if self._vision_mask.shape[1] != t:
                 raise ValueError("prefill embeddings do not match the last embed() call")
-            layer_adds = [(self._vision_mask, feats) for feats in self._deepstack]
+            hooks["layer_adds"] = [(self._vision_mask, feats) for feats in self._deepstack]
         self._vision_mask, self._deepstack = None, []
-        return self.language_model(embeds, slots, prefill=True, all_logits=all_logits, rope=rope,
-                                   layer_adds=layer_adds)
+        return hooks
 
     def rope_tables(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token interleaved M-RoPE ``(cos, sin)`` ``(T, head_dim)`` float32 of positions
@@ -180,11 +177,12 @@ class Qwen3VLModel(DecoderVLM):
             adds.append((mask, feats))
         return adds
 
-    def prefill_batch(self, embeds, rows, **kwargs) -> torch.Tensor:
-        """:meth:`DecoderVLM.prefill_batch` (DeepStack through ``vision_states``); the single-request
-        state of the last :meth:`embed` is dropped (it belongs to one of the batched rows)."""
+    def prefill_batch_inputs(self, embeds, rows, **kwargs):
+        """:meth:`DecoderVLM.prefill_batch_inputs` (DeepStack through ``vision_states``); the
+        single-request state of the last :meth:`embed` is dropped (it belongs to one of the batched
+        rows)."""
         self._vision_mask = None
-        return super().prefill_batch(embeds, rows, **kwargs)
+        return super().prefill_batch_inputs(embeds, rows, **kwargs)
 
     def decode(self, token_ids: torch.Tensor, input_pos: torch.Tensor,
                rope_offset: int | torch.Tensor = 0) -> torch.Tensor:
