@@ -220,6 +220,22 @@ def test_cpu_pruned_llava_prefill_through_the_graph_route(make_backend, monkeypa
     assert be.model._rope_positions is None  # handed over
 
 
+
+def test_qwen3_prefill_refuses_deepstack_features_of_another_encode():
+    """``add_at_mask`` (the graph-capturable DeepStack add) reads features by the mask's running count and
+    leaves the count check to its callers: a single request's prefill whose DeepStack features came from
+    another encode than the embedded vision tokens (other count) raises, as ``index_put`` did, instead of
+    adding clamped rows."""
+    ours, files = _family("tiny-qwen3-vl", "cpu")
+    (ids, vision), (_, other) = _requests(files, "cpu", n=2)  # frames of other sizes: other token counts
+    pos, _ = ours.position_ids(ids, vision)
+    embeds = ours.embed(ids, ours.encode_vision(vision))
+    ours.encode_vision(other)  # its DeepStack features replace this request's
+    with pytest.raises(ValueError, match="DeepStack"):
+        ours.prefill(embeds, position_ids=pos)
+    assert ours._deepstack == [] and ours._vision_mask is None  # the stale state is dropped, not kept
+
+
 # --------------------------------------------------------------------------------------------- CUDA
 def _keys_hooks(graphs) -> list[set]:
     """The hooks present in each kept graph's key (see PrefillGraphs.keys)."""

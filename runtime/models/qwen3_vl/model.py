@@ -47,6 +47,7 @@ class Qwen3VLModel(DecoderVLM):
         self.language_model = Decoder(cfg.text, cfg.tie_word_embeddings)
         self._deepstack: list[torch.Tensor] = []  # from the last encode_vision, for the next prefill
         self._vision_mask: torch.Tensor | None = None  # (1, T) bool, from the last embed with vision
+        self._vision_count = 0  # True positions of _vision_mask (counted by embed, no sync at prefill)
         self.exit_heads = None  # ExitHeads of `edgevlm calibrate` (attach_exit_heads)
 
     def attach_exit_heads(self, heads) -> None:
@@ -108,7 +109,7 @@ class Qwen3VLModel(DecoderVLM):
                              f"{vision_features.shape[0]} vision tokens")
         x = x.clone()
         x[mask] = vision_features.to(x.dtype)
-        self._vision_mask = mask
+        self._vision_mask, self._vision_count = mask, n
         return x
 
     # ---- positions ------------------------------------------------------------------------------
@@ -136,14 +137,20 @@ class Qwen3VLModel(DecoderVLM):
         ``rope`` of the M-RoPE ``position_ids`` ``(3, 1, T)`` (None = 1-D positions), and
         ``layer_adds``: the DeepStack features of the last :meth:`encode_vision` added at the
         vision positions of the last :meth:`embed` (consumed: a later text-only prefill gets none).
-        Raises ``ValueError`` when ``embeds`` does not match the last :meth:`embed`."""
+        Raises ``ValueError`` when ``embeds`` does not match the last :meth:`embed`, or the DeepStack
+        features do not match its vision tokens in number (another encode's: :func:`add_at_mask`
+        does not check); the side state is dropped either way."""
         t = embeds.shape[1]
-        hooks = super().prefill_inputs(embeds, position_ids)
-        if self._vision_mask is not None and self._deepstack:
-            if self._vision_mask.shape[1] != t:
-                raise ValueError("prefill embeddings do not match the last embed() call")
-            hooks["layer_adds"] = [(self._vision_mask, feats) for feats in self._deepstack]
+        mask, count, deepstack = self._vision_mask, self._vision_count, self._deepstack
         self._vision_mask, self._deepstack = None, []
+        hooks = super().prefill_inputs(embeds, position_ids)
+        if mask is not None and deepstack:
+            if mask.shape[1] != t:
+                raise ValueError("prefill embeddings do not match the last embed() call")
+            if any(feats.shape[0] != count for feats in deepstack):
+                raise ValueError(f"{count} vision tokens in the last embed() but DeepStack features of "
+                                 f"{[feats.shape[0] for feats in deepstack]} tokens (of another encode_vision)")
+            hooks["layer_adds"] = [(mask, feats) for feats in deepstack]
         return hooks
 
     def rope_tables(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
