@@ -58,6 +58,15 @@ def length_bucket(t: int, max_seq_len: int) -> int:
     return min(max_seq_len, -(-t // LENGTH_BUCKET) * LENGTH_BUCKET)
 
 
+def padding_rows(rows: list[int], spare_rows: list[int] | None, pad_rows: int) -> list[int]:
+    """Cache rows for the ``pad_rows`` padding rows of a group written into ``rows``: the first
+    ``spare_rows`` (rows holding no request) not in ``rows``, then ``rows[-1]`` again (the group's
+    last prompt written twice into its own row: the same values)."""
+    taken = set(rows)
+    extra = [r for r in (spare_rows or []) if r not in taken][:pad_rows]
+    return extra + [rows[-1]] * (pad_rows - len(extra))
+
+
 def pad_prefill(embeds: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, hooks: dict, length: int,
                 extra_rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
     """Right-pad the arguments of ``Decoder.prefill_batch`` to a captured shape.

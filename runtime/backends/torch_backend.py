@@ -261,15 +261,11 @@ class TorchBackend(Backend):
         rows go to ``spare_rows``, cache rows holding no request, else repeat the last prompt into
         its own row) -> the last logits ``(n, V)``. ``rows`` may be on the device (n = 1 needs no
         padding row); with padding rows it is read on the host."""
-        from edgevlm.runtime.prefill_graphs import length_bucket, pad_prefill, rows_bucket
+        from edgevlm.runtime.prefill_graphs import length_bucket, pad_prefill, padding_rows, rows_bucket
 
         n, t = embeds.shape[:2]
         pad_rows = rows_bucket(n) - n
-        extra: list[int] = []
-        if pad_rows:
-            taken = set(rows.tolist())
-            extra = [r for r in (spare_rows or []) if r not in taken][:pad_rows]
-            extra += [int(rows[-1])] * (pad_rows - len(extra))
+        extra = padding_rows(rows.tolist(), spare_rows, pad_rows) if pad_rows else []
         embeds, lengths, rows, hooks = pad_prefill(embeds, lengths, rows, hooks, length_bucket(t, self.max_seq_len),
                                                    extra)
         return graphs(embeds, lengths, rows, **hooks)[:n]
@@ -449,11 +445,10 @@ class TorchBackend(Backend):
         graphs = self._prefill_graphs_for_device()
         feats = [f.reshape(-1, f.shape[-1]) for f in image_features]  # (N_i, D_text) each
         if graphs is not None:
-            from edgevlm.runtime.prefill_graphs import length_bucket, rows_bucket
+            from edgevlm.runtime.prefill_graphs import length_bucket, padding_rows, rows_bucket
 
             pad_rows = rows_bucket(n) - n
-            spare = [r for r in (spare_rows or []) if r not in rows][:pad_rows]
-            rows = list(rows) + spare + [rows[-1]] * (pad_rows - len(spare))
+            rows = list(rows) + padding_rows(list(rows), spare_rows, pad_rows)
             input_ids = list(input_ids) + [input_ids[-1]] * pad_rows
             lengths = lengths + [lengths[-1]] * pad_rows
             feats = feats + [feats[-1]] * pad_rows

@@ -129,6 +129,14 @@ def test_pad_prefill_pads_every_hook_and_repeats_the_last_row():
         pad_prefill(embeds, torch.tensor([3, 5]), torch.tensor([4, 1]), {}, 4)
 
 
+def test_padding_rows_fill_spare_rows_then_repeat_the_last_row():
+    """One rule for the bucket's padding rows (the per-row prefill and LLaVA's plain images alike)."""
+    from edgevlm.runtime.prefill_graphs import padding_rows
+
+    assert padding_rows([2, 0, 1], [3, 5], 1) == [3]
+    assert padding_rows([2, 0, 1], [0, 6], 3) == [6, 1, 1]  # a spare row already in the group is skipped
+    assert padding_rows([4], None, 0) == []
+
 def test_add_at_mask_is_index_put_accumulate_and_ignores_padding_rows():
     from edgevlm.runtime.decoder import add_at_mask
 
