@@ -98,9 +98,13 @@ def test_table_lookup_buckets_configs_and_verdicts(table):
 
 
 def test_the_installed_table_is_well_formed():
-    """Whatever table ships: every entry a valid configuration the kernel accepts, with both times."""
+    """Whatever table ships: every entry a valid configuration the kernel accepts, with both times. The table
+    loads (``_table`` turns an unreadable file into ``{}``, which would switch the GEMM off and leave this loop
+    empty) and names its GPU."""
     gk._table.cache_clear()
     data = gk._table()
+    assert gk.CONFIGS_FILE.is_file() and data.get("configs"), f"{gk.CONFIGS_FILE} missing or unreadable"
+    assert gk.table_device(), "the table names no GPU: Int4Linear would never use it"
     for key, row in data.get("configs", {}).items():
         n, rest = key.split("x")
         k, g = rest.split("g")
