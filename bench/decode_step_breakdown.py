@@ -133,10 +133,11 @@ def variant(name: str, dec=None):
             dec.lm_head = head
 
 
-def profile_replays(replay, steps: int) -> tuple[dict, list]:
+def profile_replays(replay, steps: int, group=None, groups_order=GROUPS) -> tuple[dict, list]:
     """Kernels of ``steps`` calls of ``replay`` under torch.profiler: ``({group: [µs/step, kernels/step]},
     [(name, µs/step, calls/step)])`` plus the busy time (union of kernel intervals) per step as
-    ``groups["_busy_us"]``."""
+    ``groups["_busy_us"]``; kernels grouped by ``group(name)`` (default :func:`group_of`) into ``groups_order``."""
+    group = group or group_of
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -154,10 +155,10 @@ def profile_replays(replay, steps: int) -> tuple[dict, list]:
         tr = getattr(ev, "time_range", None)
         if tr is not None:
             spans.append((tr.start, tr.end))
-    groups = {g: [0.0, 0.0] for g in GROUPS}
+    groups = {g: [0.0, 0.0] for g in groups_order}
     for name, (us, n) in per.items():
-        groups[group_of(name)][0] += us
-        groups[group_of(name)][1] += n / steps
+        groups[group(name)][0] += us
+        groups[group(name)][1] += n / steps
     busy, end = 0.0, float("-inf")
     for a, b in sorted(spans):
         if b <= end:

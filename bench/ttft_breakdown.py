@@ -30,7 +30,6 @@ import json
 import statistics
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,33 +55,14 @@ def group_of(name: str) -> str:
 
 
 def profile_call(fn) -> dict:
-    """GPU kernels of one ``fn()`` under torch.profiler: µs and count per group and the busy time."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    """GPU kernels of one ``fn()`` under torch.profiler: µs and count per group and the busy time
+    (``decode_step_breakdown.profile_replays``, this script's groups)."""
+    from decode_step_breakdown import profile_replays  # bench/ is sys.path[0] when run as a script
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    groups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    spans = []
-    for ev in prof.events():
-        if ev.device_type.name != "CUDA":
-            continue
-        g = groups[group_of(ev.name)]
-        g[0] += ev.device_time
-        g[1] += 1
-        tr = getattr(ev, "time_range", None)
-        if tr is not None:
-            spans.append((tr.start, tr.end))
-    busy, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b <= end:
-            continue
-        busy += b - max(a, end)
-        end = b
+    groups, _ = profile_replays(fn, 1, group_of, GROUPS)
+    busy = groups.pop("_busy_us")
     return {"busy_us": round(busy, 1),
-            "groups": {k: {"us": round(v[0], 1), "kernels": v[1]} for k, v in sorted(groups.items())}}
+            "groups": {k: {"us": round(v[0], 1), "kernels": int(v[1])} for k, v in groups.items() if v[1]}}
 
 
 def measure(model, weights: str, ids: list[int], pixels, paths: list[str], args, result: dict) -> None:
