@@ -6,7 +6,8 @@ Gemma 3's image blocks, pruned LLaVA tokens' positions) padded to the captured b
 
 On CPU (float32) the backend's graph route runs with the graph replay replaced by the very forward it
 captures (``Decoder.prefill_batch`` on the padded inputs): logits and the decode steps after them equal
-the eager prefill's. On CUDA (bf16, skipped without a GPU) the real graphs: the same answers as eager,
+the eager prefill's, and no op of it reads tensor data on the host (which a capture could not hold:
+DeepStack's boolean-mask add did). On CUDA (bf16, skipped without a GPU) the real graphs: the same answers as eager,
 one graph per bucket reused, the hooks among the graph's inputs.
 """
 
@@ -204,6 +205,79 @@ def test_cpu_padded_batched_rows_equal_single_prefills(name, cache_rows, monkeyp
     assert call["shape"][0] == 4 and call["shape"][1] % 64 == 0
     assert call["rows"] == rows + [3 if cache_rows == 4 else 1]  # the padding row: spare, else the last prompt's
     assert set(call["hooks"]) == HOOKS[name]
+
+
+#: aten ops that read tensor data on the host (a sync: a CUDA graph capture fails on them)
+HOST_READS = {"_local_scalar_dense", "nonzero", "masked_select", "masked_scatter", "is_nonzero", "item", "equal",
+              "allclose", "unique", "_unique2"}
+
+
+class HostReads:
+    """Records the host-reading aten ops (:data:`HOST_READS`, and indexing by a bool mask, which counts
+    it on the host) that run in its ``with`` block: what a CUDA graph could not capture, seen on CPU."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        found = self.found = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                idx = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else args[1:2]
+                if name in HOST_READS or (name.startswith("index") and any(
+                        isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in idx)):
+                    found.append(name)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def test_host_read_probe_sees_the_boolean_deepstack_add():
+    from edgevlm.runtime.decoder import add_at_mask
+
+    x, mask, feats = torch.zeros(1, 4, 2), torch.tensor([[True, False, True, False]]), torch.ones(2, 2)
+    with HostReads() as probe:
+        x.index_put((mask,), feats, accumulate=True)  # DeepStack's add before: not capturable
+    assert probe.found == ["index_put"]
+    with HostReads() as probe:
+        add_at_mask(x, mask, feats)
+    assert probe.found == []
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_cpu_captured_prefill_reads_nothing_on_the_host(name, monkeypatch):
+    """What the graph captures (the padded ``Decoder.prefill_batch`` with every hook, one row and three
+    rows padded to four) runs no op that reads tensor data on the host: CUDA graph capture would fail
+    (and fall back to eager) on such an op."""
+    from edgevlm.runtime.backends.torch_backend import TorchBackend
+
+    ours, files = _family(name, "cpu")
+    be = TorchBackend(ours, max_batch_size=4)
+    found: list[str] = []
+
+    def graphs(embeds, lengths, rows, **hooks):
+        with HostReads() as probe:
+            out = ours.language_model.prefill_batch(embeds, lengths, rows, **hooks)
+        found.extend(probe.found)
+        return out
+
+    monkeypatch.setattr(be, "_prefill_graphs_for_device", lambda: graphs)
+    reqs = _requests(files, "cpu", n=3)
+    _batched(be, reqs, [0, 1, 2])
+    ids, vision = reqs[0]
+    feats = be.encode_vision(vision)
+    pos, _ = be.position_ids(ids, vision)
+    embeds = be.embed(ids, feats)
+    be.prefill(embeds) if pos is None else be.prefill(embeds, position_ids=pos)
+    assert found == []
 
 
 def test_cpu_pruned_llava_prefill_through_the_graph_route(make_backend, monkeypatch):
