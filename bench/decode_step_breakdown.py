@@ -48,8 +48,6 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
 GROUPS = ("int4_matmul", "attention", "norm", "elementwise", "lm_head", "other")
 
 
@@ -191,10 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--out", default="", help="also write the JSON here")
     args = ap.parse_args(argv)
-    try:  # the installed package (the device's layout maps quantize/ into it); a bare checkout as the fallback
-        import edgevlm.quantize  # noqa: F401
-    except ImportError:
-        sys.path.insert(0, str(REPO))
+    from bench_support import use_package  # bench/ is sys.path[0] when run as a script
+
+    use_package()
     import torch
 
     from edgevlm.quantize.bench_measure import event_ms, wall_ms

@@ -16,11 +16,8 @@ import argparse
 import json
 import sys
 from collections import defaultdict
-from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def profile_step(be, kv_len: int, steps: int = 10) -> tuple[float, list[tuple[str, float, int]]]:
@@ -51,10 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-len", type=int, default=1024)
     ap.add_argument("--top", type=int, default=18)
     args = ap.parse_args(argv)
-    try:  # the installed package (the device's layout maps quantize/ into it); a bare checkout as the fallback
-        import edgevlm.quantize  # noqa: F401
-    except ImportError:
-        sys.path.insert(0, str(REPO))
+    from bench_support import use_package  # bench/ is sys.path[0] when run as a script
+
+    use_package()
     from edgevlm.quantize.bench_models import build_models, quantize_decoder_w4
     from edgevlm.runtime.backends.torch_backend import TorchBackend
 

@@ -32,8 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
 GROUPS = ("dequant", "gemm", "attention", "norm", "elementwise", "other")
 
 
@@ -167,10 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", default="bf16,w4")
     ap.add_argument("--out", default="", help="also write the JSON here")
     args = ap.parse_args(argv)
-    try:  # the installed package (the device's layout maps quantize/ into it); a bare checkout as the fallback
-        import edgevlm.quantize  # noqa: F401
-    except ImportError:
-        sys.path.insert(0, str(REPO))
+    from bench_support import use_package  # bench/ is sys.path[0] when run as a script
+
+    use_package()
     import torch
 
     from edgevlm.quantize.bench_measure import make_inputs

@@ -24,8 +24,6 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def measure(model, ids, vision, args, device) -> dict:
     """``{path: row}`` for the ``eager`` then ``graphs`` backends over ``model`` (module docstring)."""
@@ -82,10 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="", help="also write the JSON here")
     args = ap.parse_args(argv)
-    try:  # the installed package (the device's layout maps quantize/ into it); a bare checkout as the fallback
-        import edgevlm.quantize  # noqa: F401
-    except ImportError:
-        sys.path.insert(0, str(REPO))
+    from bench_support import use_package  # bench/ is sys.path[0] when run as a script
+
+    use_package()
     import torch
 
     from edgevlm.quantize.bench_families import build, make_request
