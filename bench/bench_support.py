@@ -1,4 +1,5 @@
-"""What the bench scripts share: the ``edgevlm`` package from an install, or from this checkout."""
+"""What the bench scripts share: the ``edgevlm`` package from an install, or from this checkout; the W4A16
+layer shapes they time."""
 
 from __future__ import annotations
 
@@ -6,6 +7,14 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+SHAPES = {  # a decoder layer's four linears, name: (N out, K in): LLaVA-1.5-7B, Qwen3-VL-8B, Qwen3-VL-2B
+    "7b.qkv": (12288, 4096), "7b.o": (4096, 4096), "7b.gate_up": (22016, 4096), "7b.down": (4096, 11008),
+    "qwen8b.qkv": (6144, 4096), "qwen8b.o": (4096, 4096), "qwen8b.gate_up": (24576, 4096),
+    "qwen8b.down": (4096, 12288),
+    "qwen2b.qkv": (4096, 2048), "qwen2b.o": (2048, 2048), "qwen2b.gate_up": (12288, 2048),
+    "qwen2b.down": (2048, 6144),
+}
 
 
 def use_package() -> None:

@@ -67,6 +67,7 @@ def measure(model, weights: str, ids: list[int], pixels, paths: list[str], args,
     """Time the TTFT paths of ``model`` (see the module docstring); appends rows to ``result``."""
     import torch
 
+    from edgevlm.quantize.bench_measure import event_ms
     from edgevlm.runtime.backends.torch_backend import TorchBackend
 
     dev = model.device
@@ -121,14 +122,7 @@ def measure(model, weights: str, ids: list[int], pixels, paths: list[str], args,
             vis.append(rec["vision_ms"])
             pre.append(rec["prefill_ms"])
         # GPU time of the same calls by events (the host may run ahead: events time the GPU stream)
-        ev = []
-        for _ in range(5):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            ev.append(s.elapsed_time(e))
+        event = event_ms(fn, dev, warmup=0, iters=5)
         if path in ("single", "eager"):
             b = be if path == "single" else be_eager
             feats = b.encode_image(pixels)
@@ -142,7 +136,7 @@ def measure(model, weights: str, ids: list[int], pixels, paths: list[str], args,
         run = {"weights": weights, "path": path, "ttft_ms": round(statistics.median(walls), 2),
                "ttft_min_ms": round(min(walls), 2), "ttft_max_ms": round(max(walls), 2),
                "vision_wall_ms": round(statistics.median(vis), 2), "prefill_wall_ms": round(statistics.median(pre), 2),
-               "event_ms": round(statistics.median(ev), 2), "prefill_gpu": prof, "vision_gpu": prof_vis,
+               "event_ms": round(event, 2), "prefill_gpu": prof, "vision_gpu": prof_vis,
                "token": tokens[path]}
         result["runs"].append(run)
         print(f"{weights:5s} {path:8s} ttft {run['ttft_ms']:7.2f} ms (min {run['ttft_min_ms']:.2f}, max "

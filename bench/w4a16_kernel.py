@@ -48,14 +48,9 @@ from functools import partial
 from pathlib import Path
 from types import ModuleType
 
+from bench_support import SHAPES  # bench/ is sys.path[0] when run as a script
+
 REPO = Path(__file__).resolve().parents[1]
-SHAPES = {  # name: (N out, K in)
-    "7b.qkv": (12288, 4096), "7b.o": (4096, 4096), "7b.gate_up": (22016, 4096), "7b.down": (4096, 11008),
-    "qwen8b.qkv": (6144, 4096), "qwen8b.o": (4096, 4096), "qwen8b.gate_up": (24576, 4096),
-    "qwen8b.down": (4096, 12288),
-    "qwen2b.qkv": (4096, 2048), "qwen2b.o": (2048, 2048), "qwen2b.gate_up": (12288, 2048),
-    "qwen2b.down": (2048, 6144),
-}
 MS = (1, 8, 16, 32)
 TPC = (1, 2, 4)
 PF = (0, 1, 2, 4)  # L2 prefetch distance of the register ring, in tiles (<= tiles_per_cta; 0 = none)
