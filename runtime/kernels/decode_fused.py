@@ -445,9 +445,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         nsplit //= 2
     chunk = block_n * -(-n_blocks // nsplit)
     y = torch.empty_like(q)
-    parts = 1 if nsplit == 1 else nsplit  # one split: the kernel writes y; the partials are not read
-    part = torch.empty(b * h if nsplit > 1 else 1, parts, dh, dtype=torch.float32, device=q.device)
-    m = torch.empty(b * h if nsplit > 1 else 1, parts, dtype=torch.float32, device=q.device)
+    rows = b * h if nsplit > 1 else 1  # one split: the kernel writes y; the partials are not read
+    part = torch.empty(rows, nsplit, dh, dtype=torch.float32, device=q.device)
+    m = torch.empty(rows, nsplit, dtype=torch.float32, device=q.device)
     lse = torch.empty_like(m)
     split_k, combine = _kernels()[3], _kernels()[4]
     split_k[(b * hkv, nsplit)](q, k_cache, v_cache, input_pos, part, m, lse, y, h, hkv, s, chunk,
