@@ -37,6 +37,7 @@ caches (the int4/fp8 caches quantize on write and keep the unfused path).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -50,6 +51,11 @@ first version measured slower in the whole 7B W4A16 decode on an H200 (2026-12-0
 404-415 vs 427-441 tok/s at batch 1, 1697-1773 vs 2281-2400 at 8, 2366-2405 vs 3916-4014 at 32;
 ``bench/results/w4a16_kernel_h200_20261202.md``, session 8); the version here (no per-thread fence, fewer
 splits at large batch) is not measured yet. Read at each step, so a new CUDA graph capture picks up a change."""
+
+FP8_NATIVE: bool | None = None
+"""How :func:`decode_attention` turns e4m3 bytes into numbers: True the hardware conversion (Triton's
+``float8e4nv``, sm_89+), False by moving the bits into fp16's fields (any GPU, and Triton's interpreter), None
+(default) the hardware where the device has it (:func:`fp8_native`)."""
 
 ATTENTION_CTA_BUDGET: int | None = None
 """CTAs :func:`decode_attention` aims for when it splits the keys (None: about one wave, :func:`_cta_budget`). A
@@ -89,18 +95,20 @@ def _kernels():
         tl.store(y_ptr + row * D + offs, (sf * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, rpos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr,
-                       H, HKV, S, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr,
-                       UNIT_OFFSET: tl.constexpr):
+    def rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, rpos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr, ks_ptr,
+                       vs_ptr, H, HKV, S, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr,
+                       UNIT_OFFSET: tl.constexpr, KV_FP8: tl.constexpr):
         b = tl.program_id(0)
         head = tl.program_id(1)  # 0..H-1: q heads, H..H+HKV-1: k heads, then v heads
         n_all = H + 2 * HKV
         pos = tl.load(pos_ptr + b)  # cache slot
         offs = tl.arange(0, HALF)
         src = qkv_ptr + (b * n_all + head) * HEAD_DIM
-        x1 = tl.load(src + offs).to(tl.float32)  # (Dh/2,) first half
-        x2 = tl.load(src + HALF + offs).to(tl.float32)  # second half
-        if head < H + HKV:
+        o1 = tl.load(src + offs).to(tl.float32)  # (Dh/2,) first half
+        o2 = tl.load(src + HALF + offs).to(tl.float32)  # second half
+        if head < H + HKV:  # q and k: (norm +) RoPE; v as it is
+            x1 = o1
+            x2 = o2
             if QK_NORM:  # per-head RMSNorm (Qwen3), rounded to the activation dtype as the unfused norm
                 rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)
                 w_ptr = qw_ptr if head < H else kw_ptr
@@ -116,16 +124,47 @@ def _kernels():
             s = tl.load(sin_ptr + rpos * HEAD_DIM + offs).to(tl.float32)
             o1 = x1 * c - x2 * s
             o2 = x2 * c + x1 * s
-            if head < H:
-                dst = q_ptr + (b * H + head) * HEAD_DIM
-            else:
-                dst = k_ptr + ((b * HKV + (head - H)) * S + pos) * HEAD_DIM
+        if head < H:
+            dst = q_ptr + (b * H + head) * HEAD_DIM
+            tl.store(dst + offs, o1.to(q_ptr.dtype.element_ty))
+            tl.store(dst + HALF + offs, o2.to(q_ptr.dtype.element_ty))
         else:
-            o1 = x1
-            o2 = x2
-            dst = v_ptr + ((b * HKV + (head - H - HKV)) * S + pos) * HEAD_DIM
-        tl.store(dst + offs, o1.to(dst.dtype.element_ty))
-        tl.store(dst + HALF + offs, o2.to(dst.dtype.element_ty))
+            kv_ptr = k_ptr
+            s_ptr = ks_ptr
+            if head >= H + HKV:
+                kv_ptr = v_ptr
+                s_ptr = vs_ptr
+            row = (b * HKV + (head - H) % HKV).to(tl.int64) * S + pos  # (row, KV head, slot)
+            if KV_FP8:  # Fp8KVCache._store's rule on the vector rounded to the activation dtype
+                z = tl.join(o1.to(q_ptr.dtype.element_ty).to(tl.float32),
+                            o2.to(q_ptr.dtype.element_ty).to(tl.float32))  # (Dh/2, 2): [:, 0] first half
+                idx = tl.join(offs, offs + HALF)
+                amax = tl.max(tl.max(tl.abs(z), axis=1), axis=0)
+                # IEEE-rounded divisions (Triton's "/" is approximate on CUDA), scale >= 2**-14, rounded to fp16
+                sc = tl.maximum(tl.math.div_rn(amax, 448.0), 6.103515625e-05).to(tl.float16)
+                z = tl.math.div_rn(z, tl.zeros([HALF, 2], tl.float32) + sc.to(tl.float32))
+                z = tl.minimum(tl.maximum(z, -448.0), 448.0)
+                # fp32 -> e4m3 (OCP FP8: bias 7, 3 mantissa bits, no inf), round to nearest even, by bits
+                bits = z.to(tl.int32, bitcast=True)
+                sign = (bits >> 24) & 128
+                mag = bits & 0x7FFFFFFF
+                ex = (mag >> 23) - 127  # unbiased fp32 exponent
+                man = mag & 0x7FFFFF
+                kept = man >> 20  # the 3 mantissa bits kept; the 20 dropped decide the rounding
+                rest = man & 0xFFFFF
+                up = ((rest > 0x80000) | ((rest == 0x80000) & ((kept & 1) == 1))).to(tl.int32)
+                normal = ((ex + 7) << 3) + kept + up  # a carry into the exponent is the right code
+                t = mag.to(tl.float32, bitcast=True) * 512.0  # |z| / 2**-9, exact: subnormals are k * 2**-9
+                fl = tl.floor(t)
+                odd = (fl - 2.0 * tl.floor(fl * 0.5)) == 1.0
+                tie_up = ((t - fl) > 0.5) | (((t - fl) == 0.5) & odd)
+                sub = (fl + tl.where(tie_up, 1.0, 0.0)).to(tl.int32)  # 8 = 2**-6, the first normal's code
+                code = (tl.where(ex >= -6, normal, sub) | sign).to(tl.uint8)
+                tl.store(kv_ptr + row * HEAD_DIM + idx, code)
+                tl.store(s_ptr + row, sc)
+            else:
+                tl.store(kv_ptr + row * HEAD_DIM + offs, o1.to(kv_ptr.dtype.element_ty))
+                tl.store(kv_ptr + row * HEAD_DIM + HALF + offs, o2.to(kv_ptr.dtype.element_ty))
 
     @triton.jit
     def silu_mul_kernel(gu_ptr, y_ptr, INTER, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr):
@@ -142,9 +181,10 @@ def _kernels():
         tl.store(y_ptr + row * INTER + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, y_ptr, H, HKV, S, CHUNK, scale, WINDOW,
-                          REP: tl.constexpr, REP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                          NSPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    def attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, y_ptr, H, HKV, S, CHUNK,
+                          scale, WINDOW, REP: tl.constexpr, REP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                          KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr):
         bg = tl.program_id(0)  # row b, KV head g
         split = tl.program_id(1)
         b = bg // HKV
@@ -157,7 +197,8 @@ def _kernels():
         m = tl.full([REP_PAD], float("-inf"), tl.float32)
         den = tl.zeros([REP_PAD], tl.float32)  # softmax denominator
         acc = tl.zeros([REP_PAD, HEAD_DIM], tl.float32)
-        base = (b * HKV + g).to(tl.int64) * S * HEAD_DIM
+        srow = (b * HKV + g).to(tl.int64) * S  # (row, KV head)'s first position: scales (B, HKV, S, 1)
+        base = srow * HEAD_DIM
         start = split * CHUNK
         stop = tl.minimum(start + CHUNK, n_keys)
         if HAS_WINDOW:  # sliding window: keys pos - WINDOW < k <= pos (sliding_decode_mask's rule)
@@ -166,13 +207,33 @@ def _kernels():
             keys = lo + tl.arange(0, BLOCK_N)
             valid = keys < stop
             k = tl.load(k_ptr + base + keys[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
-            sc = tl.dot(q, tl.trans(k)) * scale  # (REP_PAD, BLOCK_N) fp32
+            if KV_FP8:  # e4m3 values are exact in q's dtype; each key's scale multiplies its score
+                ks = tl.load(ks_ptr + srow + keys, mask=valid, other=0.0).to(tl.float32)
+                if FP8_NATIVE:  # the hardware conversion (sm_89+)
+                    k = k.to(q.dtype)
+                else:  # the byte's sign | exponent | mantissa moved into fp16's fields = value * 2**-8, exact
+                    k = k.to(tl.uint16)
+                    k = (((k & 128) << 8) | ((k & 127) << 7)).to(tl.float16, bitcast=True).to(q.dtype)
+                    ks = ks * 256.0
+                sc = tl.dot(q, tl.trans(k)) * (ks * scale)[None, :]  # (REP_PAD, BLOCK_N) fp32
+            else:
+                sc = tl.dot(q, tl.trans(k)) * scale  # (REP_PAD, BLOCK_N) fp32
             sc = tl.where(valid[None, :], sc, float("-inf"))
             m_new = tl.maximum(m, tl.max(sc, 1))
             p = tl.exp(sc - m_new[:, None])
             alpha = tl.exp(m - m_new)
             v = tl.load(v_ptr + base + keys[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            if KV_FP8:  # each value's scale multiplies its probability: sum_s (p_s scale_s) v8_s
+                vs = tl.load(vs_ptr + srow + keys, mask=valid, other=0.0).to(tl.float32)
+                if FP8_NATIVE:
+                    v = v.to(q.dtype)
+                else:
+                    v = v.to(tl.uint16)
+                    v = (((v & 128) << 8) | ((v & 127) << 7)).to(tl.float16, bitcast=True).to(q.dtype)
+                    vs = vs * 256.0
+                acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(v.dtype), v)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             den = den * alpha + tl.sum(p, 1)
             m = m_new
         keep = rows < REP
@@ -338,7 +399,8 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input
                   k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv_heads: int, *,
                   rope_pos: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
                   k_norm: torch.Tensor | None = None, norm_eps: float = 1e-6,
-                  unit_offset: bool = False) -> torch.Tensor:
+                  unit_offset: bool = False, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode-step (q/k RMSNorm +) RoPE + KV-cache write.
 
     ``qkv (B, (H + 2 Hkv) * Dh)`` — the fused q/k/v projection of one token per row; ``cos``/``sin``
@@ -349,8 +411,19 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input
     ``q_norm``/``k_norm`` ``(Dh,)``: Qwen3's per-head RMSNorm of q and k before RoPE (eps
     ``norm_eps``; both or neither); ``unit_offset``: their weights act as ``1 + w`` (Gemma 3's
     q/k norms). Sliding-window layers with their own RoPE base (Gemma 3) pass their own tables.
+
+    FP8 caches (:class:`~edgevlm.runtime.kv_cache.Fp8KVCache`): ``k_cache``/``v_cache`` ``float8_e4m3fn``
+    with ``k_scale``/``v_scale`` fp16 ``(B_max, Hkv, S, 1)``; each (row, head) key and value vector, rounded to
+    ``qkv.dtype`` as the unfused layer stores it, is quantized in the same kernel by ``Fp8KVCache._store``'s
+    rule: ``scale = fp16(max(amax / 448, 2**-14))``, ``code = e4m3(clamp(x / scale, -448, 448))`` (OCP 8-bit
+    floating point specification (OFP8) rev. 1.0, 2023: E4M3, bias 7, max 448, no infinities), IEEE-rounded
+    division and round-to-nearest-even, so the bytes and scales equal ``_store``'s bit for bit (the
+    conversion is done on the bits, the same on every GPU and in Triton's interpreter).
+
     Returns the rotated queries ``(B, H, 1, Dh)`` in ``qkv.dtype``.
-    Raises ``ValueError`` for mismatched shapes or an odd / non-power-of-two head dimension."""
+    Raises ``ValueError`` for mismatched shapes, an odd / non-power-of-two head dimension, a cache dtype
+    other than 16/32-bit float or ``float8_e4m3fn``, an fp8 cache without both fp16 scales of shape
+    ``(B_max, Hkv, S, 1)``, or scales given with a 16/32-bit cache."""
     b = qkv.shape[0]
     hkv, s, dh = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     if hkv != n_kv_heads or qkv.dim() != 2 or qkv.shape[1] != (n_heads + 2 * hkv) * dh:
@@ -364,15 +437,43 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input
         raise ValueError(f"rope_kv_write: rope_pos must be (B,) = ({b},), got {tuple(rope_pos.shape)}")
     if (q_norm is None) != (k_norm is None) or (q_norm is not None and (q_norm.shape != (dh,) or k_norm.shape != (dh,))):
         raise ValueError("rope_kv_write: q_norm and k_norm must both be (Dh,) or both None")
+    fp8 = _kv_kind("rope_kv_write", k_cache, v_cache, k_scale, v_scale) == "fp8"
     qkv = qkv.contiguous()
     q = torch.empty(b, n_heads, 1, dh, dtype=qkv.dtype, device=qkv.device)
     kernel = _kernels()[1]
     qk_norm = q_norm is not None
+    if fp8:  # the kernel stores the e4m3 codes it computes as bytes
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     kernel[(b, n_heads + 2 * hkv)](qkv, cos, sin, input_pos, input_pos if rope_pos is None else rope_pos,
                                    q_norm if qk_norm else cos, k_norm if qk_norm else cos, q, k_cache, v_cache,
+                                   k_scale if fp8 else cos, v_scale if fp8 else cos,
                                    n_heads, hkv, s, float(norm_eps), HEAD_DIM=dh, HALF=dh // 2, QK_NORM=qk_norm,
-                                   UNIT_OFFSET=bool(unit_offset), num_warps=1)
+                                   UNIT_OFFSET=bool(unit_offset), KV_FP8=fp8, num_warps=1)
     return q
+
+
+def _kv_kind(name: str, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+             v_scale: torch.Tensor | None) -> str:
+    """``"fp8"`` for ``float8_e4m3fn`` caches with their fp16 ``(B_max, Hkv, S, 1)`` scales, ``"16bit"`` for
+    16/32-bit float caches without scales. Raises ``ValueError`` (prefixed with ``name``) otherwise."""
+    fp8 = getattr(torch, "float8_e4m3fn", None)
+    if k_cache.dtype == fp8 and v_cache.dtype == fp8:
+        want = (*k_cache.shape[:3], 1)
+        for label, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if sc is None or sc.dtype != torch.float16 or tuple(sc.shape) != want or not sc.is_contiguous() \
+                    or sc.device != k_cache.device:
+                got = "None" if sc is None else f"{sc.dtype} {tuple(sc.shape)}"
+                raise ValueError(f"{name}: a float8_e4m3fn cache needs {label} as contiguous float16 {want} on its "
+                                 f"device (Fp8KVCache's layout), got {got}")
+        if k_cache.shape != v_cache.shape:
+            raise ValueError(f"{name}: k/v caches {tuple(k_cache.shape)} and {tuple(v_cache.shape)} differ")
+        return "fp8"
+    if k_cache.dtype not in (torch.float16, torch.bfloat16, torch.float32) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"{name}: caches must both be float16/bfloat16/float32 or both float8_e4m3fn, got "
+                         f"{k_cache.dtype} and {v_cache.dtype}")
+    if k_scale is not None or v_scale is not None:
+        raise ValueError(f"{name}: k_scale/v_scale belong to a float8_e4m3fn cache, not {k_cache.dtype}")
+    return "16bit"
 
 
 #: activations :func:`gated_act` fuses (transformers' ``ACT2FN`` names)
@@ -403,46 +504,108 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return gated_act(gate_up, "silu")
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Launch parameters of :func:`decode_attention`: keys per loop step (``block_n``, a power of two >= 16),
+    warps and software-pipeline stages per CTA, and the CTAs per SM the split of the keys aims for
+    (:func:`decode_attention`'s schedule)."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3  # Triton's CUDA default, what every launch used before it was a parameter
+    ctas_per_sm: int = 4
+
+
+ATTENTION_CONFIGS: dict[str, tuple[tuple[int, AttentionConfig], ...]] = {
+    "16bit": ((1 << 30, AttentionConfig()),),
+    "fp8": ((1 << 30, AttentionConfig()),),
+}
+""":func:`decode_attention`'s defaults per cache kind (``"16bit"``, ``"fp8"``): ``(max batch, config)`` pairs in
+increasing batch, the first whose max batch is >= the step's batch applies. One config for every batch until
+``bench/decode_attention_tune.py`` on the target GPU says otherwise (it prints the table to paste here)."""
+
+
+def attention_config(kind: str, batch: int) -> AttentionConfig:
+    """The :data:`ATTENTION_CONFIGS` entry of cache kind ``kind`` for ``batch`` rows (the last entry past them all).
+    Raises ``ValueError`` for an unknown kind."""
+    if kind not in ATTENTION_CONFIGS:
+        raise ValueError(f"attention_config: kind must be one of {', '.join(ATTENTION_CONFIGS)}, got {kind!r}")
+    rule = ATTENTION_CONFIGS[kind]
+    return next((cfg for top, cfg in rule if batch <= top), rule[-1][1])
+
+
+def attention_splits(batch: int, n_kv_heads: int, kv_len: int, block_n: int, max_splits: int, budget: int) -> int:
+    """Key splits per (row, KV head) of :func:`decode_attention`: the key blocks rounded up to a power of two,
+    at most ``max_splits``, halved while ``batch x n_kv_heads x splits`` exceeds ``budget`` CTAs."""
+    nsplit = min(max_splits, _next_pow2(-(-kv_len // block_n)))
+    while nsplit > 1 and batch * n_kv_heads * nsplit > budget:
+        nsplit //= 2
+    return nsplit
+
+
+def fp8_native(device: torch.device) -> bool:
+    """Whether :func:`decode_attention` converts e4m3 with the hardware instruction (:data:`FP8_NATIVE`; None:
+    CUDA devices of compute capability >= 8.9, whose Triton has ``float8e4nv``) rather than on the bits."""
+    if FP8_NATIVE is not None:
+        return bool(FP8_NATIVE)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,
-                     kv_len: int, block_n: int = 64, max_splits: int = 16, *, scale: float | None = None,
-                     window: int | None = None, cta_budget: int | None = None) -> torch.Tensor:
+                     kv_len: int, block_n: int | None = None, max_splits: int = 16, *, scale: float | None = None,
+                     window: int | None = None, cta_budget: int | None = None, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None, num_warps: int | None = None,
+                     num_stages: int | None = None) -> torch.Tensor:
     """One-token grouped-query attention over the static KV cache, split over the keys
     (flash-decoding: Dao et al., "Flash-Decoding for long-context inference", 2023; online softmax,
     Milakov & Gimelshein 2018) and combined in a second kernel.
 
-    Splits: the ``kv_len / block_n`` key blocks over up to ``max_splits`` CTAs per (row, KV head), halved
-    while ``B x Hkv x splits`` exceeds ``cta_budget`` (None: :data:`ATTENTION_CTA_BUDGET`, else
-    :func:`_cta_budget`, about one wave): a
-    batch with enough (row, head) pairs to fill the GPU gains nothing from splitting the keys and pays
-    per CTA (its query load, its partials, the combine). One split writes the output itself, without
-    the combine kernel (batch 32 of a 7B's 32 KV heads; batch 1 keeps 16 splits).
+    Splits (:func:`attention_splits`): the ``kv_len / block_n`` key blocks over up to ``max_splits`` CTAs per
+    (row, KV head), halved while ``B x Hkv x splits`` exceeds ``cta_budget`` (None: :data:`ATTENTION_CTA_BUDGET`,
+    else the config's ``ctas_per_sm`` x the SMs, about one wave): a batch with enough (row, head) pairs to fill
+    the GPU gains nothing from splitting the keys and pays per CTA (its query load, its partials, the combine).
+    One split writes the output itself, without the combine kernel (batch 32 of a 7B's 32 KV heads; batch 1
+    keeps 16 splits). ``block_n``, ``num_warps``, ``num_stages`` and the CTAs per SM default to
+    :func:`attention_config` of the cache kind and batch (:data:`ATTENTION_CONFIGS`).
 
-    ``q`` ``(B, H, 1, Dh)`` contiguous; ``k_cache``/``v_cache`` ``(B_max, Hkv, S, Dh)`` contiguous, same
-    dtype as ``q``; row ``b`` attends to its keys ``0..input_pos[b]`` (``input_pos (B,)`` int64, the
-    rule of :func:`~edgevlm.runtime.kv_cache.decode_mask`), never past ``kv_len`` (static: the splits
-    cover ``[0, kv_len)``, so one CUDA graph serves every position below it). Query head ``h`` reads
-    KV head ``h // (H / Hkv)``, as transformers' ``repeat_kv``. Score scale ``scale`` (None:
-    ``Dh ** -0.5``; Gemma 3: ``query_pre_attn_scalar ** -0.5``), fp32 softmax and accumulation.
-    ``window`` (Gemma 3's sliding layers over a full-length cache): only keys ``input_pos[b] - window
-    < k <= input_pos[b]`` count (:func:`~edgevlm.runtime.decoder.sliding_decode_mask`); None = all. Returns ``(B, H, 1, Dh)`` in ``q.dtype``. Raises ``ValueError`` for mismatched
-    shapes or dtypes, a head count not divisible by ``Hkv``, a non-power-of-two ``Dh`` or a window < 1."""
+    ``q`` ``(B, H, 1, Dh)`` contiguous; ``k_cache``/``v_cache`` ``(B_max, Hkv, S, Dh)`` contiguous, either of
+    ``q``'s dtype or ``float8_e4m3fn`` with ``k_scale``/``v_scale`` fp16 ``(B_max, Hkv, S, 1)`` (the layout of
+    :class:`~edgevlm.runtime.kv_cache.Fp8KVCache`: value = e4m3 code x scale). FP8 keys and values are read as
+    bytes and never dequantized into memory: each e4m3 value is exact in ``q``'s dtype (OCP OFP8 E4M3: 4
+    significant bits, 2**-9..448), the dot products run on them, and each key's scale multiplies its score and
+    each value's scale its probability (``q.k_s = scale_s (q . k8_s)``, ``sum_s p_s v_s = sum_s (p_s scale_s)
+    v8_s``); conversion by the hardware on sm_89+ (:func:`fp8_native`), else on the bits. Row ``b`` attends to
+    its keys ``0..input_pos[b]`` (``input_pos (B,)`` int64, the rule of
+    :func:`~edgevlm.runtime.kv_cache.decode_mask`), never past ``kv_len`` (static: the splits cover
+    ``[0, kv_len)``, so one CUDA graph serves every position below it). Query head ``h`` reads KV head
+    ``h // (H / Hkv)``, as transformers' ``repeat_kv``. Score scale ``scale`` (None: ``Dh ** -0.5``; Gemma 3:
+    ``query_pre_attn_scalar ** -0.5``), fp32 softmax and accumulation. ``window`` (Gemma 3's sliding layers over
+    a full-length cache): only keys ``input_pos[b] - window < k <= input_pos[b]`` count
+    (:func:`~edgevlm.runtime.decoder.sliding_decode_mask`); None = all. Returns ``(B, H, 1, Dh)`` in
+    ``q.dtype``. Raises ``ValueError`` for mismatched shapes or dtypes, a head count not divisible by ``Hkv``, a
+    non-power-of-two ``Dh`` or ``block_n``, a window < 1, an fp8 cache without its scales (or scales with a
+    16-bit cache)."""
     b, h, t, dh = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     if t != 1 or k_cache.shape != v_cache.shape or k_cache.shape[3] != dh or k_cache.shape[0] < b \
             or h % hkv or input_pos.shape != (b,) or not 1 <= kv_len <= s:
         raise ValueError(f"decode_attention: q {tuple(q.shape)}, cache {tuple(k_cache.shape)}, "
                          f"input_pos {tuple(input_pos.shape)}, kv_len {kv_len} do not match")
-    if dh & (dh - 1) or dh < 16 or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype \
+    kind = _kv_kind("decode_attention", k_cache, v_cache, k_scale, v_scale)
+    if dh & (dh - 1) or dh < 16 or (kind == "16bit" and (k_cache.dtype != q.dtype or v_cache.dtype != q.dtype)) \
             or not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("decode_attention needs contiguous q/k/v of one dtype and a power-of-two head_dim >= 16")
+        raise ValueError("decode_attention needs contiguous q/k/v of one dtype (or float8_e4m3fn k/v) and a "
+                         "power-of-two head_dim >= 16")
     if window is not None and window < 1:
         raise ValueError(f"decode_attention: window must be >= 1, got {window}")
+    cfg = attention_config(kind, b)
+    block_n = cfg.block_n if block_n is None else block_n
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"decode_attention: block_n must be a power of two >= 16, got {block_n}")
     rep = h // hkv
+    budget = cta_budget if cta_budget is not None else ATTENTION_CTA_BUDGET or cfg.ctas_per_sm * _sm_count(q.device)
+    nsplit = attention_splits(b, hkv, kv_len, block_n, max_splits, budget)
     n_blocks = -(-kv_len // block_n)
-    nsplit = min(max_splits, _next_pow2(n_blocks))
-    budget = cta_budget if cta_budget is not None else ATTENTION_CTA_BUDGET or _cta_budget(q.device)
-    while nsplit > 1 and b * hkv * nsplit > budget:
-        nsplit //= 2
     chunk = block_n * -(-n_blocks // nsplit)
     y = torch.empty_like(q)
     rows = b * h if nsplit > 1 else 1  # one split: the kernel writes y; the partials are not read
@@ -450,10 +613,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     m = torch.empty(rows, nsplit, dtype=torch.float32, device=q.device)
     lse = torch.empty_like(m)
     split_k, combine = _kernels()[3], _kernels()[4]
-    split_k[(b * hkv, nsplit)](q, k_cache, v_cache, input_pos, part, m, lse, y, h, hkv, s, chunk,
-                               dh ** -0.5 if scale is None else float(scale), window or 0,
+    fp8 = kind == "fp8"
+    native = fp8 and fp8_native(q.device)
+    if fp8 and not native:  # the kernel decodes the bytes itself
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    split_k[(b * hkv, nsplit)](q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, input_pos, part,
+                               m, lse, y, h, hkv, s, chunk, dh ** -0.5 if scale is None else float(scale), window or 0,
                                REP=rep, REP_PAD=max(16, _next_pow2(rep)), HEAD_DIM=dh, BLOCK_N=block_n,
-                               NSPLIT=nsplit, HAS_WINDOW=window is not None, num_warps=4)
+                               NSPLIT=nsplit, HAS_WINDOW=window is not None, KV_FP8=fp8, FP8_NATIVE=native,
+                               num_warps=cfg.num_warps if num_warps is None else num_warps,
+                               num_stages=cfg.num_stages if num_stages is None else num_stages)
     if nsplit > 1:
         combine[(b * h,)](part, m, lse, y, HEAD_DIM=dh, NSPLIT=nsplit, num_warps=1)
     return y
@@ -478,14 +647,19 @@ def _counters(n: int, device: torch.device) -> torch.Tensor:
 
 
 @functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; 132 (an H200's) off CUDA."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _cta_budget(device: torch.device) -> int:
     """CTAs :func:`decode_attention` and :func:`rope_decode_attention` aim for at most (about four per SM:
     one wave at their occupancy); their splits of the keys are halved until ``rows x KV heads x splits``
     fits (each split costs a CTA's set-up, partials and their combine; in the one-kernel form also a wait
     for the partials to land and a counter, a cost paid per wave). 528 (an H200's 132 SMs) off CUDA."""
-    if device.type != "cuda":
-        return 4 * 132
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4 * _sm_count(device)
 
 
 def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor,
