@@ -217,6 +217,9 @@ class ContinuousBatcher:
         self._rows: list[_Running | None] = [None] * backend.max_batch_size
         self.steps = 0
         self.joins = 0  # requests admitted while others were decoding
+        # the greedy step queued on the device whose tokens the host has not read yet, with the run of
+        # each of its rows (None: a row it computed nothing for): see _decode_greedy
+        self._pending: tuple[Any, list[_Running | None]] | None = None
 
     @property
     def n_running(self) -> int:
@@ -245,6 +248,7 @@ class ContinuousBatcher:
         out = [r for _, r in self._waiting] + [run.req for run in self._rows if run is not None]
         self._waiting = []
         self._rows = [None] * len(self._rows)
+        self._pending = None
         return out
 
     def run(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
@@ -269,6 +273,8 @@ class ContinuousBatcher:
             finished += self._admit(free)
         if self.n_running:
             finished += self._decode()
+        elif self._pending is not None:  # only a step computed past its rows' last tokens: nothing to read
+            self._pending = None
         return finished
 
     def _expire(self, now: float) -> list[GenerationResult]:
@@ -408,6 +414,15 @@ class ContinuousBatcher:
             state_of[i] = state
 
     def _decode(self) -> list[GenerationResult]:
+        """One decode step of every running request. All greedy (the usual case) and a backend with
+        ``greedy_step``: :meth:`_decode_greedy`. Otherwise the logits come to the host and each row
+        picks its token (per-request sampling), after any queued greedy step was read."""
+        if hasattr(self.backend, "greedy_step") and all(
+                run is None or run.req.params is None or run.req.params.greedy for run in self._rows):
+            return self._decode_greedy()
+        finished = self._drain()
+        if not self.n_running:
+            return finished
         n = max(i for i, r in enumerate(self._rows) if r is not None) + 1
         tokens, positions, offsets = [0] * n, [0] * n, [0] * n
         for i in range(n):
@@ -419,12 +434,60 @@ class ContinuousBatcher:
         else:
             logits = self.backend.decode_batch(tokens, positions)
         running = [self._rows[i] for i in range(n)]
+        self._advance([run for run in running if run is not None])
+        return finished + self._consume(logits, running, first=False)
+
+    def _decode_greedy(self) -> list[GenerationResult]:
+        """Queue the next greedy step, then read the previous one (``backend.greedy_step``): each
+        row's next input stays on the device (the step writes its argmax and slot + 1), so the GPU
+        runs step ``k + 1`` while the host turns step ``k``'s tokens into results, stop checks and
+        streamed text. A row whose last token (its budget) is in flight gets no further step; a
+        row that ends on EOS or a stop string had one step computed past it, which is discarded
+        (its KV write lands past the request's last slot, in a row that is free from then on)."""
+        pending = self._pending
+        prev = pending[1] if pending is not None else []
+        n = max(i for i, r in enumerate(self._rows) if r is not None) + 1
+        new_inputs: dict[int, tuple[int, int, int]] = {}
+        launch: list[_Running | None] = [None] * n
+        for i in range(n):
+            run = self._rows[i]
+            in_flight = i < len(prev) and prev[i] is run and run is not None
+            if run is None or len(run.tokens) + in_flight >= run.budget:
+                if i < len(prev) and prev[i] is not None:  # fed by the queued step, no request from now on
+                    new_inputs[i] = (0, 0, 0)
+                continue
+            if not in_flight:  # admitted since (its first token came from the prefill), or after a sampled step
+                new_inputs[i] = (run.tokens[-1], run.pos, run.rope_delta)
+            launch[i] = run
+        self._pending = None
+        if any(run is not None for run in launch):
+            self._pending = (self.backend.greedy_step(n, new_inputs), launch)
+            self._advance([run for run in launch if run is not None])
+        return self._read(pending) if pending is not None else []
+
+    def _drain(self) -> list[GenerationResult]:
+        """Read the queued greedy step, if any (before a step whose inputs the host writes)."""
+        pending, self._pending = self._pending, None
+        return self._read(pending) if pending is not None else []
+
+    def _read(self, pending: tuple[Any, list[_Running | None]]) -> list[GenerationResult]:
+        """The tokens of a queued greedy step, taken by the rows' runs that are still running."""
+        tokens = pending[0].tokens()  # waits for that step only
+        now = self.clock()
+        out = []
+        for i, run in enumerate(pending[1]):
+            if run is not None and self._rows[i] is run:
+                res = self._take(run, tokens[i], now, first=False)
+                if res is not None:
+                    out.append(res)
+        return out
+
+    def _advance(self, runs: list[_Running]) -> None:
+        """The runs a decode step was queued for: their next slot, and the batch they shared."""
         n_running = self.n_running
-        for run in running:
-            if run is not None:
-                run.pos += 1
-                run.batch_size = max(run.batch_size, n_running)
-        return self._consume(logits, running, first=False)
+        for run in runs:
+            run.pos += 1
+            run.batch_size = max(run.batch_size, n_running)
 
     def _consume(self, logits: torch.Tensor, runs: list[_Running | None], first: bool) -> list[GenerationResult]:
         greedy = logits.argmax(dim=-1).tolist()  # one host sync for the whole batch
@@ -435,17 +498,24 @@ class ContinuousBatcher:
                 continue
             p = run.req.params
             token = greedy[i] if p is None or p.greedy else select_token(logits[i], p, run.generator)
-            if first:
-                run.first_s = now
-            if token in run.req.eos_token_ids:
-                out.append(self._finish(run, "stop", now, eos=True))
-                continue
-            run.tokens.append(token)
-            if run.req.on_token is not None and run.req.on_token(token):
-                out.append(self._finish(run, "stop", now))
-            elif len(run.tokens) >= run.budget:
-                out.append(self._finish(run, "length", now))
+            res = self._take(run, token, now, first)
+            if res is not None:
+                out.append(res)
         return out
+
+    def _take(self, run: _Running, token: int, now: float, first: bool) -> GenerationResult | None:
+        """Row ``run`` chose ``token``: its result if that ends it (EOS, ``on_token`` asks to stop,
+        the budget), else None."""
+        if first:
+            run.first_s = now
+        if token in run.req.eos_token_ids:
+            return self._finish(run, "stop", now, eos=True)
+        run.tokens.append(token)
+        if run.req.on_token is not None and run.req.on_token(token):
+            return self._finish(run, "stop", now)
+        if len(run.tokens) >= run.budget:
+            return self._finish(run, "length", now)
+        return None
 
     def _finish(self, run: _Running, reason: str, now: float, eos: bool = False) -> GenerationResult:
         self._rows[run.row] = None

@@ -15,6 +15,12 @@ by ``(batch, kv_len)``; ``kv_len`` comes from :func:`edgevlm.runtime.kv_cache.kv
 4096-position cache needs at most ``log2(4096 / 256) + 1 = 5`` graphs per batch size. All graphs
 share one memory pool (they never run concurrently).
 
+A *feeding* graph (``feed=True``, its own key) also writes the next step's inputs into the same
+buffers: each row's greedy token and its position + 1 (:func:`~edgevlm.runtime.sampling.greedy_feed`).
+Greedy decoding replays it step after step without the host writing anything in between, so the
+host can queue step ``k + 1`` before it reads token ``k`` (the GPU never waits for the host's
+per-token work; :meth:`~edgevlm.runtime.backends.torch_backend.TorchBackend.greedy_step`).
+
 Capture runs the step eagerly twice on a side stream first (cuBLAS/SDPA workspace set-up, lazy
 kernel re-layouts such as :class:`~edgevlm.runtime.int4.Int4Linear`'s). Those runs write the same
 keys/values at the same positions as the replay that follows, so capturing in the middle of a
@@ -29,6 +35,7 @@ import time
 import torch
 
 from edgevlm.runtime.decoder import Decoder
+from edgevlm.runtime.sampling import greedy_feed
 
 logger = logging.getLogger(__name__)
 
@@ -64,24 +71,28 @@ class DecodeGraphs:
         # M-RoPE decoders (mrope_section): RoPE position = slot + rope_offsets[row] (see Decoder.forward)
         self.rope_offsets = torch.zeros(self.max_batch_size, dtype=torch.long, device=device)  # (B_max,)
         self.uses_rope_offsets = decoder.cfg.mrope_section is not None
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
-        self.capture_ms: dict[tuple[int, int], float] = {}
+        self.capture_ms: dict[tuple[int, int, bool], float] = {}
 
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def _step(self, batch: int, kv_len: int) -> torch.Tensor:
+    def _step(self, batch: int, kv_len: int, feed: bool = False) -> torch.Tensor:
         offsets = self.rope_offsets[:batch] if self.uses_rope_offsets else 0
-        return self.decoder.decode_step(self.tokens[:batch], self.positions[:batch], kv_len, offsets)
+        logits = self.decoder.decode_step(self.tokens[:batch], self.positions[:batch], kv_len, offsets)
+        if feed:
+            greedy_feed(logits, self.tokens[:batch], self.positions[:batch])
+        return logits
 
-    def eager(self, batch: int, kv_len: int) -> torch.Tensor:
+    def eager(self, batch: int, kv_len: int, feed: bool = False) -> torch.Tensor:
         """The same step without a graph (reference for tests and the GPU suite)."""
-        return self._step(batch, kv_len)
+        return self._step(batch, kv_len, feed)
 
-    def capture(self, batch: int, kv_len: int) -> None:
-        """Capture the graph for ``(batch, kv_len)`` (no-op when it exists)."""
-        key = (batch, kv_len)
+    def capture(self, batch: int, kv_len: int, feed: bool = False) -> None:
+        """Capture the graph for ``(batch, kv_len, feed)`` (no-op when it exists). The inputs in the
+        buffers are what the replay after it reads (a feeding step's warm-up runs restore them)."""
+        key = (batch, kv_len, feed)
         if key in self._graphs:
             return
         if not 1 <= batch <= self.max_batch_size or not 1 <= kv_len <= self.decoder.max_seq_len:
@@ -90,25 +101,31 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
+        inputs = (self.tokens.clone(), self.positions.clone()) if feed else None
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._step(batch, kv_len)
+                self._step(batch, kv_len, feed)
+                if inputs is not None:  # a feeding run moved the inputs on: the next run (and the replay) reads these
+                    self.tokens.copy_(inputs[0])
+                    self.positions.copy_(inputs[1])
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = self._step(batch, kv_len)
+            out = self._step(batch, kv_len, feed)
         if self._pool is None:
             self._pool = graph.pool()
         self._graphs[key] = (graph, out)
         self.capture_ms[key] = (time.perf_counter() - t0) * 1e3
-        logger.debug("captured decode graph batch=%d kv_len=%d in %.1f ms", batch, kv_len, self.capture_ms[key])
+        logger.debug("captured decode graph batch=%d kv_len=%d feed=%s in %.1f ms", batch, kv_len, feed,
+                     self.capture_ms[key])
 
-    def replay(self, batch: int, kv_len: int) -> torch.Tensor:
+    def replay(self, batch: int, kv_len: int, feed: bool = False) -> torch.Tensor:
         """Run the step for the inputs in the static buffers (capturing first if needed); returns
-        the static logits ``(batch, V)``."""
-        key = (batch, kv_len)
+        the static logits ``(batch, V)``. ``feed``: the feeding graph (module docstring), which
+        leaves the next step's inputs in the buffers."""
+        key = (batch, kv_len, feed)
         if key not in self._graphs:
-            self.capture(batch, kv_len)
+            self.capture(batch, kv_len, feed)
         graph, out = self._graphs[key]
         graph.replay()
         return out

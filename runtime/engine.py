@@ -11,6 +11,7 @@ budget. Every stage is timed on the host clock after synchronising the device.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -475,6 +476,22 @@ class Engine:
         if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3 or 0 in image.shape:
             raise InvalidImageError(f"image must be an (H, W, 3) uint8 RGB array, got {image.shape} {image.dtype}")
 
+    def _tokens_after(self, token: int, pos: int, max_tokens: int, params, generator, op, rope_delta: int):
+        """The tokens after the first one (``token``, fed at slot ``pos``), at most ``max_tokens``:
+        greedy requests from the backend's :meth:`~edgevlm.runtime.backends.Backend.greedy_tokens`
+        (the torch backend queues each step before the host reads the previous token), sampled ones
+        from :meth:`decode` + :func:`~edgevlm.runtime.sampling.select_token` per token."""
+        be = self.backend
+        if params.greedy:
+            yield from be.greedy_tokens(token, pos, max_tokens, operating_point=op, rope_offset=rope_delta)
+            return
+        for _ in range(max_tokens):
+            logits = be.decode(token, pos, operating_point=op, rope_offset=rope_delta) if rope_delta else \
+                be.decode(token, pos, operating_point=op)
+            token = select_token(logits[0], params, generator)
+            pos += 1
+            yield token
+
     @staticmethod
     def _check_operating_point(op) -> OperatingPoint:
         if op is None:
@@ -553,8 +570,9 @@ class Engine:
         text = TextAssembler(params.stop)
         pos, n_new, finish = len(ids), 0, "length"
         t_first = t3
-        while True:
-            token = select_token(logits[0], params, generator)
+        token = select_token(logits[0], params, generator)
+        after = self._tokens_after(token, pos, budget - 1, params, generator, op, rope_delta)
+        for token in itertools.chain([token], after):
             n_new += 1
             if n_new == 1:
                 t_first = time.perf_counter()
@@ -570,9 +588,7 @@ class Engine:
                 break
             if n_new >= budget:
                 break
-            logits = be.decode(token, pos, operating_point=op, rope_offset=rope_delta) if rope_delta else \
-                be.decode(token, pos, operating_point=op)
-            pos += 1
+        after.close()  # a greedy stream's step queued past the last token is left to finish on its own
         tail = text.finish()
         if tail:
             yield tail

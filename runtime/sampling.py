@@ -83,6 +83,21 @@ def select_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def greedy_feed(logits: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+    """The next decode step's inputs from this step's logits, on the device: ``tokens (B, 1)`` int64
+    := each row's greedy token (``argmax`` of ``logits (B, V)``, the first index among equal maxima
+    as :func:`select_token`), ``positions (B,)`` int64 += 1. In place, no host sync: a decode loop
+    that feeds itself this way can queue step ``k + 1`` before the host has read token ``k``
+    (:meth:`~edgevlm.runtime.backends.torch_backend.TorchBackend.greedy_step`). Raises ``ValueError``
+    for mismatched shapes."""
+    b = logits.shape[0]
+    if logits.dim() != 2 or tokens.shape != (b, 1) or positions.shape != (b,):
+        raise ValueError(f"greedy_feed: logits {tuple(logits.shape)}, tokens {tuple(tokens.shape)}, "
+                         f"positions {tuple(positions.shape)} do not match")
+    torch.argmax(logits, dim=-1, keepdim=True, out=tokens)
+    positions.add_(1)
+
+
 def find_stop(text: str, stops: tuple[str, ...]) -> int:
     """Index of the earliest occurrence of any stop string in ``text``, or -1."""
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]

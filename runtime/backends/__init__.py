@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from edgevlm.errors import InvalidRequestError, ModelLoadError
@@ -97,6 +98,26 @@ class Backend(ABC):
                rope_offset: int = 0) -> torch.Tensor:
         """Feed one token at slot ``pos`` (< :attr:`max_seq_len`), RoPE position ``pos +
         rope_offset``; returns logits ``(1, V)``."""
+
+    def greedy_tokens(self, token_id: int, pos: int, max_tokens: int, *,
+                      operating_point: OperatingPoint | None = None, rope_offset: int = 0) -> Iterator[int]:
+        """Greedy decoding after a chosen token: feeds ``token_id`` at slot ``pos``, then each token
+        it yields at the next slot; yields up to ``max_tokens`` greedy tokens (``argmax`` of each
+        step's logits, the first index among equal maxima). The consumer may stop iterating at
+        any token (EOS, a stop string); slots must stay below :attr:`max_seq_len` (``ValueError``).
+        Default: :meth:`decode` then ``argmax`` per token; the torch backend queues step ``k + 1``
+        on the device before the host reads token ``k`` (one step computed ahead, discarded when
+        the consumer stops)."""
+        import torch
+
+        if max_tokens > 0 and not (0 <= pos and pos + max_tokens - 1 < self.max_seq_len):
+            raise ValueError(f"greedy decode of {max_tokens} tokens from slot {pos} leaves the KV cache "
+                             f"(0..{self.max_seq_len - 1})")
+        for i in range(max_tokens):
+            logits = self.decode(token_id, pos + i, operating_point=operating_point, rope_offset=rope_offset) \
+                if rope_offset else self.decode(token_id, pos + i, operating_point=operating_point)
+            token_id = int(torch.argmax(logits[0].float()))
+            yield token_id
 
     def reset(self) -> None:  # noqa: B027 - optional hook
         """Forget the cached sequence (static caches need nothing: positions past the new prompt

@@ -115,6 +115,14 @@ class TorchBackend(Backend):
         self._vision_graphs: dict = {}  # normalisation -> VisionGraphs of that forward (CUDA graphs on)
         self._no_grid = torch.zeros((1, 3), dtype=torch.long)  # VisionGraphs' grid key: LLaVA has none
         self._tok = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        # greedy_step's device-resident inputs (the graphs' buffers with CUDA graphs): rows fed by the last
+        # feeding step (0: another writer ran since), and the host's copy of every row's next slot
+        rows = self.max_batch_size
+        self._feed_buffers = (self.graphs.tokens, self.graphs.positions, self.graphs.rope_offsets) \
+            if self.graphs is not None else tuple(torch.zeros(*shape, dtype=torch.long, device=self.device)
+                                                  for shape in ((rows, 1), (rows,), (rows,)))
+        self._fed_rows = 0
+        self._fed_slots = [0] * rows
         self._single_meta = torch.zeros(2, 1, dtype=torch.long, device=self.device)  # a single prefill's length, row
 
     # ---- configuration -------------------------------------------------------------------------
@@ -277,6 +285,7 @@ class TorchBackend(Backend):
             raise ValueError(f"decode position {pos} outside the KV cache (0..{self.max_seq_len - 1})")
         kv_len = self.kv_len_for(pos + 1)
         if self.graphs is not None:
+            self._fed_rows = 0  # the feed buffers hold host-written inputs now
             self.graphs.tokens[:1].fill_(token_id)
             self.graphs.positions[:1].fill_(pos)
             self.graphs.rope_offsets[:1].fill_(rope_offset)
@@ -507,6 +516,7 @@ class TorchBackend(Backend):
         from edgevlm.runtime.cuda_graphs import graph_batch_size
 
         b = graph_batch_size(n, self.max_batch_size)
+        self._fed_rows = 0  # the feed buffers hold host-written inputs now
         tok = torch.zeros(b, dtype=torch.long)
         pos = torch.zeros(b, dtype=torch.long)
         tok[:n] = torch.tensor(token_ids)
@@ -519,9 +529,122 @@ class TorchBackend(Backend):
         self.graphs.rope_offsets[:b].copy_(off, non_blocking=True)
         return self.graphs.replay(b, kv_len)[:n]
 
+    # ---- greedy decoding with the inputs kept on the device ------------------------------------
+    @torch.inference_mode()
+    def greedy_step(self, n: int, new_inputs: dict[int, tuple[int, int, int]] | None = None) -> PendingTokens:
+        """Queue one greedy decode step of cache rows ``0..n-1`` whose next inputs stay on the device.
+
+        Rows in ``new_inputs`` (``row -> (token_id, slot, rope_offset)``) feed what the host gives.
+        Every other row that the previous call fed (no :meth:`decode` / :meth:`decode_batch` since)
+        feeds its greedy token of that step at its slot + 1, written by the step itself on the
+        device (:func:`~edgevlm.runtime.sampling.greedy_feed`; with CUDA graphs a feeding graph per
+        ``(batch, kv_len)``, :mod:`edgevlm.runtime.cuda_graphs`); any other row holds no request and
+        is parked at slot 0 (it computes garbage there, like :meth:`decode_batch`'s free rows).
+        Nothing waits for the device: the caller queues step ``k + 1`` and only then reads step
+        ``k``'s tokens (:meth:`PendingTokens.tokens`), so the host's per-token work overlaps the GPU.
+        A row the caller keeps feeding must stay inside the cache (the caller's token budget does
+        that); a row fed past the last slot is parked instead.
+
+        Returns the step's greedy tokens of rows ``0..n-1`` as :class:`PendingTokens`. Raises
+        ``ValueError`` for ``n`` outside ``1..max_batch_size`` or a row/slot outside the cache."""
+        tokens, positions, offsets = self._feed_buffers
+        new_inputs = new_inputs or {}
+        if not 1 <= n <= self.max_batch_size:
+            raise ValueError(f"greedy_step: {n} rows, cache of {self.max_batch_size} rows")
+        for row, (_, slot, _) in new_inputs.items():
+            if not (0 <= row < n and 0 <= slot < self.max_seq_len):
+                raise ValueError(f"greedy_step: row {row} slot {slot} outside {n} rows x {self.max_seq_len} slots")
+        if self.graphs is not None:
+            from edgevlm.runtime.cuda_graphs import graph_batch_size
+
+            b = graph_batch_size(n, self.max_batch_size)
+        else:
+            b = n
+        slots = self._fed_slots
+        writes = {}
+        for row in range(n):
+            if row in new_inputs:
+                writes[row] = new_inputs[row]
+            elif row >= self._fed_rows or slots[row] >= self.max_seq_len:
+                writes[row] = (0, 0, 0)  # no request (or one fed to the cache's end): park it
+        live_max = max(writes[r][1] if r in writes else slots[r] for r in range(n))
+        for row in range(n, b):  # the graph's padding rows hold no request: fed on while below the live rows
+            if row >= self._fed_rows or slots[row] > live_max:
+                writes[row] = (0, 0, 0)
+        if writes:
+            self._write_feed_rows(writes, b)
+        for row, (_, slot, _) in writes.items():
+            slots[row] = slot
+        kv_len = self.kv_len_for(live_max + 1)
+        if self.graphs is not None:
+            self.graphs.replay(b, kv_len, feed=True)
+        else:
+            off = offsets[:b] if self.model.language_model.cfg.mrope_section is not None else 0
+            logits = self.model.language_model.decode_step(tokens[:b], positions[:b], kv_len, off)
+            from edgevlm.runtime.sampling import greedy_feed
+
+            greedy_feed(logits, tokens[:b], positions[:b])
+        for row in range(b):
+            slots[row] += 1
+        self._fed_rows = b
+        return PendingTokens(tokens[:n, 0], self.device)
+
+    def _write_feed_rows(self, writes: dict[int, tuple[int, int, int]], b: int) -> None:
+        """Write ``row -> (token, slot, rope_offset)`` into rows ``0..b-1`` of the feed buffers, the
+        other rows kept: one copy from pinned host memory (no wait for the queued steps) and a select."""
+        tokens, positions, offsets = self._feed_buffers
+        cuda = self.device.type == "cuda"
+        vals = [[0] * b for _ in range(4)]  # token, slot, offset, written
+        for row, (tok, slot, off) in writes.items():
+            vals[0][row], vals[1][row], vals[2][row], vals[3][row] = tok, slot, off, 1
+        stage = torch.tensor(vals, dtype=torch.long)
+        dev = (stage.pin_memory() if cuda else stage).to(self.device, non_blocking=True)
+        keep = dev[3] == 0
+        tokens[:b, 0] = torch.where(keep, tokens[:b, 0], dev[0])
+        positions[:b] = torch.where(keep, positions[:b], dev[1])
+        offsets[:b] = torch.where(keep, offsets[:b], dev[2])
+
+    def greedy_tokens(self, token_id: int, pos: int, max_tokens: int, *,
+                      operating_point: OperatingPoint | None = None, rope_offset: int = 0):
+        """:meth:`Backend.greedy_tokens` over :meth:`greedy_step` (row 0): step ``k + 1`` is queued
+        before token ``k`` is read, so a consumer that stops at token ``k`` leaves one step computed
+        for nothing (its KV write lands past the answer's last slot, where the next prompt's
+        prefill or decode overwrites it before any read)."""
+        if max_tokens < 1:
+            return
+        if not (0 <= pos and pos + max_tokens - 1 < self.max_seq_len):
+            raise ValueError(f"greedy decode of {max_tokens} tokens from slot {pos} leaves the KV cache "
+                             f"(0..{self.max_seq_len - 1})")
+        pending = self.greedy_step(1, {0: (token_id, pos, rope_offset)})
+        for _ in range(max_tokens - 1):
+            queued = self.greedy_step(1)
+            yield pending.tokens()[0]
+            pending = queued
+        yield pending.tokens()[0]
+
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+class PendingTokens:
+    """The greedy tokens of one queued decode step (:meth:`TorchBackend.greedy_step`): copied to
+    pinned host memory behind the step on its stream; :meth:`tokens` waits for that copy only."""
+
+    def __init__(self, tokens: torch.Tensor, device: torch.device) -> None:
+        if device.type == "cuda":
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host, self._event = tokens.clone(), None
+
+    def tokens(self) -> list[int]:
+        """The step's token ids, row by row (blocks until the step and its copy are done)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
 
 
 def load(files: ModelFiles, *, device: torch.device, dtype: torch.dtype, max_seq_len: int,

@@ -57,3 +57,53 @@ def test_graph_decode_equals_eager_on_cuda(perf_files, kv):
     lg, tg = run(graphed, te[:-1])
     assert len(graphed.graphs) >= 1
     assert rel_err(lg, le) < 1e-3 and tg == te
+
+
+@needs_cuda
+def test_feeding_graphs_give_the_tokens_of_graph_decode_and_argmax(perf_files):
+    """Greedy decoding through the feeding graphs (``greedy_tokens`` / ``greedy_step``: the next token
+    and slot written on the device, step k + 1 queued before token k is read) against the plain graphs
+    driven from the host (``decode`` + ``argmax``): the same tokens, single and batched, across a KV
+    bucket boundary, with a request stopped early in between."""
+    from edgevlm.runtime.backends import Backend
+    from edgevlm.runtime.backends.torch_backend import TorchBackend
+    from edgevlm.runtime.loader import load_model
+
+    model = load_model(perf_files, device=torch.device("cuda"), dtype=torch.bfloat16, max_seq_len=600)
+    be = TorchBackend(model, cuda_graphs=True, max_batch_size=4)
+    prompts = [make_prompt(6, 9), make_prompt(7, 11), make_prompt(8, 5)]
+
+    def prefill(i, row=0):
+        ids, px = prompts[i]
+        ids_dev = torch.tensor([ids], device="cuda")
+        embeds = be.embed(ids_dev, be.encode_image(px))
+        logits = be.prefill(embeds) if row == 0 else be.prefill_batch([embeds], [row])
+        return int(logits[0].argmax()), len(ids)
+
+    n = 300 - len(prompts[0][0]) + 20  # crosses the 256 -> 512 bucket
+    first, pos = prefill(0)
+    want = list(Backend.greedy_tokens(be, first, pos, n))
+    prefill(0)
+    stream = be.greedy_tokens(first, pos, n)
+    assert [next(stream) for _ in range(3)] == want[:3]
+    stream.close()  # stopped early: one queued step runs ahead
+    prefill(0)
+    assert list(be.greedy_tokens(first, pos, n)) == want
+    assert any(key[2] for key in be.graphs._graphs)  # feeding graphs were captured and replayed
+    refs = {}
+    for i in range(3):
+        f, p = prefill(i)
+        refs[i] = (f, p, list(Backend.greedy_tokens(be, f, p, 40)))
+    for i in range(3):
+        prefill(i, row=i)
+    pending, got = None, {0: [], 1: [], 2: []}
+    for step in range(41):
+        new = {i: (refs[i][0], refs[i][1], 0) for i in range(3)} if step == 0 else {}
+        queued = be.greedy_step(3, new) if step < 40 else None  # graph batch 4: one padding row fed along
+        if pending is not None:
+            out = pending.tokens()
+            for i in range(3):
+                got[i].append(out[i])
+        pending = queued
+    for i in range(3):
+        assert got[i] == refs[i][2]
