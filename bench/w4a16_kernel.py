@@ -633,7 +633,8 @@ def run_model(ctx, choice):
         int4.PREFILL_DEQUANTIZER, int4.PREFILL_CHUNK_BYTES = choice[0], choice[1] << 20
     from edgevlm.runtime.kernels import w4a16_mma as mk
 
-    keep = ("model", "impl", "ttft_ms", "tpot_ms", "decode_tok_s", "step_gpu_ms", "batch_tok_s", "copy_frac", "gbps",
+    keep = ("model", "impl", "ttft_ms", "tpot_ms", "decode_tok_s", "decode_tok_s_host_fed", "step_gpu_ms", "batch_tok_s",
+            "batch_tok_s_host_fed", "copy_frac", "gbps",
             "weight_bytes", "kv_bytes_per_token", "error")
     rows = []
     copy = None

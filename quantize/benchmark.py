@@ -11,10 +11,13 @@ cache; CUDA-graph decode on GPU). LLaVA models measure, after warm-up, as median
 
 * ``ttft_ms``: float32 pixels on the host -> first token id on the host (vision, embed, prefill,
   argmax); the image preprocessing and tokenisation the engine also does are left out (both sides);
-* ``tpot_ms`` and ``decode_tok_s``: per-token time of a greedy batch-1 decode loop with the token
-  fed back through the host each step (what the engine does; transformers: ``generate`` with its
-  dynamic and its static cache, the faster reported); ``step_gpu_ms``: one CUDA-graph replay
-  alone (CUDA events); ``batch_tok_s``: tokens/s of batched decode at each batch size;
+* ``tpot_ms`` and ``decode_tok_s``: per-token time of a greedy batch-1 decode loop as the engine
+  runs it (edgevlm: ``greedy_tokens``, each step's token and slot fed on the device and step k + 1
+  queued before the host reads token k; transformers: ``generate`` with its dynamic and its static
+  cache, the faster reported); ``decode_tok_s_host_fed``: the same loop with the token fed back
+  through the host each step (``decode`` + ``argmax``); ``step_gpu_ms``: one CUDA-graph replay
+  alone (CUDA events); ``batch_tok_s``: tokens/s of batched greedy decode at each batch size (the
+  continuous batcher's ``greedy_step`` chain; ``batch_tok_s_host_fed``: ``decode_batch`` + argmax);
 * ``vision_img_s``: vision encoder + projector images/s at the vision batch, and its TFLOP/s as a
   fraction of the bf16 matrix-multiply rate measured first;
 * ``peak_mb``: the implementation's weights plus the peak of everything it allocated while running;
@@ -193,6 +196,9 @@ def format_table(rows: list[dict], parity: dict | None = None) -> str:
         line = " ".join(c.rjust(w) for c, w in zip(row_cells, widths, strict=True))
         if r.get("batch_tok_s"):
             line += "  batch tok/s " + ", ".join(f"B{b}={v:.0f}" for b, v in r["batch_tok_s"].items())
+        if r.get("decode_tok_s_host_fed"):
+            fed = {"1": r["decode_tok_s_host_fed"], **(r.get("batch_tok_s_host_fed") or {})}
+            line += "  host-fed tok/s " + ", ".join(f"B{b}={v:.0f}" for b, v in fed.items())
         if r.get("error"):
             line += "  ERROR " + r["error"][:120]
         lines.append(line)

@@ -28,6 +28,7 @@ def test_bench_runs_on_cpu_and_saves_results(tmp_path, capsys):
         if impl != "transformers":  # its TPOT is a difference of two generate() timings: noisy on a busy CPU
             assert r["tpot_ms"] > 0 and r["decode_tok_s"] > 0
     assert rows["edgevlm"]["batch_tok_s"]["2"] > 0
+    assert rows["edgevlm"]["decode_tok_s_host_fed"] > 0 and rows["edgevlm"]["batch_tok_s_host_fed"]["2"] > 0
     assert rows["edgevlm-w4-kv4"]["kv_bytes_per_token"] * 3 < rows["edgevlm"]["kv_bytes_per_token"]
     assert summary["copy_gbps"] > 0 and summary["versions"]["torch"] == torch.__version__
     saved = list(tmp_path.glob("bench_cpu_*.json"))
