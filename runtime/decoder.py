@@ -29,7 +29,14 @@ from torch import nn
 from edgevlm.runtime.config import TextConfig
 from edgevlm.runtime.kernels import kernels_usable
 from edgevlm.runtime.kernels.int4kv_attention import int4kv_decode_attention
-from edgevlm.runtime.kv_cache import DEFAULT_INT4_GROUP_SIZE, KVCache, decode_mask, make_kv_cache
+from edgevlm.runtime.kv_cache import (
+    DEFAULT_INT4_GROUP_SIZE,
+    Fp8KVCache,
+    Int4KVCache,
+    KVCache,
+    decode_mask,
+    make_kv_cache,
+)
 from edgevlm.runtime.vision import activation
 
 logger = logging.getLogger(__name__)
@@ -571,7 +578,7 @@ class Decoder(nn.Module):
         dt = embeds.dtype
         shifted = not (isinstance(rope_offset, int) and rope_offset == 0)
         if not prefill and self.fused_decode and embeds.shape[1] == 1 \
-                and type(self.layers[0].self_attn.kv_cache) is KVCache and input_pos.dim() == 2 and not all_logits \
+                and input_pos.dim() == 2 and not all_logits \
                 and rows is not None and rope is None and layer_adds is None:
             # the fused step builds no mask and gathers no RoPE rows (its kernels read the tables at the
             # positions): ~8 small kernels fewer per step
@@ -660,18 +667,18 @@ class Decoder(nn.Module):
     def enable_fused_decode(self, enabled: bool = True) -> bool:
         """Use the fused Triton decode kernels (:mod:`edgevlm.runtime.kernels.decode_fused`) for
         one-token steps where they apply: CUDA (or Triton's CPU interpreter), fused q/k/v and
-        gate/up projections (:meth:`fuse_projections`), a SiLU or tanh-GELU MLP, 16-bit KV caches,
-        power-of-two head dim (q/k norm and a ``rope_offset`` are fused too, and Gemma 3's
-        configuration: unit-offset and sandwich norms, attention scale, sliding / full layers with
-        their own RoPE tables); steps with ``rope`` tables run the layer loop.
-        Returns whether the fused path is now on."""
+        gate/up projections (:meth:`fuse_projections`), a SiLU or tanh-GELU MLP, power-of-two head dim
+        (q/k norm and a ``rope_offset`` are fused too, and Gemma 3's configuration: unit-offset and
+        sandwich norms, attention scale, sliding / full layers with their own RoPE tables); every KV
+        cache precision (:meth:`_fused_attention` says how each is attended); steps with ``rope``
+        tables run the layer loop. Returns whether the fused path is now on."""
         from edgevlm.runtime.kernels import kernels_usable
         from edgevlm.runtime.kernels.decode_fused import GATED_ACTS
 
         ok = enabled and len(self.layers) > 0 and kernels_usable(self.embed_tokens.weight.device) \
             and self.cfg.hidden_act in GATED_ACTS and self.cfg.head_dim & (self.cfg.head_dim - 1) == 0 \
             and all(layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
-                    and type(layer.self_attn.kv_cache) is KVCache for layer in self.layers)
+                    and isinstance(layer.self_attn.kv_cache, KVCache) for layer in self.layers)
         self.fused_decode = bool(ok)
         return self.fused_decode
 
@@ -682,18 +689,13 @@ class Decoder(nn.Module):
         RoPE positions ``rope_pos (B,)`` int64 (None = ``pos``) -> logits ``(B, V)``. Same math as the
         layer loop (residual adds rounded to the activation dtype, fp32 norm statistics); with Gemma 3's
         ``sandwich_norms`` each post-attention / post-feedforward norm is fused into the residual add
-        and the norm after it (:func:`~edgevlm.runtime.kernels.decode_fused.add_rms_norm`). Where
+        and the norm after it (:func:`~edgevlm.runtime.kernels.decode_fused.add_rms_norm`). Each layer's
+        attention by its cache (:meth:`_fused_attention`); where
         :data:`~edgevlm.runtime.kernels.decode_fused.FUSED_ATTENTION` is on, a layer over a 16-bit
         full-length cache without a sliding window runs RoPE, the KV write and attention as one kernel
         (:func:`~edgevlm.runtime.kernels.decode_fused.rope_decode_attention`)."""
         from edgevlm.runtime.kernels import decode_fused
-        from edgevlm.runtime.kernels.decode_fused import (
-            add_rms_norm,
-            decode_attention,
-            gated_act,
-            rope_decode_attention,
-            rope_kv_write,
-        )
+        from edgevlm.runtime.kernels.decode_fused import add_rms_norm, gated_act, rope_decode_attention
 
         cfg = self.cfg
         unit = cfg.norm_unit_offset
@@ -701,10 +703,9 @@ class Decoder(nn.Module):
         x = embeds.reshape(b, d)  # (B, D) residual stream
         first = self.layers[0].input_layernorm
         h = F.rms_norm(x, (d,), first.weight, first.eps) if _HAS_RMS_NORM and x.is_cuda and not unit else first(x)
-        mask = None  # additive (B, 1, 1, kv_len), built only for a layer whose cache is not 16-bit
+        masks: dict = {}  # the fallback's masks, built once per step for each (keys, window, ring)
         one_kernel = decode_fused.FUSED_ATTENTION
         window = cfg.sliding_layer_window
-        sliding_mask = None
         if self.ring_window is not None:  # rolling caches: slot pos % W, keys = slots <= pos of min(kv_len, W)
             ring_len = min(kv_len, self.ring_window)
             ring_slot = pos % self.ring_window  # (B,)
@@ -716,10 +717,11 @@ class Decoder(nn.Module):
             cos, sin = (self.local_rope[0], self.local_rope[1]) if sliding and self.local_rope is not None \
                 else (self.rope_cos, self.rope_sin)
             ring = cache.ring
-            qn = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.q_norm is not None else (None,) * 3
             win = window if sliding and not ring else None
             qkv = attn.qkv_proj(h)  # (B, (H + 2 Hkv) Dh)
-            if one_kernel and not ring and win is None and cache.k.dtype == embeds.dtype:
+            if one_kernel and type(cache) is KVCache and not ring and win is None and cache.k.dtype == embeds.dtype:
+                qn = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.q_norm is not None \
+                    else (None,) * 3
                 try:
                     y = rope_decode_attention(qkv, cos, sin, pos, cache.k, cache.v, attn.n_heads, attn.n_kv_heads,
                                               kv_len, rope_pos=rope_pos, q_norm=qn[0], k_norm=qn[1],
@@ -735,31 +737,68 @@ class Decoder(nn.Module):
                     o = attn.o_proj(y.reshape(b, -1))  # (B, D)
                     x, h = self._fused_mlp(layer, i, x, o, unit, gated_act, add_rms_norm)
                     continue
-            q = rope_kv_write(qkv, cos, sin, ring_slot if ring else pos, cache.k, cache.v,
-                              attn.n_heads, attn.n_kv_heads, rope_pos=ring_rope if ring else rope_pos,
-                              q_norm=qn[0], k_norm=qn[1], norm_eps=qn[2] or 1e-6,
-                              unit_offset=unit)  # (B, H, 1, Dh); k, v stored at the slot
-            if cache.k.dtype == q.dtype:  # split-K Triton attention over the cache, keys 0..pos per row
-                y = decode_attention(q, cache.k, cache.v, ring_pos if ring else pos, ring_len if ring else kv_len,
-                                     scale=attn.scale, window=win)  # (B, H, 1, Dh)
+            if ring:
+                y = self._fused_attention(attn, qkv, cos, sin, ring_slot, ring_pos, ring_len, ring_rope, None, masks)
             else:
-                n_keys = ring_len if ring else kv_len
-                k_all, v_all = cache.read(b, n_keys, q.dtype)  # (B, Hkv, n_keys, Dh)
-                if mask is None and not ring and win is None:
-                    allowed = decode_mask(pos[:, None], kv_len)  # (B, 1, 1, kv_len), as forward() builds it
-                    mask = torch.full(allowed.shape, float("-inf"), dtype=embeds.dtype, device=embeds.device)
-                    mask.masked_fill_(allowed, 0.0)
-                m = mask
-                if ring:
-                    m = decode_mask(pos[:, None], n_keys)  # (B, 1, 1, W') bool
-                elif win is not None:
-                    if sliding_mask is None:
-                        sliding_mask = sliding_decode_mask(pos[:, None], kv_len, win)  # (B, 1, 1, kv_len) bool
-                    m = sliding_mask
-                y = attn._masked_sdpa(q, k_all, v_all, m)  # (B, H, 1, Dh)
+                y = self._fused_attention(attn, qkv, cos, sin, pos, pos, kv_len, rope_pos, win, masks)
             o = attn.o_proj(y.reshape(b, -1))  # (B, D)
             x, h = self._fused_mlp(layer, i, x, o, unit, gated_act, add_rms_norm)
         return self.lm_head(h)  # (B, V); h is the final norm's output
+
+    def _fused_attention(self, attn: Attention, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         slot: torch.Tensor, key_pos: torch.Tensor, n_keys: int, rope_pos: torch.Tensor | None,
+                         window: int | None, masks: dict) -> torch.Tensor:
+        """One layer's attention in :meth:`_fused_decode`: ``qkv (B, (H + 2 Hkv) Dh)`` -> ``(B, H, 1, Dh)``.
+
+        The fresh key and value go to cache slot ``slot (B,)`` int64 (RoPE at ``rope_pos``, None = ``slot``);
+        row ``b`` attends to slots ``0..key_pos[b]`` of the first ``n_keys``, within ``window`` (None: no
+        window). By the cache's kind:
+
+        * 16-bit cache of the activation dtype, or :class:`~edgevlm.runtime.kv_cache.Fp8KVCache`: ``rope_kv_write``
+          stores k and v at the slot (fp8: quantized in the kernel) and ``decode_attention`` reads the cache
+          (fp8: the e4m3 bytes and scales, dequantized in registers) — two kernels and the split combine;
+        * :class:`~edgevlm.runtime.kv_cache.Int4KVCache` (with ``attn.int4kv_kernel`` and a head the int4 kernels
+          tile): RoPE into a one-slot buffer, ``int4kv_write``, ``int4kv_decode_attention`` from the codes;
+        * anything else (a 32-bit cache under 16-bit activations, an int4 cache the kernels do not tile or with
+          ``int4kv_kernel`` off): the cache's own write and ``read`` (dequantized) + masked SDPA, the layer loop's
+          arithmetic."""
+        from edgevlm.runtime.kernels.decode_fused import decode_attention, rope_kv_write
+        from edgevlm.runtime.kernels.int4kv_attention import int4kv_write
+
+        cache = attn.kv_cache
+        b, hkv, dh = qkv.shape[0], attn.n_kv_heads, attn.head_dim
+        norm = {"q_norm": None, "k_norm": None, "norm_eps": 1e-6, "unit_offset": self.cfg.norm_unit_offset}
+        if attn.q_norm is not None:
+            norm.update(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight, norm_eps=attn.q_norm.eps or 1e-6)
+        fp8 = isinstance(cache, Fp8KVCache)
+        if type(cache) is KVCache or fp8:
+            scales = {"k_scale": cache.k_scale, "v_scale": cache.v_scale} if fp8 else {}
+            q = rope_kv_write(qkv, cos, sin, slot, cache.k, cache.v, attn.n_heads, hkv, rope_pos=rope_pos,
+                              **norm, **scales)  # (B, H, 1, Dh); k, v stored at the slot
+            if fp8 or cache.k.dtype == q.dtype:  # split-K Triton attention over the cache
+                return decode_attention(q, cache.k, cache.v, key_pos, n_keys, scale=attn.scale, window=window,
+                                        **scales)  # (B, H, 1, Dh)
+        else:  # the cache quantizes on write: rotate k into a one-slot buffer first
+            k1 = qkv.new_empty(b, hkv, 1, dh)
+            v1 = qkv.new_empty(b, hkv, 1, dh)
+            q = rope_kv_write(qkv, cos, sin, torch.zeros_like(slot), k1, v1, attn.n_heads, hkv,
+                              rope_pos=slot if rope_pos is None else rope_pos, **norm)  # (B, H, 1, Dh)
+            if isinstance(cache, Int4KVCache) and attn.int4kv_kernel and cache._fused_write_ok(dh):
+                int4kv_write(cache, slot[:, None], k1, v1)
+                return int4kv_decode_attention(q, cache, key_pos, n_keys, scale=attn.scale, window=window)
+            cache.write(slot[:, None], k1, v1)
+        k_all, v_all = cache.read(b, n_keys, q.dtype)  # (B, Hkv, n_keys, Dh)
+        key = (n_keys, window, cache.ring)
+        if key not in masks:
+            if window is not None:
+                masks[key] = sliding_decode_mask(key_pos[:, None], n_keys, window)  # (B, 1, 1, n_keys) bool
+            elif cache.ring:
+                masks[key] = decode_mask(key_pos[:, None], n_keys)  # (B, 1, 1, W') bool
+            else:  # additive, as forward() builds it
+                allowed = decode_mask(key_pos[:, None], n_keys)  # (B, 1, 1, n_keys)
+                masks[key] = torch.full(allowed.shape, float("-inf"), dtype=q.dtype, device=q.device)
+                masks[key].masked_fill_(allowed, 0.0)
+        return attn._masked_sdpa(q, k_all, v_all, masks[key])  # (B, H, 1, Dh)
 
     def _fused_mlp(self, layer, i: int, x: torch.Tensor, o: torch.Tensor, unit: bool, gated_act, add_rms_norm):
         """The rest of layer ``i`` in :meth:`_fused_decode` after the attention output projection ``o (B, D)``:
