@@ -20,7 +20,10 @@ Precisions (``kv_cache_dtype``, the profile key of the same name):
   (:mod:`edgevlm.runtime.kernels.int4kv_attention`); otherwise the attended positions are
   dequantized right before attention, in the compute dtype.
 * ``"fp8_e4m3"`` (:class:`Fp8KVCache`): ``float8_e4m3fn`` values (OCP FP8 spec; max 448) with one
-  fp16 scale per (row, head, position) = ``amax / 448``; dequantized before attention.
+  fp16 scale per (row, head, position) = ``amax / 448``. The fused CUDA decode step quantizes the new
+  token inside its RoPE + KV-write kernel (bit-identical to :meth:`Fp8KVCache._store`) and attends straight
+  from the e4m3 bytes (:mod:`edgevlm.runtime.kernels.decode_fused`); otherwise the attended positions are
+  dequantized right before attention.
 
 Buffers start as zeros (codes and scales) and are never NaN/Inf, so masked-out (stale or unused)
 slots contribute exactly 0 to attention.

@@ -30,9 +30,15 @@ off for every other decoder, which compiles to the same kernels as before.
   that CTA) combines the splits (none at large batch: one CTA per head). Opt-in
   (:data:`FUSED_ATTENTION`): its first version measured slower than the three kernels.
 
+FP8 KV caches (:class:`~edgevlm.runtime.kv_cache.Fp8KVCache`, ``float8_e4m3fn`` values + one fp16 scale per
+(row, head, position)): :func:`rope_kv_write` quantizes the fresh key and value in its kernel, bit-identical to
+the cache's torch quantization, and :func:`decode_attention` reads the e4m3 bytes and scales, never writing a
+dequantized copy (half the bytes of a 16-bit cache per step). The launch parameters of :func:`decode_attention`
+come from :data:`ATTENTION_CONFIGS` (``bench/decode_attention_tune.py`` measures them).
+
 All statistics and products in fp32, one rounding on store. ``TRITON_INTERPRET=1`` runs them on
-CPU (fp16/fp32) for the tests; :mod:`edgevlm.runtime.decoder` uses them on CUDA for 16-bit KV
-caches (the int4/fp8 caches quantize on write and keep the unfused path).
+CPU (fp16/fp32) for the tests; :mod:`edgevlm.runtime.decoder` uses them on CUDA (16-bit and fp8 KV caches
+directly; INT4 caches through :mod:`~edgevlm.runtime.kernels.int4kv_attention`'s kernels).
 """
 
 from __future__ import annotations
