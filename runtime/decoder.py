@@ -703,7 +703,7 @@ class Decoder(nn.Module):
         x = embeds.reshape(b, d)  # (B, D) residual stream
         first = self.layers[0].input_layernorm
         h = F.rms_norm(x, (d,), first.weight, first.eps) if _HAS_RMS_NORM and x.is_cuda and not unit else first(x)
-        masks: dict = {}  # the fallback's masks, built once per step for each (keys, window, ring)
+        scratch: dict = {}  # tensors _fused_attention builds once per step (masks, zero slots)
         one_kernel = decode_fused.FUSED_ATTENTION
         window = cfg.sliding_layer_window
         if self.ring_window is not None:  # rolling caches: slot pos % W, keys = slots <= pos of min(kv_len, W)
@@ -738,21 +738,22 @@ class Decoder(nn.Module):
                     x, h = self._fused_mlp(layer, i, x, o, unit, gated_act, add_rms_norm)
                     continue
             if ring:
-                y = self._fused_attention(attn, qkv, cos, sin, ring_slot, ring_pos, ring_len, ring_rope, None, masks)
+                y = self._fused_attention(attn, qkv, cos, sin, ring_slot, ring_pos, ring_len, ring_rope, None,
+                                           scratch)
             else:
-                y = self._fused_attention(attn, qkv, cos, sin, pos, pos, kv_len, rope_pos, win, masks)
+                y = self._fused_attention(attn, qkv, cos, sin, pos, pos, kv_len, rope_pos, win, scratch)
             o = attn.o_proj(y.reshape(b, -1))  # (B, D)
             x, h = self._fused_mlp(layer, i, x, o, unit, gated_act, add_rms_norm)
         return self.lm_head(h)  # (B, V); h is the final norm's output
 
     def _fused_attention(self, attn: Attention, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          slot: torch.Tensor, key_pos: torch.Tensor, n_keys: int, rope_pos: torch.Tensor | None,
-                         window: int | None, masks: dict) -> torch.Tensor:
+                         window: int | None, scratch: dict) -> torch.Tensor:
         """One layer's attention in :meth:`_fused_decode`: ``qkv (B, (H + 2 Hkv) Dh)`` -> ``(B, H, 1, Dh)``.
 
         The fresh key and value go to cache slot ``slot (B,)`` int64 (RoPE at ``rope_pos``, None = ``slot``);
         row ``b`` attends to slots ``0..key_pos[b]`` of the first ``n_keys``, within ``window`` (None: no
-        window). By the cache's kind:
+        window). ``scratch``: a dict kept for one step (tensors built once per step). By the cache's kind:
 
         * 16-bit cache of the activation dtype, or :class:`~edgevlm.runtime.kv_cache.Fp8KVCache`: ``rope_kv_write``
           stores k and v at the slot (fp8: quantized in the kernel) and ``decode_attention`` reads the cache
@@ -781,7 +782,9 @@ class Decoder(nn.Module):
         else:  # the cache quantizes on write: rotate k into a one-slot buffer first
             k1 = qkv.new_empty(b, hkv, 1, dh)
             v1 = qkv.new_empty(b, hkv, 1, dh)
-            q = rope_kv_write(qkv, cos, sin, torch.zeros_like(slot), k1, v1, attn.n_heads, hkv,
+            if "zeros" not in scratch:
+                scratch["zeros"] = torch.zeros_like(slot)  # (B,) the buffer's one slot
+            q = rope_kv_write(qkv, cos, sin, scratch["zeros"], k1, v1, attn.n_heads, hkv,
                               rope_pos=slot if rope_pos is None else rope_pos, **norm)  # (B, H, 1, Dh)
             if isinstance(cache, Int4KVCache) and attn.int4kv_kernel and cache._fused_write_ok(dh):
                 int4kv_write(cache, slot[:, None], k1, v1)
@@ -789,6 +792,7 @@ class Decoder(nn.Module):
             cache.write(slot[:, None], k1, v1)
         k_all, v_all = cache.read(b, n_keys, q.dtype)  # (B, Hkv, n_keys, Dh)
         key = (n_keys, window, cache.ring)
+        masks = scratch.setdefault("masks", {})
         if key not in masks:
             if window is not None:
                 masks[key] = sliding_decode_mask(key_pos[:, None], n_keys, window)  # (B, 1, 1, n_keys) bool
