@@ -71,9 +71,12 @@ WRITE_ATTN_SCRIPT = """
                 (1, 4, 4, 32, 64, 40, [17], torch.float32, 1, None),           # MHA, one split (no combine)
                 (2, 8, 2, 32, 300, 300, [0, 299], torch.float32, None, None),  # GQA 4, 16 splits
                 (2, 4, 4, 16, 300, 300, [7, 250], torch.float16, 16, None),    # MHA fp16, two splits
+                (3, 8, 2, 32, 300, 300, [299, 0, 100], torch.float16, None, None),  # GQA fp16, 16 splits
                 (2, 8, 2, 32, 300, 300, [7, 250], torch.float32, None, 20)]:   # GQA, a window, 16 splits
             c = Fp8KVCache(b + 1, hkv, s, dh, dtype=dt, device="cpu")
-            c.write(torch.arange(s), 3 * torch.randn(b + 1, hkv, s, dh), torch.randn(b + 1, hkv, s, dh))
+            # per position magnitudes from 1e-3 to 1e2 (scales 2**-14 .. 0.2): fp16 products need their rescaling
+            mag = 10 ** torch.empty(1, 1, s, 1).uniform_(-3, 2) if dt == torch.float16 else 1.0
+            c.write(torch.arange(s), 3 * torch.randn(b + 1, hkv, s, dh) * mag, torch.randn(b + 1, hkv, s, dh) * mag)
             q = torch.randn(b, h, 1, dh).to(dt)
             y = decode_attention(q, c.k, c.v, torch.tensor(pos), kv_len, block_n=16, cta_budget=budget,
                                  k_scale=c.k_scale, v_scale=c.v_scale, window=win)
@@ -109,8 +112,8 @@ def test_fp8_write_and_attention_in_the_interpreter():
         assert w["q_same"] and w["untouched"], w
         assert w["corner_scale"] == 1.0 and w["corner_codes"] == want, w
         assert w["zero_key_scale"] == 2.0 ** -14
-    assert [a["splits"] for a in res["attn"][:4]] == [1, 16, 2, 16]
-    assert len(res["attn"]) == 8
+    assert [a["splits"] for a in res["attn"][:5]] == [1, 16, 2, 16, 16]
+    assert len(res["attn"]) == 10
     for a in res["attn"]:
         assert a["out_dtype"] == a["dtype"]
         assert 0 < a["rel"] < (1e-5 if a["dtype"] == "torch.float32" else 2e-3), a
