@@ -74,7 +74,7 @@ WRITE_ATTN_SCRIPT = """
                 (3, 8, 2, 32, 300, 300, [299, 0, 100], torch.float16, None, None),  # GQA fp16, 16 splits
                 (2, 8, 2, 32, 300, 300, [7, 250], torch.float32, None, 20)]:   # GQA, a window, 16 splits
             c = Fp8KVCache(b + 1, hkv, s, dh, dtype=dt, device="cpu")
-            # per position magnitudes from 1e-3 to 1e2 (scales 2**-14 .. 0.2): fp16 products need their rescaling
+            # per position magnitudes from 1e-3 to 1e2 (scales from the 2**-14 floor to ~0.2): p x scale in fp16
             mag = 10 ** torch.empty(1, 1, s, 1).uniform_(-3, 2) if dt == torch.float16 else 1.0
             c.write(torch.arange(s), 3 * torch.randn(b + 1, hkv, s, dh) * mag, torch.randn(b + 1, hkv, s, dh) * mag)
             q = torch.randn(b, h, 1, dh).to(dt)
