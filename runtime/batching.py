@@ -18,7 +18,11 @@ Transformer-Based Generative Models", OSDI 2022) and vLLM's scheduler:
 3. **decode**: one batched decode step for every running request (rows ``0..n-1``, CUDA-graph
    replay on GPU) at per-row cache slots, with per-row RoPE offsets: a multimodal-RoPE request
    (Qwen2.5-VL, Qwen3-VL) decodes slot ``s`` at RoPE position ``s + rope_delta`` of its own prompt;
-   finished requests free their rows at once.
+   finished requests free their rows at once. When every running request is greedy and the
+   backend has ``greedy_step`` (the torch backend), each step's tokens and slots are fed to the next
+   step on the device and step ``k + 1`` is queued before the host reads step ``k``'s tokens, so the
+   host's per-token work (results, stop checks, streamed text, admissions' bookkeeping) overlaps the
+   GPU; a request that ends on EOS or a stop string had one step computed past it, discarded.
 
 Why the Qwen prefills can be grouped: M-RoPE only changes the rotation each position gets, and a
 right-padded causal prefill never lets a row attend to another row or to its padding, so a group

@@ -570,9 +570,9 @@ class Engine:
         text = TextAssembler(params.stop)
         pos, n_new, finish = len(ids), 0, "length"
         t_first = t3
-        token = select_token(logits[0], params, generator)
-        after = self._tokens_after(token, pos, budget - 1, params, generator, op, rope_delta)
-        for token in itertools.chain([token], after):
+        first = select_token(logits[0], params, generator)
+        after = self._tokens_after(first, pos, budget - 1, params, generator, op, rope_delta)
+        for token in itertools.chain([first], after):
             n_new += 1
             if n_new == 1:
                 t_first = time.perf_counter()
