@@ -173,7 +173,9 @@ class BatchWorker:
         bucket, the prefill per rows x length bucket, the decode step per batch) are captured now
         rather than inside the first groups of each size that clients send (a capture stalls every
         running request for 50-100 ms), at ``operating_point`` (its resolution sets the vision graphs'
-        geometry; None = the model's default). The answers are dropped; the token and time budgets are
+        geometry; None = the model's default). Each size runs twice: greedy (the decode step that feeds
+        itself on the device, :meth:`~edgevlm.runtime.backends.torch_backend.TorchBackend.greedy_step`)
+        and sampled (``temperature`` 1: the host-fed decode step). The answers are dropped; the token and time budgets are
         restored and the measured admission cost forgotten (captures are not admissions). Call only
         while idle. Returns the group sizes run.
 
@@ -190,11 +192,12 @@ class BatchWorker:
             n = 1
             while True:
                 n = min(n, self.rows)
-                for _ in range(n):
-                    self.add(None, image, prompt, max_new_tokens=max_new_tokens, operating_point=operating_point,
-                             deadline_s=None)
-                while not self.idle:
-                    self.step()
+                for temperature in (0.0, 1.0):  # greedy and sampled requests replay different decode graphs
+                    for i in range(n):
+                        self.add(None, image, prompt, max_new_tokens=max_new_tokens, operating_point=operating_point,
+                                 deadline_s=None, temperature=temperature, seed=i)
+                    while not self.idle:
+                        self.step()
                 sizes.append(n)
                 if n >= self.rows:
                     return sizes

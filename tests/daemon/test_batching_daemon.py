@@ -371,11 +371,17 @@ def test_warm_up_runs_one_group_per_rows_bucket_and_leaves_the_worker_as_it_was(
     engine = Engine.load(tiny_model_dir, device="cpu", backend_options={"max_batch_size": 6})
     batch = BatchWorker(engine, token_budget=64, prefill_budget_ms=30.0)
     image = np.full((*WARM_UP_IMAGE_PX, 3), 128, dtype=np.uint8)
-    assert batch.warm_up(image, WARM_UP_PROMPT) == [1, 2, 4, 6]
-    assert batch.idle and batch.free_slots() == 6
     b = batch.batcher
+    submitted = []
+    real_submit = b.submit
+    b.submit = lambda req: (submitted.append(req.params.greedy), real_submit(req))[1]
+    assert batch.warm_up(image, WARM_UP_PROMPT) == [1, 2, 4, 6]
+    del b.submit
+    # each size greedy (the decode step fed on the device) and sampled (the host-fed step): both graphs captured
+    assert submitted == [g for n in (1, 2, 4, 6) for g in [True] * n + [False] * n]
+    assert batch.idle and batch.free_slots() == 6
     assert (b.token_budget, b.prefill_budget_ms, b.s_per_token) == (64, 30.0, None)
-    assert b.steps >= 4
+    assert b.steps >= 8
     img = _image(5, 48, 64)
     batch.add("after", img, PROMPTS[0], max_new_tokens=4, operating_point=None, deadline_s=None)
     out = []
