@@ -274,6 +274,10 @@ class ContinuousBatcher:
         finished = self._expire(now)
         free = [i for i, r in enumerate(self._rows) if r is None]
         if self._waiting and free:
+            # an admission waits for the device anyway: read the queued greedy step first, so its tokens
+            # (and the requests they end) do not wait for the encode + prefill, nor count in its cost
+            finished += self._drain()
+            free = [i for i, r in enumerate(self._rows) if r is None]
             finished += self._admit(free)
         if self.n_running:
             finished += self._decode()

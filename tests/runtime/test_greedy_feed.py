@@ -251,3 +251,34 @@ def test_a_row_fed_to_the_last_slot_is_parked_and_the_others_go_on(tiny_dir):
         got.append(be.greedy_step(2).tokens()[0])
     assert got == want
     assert be._fed_slots[1] < slot1  # parked and fed on from slot 0
+
+
+def test_a_queued_greedy_step_is_read_before_an_admission(tiny_dir, monkeypatch):
+    """A's last token is on the device when B arrives: the step that admits B reads it first, so A's
+    e2e does not include B's admission (vision encode + prefill), and the admission is measured
+    without A's decode step. The clock moves only inside the vision encode (1 s per call)."""
+    engine = Engine.load(tiny_dir, device="cpu", backend_options={"max_batch_size": 2})
+    be = engine.backend
+    now = [0.0]
+    real = be.encode_images
+
+    def slow_encode(*args, **kwargs):
+        now[0] += 1.0
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(be, "encode_images", slow_encode)
+    a, b = _requests(engine, [(1, PROMPTS[0], 3, None), (2, PROMPTS[1], 2, None)])
+    batcher = ContinuousBatcher(be, clock=lambda: now[0])
+    batcher.submit(a)
+    assert batcher.step() == []  # A admitted (its first token), its second token's step queued
+    assert batcher.step() == []  # the third token's step queued, the second read
+    batcher.submit(b)
+    done = batcher.step()  # A's last token is read before B's admission
+    assert [r.request_id for r in done] == [0]
+    res_a = done[0]
+    assert len(res_a.tokens) == 3 and res_a.finish_reason == "length"
+    assert res_a.e2e_s == 1.0  # A's own admission only
+    while batcher.n_running or batcher.n_waiting:
+        done += batcher.step()
+    assert [r.request_id for r in done] == [0, 1]
+
