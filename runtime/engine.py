@@ -508,8 +508,10 @@ class Engine:
         t_wait = time.perf_counter()
         with self._lock:
             self._owner = threading.get_ident()
-            t_start += time.perf_counter() - t_wait  # time waiting for another request is not ours
             try:
+                # a greedy step the last answer queued past its last token (not waited for there): not ours either
+                self.backend.synchronize()
+                t_start += time.perf_counter() - t_wait  # time waiting for another request is not ours
                 return (yield from self._run(p, t_start))
             finally:
                 self._owner = None

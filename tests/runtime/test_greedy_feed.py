@@ -282,3 +282,50 @@ def test_a_queued_greedy_step_is_read_before_an_admission(tiny_dir, monkeypatch)
         done += batcher.step()
     assert [r.request_id for r in done] == [0, 1]
 
+
+def test_a_step_left_queued_by_the_last_answer_is_not_charged_to_the_next(engine, monkeypatch):
+    """A greedy answer leaves its step queued past the last token for the device to finish alone
+    (``Engine.ask`` does not wait for it); the next answer waits for it before its clock starts, as
+    for another request holding the engine: neither its vision stage nor its e2e includes it. The
+    engine's clock moves only when the device finishes that leftover step (1 s)."""
+    import time
+
+    import edgevlm.runtime.engine as engine_module
+    from edgevlm.runtime.slowdown import SlowdownBackend
+
+    now = [0.0]
+
+    class Clock:  # the engine's ``time``: perf_counter is the fake clock
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        @staticmethod
+        def perf_counter() -> float:
+            return now[0]
+
+    class LeftoverStep(SlowdownBackend):  # a device that takes 1 s to finish what an answer left queued
+        left = False
+
+        def greedy_tokens(self, *args, **kwargs):
+            try:
+                yield from self.inner.greedy_tokens(*args, **kwargs)
+            finally:
+                self.left = True
+
+        def synchronize(self) -> None:
+            if self.left:
+                now[0] += 1.0
+                self.left = False
+            self.inner.synchronize()
+
+    monkeypatch.setattr(engine_module, "time", Clock())
+    inner = engine.backend
+    engine.backend = LeftoverStep(inner)
+    try:
+        first = engine.ask(_image(8), PROMPTS[1], max_new_tokens=4)
+        assert engine.backend.left and first.stats.new_tokens > 1
+        second = engine.ask(_image(8), PROMPTS[1], max_new_tokens=4)
+    finally:
+        engine.backend = inner
+    assert second.text == first.text
+    assert second.stats.vision_ms == 0.0 and second.stats.e2e_ms == 0.0, second.stats
