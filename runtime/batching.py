@@ -455,14 +455,13 @@ class ContinuousBatcher:
         pending = self._pending
         prev = pending[1] if pending is not None else []
         n = max(i for i, r in enumerate(self._rows) if r is not None) + 1
-        new_inputs: dict[int, tuple[int, int, int]] = {}
+        new_inputs: dict[int, tuple[int, int, int] | None] = {}
         launch: list[_Running | None] = [None] * n
         for i in range(n):
             run = self._rows[i]
             in_flight = i < len(prev) and prev[i] is run and run is not None
             if run is None or len(run.tokens) + in_flight >= run.budget:
-                if i < len(prev) and prev[i] is not None:  # fed by the queued step, no request from now on
-                    new_inputs[i] = (0, 0, 0)
+                new_inputs[i] = None  # no request from now on (the backend keeps the row parked)
                 continue
             if not in_flight:  # admitted since (its first token came from the prefill), or after a sampled step
                 new_inputs[i] = (run.tokens[-1], run.pos, run.rope_delta)

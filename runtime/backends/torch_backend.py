@@ -61,6 +61,9 @@ class TorchBackend(Backend):
     """
 
     name = "torch"
+    #: a parked row (no request) is fed on from slot 0 by the feeding steps and parked again at this slot:
+    #: its garbage attention stays a few keys long, and the host writes it once per this many steps
+    PARKED_SLOTS = 32
     supports_pruning = True  # encode_image honours operating_point.keep_ratio
     last_vision_info = None  # VisionInfo of the last adaptive encode_image (exit layer, tokens kept)
 
@@ -123,6 +126,7 @@ class TorchBackend(Backend):
                                                   for shape in ((rows, 1), (rows,), (rows,)))
         self._fed_rows = 0
         self._fed_slots = [0] * rows
+        self._parked = set(range(rows))  # rows holding no request (fed on from slot 0 up to PARKED_SLOTS)
         self._single_meta = torch.zeros(2, 1, dtype=torch.long, device=self.device)  # a single prefill's length, row
 
     # ---- configuration -------------------------------------------------------------------------
@@ -284,8 +288,8 @@ class TorchBackend(Backend):
         if not 0 <= pos < self.max_seq_len:
             raise ValueError(f"decode position {pos} outside the KV cache (0..{self.max_seq_len - 1})")
         kv_len = self.kv_len_for(pos + 1)
+        self._fed_rows = 0  # the greedy steps' rows were fed by the host since
         if self.graphs is not None:
-            self._fed_rows = 0  # the feed buffers hold host-written inputs now
             self.graphs.tokens[:1].fill_(token_id)
             self.graphs.positions[:1].fill_(pos)
             self.graphs.rope_offsets[:1].fill_(rope_offset)
@@ -508,6 +512,7 @@ class TorchBackend(Backend):
         if max(positions) >= self.max_seq_len or min(positions) < 0:
             raise ValueError(f"decode positions {positions} outside the KV cache (0..{self.max_seq_len - 1})")
         kv_len = self.kv_len_for(max(positions) + 1)
+        self._fed_rows = 0  # the greedy steps' rows were fed by the host since
         if self.graphs is None:
             tok = torch.tensor(token_ids, device=self.device)[:, None]
             pos = torch.tensor(positions, device=self.device)
@@ -516,7 +521,6 @@ class TorchBackend(Backend):
         from edgevlm.runtime.cuda_graphs import graph_batch_size
 
         b = graph_batch_size(n, self.max_batch_size)
-        self._fed_rows = 0  # the feed buffers hold host-written inputs now
         tok = torch.zeros(b, dtype=torch.long)
         pos = torch.zeros(b, dtype=torch.long)
         tok[:n] = torch.tensor(token_ids)
@@ -531,15 +535,19 @@ class TorchBackend(Backend):
 
     # ---- greedy decoding with the inputs kept on the device ------------------------------------
     @torch.inference_mode()
-    def greedy_step(self, n: int, new_inputs: dict[int, tuple[int, int, int]] | None = None) -> PendingTokens:
+    def greedy_step(self, n: int, new_inputs: dict[int, tuple[int, int, int] | None] | None = None
+                    ) -> PendingTokens:
         """Queue one greedy decode step of cache rows ``0..n-1`` whose next inputs stay on the device.
 
-        Rows in ``new_inputs`` (``row -> (token_id, slot, rope_offset)``) feed what the host gives.
-        Every other row that the previous call fed (no :meth:`decode` / :meth:`decode_batch` since)
-        feeds its greedy token of that step at its slot + 1, written by the step itself on the
-        device (:func:`~edgevlm.runtime.sampling.greedy_feed`; with CUDA graphs a feeding graph per
-        ``(batch, kv_len)``, :mod:`edgevlm.runtime.cuda_graphs`); any other row holds no request and
-        is parked at slot 0 (it computes garbage there, like :meth:`decode_batch`'s free rows).
+        Rows in ``new_inputs`` (``row -> (token_id, slot, rope_offset)``) feed what the host gives; a
+        row mapped to None holds no request from now on (it is parked). Every other row that the
+        previous call fed with a request (no :meth:`decode` / :meth:`decode_batch` since) feeds its
+        greedy token of that step at its slot + 1, written by the step itself on the device
+        (:func:`~edgevlm.runtime.sampling.greedy_feed`; with CUDA graphs a feeding graph per
+        ``(batch, kv_len)``, :mod:`edgevlm.runtime.cuda_graphs`). Any other row, and the graph's
+        padding rows past ``n``, hold no request and are parked: fed from slot 0 and parked again
+        at :attr:`PARKED_SLOTS` (garbage over at most that many keys, as :meth:`decode_batch`'s free
+        rows compute at slot 0; never fed on behind the live rows, whose attention length it would cost).
         Nothing waits for the device: the caller queues step ``k + 1`` and only then reads step
         ``k``'s tokens (:meth:`PendingTokens.tokens`), so the host's per-token work overlaps the GPU.
         A row the caller keeps feeding must stay inside the cache (the caller's token budget does
@@ -551,8 +559,9 @@ class TorchBackend(Backend):
         new_inputs = new_inputs or {}
         if not 1 <= n <= self.max_batch_size:
             raise ValueError(f"greedy_step: {n} rows, cache of {self.max_batch_size} rows")
-        for row, (_, slot, _) in new_inputs.items():
-            if not (0 <= row < n and 0 <= slot < self.max_seq_len):
+        for row, given in new_inputs.items():
+            if not (0 <= row < n and (given is None or 0 <= given[1] < self.max_seq_len)):
+                slot = None if given is None else given[1]
                 raise ValueError(f"greedy_step: row {row} slot {slot} outside {n} rows x {self.max_seq_len} slots")
         if self.graphs is not None:
             from edgevlm.runtime.cuda_graphs import graph_batch_size
@@ -560,22 +569,25 @@ class TorchBackend(Backend):
             b = graph_batch_size(n, self.max_batch_size)
         else:
             b = n
-        slots = self._fed_slots
+        slots, parked = self._fed_slots, self._parked
         writes = {}
-        for row in range(n):
-            if row in new_inputs:
-                writes[row] = new_inputs[row]
-            elif row >= self._fed_rows or slots[row] >= self.max_seq_len:
-                writes[row] = (0, 0, 0)  # no request (or one fed to the cache's end): park it
-        live_max = max(writes[r][1] if r in writes else slots[r] for r in range(n))
-        for row in range(n, b):  # the graph's padding rows hold no request: fed on while below the live rows
-            if row >= self._fed_rows or slots[row] > live_max:
-                writes[row] = (0, 0, 0)
+        for row in range(b):  # rows past n: the graph's padding, no request
+            given = new_inputs.get(row, ())
+            if given:
+                writes[row] = given
+                parked.discard(row)
+                continue
+            was_parked = row in parked
+            if given is None or row >= n or row >= self._fed_rows or slots[row] >= self.max_seq_len:
+                parked.add(row)  # no request (or one fed to the cache's end)
+            if row in parked and (not was_parked or row >= self._fed_rows
+                                  or slots[row] >= min(self.PARKED_SLOTS, self.max_seq_len)):
+                writes[row] = (0, 0, 0)  # (again) at slot 0
         if writes:
             self._write_feed_rows(writes, b)
         for row, (_, slot, _) in writes.items():
             slots[row] = slot
-        kv_len = self.kv_len_for(live_max + 1)
+        kv_len = self.kv_len_for(max(slots[:b]) + 1)
         if self.graphs is not None:
             self.graphs.replay(b, kv_len, feed=True)
         else:

@@ -113,6 +113,8 @@ def test_greedy_step_refuses_rows_and_slots_outside_the_cache(batched):
     with pytest.raises(ValueError, match="outside"):
         be.greedy_step(2, {2: (1, 0, 0)})  # row 2 of a 2-row step
     with pytest.raises(ValueError, match="outside"):
+        be.greedy_step(2, {2: None})  # parking a row the step does not hold
+    with pytest.raises(ValueError, match="outside"):
         be.greedy_step(1, {0: (1, be.max_seq_len, 0)})
 
 
@@ -141,7 +143,7 @@ def test_greedy_steps_with_rows_joining_and_parking_equal_single_requests(batche
                 new[row] = (refs[row][0], refs[row][1], 0)
         if step == 7:  # row 1 ended after 4 tokens: parked, row 0 and row 2 go on
             del live[1]
-            new[1] = (0, 0, 0)
+            new[1] = None
         n = max(live) + 1
         queued = be.greedy_step(n, new)
         if pending is not None:
@@ -329,3 +331,36 @@ def test_a_step_left_queued_by_the_last_answer_is_not_charged_to_the_next(engine
         engine.backend = inner
     assert second.text == first.text
     assert second.stats.vision_ms == 0.0 and second.stats.e2e_ms == 0.0, second.stats
+
+
+def test_free_rows_stay_parked_near_slot_zero_while_others_decode(batched):
+    """Request 1 stops after 2 tokens while requests 0 and 2 decode on for 40: its free row is
+    parked near slot 0 (as ``decode_batch`` leaves free rows at slot 0) instead of being fed on behind
+    the live rows, whose attention over its garbage keys would cost as much as a live row's; the
+    live rows' tokens are exact."""
+    be = batched.backend
+    batcher = ContinuousBatcher(be)
+    free_slots: list[int] = []
+    ended = []
+
+    was_free: set[int] = set()
+
+    def watch(token: int) -> bool:  # at each token of request 0: the slots of rows free since the last one
+        free = {row for row, run in enumerate(batcher._rows) if run is None}
+        if free & was_free:
+            free_slots.append(max(be._fed_slots[row] for row in free & was_free))
+        was_free.clear()
+        was_free.update(free)
+        return False
+
+    def stop_after_two(token: int) -> bool:
+        ended.append(token)
+        return len(ended) >= 2
+
+    cases = [(1, PROMPTS[0], 40, watch), (2, PROMPTS[1], 40, stop_after_two), (3, PROMPTS[2], 40, None)]
+    results = batcher.run(_requests(batched, cases))
+    assert results[1].finish_reason == "stop" and len(results[1].tokens) == 2
+    assert len(free_slots) > 25 and max(free_slots) <= be.PARKED_SLOTS, str(free_slots)
+    for (seed, prompt, n, _), res in zip(cases, results, strict=True):
+        first, pos = _prefill(batched, seed, prompt)
+        assert res.tokens == ([first] + _reference(batched, first, pos, n - 1))[: len(res.tokens)]
