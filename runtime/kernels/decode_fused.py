@@ -709,10 +709,7 @@ def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     qkv = qkv.contiguous()
     rep = n_heads // hkv
     n_blocks = -(-kv_len // block_n)
-    nsplit = min(max_splits, _next_pow2(n_blocks))
-    ctas = _cta_budget(qkv.device)
-    while nsplit > 1 and b * hkv * nsplit > ctas:  # enough (row, head) pairs: splitting keys only adds waits
-        nsplit //= 2
+    nsplit = attention_splits(b, hkv, kv_len, block_n, max_splits, _cta_budget(qkv.device))
     chunk = block_n * -(-n_blocks // nsplit)
     part = torch.empty(b * n_heads, nsplit, dh, dtype=torch.float32, device=qkv.device)
     m = torch.empty(b * n_heads, nsplit, dtype=torch.float32, device=qkv.device)
