@@ -364,3 +364,27 @@ def test_free_rows_stay_parked_near_slot_zero_while_others_decode(batched):
     for (seed, prompt, n, _), res in zip(cases, results, strict=True):
         first, pos = _prefill(batched, seed, prompt)
         assert res.tokens == ([first] + _reference(batched, first, pos, n - 1))[: len(res.tokens)]
+
+
+def test_a_sampled_request_between_greedy_steps_leaves_the_greedy_rows_exact(batched):
+    """A greedy request decodes on the device-fed steps; a sampled one joins while a greedy step is
+    queued (host-fed steps for both from then on: the queued step is read first) and ends; the greedy
+    one goes back to device-fed steps. Its tokens equal its request decoded alone."""
+    from edgevlm.runtime.sampling import SamplingParams
+
+    greedy, sampled = _requests(batched, [(1, PROMPTS[0], 30, None), (2, PROMPTS[1], 6, None)])
+    sampled.params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=3)
+    batcher = ContinuousBatcher(batched.backend)
+    batcher.submit(greedy)
+    for _ in range(5):
+        assert batcher.step() == []
+    assert batcher._pending is not None
+    batcher.submit(sampled)
+    done = []
+    while batcher.n_running or batcher.n_waiting:
+        done += batcher.step()
+    by_id = {r.request_id: r for r in done}
+    assert len(by_id[1].tokens) == 6 or by_id[1].finish_reason == "stop"
+    first, pos = _prefill(batched, 1, PROMPTS[0])
+    want = [first] + _reference(batched, first, pos, 29)
+    assert by_id[0].tokens == want[: len(by_id[0].tokens)] and len(by_id[0].tokens) == 30
