@@ -99,9 +99,10 @@ class DecodeGraphs:
             raise ValueError(f"cannot capture batch={batch}, kv_len={kv_len} "
                              f"(cache: {self.max_batch_size} rows x {self.decoder.max_seq_len} positions)")
         t0 = time.perf_counter()
+        # the inputs to restore, copied on the current stream before the side stream starts (it moves them on)
+        inputs = (self.tokens.clone(), self.positions.clone()) if feed else None
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        inputs = (self.tokens.clone(), self.positions.clone()) if feed else None
         with torch.cuda.stream(side):
             for _ in range(2):
                 self._step(batch, kv_len, feed)
