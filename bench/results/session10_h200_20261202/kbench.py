@@ -8,43 +8,21 @@ line per shape and M (best configuration, µs, GB/s, the table's choice), then t
 
 import json
 import math
-import statistics
 import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
 
-from edgevlm.runtime import int4
-from edgevlm.runtime.kernels import w4a16_mma as mk
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench/
+from w4a16_marlin import graph_us  # noqa: E402 - the bench's CUDA-graph timer
+
+from edgevlm.runtime import int4  # noqa: E402
+from edgevlm.runtime.kernels import w4a16_mma as mk  # noqa: E402
 
 SHAPES = {"7b.qkv": (12288, 4096), "7b.o": (4096, 4096), "7b.gate_up": (22016, 4096), "7b.down": (4096, 11008),
           "q8.qkv": (6144, 4096), "q8.gate_up": (24576, 4096), "q8.down": (4096, 12288)}
-
-
-def graph_us(calls, reps=30):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            for c in calls:
-                c()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(calls))
-    return statistics.median(times)
 
 
 def main():
