@@ -283,22 +283,22 @@ def test_pruned_qwen_prompt_keeps_each_tokens_mrope_position(checkpoint, engine,
     assert delta == int(pos.max()) + 1 - len(p.ids)
     # the engine's request prefills with exactly these positions and decodes from rope_delta
     seen: dict = {}
-    prefill, decode = engine.backend.prefill, engine.backend.decode
+    prefill, greedy = engine.backend.prefill, engine.backend.greedy_tokens
 
     def watch_prefill(embeds, **kw):
         seen["prefill"] = kw.get("position_ids")
         return prefill(embeds, **kw)
 
-    def watch_decode(token, pos, **kw):
-        seen.setdefault("rope_offset", kw.get("rope_offset", 0))
-        return decode(token, pos, **kw)
+    def watch_greedy(token, pos, n, **kw):  # the engine's greedy decode loop
+        seen["rope_offset"] = kw.get("rope_offset", 0)
+        return greedy(token, pos, n, **kw)
 
     monkeypatch.setattr(engine.backend, "prefill", watch_prefill)
-    monkeypatch.setattr(engine.backend, "decode", watch_decode)
+    monkeypatch.setattr(engine.backend, "greedy_tokens", watch_greedy)
     answer = engine.ask(image, QUESTION, max_new_tokens=3, operating_point=op)
     assert answer.stats.vision_tokens == len(kept)
     assert torch.equal(seen["prefill"].cpu(), pos)
-    assert seen.get("rope_offset", delta) == delta
+    assert seen["rope_offset"] == delta
 
 
 def test_smolvlm_prompt_has_each_tiles_pruned_run(checkpoint, engine):
