@@ -318,6 +318,7 @@ class ContinuousBatcher:
         chosen_ids = {id(r) for _, r in chosen}
         self._waiting = [sr for sr in self._waiting if id(sr[1]) not in chosen_ids]
         be = self.backend
+        be.synchronize()  # work still queued (a greedy step past its request's end) is not this admission's
         now = self.clock()
         joined = self.n_running > 0
         rows = free[: len(chosen)]

@@ -388,3 +388,43 @@ def test_a_sampled_request_between_greedy_steps_leaves_the_greedy_rows_exact(bat
     first, pos = _prefill(batched, 1, PROMPTS[0])
     want = [first] + _reference(batched, first, pos, 29)
     assert by_id[0].tokens == want[: len(by_id[0].tokens)] and len(by_id[0].tokens) == 30
+
+
+def test_an_admission_is_timed_without_the_steps_left_on_the_device(tiny_dir, monkeypatch):
+    """Request A stops itself after 2 tokens with a greedy step queued past it, and the batcher goes
+    idle; B's admission waits for that step before its clock starts: B's vision time holds only its
+    own encode. A fake device: every queued greedy step takes 1 s, paid when the host waits for it."""
+    engine = Engine.load(tiny_dir, device="cpu", backend_options={"max_batch_size": 2})
+    be = engine.backend
+    now, queued, count = [0.0], [], [0]
+    real_step = be.greedy_step
+
+    def wait_for(last: float) -> None:
+        while queued and queued[0] <= last:
+            queued.pop(0)
+            now[0] += 1.0
+
+    class Pending:
+        def __init__(self, pending, k):
+            self.pending, self.k = pending, k
+
+        def tokens(self):
+            wait_for(self.k)
+            return self.pending.tokens()
+
+    def step(*args, **kwargs):
+        count[0] += 1
+        queued.append(count[0])
+        return Pending(real_step(*args, **kwargs), count[0])
+
+    monkeypatch.setattr(be, "greedy_step", step)
+    monkeypatch.setattr(be, "synchronize", lambda: wait_for(float("inf")))
+    seen: list[int] = []
+    a, b = _requests(engine, [(1, PROMPTS[0], 20, lambda t: seen.append(t) or len(seen) >= 2),
+                              (2, PROMPTS[1], 2, None)])
+    batcher = ContinuousBatcher(be, clock=lambda: now[0])
+    done = batcher.run([a])
+    assert done[0].finish_reason == "stop" and queued  # a step left on the device past A's end
+    assert batcher.step() == []  # an idle step: nothing to read
+    done = batcher.run([b])
+    assert done[0].vision_s == 0.0 and done[0].queue_s == 1.0, done[0]
