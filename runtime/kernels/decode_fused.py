@@ -209,6 +209,16 @@ def _kernels():
         stop = tl.minimum(start + CHUNK, n_keys)
         if HAS_WINDOW:  # sliding window: keys pos - WINDOW < k <= pos (sliding_decode_mask's rule)
             start = tl.maximum(start, n_keys - WINDOW)
+        # fp8: the key / value scales of the next block, loaded one block ahead. Triton's software pipeline streams
+        # the k / v tiles ahead (cp.async, num_stages) but not these small loads: loaded in the block that uses
+        # them, each block waited two memory round trips (the compiled sm_90 code: k / v async copies, the scale
+        # loads synchronous in the loop), and the fp8 kernel ran at the bf16 kernel's time with half its bytes.
+        ks_next = tl.zeros([BLOCK_N], tl.float32)
+        vs_next = tl.zeros([BLOCK_N], tl.float32)
+        if KV_FP8:
+            first = start + tl.arange(0, BLOCK_N)
+            ks_next = tl.load(ks_ptr + srow + first, mask=first < stop, other=0.0).to(tl.float32)
+            vs_next = tl.load(vs_ptr + srow + first, mask=first < stop, other=0.0).to(tl.float32)
         for lo in range(start, stop, BLOCK_N):
             keys = lo + tl.arange(0, BLOCK_N)
             valid = keys < stop
@@ -217,7 +227,10 @@ def _kernels():
             # instead of bf16, one conversion per two values instead of three, measured no faster on the H200,
             # 2026-12-02: 82.6 vs 79.4 us at batch 32 of the 7B shape.)
             if KV_FP8:
-                ks = tl.load(ks_ptr + srow + keys, mask=valid, other=0.0).to(tl.float32)
+                ks, vs = ks_next, vs_next
+                ahead = keys + BLOCK_N
+                ks_next = tl.load(ks_ptr + srow + ahead, mask=ahead < stop, other=0.0).to(tl.float32)
+                vs_next = tl.load(vs_ptr + srow + ahead, mask=ahead < stop, other=0.0).to(tl.float32)
                 if FP8_NATIVE:  # the hardware conversion (sm_89+)
                     k = k.to(q.dtype)
                 else:  # the byte's sign | exponent | mantissa moved into fp16's fields = value * 2**-8, exact
@@ -233,7 +246,6 @@ def _kernels():
             alpha = tl.exp(m - m_new)
             v = tl.load(v_ptr + base + keys[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
             if KV_FP8:  # each value's scale multiplies its probability: sum_s (p_s scale_s) v8_s
-                vs = tl.load(vs_ptr + srow + keys, mask=valid, other=0.0).to(tl.float32)
                 if FP8_NATIVE:
                     v = v.to(q.dtype)
                 else:
