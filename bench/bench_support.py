@@ -1,8 +1,9 @@
 """What the bench scripts share: the ``edgevlm`` package from an install, or from this checkout; the W4A16
-layer shapes they time."""
+layer shapes they time; the JSON line that ends their output."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -24,3 +25,12 @@ def use_package() -> None:
         import edgevlm.quantize  # noqa: F401
     except ImportError:
         sys.path.insert(0, str(REPO))
+
+
+def print_result(result: dict, out: str = "") -> None:
+    """The result as the one JSON line a benchmark ends with (after its table), also written to ``out``
+    when given."""
+    line = json.dumps(result)
+    if out:
+        Path(out).write_text(line + "\n")
+    print(line)

@@ -41,12 +41,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 GROUPS = ("int4_matmul", "attention", "norm", "elementwise", "lm_head", "other")
 
@@ -189,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--out", default="", help="also write the JSON here")
     args = ap.parse_args(argv)
-    from bench_support import use_package  # bench/ is sys.path[0] when run as a script
+    from bench_support import print_result, use_package  # bench/ is sys.path[0] when run as a script
 
     use_package()
     import torch
@@ -306,10 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in names:
             print(f"  top kernels, {n}: " + "; ".join(f"{k} {us} us x{c}" for k, us, c in runs[n]["top"][:8]))
     result["wall_s"] = round(time.perf_counter() - t0, 1)
-    line = json.dumps(result)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
-    print(line)
+    print_result(result, args.out)
     return 0
 
 

@@ -26,11 +26,9 @@ for. A table, then one JSON line. Usage (on a CUDA GPU)::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 GROUPS = ("dequant", "gemm", "attention", "norm", "elementwise", "other")
 
@@ -159,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", default="bf16,w4")
     ap.add_argument("--out", default="", help="also write the JSON here")
     args = ap.parse_args(argv)
-    from bench_support import use_package  # bench/ is sys.path[0] when run as a script
+    from bench_support import print_result, use_package  # bench/ is sys.path[0] when run as a script
 
     use_package()
     import torch
@@ -187,10 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         measure(model, weights, ids, pixels, paths, args, result)
         torch.cuda.empty_cache()
     result["wall_s"] = round(time.perf_counter() - t0, 1)
-    line = json.dumps(result)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
-    print(line)
+    print_result(result, args.out)
     return 0
 
 

@@ -18,11 +18,9 @@ turns the model's vision-tower graphs on, which both then share). A table, then 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 
 def measure(model, ids, vision, args, device) -> dict:
@@ -80,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="", help="also write the JSON here")
     args = ap.parse_args(argv)
-    from bench_support import use_package  # bench/ is sys.path[0] when run as a script
+    from bench_support import print_result, use_package  # bench/ is sys.path[0] when run as a script
 
     use_package()
     import torch
@@ -111,10 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         del ours
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    line = json.dumps(result)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
-    print(line)
+    print_result(result, args.out)
     return 0
 
 

@@ -36,8 +36,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-SHAPES = {"7b.qkv": (12288, 4096), "7b.o": (4096, 4096), "7b.gate_up": (22016, 4096), "7b.down": (4096, 11008),
-          "qwen8b.qkv": (6144, 4096), "qwen8b.gate_up": (24576, 4096), "qwen8b.down": (4096, 12288)}
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ (for bench_support), also when imported
+from bench_support import SHAPES, print_result, use_package  # noqa: E402
+
 GROUP_SIZE = 128
 METRICS = {  # column -> Nsight Compute metric
     "us": "gpu__time_duration.sum",
@@ -110,9 +111,6 @@ def read_raw_csv(path: Path) -> list[dict[str, float | str]]:
 
 def probe(args) -> int:
     """Inside ncu: the launches, profiled between cudaProfilerStart / Stop; their labels go to ``--sequence``."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_support import use_package
-
     use_package()
     import torch
 
@@ -219,10 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(str(r[c]) for c in cols))
-    result = {"bench": "w4a16_ncu", "clock_control": args.clock_control, "rows": rows}
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result))
+    print_result({"bench": "w4a16_ncu", "clock_control": args.clock_control, "rows": rows}, args.out)
     return 0
 
 
