@@ -49,6 +49,20 @@ def graph_batch_size(n: int, max_batch_size: int) -> int:
     return min(b, max_batch_size)
 
 
+def decode_step_from(decoder: Decoder, tokens: torch.Tensor, positions: torch.Tensor, rope_offsets: torch.Tensor,
+                     batch: int, kv_len: int, feed: bool) -> torch.Tensor:
+    """:meth:`Decoder.decode_step` of rows ``0..batch-1`` from input buffers ``tokens (B_max, 1)``,
+    ``positions (B_max,)`` and ``rope_offsets (B_max,)`` (int64; the offsets are read by multimodal-RoPE
+    decoders only) -> logits ``(batch, V)``; ``feed``: the step also writes the next step's inputs into
+    the buffers (:func:`~edgevlm.runtime.sampling.greedy_feed`). What a (feeding) graph captures, and
+    what the torch backend runs eagerly where there are no graphs."""
+    offsets = rope_offsets[:batch] if decoder.cfg.mrope_section is not None else 0
+    logits = decoder.decode_step(tokens[:batch], positions[:batch], kv_len, offsets)
+    if feed:
+        greedy_feed(logits, tokens[:batch], positions[:batch])
+    return logits
+
+
 class DecodeGraphs:
     """CUDA graphs of :meth:`Decoder.decode_step` per ``(batch, kv_len)``.
 
@@ -79,11 +93,7 @@ class DecodeGraphs:
         return len(self._graphs)
 
     def _step(self, batch: int, kv_len: int, feed: bool = False) -> torch.Tensor:
-        offsets = self.rope_offsets[:batch] if self.uses_rope_offsets else 0
-        logits = self.decoder.decode_step(self.tokens[:batch], self.positions[:batch], kv_len, offsets)
-        if feed:
-            greedy_feed(logits, self.tokens[:batch], self.positions[:batch])
-        return logits
+        return decode_step_from(self.decoder, self.tokens, self.positions, self.rope_offsets, batch, kv_len, feed)
 
     def eager(self, batch: int, kv_len: int, feed: bool = False) -> torch.Tensor:
         """The same step without a graph (reference for tests and the GPU suite)."""

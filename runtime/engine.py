@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from edgevlm.errors import InvalidImageError, InvalidRequestError, ModelLoadError
-from edgevlm.runtime.backends import Backend, load_backend
+from edgevlm.runtime.backends import Backend, decode_tokens, load_backend
 from edgevlm.runtime.loader import parse_dtype, read_model_files
 from edgevlm.runtime.models.base import VisionInput
 from edgevlm.runtime.preprocess import CLIP_MEAN, CLIP_STD, preprocess
@@ -480,17 +480,13 @@ class Engine:
         """The tokens after the first one (``token``, fed at slot ``pos``), at most ``max_tokens``:
         greedy requests from the backend's :meth:`~edgevlm.runtime.backends.Backend.greedy_tokens`
         (the torch backend queues each step before the host reads the previous token), sampled ones
-        from :meth:`decode` + :func:`~edgevlm.runtime.sampling.select_token` per token."""
-        be = self.backend
+        from :func:`~edgevlm.runtime.backends.decode_tokens` with :func:`~edgevlm.runtime.sampling.select_token`."""
         if params.greedy:
-            yield from be.greedy_tokens(token, pos, max_tokens, operating_point=op, rope_offset=rope_delta)
+            yield from self.backend.greedy_tokens(token, pos, max_tokens, operating_point=op, rope_offset=rope_delta)
             return
-        for _ in range(max_tokens):
-            logits = be.decode(token, pos, operating_point=op, rope_offset=rope_delta) if rope_delta else \
-                be.decode(token, pos, operating_point=op)
-            token = select_token(logits[0], params, generator)
-            pos += 1
-            yield token
+        yield from decode_tokens(self.backend, token, pos, max_tokens,
+                                 lambda logits: select_token(logits, params, generator), operating_point=op,
+                                 rope_offset=rope_delta)
 
     @staticmethod
     def _check_operating_point(op) -> OperatingPoint:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from edgevlm.errors import InvalidRequestError, ModelLoadError
@@ -105,19 +105,13 @@ class Backend(ABC):
         it yields at the next slot; yields up to ``max_tokens`` greedy tokens (``argmax`` of each
         step's logits, the first index among equal maxima). The consumer may stop iterating at
         any token (EOS, a stop string); slots must stay below :attr:`max_seq_len` (``ValueError``).
-        Default: :meth:`decode` then ``argmax`` per token; the torch backend queues step ``k + 1``
+        Default: :func:`decode_tokens` with ``argmax``; the torch backend queues step ``k + 1``
         on the device before the host reads token ``k`` (one step computed ahead, discarded when
         the consumer stops)."""
         import torch
 
-        if max_tokens > 0 and not (0 <= pos and pos + max_tokens - 1 < self.max_seq_len):
-            raise ValueError(f"greedy decode of {max_tokens} tokens from slot {pos} leaves the KV cache "
-                             f"(0..{self.max_seq_len - 1})")
-        for i in range(max_tokens):
-            logits = self.decode(token_id, pos + i, operating_point=operating_point, rope_offset=rope_offset) \
-                if rope_offset else self.decode(token_id, pos + i, operating_point=operating_point)
-            token_id = int(torch.argmax(logits[0].float()))
-            yield token_id
+        return decode_tokens(self, token_id, pos, max_tokens, lambda logits: int(torch.argmax(logits.float())),
+                             operating_point=operating_point, rope_offset=rope_offset)
 
     def reset(self) -> None:  # noqa: B027 - optional hook
         """Forget the cached sequence (static caches need nothing: positions past the new prompt
@@ -125,6 +119,28 @@ class Backend(ABC):
 
     def synchronize(self) -> None:  # noqa: B027 - optional hook
         """Block until queued device work is done (called before reading clocks)."""
+
+
+def check_decode_span(pos: int, max_tokens: int, max_seq_len: int) -> None:
+    """Raise ``ValueError`` unless ``max_tokens`` decode steps from slot ``pos`` stay inside a KV cache of
+    ``max_seq_len`` slots (the last feeds slot ``pos + max_tokens - 1``)."""
+    if max_tokens > 0 and not (0 <= pos and pos + max_tokens - 1 < max_seq_len):
+        raise ValueError(f"greedy decode of {max_tokens} tokens from slot {pos} leaves the KV cache "
+                         f"(0..{max_seq_len - 1})")
+
+
+def decode_tokens(backend: Backend, token_id: int, pos: int, max_tokens: int, choose: Callable[[torch.Tensor], int],
+                  *, operating_point: OperatingPoint | None = None, rope_offset: int = 0) -> Iterator[int]:
+    """The host-fed decode loop: feeds ``token_id`` at slot ``pos`` (RoPE position ``pos + rope_offset``), then
+    each token ``choose`` picks from a step's logits ``(V,)`` at the next slot; yields up to ``max_tokens``
+    tokens, the consumer may stop at any. ``rope_offset`` is passed to :meth:`Backend.decode` only when
+    nonzero (backends of 1-D RoPE models may not take it). Raises ``ValueError`` (:func:`check_decode_span`)."""
+    check_decode_span(pos, max_tokens, backend.max_seq_len)
+    for i in range(max_tokens):
+        logits = backend.decode(token_id, pos + i, operating_point=operating_point, rope_offset=rope_offset) \
+            if rope_offset else backend.decode(token_id, pos + i, operating_point=operating_point)
+        token_id = choose(logits[0])
+        yield token_id
 
 
 def load_backend(name: str, files: ModelFiles, *, device, dtype, max_seq_len: int, **options) -> Backend:

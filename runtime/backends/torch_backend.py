@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from edgevlm.errors import InvalidRequestError, ModelLoadError
-from edgevlm.runtime.backends import Backend
+from edgevlm.runtime.backends import Backend, check_decode_span
 from edgevlm.runtime.kv_cache import DEFAULT_INT4_GROUP_SIZE, KV_CACHE_DTYPES, kv_bucket
 from edgevlm.runtime.loader import ModelFiles, load_model
 from edgevlm.runtime.models.base import VisionInput
@@ -591,11 +591,9 @@ class TorchBackend(Backend):
         if self.graphs is not None:
             self.graphs.replay(b, kv_len, feed=True)
         else:
-            off = offsets[:b] if self.model.language_model.cfg.mrope_section is not None else 0
-            logits = self.model.language_model.decode_step(tokens[:b], positions[:b], kv_len, off)
-            from edgevlm.runtime.sampling import greedy_feed
+            from edgevlm.runtime.cuda_graphs import decode_step_from
 
-            greedy_feed(logits, tokens[:b], positions[:b])
+            decode_step_from(self.model.language_model, tokens, positions, offsets, b, kv_len, feed=True)
         for row in range(b):
             slots[row] += 1
         self._fed_rows = b
@@ -622,11 +620,9 @@ class TorchBackend(Backend):
         before token ``k`` is read, so a consumer that stops at token ``k`` leaves one step computed
         for nothing (its KV write lands past the answer's last slot, where the next prompt's
         prefill or decode overwrites it before any read)."""
+        check_decode_span(pos, max_tokens, self.max_seq_len)
         if max_tokens < 1:
             return
-        if not (0 <= pos and pos + max_tokens - 1 < self.max_seq_len):
-            raise ValueError(f"greedy decode of {max_tokens} tokens from slot {pos} leaves the KV cache "
-                             f"(0..{self.max_seq_len - 1})")
         pending = self.greedy_step(1, {0: (token_id, pos, rope_offset)})
         for _ in range(max_tokens - 1):
             queued = self.greedy_step(1)
