@@ -36,6 +36,10 @@ the cache's torch quantization, and :func:`decode_attention` reads the e4m3 byte
 dequantized copy (half the bytes of a 16-bit cache per step). The launch parameters of :func:`decode_attention`
 come from :data:`ATTENTION_CONFIGS` (``bench/decode_attention_tune.py`` measures them).
 
+Programmatic dependent launch (opt-in, :data:`PDL` / ``EDGEVLM_DECODE_PDL=1``, sm_90+, :func:`pdl_ok`): every
+kernel here then waits for the previous grid at its very top and releases the next launch right after, so each
+launch overlaps the previous kernel's tail; off, the kernels compile and launch as without it.
+
 All statistics and products in fp32, one rounding on store. ``TRITON_INTERPRET=1`` runs them on
 CPU (fp16/fp32) for the tests; :mod:`edgevlm.runtime.decoder` uses them on CUDA (16-bit and fp8 KV caches
 directly; INT4 caches through :mod:`~edgevlm.runtime.kernels.int4kv_attention`'s kernels).
@@ -45,9 +49,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 
 import torch
+
+from edgevlm.runtime.kernels import interpreter_mode
+
+logger = logging.getLogger(__name__)
 
 FUSED_ATTENTION = os.environ.get("EDGEVLM_DECODE_FUSED_ATTENTION", "0").strip().lower() in ("1", "true", "yes", "on")
 """Whether :meth:`~edgevlm.runtime.decoder.Decoder._fused_decode` runs :func:`rope_decode_attention` (RoPE,
@@ -67,6 +76,84 @@ ATTENTION_CTA_BUDGET: int | None = None
 """CTAs :func:`decode_attention` aims for when it splits the keys (None: about one wave, :func:`_cta_budget`). A
 huge value keeps ``max_splits`` splits at every batch size (the schedule before 2026-12-02; benchmarks A/B it)."""
 
+PDL = os.environ.get("EDGEVLM_DECODE_PDL", "0").strip().lower() in ("1", "true", "yes", "on")
+"""Whether this module's Triton kernels are launched as programmatic dependents of the previous kernel in the stream
+(:func:`pdl_ok`; the W4A16 CUDA kernels have their own switch, :data:`~edgevlm.runtime.kernels.w4a16_mma.PDL`). Off by
+default, ``EDGEVLM_DECODE_PDL=1`` opts in; NOT measured yet (``bench/decode_step_breakdown.py``'s ``_pdlall`` variants
+are for that). Read at each launch, so a new CUDA graph capture picks up a change."""
+
+PDL_CAPABILITY = (9, 0)
+"""Compute capability from which the hardware has programmatic dependent launch (Hopper)."""
+
+_PDL_DEVICES: dict[int, bool] = {}
+
+ADD_RMS_NORM_WARPS: int | None = None
+"""Warps per CTA (one CTA per row) of :func:`add_rms_norm`'s kernel; None: 4 up to ``D = 4096``, 8 above
+(:func:`add_rms_norm_warps`). A knob for benchmarks to A/B; read at each launch."""
+
+
+def add_rms_norm_warps(d: int) -> int:
+    """Warps of :func:`add_rms_norm` for rows of ``d`` elements: :data:`ADD_RMS_NORM_WARPS`, or 4 for
+    ``d <= 4096`` and 8 above where it is None."""
+    if ADD_RMS_NORM_WARPS is not None:
+        return int(ADD_RMS_NORM_WARPS)
+    return 4 if d <= 4096 else 8
+
+
+@functools.cache
+def _triton_has_gdc() -> bool:
+    """Whether the installed Triton exposes grid dependency control (``triton.language.extra.cuda.gdc_wait``,
+    Triton >= 3.4); checked once."""
+    try:
+        from triton.language.extra import cuda
+    except Exception:  # noqa: BLE001 - no triton, or one without the CUDA extras
+        return False
+    return hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
+
+
+def pdl_ok(device: torch.device | str) -> bool:
+    """Whether this module's kernels on ``device`` are launched with programmatic dependent launch (PDL).
+
+    PDL (NVIDIA, CUDA C++ Programming Guide, "Programmatic Dependent Launch and Synchronization"; PTX ISA,
+    ``griddepcontrol``) lets a kernel launched with the attribute start while the previous kernel in the stream
+    is still running, once every CTA of that kernel has executed ``griddepcontrol.launch_dependents`` (or exited);
+    ``griddepcontrol.wait`` then blocks until the previous grid has completed and its memory writes are visible.
+    Inside a CUDA graph the launch becomes a programmatic edge. Here every kernel launched so waits at its very
+    top, before any load, store or atomic, and releases its own dependents right after (``USE_GDC``): only the
+    launch and the CTAs' start-up overlap the previous kernel's tail, at most one grid waits ahead, and because
+    every such kernel waits before touching memory, completion stays transitive along the stream (a kernel
+    that is launched plainly waits for the whole previous grid, as always).
+
+    True when :data:`PDL` is on (opt-in, ``EDGEVLM_DECODE_PDL=1``; not measured yet), ``device`` is a CUDA
+    device of compute capability >= :data:`PDL_CAPABILITY` (checked once per device), Triton does not run in
+    its CPU interpreter (``TRITON_INTERPRET``), and the installed Triton has ``gdc_wait`` (>= 3.4). False
+    otherwise; never raises for a CPU device."""
+    if not PDL:
+        return False
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    if interpreter_mode():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _PDL_DEVICES.get(index)
+    if ok is None:
+        ok = torch.cuda.get_device_capability(index) >= PDL_CAPABILITY and _triton_has_gdc()
+        _PDL_DEVICES[index] = ok
+        if not ok:
+            logger.warning("EDGEVLM_DECODE_PDL is on but cuda:%d (capability %s) or triton lacks programmatic "
+                           "dependent launch; the decode kernels are launched plainly", index,
+                           torch.cuda.get_device_capability(index))
+    return ok
+
+
+def _gdc_launch(use: bool) -> dict:
+    """Launch keywords of one kernel of this module: ``USE_GDC`` (the kernel's wait / release at its top) and
+    Triton's ``launch_pdl`` (the launch attribute) together, never one without the other. ``launch_pdl`` is left
+    out when False so that a Triton without that option (< 3.4, which refuses unknown launch keywords) still
+    launches."""
+    return {"USE_GDC": True, "launch_pdl": True} if use else {"USE_GDC": False}
+
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
@@ -79,7 +166,10 @@ def _kernels():
 
     @triton.jit
     def add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, wd_ptr, s_ptr, y_ptr, D, eps, d_eps, BLOCK_D: tl.constexpr,
-                            UNIT_OFFSET: tl.constexpr, DELTA_NORM: tl.constexpr):
+                            UNIT_OFFSET: tl.constexpr, DELTA_NORM: tl.constexpr, USE_GDC: tl.constexpr = False):
+        if USE_GDC:  # programmatic dependent launch (pdl_ok): the previous grid done before any memory access
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK_D)
         mask = offs < D
@@ -103,7 +193,10 @@ def _kernels():
     @triton.jit
     def rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, rpos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr, ks_ptr,
                        vs_ptr, H, HKV, S, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr,
-                       UNIT_OFFSET: tl.constexpr, KV_FP8: tl.constexpr):
+                       UNIT_OFFSET: tl.constexpr, KV_FP8: tl.constexpr, USE_GDC: tl.constexpr = False):
+        if USE_GDC:  # programmatic dependent launch (pdl_ok): the previous grid done before any memory access
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         b = tl.program_id(0)
         head = tl.program_id(1)  # 0..H-1: q heads, H..H+HKV-1: k heads, then v heads
         n_all = H + 2 * HKV
@@ -173,7 +266,11 @@ def _kernels():
                 tl.store(kv_ptr + row * HEAD_DIM + HALF + offs, o2.to(kv_ptr.dtype.element_ty))
 
     @triton.jit
-    def silu_mul_kernel(gu_ptr, y_ptr, INTER, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr):
+    def silu_mul_kernel(gu_ptr, y_ptr, INTER, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr,
+                        USE_GDC: tl.constexpr = False):
+        if USE_GDC:  # programmatic dependent launch (pdl_ok): the previous grid done before any memory access
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < INTER
@@ -190,7 +287,10 @@ def _kernels():
     def attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, y_ptr, H, HKV, S, CHUNK,
                           scale, WINDOW, REP: tl.constexpr, REP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                           BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                          KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr):
+                          KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, USE_GDC: tl.constexpr = False):
+        if USE_GDC:  # programmatic dependent launch (pdl_ok): the previous grid done before any memory access
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         bg = tl.program_id(0)  # row b, KV head g
         split = tl.program_id(1)
         b = bg // HKV
@@ -269,7 +369,11 @@ def _kernels():
             tl.store(l_ptr + out, den, mask=keep)
 
     @triton.jit
-    def attn_combine_kernel(o_ptr, m_ptr, l_ptr, y_ptr, HEAD_DIM: tl.constexpr, NSPLIT: tl.constexpr):
+    def attn_combine_kernel(o_ptr, m_ptr, l_ptr, y_ptr, HEAD_DIM: tl.constexpr, NSPLIT: tl.constexpr,
+                            USE_GDC: tl.constexpr = False):
+        if USE_GDC:  # programmatic dependent launch (pdl_ok): the previous grid done before any memory access
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         bh = tl.program_id(0)
         sp = tl.arange(0, NSPLIT)
         d = tl.arange(0, HEAD_DIM)
@@ -286,7 +390,10 @@ def _kernels():
                          l_ptr, cnt_ptr, y_ptr, H, HKV, S, CHUNK, scale, eps,
                          REP: tl.constexpr, REP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                          BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, QK_NORM: tl.constexpr,
-                         UNIT_OFFSET: tl.constexpr):
+                         UNIT_OFFSET: tl.constexpr, USE_GDC: tl.constexpr = False):
+        if USE_GDC:  # programmatic dependent launch (pdl_ok): the previous grid done before any memory access
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         bg = tl.program_id(0)  # row b, KV head g
         split = tl.program_id(1)
         b = bg // HKV
@@ -412,7 +519,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     kernel[(x.shape[0],)](x, delta, weight, weight if delta_weight is None else delta_weight, s, y, d, float(eps),
                           float(eps if delta_eps is None else delta_eps), BLOCK_D=_next_pow2(d),
                           UNIT_OFFSET=bool(unit_offset), DELTA_NORM=delta_weight is not None,
-                          num_warps=4 if d <= 4096 else 8)
+                          num_warps=add_rms_norm_warps(d), **_gdc_launch(pdl_ok(x.device)))
     return s, y
 
 
@@ -469,7 +576,8 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input
                                    q_norm if qk_norm else cos, k_norm if qk_norm else cos, q, k_cache, v_cache,
                                    k_scale if fp8 else cos, v_scale if fp8 else cos,
                                    n_heads, hkv, s, float(norm_eps), HEAD_DIM=dh, HALF=dh // 2, QK_NORM=qk_norm,
-                                   UNIT_OFFSET=bool(unit_offset), KV_FP8=fp8, num_warps=1)
+                                   UNIT_OFFSET=bool(unit_offset), KV_FP8=fp8, num_warps=1,
+                                   **_gdc_launch(pdl_ok(qkv.device)))
     return q
 
 
@@ -515,7 +623,8 @@ def gated_act(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
     r, inter = gate_up.shape[0], gate_up.shape[1] // 2
     y = torch.empty(r, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _kernels()[2][(r, -(-inter // block))](gate_up, y, inter, BLOCK=block, GELU_TANH=act != "silu", num_warps=4)
+    _kernels()[2][(r, -(-inter // block))](gate_up, y, inter, BLOCK=block, GELU_TANH=act != "silu", num_warps=4,
+                                           **_gdc_launch(pdl_ok(gate_up.device)))
     return y
 
 
@@ -634,6 +743,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     m = torch.empty(rows, nsplit, dtype=torch.float32, device=q.device)
     lse = torch.empty_like(m)
     split_k, combine = _kernels()[3], _kernels()[4]
+    gdc = _gdc_launch(pdl_ok(q.device))
     fp8 = kind == "fp8"
     native = fp8 and fp8_native(q.device)
     if fp8 and not native:  # the kernel decodes the bytes itself
@@ -643,9 +753,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                REP=rep, REP_PAD=max(16, _next_pow2(rep)), HEAD_DIM=dh, BLOCK_N=block_n,
                                NSPLIT=nsplit, HAS_WINDOW=window is not None, KV_FP8=fp8, FP8_NATIVE=native,
                                num_warps=cfg.num_warps if num_warps is None else num_warps,
-                               num_stages=cfg.num_stages if num_stages is None else num_stages)
+                               num_stages=cfg.num_stages if num_stages is None else num_stages, **gdc)
     if nsplit > 1:
-        combine[(b * h,)](part, m, lse, y, HEAD_DIM=dh, NSPLIT=nsplit, num_warps=1)
+        combine[(b * h,)](part, m, lse, y, HEAD_DIM=dh, NSPLIT=nsplit, num_warps=1, **gdc)
     return y
 
 
@@ -733,5 +843,5 @@ def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         k_norm if qk_norm else cos, k_cache, v_cache, part, m, lse, _counters(b * hkv, qkv.device), y,
         n_heads, hkv, s, chunk, dh ** -0.5 if scale is None else float(scale), float(norm_eps),
         REP=rep, REP_PAD=max(16, _next_pow2(rep)), HEAD_DIM=dh, HALF=dh // 2, BLOCK_N=block_n, NSPLIT=nsplit,
-        QK_NORM=qk_norm, UNIT_OFFSET=bool(unit_offset), num_warps=4)
+        QK_NORM=qk_norm, UNIT_OFFSET=bool(unit_offset), num_warps=4, **_gdc_launch(pdl_ok(qkv.device)))
     return y

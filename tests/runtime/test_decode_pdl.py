@@ -1,0 +1,206 @@
+"""Programmatic dependent launch (PDL) of the fused decode step's Triton kernels, on a machine without a GPU:
+
+* :func:`~edgevlm.runtime.kernels.decode_fused.pdl_ok` says no off CUDA, in Triton's interpreter, with the
+  switch off, below sm_90 and with a Triton without grid dependency control; the switch comes from
+  ``EDGEVLM_DECODE_PDL``;
+* every launch site passes ``USE_GDC`` and ``launch_pdl`` together (fake kernels record the launches);
+* the kernels compiled for sm_90 with ``USE_GDC=True`` carry ``griddepcontrol.wait`` then
+  ``griddepcontrol.launch_dependents`` before their first global memory access, and neither without it
+  (PTX ISA, "griddepcontrol").
+
+Whether PDL pays is measured on the GPU (``bench/decode_step_breakdown.py --variants nomask,nomask_pdlall``)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from tests.runtime.test_decode_kernels_compile import _compile
+from tests.triton_support import needs_triton
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture
+def df(monkeypatch):
+    from edgevlm.runtime.kernels import decode_fused
+
+    monkeypatch.setattr(decode_fused, "_PDL_DEVICES", {})
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    return decode_fused
+
+
+def test_pdl_ok_is_off_by_default_and_off_cuda(df, monkeypatch):
+    monkeypatch.setattr(df, "PDL", False)
+    assert not df.pdl_ok(torch.device("cuda:0"))  # switch off: no CUDA call at all
+    monkeypatch.setattr(df, "PDL", True)
+    assert not df.pdl_ok(torch.device("cpu"))
+    assert not df.pdl_ok("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not df.pdl_ok(torch.device("cuda:0"))
+
+
+def test_pdl_ok_needs_sm90_and_triton_gdc(df, monkeypatch):
+    cap = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: cap["value"])
+    monkeypatch.setattr(df, "_triton_has_gdc", lambda: True)
+    monkeypatch.setattr(df, "PDL", True)
+    assert df.pdl_ok(torch.device("cuda:0"))
+    monkeypatch.setattr(df, "PDL", False)
+    assert not df.pdl_ok(torch.device("cuda:0"))  # the switch is read at each call, the device check cached
+    monkeypatch.setattr(df, "PDL", True)
+    cap["value"] = (8, 7)
+    assert not df.pdl_ok(torch.device("cuda:1"))
+    assert df.pdl_ok(torch.device("cuda:0"))  # cached per device
+    monkeypatch.setattr(df, "_PDL_DEVICES", {})
+    monkeypatch.setattr(df, "_triton_has_gdc", lambda: False)
+    cap["value"] = (9, 0)
+    assert not df.pdl_ok(torch.device("cuda:0"))
+
+
+@needs_triton
+def test_this_triton_has_gdc():
+    from edgevlm.runtime.kernels import decode_fused
+
+    assert decode_fused._triton_has_gdc()  # the dev install's Triton is >= 3.4
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, False), ("0", False), ("1", True), ("on", True),
+                                                  ("no", False)])
+def test_pdl_switch_comes_from_the_environment(value, expected):
+    env = {k: v for k, v in os.environ.items() if k != "EDGEVLM_DECODE_PDL"}
+    if value is not None:
+        env["EDGEVLM_DECODE_PDL"] = value
+    script = "from edgevlm.runtime.kernels import decode_fused as d; print(d.PDL, d.ADD_RMS_NORM_WARPS)"
+    with tempfile.TemporaryDirectory(prefix="edgevlm-pdl-") as cwd:  # not the repository root (triton_support)
+        proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=cwd, capture_output=True, text=True,
+                              timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == [str(expected), "None"]
+
+
+class _FakeKernel:
+    """Records ``kernel[grid](*args, **kwargs)`` launches instead of running them."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.log.append((self.name, kwargs))
+
+
+NAMES = ("add_rms_norm_kernel", "rope_kv_kernel", "silu_mul_kernel", "attn_split_kernel", "attn_combine_kernel",
+         "rope_attn_kernel")
+
+
+@pytest.mark.parametrize("use", [False, True])
+def test_every_launch_site_passes_use_gdc_and_launch_pdl_together(df, monkeypatch, use):
+    log: list = []
+    monkeypatch.setattr(df, "_kernels", lambda: tuple(_FakeKernel(n, log) for n in NAMES))
+    seen = []
+    monkeypatch.setattr(df, "pdl_ok", lambda device: seen.append(device) or use)
+    b, h, hkv, dh, s = 2, 4, 2, 16, 64
+    x = torch.randn(b, 32)
+    df.add_rms_norm(x, x, torch.ones(32), 1e-6)
+    cache = torch.zeros(b, hkv, s, dh)
+    qkv = torch.randn(b, (h + 2 * hkv) * dh)
+    cos, sin = torch.ones(s, dh), torch.zeros(s, dh)
+    pos = torch.full((b,), 40, dtype=torch.int64)
+    df.rope_kv_write(qkv, cos, sin, pos, cache, cache.clone(), h, hkv)
+    df.silu_mul(torch.randn(b, 64))
+    df.gated_act(torch.randn(b, 64), "gelu_pytorch_tanh")
+    df.decode_attention(torch.randn(b, h, 1, dh), cache, cache.clone(), pos, s, block_n=16, cta_budget=1 << 20)
+    df.rope_decode_attention(qkv, cos, sin, pos, cache, cache.clone(), h, hkv, s, block_n=16)
+    assert [n for n, _ in log] == ["add_rms_norm_kernel", "rope_kv_kernel", "silu_mul_kernel", "silu_mul_kernel",
+                                   "attn_split_kernel", "attn_combine_kernel", "rope_attn_kernel"]
+    assert all(str(d) == "cpu" for d in seen) and len(seen) >= 6
+    for name, kwargs in log:
+        assert kwargs["USE_GDC"] is use, name
+        if use:
+            assert kwargs["launch_pdl"] is True, name
+        else:  # kept out: Triton < 3.4 refuses an unknown launch keyword
+            assert "launch_pdl" not in kwargs, name
+
+
+def test_add_rms_norm_warps_knob(df, monkeypatch):
+    log: list = []
+    monkeypatch.setattr(df, "_kernels", lambda: tuple(_FakeKernel(n, log) for n in NAMES))
+    for d, knob, want in ((4096, None, 4), (5120, None, 8), (4096, 16, 16), (8192, 8, 8)):
+        monkeypatch.setattr(df, "ADD_RMS_NORM_WARPS", knob)
+        x = torch.randn(1, d)
+        df.add_rms_norm(x, x, torch.ones(d), 1e-6)
+        assert log[-1][1]["num_warps"] == want
+
+
+def _signatures(use: bool, act: str = "silu") -> dict:
+    """``name -> (signature, constexprs, num_warps)`` of each decode kernel, bf16 activations, a bf16 cache."""
+    gdc = {"USE_GDC": use}
+    return {
+        "add_rms_norm_kernel": ({
+            "x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "wd_ptr": "*bf16", "s_ptr": "*bf16",
+            "y_ptr": "*bf16", "D": "i32", "eps": "fp32", "d_eps": "fp32", "BLOCK_D": "constexpr",
+            "UNIT_OFFSET": "constexpr", "DELTA_NORM": "constexpr", "USE_GDC": "constexpr"},
+            {"BLOCK_D": 4096, "UNIT_OFFSET": False, "DELTA_NORM": False, **gdc}, 8),
+        "rope_kv_kernel": ({
+            "qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "rpos_ptr": "*i64",
+            "qw_ptr": "*fp32", "kw_ptr": "*fp32", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
+            "ks_ptr": "*fp32", "vs_ptr": "*fp32", "H": "i32", "HKV": "i32", "S": "i32", "eps": "fp32",
+            "HEAD_DIM": "constexpr", "HALF": "constexpr", "QK_NORM": "constexpr", "UNIT_OFFSET": "constexpr",
+            "KV_FP8": "constexpr", "USE_GDC": "constexpr"},
+            {"HEAD_DIM": 128, "HALF": 64, "QK_NORM": False, "UNIT_OFFSET": False, "KV_FP8": False, **gdc}, 1),
+        "silu_mul_kernel": ({
+            "gu_ptr": "*bf16", "y_ptr": "*bf16", "INTER": "i32", "BLOCK": "constexpr", "GELU_TANH": "constexpr",
+            "USE_GDC": "constexpr"}, {"BLOCK": 1024, "GELU_TANH": act != "silu", **gdc}, 4),
+        "attn_split_kernel": ({
+            "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "ks_ptr": "*fp32", "vs_ptr": "*fp32",
+            "pos_ptr": "*i64", "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "y_ptr": "*bf16", "H": "i32",
+            "HKV": "i32", "S": "i32", "CHUNK": "i32", "scale": "fp32", "WINDOW": "i32", "REP": "constexpr",
+            "REP_PAD": "constexpr", "HEAD_DIM": "constexpr", "BLOCK_N": "constexpr", "NSPLIT": "constexpr",
+            "HAS_WINDOW": "constexpr", "KV_FP8": "constexpr", "FP8_NATIVE": "constexpr", "USE_GDC": "constexpr"},
+            {"REP": 1, "REP_PAD": 16, "HEAD_DIM": 128, "BLOCK_N": 64, "NSPLIT": 16, "HAS_WINDOW": False,
+             "KV_FP8": False, "FP8_NATIVE": False, **gdc}, 4),
+        "attn_combine_kernel": ({
+            "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "y_ptr": "*bf16", "HEAD_DIM": "constexpr",
+            "NSPLIT": "constexpr", "USE_GDC": "constexpr"}, {"HEAD_DIM": 128, "NSPLIT": 16, **gdc}, 1),
+        "rope_attn_kernel": ({
+            "qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "rpos_ptr": "*i64",
+            "qw_ptr": "*fp32", "kw_ptr": "*fp32", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*fp32",
+            "m_ptr": "*fp32", "l_ptr": "*fp32", "cnt_ptr": "*i32", "y_ptr": "*bf16", "H": "i32", "HKV": "i32",
+            "S": "i32", "CHUNK": "i32", "scale": "fp32", "eps": "fp32", "REP": "constexpr", "REP_PAD": "constexpr",
+            "HEAD_DIM": "constexpr", "HALF": "constexpr", "BLOCK_N": "constexpr", "NSPLIT": "constexpr",
+            "QK_NORM": "constexpr", "UNIT_OFFSET": "constexpr", "USE_GDC": "constexpr"},
+            {"REP": 1, "REP_PAD": 16, "HEAD_DIM": 128, "HALF": 64, "BLOCK_N": 64, "NSPLIT": 16, "QK_NORM": False,
+             "UNIT_OFFSET": False, **gdc}, 4),
+    }
+
+
+# the first global memory access of a kernel: loads, stores, atomics, reductions, async and bulk copies
+_MEMORY = re.compile(r"^\s*(?:@%p\d+\s+)?(?:ld\.global|st\.global|atom\.|red\.|cp\.async|cp\.reduce|ld\.shared|"
+                     r"st\.shared)", re.M)
+
+
+@needs_triton
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_kernels_compile_with_and_without_gdc_for_sm90(act):
+    from edgevlm.runtime.kernels import decode_fused
+
+    kernels = dict(zip(NAMES, decode_fused._kernels(), strict=True))
+    names = ("silu_mul_kernel",) if act != "silu" else NAMES  # the gated-activation kernel: GELU_TANH=True
+    for use in (True, False):
+        sigs = _signatures(use, act)
+        for name in names:
+            sig, consts, warps = sigs[name]
+            ptx = _compile(kernels[name], sig, consts, 90, num_warps=warps).asm["ptx"]
+            assert ".target sm_90" in ptx
+            if not use:
+                assert "griddepcontrol" not in ptx, name
+                continue
+            wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+            first = _MEMORY.search(ptx)
+            assert wait >= 0 and launch > wait, name
+            assert first is not None and launch < first.start(), (name, ptx[first.start():first.start() + 80])
