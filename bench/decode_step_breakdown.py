@@ -32,15 +32,31 @@ Variants (``--variants``):
   keys 16 ways at every batch size (its schedule before 2026-12-02; now the splits shrink to about one wave of CTAs
   and one split skips the combine kernel).
 
+A variant name is a base (``before``, ``nomask``, ``after``) and any of these suffixes, each after a ``_``, in any
+order and combination (e.g. ``nomask_pdlall_norm16``; :func:`parse_variant`):
+
+* ``pdl`` -- the W4A16 CUDA kernels as programmatic dependent launches (``w4a16_mma.PDL``),
+* ``pdlall`` -- those and the fused decode step's Triton kernels (``decode_fused.PDL``: RMSNorm, RoPE / KV write,
+  attention and its combine, SiLU*up, each waiting for the previous kernel at its top; opt-in, not measured yet),
+* ``normN`` -- :func:`~edgevlm.runtime.kernels.decode_fused.add_rms_norm` with ``N`` warps per row (``norm8``,
+  ``norm16``; ``decode_fused.ADD_RMS_NORM_WARPS``; the default is 4 up to 4096 columns, 8 above),
+* ``w4head`` -- an RTN W4A16 ``lm_head`` (a what-if: other logits),
+* ``split16`` -- the 16-way key split at every batch size.
+
+Every switch is restored when the variant's captures are done.
+
 Prints a table per batch size, then one JSON line. Usage (on a CUDA GPU)::
 
     python3 bench/decode_step_breakdown.py [--batch-sizes 1,8] [--steps 20] [--variants before,nomask,after]
+    python3 bench/decode_step_breakdown.py --variants nomask,nomask_pdlall,nomask_norm8,nomask_pdlall_norm16
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import re
 import statistics
 import sys
 import time
@@ -99,32 +115,92 @@ def legacy_prologue(on: bool):
         Decoder._fused_decode = real
 
 
+BASES = ("before", "nomask", "after")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One decode-step variant (module docstring): its base and the switches its suffixes turn on. ``norm_warps``:
+    warps of ``add_rms_norm`` (None: the module's rule)."""
+
+    base: str
+    w4a16_pdl: bool = False
+    decode_pdl: bool = False
+    w4head: bool = False
+    split16: bool = False
+    norm_warps: int | None = None
+
+
+def parse_variant(name: str) -> Variant:
+    """The :class:`Variant` of a name ``base[_suffix]...`` (module docstring: bases ``before`` / ``nomask`` /
+    ``after``; suffixes ``pdl``, ``pdlall``, ``normN`` with ``N`` a power of two 1..32, ``w4head``, ``split16``, in
+    any order). Raises ``ValueError`` for another base, an unknown or repeated suffix, or a bad warp count."""
+    base, *suffixes = name.split("_")
+    if base not in BASES:
+        raise ValueError(f"variant {name!r}: the base must be one of {', '.join(BASES)}, got {base!r}")
+    if len(set(suffixes)) != len(suffixes):
+        raise ValueError(f"variant {name!r}: a suffix is repeated")
+    opts: dict = {}
+    for suffix in suffixes:
+        norm = re.fullmatch(r"norm(\d+)", suffix)
+        if suffix == "pdl":
+            opts["w4a16_pdl"] = True
+        elif suffix == "pdlall":
+            opts["w4a16_pdl"] = opts["decode_pdl"] = True
+        elif suffix == "w4head":
+            opts["w4head"] = True
+        elif suffix == "split16":
+            opts["split16"] = True
+        elif norm:
+            warps = int(norm.group(1))
+            if warps < 1 or warps > 32 or warps & (warps - 1) or "norm_warps" in opts:
+                raise ValueError(f"variant {name!r}: normN needs one power of two N in 1..32, got {suffix!r}")
+            opts["norm_warps"] = warps
+        else:
+            raise ValueError(f"variant {name!r}: unknown suffix {suffix!r} (pdl, pdlall, normN, w4head, split16)")
+    return Variant(base, **opts)
+
+
 @contextlib.contextmanager
 def variant(name: str, dec=None):
-    """Switches of one variant for the body's captures: ``before`` / ``nomask`` / ``after`` (module
-    docstring); the suffix ``_split16``: the old 16-way key split of ``decode_attention``; ``_pdl``: the W4A16 kernels launched as programmatic dependents
-    (``EDGEVLM_W4A16_PDL=1``); ``_w4head``: ``dec``'s bf16 ``lm_head`` replaced by an RTN W4A16
-    ``Int4Linear`` (group 128; other logits: a what-if for bundles whose head is quantized)."""
+    """Switches of one variant (:func:`parse_variant`, module docstring) for the body's captures, all restored
+    after: the base sets ``decode_fused.FUSED_ATTENTION`` (``after``) and the legacy prologue (``before``);
+    ``_split16``: the old 16-way key split of ``decode_attention``; ``_pdl``: the W4A16 kernels launched as
+    programmatic dependents (``w4a16_mma.PDL``, as ``EDGEVLM_W4A16_PDL=1``); ``_pdlall``: those and the fused
+    decode step's Triton kernels (``decode_fused.PDL``, as ``EDGEVLM_DECODE_PDL=1``); ``_normN``:
+    ``decode_fused.ADD_RMS_NORM_WARPS = N``; ``_w4head``: ``dec``'s bf16 ``lm_head`` replaced by an RTN W4A16
+    ``Int4Linear`` (group 128; other logits: a what-if for bundles whose head is quantized). Switches a variant
+    does not name keep their values (the environment's). Raises ``ValueError`` for a bad name, before changing
+    anything."""
+    v = parse_variant(name)
     from edgevlm.runtime.kernels import decode_fused
     from edgevlm.runtime.kernels import w4a16_mma as mk
 
-    old, old_pdl, old_budget, head = decode_fused.FUSED_ATTENTION, mk.PDL, decode_fused.ATTENTION_CTA_BUDGET, None
-    decode_fused.FUSED_ATTENTION = name.startswith("after")
-    if name.endswith("_split16"):  # decode_attention's schedule before 2026-12-02: 16 key splits at any batch
+    saved = (decode_fused.FUSED_ATTENTION, decode_fused.ATTENTION_CTA_BUDGET, decode_fused.PDL,
+             decode_fused.ADD_RMS_NORM_WARPS, mk.PDL)
+    head = None
+    decode_fused.FUSED_ATTENTION = v.base == "after"
+    if v.split16:  # decode_attention's schedule before 2026-12-02: 16 key splits at any batch
         decode_fused.ATTENTION_CTA_BUDGET = 1 << 30
-    mk.PDL = True if name.endswith("_pdl") else old_pdl
-    if name.endswith("_w4head"):
-        from edgevlm.runtime.int4 import Int4Linear
-
-        head = dec.lm_head
-        if getattr(dec, "_bench_w4_head", None) is None:
-            dec._bench_w4_head = Int4Linear.from_linear(head, 128).to(head.weight.device)
-        dec.lm_head = dec._bench_w4_head
+    if v.w4a16_pdl:
+        mk.PDL = True
+    if v.decode_pdl:
+        decode_fused.PDL = True
+    if v.norm_warps is not None:
+        decode_fused.ADD_RMS_NORM_WARPS = v.norm_warps
     try:
-        with legacy_prologue(name == "before"):
+        if v.w4head:
+            from edgevlm.runtime.int4 import Int4Linear
+
+            head = dec.lm_head
+            if getattr(dec, "_bench_w4_head", None) is None:
+                dec._bench_w4_head = Int4Linear.from_linear(head, 128).to(head.weight.device)
+            dec.lm_head = dec._bench_w4_head
+        with legacy_prologue(v.base == "before"):
             yield
     finally:
-        decode_fused.FUSED_ATTENTION, mk.PDL, decode_fused.ATTENTION_CTA_BUDGET = old, old_pdl, old_budget
+        (decode_fused.FUSED_ATTENTION, decode_fused.ATTENTION_CTA_BUDGET, decode_fused.PDL,
+         decode_fused.ADD_RMS_NORM_WARPS, mk.PDL) = saved
         if head is not None:
             dec.lm_head = head
 
@@ -187,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--out", default="", help="also write the JSON here")
     args = ap.parse_args(argv)
+    for name in (v for v in args.variants.split(",") if v):
+        try:
+            parse_variant(name)
+        except ValueError as exc:
+            ap.error(str(exc))
     from bench_support import print_result, use_package  # bench/ is sys.path[0] when run as a script
 
     use_package()
@@ -196,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     from edgevlm.quantize.bench_models import build_models, quantize_decoder_w4
     from edgevlm.runtime.backends.torch_backend import TorchBackend
     from edgevlm.runtime.kernels import decode_fused
+    from edgevlm.runtime.kernels import w4a16_mma as mk
 
     if not torch.cuda.is_available():
         print("decode_step_breakdown: needs a CUDA GPU", file=sys.stderr)
@@ -273,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
                        "groups": {g: {"us": round(v[0], 1), "kernels": round(v[1], 1)} for g, v in groups.items()},
                        "top": [[n, round(us, 2), round(c, 2)] for n, us, c in rows[: args.top]]}
                 run["gap_us"] = round(step_ms * 1e3 - run["busy_us"], 1)
+                # what the launches used (a _pdlall variant on a GPU / Triton without PDL runs plain launches)
+                run["pdl"] = {"w4a16": mk.pdl_ok(dev), "decode": decode_fused.pdl_ok(dev)}
+                run["add_rms_norm_warps"] = decode_fused.add_rms_norm_warps(dec.cfg.hidden_size)
                 run["kernels"] = round(sum(v["kernels"] for v in run["groups"].values()), 1)
                 if b == 1 and tpot.get(name):
                     run["tpot_ms"] = round(statistics.median(tpot[name]), 4)

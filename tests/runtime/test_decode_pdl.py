@@ -6,12 +6,14 @@
 * every launch site passes ``USE_GDC`` and ``launch_pdl`` together (fake kernels record the launches);
 * the kernels compiled for sm_90 with ``USE_GDC=True`` carry ``griddepcontrol.wait`` then
   ``griddepcontrol.launch_dependents`` before their first global memory access, and neither without it
-  (PTX ISA, "griddepcontrol").
+  (PTX ISA, "griddepcontrol");
+* ``bench/decode_step_breakdown.py``'s variant names compose and restore their switches.
 
 Whether PDL pays is measured on the GPU (``bench/decode_step_breakdown.py --variants nomask,nomask_pdlall``)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -21,7 +23,7 @@ import tempfile
 import pytest
 
 from tests.runtime.test_decode_kernels_compile import _compile
-from tests.triton_support import needs_triton
+from tests.triton_support import REPO, needs_triton
 
 torch = pytest.importorskip("torch")
 
@@ -204,3 +206,55 @@ def test_kernels_compile_with_and_without_gdc_for_sm90(act):
             first = _MEMORY.search(ptx)
             assert wait >= 0 and launch > wait, name
             assert first is not None and launch < first.start(), (name, ptx[first.start():first.start() + 80])
+
+
+def _bench_module():
+    spec = importlib.util.spec_from_file_location("decode_step_breakdown", REPO / "bench" / "decode_step_breakdown.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclass looks its module up while it is defined
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("name", ["before", "nomask", "after", "after_pdl", "after_w4head", "nomask_pdl",
+                                  "nomask_w4head", "nomask_split16"])
+def test_bench_keeps_the_old_variant_names(name):
+    v = _bench_module().parse_variant(name)
+    assert v.base == name.split("_")[0]
+    assert v.w4a16_pdl == name.endswith("_pdl") and not v.decode_pdl and v.norm_warps is None
+    assert v.w4head == name.endswith("_w4head") and v.split16 == name.endswith("_split16")
+
+
+def test_bench_variant_suffixes_compose():
+    bench = _bench_module()
+    v = bench.parse_variant("nomask_pdlall_norm16")
+    assert (v.base, v.w4a16_pdl, v.decode_pdl, v.norm_warps, v.w4head, v.split16) == \
+        ("nomask", True, True, 16, False, False)
+    assert bench.parse_variant("after_norm8_pdl") == bench.Variant("after", w4a16_pdl=True, norm_warps=8)
+    for bad in ("later", "nomask_pdl2", "nomask_norm12", "nomask_norm8_norm16", "nomask_pdl_pdl", "nomask_"):
+        with pytest.raises(ValueError):
+            bench.parse_variant(bad)
+
+
+def test_bench_variant_sets_and_restores_the_switches(monkeypatch):
+    from edgevlm.runtime.kernels import decode_fused, w4a16_mma
+
+    bench = _bench_module()
+    monkeypatch.setattr(decode_fused, "PDL", False)
+    monkeypatch.setattr(decode_fused, "ADD_RMS_NORM_WARPS", None)
+    monkeypatch.setattr(decode_fused, "FUSED_ATTENTION", False)
+    monkeypatch.setattr(w4a16_mma, "PDL", False)
+    with bench.variant("nomask_pdlall_norm16"):
+        assert decode_fused.PDL and w4a16_mma.PDL and decode_fused.ADD_RMS_NORM_WARPS == 16
+        assert not decode_fused.FUSED_ATTENTION
+    assert not decode_fused.PDL and not w4a16_mma.PDL and decode_fused.ADD_RMS_NORM_WARPS is None
+    with pytest.raises(RuntimeError), bench.variant("after_pdlall_norm8"):  # restored on an error too
+        assert decode_fused.FUSED_ATTENTION and decode_fused.ADD_RMS_NORM_WARPS == 8
+        raise RuntimeError("capture failed")
+    assert not decode_fused.PDL and not w4a16_mma.PDL and decode_fused.ADD_RMS_NORM_WARPS is None
+    assert not decode_fused.FUSED_ATTENTION
+    with bench.variant("nomask_pdl"):  # _pdl alone leaves the decode kernels' switch as it was
+        assert w4a16_mma.PDL and not decode_fused.PDL
+    with pytest.raises(ValueError), bench.variant("nomask_bogus"):
+        pass
+    assert not w4a16_mma.PDL
