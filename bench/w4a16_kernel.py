@@ -197,20 +197,22 @@ if why is None:
         packed, meta = repack_int4_mma(qw.qweight, qw.scales, qw.zeros, g)
         for m in (1, 3, 9, 16):
             x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
-            for ks, depth in mk.LEAN_CONFIGS:
-                for tpc in (1, 3):
-                    y = mk.w4a16_mma(x, packed, meta, g, config=("lean", ks, depth, tpc), pdl=False)
-                    twin = mk.w4a16_mma(x, packed, meta, g, config=("reg", ks, 2, tpc), mode=2, pdl=False)
-                    if not torch.equal(y, twin) and why is None:
-                        why = f"lean {(ks, depth, tpc)} differs from the register ring at M={m}, g={g}"
+            for kind, pairs in (("lean", mk.LEAN_CONFIGS), ("async", mk.ASYNC_CONFIGS)):
+                for ks, depth in pairs:
+                    for tpc in (1, 3):
+                        y = mk.w4a16_mma(x, packed, meta, g, config=(kind, ks, depth, tpc), pdl=False)
+                        twin = mk.w4a16_mma(x, packed, meta, g, config=("reg", ks, 2, tpc), mode=2, pdl=False)
+                        if not torch.equal(y, twin) and why is None:
+                            why = f"{kind} {(ks, depth, tpc)} differs from the register ring at M={m}, g={g}"
     torch.cuda.synchronize()
 print("LEAN", why)
 """
 
 
 def lean_safe(timeout_s: float = 150.0) -> str | None:
-    """Run the lean variant (every compiled configuration against its register-ring twin) in a child process
-    first: a kernel fault there must not poison this process's CUDA context. None when it matched."""
+    """Run the lean variant and its cp.async ring (every compiled configuration against its register-ring twin)
+    in a child process first: a kernel fault there must not poison this process's CUDA context. None when it
+    matched."""
     marlin_py = str(REPO / "bench" / "w4a16_marlin.py")
     code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import importlib.util as u; "
             f"s = u.spec_from_file_location('m', {marlin_py!r}); m = u.module_from_spec(s); s.loader.exec_module(m); "
@@ -229,8 +231,8 @@ def lean_safe(timeout_s: float = 150.0) -> str | None:
 def configs(kind: str, m: int):
     from edgevlm.runtime.kernels import w4a16_mma as mk
 
-    if kind in ("reg", "lean"):
-        pairs = mk.MMA_CONFIGS if kind == "reg" else mk.LEAN_CONFIGS
+    if kind in ("reg", "lean", "async"):
+        pairs = {"reg": mk.MMA_CONFIGS, "lean": mk.LEAN_CONFIGS, "async": mk.ASYNC_CONFIGS}[kind]
         return [] if m > mk.MMA_MAX_M else [(kind, a, b, t) for a, b in pairs for t in TPC]
     return [("bulk", a, b, t) for a, b in mk.BULK_CONFIGS for t in TPC]
 
@@ -243,7 +245,7 @@ def variants(kind: str, m: int):
     for c in configs(kind, m):
         pfs = [p for p in PF if p <= c[3]] if kind == "reg" else [0]
         out += [(c, 2, p) for p in pfs]
-        if m <= 4 and kind != "lean":
+        if m <= 4 and kind in ("reg", "bulk"):
             out.append((c, 0, 0))
     return out
 
@@ -297,10 +299,10 @@ def run_layers(ctx, shapes, kinds):
                 mine = []
                 for c, mode, pf in variants(kind, m):
                     y = mk.w4a16_mma(x, packed, meta, g, config=c, mode=mode, prefetch=pf, pdl=False)
-                    if kind == "lean":  # the same function in the same order as the register ring at its KSPLIT
+                    if kind in ("lean", "async"):  # the same function in the same order as the register ring
                         twin = mk.w4a16_mma(x, packed, meta, g, config=("reg", c[1], 2, c[3]), mode=2, pdl=False)
                         if not torch.equal(y, twin):
-                            checks.append({"what": f"lean {name} M={m} {c} == reg twin", "pass": False})
+                            checks.append({"what": f"{kind} {name} M={m} {c} == reg twin", "pass": False})
                     err = mar.rel(y, ref)
                     us = mar.graph_us([partial(mk.w4a16_mma, x, p, mt, g, config=c, mode=mode, prefetch=pf, pdl=False)
                                        for p, mt in mma_copies])
@@ -329,8 +331,8 @@ def run_layers(ctx, shapes, kinds):
                 continue
             win = min(best.values(), key=lambda r: r["us"])
             tuned.setdefault(f"{n}x{k}g{g}", {})[str(m)] = [*win["config"], int(win["zx"]), int(win["pf"])]
-            if win["config"][0] == "lean":  # what a build without the lean variant runs instead
-                others = [r for (kd, _), r in best.items() if kd != "lean"]
+            if win["config"][0] in ("lean", "async"):  # what a build without the lean variant runs instead
+                others = [r for (kd, _), r in best.items() if kd not in ("lean", "async")]
                 if others:
                     fb = min(others, key=lambda r: r["us"])
                     fallback.setdefault(f"{n}x{k}g{g}", {})[str(m)] = [*fb["config"], int(fb["zx"]), int(fb["pf"])]
@@ -376,7 +378,7 @@ def run_layers(ctx, shapes, kinds):
                    "win_pdl_us": win.get("pdl_us"),
                    "gbps": win["gbps"], "pct_copy": round(100 * win["gbps"] / ctx["copy_gbps"], 1),
                    "reg_us": us_of("reg"), "reg_nozx_us": us_of("reg", False), "reg_zx_us": us_of("reg", True),
-                   "lean_us": us_of("lean"), "pdl_by_kind": _pdl_by_kind(mine_all(sweep, name, m)),
+                   "lean_us": us_of("lean"), "async_us": us_of("async"), "pdl_by_kind": _pdl_by_kind(mine_all(sweep, name, m)),
                    "bulk_us": us_of("bulk"), "bulk_nozx_us": us_of("bulk", False), "bulk_zx_us": us_of("bulk", True),
                    "reg_loads_only_us": loads_only_us,
                    "tinygemm_us": round(tg_us, 2), "tinygemm_gbps": round(moved / tg_us / 1e3, 1),
@@ -385,7 +387,8 @@ def run_layers(ctx, shapes, kinds):
                    "int4_bytes": int4_bytes}
             rows.append(row)
             print(f"{name:15s} M={m:<3d} best {row['best']} {win['us']:7.2f} us {win['gbps']:7.1f} GB/s | pdl "
-                  f"{row['pdl_best']} {row['pdl_us']} us {row['pdl_gbps']} GB/s | reg {row['reg_us']} | bulk "
+                  f"{row['pdl_best']} {row['pdl_us']} us {row['pdl_gbps']} GB/s | lean {row['lean_us']} | async "
+                  f"{row['async_us']} | reg {row['reg_us']} | bulk "
                   f"{row['bulk_us']} | loads-only {loads_only_us} / pf {loads_only_pf_us} | tinygemm {tg_us:7.2f} | "
                   f"bf16 {bf_us:7.2f}", flush=True)
         del mma_copies, tg_copies, bf_copies, w64, wbf
@@ -778,6 +781,12 @@ def main(argv: list[str] | None = None) -> int:
         lean = mk.mma_status(dev, "lean")
     if lean is None:
         kinds = (*kinds, "lean")
+        why_async = mk.mma_status(dev, "async")  # the lean kernel's cp.async ring (same build)
+        if why_async is None:
+            kinds = (*kinds, "async")
+        else:
+            print(f"w4a16_kernel: async variant not swept: {why_async}", flush=True)
+        RESULTS["async_status"] = why_async
     elif want_lean:  # the table's lean entries (none from this sweep) are not used by this process
         os.environ["EDGEVLM_W4A16_LEAN"] = "0"
         print(f"w4a16_kernel: lean variant not swept: {lean}", flush=True)
@@ -829,14 +838,14 @@ def print_tables() -> None:
     layers = RESULTS.get("layers") or []
     if layers:
         print("\n| shape | M | best (kind, a, b, tpc, zx, pf) | µs | GB/s | % copy | PDL chain µs | PDL GB/s | "
-              "lean µs | lean PDL µs | reg µs | reg PDL µs | reg+zx µs | bulk µs | loads-only µs (pf 0 / pf) | "
+              "lean µs | lean PDL µs | async µs | reg µs | reg PDL µs | reg+zx µs | bulk µs | loads-only µs (pf 0 / pf) | "
               "tinygemm µs | bf16 µs | vs tinygemm | vs bf16 |")
-        print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+        print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
         for r in layers:
             pk = r.get("pdl_by_kind") or {}
             print(f"| {r['shape']} | {r['m']} | {tuple(r['best'])} | {r['us']} | {r['gbps']} | {r['pct_copy']} | "
                   f"{r.get('pdl_us')} | {r.get('pdl_gbps')} | {r.get('lean_us')} | {(pk.get('lean') or [None])[0]} | "
-                  f"{r['reg_nozx_us']} | {(pk.get('reg') or [None])[0]} | {r['reg_zx_us']} | "
+                  f"{r.get('async_us')} | {r['reg_nozx_us']} | {(pk.get('reg') or [None])[0]} | {r['reg_zx_us']} | "
                   f"{r['bulk_nozx_us']} | {r['reg_loads_only_us']} / {r.get('reg_loads_only_pf_us')} | "
                   f"{r['tinygemm_us']} | {r['bf16_us']} | {r['vs_tinygemm']}x | {r['vs_bf16']}x |")
     chain = RESULTS.get("chain")

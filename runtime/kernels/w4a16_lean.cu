@@ -37,7 +37,40 @@
 
 namespace edgevlm_w4a16 {
 
-template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH, bool LATE_TRIGGER = false>
+// cp.async (sm_80+, PTX ISA 7.0): 16 bytes global -> shared through L2 only (.cg), 4 bytes through L1 (.ca);
+// one commit group per ring slot; wait until at most N of this thread's groups are pending.
+__device__ __forceinline__ uint32_t lean_smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ uint4 lean_lds128(uint32_t addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ uint32_t lean_lds32(uint32_t addr) {
+    uint32_t v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+    return v;
+}
+
+// Bytes of one ring slot of the ASYNC ring: GT x 512 bytes of weights (lane-major 16-byte chunks) + 16 meta words.
+template <int GT>
+__host__ __device__ constexpr int async_slot_bytes() {
+    return GT * 512 + 64;
+}
+
+template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH, bool LATE_TRIGGER = false, bool ASYNC = false>
 __global__ void __launch_bounds__(KSPLIT * 32)
 w4a16_lean_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ meta, const uint16_t* __restrict__ x,
                   const float* __restrict__ bias, void* __restrict__ y, int M, int N, int K, int tiles_per_cta) {
@@ -74,11 +107,26 @@ w4a16_lean_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ met
         xb0[mt] = reinterpret_cast<const uint4*>(x + static_cast<size_t>(min(mt * 8 + g, M - 1)) * K) + 2 * t +
                   static_cast<size_t>(g0) * GT * 8;
 
-    uint4 wb[DEPTH][GT];
+    // the ring: registers (ASYNC false) or, per warp, DEPTH slots of shared memory filled by cp.async (ASYNC
+    // true: the loads in flight cost no registers; the lanes g of t == 0 copy the slot's 16 meta words)
+    uint4 wb[DEPTH][GT];  // unused (and compiled away) with ASYNC
     uint32_t mb[DEPTH][2];
+    extern __shared__ __align__(16) unsigned char lean_ring[];
+    constexpr int kSlot = async_slot_bytes<GT>();
+    const uint32_t ring = ASYNC ? lean_smem_addr(lean_ring) + warp * DEPTH * kSlot : 0u;
 #define EDGEVLM_LEAN_LOAD(SLOT)                                                                      \
     do {                                                                                             \
-        if (ld_left > 0 && ld_local < gw) {                                                          \
+        if constexpr (ASYNC) {                                                                       \
+            if (ld_left > 0 && ld_local < gw) {                                                      \
+                const uint32_t dst = ring + (SLOT) * kSlot;                                          \
+                _Pragma("unroll") for (int i = 0; i < GT; ++i) cp_async16(dst + i * 512 + lane * 16, wp + i * 32); \
+                if (t == 0) {                                                                        \
+                    cp_async4(dst + GT * 512 + 4 * g, mp);                                           \
+                    cp_async4(dst + GT * 512 + 4 * (g + 8), mp + 8);                                 \
+                }                                                                                    \
+            }                                                                                        \
+            cp_async_commit(); /* one group per slot, empty or not: the wait below counts them */    \
+        } else if (ld_left > 0 && ld_local < gw) {                                                   \
             _Pragma("unroll") for (int i = 0; i < GT; ++i) wb[SLOT][i] = ld_stream(wp + i * 32);     \
             mb[SLOT][0] = __ldg(mp);                                                                 \
             mb[SLOT][1] = __ldg(mp + 8);                                                             \
@@ -109,6 +157,22 @@ w4a16_lean_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ met
         for (int s = 0; s < DEPTH; ++s) {
             if (base + s < total) {  // uniform over the CTA: every warp walks gmax items per tile
                 if (cur_local < gw) {
+                    uint4 wv[GT];
+                    uint32_t m0, m1;
+                    if constexpr (ASYNC) {  // this slot's group landed (the newer DEPTH - 1 may still fly)
+                        cp_async_wait<DEPTH - 1>();
+                        __syncwarp();  // the meta words copied by the lanes t == 0 are visible to the warp
+                        const uint32_t src = ring + s * kSlot;
+#pragma unroll
+                        for (int i = 0; i < GT; ++i) wv[i] = lean_lds128(src + i * 512 + lane * 16);
+                        m0 = lean_lds32(src + GT * 512 + 4 * g);
+                        m1 = lean_lds32(src + GT * 512 + 4 * (g + 8));
+                    } else {
+#pragma unroll
+                        for (int i = 0; i < GT; ++i) wv[i] = wb[s][i];
+                        m0 = mb[s][0];
+                        m1 = mb[s][1];
+                    }
                     uint4 xf[MT][GT][2];  // this item's B fragments (L1-resident activations)
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
@@ -119,8 +183,6 @@ w4a16_lean_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ met
                             xf[mt][i][1] = __ldg(p + i * 8 + 1);
                         }
                     }
-                    const uint32_t m0 = mb[s][0];
-                    const uint32_t m1 = mb[s][1];
                     const uint32_t nz0 = (M16::kNegBias + (m0 >> 16)) * 0x10001u;  // -(bias + zero)
                     const uint32_t nz1 = (M16::kNegBias + (m1 >> 16)) * 0x10001u;
                     const float s0 = __half2float(__ushort_as_half(static_cast<unsigned short>(m0 & 0xFFFFu)));
@@ -136,7 +198,7 @@ w4a16_lean_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ met
                     for (int i = 0; i < GT; ++i) {
 #pragma unroll
                         for (int j = 0; j < 4; ++j) {
-                            const uint32_t w = word_of(wb[s][i], j);
+                            const uint32_t w = word_of(wv[i], j);
                             uint32_t a[4];
 #pragma unroll
                             for (int r = 0; r < 4; ++r) {
@@ -158,6 +220,7 @@ w4a16_lean_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ met
                         acc[mt][3] = fmaf(s1, gacc[0][mt][3] + gacc[1][mt][3], acc[mt][3]);
                     }
                 }
+                if constexpr (ASYNC) __syncwarp();  // every lane has read slot s before it is re-filled
                 EDGEVLM_LEAN_LOAD(s);
                 if (cur_local == gmax - 1) {  // the tile is done: fixed-order reduction over the warps
                     if (KSPLIT > 1) {
@@ -206,40 +269,69 @@ w4a16_lean_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ met
 #undef EDGEVLM_LEAN_LOAD
 }
 
-template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH>
+template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH, bool ASYNC = false>
 cudaError_t lean_launch_typed(const void* qw, const void* meta, const void* x, const float* bias, void* y, int M,
                               int N, int K, int tiles_per_cta, bool pdl, bool late_trigger, cudaStream_t stream) {
     const int tiles = N / 16;
     const int grid = (tiles + tiles_per_cta - 1) / tiles_per_cta;
+    const size_t smem = ASYNC ? static_cast<size_t>(KSPLIT) * DEPTH * async_slot_bytes<GT>() : 0;
 #ifdef EDGEVLM_W4A16_LEAN_TRIGGER
-    if (late_trigger)
-        return launch_maybe_pdl(w4a16_lean_kernel<BF16, MT, GT, KSPLIT, DEPTH, true>, dim3(grid), dim3(KSPLIT * 32), 0,
-                                stream, pdl, static_cast<const uint4*>(qw), static_cast<const uint32_t*>(meta),
+    if (late_trigger) {
+        auto kernel = w4a16_lean_kernel<BF16, MT, GT, KSPLIT, DEPTH, true, ASYNC>;
+        if constexpr (ASYNC) {
+            static bool attr_set = false;  // per instantiation; racing first calls set the same value
+            if (!attr_set) {
+                const cudaError_t err =
+                    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+                if (err != cudaSuccess) return err;
+                attr_set = true;
+            }
+        }
+        return launch_maybe_pdl(kernel, dim3(grid), dim3(KSPLIT * 32), smem, stream, pdl,
+                                static_cast<const uint4*>(qw), static_cast<const uint32_t*>(meta),
                                 static_cast<const uint16_t*>(x), bias, y, M, N, K, tiles_per_cta);
+    }
 #else
     if (late_trigger) return cudaErrorInvalidValue;  // not compiled in (opt-in build)
 #endif
-    return launch_maybe_pdl(w4a16_lean_kernel<BF16, MT, GT, KSPLIT, DEPTH>, dim3(grid), dim3(KSPLIT * 32), 0, stream,
-                            pdl, static_cast<const uint4*>(qw), static_cast<const uint32_t*>(meta),
-                            static_cast<const uint16_t*>(x), bias, y, M, N, K, tiles_per_cta);
+    auto kernel = w4a16_lean_kernel<BF16, MT, GT, KSPLIT, DEPTH, false, ASYNC>;
+    if constexpr (ASYNC) {
+        static bool attr_set = false;
+        if (!attr_set) {
+            const cudaError_t err =
+                cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+            if (err != cudaSuccess) return err;
+            attr_set = true;
+        }
+    }
+    return launch_maybe_pdl(kernel, dim3(grid), dim3(KSPLIT * 32), smem, stream, pdl, static_cast<const uint4*>(qw),
+                            static_cast<const uint32_t*>(meta), static_cast<const uint16_t*>(x), bias, y, M, N, K,
+                            tiles_per_cta);
 }
 
 template <bool BF16, int MT, int GT>
-cudaError_t lean_launch_cfg(int ksplit, int depth, const void* qw, const void* meta, const void* x, const float* bias,
-                            void* y, int M, int N, int K, int tiles_per_cta, bool pdl, bool late_trigger,
-                            cudaStream_t stream) {
-#define EDGEVLM_W4A16_LEAN_CASE(KS, D)                                                                           \
-    if (ksplit == KS && depth == D)                                                                              \
-        return lean_launch_typed<BF16, MT, GT, KS, D>(qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl,         \
-                                                      late_trigger, stream);
-    EDGEVLM_W4A16_LEAN_CASE(4, 2)
-    EDGEVLM_W4A16_LEAN_CASE(4, 4)
-    EDGEVLM_W4A16_LEAN_CASE(8, 2)
-    EDGEVLM_W4A16_LEAN_CASE(8, 3)
-    EDGEVLM_W4A16_LEAN_CASE(8, 4)
-    EDGEVLM_W4A16_LEAN_CASE(16, 2)
-    EDGEVLM_W4A16_LEAN_CASE(16, 3)
-    EDGEVLM_W4A16_LEAN_CASE(16, 4)
+cudaError_t lean_launch_cfg(int ksplit, int depth, bool async_ring, const void* qw, const void* meta, const void* x,
+                            const float* bias, void* y, int M, int N, int K, int tiles_per_cta, bool pdl,
+                            bool late_trigger, cudaStream_t stream) {
+#define EDGEVLM_W4A16_LEAN_CASE(KS, D, A)                                                                        \
+    if (ksplit == KS && depth == D && async_ring == A)                                                           \
+        return lean_launch_typed<BF16, MT, GT, KS, D, A>(qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl,      \
+                                                         late_trigger, stream);
+    EDGEVLM_W4A16_LEAN_CASE(4, 2, false)
+    EDGEVLM_W4A16_LEAN_CASE(4, 4, false)
+    EDGEVLM_W4A16_LEAN_CASE(8, 2, false)
+    EDGEVLM_W4A16_LEAN_CASE(8, 3, false)
+    EDGEVLM_W4A16_LEAN_CASE(8, 4, false)
+    EDGEVLM_W4A16_LEAN_CASE(16, 2, false)
+    EDGEVLM_W4A16_LEAN_CASE(16, 3, false)
+    EDGEVLM_W4A16_LEAN_CASE(16, 4, false)
+    // the cp.async ring (ASYNC_CONFIGS of w4a16_mma.py): (KSPLIT, slots per warp)
+    EDGEVLM_W4A16_LEAN_CASE(4, 4, true)
+    EDGEVLM_W4A16_LEAN_CASE(4, 8, true)
+    EDGEVLM_W4A16_LEAN_CASE(8, 4, true)
+    EDGEVLM_W4A16_LEAN_CASE(8, 8, true)
+    EDGEVLM_W4A16_LEAN_CASE(16, 2, true)
+    EDGEVLM_W4A16_LEAN_CASE(16, 4, true)
 #undef EDGEVLM_W4A16_LEAN_CASE
     return cudaErrorInvalidValue;
 }
@@ -248,9 +340,10 @@ cudaError_t lean_launch_cfg(int ksplit, int depth, const void* qw, const void* m
 // launch_w4a16_mma with mode 2 (no x-sum fold, no prefetch); returns cudaErrorInvalidValue for an unsupported
 // (group_size, ksplit, depth, M, tiles_per_cta) or shape, and for late_trigger in a build without
 // -DEDGEVLM_W4A16_LEAN_TRIGGER. late_trigger: the PDL release after the last ring refill (see LATE_TRIGGER).
+// async_ring: the ring in shared memory filled by cp.async (ASYNC; depth = slots per warp).
 cudaError_t launch_w4a16_lean(bool bf16, const void* qw, const void* meta, const void* x, const float* bias, void* y,
                               int M, int N, int K, int group_size, int ksplit, int depth, int tiles_per_cta, bool pdl,
-                              bool late_trigger, cudaStream_t stream) {
+                              bool late_trigger, bool async_ring, cudaStream_t stream) {
     if (M < 1 || M > 16 || N % 16 || K % 64 || (group_size != 64 && group_size != 128) || K % group_size ||
         tiles_per_cta < 1)
         return cudaErrorInvalidValue;
@@ -258,14 +351,14 @@ cudaError_t launch_w4a16_lean(bool bf16, const void* qw, const void* meta, const
     const bool g128 = group_size == 128;
 #define EDGEVLM_W4A16_LEAN_TYPE(B)                                                                                    \
     if (two)                                                                                                          \
-        return g128 ? lean_launch_cfg<B, 2, 2>(ksplit, depth, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl,      \
-                                               late_trigger, stream)                                                  \
-                    : lean_launch_cfg<B, 2, 1>(ksplit, depth, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl,      \
-                                               late_trigger, stream);                                                 \
-    return g128 ? lean_launch_cfg<B, 1, 2>(ksplit, depth, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl,          \
-                                           late_trigger, stream)                                                      \
-                : lean_launch_cfg<B, 1, 1>(ksplit, depth, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl,          \
-                                           late_trigger, stream);
+        return g128 ? lean_launch_cfg<B, 2, 2>(ksplit, depth, async_ring, qw, meta, x, bias, y, M, N, K,              \
+                                               tiles_per_cta, pdl, late_trigger, stream)                              \
+                    : lean_launch_cfg<B, 2, 1>(ksplit, depth, async_ring, qw, meta, x, bias, y, M, N, K,              \
+                                               tiles_per_cta, pdl, late_trigger, stream);                             \
+    return g128 ? lean_launch_cfg<B, 1, 2>(ksplit, depth, async_ring, qw, meta, x, bias, y, M, N, K, tiles_per_cta,   \
+                                           pdl, late_trigger, stream)                                                 \
+                : lean_launch_cfg<B, 1, 1>(ksplit, depth, async_ring, qw, meta, x, bias, y, M, N, K, tiles_per_cta,   \
+                                           pdl, late_trigger, stream);
     if (bf16) {
         EDGEVLM_W4A16_LEAN_TYPE(true)
     }

@@ -70,13 +70,21 @@ DEFAULT_BULK_CONFIG = (8, 8, 1)
 """The bulk-copy launch configuration for shapes the sweep did not measure (sm_90)."""
 UNTUNED_PREFERS_BULK = False
 """Whether shapes the sweep did not measure use the bulk-copy variant at M <= 16 where it is usable."""
-KINDS = ("reg", "bulk", "lean")
+KINDS = ("reg", "bulk", "lean", "async")
 """Kernel variants: ``"reg"`` the register ring (sm_80+), ``"bulk"`` the sm_90 bulk-copy ring, ``"lean"`` the
 register ring with less address arithmetic per item (``w4a16_lean.cu``, sm_80+, bit-identical to ``"reg"``;
-built unless ``EDGEVLM_W4A16_LEAN=0``)."""
+built unless ``EDGEVLM_W4A16_LEAN=0``), ``"async"`` the lean kernel with its ring in shared memory, filled by
+``cp.async`` (sm_80+, same build, bit-identical to ``"lean"``)."""
 LEAN_CONFIGS = ((4, 2), (4, 4), (8, 2), (8, 3), (8, 4), (16, 2), (16, 3), (16, 4))
 """``(KSPLIT, DEPTH)`` pairs compiled into the lean variant (plus ``TILES_PER_CTA``)."""
+ASYNC_CONFIGS = ((4, 4), (4, 8), (8, 4), (8, 8), (16, 2), (16, 4))
+"""``(KSPLIT, SLOTS)`` pairs compiled into the lean kernel's ``cp.async`` ring (``"async"``): SLOTS groups of weight
+loads in flight per warp in shared memory (``KSPLIT x SLOTS x (GT x 512 + 64)`` bytes of dynamic shared memory per
+CTA, at most 69.6 KB), at no register cost: with SLOTS at least a warp's groups per tile (K / 128 / KSPLIT at group
+size 128) every weight load of a one-tile CTA is issued before the first is used, as a loads-only kernel would.
+The register ring of ``"lean"`` waits one memory round trip per DEPTH groups instead."""
 DEFAULT_LEAN_CONFIG = (8, 2, 1)
+DEFAULT_ASYNC_CONFIG = (8, 4, 1)
 LEAN_ENV = "EDGEVLM_W4A16_LEAN"
 
 
@@ -240,7 +248,7 @@ def mma_status(device: torch.device | str, kind: str = "reg") -> str | None:
             raise MmaKernelUnavailable("the bulk-copy variant needs sm_90 (cp.async.bulk)")
         if os.environ.get("EDGEVLM_W4A16_BULK", "1").strip() in ("0", "false", "no", "off") and kind == "bulk":
             raise MmaKernelUnavailable("the bulk-copy variant is disabled by EDGEVLM_W4A16_BULK=0")
-        if kind == "lean" and not lean_build():
+        if kind in ("lean", "async") and not lean_build():
             raise MmaKernelUnavailable(f"the lean variant is switched off ({LEAN_ENV}=0)")
         load_extension(dev)
         reason = _probe(torch.device(key[0]), kind)
@@ -263,7 +271,7 @@ def _probe(dev: torch.device, kind: str) -> str | None:
 
     gen = torch.Generator().manual_seed(0)
     cfg = {"reg": ("reg", *DEFAULT_CONFIG), "bulk": ("bulk", *DEFAULT_BULK_CONFIG),
-           "lean": ("lean", *DEFAULT_LEAN_CONFIG)}[kind]
+           "lean": ("lean", *DEFAULT_LEAN_CONFIG), "async": ("async", *DEFAULT_ASYNC_CONFIG)}[kind]
     for g in (64, 128):
         w = torch.randn(48, 512, generator=gen)
         qw = quantize_int4(w, g)
@@ -272,7 +280,7 @@ def _probe(dev: torch.device, kind: str) -> str | None:
         for m in ((1, 9, 24) if kind == "bulk" else (1, 9)):
             x = torch.randn(m, 512, generator=gen).to(torch.bfloat16)
             ref = x.double() @ ref_w.T
-            for mode in ((0, 2) if m <= 4 and kind != "lean" else (2,)):  # with and without the x-sum fold
+            for mode in ((0, 2) if m <= 4 and kind in ("reg", "bulk") else (2,)):  # with and without the x-sum fold
                 try:
                     y = w4a16_mma(x.to(dev), packed, meta, g, config=cfg, mode=mode).double().cpu()
                 except (RuntimeError, ValueError) as exc:
@@ -300,7 +308,7 @@ def _parse_config(cfg) -> tuple[str, int, int, int] | None:
         a, b, tpc = (int(v) for v in rest)
     except (TypeError, ValueError):
         return None
-    pairs = {"reg": MMA_CONFIGS, "bulk": BULK_CONFIGS, "lean": LEAN_CONFIGS}[kind]
+    pairs = {"reg": MMA_CONFIGS, "bulk": BULK_CONFIGS, "lean": LEAN_CONFIGS, "async": ASYNC_CONFIGS}[kind]
     return (kind, a, b, tpc) if (a, b) in pairs and tpc >= 1 else None
 
 
@@ -327,7 +335,7 @@ def _table() -> tuple[dict, dict, dict, dict]:
         for key, row in (data.get("fallback") or {}).items():
             for m, cfg in row.items():
                 parsed = _parse_config(cfg)
-                if parsed is not None and parsed[0] != "lean":
+                if parsed is not None and parsed[0] not in ("lean", "async"):
                     fallback.setdefault(str(key), {})[str(m)] = (
                         *parsed, bool(cfg[4]) if len(cfg) >= 5 else False,
                         max(0, int(cfg[5])) if len(cfg) == 6 else PF_DEFAULT)
@@ -401,10 +409,10 @@ def _choice(m: int, n: int, k: int, group_size: int, bulk: bool, lean: bool) -> 
     bucket = next((b for b in M_BUCKETS if m <= b), M_BUCKETS[-1])
     key = f"{n}x{k}g{group_size}"
     tuned = tuned_configs().get(key, {}).get(str(bucket))
-    usable = {"reg": True, "bulk": bulk, "lean": lean}
+    usable = {"reg": True, "bulk": bulk, "lean": lean, "async": lean}
     if tuned is not None and usable[tuned[0]] and (m <= MMA_MAX_M or tuned[0] == "bulk"):
         return tuned, None, None
-    if tuned is not None and tuned[0] == "lean":
+    if tuned is not None and tuned[0] in ("lean", "async"):
         fb = _table()[3].get(key, {}).get(str(bucket))
         if fb is not None and usable[fb[0]] and (m <= MMA_MAX_M or fb[0] == "bulk"):
             return fb[:4], fb[4], fb[5]  # the sweep's fastest register-ring / bulk entry (lean not built here)
@@ -460,20 +468,24 @@ def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size:
     m = int(x.shape[0])
     fb_zx = fb_pf = None
     if config is None:
-        cfg, fb_zx, fb_pf = _choice(m, n, k, group_size, m > MMA_MAX_M or _bulk_ok(x.device),
-                                    lean_build() and m <= MMA_MAX_M and mma_status(x.device, "lean") is None)
+        bulk = m > MMA_MAX_M or _bulk_ok(x.device)
+        lean = lean_build() and m <= MMA_MAX_M and mma_status(x.device, "lean") is None
+        cfg, fb_zx, fb_pf = _choice(m, n, k, group_size, bulk, lean)
+        if cfg[0] == "async" and mma_status(x.device, "async") is not None:  # its probe failed: the fallback
+            cfg, fb_zx, fb_pf = _choice(m, n, k, group_size, bulk, False)
     else:
         cfg = _parse_config(config)
         if cfg is None:
             raise ValueError(f"config must be (kind in {KINDS}, a, b, TILES_PER_CTA >= 1) with (a, b) in "
-                             f"{MMA_CONFIGS} (reg), {BULK_CONFIGS} (bulk) or {LEAN_CONFIGS} (lean), got {config!r}")
+                             f"{MMA_CONFIGS} (reg), {BULK_CONFIGS} (bulk), {LEAN_CONFIGS} (lean) or {ASYNC_CONFIGS} "
+                             f"(async), got {config!r}")
     kind, a, b, tiles_per_cta = cfg
     if mode is None:
         zx = zx_fold(m, n, k, group_size) if fb_zx is None else (fb_zx and m <= 4)
-        mode = 2 if kind == "lean" else (0 if zx else 2)
-    if kind in ("reg", "lean") and m > MMA_MAX_M:
+        mode = 2 if kind in ("lean", "async") else (0 if zx else 2)
+    if kind in ("reg", "lean", "async") and m > MMA_MAX_M:
         raise ValueError(f"the register-ring kernel serves M <= {MMA_MAX_M}, got M = {m}")
-    if kind == "lean" and mode != 2:
+    if kind in ("lean", "async") and mode != 2:
         raise ValueError("mode must be 2 for the lean kernel (no x-sum fold, no loads-only diagnostic)")
     if kind == "bulk" and mode not in (0, 2):
         raise ValueError("mode must be 0 or 2 (no x-sum zero-point fold) for the bulk kernel")
@@ -488,14 +500,15 @@ def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size:
         pdl = pdl_ok(x.device)
     if kind == "bulk":
         return ext.w4a16_bulk(x.contiguous(), qw, meta, bias, group_size, a, b, tiles_per_cta, mode == 0, pdl)
-    if kind == "lean":
+    if kind in ("lean", "async"):
         if not hasattr(ext, "w4a16_lean"):
             raise MmaKernelUnavailable(f"this build of the extension has no lean variant (built with {LEAN_ENV}=0)")
         built = bool(getattr(ext, "lean_late_trigger", False))
         if late_trigger and not built:
             raise MmaKernelUnavailable(f"the lean late PDL trigger is built only with {LEAN_TRIGGER_ENV}=1")
         late = built and pdl and LEAN_LATE_TRIGGER if late_trigger is None else bool(late_trigger)
-        return ext.w4a16_lean(x.contiguous(), qw, meta, bias, group_size, a, b, tiles_per_cta, pdl, late)
+        return ext.w4a16_lean(x.contiguous(), qw, meta, bias, group_size, a, b, tiles_per_cta, pdl, late,
+                              kind == "async")
     return ext.w4a16_mma(x.contiguous(), qw, meta, bias, group_size, a, b, tiles_per_cta, mode, prefetch, pdl)
 
 

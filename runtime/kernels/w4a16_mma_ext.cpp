@@ -19,7 +19,7 @@ cudaError_t launch_w4a16_dequant(bool bf16, const void* qweight, const void* sca
 #ifdef EDGEVLM_W4A16_LEAN
 cudaError_t launch_w4a16_lean(bool bf16, const void* qw, const void* meta, const void* x, const float* bias, void* y,
                               int M, int N, int K, int group_size, int ksplit, int depth, int tiles_per_cta, bool pdl,
-                              bool late_trigger, cudaStream_t stream);
+                              bool late_trigger, bool async_ring, cudaStream_t stream);
 #endif
 }
 
@@ -67,9 +67,10 @@ torch::Tensor w4a16_mma(torch::Tensor x, torch::Tensor qw, torch::Tensor meta, s
 // The lean register-ring variant (w4a16_lean.cu, opt-in build): same tensors and function as w4a16_mma (mode 2),
 // M <= 16; ksplit/depth a compiled pair of that file. late_trigger: release the PDL dependent after the last ring
 // refill instead of at entry (only in a build with -DEDGEVLM_W4A16_LEAN_TRIGGER; else the launch fails).
+// async_ring: the ring of weight loads in shared memory, filled by cp.async (depth = slots per warp).
 torch::Tensor w4a16_lean(torch::Tensor x, torch::Tensor qw, torch::Tensor meta, std::optional<torch::Tensor> bias,
                          int64_t group_size, int64_t ksplit, int64_t depth, int64_t tiles_per_cta, bool pdl,
-                         bool late_trigger) {
+                         bool late_trigger, bool async_ring) {
     TORCH_CHECK(x.is_cuda() && qw.is_cuda() && meta.is_cuda(), "w4a16_lean: tensors must be on a CUDA device");
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "w4a16_lean: x must be a contiguous (M, K) tensor");
     TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, "w4a16_lean: x must be bf16 or fp16");
@@ -97,7 +98,7 @@ torch::Tensor w4a16_lean(torch::Tensor x, torch::Tensor qw, torch::Tensor meta, 
         x.scalar_type() == at::kBFloat16, qw.data_ptr(), meta.data_ptr(), x.data_ptr(), bias_ptr, y.data_ptr(),
         static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), static_cast<int>(group_size),
         static_cast<int>(ksplit), static_cast<int>(depth), static_cast<int>(tiles_per_cta), pdl, late_trigger,
-        at::cuda::getCurrentCUDAStream());
+        async_ring, at::cuda::getCurrentCUDAStream());
     TORCH_CHECK(err == cudaSuccess, "w4a16_lean: launch failed: ", cudaGetErrorString(err));
     return y;
 }

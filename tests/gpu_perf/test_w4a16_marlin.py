@@ -121,20 +121,21 @@ def test_launch_config_comes_from_the_sweep_table():
     assert "4096x11008g128" in table  # the H200 sweep's file ships with the package
     for row in table.values():
         for kind, a, b, tpc in row.values():
-            pairs = {"reg": mk.MMA_CONFIGS, "bulk": mk.BULK_CONFIGS, "lean": mk.LEAN_CONFIGS}[kind]
+            pairs = {"reg": mk.MMA_CONFIGS, "bulk": mk.BULK_CONFIGS, "lean": mk.LEAN_CONFIGS,
+                     "async": mk.ASYNC_CONFIGS}[kind]
             assert (a, b) in pairs and tpc >= 1
     cfg = table["4096x11008g128"]["1"]
     assert mk.mma_config(1, 4096, 11008, 128, bulk=True, lean=True) == cfg
     if cfg[0] == "bulk":  # a GPU without the bulk variant gets the register ring instead
         assert mk.mma_config(1, 4096, 11008, 128, bulk=False)[0] == "reg"
-    if cfg[0] == "lean":  # a build without the lean variant gets the sweep's fastest other entry
+    if cfg[0] in ("lean", "async"):  # a build without the lean variant gets the sweep's fastest other entry
         assert mk.mma_config(1, 4096, 11008, 128, bulk=True, lean=False)[0] in ("reg", "bulk")
-    for key, row in mk._table()[3].items():  # fallbacks stand only beside lean entries
+    for key, row in mk._table()[3].items():  # fallbacks stand only beside lean / async entries
         for bucket, fb in row.items():
-            assert table[key][bucket][0] == "lean" and fb[0] in ("reg", "bulk")
-    for key, row in table.items():  # and every lean entry has one: a build without it keeps measured choices
+            assert table[key][bucket][0] in ("lean", "async") and fb[0] in ("reg", "bulk")
+    for key, row in table.items():  # and every such entry has one: a build without it keeps measured choices
         for bucket, cfg in row.items():
-            if cfg[0] == "lean":
+            if cfg[0] in ("lean", "async"):
                 assert bucket in mk._table()[3].get(key, {}), (key, bucket)
 
 
@@ -144,8 +145,31 @@ def test_table_entries_parse_in_both_formats():
     assert mk._parse_config(["reg", 16, 4, 1]) == ("reg", 16, 4, 1)
     assert mk._parse_config(["reg", 16, 4, 1, 1]) == ("reg", 16, 4, 1)  # + the x-sum fold flag (zx_fold)
     assert mk._parse_config(["lean", 8, 3, 1, 0, 0]) == ("lean", 8, 3, 1)
-    for bad in ([3, 4, 1], ["bulk", 8, 2, 1], ["warp", 8, 8, 1], [8, 2, 0], [8, "x", 1], 7, ["lean", 8, 8, 1]):
+    assert mk._parse_config(["async", 4, 8, 1, 0, 0]) == ("async", 4, 8, 1)
+    for bad in ([3, 4, 1], ["bulk", 8, 2, 1], ["warp", 8, 8, 1], [8, 2, 0], [8, "x", 1], 7, ["lean", 8, 8, 1],
+                ["async", 8, 3, 1]):
         assert mk._parse_config(bad) is None
+
+
+def test_async_ring_entries_need_the_lean_build_and_fall_back(monkeypatch):
+    """The cp.async ring ("async") is compiled into the lean kernel: its table entries are used where the lean
+    build is, else the table's fallback entry (the fastest register-ring / bulk configuration), else the register
+    ring with the same (KSPLIT, DEPTH) where it has that pair."""
+    table = {"64x128g128": {"1": ("async", 4, 8, 1), "8": ("async", 8, 8, 2), "16": ("async", 16, 2, 1)}}
+    monkeypatch.setattr(mk, "tuned_configs", lambda: table)
+    monkeypatch.setattr(mk, "_table", lambda: (table, {}, {}, {"64x128g128": {"8": ("bulk", 8, 4, 1, False, 0)}}))
+    assert mk.mma_config(1, 64, 128, 128, lean=True) == ("async", 4, 8, 1)
+    assert mk.mma_config(1, 64, 128, 128) == ("reg", 4, 8, 1)  # the register ring has (4, 8)
+    assert mk.mma_config(8, 64, 128, 128, bulk=True) == ("bulk", 8, 4, 1)  # the measured fallback
+    assert mk.mma_config(16, 64, 128, 128) == ("reg", 16, 2, 1)
+    qw = quantize_int4(torch.randn(32, 256), 128)
+    packed, meta = repack_int4_mma(qw.qweight, qw.scales, qw.zeros, 128)
+    with pytest.raises(ValueError, match="mode must be 2"):
+        mk.w4a16_mma(torch.randn(1, 256).bfloat16(), packed, meta, 128, config=("async", 4, 8, 1), mode=0)
+    with pytest.raises(ValueError, match="serves M <= 16"):
+        mk.w4a16_mma(torch.randn(17, 256).bfloat16(), packed, meta, 128, config=("async", 4, 8, 1))
+    with pytest.raises(ValueError, match="config must be"):
+        mk.w4a16_mma(torch.randn(1, 256).bfloat16(), packed, meta, 128, config=("async", 4, 2, 1))
 
 
 def test_lean_variant_is_the_default_and_its_table_entries_fall_back(monkeypatch):
@@ -350,15 +374,19 @@ def test_cuda_bulk_kernel_matches_float64_and_is_bit_stable(m, g, dtype):
             assert torch.equal(outs[0], outs[1]), (cfg, mode)
 
 
+_LEAN_KINDS = [("lean", *p) for p in mk.LEAN_CONFIGS] + [("async", *p) for p in mk.ASYNC_CONFIGS]
+
+
 @needs_cuda
 @pytest.mark.parametrize("m", [1, 3, 9, 16])
 @pytest.mark.parametrize(("g", "dtype"), [(128, torch.bfloat16), (64, torch.float16)])
 def test_cuda_lean_kernel_is_bit_identical_to_the_register_ring(m, g, dtype):
-    """The lean variant (the default build; EDGEVLM_W4A16_LEAN=0 leaves it out) computes the register ring's
-    function in the same order: bit-identical to it at the same KSPLIT, within 3e-3 of float64, every element
-    written."""
+    """The lean variant (the default build; EDGEVLM_W4A16_LEAN=0 leaves it out) and its cp.async ring compute the
+    register ring's function in the same order: bit-identical to it at the same KSPLIT, within 3e-3 of float64,
+    every element written."""
     if mk.mma_status("cuda", "lean") is not None:
         pytest.skip(f"lean variant unavailable: {mk.mma_status('cuda', 'lean')}")
+    assert mk.mma_status("cuda", "async") is None
     gen = torch.Generator(device="cuda").manual_seed(m * g + 5)
     n, k = 1024, 2048 + 64 * (g == 64)  # an uneven split of the groups over the warps too
     qw = quantize_int4(torch.randn(n, k, device="cuda", generator=gen) * 0.02, g)
@@ -366,12 +394,12 @@ def test_cuda_lean_kernel_is_bit_identical_to_the_register_ring(m, g, dtype):
     x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
     bias = torch.randn(n, device="cuda", generator=gen)
     ref = x.double() @ dequantize_int4(qw.qweight, qw.scales, qw.zeros, g, torch.float64).T + bias.double()
-    for ks, depth in mk.LEAN_CONFIGS:
+    for kind, ks, depth in _LEAN_KINDS:
         for tpc in (1, 3):
             for pdl in (False, True):
                 poison = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
                 del poison
-                y = mk.w4a16_mma(x, packed, meta, g, bias, config=("lean", ks, depth, tpc), pdl=pdl)
+                y = mk.w4a16_mma(x, packed, meta, g, bias, config=(kind, ks, depth, tpc), pdl=pdl)
                 assert torch.isfinite(y).all(), (ks, depth, tpc)
                 assert _rel(y, ref) <= 3e-3, (ks, depth, tpc)
                 twin = mk.w4a16_mma(x, packed, meta, g, bias, config=("reg", ks, 2, tpc), mode=2)
@@ -403,11 +431,11 @@ def test_cuda_lean_kernel_at_extreme_zero_points_and_offset_activations(m, g, dt
     x = (torch.randn(m, k, device="cuda", generator=gen) * 0.5 + 2.0).to(dtype)
     x[m // 2] = -x[m // 2]  # one row with a large negative offset
     ref = x.double() @ dequantize_int4(pack_int4(codes), scales, zeros, g, torch.float64).T
-    for ks, depth in mk.LEAN_CONFIGS:
-        y = mk.w4a16_mma(x, packed, meta, g, config=("lean", ks, depth, 1))
+    for kind, ks, depth in _LEAN_KINDS:
+        y = mk.w4a16_mma(x, packed, meta, g, config=(kind, ks, depth, 1))
         assert torch.isfinite(y).all(), (ks, depth)
         assert _rel(y, ref) <= 3e-3, (ks, depth, _rel(y, ref))
-        assert torch.equal(y, mk.w4a16_mma(x, packed, meta, g, config=("lean", ks, depth, 1))), (ks, depth)
+        assert torch.equal(y, mk.w4a16_mma(x, packed, meta, g, config=(kind, ks, depth, 1))), (ks, depth)
         assert torch.equal(y, mk.w4a16_mma(x, packed, meta, g, config=("reg", ks, 2, 1), mode=2)), (ks, depth)
 
 
