@@ -73,6 +73,7 @@ def _bench_module(name: str) -> ModuleType:
     if name not in _bench_modules:
         spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # registered first, as an import does (a dataclass looks its module up)
         spec.loader.exec_module(module)
         _bench_modules[name] = module
     return _bench_modules[name]

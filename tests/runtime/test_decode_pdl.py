@@ -258,3 +258,15 @@ def test_bench_variant_sets_and_restores_the_switches(monkeypatch):
     with pytest.raises(ValueError), bench.variant("nomask_bogus"):
         pass
     assert not w4a16_mma.PDL
+
+
+def test_w4a16_bench_loads_the_breakdown_module(monkeypatch):
+    """bench/w4a16_kernel.py's model section loads decode_step_breakdown by path (its ``variant`` switches); the
+    module defines a dataclass, which needs the module registered before it runs (it failed on the H200 on 12-02,
+    session 11, before the loader did)."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))  # as when it runs as a script
+    spec = importlib.util.spec_from_file_location("w4a16_kernel_under_test", REPO / "bench" / "w4a16_kernel.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bd = bench.breakdown()
+    assert callable(bd.variant) and bd is bench.breakdown()
