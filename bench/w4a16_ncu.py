@@ -54,6 +54,18 @@ METRICS = {  # column -> Nsight Compute metric
     "registers": "launch__registers_per_thread",
     "waves": "launch__waves_per_multiprocessor",
 }
+STALL_METRICS = {  # column -> metric, read where the report has it (reports before session 11 do not)
+    "short_sb": "smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio",
+    "mio_throttle": "smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio",
+    "math_pipe": "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio",
+    "not_selected": "smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio",
+    "no_instruction": "smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio",
+    "dispatch": "smsp__average_warps_issue_stalled_dispatch_stall_per_issue_active.ratio",
+    "selected": "smsp__average_warps_issue_stalled_selected_per_issue_active.ratio",
+    "inst_executed": "smsp__inst_executed.sum",
+}
+"""Further stall reasons (warps per issued instruction, as ``long_sb``) and the instructions executed: what a
+variant without weight loads in its loop (the cp.async ring) waits on instead."""
 UNIT_SCALE = {"ns": 1e-3, "us": 1.0, "usecond": 1.0, "msecond": 1e3, "ms": 1e3, "nsecond": 1e-3,
               "byte/s": 1e-9, "Kbyte/s": 1e-6, "Mbyte/s": 1e-3, "Gbyte/s": 1.0, "Tbyte/s": 1e3}
 
@@ -64,8 +76,8 @@ def parse_config(text: str) -> tuple[str, int, int, int] | str:
         return text
     kind, _, rest = text.partition(":")
     parts = rest.split(",")
-    if kind not in ("reg", "lean", "bulk") or len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
-        raise ValueError(f"a config is 'table' or kind:a,b,tpc with kind reg / lean / bulk, got {text!r}")
+    if kind not in ("reg", "lean", "bulk", "async") or len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"a config is 'table' or kind:a,b,tpc with kind reg / lean / bulk / async, got {text!r}")
     a, b, tpc = (int(p) for p in parts)
     return kind, a, b, tpc
 
@@ -101,7 +113,7 @@ def read_raw_csv(path: Path) -> list[dict[str, float | str]]:
     out = []
     for r in rows[start + 2:]:
         row: dict[str, float | str] = {"kernel": r[header.index("Kernel Name")]}
-        for col, metric in METRICS.items():
+        for col, metric in (*METRICS.items(), *((c, m) for c, m in STALL_METRICS.items() if m in header)):
             i = header.index(metric)
             value = float(r[i].replace(",", "")) if r[i] else math.nan
             row[col] = value * UNIT_SCALE.get(units[i].strip(), 1.0) if col in ("us", "dram_gbps") else value
@@ -161,8 +173,9 @@ def summarize(kernels: list[dict], labels: list[dict]) -> list[dict]:
     for key, rows in groups.items():
         label = json.loads(key)
         label["kernel"] = str(rows[0]["kernel"]).split("(")[0].replace("void ", "")
-        for col in METRICS:
-            label[col] = round(statistics.median(float(r[col]) for r in rows), 3)
+        for col in (*METRICS, *STALL_METRICS):
+            if col in rows[0]:
+                label[col] = round(statistics.median(float(r[col]) for r in rows), 3)
         out.append(label)
     return out
 
@@ -172,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="7b.qkv,7b.o,7b.gate_up,7b.down", help=f"of {', '.join(SHAPES)}")
     ap.add_argument("--ms", default="1", help="activation rows")
     ap.add_argument("--configs", default="table,reg:4,2,1,bulk:4,8,1,bulk:8,8,1",
-                    help="'table' and/or kind:a,b,tpc entries (reg / lean / bulk)")
+                    help="'table' and/or kind:a,b,tpc entries (reg / lean / bulk / async)")
     ap.add_argument("--launches", type=int, default=3, help="profiled launches per (shape, M, config)")
     ap.add_argument("--clock-control", default="none", choices=("none", "base"))
     ap.add_argument("--ncu", default=os.environ.get("NCU", ""), help="the ncu binary (default: on PATH or CUDA_HOME)")
@@ -198,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         child = [sys.executable, str(Path(__file__).resolve()), "--probe", "--shapes", args.shapes, "--ms", args.ms,
                  "--configs", args.configs, "--launches", str(args.launches), "--sequence", str(seq)]
         cmd = [ncu, "--target-processes", "all", "--profile-from-start", "off", "--clock-control", args.clock_control,
-               "-k", "regex:w4a16", "--metrics", ",".join(METRICS.values()), "-o", str(rep), *child]
+               "-k", "regex:w4a16", "--metrics", ",".join((*METRICS.values(), *STALL_METRICS.values())), "-o", str(rep), *child]
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode != 0 or not seq.exists():
             print(f"w4a16_ncu: the profiled run failed (rc {run.returncode}): {(run.stdout + run.stderr)[-800:]}",
@@ -213,10 +226,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"w4a16_ncu: {exc}", file=sys.stderr)
             return 2
     cols = ("shape", "m", "config", "us", "dram_pct", "dram_gbps", "issue_pct", "cycles_per_issue", "long_sb", "wait",
-            "barrier", "lg_throttle", "occupancy_pct", "registers", "waves")
+            "barrier", "lg_throttle", "occupancy_pct", "registers", "waves", *STALL_METRICS)
     print(" | ".join(cols))
     for r in rows:
-        print(" | ".join(str(r[c]) for c in cols))
+        print(" | ".join(str(r.get(c)) for c in cols))
     print_result({"bench": "w4a16_ncu", "clock_control": args.clock_control, "rows": rows}, args.out)
     return 0
 
