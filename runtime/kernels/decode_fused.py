@@ -147,11 +147,18 @@ def pdl_ok(device: torch.device | str) -> bool:
     return ok
 
 
-def _gdc_launch(use: bool) -> dict:
-    """Launch keywords of one kernel of this module: ``USE_GDC`` (the kernel's wait / release at its top) and
-    Triton's ``launch_pdl`` (the launch attribute) together, never one without the other. ``launch_pdl`` is left
-    out when False so that a Triton without that option (< 3.4, which refuses unknown launch keywords) still
-    launches."""
+PDL_KERNELS: frozenset[str] | None = None
+"""Under :data:`PDL`, the kernels launched as programmatic dependents, by name (``add_rms_norm``, ``rope_kv``,
+``silu_mul``, ``attn_split``, ``attn_combine``, ``rope_attn``); None: all of them. A knob for benchmarks that look
+for the kernel a difference comes from (``bench/decode_pdl_check.py``); read at each launch."""
+
+
+def _gdc_launch(use: bool, kernel: str) -> dict:
+    """Launch keywords of ``kernel`` (a name of :data:`PDL_KERNELS`): ``USE_GDC`` (the kernel's wait / release at
+    its top) and Triton's ``launch_pdl`` (the launch attribute) together, never one without the other.
+    ``launch_pdl`` is left out when False so that a Triton without that option (< 3.4, which refuses unknown
+    launch keywords) still launches."""
+    use = use and (PDL_KERNELS is None or kernel in PDL_KERNELS)
     return {"USE_GDC": True, "launch_pdl": True} if use else {"USE_GDC": False}
 
 
@@ -519,7 +526,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     kernel[(x.shape[0],)](x, delta, weight, weight if delta_weight is None else delta_weight, s, y, d, float(eps),
                           float(eps if delta_eps is None else delta_eps), BLOCK_D=_next_pow2(d),
                           UNIT_OFFSET=bool(unit_offset), DELTA_NORM=delta_weight is not None,
-                          num_warps=add_rms_norm_warps(d), **_gdc_launch(pdl_ok(x.device)))
+                          num_warps=add_rms_norm_warps(d), **_gdc_launch(pdl_ok(x.device), "add_rms_norm"))
     return s, y
 
 
@@ -577,7 +584,7 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input
                                    k_scale if fp8 else cos, v_scale if fp8 else cos,
                                    n_heads, hkv, s, float(norm_eps), HEAD_DIM=dh, HALF=dh // 2, QK_NORM=qk_norm,
                                    UNIT_OFFSET=bool(unit_offset), KV_FP8=fp8, num_warps=1,
-                                   **_gdc_launch(pdl_ok(qkv.device)))
+                                   **_gdc_launch(pdl_ok(qkv.device), "rope_kv"))
     return q
 
 
@@ -624,7 +631,7 @@ def gated_act(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
     y = torch.empty(r, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _kernels()[2][(r, -(-inter // block))](gate_up, y, inter, BLOCK=block, GELU_TANH=act != "silu", num_warps=4,
-                                           **_gdc_launch(pdl_ok(gate_up.device)))
+                                           **_gdc_launch(pdl_ok(gate_up.device), "silu_mul"))
     return y
 
 
@@ -743,7 +750,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     m = torch.empty(rows, nsplit, dtype=torch.float32, device=q.device)
     lse = torch.empty_like(m)
     split_k, combine = _kernels()[3], _kernels()[4]
-    gdc = _gdc_launch(pdl_ok(q.device))
+    use_pdl = pdl_ok(q.device)
     fp8 = kind == "fp8"
     native = fp8 and fp8_native(q.device)
     if fp8 and not native:  # the kernel decodes the bytes itself
@@ -753,9 +760,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                REP=rep, REP_PAD=max(16, _next_pow2(rep)), HEAD_DIM=dh, BLOCK_N=block_n,
                                NSPLIT=nsplit, HAS_WINDOW=window is not None, KV_FP8=fp8, FP8_NATIVE=native,
                                num_warps=cfg.num_warps if num_warps is None else num_warps,
-                               num_stages=cfg.num_stages if num_stages is None else num_stages, **gdc)
+                               num_stages=cfg.num_stages if num_stages is None else num_stages,
+                               **_gdc_launch(use_pdl, "attn_split"))
     if nsplit > 1:
-        combine[(b * h,)](part, m, lse, y, HEAD_DIM=dh, NSPLIT=nsplit, num_warps=1, **gdc)
+        combine[(b * h,)](part, m, lse, y, HEAD_DIM=dh, NSPLIT=nsplit, num_warps=1,
+                          **_gdc_launch(use_pdl, "attn_combine"))
     return y
 
 
@@ -843,5 +852,5 @@ def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         k_norm if qk_norm else cos, k_cache, v_cache, part, m, lse, _counters(b * hkv, qkv.device), y,
         n_heads, hkv, s, chunk, dh ** -0.5 if scale is None else float(scale), float(norm_eps),
         REP=rep, REP_PAD=max(16, _next_pow2(rep)), HEAD_DIM=dh, HALF=dh // 2, BLOCK_N=block_n, NSPLIT=nsplit,
-        QK_NORM=qk_norm, UNIT_OFFSET=bool(unit_offset), num_warps=4, **_gdc_launch(pdl_ok(qkv.device)))
+        QK_NORM=qk_norm, UNIT_OFFSET=bool(unit_offset), num_warps=4, **_gdc_launch(pdl_ok(qkv.device), "rope_attn"))
     return y

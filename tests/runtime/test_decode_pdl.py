@@ -270,3 +270,29 @@ def test_w4a16_bench_loads_the_breakdown_module(monkeypatch):
     spec.loader.exec_module(bench)
     bd = bench.breakdown()
     assert callable(bd.variant) and bd is bench.breakdown()
+
+
+def test_pdl_check_settings_parse(monkeypatch):
+    """bench/decode_pdl_check.py's settings: none, w4, triton and single Triton kernels joined by '+'."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    spec = importlib.util.spec_from_file_location("decode_pdl_check", REPO / "bench" / "decode_pdl_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.parse_setting("none") == (False, frozenset(), False)
+    assert mod.parse_setting("w4") == (True, frozenset(), False)
+    assert mod.parse_setting("triton") == (False, None, True)
+    assert mod.parse_setting("w4+triton") == (True, None, True)
+    assert mod.parse_setting("w4+rope_kv+attn_split") == (True, frozenset({"rope_kv", "attn_split"}), True)
+    for bad in ("w5", "w4+w4", "", "triton+bogus"):
+        with pytest.raises(ValueError):
+            mod.parse_setting(bad)
+    assert mod.main(["--settings", "w4+nope"]) == 2
+
+
+def test_pdl_kernels_knob_picks_the_launches(df, monkeypatch):
+    monkeypatch.setattr(df, "PDL_KERNELS", frozenset({"rope_kv"}))
+    assert df._gdc_launch(True, "rope_kv") == {"USE_GDC": True, "launch_pdl": True}
+    assert df._gdc_launch(True, "attn_split") == {"USE_GDC": False}
+    assert df._gdc_launch(False, "rope_kv") == {"USE_GDC": False}
+    monkeypatch.setattr(df, "PDL_KERNELS", None)
+    assert df._gdc_launch(True, "attn_split") == {"USE_GDC": True, "launch_pdl": True}
