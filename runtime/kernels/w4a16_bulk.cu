@@ -97,7 +97,6 @@ w4a16_bulk_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ met
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     using M16 = Magic<BF16>;
     using S = BulkSmem<MT, GT, WARPS, STAGES>;
-    grid_dep_launch();  // PDL: the next kernel may be scheduled once every CTA of this one runs
     extern __shared__ __align__(128) unsigned char smem[];
     float* red = reinterpret_cast<float*>(smem);  // [2][WARPS - 1][MT * 4][32]
     const int warp = threadIdx.x >> 5;
@@ -140,6 +139,9 @@ w4a16_bulk_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ met
         for (int s = 0; s < STAGES && issued < total; ++s) issue_next();
     }
     grid_dep_wait();  // PDL: only weights were requested so far; x (and y) may belong to the previous kernel
+    // the next kernel may be scheduled once every CTA of this one has passed its wait (not at entry: the step's
+    // Triton kernels release theirs after their wait too, so at most one grid waits ahead)
+    grid_dep_launch();
 
     const uint4* xr[MT];
     bool xv[MT];

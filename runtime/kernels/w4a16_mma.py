@@ -387,6 +387,9 @@ decode on an H200 (2026-12-02, ``bench/w4a16_kernel.py --skip layers,prefill,num
 at batch 1 against 410.6 / 399.7 / 410.3 with PDL, 2310 / 2308 / 2369 against 2232 / 2216 / 2352 at batch 8
 (``bench/results/w4a16_kernel_h200_20261202.md``). In isolated chains of W4A16 kernels PDL still gains a few
 per cent; between the model's torch / Triton kernels it costs more than it hides."""
+PDL_MAX_M: int | None = None
+"""Under :data:`PDL`, the most activation rows a launch may have to be a programmatic dependent (None: any). A knob
+for ``bench/decode_pdl_check.py`` (the bulk kernel serves M = 17..32); read per call."""
 PDL_CAPABILITY = (9, 0)
 _PDL_DEVICES: dict[int, bool] = {}
 
@@ -497,7 +500,7 @@ def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     ext = load_extension(x.device)
     if pdl is None:
-        pdl = pdl_ok(x.device)
+        pdl = pdl_ok(x.device) and (PDL_MAX_M is None or m <= PDL_MAX_M)
     if kind == "bulk":
         return ext.w4a16_bulk(x.contiguous(), qw, meta, bias, group_size, a, b, tiles_per_cta, mode == 0, pdl)
     if kind in ("lean", "async"):

@@ -278,12 +278,13 @@ def test_pdl_check_settings_parse(monkeypatch):
     spec = importlib.util.spec_from_file_location("decode_pdl_check", REPO / "bench" / "decode_pdl_check.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.parse_setting("none") == (False, frozenset(), False)
-    assert mod.parse_setting("w4") == (True, frozenset(), False)
-    assert mod.parse_setting("triton") == (False, None, True)
-    assert mod.parse_setting("w4+triton") == (True, None, True)
-    assert mod.parse_setting("w4+rope_kv+attn_split") == (True, frozenset({"rope_kv", "attn_split"}), True)
-    for bad in ("w5", "w4+w4", "", "triton+bogus"):
+    assert mod.parse_setting("none") == (False, frozenset(), False, None)
+    assert mod.parse_setting("w4") == (True, frozenset(), False, None)
+    assert mod.parse_setting("triton") == (False, None, True, None)
+    assert mod.parse_setting("w4+triton") == (True, None, True, None)
+    assert mod.parse_setting("w4le16+triton") == (True, None, True, 16)
+    assert mod.parse_setting("w4+rope_kv+attn_split") == (True, frozenset({"rope_kv", "attn_split"}), True, None)
+    for bad in ("w5", "w4+w4", "", "triton+bogus", "w4+w4le16"):
         with pytest.raises(ValueError):
             mod.parse_setting(bad)
     assert mod.main(["--settings", "w4+nope"]) == 2
