@@ -8,8 +8,8 @@ with random values, rows at position 609 of a 768-slot bucket), and for each PDL
 the decode step's CUDA graph, replays it ``--replays`` times and compares the logits bit for bit: across the
 replays (a race shows as replays that differ) and against the first setting (``none``: plain launches).
 
-A setting is ``none`` or ``+``-joined parts: ``w4`` (the W4A16 CUDA kernels, ``w4a16_mma.PDL``; ``w4le16``: only
-launches of at most 16 rows, ``w4a16_mma.PDL_MAX_M``), ``triton`` (every
+A setting is ``none`` or ``+``-joined parts: ``w4`` (the W4A16 CUDA kernels, ``w4a16_mma.PDL``), ``le16`` / ``le8``
+(programmatic dependents only in steps of at most 16 / 8 rows, ``pdl.MAX_ROWS``; else every batch size), ``triton`` (every
 Triton decode kernel, ``decode_fused.PDL``) or one Triton kernel by name (``add_rms_norm``, ``rope_kv``,
 ``silu_mul``, ``attn_split``, ``attn_combine``; ``decode_fused.PDL_KERNELS``). Also times each graph (CUDA events,
 median step ms). Prints a table, then one JSON line; exits 1 when a setting differs. Usage (on an sm_90 GPU)::
@@ -27,17 +27,17 @@ TRITON_KERNELS = ("add_rms_norm", "rope_kv", "silu_mul", "attn_split", "attn_com
 
 
 def parse_setting(text: str) -> tuple[bool, frozenset[str] | None, bool, int | None]:
-    """``(w4a16 PDL, Triton kernels with PDL (None: all), any Triton PDL, w4a16 PDL's row limit)`` of a setting;
+    """``(w4a16 PDL, Triton kernels with PDL (None: all), any Triton PDL, row limit (None: none))`` of a setting;
     raises ``ValueError``."""
     if text == "none":
         return False, frozenset(), False, None
     parts = text.split("+")
-    bad = [p for p in parts if p not in ("w4", "w4le16", "triton", *TRITON_KERNELS)]
-    if bad or len(set(parts)) != len(parts) or {"w4", "w4le16"} <= set(parts):
-        raise ValueError(f"bad PDL setting {text!r}: parts are w4 or w4le16, triton, {', '.join(TRITON_KERNELS)}")
+    bad = [p for p in parts if p not in ("w4", "le8", "le16", "triton", *TRITON_KERNELS)]
+    if bad or len(set(parts)) != len(parts) or {"le8", "le16"} <= set(parts):
+        raise ValueError(f"bad PDL setting {text!r}: parts are w4, le8 or le16, triton, {', '.join(TRITON_KERNELS)}")
     kernels = None if "triton" in parts else frozenset(p for p in parts if p in TRITON_KERNELS)
-    w4 = "w4" in parts or "w4le16" in parts
-    return w4, kernels, kernels is None or bool(kernels), 16 if "w4le16" in parts else None
+    limit = 8 if "le8" in parts else (16 if "le16" in parts else None)
+    return "w4" in parts, kernels, kernels is None or bool(kernels), limit
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--replays", type=int, default=5)
     ap.add_argument("--prompt", type=int, default=609, help="row position of the step")
-    ap.add_argument("--settings", default="none,w4,triton,w4+triton,"
+    ap.add_argument("--settings", default="none,w4+triton+le8,w4+triton,w4,triton,"
                     + ",".join(f"w4+{k}" for k in TRITON_KERNELS))
     ap.add_argument("--out", default="", help="also write the JSON here")
     args = ap.parse_args(argv)
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from edgevlm.quantize.bench_measure import event_ms
     from edgevlm.quantize.bench_models import build_models, quantize_decoder_w4
     from edgevlm.runtime.backends.torch_backend import TorchBackend
-    from edgevlm.runtime.kernels import decode_fused
+    from edgevlm.runtime.kernels import decode_fused, pdl
     from edgevlm.runtime.kernels import w4a16_mma as mk
 
     if not torch.cuda.is_available():
@@ -81,14 +81,14 @@ def main(argv: list[str] | None = None) -> int:
         layer.self_attn.kv_cache.k.normal_(generator=gen)
         layer.self_attn.kv_cache.v.normal_(generator=gen)
     kv_len = be.kv_len_for(args.prompt + 1)
-    saved = (mk.PDL, mk.PDL_MAX_M, decode_fused.PDL, decode_fused.PDL_KERNELS)
+    saved = (mk.PDL, pdl.MAX_ROWS, decode_fused.PDL, decode_fused.PDL_KERNELS)
     result = {"bench": "decode_pdl_check", "model": args.model, "gpu": torch.cuda.get_device_name(dev),
               "torch": torch.__version__, "kv_len": kv_len, "late_trigger_build": mk.lean_trigger_build(),
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": []}
     base: dict[int, torch.Tensor] = {}
     try:
-        for name, w4, kernels, triton, max_m in settings:
-            mk.PDL, mk.PDL_MAX_M, decode_fused.PDL, decode_fused.PDL_KERNELS = w4, max_m, triton, kernels
+        for name, w4, kernels, triton, max_rows in settings:
+            mk.PDL, pdl.MAX_ROWS, decode_fused.PDL, decode_fused.PDL_KERNELS = w4, max_rows, triton, kernels
             be.graphs.reset()
             for b in batches:
                 be.graphs.tokens[:b].fill_(7)
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:22s} B={b:<3d} stable {stable!s:5s} equal {run['equal_to_none']!s:5s} rel {rel:.3g} "
                       f"rows {rows_bad[:8]} step {step_ms:.3f} ms", flush=True)
     finally:
-        mk.PDL, mk.PDL_MAX_M, decode_fused.PDL, decode_fused.PDL_KERNELS = saved
+        mk.PDL, pdl.MAX_ROWS, decode_fused.PDL, decode_fused.PDL_KERNELS = saved
         be.graphs.reset()
     result["all_equal"] = all(r["equal_to_none"] for r in result["runs"])
     result["wall_s"] = round(time.perf_counter() - t0, 1)

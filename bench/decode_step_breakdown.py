@@ -35,11 +35,14 @@ Variants (``--variants``):
 A variant name is a base (``before``, ``nomask``, ``after``) and any of these suffixes, each after a ``_``, in any
 order and combination (e.g. ``nomask_pdlall_norm16``; :func:`parse_variant`):
 
-* ``pdl`` -- the W4A16 CUDA kernels as programmatic dependent launches (``w4a16_mma.PDL``),
+* ``nopdl`` -- every kernel launched plainly (``w4a16_mma.PDL`` and ``decode_fused.PDL`` off; the library's default
+  since session 11 launches a decode step of at most 8 rows with programmatic dependent launch, PDL),
+* ``pdl`` -- only the W4A16 CUDA kernels as programmatic dependent launches (the Triton kernels plain),
 * ``pdlall`` -- those and the fused decode step's Triton kernels (``decode_fused.PDL``: RMSNorm, RoPE / KV write,
-  attention and its combine, SiLU*up, each waiting for the previous kernel at its top; opt-in, not measured yet),
-* ``normN`` -- :func:`~edgevlm.runtime.kernels.decode_fused.add_rms_norm` with ``N`` warps per row (``norm8``,
-  ``norm16``; ``decode_fused.ADD_RMS_NORM_WARPS``; the default is 4 up to 4096 columns, 8 above),
+  attention and its combine, SiLU*up, each waiting for the previous kernel at its top), at every batch size
+  (``pdl.MAX_ROWS = None``; the default limits PDL to 8 rows),
+* ``normN`` -- :func:`~edgevlm.runtime.kernels.decode_fused.add_rms_norm` with ``N`` warps per row (``norm4``,
+  ``norm16``; ``decode_fused.ADD_RMS_NORM_WARPS``; the default is 16 from 4096 columns, 4 below),
 * ``w4head`` -- an RTN W4A16 ``lm_head`` (a what-if: other logits),
 * ``split16`` -- the 16-way key split at every batch size.
 
@@ -124,8 +127,9 @@ class Variant:
     warps of ``add_rms_norm`` (None: the module's rule)."""
 
     base: str
-    w4a16_pdl: bool = False
-    decode_pdl: bool = False
+    w4a16_pdl: bool | None = None
+    decode_pdl: bool | None = None
+    pdl_all_rows: bool = False
     w4head: bool = False
     split16: bool = False
     norm_warps: int | None = None
@@ -133,7 +137,7 @@ class Variant:
 
 def parse_variant(name: str) -> Variant:
     """The :class:`Variant` of a name ``base[_suffix]...`` (module docstring: bases ``before`` / ``nomask`` /
-    ``after``; suffixes ``pdl``, ``pdlall``, ``normN`` with ``N`` a power of two 1..32, ``w4head``, ``split16``, in
+    ``after``; suffixes ``nopdl``, ``pdl``, ``pdlall``, ``normN`` with ``N`` a power of two 1..32, ``w4head``, ``split16``, in
     any order). Raises ``ValueError`` for another base, an unknown or repeated suffix, or a bad warp count."""
     base, *suffixes = name.split("_")
     if base not in BASES:
@@ -143,10 +147,14 @@ def parse_variant(name: str) -> Variant:
     opts: dict = {}
     for suffix in suffixes:
         norm = re.fullmatch(r"norm(\d+)", suffix)
-        if suffix == "pdl":
-            opts["w4a16_pdl"] = True
+        if suffix in ("nopdl", "pdl", "pdlall") and "w4a16_pdl" in opts:
+            raise ValueError(f"variant {name!r}: nopdl, pdl and pdlall exclude each other")
+        if suffix == "nopdl":
+            opts["w4a16_pdl"] = opts["decode_pdl"] = False
+        elif suffix == "pdl":
+            opts["w4a16_pdl"], opts["decode_pdl"] = True, False
         elif suffix == "pdlall":
-            opts["w4a16_pdl"] = opts["decode_pdl"] = True
+            opts["w4a16_pdl"] = opts["decode_pdl"] = opts["pdl_all_rows"] = True
         elif suffix == "w4head":
             opts["w4head"] = True
         elif suffix == "split16":
@@ -157,7 +165,7 @@ def parse_variant(name: str) -> Variant:
                 raise ValueError(f"variant {name!r}: normN needs one power of two N in 1..32, got {suffix!r}")
             opts["norm_warps"] = warps
         else:
-            raise ValueError(f"variant {name!r}: unknown suffix {suffix!r} (pdl, pdlall, normN, w4head, split16)")
+            raise ValueError(f"variant {name!r}: unknown suffix {suffix!r} (nopdl, pdl, pdlall, normN, w4head, split16)")
     return Variant(base, **opts)
 
 
@@ -165,27 +173,29 @@ def parse_variant(name: str) -> Variant:
 def variant(name: str, dec=None):
     """Switches of one variant (:func:`parse_variant`, module docstring) for the body's captures, all restored
     after: the base sets ``decode_fused.FUSED_ATTENTION`` (``after``) and the legacy prologue (``before``);
-    ``_split16``: the old 16-way key split of ``decode_attention``; ``_pdl``: the W4A16 kernels launched as
-    programmatic dependents (``w4a16_mma.PDL``, as ``EDGEVLM_W4A16_PDL=1``); ``_pdlall``: those and the fused
-    decode step's Triton kernels (``decode_fused.PDL``, as ``EDGEVLM_DECODE_PDL=1``); ``_normN``:
+    ``_split16``: the old 16-way key split of ``decode_attention``; ``_nopdl``: plain launches everywhere;
+    ``_pdl``: only the W4A16 kernels launched as programmatic dependents (``w4a16_mma.PDL``); ``_pdlall``: those
+    and the fused decode step's Triton kernels (``decode_fused.PDL``) at every batch size (``pdl.MAX_ROWS``); ``_normN``:
     ``decode_fused.ADD_RMS_NORM_WARPS = N``; ``_w4head``: ``dec``'s bf16 ``lm_head`` replaced by an RTN W4A16
     ``Int4Linear`` (group 128; other logits: a what-if for bundles whose head is quantized). Switches a variant
     does not name keep their values (the environment's). Raises ``ValueError`` for a bad name, before changing
     anything."""
     v = parse_variant(name)
-    from edgevlm.runtime.kernels import decode_fused
+    from edgevlm.runtime.kernels import decode_fused, pdl
     from edgevlm.runtime.kernels import w4a16_mma as mk
 
     saved = (decode_fused.FUSED_ATTENTION, decode_fused.ATTENTION_CTA_BUDGET, decode_fused.PDL,
-             decode_fused.ADD_RMS_NORM_WARPS, mk.PDL)
+             decode_fused.ADD_RMS_NORM_WARPS, mk.PDL, pdl.MAX_ROWS)
     head = None
     decode_fused.FUSED_ATTENTION = v.base == "after"
     if v.split16:  # decode_attention's schedule before 2026-12-02: 16 key splits at any batch
         decode_fused.ATTENTION_CTA_BUDGET = 1 << 30
-    if v.w4a16_pdl:
-        mk.PDL = True
-    if v.decode_pdl:
-        decode_fused.PDL = True
+    if v.w4a16_pdl is not None:
+        mk.PDL = v.w4a16_pdl
+    if v.decode_pdl is not None:
+        decode_fused.PDL = v.decode_pdl
+    if v.pdl_all_rows:
+        pdl.MAX_ROWS = None
     if v.norm_warps is not None:
         decode_fused.ADD_RMS_NORM_WARPS = v.norm_warps
     try:
@@ -200,7 +210,7 @@ def variant(name: str, dec=None):
             yield
     finally:
         (decode_fused.FUSED_ATTENTION, decode_fused.ATTENTION_CTA_BUDGET, decode_fused.PDL,
-         decode_fused.ADD_RMS_NORM_WARPS, mk.PDL) = saved
+         decode_fused.ADD_RMS_NORM_WARPS, mk.PDL, pdl.MAX_ROWS) = saved
         if head is not None:
             dec.lm_head = head
 
@@ -356,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
                        "top": [[n, round(us, 2), round(c, 2)] for n, us, c in rows[: args.top]]}
                 run["gap_us"] = round(step_ms * 1e3 - run["busy_us"], 1)
                 # what the launches used (a _pdlall variant on a GPU / Triton without PDL runs plain launches)
-                run["pdl"] = {"w4a16": mk.pdl_ok(dev), "decode": decode_fused.pdl_ok(dev)}
+                run["pdl"] = {"w4a16": mk.pdl_ok(dev, b), "decode": decode_fused.pdl_ok(dev, b)}
                 run["add_rms_norm_warps"] = decode_fused.add_rms_norm_warps(dec.cfg.hidden_size)
                 run["kernels"] = round(sum(v["kernels"] for v in run["groups"].values()), 1)
                 if b == 1 and tpot.get(name):

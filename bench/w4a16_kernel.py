@@ -664,7 +664,8 @@ def run_model(ctx, choice):
             continue
         mk.PDL = pdl and bool(ctx.get("pdl"))
         mk.LEAN_LATE_TRIGGER = late_on
-        with lean_switch(lean_on), breakdown().variant(step or "nomask"):
+        # "plain": every kernel launched plainly (the Triton decode kernels too, whose PDL switch is on by default)
+        with lean_switch(lean_on), breakdown().variant(step or ("nomask" if mk.PDL else "nomask_nopdl")):
             summary = benchmark.run(models=["llava-7b"], variants=variants_, with_hf=False,
                                     batch_sizes=ctx["batch_sizes"], new_tokens=32, n_text=32)
         rows += [{**{k: r.get(k) for k in keep if k in r}, "w4a16_launch": label} for r in summary["rows"]]

@@ -76,28 +76,27 @@ ATTENTION_CTA_BUDGET: int | None = None
 """CTAs :func:`decode_attention` aims for when it splits the keys (None: about one wave, :func:`_cta_budget`). A
 huge value keeps ``max_splits`` splits at every batch size (the schedule before 2026-12-02; benchmarks A/B it)."""
 
-PDL = os.environ.get("EDGEVLM_DECODE_PDL", "0").strip().lower() in ("1", "true", "yes", "on")
-"""Whether this module's Triton kernels are launched as programmatic dependents of the previous kernel in the stream
-(:func:`pdl_ok`; the W4A16 CUDA kernels have their own switch, :data:`~edgevlm.runtime.kernels.w4a16_mma.PDL`). Off by
-default, ``EDGEVLM_DECODE_PDL=1`` opts in; NOT measured yet (``bench/decode_step_breakdown.py``'s ``_pdlall`` variants
-are for that). Read at each launch, so a new CUDA graph capture picks up a change."""
-
-PDL_CAPABILITY = (9, 0)
-"""Compute capability from which the hardware has programmatic dependent launch (Hopper)."""
-
-_PDL_DEVICES: dict[int, bool] = {}
+PDL = os.environ.get("EDGEVLM_DECODE_PDL", "1").strip().lower() in ("1", "true", "yes", "on")
+"""This module's switch for launching its Triton kernels as programmatic dependents of the previous kernel in the
+stream (:func:`pdl_ok`; where it applies is :func:`edgevlm.runtime.kernels.pdl.allowed`'s rule, shared with the
+W4A16 CUDA kernels' own switch :data:`~edgevlm.runtime.kernels.w4a16_mma.PDL`). On by default since session 11
+(H200: the 7B W4A16 decode step 2.179 -> 1.997 ms at batch 1 with both modules' kernels so launched, bit-identical);
+``EDGEVLM_DECODE_PDL=0`` turns it off. Read at each launch, so a new CUDA graph capture picks up a change."""
 
 ADD_RMS_NORM_WARPS: int | None = None
-"""Warps per CTA (one CTA per row) of :func:`add_rms_norm`'s kernel; None: 4 up to ``D = 4096``, 8 above
-(:func:`add_rms_norm_warps`). A knob for benchmarks to A/B; read at each launch."""
+"""Warps per CTA (one CTA per row) of :func:`add_rms_norm`'s kernel; None: :func:`add_rms_norm_warps`'s rule. A
+knob for benchmarks to A/B; read at each launch."""
 
 
 def add_rms_norm_warps(d: int) -> int:
-    """Warps of :func:`add_rms_norm` for rows of ``d`` elements: :data:`ADD_RMS_NORM_WARPS`, or 4 for
-    ``d <= 4096`` and 8 above where it is None."""
+    """Warps of :func:`add_rms_norm` for rows of ``d`` elements: :data:`ADD_RMS_NORM_WARPS`, else 16 for
+    ``d >= 4096`` and 4 below. 16 since session 11: at ``d = 4096`` on the H200 the kernel took 3.1 -> 2.0 us
+    (the 7B W4A16 decode step 2.176 -> 2.098 ms at batch 1, 2.899 -> 2.823 at batch 8; a different reduction
+    order, so the last bit of some outputs differs; ``bench/results/session11_h200_20261202/``); smaller rows
+    keep the 4 warps they were measured with."""
     if ADD_RMS_NORM_WARPS is not None:
         return int(ADD_RMS_NORM_WARPS)
-    return 4 if d <= 4096 else 8
+    return 16 if d >= 4096 else 4
 
 
 @functools.cache
@@ -111,8 +110,9 @@ def _triton_has_gdc() -> bool:
     return hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
 
 
-def pdl_ok(device: torch.device | str) -> bool:
-    """Whether this module's kernels on ``device`` are launched with programmatic dependent launch (PDL).
+def pdl_ok(device: torch.device | str, rows: int) -> bool:
+    """Whether this module's kernels over ``rows`` rows (the decode batch) on ``device`` are launched with
+    programmatic dependent launch (PDL).
 
     PDL (NVIDIA, CUDA C++ Programming Guide, "Programmatic Dependent Launch and Synchronization"; PTX ISA,
     ``griddepcontrol``) lets a kernel launched with the attribute start while the previous kernel in the stream
@@ -124,27 +124,23 @@ def pdl_ok(device: torch.device | str) -> bool:
     every such kernel waits before touching memory, completion stays transitive along the stream (a kernel
     that is launched plainly waits for the whole previous grid, as always).
 
-    True when :data:`PDL` is on (opt-in, ``EDGEVLM_DECODE_PDL=1``; not measured yet), ``device`` is a CUDA
-    device of compute capability >= :data:`PDL_CAPABILITY` (checked once per device), Triton does not run in
-    its CPU interpreter (``TRITON_INTERPRET``), and the installed Triton has ``gdc_wait`` (>= 3.4). False
-    otherwise; never raises for a CPU device."""
-    if not PDL:
+    True when :data:`PDL` is on, :func:`edgevlm.runtime.kernels.pdl.allowed` (sm_90+, ``EDGEVLM_PDL`` and the row
+    limit), Triton does not run in its CPU interpreter (``TRITON_INTERPRET``) and the installed Triton has
+    ``gdc_wait`` (>= 3.4; one warning where it has not). False otherwise; never raises for a CPU device."""
+    from edgevlm.runtime.kernels import pdl
+
+    if not PDL or interpreter_mode() or not pdl.allowed(device, rows):
         return False
-    device = torch.device(device)
-    if device.type != "cuda":
+    if not _triton_has_gdc():
+        _warn_no_gdc()
         return False
-    if interpreter_mode():
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    ok = _PDL_DEVICES.get(index)
-    if ok is None:
-        ok = torch.cuda.get_device_capability(index) >= PDL_CAPABILITY and _triton_has_gdc()
-        _PDL_DEVICES[index] = ok
-        if not ok:
-            logger.warning("EDGEVLM_DECODE_PDL is on but cuda:%d (capability %s) or triton lacks programmatic "
-                           "dependent launch; the decode kernels are launched plainly", index,
-                           torch.cuda.get_device_capability(index))
-    return ok
+    return True
+
+
+@functools.cache
+def _warn_no_gdc() -> None:
+    logger.warning("this Triton lacks programmatic dependent launch (gdc_wait, Triton >= 3.4): the decode kernels "
+                   "are launched plainly")
 
 
 PDL_KERNELS: frozenset[str] | None = None
@@ -526,7 +522,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     kernel[(x.shape[0],)](x, delta, weight, weight if delta_weight is None else delta_weight, s, y, d, float(eps),
                           float(eps if delta_eps is None else delta_eps), BLOCK_D=_next_pow2(d),
                           UNIT_OFFSET=bool(unit_offset), DELTA_NORM=delta_weight is not None,
-                          num_warps=add_rms_norm_warps(d), **_gdc_launch(pdl_ok(x.device), "add_rms_norm"))
+                          num_warps=add_rms_norm_warps(d), **_gdc_launch(pdl_ok(x.device, x.shape[0]), "add_rms_norm"))
     return s, y
 
 
@@ -584,7 +580,7 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input
                                    k_scale if fp8 else cos, v_scale if fp8 else cos,
                                    n_heads, hkv, s, float(norm_eps), HEAD_DIM=dh, HALF=dh // 2, QK_NORM=qk_norm,
                                    UNIT_OFFSET=bool(unit_offset), KV_FP8=fp8, num_warps=1,
-                                   **_gdc_launch(pdl_ok(qkv.device), "rope_kv"))
+                                   **_gdc_launch(pdl_ok(qkv.device, b), "rope_kv"))
     return q
 
 
@@ -631,7 +627,7 @@ def gated_act(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
     y = torch.empty(r, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _kernels()[2][(r, -(-inter // block))](gate_up, y, inter, BLOCK=block, GELU_TANH=act != "silu", num_warps=4,
-                                           **_gdc_launch(pdl_ok(gate_up.device), "silu_mul"))
+                                           **_gdc_launch(pdl_ok(gate_up.device, gate_up.shape[0]), "silu_mul"))
     return y
 
 
@@ -750,7 +746,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     m = torch.empty(rows, nsplit, dtype=torch.float32, device=q.device)
     lse = torch.empty_like(m)
     split_k, combine = _kernels()[3], _kernels()[4]
-    use_pdl = pdl_ok(q.device)
+    use_pdl = pdl_ok(q.device, b)
     fp8 = kind == "fp8"
     native = fp8 and fp8_native(q.device)
     if fp8 and not native:  # the kernel decodes the bytes itself
@@ -852,5 +848,5 @@ def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         k_norm if qk_norm else cos, k_cache, v_cache, part, m, lse, _counters(b * hkv, qkv.device), y,
         n_heads, hkv, s, chunk, dh ** -0.5 if scale is None else float(scale), float(norm_eps),
         REP=rep, REP_PAD=max(16, _next_pow2(rep)), HEAD_DIM=dh, HALF=dh // 2, BLOCK_N=block_n, NSPLIT=nsplit,
-        QK_NORM=qk_norm, UNIT_OFFSET=bool(unit_offset), num_warps=4, **_gdc_launch(pdl_ok(qkv.device), "rope_attn"))
+        QK_NORM=qk_norm, UNIT_OFFSET=bool(unit_offset), num_warps=4, **_gdc_launch(pdl_ok(qkv.device, b), "rope_attn"))
     return y

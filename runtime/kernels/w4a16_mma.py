@@ -99,16 +99,29 @@ def lean_build() -> bool:
 LEAN_TRIGGER_ENV = "EDGEVLM_W4A16_LEAN_TRIGGER"
 
 
-def lean_trigger_build() -> bool:
-    """Whether the lean variant is also built with its late PDL trigger (``EDGEVLM_W4A16_LEAN_TRIGGER=1``; off by
-    default, NOT measured on a GPU): under PDL the next kernel is released after each CTA's last weight load instead
-    of at entry. Where built, lean launches under PDL use it unless ``late_trigger=False`` is passed."""
-    return lean_build() and os.environ.get(LEAN_TRIGGER_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+def lean_trigger_build(arch: str | None = None) -> bool:
+    """Whether the lean variant is also built with its late PDL trigger: under PDL the next kernel is released after
+    each CTA's last weight load instead of at entry; where built, lean launches under PDL use it unless
+    ``late_trigger=False`` is passed. ``EDGEVLM_W4A16_LEAN_TRIGGER``: ``1`` / ``0``, or unset (``auto``): for builds
+    of ``arch`` sm_90 and newer (the GPUs with PDL; on the H200 the session-11 decode measurements ran with it:
+    a 7B layer's four matmuls as a PDL chain 46.08 -> 45.72 us at M = 1, 48.48 -> 47.18 at M = 8), never for an
+    older or unknown ``arch`` (an Orin's build stays as small). Never without the lean variant."""
+    if not lean_build():
+        return False
+    value = os.environ.get(LEAN_TRIGGER_ENV, "auto").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off") or arch is None:
+        return False
+    try:
+        return int(arch.split(".")[0]) >= 9
+    except ValueError:
+        return False
 
 
 LEAN_LATE_TRIGGER = True
 """In a build with the late trigger (:func:`lean_trigger_build`): lean launches under PDL use it by default
-(``late_trigger=None``). A switch for benchmarks (the build flag is the opt-in)."""
+(``late_trigger=None``). A switch for benchmarks."""
 
 
 def _build_flags(lean: bool, trigger: bool) -> tuple[str, list[str]]:
@@ -218,7 +231,8 @@ def load_extension(device: torch.device | str | None = None):
         if index in _LOADED:
             return _LOADED[index]
     with _BUILD_LOCK:
-        ext = _build(_arch(torch.device("cuda", index)), lean_build(), lean_trigger_build())
+        arch = _arch(torch.device("cuda", index))
+        ext = _build(arch, lean_build(), lean_trigger_build(arch))
     _LOADED[index] = ext
     return ext
 
@@ -378,31 +392,22 @@ def prefetch_tiles(m: int, n: int, k: int, group_size: int) -> int:
     return _table()[2].get(f"{n}x{k}g{group_size}", {}).get(str(bucket), PF_DEFAULT)
 
 
-PDL = os.environ.get("EDGEVLM_W4A16_PDL", "0").strip().lower() in ("1", "true", "yes", "on")
-"""Launch the kernels as programmatic dependents of the previous kernel in the stream (sm_90: the launch
-and the weight loads overlap the previous kernel's tail; the activations are read only after it has
-finished). Off by default, ``EDGEVLM_W4A16_PDL=1`` turns it on: in the whole LLaVA-1.5-7B-shape W4A16
-decode on an H200 (2026-12-02, ``bench/w4a16_kernel.py --skip layers,prefill,numerics,sm87 --batch-sizes
-1,8,32 --model-ab 3 --lean``, three alternations) plain launches won every time: 427.6 / 424.5 / 424.0 tok/s
-at batch 1 against 410.6 / 399.7 / 410.3 with PDL, 2310 / 2308 / 2369 against 2232 / 2216 / 2352 at batch 8
-(``bench/results/w4a16_kernel_h200_20261202.md``). In isolated chains of W4A16 kernels PDL still gains a few
-per cent; between the model's torch / Triton kernels it costs more than it hides."""
-PDL_MAX_M: int | None = None
-"""Under :data:`PDL`, the most activation rows a launch may have to be a programmatic dependent (None: any). A knob
-for ``bench/decode_pdl_check.py`` (the bulk kernel serves M = 17..32); read per call."""
-PDL_CAPABILITY = (9, 0)
-_PDL_DEVICES: dict[int, bool] = {}
+PDL = os.environ.get("EDGEVLM_W4A16_PDL", "1").strip().lower() in ("1", "true", "yes", "on")
+"""This module's switch for programmatic dependent launch (sm_90: the launch and the weight loads overlap the
+previous kernel's tail; the activations are read only after it has finished); where it applies is
+:func:`edgevlm.runtime.kernels.pdl.allowed`'s rule (by default decode launches of at most 8 rows).
+``EDGEVLM_W4A16_PDL=0`` turns it off for these kernels. History: off by default until session 11 (2026-12-02),
+because with the decode step's Triton kernels launched plainly it lost in the whole-model A/B (427.6 / 424.5 /
+424.0 tok/s at batch 1 against 410.6 / 399.7 / 410.3 with it); with them as programmatic dependents too, the step
+gained 8 % at batch 1 (``bench/results/session11_h200_20261202/``)."""
 
 
-def pdl_ok(device: torch.device) -> bool:
-    """Whether launches on ``device`` use programmatic dependent launch: :data:`PDL` and sm_90+."""
-    if not PDL or device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    ok = _PDL_DEVICES.get(index)
-    if ok is None:
-        ok = _PDL_DEVICES[index] = torch.cuda.get_device_capability(index) >= PDL_CAPABILITY
-    return ok
+def pdl_ok(device: torch.device, rows: int | None) -> bool:
+    """Whether a launch over ``rows`` activation rows (None: not a decode launch) on ``device`` is a programmatic
+    dependent: :data:`PDL` and :func:`edgevlm.runtime.kernels.pdl.allowed`."""
+    from edgevlm.runtime.kernels import pdl
+
+    return PDL and pdl.allowed(device, rows)
 
 
 def _choice(m: int, n: int, k: int, group_size: int, bulk: bool, lean: bool) -> tuple[tuple[str, int, int, int],
@@ -500,7 +505,7 @@ def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     ext = load_extension(x.device)
     if pdl is None:
-        pdl = pdl_ok(x.device) and (PDL_MAX_M is None or m <= PDL_MAX_M)
+        pdl = pdl_ok(x.device, m)
     if kind == "bulk":
         return ext.w4a16_bulk(x.contiguous(), qw, meta, bias, group_size, a, b, tiles_per_cta, mode == 0, pdl)
     if kind in ("lean", "async"):
@@ -508,7 +513,7 @@ def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size:
             raise MmaKernelUnavailable(f"this build of the extension has no lean variant (built with {LEAN_ENV}=0)")
         built = bool(getattr(ext, "lean_late_trigger", False))
         if late_trigger and not built:
-            raise MmaKernelUnavailable(f"the lean late PDL trigger is built only with {LEAN_TRIGGER_ENV}=1")
+            raise MmaKernelUnavailable(f"this build has no lean late PDL trigger (sm_90+ builds, or {LEAN_TRIGGER_ENV}=1)")
         late = built and pdl and LEAN_LATE_TRIGGER if late_trigger is None else bool(late_trigger)
         return ext.w4a16_lean(x.contiguous(), qw, meta, bias, group_size, a, b, tiles_per_cta, pdl, late,
                               kind == "async")
@@ -537,7 +542,7 @@ def w4a16_dequant(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
         raise ValueError(f"rows [{row0}, {row0 + rows}) outside the weight's {n} rows")
     ext = load_extension(qweight.device)
     return ext.w4a16_dequant(qweight.contiguous(), scales.contiguous(), zeros.contiguous(), group_size, row0, rows,
-                             dtype == torch.bfloat16, out, pdl_ok(qweight.device))
+                             dtype == torch.bfloat16, out, pdl_ok(qweight.device, None))
 
 
 def w4a16_mma_reference(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size: int,
@@ -600,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if os.environ.get("EDGEVLM_CUDA_ARCH") and not torch.cuda.is_available():
             with _BUILD_LOCK:
-                _build(os.environ["EDGEVLM_CUDA_ARCH"], lean_build(), lean_trigger_build())
+                _build(os.environ["EDGEVLM_CUDA_ARCH"], lean_build(), lean_trigger_build(os.environ["EDGEVLM_CUDA_ARCH"]))
         else:
             load_extension()
     except MmaKernelUnavailable as exc:

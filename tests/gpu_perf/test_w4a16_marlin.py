@@ -193,16 +193,21 @@ def test_lean_variant_is_the_default_and_its_table_entries_fall_back(monkeypatch
         mk.w4a16_mma(torch.randn(17, 256).bfloat16(), packed, meta, 128, config=("lean", 8, 2, 1))
 
 
-def test_lean_late_trigger_is_an_opt_in_build(monkeypatch):
-    """The lean variant's late PDL trigger (after the last ring refill) is compiled only with
-    EDGEVLM_W4A16_LEAN_TRIGGER=1 (a separately named build) and never without the lean variant."""
+def test_lean_late_trigger_is_built_for_sm90_and_newer(monkeypatch):
+    """The lean variant's late PDL trigger (after the last ring refill; a separately named build) is compiled by
+    default for sm_90+ (the GPUs with PDL), not for an Orin (sm_87) or an unknown arch; EDGEVLM_W4A16_LEAN_TRIGGER
+    forces it either way; never without the lean variant."""
     monkeypatch.delenv(mk.LEAN_ENV, raising=False)
     monkeypatch.delenv(mk.LEAN_TRIGGER_ENV, raising=False)
-    assert not mk.lean_trigger_build()
+    assert mk.lean_trigger_build("9.0") and mk.lean_trigger_build("10.0")
+    assert not mk.lean_trigger_build("8.7") and not mk.lean_trigger_build(None) and not mk.lean_trigger_build("x")
     monkeypatch.setenv(mk.LEAN_TRIGGER_ENV, "1")
-    assert mk.lean_trigger_build()
+    assert mk.lean_trigger_build("8.7") and mk.lean_trigger_build()
+    monkeypatch.setenv(mk.LEAN_TRIGGER_ENV, "0")
+    assert not mk.lean_trigger_build("9.0")
+    monkeypatch.setenv(mk.LEAN_TRIGGER_ENV, "1")
     monkeypatch.setenv(mk.LEAN_ENV, "0")
-    assert not mk.lean_trigger_build()
+    assert not mk.lean_trigger_build("9.0")
     assert mk._build_flags(False, True) == ("", [])
     assert mk._build_flags(True, False) == ("_lean", ["-DEDGEVLM_W4A16_LEAN"])
     assert mk._build_flags(True, True) == ("_lean_lt", ["-DEDGEVLM_W4A16_LEAN", "-DEDGEVLM_W4A16_LEAN_TRIGGER"])
@@ -244,16 +249,17 @@ def test_prefetch_distance_and_pdl_switches():
         n, k = (int(v) for v in key.split("g")[0].split("x"))
         for bucket, pf in row.items():
             assert pf >= 0 and mk.prefetch_tiles(int(bucket), n, k, 128) == pf
-    assert not mk.pdl_ok(torch.device("cpu"))
+    assert not mk.pdl_ok(torch.device("cpu"), 1)
     qw = quantize_int4(torch.randn(32, 256), 128)
     packed, meta = repack_int4_mma(qw.qweight, qw.scales, qw.zeros, 128)
     with pytest.raises(ValueError, match="prefetch must be"):
         mk.w4a16_mma(torch.randn(1, 256).bfloat16(), packed, meta, 128, config=(8, 2, 1), prefetch=-1)
 
 
-def test_pdl_is_off_unless_asked_for():
-    """Programmatic dependent launch is opt-in (EDGEVLM_W4A16_PDL=1): plain launches won the whole-model A/B
-    on the H200 (2026-12-02). The switch is read at import, so each setting runs in a fresh interpreter."""
+def test_pdl_switch_is_on_unless_turned_off():
+    """The W4A16 kernels' PDL switch is on by default since session 11 (with the decode step's Triton kernels also
+    programmatic dependents the H200 step gained 8 % at batch 1; where PDL applies is runtime/kernels/pdl.py's
+    rule) and EDGEVLM_W4A16_PDL=0 turns it off. Read at import, so each setting runs in a fresh interpreter."""
     import os
     import subprocess
     import sys
@@ -270,7 +276,7 @@ def test_pdl_is_off_unless_asked_for():
                                  timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
         seen[value] = out.stdout.strip().splitlines()[-1]
-    assert seen == {None: "0", "0": "0", "1": "1", "on": "1", "no": "0"}
+    assert seen == {None: "1", "0": "0", "1": "1", "on": "1", "no": "0"}
 
 
 def test_zx_fold_only_at_small_m():

@@ -30,39 +30,58 @@ torch = pytest.importorskip("torch")
 
 @pytest.fixture
 def df(monkeypatch):
-    from edgevlm.runtime.kernels import decode_fused
+    from edgevlm.runtime.kernels import decode_fused, pdl
 
-    monkeypatch.setattr(decode_fused, "_PDL_DEVICES", {})
+    monkeypatch.setattr(pdl, "_CAPABLE", {})
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(pdl.MODE_ENV, raising=False)
     return decode_fused
 
 
-def test_pdl_ok_is_off_by_default_and_off_cuda(df, monkeypatch):
+def test_pdl_ok_is_off_cuda_in_the_interpreter_and_when_switched_off(df, monkeypatch):
     monkeypatch.setattr(df, "PDL", False)
-    assert not df.pdl_ok(torch.device("cuda:0"))  # switch off: no CUDA call at all
+    assert not df.pdl_ok(torch.device("cuda:0"), 1)  # switch off: no CUDA call at all
     monkeypatch.setattr(df, "PDL", True)
-    assert not df.pdl_ok(torch.device("cpu"))
-    assert not df.pdl_ok("cpu")
+    assert not df.pdl_ok(torch.device("cpu"), 1)
+    assert not df.pdl_ok("cpu", 1)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not df.pdl_ok(torch.device("cuda:0"))
+    assert not df.pdl_ok(torch.device("cuda:0"), 1)
 
 
-def test_pdl_ok_needs_sm90_and_triton_gdc(df, monkeypatch):
+def test_pdl_rule_sm90_rows_mode_and_triton_gdc(df, monkeypatch):
+    """runtime/kernels/pdl.py's rule, shared by both modules: sm_90+ (cached per device), EDGEVLM_PDL auto (decode
+    steps of at most MAX_ROWS rows; never a launch that is not a decode step, rows=None) / on / off; the Triton
+    module also needs a Triton with gdc_wait."""
+    from edgevlm.runtime.kernels import pdl
+    from edgevlm.runtime.kernels import w4a16_mma as mk
+
     cap = {"value": (9, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: cap["value"])
     monkeypatch.setattr(df, "_triton_has_gdc", lambda: True)
     monkeypatch.setattr(df, "PDL", True)
-    assert df.pdl_ok(torch.device("cuda:0"))
+    monkeypatch.setattr(mk, "PDL", True)
+    assert pdl.mode() == "auto" and pdl.MAX_ROWS == 8
+    for rows, want in ((1, True), (8, True), (9, False), (32, False), (None, False)):
+        assert pdl.allowed("cuda:0", rows) is want, rows
+        assert mk.pdl_ok(torch.device("cuda:0"), rows) is want, rows
+    assert df.pdl_ok(torch.device("cuda:0"), 8) and not df.pdl_ok(torch.device("cuda:0"), 16)
+    monkeypatch.setenv(pdl.MODE_ENV, "on")
+    assert pdl.allowed("cuda:0", 32) and pdl.allowed("cuda:0", None) and df.pdl_ok(torch.device("cuda:0"), 32)
+    monkeypatch.setenv(pdl.MODE_ENV, "off")
+    assert not pdl.allowed("cuda:0", 1) and not df.pdl_ok(torch.device("cuda:0"), 1)
+    monkeypatch.setenv(pdl.MODE_ENV, "auto")
+    monkeypatch.setattr(pdl, "MAX_ROWS", None)
+    assert pdl.allowed("cuda:0", 32)
+    monkeypatch.setattr(pdl, "MAX_ROWS", 8)
     monkeypatch.setattr(df, "PDL", False)
-    assert not df.pdl_ok(torch.device("cuda:0"))  # the switch is read at each call, the device check cached
+    assert not df.pdl_ok(torch.device("cuda:0"), 1)  # the switch is read at each call, the device check cached
     monkeypatch.setattr(df, "PDL", True)
     cap["value"] = (8, 7)
-    assert not df.pdl_ok(torch.device("cuda:1"))
-    assert df.pdl_ok(torch.device("cuda:0"))  # cached per device
-    monkeypatch.setattr(df, "_PDL_DEVICES", {})
+    assert not df.pdl_ok(torch.device("cuda:1"), 1)  # an Orin: no PDL
+    assert df.pdl_ok(torch.device("cuda:0"), 1)  # cached per device
     monkeypatch.setattr(df, "_triton_has_gdc", lambda: False)
-    cap["value"] = (9, 0)
-    assert not df.pdl_ok(torch.device("cuda:0"))
+    assert not df.pdl_ok(torch.device("cuda:0"), 1)
+    assert mk.pdl_ok(torch.device("cuda:0"), 1)  # the CUDA kernels do not need Triton
 
 
 @needs_triton
@@ -72,7 +91,7 @@ def test_this_triton_has_gdc():
     assert decode_fused._triton_has_gdc()  # the dev install's Triton is >= 3.4
 
 
-@pytest.mark.parametrize(("value", "expected"), [(None, False), ("0", False), ("1", True), ("on", True),
+@pytest.mark.parametrize(("value", "expected"), [(None, True), ("0", False), ("1", True), ("on", True),
                                                   ("no", False)])
 def test_pdl_switch_comes_from_the_environment(value, expected):
     env = {k: v for k, v in os.environ.items() if k != "EDGEVLM_DECODE_PDL"}
@@ -105,7 +124,7 @@ def test_every_launch_site_passes_use_gdc_and_launch_pdl_together(df, monkeypatc
     log: list = []
     monkeypatch.setattr(df, "_kernels", lambda: tuple(_FakeKernel(n, log) for n in NAMES))
     seen = []
-    monkeypatch.setattr(df, "pdl_ok", lambda device: seen.append(device) or use)
+    monkeypatch.setattr(df, "pdl_ok", lambda device, rows: seen.append((device, rows)) or use)
     b, h, hkv, dh, s = 2, 4, 2, 16, 64
     x = torch.randn(b, 32)
     df.add_rms_norm(x, x, torch.ones(32), 1e-6)
@@ -120,7 +139,7 @@ def test_every_launch_site_passes_use_gdc_and_launch_pdl_together(df, monkeypatc
     df.rope_decode_attention(qkv, cos, sin, pos, cache, cache.clone(), h, hkv, s, block_n=16)
     assert [n for n, _ in log] == ["add_rms_norm_kernel", "rope_kv_kernel", "silu_mul_kernel", "silu_mul_kernel",
                                    "attn_split_kernel", "attn_combine_kernel", "rope_attn_kernel"]
-    assert all(str(d) == "cpu" for d in seen) and len(seen) >= 6
+    assert all(str(d) == "cpu" and r == b for d, r in seen) and len(seen) >= 6  # the rows: the decode batch
     for name, kwargs in log:
         assert kwargs["USE_GDC"] is use, name
         if use:
@@ -132,7 +151,7 @@ def test_every_launch_site_passes_use_gdc_and_launch_pdl_together(df, monkeypatc
 def test_add_rms_norm_warps_knob(df, monkeypatch):
     log: list = []
     monkeypatch.setattr(df, "_kernels", lambda: tuple(_FakeKernel(n, log) for n in NAMES))
-    for d, knob, want in ((4096, None, 4), (5120, None, 8), (4096, 16, 16), (8192, 8, 8)):
+    for d, knob, want in ((4096, None, 16), (5120, None, 16), (2048, None, 4), (4096, 4, 4), (8192, 8, 8)):
         monkeypatch.setattr(df, "ADD_RMS_NORM_WARPS", knob)
         x = torch.randn(1, d)
         df.add_rms_norm(x, x, torch.ones(d), 1e-6)
@@ -221,40 +240,53 @@ def _bench_module():
 def test_bench_keeps_the_old_variant_names(name):
     v = _bench_module().parse_variant(name)
     assert v.base == name.split("_")[0]
-    assert v.w4a16_pdl == name.endswith("_pdl") and not v.decode_pdl and v.norm_warps is None
+    pdl = name.endswith("_pdl")  # W4A16 PDL on and the Triton kernels plain; without it the library's defaults
+    assert v.w4a16_pdl == (True if pdl else None) and v.decode_pdl == (False if pdl else None)
+    assert v.norm_warps is None and not v.pdl_all_rows
     assert v.w4head == name.endswith("_w4head") and v.split16 == name.endswith("_split16")
 
 
 def test_bench_variant_suffixes_compose():
     bench = _bench_module()
     v = bench.parse_variant("nomask_pdlall_norm16")
-    assert (v.base, v.w4a16_pdl, v.decode_pdl, v.norm_warps, v.w4head, v.split16) == \
-        ("nomask", True, True, 16, False, False)
-    assert bench.parse_variant("after_norm8_pdl") == bench.Variant("after", w4a16_pdl=True, norm_warps=8)
-    for bad in ("later", "nomask_pdl2", "nomask_norm12", "nomask_norm8_norm16", "nomask_pdl_pdl", "nomask_"):
+    assert (v.base, v.w4a16_pdl, v.decode_pdl, v.pdl_all_rows, v.norm_warps, v.w4head, v.split16) == \
+        ("nomask", True, True, True, 16, False, False)
+    assert bench.parse_variant("after_norm8_pdl") == bench.Variant("after", w4a16_pdl=True, decode_pdl=False,
+                                                                   norm_warps=8)
+    assert bench.parse_variant("nomask_nopdl") == bench.Variant("nomask", w4a16_pdl=False, decode_pdl=False)
+    for bad in ("later", "nomask_pdl2", "nomask_norm12", "nomask_norm8_norm16", "nomask_pdl_pdl", "nomask_",
+                "nomask_nopdl_pdlall"):
         with pytest.raises(ValueError):
             bench.parse_variant(bad)
 
 
 def test_bench_variant_sets_and_restores_the_switches(monkeypatch):
-    from edgevlm.runtime.kernels import decode_fused, w4a16_mma
+    from edgevlm.runtime.kernels import decode_fused, pdl, w4a16_mma
 
     bench = _bench_module()
+    assert pdl.MAX_ROWS == 8
     monkeypatch.setattr(decode_fused, "PDL", False)
     monkeypatch.setattr(decode_fused, "ADD_RMS_NORM_WARPS", None)
     monkeypatch.setattr(decode_fused, "FUSED_ATTENTION", False)
     monkeypatch.setattr(w4a16_mma, "PDL", False)
     with bench.variant("nomask_pdlall_norm16"):
         assert decode_fused.PDL and w4a16_mma.PDL and decode_fused.ADD_RMS_NORM_WARPS == 16
-        assert not decode_fused.FUSED_ATTENTION
+        assert not decode_fused.FUSED_ATTENTION and pdl.MAX_ROWS is None
     assert not decode_fused.PDL and not w4a16_mma.PDL and decode_fused.ADD_RMS_NORM_WARPS is None
+    assert pdl.MAX_ROWS == 8
     with pytest.raises(RuntimeError), bench.variant("after_pdlall_norm8"):  # restored on an error too
         assert decode_fused.FUSED_ATTENTION and decode_fused.ADD_RMS_NORM_WARPS == 8
         raise RuntimeError("capture failed")
     assert not decode_fused.PDL and not w4a16_mma.PDL and decode_fused.ADD_RMS_NORM_WARPS is None
     assert not decode_fused.FUSED_ATTENTION
-    with bench.variant("nomask_pdl"):  # _pdl alone leaves the decode kernels' switch as it was
+    with bench.variant("nomask_pdl"):  # _pdl: the W4A16 kernels only
         assert w4a16_mma.PDL and not decode_fused.PDL
+    monkeypatch.setattr(decode_fused, "PDL", True)
+    monkeypatch.setattr(w4a16_mma, "PDL", True)
+    with bench.variant("nomask_nopdl"):
+        assert not w4a16_mma.PDL and not decode_fused.PDL
+    assert w4a16_mma.PDL and decode_fused.PDL
+    monkeypatch.setattr(w4a16_mma, "PDL", False)
     with pytest.raises(ValueError), bench.variant("nomask_bogus"):
         pass
     assert not w4a16_mma.PDL
@@ -282,9 +314,10 @@ def test_pdl_check_settings_parse(monkeypatch):
     assert mod.parse_setting("w4") == (True, frozenset(), False, None)
     assert mod.parse_setting("triton") == (False, None, True, None)
     assert mod.parse_setting("w4+triton") == (True, None, True, None)
-    assert mod.parse_setting("w4le16+triton") == (True, None, True, 16)
+    assert mod.parse_setting("w4+le16+triton") == (True, None, True, 16)
+    assert mod.parse_setting("le8+w4+triton") == (True, None, True, 8)
     assert mod.parse_setting("w4+rope_kv+attn_split") == (True, frozenset({"rope_kv", "attn_split"}), True, None)
-    for bad in ("w5", "w4+w4", "", "triton+bogus", "w4+w4le16"):
+    for bad in ("w5", "w4+w4", "", "triton+bogus", "w4+le8+le16", "w4le16"):
         with pytest.raises(ValueError):
             mod.parse_setting(bad)
     assert mod.main(["--settings", "w4+nope"]) == 2
