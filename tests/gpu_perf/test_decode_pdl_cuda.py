@@ -40,7 +40,7 @@ def test_pdl_decode_graph_is_bit_identical_to_plain_launches():
     saved = (mk.PDL, decode_fused.PDL)
 
     def replays(b: int, n: int = 8) -> list:
-        be.graphs.tokens[:b].copy_(torch.arange(5, 5 + b, device=dev))
+        be.graphs.tokens[:b, 0].copy_(torch.arange(5, 5 + b, device=dev))  # (B_max, 1)
         be.graphs.positions[:b].copy_(torch.arange(position, position - b, -1, device=dev))
         return [be.graphs.replay(b, kv_len).float().clone() for _ in range(n)]
 
