@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="", help="also write the JSON here")
     args = ap.parse_args(argv)
     from bench_support import print_result, use_package  # bench/ is sys.path[0] when run as a script
+    from decode_step_breakdown import w4_decode_model
 
     try:
         settings = [(s, *parse_setting(s)) for s in args.settings.split(",") if s]
@@ -61,8 +62,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from edgevlm.quantize.bench_measure import event_ms
-    from edgevlm.quantize.bench_models import build_models, quantize_decoder_w4
-    from edgevlm.runtime.backends.torch_backend import TorchBackend
     from edgevlm.runtime.kernels import decode_fused, pdl
     from edgevlm.runtime.kernels import w4a16_mma as mk
 
@@ -72,15 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cuda")
     t0 = time.perf_counter()
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    model, _, _ = build_models(args.model, device=dev, dtype=torch.bfloat16, max_seq_len=64, with_hf=False)
-    model.setup_caches(1, ((args.prompt + 64 + 255) // 256) * 256)
-    quantize_decoder_w4(model)
-    be = TorchBackend(model, max_batch_size=max(batches))
-    gen = torch.Generator(device=dev).manual_seed(0)
-    for layer in model.language_model.layers:
-        layer.self_attn.kv_cache.k.normal_(generator=gen)
-        layer.self_attn.kv_cache.v.normal_(generator=gen)
-    kv_len = be.kv_len_for(args.prompt + 1)
+    model, be, kv_len = w4_decode_model(args.model, dev, max(batches), args.prompt, 32)
     saved = (mk.PDL, pdl.MAX_ROWS, decode_fused.PDL, decode_fused.PDL_KERNELS)
     result = {"bench": "decode_pdl_check", "model": args.model, "gpu": torch.cuda.get_device_name(dev),
               "torch": torch.__version__, "kv_len": kv_len, "late_trigger_build": mk.lean_trigger_build(),

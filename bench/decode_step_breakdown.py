@@ -261,6 +261,27 @@ def _version(pkg: str) -> str | None:
         return None
 
 
+def w4_decode_model(name: str, dev, max_batch: int, prompt: int, new_tokens: int) -> tuple:
+    """``(model, backend, kv_len)``: benchmark model ``name`` (random weights, bf16) with its decoder linears RTN
+    W4A16 (group 128), a ``TorchBackend`` for up to ``max_batch`` rows (CUDA graphs), the bf16 KV cache filled with
+    random values (attention over real-looking keys, not zeros) and long enough for ``prompt + new_tokens`` (the
+    bench harness's length rule), and the KV bucket of a row at position ``prompt``."""
+    import torch
+
+    from edgevlm.quantize.bench_models import build_models, quantize_decoder_w4
+    from edgevlm.runtime.backends.torch_backend import TorchBackend
+
+    model, _, _ = build_models(name, device=dev, dtype=torch.bfloat16, max_seq_len=64, with_hf=False)
+    model.setup_caches(1, ((prompt + new_tokens + 16 + 255) // 256) * 256)
+    quantize_decoder_w4(model)
+    be = TorchBackend(model, max_batch_size=max_batch)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for layer in model.language_model.layers:
+        layer.self_attn.kv_cache.k.normal_(generator=gen)
+        layer.self_attn.kv_cache.v.normal_(generator=gen)
+    return model, be, be.kv_len_for(prompt + 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llava-7b")
@@ -284,8 +305,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from edgevlm.quantize.bench_measure import event_ms, wall_ms
-    from edgevlm.quantize.bench_models import build_models, quantize_decoder_w4
-    from edgevlm.runtime.backends.torch_backend import TorchBackend
     from edgevlm.runtime.kernels import decode_fused
     from edgevlm.runtime.kernels import w4a16_mma as mk
 
@@ -296,17 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     names = [v for v in args.variants.split(",") if v]
     t0 = time.perf_counter()
-    max_seq = ((args.prompt + args.new_tokens + 16 + 255) // 256) * 256  # the bench harness's cache length
-    model, _, _ = build_models(args.model, device=dev, dtype=torch.bfloat16, max_seq_len=64, with_hf=False)
-    model.setup_caches(1, max_seq)
-    quantize_decoder_w4(model)
-    be = TorchBackend(model, max_batch_size=max(batches))
+    model, be, kv_len = w4_decode_model(args.model, dev, max(batches), args.prompt, args.new_tokens)
     dec = model.language_model
-    gen = torch.Generator(device=dev).manual_seed(0)
-    for layer in dec.layers:  # attention over real-looking keys, not zeros
-        layer.self_attn.kv_cache.k.normal_(generator=gen)
-        layer.self_attn.kv_cache.v.normal_(generator=gen)
-    kv_len = be.kv_len_for(args.prompt + 1)
     build_s = time.perf_counter() - t0
     print(f"{args.model} W4A16 built in {build_s:.1f} s; fused decode {dec.fused_decode}; kv_len {kv_len}, "
           f"rows at position {args.prompt}", flush=True)

@@ -39,9 +39,6 @@ namespace edgevlm_w4a16 {
 
 // cp.async (sm_80+, PTX ISA 7.0): 16 bytes global -> shared through L2 only (.cg), 4 bytes through L1 (.ca);
 // one commit group per ring slot; wait until at most N of this thread's groups are pending.
-__device__ __forceinline__ uint32_t lean_smem_addr(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
@@ -52,16 +49,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ uint4 lean_lds128(uint32_t addr) {
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-    return v;
-}
-__device__ __forceinline__ uint32_t lean_lds32(uint32_t addr) {
-    uint32_t v;
-    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
-    return v;
 }
 
 // Bytes of one ring slot of the ASYNC ring: GT x 512 bytes of weights (lane-major 16-byte chunks) + 16 meta words.
@@ -113,7 +100,7 @@ w4a16_lean_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ met
     uint32_t mb[DEPTH][2];
     extern __shared__ __align__(16) unsigned char lean_ring[];
     constexpr int kSlot = async_slot_bytes<GT>();
-    const uint32_t ring = ASYNC ? lean_smem_addr(lean_ring) + warp * DEPTH * kSlot : 0u;
+    const uint32_t ring = ASYNC ? smem_addr(lean_ring) + warp * DEPTH * kSlot : 0u;
 #define EDGEVLM_LEAN_LOAD(SLOT)                                                                      \
     do {                                                                                             \
         if constexpr (ASYNC) {                                                                       \
@@ -164,9 +151,9 @@ w4a16_lean_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ met
                         __syncwarp();  // the meta words copied by the lanes t == 0 are visible to the warp
                         const uint32_t src = ring + s * kSlot;
 #pragma unroll
-                        for (int i = 0; i < GT; ++i) wv[i] = lean_lds128(src + i * 512 + lane * 16);
-                        m0 = lean_lds32(src + GT * 512 + 4 * g);
-                        m1 = lean_lds32(src + GT * 512 + 4 * (g + 8));
+                        for (int i = 0; i < GT; ++i) wv[i] = lds128(src + i * 512 + lane * 16);
+                        m0 = lds32(src + GT * 512 + 4 * g);
+                        m1 = lds32(src + GT * 512 + 4 * (g + 8));
                     } else {
 #pragma unroll
                         for (int i = 0; i < GT; ++i) wv[i] = wb[s][i];

@@ -162,14 +162,23 @@ def test_async_ring_entries_need_the_lean_build_and_fall_back(monkeypatch):
     assert mk.mma_config(1, 64, 128, 128) == ("reg", 4, 8, 1)  # the register ring has (4, 8)
     assert mk.mma_config(8, 64, 128, 128, bulk=True) == ("bulk", 8, 4, 1)  # the measured fallback
     assert mk.mma_config(16, 64, 128, 128) == ("reg", 16, 2, 1)
-    qw = quantize_int4(torch.randn(32, 256), 128)
-    packed, meta = repack_int4_mma(qw.qweight, qw.scales, qw.zeros, 128)
-    with pytest.raises(ValueError, match="mode must be 2"):
-        mk.w4a16_mma(torch.randn(1, 256).bfloat16(), packed, meta, 128, config=("async", 4, 8, 1), mode=0)
-    with pytest.raises(ValueError, match="serves M <= 16"):
-        mk.w4a16_mma(torch.randn(17, 256).bfloat16(), packed, meta, 128, config=("async", 4, 8, 1))
+    _check_lean_kind_errors(("async", 4, 8, 1), mode=0)
     with pytest.raises(ValueError, match="config must be"):
-        mk.w4a16_mma(torch.randn(1, 256).bfloat16(), packed, meta, 128, config=("async", 4, 2, 1))
+        mk.w4a16_mma(torch.randn(1, 256).bfloat16(), *_small_packed(), 128, config=("async", 4, 2, 1))
+
+
+def _small_packed() -> tuple:
+    qw = quantize_int4(torch.randn(32, 256), 128)
+    return repack_int4_mma(qw.qweight, qw.scales, qw.zeros, 128)
+
+
+def _check_lean_kind_errors(config: tuple, mode: int) -> None:
+    """The lean kernel's kinds refuse the x-sum fold / loads-only modes and more than 16 rows (before any launch)."""
+    packed, meta = _small_packed()
+    with pytest.raises(ValueError, match="mode must be 2"):
+        mk.w4a16_mma(torch.randn(1, 256).bfloat16(), packed, meta, 128, config=config, mode=mode)
+    with pytest.raises(ValueError, match="serves M <= 16"):
+        mk.w4a16_mma(torch.randn(17, 256).bfloat16(), packed, meta, 128, config=config)
 
 
 def test_lean_variant_is_the_default_and_its_table_entries_fall_back(monkeypatch):
@@ -185,12 +194,7 @@ def test_lean_variant_is_the_default_and_its_table_entries_fall_back(monkeypatch
     assert mk.mma_config(1, 64, 128, 128, lean=True) == ("lean", 16, 2, 1)
     assert mk.mma_config(1, 64, 128, 128) == ("reg", 16, 2, 1)  # not built here: the same schedule
     assert mk.mma_config(8, 64, 128, 128) == ("reg", *mk.DEFAULT_CONFIG)  # DEPTH 3 has no register-ring twin
-    qw = quantize_int4(torch.randn(32, 256), 128)
-    packed, meta = repack_int4_mma(qw.qweight, qw.scales, qw.zeros, 128)
-    with pytest.raises(ValueError, match="mode must be 2"):
-        mk.w4a16_mma(torch.randn(1, 256).bfloat16(), packed, meta, 128, config=("lean", 8, 2, 1), mode=1)
-    with pytest.raises(ValueError, match="serves M <= 16"):
-        mk.w4a16_mma(torch.randn(17, 256).bfloat16(), packed, meta, 128, config=("lean", 8, 2, 1))
+    _check_lean_kind_errors(("lean", 8, 2, 1), mode=1)
 
 
 def test_lean_late_trigger_is_built_for_sm90_and_newer(monkeypatch):
