@@ -719,7 +719,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-lean", action="store_true",
                     help="build and sweep without the lean variant (EDGEVLM_W4A16_LEAN=0)")
     ap.add_argument("--lean-trigger", action="store_true",
-                    help="also build the lean variant's late PDL trigger (EDGEVLM_W4A16_LEAN_TRIGGER=1, opt-in) and "
+                    help="also build the lean variant's late PDL trigger (EDGEVLM_W4A16_LEAN_TRIGGER=1; the default "
+                         "for sm_90+ builds anyway) and "
                          "time it beside the entry trigger (layers, chain, model)")
     ap.add_argument("--model-ab", type=int, default=1,
                     help="run the W4A16 model with PDL on and off this many times each, alternating")
@@ -800,7 +801,7 @@ def main(argv: list[str] | None = None) -> int:
                    build_s=round(build_s, 1), bulk_status=bulk,
                    date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
     pdl = props.major >= 9 and not args.no_pdl
-    lib_pdl = mk.PDL  # off unless EDGEVLM_W4A16_PDL=1; the sections below pass / set PDL themselves
+    lib_pdl = mk.PDL  # on unless EDGEVLM_W4A16_PDL=0; the sections below pass / set PDL themselves
     mk.PDL = pdl
     lean_trigger = "lean" in kinds and pdl and bool(getattr(mk.load_extension(dev), "lean_late_trigger", False))
     RESULTS["lean_trigger"] = lean_trigger

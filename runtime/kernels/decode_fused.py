@@ -36,9 +36,11 @@ the cache's torch quantization, and :func:`decode_attention` reads the e4m3 byte
 dequantized copy (half the bytes of a 16-bit cache per step). The launch parameters of :func:`decode_attention`
 come from :data:`ATTENTION_CONFIGS` (``bench/decode_attention_tune.py`` measures them).
 
-Programmatic dependent launch (opt-in, :data:`PDL` / ``EDGEVLM_DECODE_PDL=1``, sm_90+, :func:`pdl_ok`): every
-kernel here then waits for the previous grid at its very top and releases the next launch right after, so each
-launch overlaps the previous kernel's tail; off, the kernels compile and launch as without it.
+Programmatic dependent launch (on by default since session 11: :data:`PDL`, ``EDGEVLM_DECODE_PDL=0`` turns it
+off; where it applies, sm_90+ and decode steps of at most ``pdl.MAX_ROWS`` rows, is :func:`pdl_ok` /
+:func:`edgevlm.runtime.kernels.pdl.allowed`): every kernel here then waits for the previous grid at its very top and
+releases the next launch right after, so each launch overlaps the previous kernel's tail; off, the kernels compile
+and launch as without it.
 
 All statistics and products in fp32, one rounding on store. ``TRITON_INTERPRET=1`` runs them on
 CPU (fp16/fp32) for the tests; :mod:`edgevlm.runtime.decoder` uses them on CUDA (16-bit and fp8 KV caches

@@ -26,7 +26,8 @@
 // 64) it lost 2-4 %: 16 instead of 8 mma per item cost more than the 32 fma2 they replaced; where it grew
 // (down (16, 2): 64 -> 76 registers, one 512-thread CTA per SM instead of two) it lost up to a third.
 //
-// LATE_TRIGGER (opt-in build, -DEDGEVLM_W4A16_LEAN_TRIGGER / EDGEVLM_W4A16_LEAN_TRIGGER=1; NOT measured on a GPU):
+// LATE_TRIGGER (-DEDGEVLM_W4A16_LEAN_TRIGGER: built by default for sm_90+ since session 11, see
+// w4a16_mma.lean_trigger_build; EDGEVLM_W4A16_LEAN_TRIGGER=1 / 0 forces it either way):
 // under PDL the next kernel is released once every CTA has issued its last weight load (the ring's last refill)
 // instead of at entry. At entry, the next kernel's CTAs take SM slots while this grid's partial last wave still
 // runs; on the H200 the lean kernel gained less from PDL than the register ring and lost on some shapes
@@ -279,7 +280,7 @@ cudaError_t lean_launch_typed(const void* qw, const void* meta, const void* x, c
                                 static_cast<const uint16_t*>(x), bias, y, M, N, K, tiles_per_cta);
     }
 #else
-    if (late_trigger) return cudaErrorInvalidValue;  // not compiled in (opt-in build)
+    if (late_trigger) return cudaErrorInvalidValue;  // not compiled in (a build without -DEDGEVLM_W4A16_LEAN_TRIGGER)
 #endif
     auto kernel = w4a16_lean_kernel<BF16, MT, GT, KSPLIT, DEPTH, false, ASYNC>;
     if constexpr (ASYNC) {

@@ -64,8 +64,8 @@ torch::Tensor w4a16_mma(torch::Tensor x, torch::Tensor qw, torch::Tensor meta, s
 }
 
 #ifdef EDGEVLM_W4A16_LEAN
-// The lean register-ring variant (w4a16_lean.cu, opt-in build): same tensors and function as w4a16_mma (mode 2),
-// M <= 16; ksplit/depth a compiled pair of that file. late_trigger: release the PDL dependent after the last ring
+// The lean register-ring variant (w4a16_lean.cu; built unless EDGEVLM_W4A16_LEAN=0): same tensors and function as
+// w4a16_mma (mode 2), M <= 16; ksplit/depth a compiled pair of that file. late_trigger: release the PDL dependent after the last ring
 // refill instead of at entry (only in a build with -DEDGEVLM_W4A16_LEAN_TRIGGER; else the launch fails).
 // async_ring: the ring of weight loads in shared memory, filled by cp.async (depth = slots per warp).
 torch::Tensor w4a16_lean(torch::Tensor x, torch::Tensor qw, torch::Tensor meta, std::optional<torch::Tensor> bias,

@@ -452,7 +452,7 @@ def test_cuda_lean_kernel_at_extreme_zero_points_and_offset_activations(m, g, dt
 @needs_cuda
 @pytest.mark.parametrize("m", [1, 9, 16])
 def test_cuda_lean_late_trigger_gives_the_same_outputs_and_keeps_the_dependency(m):
-    """The opt-in late PDL trigger (EDGEVLM_W4A16_LEAN_TRIGGER=1 build) moves only when the next kernel may start:
+    """The late PDL trigger (built by default for sm_90+, EDGEVLM_W4A16_LEAN_TRIGGER=1 elsewhere) moves only when the next kernel may start:
     every lean configuration gives the bit-identical output with it, NaN-poisoned outputs are all written, and a
     chain whose every call reads the previous call's output (plain torch kernels between some) is bit-equal to
     ordinary launches, eagerly and in a CUDA graph."""
