@@ -503,15 +503,20 @@ class Int4Linear(nn.Module):
         if path == "mma":
             from edgevlm.runtime.kernels.w4a16_mma import w4a16_mma
 
+            # a layout repacked here and now was written by this stream's last kernels, and the kernel reads the
+            # weights before its PDL wait (griddepcontrol.wait is where the previous grid's writes are guaranteed
+            # visible; runtime/kernels/pdl.py): that first call launches plainly
+            fresh = self._mma_cache is None or self._mma_cache[0] != self.qweight.device
+            pdl = False if fresh else None
             qw, meta, bias = self._mma_tensors()
             xa = (x2 if x2.dtype in (torch.bfloat16, torch.float16) else x2.to(torch.bfloat16)).contiguous()
             m, top = xa.shape[0], mma_max_rows(xa.device)
             if m <= top:
-                y = w4a16_mma(xa, qw, meta, self.group_size, bias)
+                y = w4a16_mma(xa, qw, meta, self.group_size, bias, pdl=pdl)
             else:  # up to MMA_MAX_CALLS launches over equal row blocks of at most `top` rows
                 calls = -(-m // top)
                 step = -(-m // calls)
-                y = torch.cat([w4a16_mma(xa[r:r + step], qw, meta, self.group_size, bias)
+                y = torch.cat([w4a16_mma(xa[r:r + step], qw, meta, self.group_size, bias, pdl=pdl)
                                for r in range(0, m, step)])
             return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # (..., N)
         if path == "cuda_dequant":

@@ -17,6 +17,14 @@ Why :data:`MAX_ROWS` = 8 (H200, LLaVA-1.5-7B-shape W4A16 decode step at position
 each (``bench/decode_pdl_check.py``), but 3.879 -> 4.030 ms at batch 16 (slower) and, at batch 32, where the W4A16
 products run on the sm_90 bulk-copy kernel, replays differed from each other (rel 0.03-0.05 in the logits; not
 explained yet: each module alone, and the W4A16 kernels with only up to 16 rows, were bit-identical).
+
+``rows`` is the launch's own row count, whatever the phase: a W4A16 product of at most :data:`MAX_ROWS` rows outside
+a decode step (a prefill chunk, a short vision or speculative batch through ``Int4Linear``) is a programmatic
+dependent too. That is as safe as in the decode step: every kernel launched so (the W4A16 register / lean / bulk
+kernels, the Triton decode kernels) reads nothing but its weights and writes nothing before its
+``griddepcontrol.wait``, and a plainly launched kernel after it waits for it to finish, as always. The one input read
+before the wait, the weights, must not come from the kernel right before: ``Int4Linear`` launches plainly on the call
+that repacks its layout. What is not measured there is the gain.
 """
 
 from __future__ import annotations
@@ -57,9 +65,10 @@ def capable(device: torch.device | str) -> bool:
 
 
 def allowed(device: torch.device | str, rows: int | None) -> bool:
-    """Whether a launch over ``rows`` activation rows (the decode batch; None: not a decode launch, e.g. the
-    prefill's dequantization) on ``device`` may be a programmatic dependent: :func:`mode` not ``off``,
-    :func:`capable`, and under ``auto`` ``rows <= MAX_ROWS`` (never for ``rows=None``)."""
+    """Whether a launch over ``rows`` activation rows (the launch's own rows: the decode batch in a decode step, a
+    chunk's rows elsewhere, see the module docstring; None: a launch without rows, e.g. the prefill's
+    dequantization) on ``device`` may be a programmatic dependent: :func:`mode` not ``off``, :func:`capable`, and
+    under ``auto`` ``rows <= MAX_ROWS`` (never for ``rows=None``)."""
     m = mode()
     if m == "off" or not capable(device):
         return False
