@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     model, be, kv_len = w4_decode_model(args.model, dev, max(batches), args.prompt, 32)
     saved = (mk.PDL, pdl.MAX_ROWS, decode_fused.PDL, decode_fused.PDL_KERNELS)
     result = {"bench": "decode_pdl_check", "model": args.model, "gpu": torch.cuda.get_device_name(dev),
-              "torch": torch.__version__, "kv_len": kv_len, "late_trigger_build": mk.lean_trigger_build(),
+              "torch": torch.__version__, "kv_len": kv_len, "late_trigger_build": bool(getattr(mk.load_extension(dev), "lean_late_trigger", False)),
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": []}
     base: dict[int, torch.Tensor] = {}
     try:
