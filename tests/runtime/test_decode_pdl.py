@@ -227,12 +227,21 @@ def test_kernels_compile_with_and_without_gdc_for_sm90(act):
             assert first is not None and launch < first.start(), (name, ptx[first.start():first.start() + 80])
 
 
-def _bench_module():
-    spec = importlib.util.spec_from_file_location("decode_step_breakdown", REPO / "bench" / "decode_step_breakdown.py")
+def _load_bench(name: str, monkeypatch=None, *, register: bool = False):
+    """``bench/<name>.py`` as a module; ``monkeypatch``: with ``bench/`` on ``sys.path`` (as when it runs as a
+    script); ``register``: in ``sys.modules`` while it runs (a dataclass looks its module up while defined)."""
+    if monkeypatch is not None:
+        monkeypatch.syspath_prepend(str(REPO / "bench"))
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclass looks its module up while it is defined
+    if register:
+        sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def _bench_module():
+    return _load_bench("decode_step_breakdown", register=True)
 
 
 @pytest.mark.parametrize("name", ["before", "nomask", "after", "after_pdl", "after_w4head", "nomask_pdl",
@@ -296,20 +305,14 @@ def test_w4a16_bench_loads_the_breakdown_module(monkeypatch):
     """bench/w4a16_kernel.py's model section loads decode_step_breakdown by path (its ``variant`` switches); the
     module defines a dataclass, which needs the module registered before it runs (it failed on the H200 on 12-02,
     session 11, before the loader did)."""
-    monkeypatch.syspath_prepend(str(REPO / "bench"))  # as when it runs as a script
-    spec = importlib.util.spec_from_file_location("w4a16_kernel_under_test", REPO / "bench" / "w4a16_kernel.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _load_bench("w4a16_kernel", monkeypatch)  # not registered: its own loader must do it
     bd = bench.breakdown()
     assert callable(bd.variant) and bd is bench.breakdown()
 
 
 def test_pdl_check_settings_parse(monkeypatch):
     """bench/decode_pdl_check.py's settings: none, w4, triton and single Triton kernels joined by '+'."""
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    spec = importlib.util.spec_from_file_location("decode_pdl_check", REPO / "bench" / "decode_pdl_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load_bench("decode_pdl_check", monkeypatch)
     assert mod.parse_setting("none") == (False, frozenset(), False, None)
     assert mod.parse_setting("w4") == (True, frozenset(), False, None)
     assert mod.parse_setting("triton") == (False, None, True, None)
