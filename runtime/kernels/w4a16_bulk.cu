@@ -269,13 +269,9 @@ template <bool BF16, int MT, int GT, int WARPS, int STAGES, bool ZX>
 cudaError_t bulk_launch_typed(const void* qw, const void* meta, const void* x, const float* bias, void* y, int M, int N,
                               int K, int tiles_per_cta, bool pdl, cudaStream_t stream) {
     using S = BulkSmem<MT, GT, WARPS, STAGES>;
-    auto kernel = w4a16_bulk_kernel<BF16, MT, GT, WARPS, STAGES, ZX>;
-    static bool attr_set = false;  // per instantiation; racing first calls set the same value
-    if (!attr_set) {
-        const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSmemLimit);
-        if (err != cudaSuccess) return err;
-        attr_set = true;
-    }
+    constexpr auto kernel = w4a16_bulk_kernel<BF16, MT, GT, WARPS, STAGES, ZX>;
+    const cudaError_t err = opt_in_dynamic_smem<kernel>(kBulkSmemLimit);
+    if (err != cudaSuccess) return err;
     const int groups = K / (GT * 64);
     const int bytes = S::kBytes + (ZX ? WARPS * ((groups + WARPS - 1) / WARPS) * kZxMaxM * 4 : 0);
     if (bytes > kBulkSmemLimit) return cudaErrorInvalidValue;

@@ -3,6 +3,7 @@
 // mma.m16n8k16 wrapper, streaming loads, the bf16/fp16 store. No torch header.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -196,6 +197,22 @@ __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
     uint32_t v;
     asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
     return v;
+}
+
+// Opt Kernel into `bytes` (> 48 KB) of dynamic shared memory on the current device, once per (kernel, device):
+// cudaFuncSetAttribute applies to the current device only, so a flag per kernel alone would leave a second GPU
+// at the 48 KB default (its launches then fail). Devices 0..63 are remembered; others set it at every call.
+template <auto Kernel>
+cudaError_t opt_in_dynamic_smem(int bytes) {
+    static std::atomic<unsigned long long> done{0};
+    int dev = 0;
+    cudaError_t err = cudaGetDevice(&dev);
+    if (err != cudaSuccess) return err;
+    const unsigned long long bit = dev >= 0 && dev < 64 ? 1ull << dev : 0ull;
+    if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
+    err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (err == cudaSuccess) done.fetch_or(bit, std::memory_order_acq_rel);
+    return err;
 }
 
 // (a & b) | c in one LOP3 (the compiler splits it in two when b and c are both immediates).

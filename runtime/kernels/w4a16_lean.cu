@@ -265,15 +265,10 @@ cudaError_t lean_launch_typed(const void* qw, const void* meta, const void* x, c
     const size_t smem = ASYNC ? static_cast<size_t>(KSPLIT) * DEPTH * async_slot_bytes<GT>() : 0;
 #ifdef EDGEVLM_W4A16_LEAN_TRIGGER
     if (late_trigger) {
-        auto kernel = w4a16_lean_kernel<BF16, MT, GT, KSPLIT, DEPTH, true, ASYNC>;
+        constexpr auto kernel = w4a16_lean_kernel<BF16, MT, GT, KSPLIT, DEPTH, true, ASYNC>;
         if constexpr (ASYNC) {
-            static bool attr_set = false;  // per instantiation; racing first calls set the same value
-            if (!attr_set) {
-                const cudaError_t err =
-                    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-                if (err != cudaSuccess) return err;
-                attr_set = true;
-            }
+            const cudaError_t err = opt_in_dynamic_smem<kernel>(static_cast<int>(smem));
+            if (err != cudaSuccess) return err;
         }
         return launch_maybe_pdl(kernel, dim3(grid), dim3(KSPLIT * 32), smem, stream, pdl,
                                 static_cast<const uint4*>(qw), static_cast<const uint32_t*>(meta),
@@ -282,15 +277,10 @@ cudaError_t lean_launch_typed(const void* qw, const void* meta, const void* x, c
 #else
     if (late_trigger) return cudaErrorInvalidValue;  // not compiled in (a build without -DEDGEVLM_W4A16_LEAN_TRIGGER)
 #endif
-    auto kernel = w4a16_lean_kernel<BF16, MT, GT, KSPLIT, DEPTH, false, ASYNC>;
+    constexpr auto kernel = w4a16_lean_kernel<BF16, MT, GT, KSPLIT, DEPTH, false, ASYNC>;
     if constexpr (ASYNC) {
-        static bool attr_set = false;
-        if (!attr_set) {
-            const cudaError_t err =
-                cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-            if (err != cudaSuccess) return err;
-            attr_set = true;
-        }
+        const cudaError_t err = opt_in_dynamic_smem<kernel>(static_cast<int>(smem));
+        if (err != cudaSuccess) return err;
     }
     return launch_maybe_pdl(kernel, dim3(grid), dim3(KSPLIT * 32), smem, stream, pdl, static_cast<const uint4*>(qw),
                             static_cast<const uint32_t*>(meta), static_cast<const uint16_t*>(x), bias, y, M, N, K,
