@@ -257,34 +257,34 @@ w4a16_lean_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ met
 #undef EDGEVLM_LEAN_LOAD
 }
 
-template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH, bool ASYNC = false>
-cudaError_t lean_launch_typed(const void* qw, const void* meta, const void* x, const float* bias, void* y, int M,
-                              int N, int K, int tiles_per_cta, bool pdl, bool late_trigger, cudaStream_t stream) {
-    const int tiles = N / 16;
-    const int grid = (tiles + tiles_per_cta - 1) / tiles_per_cta;
+// One lean instance: the dynamic shared memory of its cp.async ring opted into first (ASYNC), then the launch.
+template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH, bool LATE_TRIGGER, bool ASYNC>
+cudaError_t lean_launch_instance(const void* qw, const void* meta, const void* x, const float* bias, void* y, int M,
+                                 int N, int K, int tiles_per_cta, bool pdl, cudaStream_t stream) {
+    constexpr auto kernel = w4a16_lean_kernel<BF16, MT, GT, KSPLIT, DEPTH, LATE_TRIGGER, ASYNC>;
     const size_t smem = ASYNC ? static_cast<size_t>(KSPLIT) * DEPTH * async_slot_bytes<GT>() : 0;
-#ifdef EDGEVLM_W4A16_LEAN_TRIGGER
-    if (late_trigger) {
-        constexpr auto kernel = w4a16_lean_kernel<BF16, MT, GT, KSPLIT, DEPTH, true, ASYNC>;
-        if constexpr (ASYNC) {
-            const cudaError_t err = opt_in_dynamic_smem<kernel>(static_cast<int>(smem));
-            if (err != cudaSuccess) return err;
-        }
-        return launch_maybe_pdl(kernel, dim3(grid), dim3(KSPLIT * 32), smem, stream, pdl,
-                                static_cast<const uint4*>(qw), static_cast<const uint32_t*>(meta),
-                                static_cast<const uint16_t*>(x), bias, y, M, N, K, tiles_per_cta);
-    }
-#else
-    if (late_trigger) return cudaErrorInvalidValue;  // not compiled in (a build without -DEDGEVLM_W4A16_LEAN_TRIGGER)
-#endif
-    constexpr auto kernel = w4a16_lean_kernel<BF16, MT, GT, KSPLIT, DEPTH, false, ASYNC>;
     if constexpr (ASYNC) {
         const cudaError_t err = opt_in_dynamic_smem<kernel>(static_cast<int>(smem));
         if (err != cudaSuccess) return err;
     }
+    const int grid = (N / 16 + tiles_per_cta - 1) / tiles_per_cta;
     return launch_maybe_pdl(kernel, dim3(grid), dim3(KSPLIT * 32), smem, stream, pdl, static_cast<const uint4*>(qw),
                             static_cast<const uint32_t*>(meta), static_cast<const uint16_t*>(x), bias, y, M, N, K,
                             tiles_per_cta);
+}
+
+template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH, bool ASYNC = false>
+cudaError_t lean_launch_typed(const void* qw, const void* meta, const void* x, const float* bias, void* y, int M,
+                              int N, int K, int tiles_per_cta, bool pdl, bool late_trigger, cudaStream_t stream) {
+#ifdef EDGEVLM_W4A16_LEAN_TRIGGER
+    if (late_trigger)
+        return lean_launch_instance<BF16, MT, GT, KSPLIT, DEPTH, true, ASYNC>(qw, meta, x, bias, y, M, N, K,
+                                                                             tiles_per_cta, pdl, stream);
+#else
+    if (late_trigger) return cudaErrorInvalidValue;  // not compiled in (a build without -DEDGEVLM_W4A16_LEAN_TRIGGER)
+#endif
+    return lean_launch_instance<BF16, MT, GT, KSPLIT, DEPTH, false, ASYNC>(qw, meta, x, bias, y, M, N, K,
+                                                                          tiles_per_cta, pdl, stream);
 }
 
 template <bool BF16, int MT, int GT>
