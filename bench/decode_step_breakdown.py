@@ -44,7 +44,9 @@ order and combination (e.g. ``nomask_pdlall_norm16``; :func:`parse_variant`):
 * ``normN`` -- :func:`~edgevlm.runtime.kernels.decode_fused.add_rms_norm` with ``N`` warps per row (``norm4``,
   ``norm16``; ``decode_fused.ADD_RMS_NORM_WARPS``; the default is 16 from 4096 columns, 4 below),
 * ``w4head`` -- an RTN W4A16 ``lm_head`` (a what-if: other logits),
-* ``split16`` -- the 16-way key split at every batch size.
+* ``split16`` -- the 16-way key split at every batch size,
+* ``ungated`` -- the fused gate/up projections without the W4A16 gated-MLP epilogue (the plain kernel, then the
+  SiLU*up kernel; the library's default since session 13 applies ``act(gate) * up`` in the matmul's epilogue).
 
 Every switch is restored when the variant's captures are done.
 
@@ -133,12 +135,13 @@ class Variant:
     w4head: bool = False
     split16: bool = False
     norm_warps: int | None = None
+    ungated: bool = False
 
 
 def parse_variant(name: str) -> Variant:
     """The :class:`Variant` of a name ``base[_suffix]...`` (module docstring: bases ``before`` / ``nomask`` /
-    ``after``; suffixes ``nopdl``, ``pdl``, ``pdlall``, ``normN`` with ``N`` a power of two 1..32, ``w4head``, ``split16``, in
-    any order). Raises ``ValueError`` for another base, an unknown or repeated suffix, or a bad warp count."""
+    ``after``; suffixes ``nopdl``, ``pdl``, ``pdlall``, ``normN`` with ``N`` a power of two 1..32, ``w4head``, ``split16``,
+    ``ungated``, in any order). Raises ``ValueError`` for another base, an unknown or repeated suffix, or a bad warp count."""
     base, *suffixes = name.split("_")
     if base not in BASES:
         raise ValueError(f"variant {name!r}: the base must be one of {', '.join(BASES)}, got {base!r}")
@@ -159,13 +162,16 @@ def parse_variant(name: str) -> Variant:
             opts["w4head"] = True
         elif suffix == "split16":
             opts["split16"] = True
+        elif suffix == "ungated":
+            opts["ungated"] = True
         elif norm:
             warps = int(norm.group(1))
             if warps < 1 or warps > 32 or warps & (warps - 1) or "norm_warps" in opts:
                 raise ValueError(f"variant {name!r}: normN needs one power of two N in 1..32, got {suffix!r}")
             opts["norm_warps"] = warps
         else:
-            raise ValueError(f"variant {name!r}: unknown suffix {suffix!r} (nopdl, pdl, pdlall, normN, w4head, split16)")
+            raise ValueError(f"variant {name!r}: unknown suffix {suffix!r} (nopdl, pdl, pdlall, normN, w4head, split16, "
+                             "ungated)")
     return Variant(base, **opts)
 
 
@@ -177,7 +183,8 @@ def variant(name: str, dec=None):
     ``_pdl``: only the W4A16 kernels launched as programmatic dependents (``w4a16_mma.PDL``); ``_pdlall``: those
     and the fused decode step's Triton kernels (``decode_fused.PDL``) at every batch size (``pdl.MAX_ROWS``); ``_normN``:
     ``decode_fused.ADD_RMS_NORM_WARPS = N``; ``_w4head``: ``dec``'s bf16 ``lm_head`` replaced by an RTN W4A16
-    ``Int4Linear`` (group 128; other logits: a what-if for bundles whose head is quantized). Switches a variant
+    ``Int4Linear`` (group 128; other logits: a what-if for bundles whose head is quantized); ``_ungated``: ``dec``'s
+    gated gate/up projections unmarked (``Int4Linear.set_gated(None)``, re-marked after). Switches a variant
     does not name keep their values (the environment's). Raises ``ValueError`` for a bad name, before changing
     anything."""
     v = parse_variant(name)
@@ -187,6 +194,12 @@ def variant(name: str, dec=None):
     saved = (decode_fused.FUSED_ATTENTION, decode_fused.ATTENTION_CTA_BUDGET, decode_fused.PDL,
              decode_fused.ADD_RMS_NORM_WARPS, mk.PDL, pdl.MAX_ROWS)
     head = None
+    gated = {}
+    if v.ungated:
+        gated = {layer.mlp.gate_up_proj: layer.mlp.gate_up_proj.gated_act for layer in dec.layers
+                 if getattr(layer.mlp.gate_up_proj, "gated_act", None) is not None}
+        for mod in gated:
+            mod.set_gated(None)
     decode_fused.FUSED_ATTENTION = v.base == "after"
     if v.split16:  # decode_attention's schedule before 2026-12-02: 16 key splits at any batch
         decode_fused.ATTENTION_CTA_BUDGET = 1 << 30
@@ -211,6 +224,8 @@ def variant(name: str, dec=None):
     finally:
         (decode_fused.FUSED_ATTENTION, decode_fused.ATTENTION_CTA_BUDGET, decode_fused.PDL,
          decode_fused.ADD_RMS_NORM_WARPS, mk.PDL, pdl.MAX_ROWS) = saved
+        for mod, act in gated.items():
+            mod.set_gated(act)
         if head is not None:
             dec.lm_head = head
 
@@ -378,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
                 # what the launches used (a _pdlall variant on a GPU / Triton without PDL runs plain launches)
                 run["pdl"] = {"w4a16": mk.pdl_ok(dev, b), "decode": decode_fused.pdl_ok(dev, b)}
                 run["add_rms_norm_warps"] = decode_fused.add_rms_norm_warps(dec.cfg.hidden_size)
+                run["gated_mlp"] = any(getattr(layer.mlp.gate_up_proj, "gated_act", None) for layer in dec.layers)
                 run["kernels"] = round(sum(v["kernels"] for v in run["groups"].values()), 1)
                 if b == 1 and tpot.get(name):
                     run["tpot_ms"] = round(statistics.median(tpot[name]), 4)

@@ -671,8 +671,12 @@ class Decoder(nn.Module):
         (q/k norm and a ``rope_offset`` are fused too, and Gemma 3's configuration: unit-offset and
         sandwich norms, attention scale, sliding / full layers with their own RoPE tables); every KV
         cache precision (:meth:`_fused_attention` says how each is attended); steps with ``rope``
-        tables run the layer loop. Returns whether the fused path is now on."""
-        from edgevlm.runtime.kernels import kernels_usable
+        tables run the layer loop. With the fused path on, each fused W4A16 gate/up projection is marked gated
+        (:meth:`~edgevlm.runtime.int4.Int4Linear.set_gated`, where ``w4a16_mma.GATED`` is on and its rows allow) so
+        the step applies ``act(gate) * up`` in that matmul's epilogue; off, unmarked. Returns whether the fused path
+        is now on."""
+        from edgevlm.runtime.int4 import Int4Linear
+        from edgevlm.runtime.kernels import kernels_usable, w4a16_mma
         from edgevlm.runtime.kernels.decode_fused import GATED_ACTS
 
         ok = enabled and len(self.layers) > 0 and kernels_usable(self.embed_tokens.weight.device) \
@@ -680,6 +684,11 @@ class Decoder(nn.Module):
             and all(layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
                     and isinstance(layer.self_attn.kv_cache, KVCache) for layer in self.layers)
         self.fused_decode = bool(ok)
+        for layer in self.layers:
+            gu = layer.mlp.gate_up_proj
+            if isinstance(gu, Int4Linear):
+                gated = self.fused_decode and w4a16_mma.GATED and gu.out_features % 16 == 0
+                gu.set_gated(layer.mlp.act if gated else None)
         return self.fused_decode
 
     def _fused_decode(self, embeds: torch.Tensor, pos: torch.Tensor, kv_len: int,
@@ -814,13 +823,22 @@ class Decoder(nn.Module):
             x, h = add_rms_norm(x, o, pre.weight, pre.eps, unit_offset=unit, delta_weight=post.weight,
                                 delta_eps=post.eps)
             post = layer.post_feedforward_layernorm
-            mlp = layer.mlp.down_proj(gated_act(layer.mlp.gate_up_proj(h), layer.mlp.act))
+            mlp = layer.mlp.down_proj(self._gate_up_act(layer.mlp, h, gated_act))
             return add_rms_norm(x, mlp, nxt.weight, nxt.eps, unit_offset=unit, delta_weight=post.weight,
                                 delta_eps=post.eps)
         x, h = add_rms_norm(x, o, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
                             unit_offset=unit)
-        return add_rms_norm(x, layer.mlp.down_proj(gated_act(layer.mlp.gate_up_proj(h), layer.mlp.act)),
+        return add_rms_norm(x, layer.mlp.down_proj(self._gate_up_act(layer.mlp, h, gated_act)),
                             nxt.weight, nxt.eps, unit_offset=unit)
+
+    @staticmethod
+    def _gate_up_act(mlp, h: torch.Tensor, gated_act) -> torch.Tensor:
+        """``act(gate) * up`` of the fused gate/up projection for ``h (B, D)``: in the W4A16 launch's epilogue where
+        it applies (``Int4Linear.gated_ready``), else the projection and ``gated_act``'s kernel. ``(B, I)``."""
+        gu = mlp.gate_up_proj
+        if getattr(gu, "gated_act", None) is not None and gu.gated_ready(h):
+            return gu.forward_gated(h)
+        return gated_act(gu(h), mlp.act)
 
     def decode_step(self, token_ids: torch.Tensor, input_pos: torch.Tensor, kv_len: int,
                     rope_offset: int | torch.Tensor = 0) -> torch.Tensor:

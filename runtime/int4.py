@@ -52,6 +52,7 @@ from edgevlm.runtime.int4_format import (  # noqa: F401  (re-exported: the canon
     compute_qparams,
     dequantize_int4,
     fake_quantize_int4,
+    gated_row_order,
     mma_layout_shapes,
     pack_int4,
     quantize_codes,
@@ -363,6 +364,7 @@ class Int4Linear(nn.Module):
         )
         self._kernel_cache: tuple | None = None
         self._mma_cache: tuple | None = None
+        self.gated_act: str | None = None  # a fused gate/up projection of this activation (set_gated)
 
     @classmethod
     def from_int4(
@@ -464,14 +466,66 @@ class Int4Linear(nn.Module):
 
     def _mma_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(qw, meta, bias float32)`` of the mma layout, derived once per device (layout version
-        ``MMA_LAYOUT_VERSION``)."""
+        ``MMA_LAYOUT_VERSION``); for a gated projection (:meth:`set_gated`) of the rows in
+        :func:`~edgevlm.runtime.int4_format.gated_row_order`."""
         cache = self._mma_cache
         if cache is None or cache[0] != self.qweight.device:
-            qw, meta = repack_int4_mma(self.qweight, self.scales, self.zeros, self.group_size)
-            bias = self.bias.to(torch.float32).contiguous() if self.bias is not None else None
+            qweight, scales, zeros, bias = self.qweight, self.scales, self.zeros, self.bias
+            if self.gated_act is not None:
+                order = gated_row_order(self.out_features, qweight.device)
+                qweight, scales, zeros = qweight[order], scales[order], zeros[order]
+                bias = bias[order] if bias is not None else None
+            qw, meta = repack_int4_mma(qweight, scales, zeros, self.group_size)
+            bias = bias.to(torch.float32).contiguous() if bias is not None else None
             cache = (self.qweight.device, qw, meta, bias)
             self._mma_cache = cache
         return cache[1], cache[2], cache[3]
+
+    def set_gated(self, act: str | None) -> None:
+        """Mark this layer as a fused gate/up projection (rows ``[gate | up]``, 2 I of them) whose decode launches may
+        apply ``act`` and the product in the W4A16 kernel's epilogue (:meth:`forward_gated`), or unmark it (None).
+        Its mma layout then holds the rows in :func:`~edgevlm.runtime.int4_format.gated_row_order` (re-derived on the
+        next call; a stored bundle layout is dropped, and :meth:`set_mma_layout` unmarks it again);
+        :meth:`forward` still returns ``[gate | up]``. Raises ``ValueError`` for another activation than
+        ``decode_fused.GATED_ACTS`` or rows that are not a multiple of 16."""
+        if act is not None:
+            from edgevlm.runtime.kernels.decode_fused import GATED_ACTS
+
+            if act not in GATED_ACTS:
+                raise ValueError(f"set_gated: activation {act!r} is not one of {', '.join(GATED_ACTS)}")
+            if self.out_features % 16:
+                raise ValueError(f"a gated projection needs 2 x a multiple of 8 rows, got {self.out_features}")
+        if act != self.gated_act:
+            self.gated_act = act
+            self._mma_cache = None
+
+    def gated_ready(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`forward_gated` runs ``x (..., in_features)`` through the W4A16 kernel's gated epilogue: a
+        gated layer (:meth:`set_gated`), the tensor-core path for these rows, no ``input_scale``, and
+        ``w4a16_mma.gated_ok``."""
+        if self.gated_act is None or self.input_scale is not None or x.device.type != "cuda":
+            return False
+        m = x.numel() // self.in_features
+        if self.execution_path(m, x.device) != "mma":
+            return False
+        from edgevlm.runtime.kernels.w4a16_mma import gated_ok
+
+        return gated_ok(x.device, m, self.gated_act)
+
+    def forward_gated(self, x: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up`` of a gated projection (:meth:`set_gated`) in one W4A16 launch: ``x (..., in_features)``
+        bf16/fp16 -> ``(..., out_features / 2)`` in ``x.dtype`` (fp32 gate and up, one rounding). Only where
+        :meth:`gated_ready` says so; raises ``ValueError`` otherwise."""
+        if not self.gated_ready(x):
+            raise ValueError("forward_gated: not a gated layer on the W4A16 tensor-core path for this input "
+                             "(see gated_ready)")
+        from edgevlm.runtime.kernels.w4a16_mma import w4a16_mma_gated
+
+        fresh = self._mma_cache is None or self._mma_cache[0] != self.qweight.device  # as in forward: plain launch
+        qw, meta, bias = self._mma_tensors()
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        y = w4a16_mma_gated(x2, qw, meta, self.group_size, self.gated_act, bias, pdl=False if fresh else None)
+        return y.reshape(*x.shape[:-1], self.out_features // 2)
 
     def set_mma_layout(self, qw: torch.Tensor, meta: torch.Tensor) -> None:
         """Use ``(qw, meta)``, a stored copy of :func:`repack_int4_mma`'s output for this layer (layout
@@ -491,6 +545,7 @@ class Int4Linear(nn.Module):
                                  f"{self.in_features}, group_size {self.group_size}) needs torch.int32 {want}")
         dev = self.qweight.device
         bias = self.bias.to(torch.float32).contiguous() if self.bias is not None else None
+        self.gated_act = None  # the stored copy is in the canonical row order
         self._mma_cache = (dev, qw.to(dev).contiguous(), meta.to(dev).contiguous(), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -518,6 +573,8 @@ class Int4Linear(nn.Module):
                 step = -(-m // calls)
                 y = torch.cat([w4a16_mma(xa[r:r + step], qw, meta, self.group_size, bias, pdl=pdl)
                                for r in range(0, m, step)])
+            if self.gated_act is not None:  # the layout's rows are in gated_row_order: back to [gate | up]
+                y = torch.empty_like(y).index_copy_(1, gated_row_order(self.out_features, y.device), y)
             return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # (..., N)
         if path == "cuda_dequant":
             return _prefill_matmul(x2.contiguous(), self).reshape(*x.shape[:-1], self.out_features)  # (..., N)

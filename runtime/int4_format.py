@@ -246,6 +246,19 @@ def repack_int4_mma(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     return qw, meta
 
 
+def gated_row_order(out_features: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Row order of a fused gate/up weight (``out_features`` = 2 I rows: gate channels ``0..I-1``, then up) for the
+    W4A16 kernel's gated-MLP epilogue: int64 ``(2 I,)``, entry ``r`` is the canonical row that goes to row ``r``.
+    Each 16-row tile ``j`` takes gate rows ``8j .. 8j + 7`` then up rows ``I + 8j .. I + 8j + 7``, so the mma rows
+    ``g`` and ``g + 8`` of a tile (one lane's accumulators) are a gate channel and its up partner. Raises
+    ``ValueError`` unless ``out_features`` is a multiple of 16."""
+    if out_features % 16:
+        raise ValueError(f"the gated row order needs out_features % 16 == 0 (2 x a multiple of 8), got {out_features}")
+    inter = out_features // 2
+    gate = torch.arange(inter, device=device).reshape(-1, 8)  # (I/8, 8)
+    return torch.cat([gate, gate + inter], dim=1).reshape(-1)
+
+
 def unpack_int4_mma(qw: torch.Tensor, meta: torch.Tensor, group_size: int) -> Int4Weight:
     """Inverse of :func:`repack_int4_mma`: the canonical ``Int4Weight`` (exact)."""
     nt, kb = int(qw.shape[0]), int(qw.shape[1])

@@ -34,6 +34,13 @@
 // (bench/results/w4a16_kernel_h200_20261202.md). Only the release point moves: the arithmetic, the order and the
 // outputs are the same (bit-identical).
 
+// GATED (the fused gate/up projection of a gated MLP, SwiGLU / GeGLU): the weight's rows come interleaved per 16-row
+// tile (rows 0-7 of tile j are gate channels 8j..8j+7, rows 8-15 the up channels of the same indices;
+// int4_format.gated_row_order), so the lane that holds a gate output (mma rows g) holds its up partner too (rows
+// g + 8), and the epilogue writes act(gate) * up, (M, N / 2), in fp32 from the fp32 sums (+ bias) with one rounding:
+// the separate SiLU*up kernel and the (M, N) intermediate are gone. act: 0 SiLU, 1 tanh-approximated GELU, each
+// computed as g * sigmoid(.) (decode_fused.gated_act's formulas). Same loads and mma as the plain kernel.
+
 #include "w4a16_common.cuh"
 
 namespace edgevlm_w4a16 {
@@ -58,10 +65,18 @@ __host__ __device__ constexpr int async_slot_bytes() {
     return GT * 512 + 64;
 }
 
-template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH, bool LATE_TRIGGER = false, bool ASYNC = false>
+// act(gate) * up of the GATED epilogue (act 0: SiLU, else the tanh-approximated GELU), fp32.
+__device__ __forceinline__ float gated_value(float gate, float up, int act) {
+    const float z = act == 0 ? gate : 1.5957691216057308f * (gate + 0.044715f * gate * gate * gate);  // 2 sqrt(2/pi)
+    return gate / (1.f + __expf(-z)) * up;
+}
+
+template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH, bool LATE_TRIGGER = false, bool ASYNC = false,
+          bool GATED = false>
 __global__ void __launch_bounds__(KSPLIT * 32)
 w4a16_lean_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ meta, const uint16_t* __restrict__ x,
-                  const float* __restrict__ bias, void* __restrict__ y, int M, int N, int K, int tiles_per_cta) {
+                  const float* __restrict__ bias, void* __restrict__ y, int M, int N, int K, int tiles_per_cta,
+                  int act) {
     using M16 = Magic<BF16>;
     if constexpr (!LATE_TRIGGER) grid_dep_launch();  // PDL: the next kernel may be scheduled once every CTA runs
     const int warp = threadIdx.x >> 5;
@@ -230,16 +245,29 @@ w4a16_lean_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ met
                         const int n0 = (tile0 + cur_tile) * 16 + g;
                         const float bias0 = bias != nullptr ? bias[n0] : 0.f;
                         const float bias1 = bias != nullptr ? bias[n0 + 8] : 0.f;
+                        if constexpr (GATED) {  // rows g: gate, rows g + 8: up of output channel tile * 8 + g
+                            const int ch = (tile0 + cur_tile) * 8 + g;
 #pragma unroll
-                        for (int mt = 0; mt < MT; ++mt)
+                            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                            for (int c = 0; c < 4; ++c) {
-                                const int m = mt * 8 + 2 * t + (c & 1);
-                                const int n = n0 + ((c & 2) ? 8 : 0);
-                                if (m < M)
-                                    store_out<BF16>(y, static_cast<size_t>(m) * N + n,
-                                                    acc[mt][c] + ((c & 2) ? bias1 : bias0));
-                            }
+                                for (int c = 0; c < 2; ++c) {
+                                    const int m = mt * 8 + 2 * t + c;
+                                    if (m < M)
+                                        store_out<BF16>(y, static_cast<size_t>(m) * (N / 2) + ch,
+                                                        gated_value(acc[mt][c] + bias0, acc[mt][c + 2] + bias1, act));
+                                }
+                        } else {
+#pragma unroll
+                            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                                for (int c = 0; c < 4; ++c) {
+                                    const int m = mt * 8 + 2 * t + (c & 1);
+                                    const int n = n0 + ((c & 2) ? 8 : 0);
+                                    if (m < M)
+                                        store_out<BF16>(y, static_cast<size_t>(m) * N + n,
+                                                        acc[mt][c] + ((c & 2) ? bias1 : bias0));
+                                }
+                        }
                     }
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt)
@@ -258,10 +286,10 @@ w4a16_lean_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ met
 }
 
 // One lean instance: the dynamic shared memory of its cp.async ring opted into first (ASYNC), then the launch.
-template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH, bool LATE_TRIGGER, bool ASYNC>
+template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH, bool LATE_TRIGGER, bool ASYNC, bool GATED>
 cudaError_t lean_launch_instance(const void* qw, const void* meta, const void* x, const float* bias, void* y, int M,
-                                 int N, int K, int tiles_per_cta, bool pdl, cudaStream_t stream) {
-    constexpr auto kernel = w4a16_lean_kernel<BF16, MT, GT, KSPLIT, DEPTH, LATE_TRIGGER, ASYNC>;
+                                 int N, int K, int tiles_per_cta, bool pdl, int act, cudaStream_t stream) {
+    constexpr auto kernel = w4a16_lean_kernel<BF16, MT, GT, KSPLIT, DEPTH, LATE_TRIGGER, ASYNC, GATED>;
     const size_t smem = ASYNC ? static_cast<size_t>(KSPLIT) * DEPTH * async_slot_bytes<GT>() : 0;
     if constexpr (ASYNC) {
         const cudaError_t err = opt_in_dynamic_smem<kernel>(static_cast<int>(smem));
@@ -270,21 +298,22 @@ cudaError_t lean_launch_instance(const void* qw, const void* meta, const void* x
     const int grid = (N / 16 + tiles_per_cta - 1) / tiles_per_cta;
     return launch_maybe_pdl(kernel, dim3(grid), dim3(KSPLIT * 32), smem, stream, pdl, static_cast<const uint4*>(qw),
                             static_cast<const uint32_t*>(meta), static_cast<const uint16_t*>(x), bias, y, M, N, K,
-                            tiles_per_cta);
+                            tiles_per_cta, act);
 }
 
-template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH, bool ASYNC = false>
+template <bool BF16, int MT, int GT, int KSPLIT, int DEPTH, bool ASYNC = false, bool GATED = false>
 cudaError_t lean_launch_typed(const void* qw, const void* meta, const void* x, const float* bias, void* y, int M,
-                              int N, int K, int tiles_per_cta, bool pdl, bool late_trigger, cudaStream_t stream) {
+                              int N, int K, int tiles_per_cta, bool pdl, bool late_trigger, int act,
+                              cudaStream_t stream) {
 #ifdef EDGEVLM_W4A16_LEAN_TRIGGER
     if (late_trigger)
-        return lean_launch_instance<BF16, MT, GT, KSPLIT, DEPTH, true, ASYNC>(qw, meta, x, bias, y, M, N, K,
-                                                                             tiles_per_cta, pdl, stream);
+        return lean_launch_instance<BF16, MT, GT, KSPLIT, DEPTH, true, ASYNC, GATED>(qw, meta, x, bias, y, M, N, K,
+                                                                                    tiles_per_cta, pdl, act, stream);
 #else
     if (late_trigger) return cudaErrorInvalidValue;  // not compiled in (a build without -DEDGEVLM_W4A16_LEAN_TRIGGER)
 #endif
-    return lean_launch_instance<BF16, MT, GT, KSPLIT, DEPTH, false, ASYNC>(qw, meta, x, bias, y, M, N, K,
-                                                                          tiles_per_cta, pdl, stream);
+    return lean_launch_instance<BF16, MT, GT, KSPLIT, DEPTH, false, ASYNC, GATED>(qw, meta, x, bias, y, M, N, K,
+                                                                                 tiles_per_cta, pdl, act, stream);
 }
 
 template <bool BF16, int MT, int GT>
@@ -294,7 +323,7 @@ cudaError_t lean_launch_cfg(int ksplit, int depth, bool async_ring, const void* 
 #define EDGEVLM_W4A16_LEAN_CASE(KS, D, A)                                                                        \
     if (ksplit == KS && depth == D && async_ring == A)                                                           \
         return lean_launch_typed<BF16, MT, GT, KS, D, A>(qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl,      \
-                                                         late_trigger, stream);
+                                                         late_trigger, 0, stream);
     EDGEVLM_W4A16_LEAN_CASE(4, 2, false)
     EDGEVLM_W4A16_LEAN_CASE(4, 4, false)
     EDGEVLM_W4A16_LEAN_CASE(8, 2, false)
@@ -311,6 +340,24 @@ cudaError_t lean_launch_cfg(int ksplit, int depth, bool async_ring, const void* 
     EDGEVLM_W4A16_LEAN_CASE(16, 2, true)
     EDGEVLM_W4A16_LEAN_CASE(16, 4, true)
 #undef EDGEVLM_W4A16_LEAN_CASE
+    return cudaErrorInvalidValue;
+}
+
+// The GATED instances: register ring only, the (KSPLIT, DEPTH) pairs of GATED_CONFIGS (w4a16_mma.py).
+template <bool BF16, int MT, int GT>
+cudaError_t lean_gated_cfg(int ksplit, int depth, const void* qw, const void* meta, const void* x, const float* bias,
+                           void* y, int M, int N, int K, int tiles_per_cta, bool pdl, bool late_trigger, int act,
+                           cudaStream_t stream) {
+#define EDGEVLM_W4A16_GATED_CASE(KS, D)                                                                          \
+    if (ksplit == KS && depth == D)                                                                              \
+        return lean_launch_typed<BF16, MT, GT, KS, D, false, true>(qw, meta, x, bias, y, M, N, K, tiles_per_cta, \
+                                                                   pdl, late_trigger, act, stream);
+    EDGEVLM_W4A16_GATED_CASE(4, 2)
+    EDGEVLM_W4A16_GATED_CASE(4, 4)
+    EDGEVLM_W4A16_GATED_CASE(8, 2)
+    EDGEVLM_W4A16_GATED_CASE(8, 3)
+    EDGEVLM_W4A16_GATED_CASE(8, 4)
+#undef EDGEVLM_W4A16_GATED_CASE
     return cudaErrorInvalidValue;
 }
 
@@ -342,6 +389,35 @@ cudaError_t launch_w4a16_lean(bool bf16, const void* qw, const void* meta, const
     }
     EDGEVLM_W4A16_LEAN_TYPE(false)
 #undef EDGEVLM_W4A16_LEAN_TYPE
+}
+
+// Entry point of the torch binding's gated launch (see GATED): qw/meta/bias of a weight whose rows are interleaved by
+// int4_format.gated_row_order (N = 2 x the MLP's intermediate size), y (M, N / 2) = act(gate) * up; act 0 SiLU, 1
+// tanh-approximated GELU. cudaErrorInvalidValue as launch_w4a16_lean, and for a (ksplit, depth) pair without a gated
+// instance or another act.
+cudaError_t launch_w4a16_lean_gated(bool bf16, const void* qw, const void* meta, const void* x, const float* bias,
+                                    void* y, int M, int N, int K, int group_size, int ksplit, int depth,
+                                    int tiles_per_cta, bool pdl, bool late_trigger, int act, cudaStream_t stream) {
+    if (M < 1 || M > 16 || N % 16 || K % 64 || (group_size != 64 && group_size != 128) || K % group_size ||
+        tiles_per_cta < 1 || (act != 0 && act != 1))
+        return cudaErrorInvalidValue;
+    const bool two = M > 8;
+    const bool g128 = group_size == 128;
+#define EDGEVLM_W4A16_GATED_TYPE(B)                                                                                  \
+    if (two)                                                                                                         \
+        return g128 ? lean_gated_cfg<B, 2, 2>(ksplit, depth, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl,      \
+                                              late_trigger, act, stream)                                             \
+                    : lean_gated_cfg<B, 2, 1>(ksplit, depth, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl,      \
+                                              late_trigger, act, stream);                                            \
+    return g128 ? lean_gated_cfg<B, 1, 2>(ksplit, depth, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl,          \
+                                          late_trigger, act, stream)                                                 \
+                : lean_gated_cfg<B, 1, 1>(ksplit, depth, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl,          \
+                                          late_trigger, act, stream);
+    if (bf16) {
+        EDGEVLM_W4A16_GATED_TYPE(true)
+    }
+    EDGEVLM_W4A16_GATED_TYPE(false)
+#undef EDGEVLM_W4A16_GATED_TYPE
 }
 
 }  // namespace edgevlm_w4a16

@@ -9,6 +9,9 @@ sm_90 only: a per-warp shared-memory ring filled by the bulk-copy engine, which 
 folds the zero point in through per-group activation sums at M <= 4); the launch table
 (``w4a16_mma_configs.json``, from ``bench/w4a16_kernel.py`` on an H200) picks the variant and configuration
 per shape and M bucket (and, where it names the lean variant, the fastest other entry as its fallback).
+:func:`w4a16_mma_gated` is the lean kernel with a gated-MLP epilogue: a fused gate/up weight whose rows are
+interleaved per tile (:func:`~edgevlm.runtime.int4_format.gated_row_order`) gives ``act(gate) * up`` in the same
+launch (the decode step's SiLU*up kernel gone; :data:`GATED_MAX_M`).
 :func:`w4a16_dequant` (``w4a16_dequant.cu``) writes the dense bf16/fp16 weight in one pass for
 ``dequantize + cuBLAS`` prefill. All are bound to torch by ``w4a16_mma_ext.cpp``.
 
@@ -518,6 +521,96 @@ def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size:
         return ext.w4a16_lean(x.contiguous(), qw, meta, bias, group_size, a, b, tiles_per_cta, pdl, late,
                               kind == "async")
     return ext.w4a16_mma(x.contiguous(), qw, meta, bias, group_size, a, b, tiles_per_cta, mode, prefetch, pdl)
+
+
+GATED_CONFIGS = ((4, 2), (4, 4), (8, 2), (8, 3), (8, 4))
+"""``(KSPLIT, DEPTH)`` pairs of the lean kernel compiled with the gated-MLP epilogue (register ring)."""
+
+
+def _act_code(act: str) -> int:
+    """The gated epilogue's ``act`` code of one of ``decode_fused.GATED_ACTS`` (the activations a gated MLP fuses,
+    transformers' names): 0 SiLU (SwiGLU), 1 the tanh-approximated GELU (GeGLU; Gemma). Raises ``ValueError`` for
+    another."""
+    from edgevlm.runtime.kernels.decode_fused import GATED_ACTS
+
+    if act not in GATED_ACTS:
+        raise ValueError(f"act must be one of {', '.join(GATED_ACTS)}, got {act!r}")
+    return 0 if act == "silu" else 1
+
+GATED = os.environ.get("EDGEVLM_W4A16_GATED", "1").strip().lower() not in ("0", "false", "no", "off")
+"""Whether a fused W4A16 gate/up projection runs the gated-MLP epilogue (``Decoder.enable_fused_decode`` marks it,
+:func:`gated_ok` lets it run; ``EDGEVLM_W4A16_GATED=0``: the plain kernel and the separate act(gate) * up kernel)."""
+
+
+GATED_MAX_M = 8
+"""Rows up to which a decode step uses the gated epilogue. H200, 7B-shape W4A16 step (session 13,
+``bench/results/w4a16_kernel_h200_20261203.md``): 1.892 -> 1.844 ms at batch 1 and 2.650 -> 2.593 at batch 8 (the
+SiLU*up kernel gone; the gate/up matmul itself ~1.2 µs slower), but 3.820 -> 3.910 at batch 16, where the matmul
+lost 4.7 µs and the SiLU*up kernel it replaces took only 1.4. :func:`w4a16_mma_gated` itself serves up to
+:data:`MMA_MAX_M`."""
+
+
+def gated_ok(device: torch.device | str, m: int, act: str) -> bool:
+    """Whether a decode step runs ``m`` rows of a gated projection with activation ``act`` through
+    :func:`w4a16_mma_gated` on ``device``: :data:`GATED`, ``1 <= m <= GATED_MAX_M``, ``act`` one of
+    ``decode_fused.GATED_ACTS``, and a lean build whose probe passed there."""
+    from edgevlm.runtime.kernels.decode_fused import GATED_ACTS
+
+    return (GATED and act in GATED_ACTS and 1 <= m <= GATED_MAX_M and lean_build()
+            and mma_status(device, "lean") is None)
+
+
+def gated_config(m: int, n: int, k: int, group_size: int) -> tuple[int, int, int]:
+    """``(KSPLIT, DEPTH, TILES_PER_CTA)`` of the gated launch for an ``(m, k) x (n, k)^T`` fused gate/up product: the
+    launch table's lean / async entry for the shape where its pair has a gated instance (:data:`GATED_CONFIGS`),
+    else the same KSPLIT with DEPTH 2 (an async entry's slots are not the register ring's depth), else
+    :data:`DEFAULT_LEAN_CONFIG`; the entry's tiles per CTA are kept."""
+    kind, a, b, tpc = _choice(m, n, k, group_size, True, True)[0]
+    if kind == "lean" and (a, b) in GATED_CONFIGS:
+        return a, b, tpc
+    if kind in ("lean", "async") and (a, 2) in GATED_CONFIGS:
+        return a, 2, tpc
+    return DEFAULT_LEAN_CONFIG
+
+
+def w4a16_mma_gated(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size: int, act: str,
+                    bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None, *,
+                    pdl: bool | None = None) -> torch.Tensor:
+    """``act(x W_gate^T + b_gate) * (x W_up^T + b_up)`` in one launch: ``x (M, K)`` bf16/fp16 (``M <= 16``) times a
+    fused gate/up weight whose rows are in :func:`~edgevlm.runtime.int4_format.gated_row_order` (``qw``/``meta`` of
+    :func:`~edgevlm.runtime.int4_format.repack_int4_mma` of the reordered rows, ``bias`` float32 ``(N,)`` reordered
+    likewise) -> ``(M, N / 2)`` in ``x.dtype``. Gate and up stay fp32 until the product (one rounding; the separate
+    path rounds each to ``x.dtype`` first, so results differ in the last bits). ``act``: one of
+    ``decode_fused.GATED_ACTS``; ``config``: ``(KSPLIT, DEPTH, TILES_PER_CTA)`` with a pair of :data:`GATED_CONFIGS`
+    (default :func:`gated_config`); ``pdl`` as :func:`w4a16_mma`. Raises ``ValueError`` for bad arguments and
+    :class:`MmaKernelUnavailable` where the extension or its lean variant is absent."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MMA_MAX_M:
+        raise ValueError(f"x must be (M, K) with 1 <= M <= {MMA_MAX_M}, got {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"x must be bfloat16 or float16, got {x.dtype}")
+    code = _act_code(act)
+    if qw.dtype != torch.int32 or qw.dim() != 4 or tuple(qw.shape[2:]) != (32, 4):
+        raise ValueError(f"qw must be int32 (N/16, K/64, 32, 4), got {qw.dtype} {tuple(qw.shape)}")
+    n, k = int(qw.shape[0]) * 16, int(qw.shape[1]) * 64
+    check_mma_shape(n, k, group_size)
+    if x.shape[1] != k:
+        raise ValueError(f"x must be (M, {k}), got {tuple(x.shape)}")
+    if tuple(meta.shape) != (n // 16, k // group_size, 16) or meta.dtype != torch.int32:
+        raise ValueError(f"meta must be int32 ({n // 16}, {k // group_size}, 16), got {meta.dtype} {tuple(meta.shape)}")
+    if bias is not None and (bias.dtype != torch.float32 or bias.numel() != n):
+        raise ValueError(f"bias must be float32 ({n},)")
+    m = int(x.shape[0])
+    ksplit, depth, tpc = gated_config(m, n, k, group_size) if config is None else config
+    if (ksplit, depth) not in GATED_CONFIGS or tpc < 1:
+        raise ValueError(f"config must be (KSPLIT, DEPTH, TILES_PER_CTA >= 1) with a pair of {GATED_CONFIGS}, "
+                         f"got {config!r}")
+    ext = load_extension(x.device)
+    if not hasattr(ext, "w4a16_lean_gated"):
+        raise MmaKernelUnavailable(f"this build of the extension has no lean variant (built with {LEAN_ENV}=0)")
+    if pdl is None:
+        pdl = pdl_ok(x.device, m)
+    late = bool(getattr(ext, "lean_late_trigger", False)) and pdl and LEAN_LATE_TRIGGER
+    return ext.w4a16_lean_gated(x.contiguous(), qw, meta, bias, group_size, ksplit, depth, tpc, pdl, late, code)
 
 
 def _bulk_ok(device: torch.device) -> bool:

@@ -20,6 +20,9 @@ cudaError_t launch_w4a16_dequant(bool bf16, const void* qweight, const void* sca
 cudaError_t launch_w4a16_lean(bool bf16, const void* qw, const void* meta, const void* x, const float* bias, void* y,
                               int M, int N, int K, int group_size, int ksplit, int depth, int tiles_per_cta, bool pdl,
                               bool late_trigger, bool async_ring, cudaStream_t stream);
+cudaError_t launch_w4a16_lean_gated(bool bf16, const void* qw, const void* meta, const void* x, const float* bias,
+                                    void* y, int M, int N, int K, int group_size, int ksplit, int depth,
+                                    int tiles_per_cta, bool pdl, bool late_trigger, int act, cudaStream_t stream);
 #endif
 }
 
@@ -68,30 +71,38 @@ torch::Tensor w4a16_mma(torch::Tensor x, torch::Tensor qw, torch::Tensor meta, s
 // w4a16_mma (mode 2), M <= 16; ksplit/depth a compiled pair of that file. late_trigger: release the PDL dependent after the last ring
 // refill instead of at entry (only in a build with -DEDGEVLM_W4A16_LEAN_TRIGGER; else the launch fails).
 // async_ring: the ring of weight loads in shared memory, filled by cp.async (depth = slots per warp).
+// The argument checks of both lean bindings (`who` names the function in the messages); returns the bias pointer.
+static const float* check_lean_args(const char* who, const torch::Tensor& x, const torch::Tensor& qw,
+                                    const torch::Tensor& meta, const std::optional<torch::Tensor>& bias,
+                                    int64_t group_size) {
+    TORCH_CHECK(x.is_cuda() && qw.is_cuda() && meta.is_cuda(), who, ": tensors must be on a CUDA device");
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), who, ": x must be a contiguous (M, K) tensor");
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, who, ": x must be bf16 or fp16");
+    TORCH_CHECK(qw.scalar_type() == at::kInt && qw.dim() == 4 && qw.is_contiguous() && qw.size(2) == 32 &&
+                    qw.size(3) == 4,
+                who, ": qw must be a contiguous int32 (N/16, K/64, 32, 4) tensor");
+    TORCH_CHECK(meta.scalar_type() == at::kInt && meta.dim() == 3 && meta.is_contiguous() && meta.size(2) == 16,
+                who, ": meta must be a contiguous int32 (N/16, K/g, 16) tensor");
+    const int64_t M = x.size(0), K = x.size(1), N = qw.size(0) * 16;
+    TORCH_CHECK(M >= 1 && M <= 16, who, ": M must be 1..16, got ", M);
+    TORCH_CHECK(qw.size(1) * 64 == K, who, ": x has ", K, " input channels, the weight ", qw.size(1) * 64);
+    TORCH_CHECK(group_size == 64 || group_size == 128, who, ": group_size must be 64 or 128");
+    TORCH_CHECK(meta.size(0) == qw.size(0) && meta.size(1) * group_size == K, who, ": meta does not match");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(qw.data_ptr()) % 16 == 0,
+                who, ": x and qw must be 16-byte aligned");
+    if (bias.has_value() && bias->defined()) {
+        TORCH_CHECK(bias->is_cuda() && bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                    who, ": bias must be a contiguous float32 (N,) tensor");
+        return bias->data_ptr<float>();
+    }
+    return nullptr;
+}
+
 torch::Tensor w4a16_lean(torch::Tensor x, torch::Tensor qw, torch::Tensor meta, std::optional<torch::Tensor> bias,
                          int64_t group_size, int64_t ksplit, int64_t depth, int64_t tiles_per_cta, bool pdl,
                          bool late_trigger, bool async_ring) {
-    TORCH_CHECK(x.is_cuda() && qw.is_cuda() && meta.is_cuda(), "w4a16_lean: tensors must be on a CUDA device");
-    TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "w4a16_lean: x must be a contiguous (M, K) tensor");
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, "w4a16_lean: x must be bf16 or fp16");
-    TORCH_CHECK(qw.scalar_type() == at::kInt && qw.dim() == 4 && qw.is_contiguous() && qw.size(2) == 32 &&
-                    qw.size(3) == 4,
-                "w4a16_lean: qw must be a contiguous int32 (N/16, K/64, 32, 4) tensor");
-    TORCH_CHECK(meta.scalar_type() == at::kInt && meta.dim() == 3 && meta.is_contiguous() && meta.size(2) == 16,
-                "w4a16_lean: meta must be a contiguous int32 (N/16, K/g, 16) tensor");
+    const float* bias_ptr = check_lean_args("w4a16_lean", x, qw, meta, bias, group_size);
     const int64_t M = x.size(0), K = x.size(1), N = qw.size(0) * 16;
-    TORCH_CHECK(M >= 1 && M <= 16, "w4a16_lean: M must be 1..16, got ", M);
-    TORCH_CHECK(qw.size(1) * 64 == K, "w4a16_lean: x has ", K, " input channels, the weight ", qw.size(1) * 64);
-    TORCH_CHECK(group_size == 64 || group_size == 128, "w4a16_lean: group_size must be 64 or 128");
-    TORCH_CHECK(meta.size(0) == qw.size(0) && meta.size(1) * group_size == K, "w4a16_lean: meta does not match");
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(qw.data_ptr()) % 16 == 0,
-                "w4a16_lean: x and qw must be 16-byte aligned");
-    const float* bias_ptr = nullptr;
-    if (bias.has_value() && bias->defined()) {
-        TORCH_CHECK(bias->is_cuda() && bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                    "w4a16_lean: bias must be a contiguous float32 (N,) tensor");
-        bias_ptr = bias->data_ptr<float>();
-    }
     const c10::cuda::CUDAGuard guard(x.device());
     auto y = torch::empty({M, N}, x.options());
     const cudaError_t err = edgevlm_w4a16::launch_w4a16_lean(
@@ -100,6 +111,26 @@ torch::Tensor w4a16_lean(torch::Tensor x, torch::Tensor qw, torch::Tensor meta, 
         static_cast<int>(ksplit), static_cast<int>(depth), static_cast<int>(tiles_per_cta), pdl, late_trigger,
         async_ring, at::cuda::getCurrentCUDAStream());
     TORCH_CHECK(err == cudaSuccess, "w4a16_lean: launch failed: ", cudaGetErrorString(err));
+    return y;
+}
+
+// The lean kernel with the gated-MLP epilogue (w4a16_lean.cu, GATED): qw/meta/bias of the fused gate/up weight with
+// its rows interleaved per 16-row tile (int4_format.gated_row_order), y (M, N / 2) = act(gate) * up in x's dtype;
+// act 0 SiLU, 1 tanh-approximated GELU; ksplit/depth a pair of w4a16_mma.GATED_CONFIGS.
+torch::Tensor w4a16_lean_gated(torch::Tensor x, torch::Tensor qw, torch::Tensor meta,
+                               std::optional<torch::Tensor> bias, int64_t group_size, int64_t ksplit, int64_t depth,
+                               int64_t tiles_per_cta, bool pdl, bool late_trigger, int64_t act) {
+    const float* bias_ptr = check_lean_args("w4a16_lean_gated", x, qw, meta, bias, group_size);
+    TORCH_CHECK(act == 0 || act == 1, "w4a16_lean_gated: act must be 0 (SiLU) or 1 (GELU, tanh), got ", act);
+    const int64_t M = x.size(0), K = x.size(1), N = qw.size(0) * 16;
+    const c10::cuda::CUDAGuard guard(x.device());
+    auto y = torch::empty({M, N / 2}, x.options());
+    const cudaError_t err = edgevlm_w4a16::launch_w4a16_lean_gated(
+        x.scalar_type() == at::kBFloat16, qw.data_ptr(), meta.data_ptr(), x.data_ptr(), bias_ptr, y.data_ptr(),
+        static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), static_cast<int>(group_size),
+        static_cast<int>(ksplit), static_cast<int>(depth), static_cast<int>(tiles_per_cta), pdl, late_trigger,
+        static_cast<int>(act), at::cuda::getCurrentCUDAStream());
+    TORCH_CHECK(err == cudaSuccess, "w4a16_lean_gated: launch failed: ", cudaGetErrorString(err));
     return y;
 }
 #endif
@@ -184,6 +215,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("w4a16_dequant", &w4a16_dequant, "canonical INT4 rows -> dense bf16/fp16 (prefill)");
 #ifdef EDGEVLM_W4A16_LEAN
     m.def("w4a16_lean", &w4a16_lean, "W4A16 decode GEMM, lean register-ring variant (M <= 16)");
+    m.def("w4a16_lean_gated", &w4a16_lean_gated, "W4A16 decode GEMM with the gated-MLP epilogue (M <= 16)");
 #endif
 #ifdef EDGEVLM_W4A16_LEAN_TRIGGER
     m.attr("lean_late_trigger") = true;  // the late-trigger instances are compiled in
