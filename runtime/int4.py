@@ -500,31 +500,34 @@ class Int4Linear(nn.Module):
             self._mma_cache = None
 
     def gated_ready(self, x: torch.Tensor) -> bool:
-        """Whether :meth:`forward_gated` runs ``x (..., in_features)`` through the W4A16 kernel's gated epilogue: a
-        gated layer (:meth:`set_gated`), the tensor-core path for these rows, no ``input_scale``, and
-        ``w4a16_mma.gated_ok``."""
+        """Whether :meth:`forward_gated` serves ``x (..., in_features)``: a gated layer (:meth:`set_gated`) on CUDA
+        without ``input_scale``, whose rows take the tensor-core path in one launch."""
         if self.gated_act is None or self.input_scale is not None or x.device.type != "cuda":
             return False
         m = x.numel() // self.in_features
-        if self.execution_path(m, x.device) != "mma":
-            return False
-        from edgevlm.runtime.kernels.w4a16_mma import gated_ok
-
-        return gated_ok(x.device, m, self.gated_act)
+        return self.execution_path(m, x.device) == "mma" and m <= mma_max_rows(x.device)
 
     def forward_gated(self, x: torch.Tensor) -> torch.Tensor:
-        """``act(gate) * up`` of a gated projection (:meth:`set_gated`) in one W4A16 launch: ``x (..., in_features)``
-        bf16/fp16 -> ``(..., out_features / 2)`` in ``x.dtype`` (fp32 gate and up, one rounding). Only where
+        """``act(gate) * up`` of a gated projection (:meth:`set_gated`): ``x (..., in_features)`` bf16/fp16 ->
+        ``(..., out_features / 2)`` in ``x.dtype``. Where ``w4a16_mma.gated_ok`` says so (decode steps of up to
+        ``GATED_MAX_M`` rows), one launch with the gated epilogue (fp32 gate and up, one rounding); else the plain
+        launch over the interleaved rows and ``decode_fused.gated_act(..., interleaved=True)``. Only where
         :meth:`gated_ready` says so; raises ``ValueError`` otherwise."""
         if not self.gated_ready(x):
             raise ValueError("forward_gated: not a gated layer on the W4A16 tensor-core path for this input "
                              "(see gated_ready)")
-        from edgevlm.runtime.kernels.w4a16_mma import w4a16_mma_gated
+        from edgevlm.runtime.kernels.w4a16_mma import gated_ok, w4a16_mma, w4a16_mma_gated
 
         fresh = self._mma_cache is None or self._mma_cache[0] != self.qweight.device  # as in forward: plain launch
         qw, meta, bias = self._mma_tensors()
         x2 = x.reshape(-1, self.in_features).contiguous()
-        y = w4a16_mma_gated(x2, qw, meta, self.group_size, self.gated_act, bias, pdl=False if fresh else None)
+        pdl = False if fresh else None
+        if gated_ok(x2.device, x2.shape[0], self.gated_act):
+            y = w4a16_mma_gated(x2, qw, meta, self.group_size, self.gated_act, bias, pdl=pdl)
+        else:
+            from edgevlm.runtime.kernels.decode_fused import gated_act
+
+            y = gated_act(w4a16_mma(x2, qw, meta, self.group_size, bias, pdl=pdl), self.gated_act, interleaved=True)
         return y.reshape(*x.shape[:-1], self.out_features // 2)
 
     def set_mma_layout(self, qw: torch.Tensor, meta: torch.Tensor) -> None:

@@ -272,15 +272,21 @@ def _kernels():
 
     @triton.jit
     def silu_mul_kernel(gu_ptr, y_ptr, INTER, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr,
-                        USE_GDC: tl.constexpr = False):
+                        INTERLEAVED: tl.constexpr = False, USE_GDC: tl.constexpr = False):
         if USE_GDC:  # programmatic dependent launch (pdl_ok): the previous grid done before any memory access
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < INTER
-        g = tl.load(gu_ptr + row * 2 * INTER + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(gu_ptr + row * 2 * INTER + INTER + offs, mask=mask, other=0.0).to(tl.float32)
+        if INTERLEAVED:  # int4_format.gated_row_order: 16-column tiles of 8 gate then their 8 up channels
+            g_offs = (offs // 8) * 16 + offs % 8
+            u_offs = g_offs + 8
+        else:
+            g_offs = offs
+            u_offs = INTER + offs
+        g = tl.load(gu_ptr + row * 2 * INTER + g_offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * 2 * INTER + u_offs, mask=mask, other=0.0).to(tl.float32)
         if GELU_TANH:  # 0.5 g (1 + tanh(z)) == g * sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3)
             z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
             y = g / (1.0 + tl.exp(-2.0 * z)) * u
@@ -614,21 +620,26 @@ def _kv_kind(name: str, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: t
 GATED_ACTS = ("silu", "gelu_pytorch_tanh", "gelu_new")
 
 
-def gated_act(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+def gated_act(gate_up: torch.Tensor, act: str = "silu", *, interleaved: bool = False) -> torch.Tensor:
     """``act(gate) * up`` for ``gate_up (R, 2 I)`` = ``[gate | up]`` -> ``(R, I)`` in its dtype, ``act``
     one of :data:`GATED_ACTS`: SwiGLU's SiLU (Shazeer 2020) or GeGLU's tanh-approximated GELU
     (Hendrycks & Gimpel 2016, eq. of ``torch.nn.functional.gelu(approximate="tanh")``; Gemma), computed
     in fp32 as ``g * sigmoid(2 z)`` with ``z = sqrt(2/pi) (g + 0.044715 g^3)`` (= ``0.5 g (1 + tanh z)``).
-    Raises ``ValueError`` for an odd last dimension or another activation."""
-    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
-        raise ValueError(f"silu_mul: expected (R, 2I), got {tuple(gate_up.shape)}")
+    ``interleaved``: the columns are in :func:`~edgevlm.runtime.int4_format.gated_row_order` (per 16 columns, 8 gate
+    channels then their up partners; what a gated W4A16 layer's plain launch returns), ``I`` a multiple of 8.
+    Raises ``ValueError`` for an odd last dimension (not a multiple of 16 when interleaved) or another
+    activation."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % (16 if interleaved else 2):
+        raise ValueError(f"silu_mul: expected (R, 2I){' with I % 8 == 0' if interleaved else ''}, "
+                         f"got {tuple(gate_up.shape)}")
     if act not in GATED_ACTS:
         raise ValueError(f"gated_act: activation {act!r} is not one of {', '.join(GATED_ACTS)}")
     gate_up = gate_up.contiguous()
     r, inter = gate_up.shape[0], gate_up.shape[1] // 2
     y = torch.empty(r, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _kernels()[2][(r, -(-inter // block))](gate_up, y, inter, BLOCK=block, GELU_TANH=act != "silu", num_warps=4,
+    _kernels()[2][(r, -(-inter // block))](gate_up, y, inter, BLOCK=block, GELU_TANH=act != "silu",
+                                           INTERLEAVED=interleaved, num_warps=4,
                                            **_gdc_launch(pdl_ok(gate_up.device, gate_up.shape[0]), "silu_mul"))
     return y
 

@@ -248,14 +248,7 @@ w4a16_bulk_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ met
             const int n0 = (tile0 + tl) * 16 + g;
             const float bias0 = bias != nullptr ? bias[n0] : 0.f;
             const float bias1 = bias != nullptr ? bias[n0 + 8] : 0.f;
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    const int m = mt * 8 + 2 * t + (c & 1);
-                    const int n = n0 + ((c & 2) ? 8 : 0);
-                    if (m < M) store_out<BF16>(y, static_cast<size_t>(m) * N + n, acc[mt][c] + ((c & 2) ? bias1 : bias0));
-                }
+            store_tile<BF16, MT>(y, acc, M, N, n0, t, bias0, bias1);
         }
     }
 #else

@@ -84,6 +84,22 @@ __device__ __forceinline__ void store_out(void* y, size_t idx, float v) {
     }
 }
 
+// The epilogue of one 16-row tile: the fp32 sums acc[MT][4] of warp 0 (mma accumulator layout: lane (g, t) holds
+// output rows n0 = tile * 16 + g and n0 + 8, batch rows mt * 8 + 2t + (c & 1)) plus the rows' bias, to y (M, N) in
+// the activations' dtype; batch rows >= M are not stored.
+template <bool BF16, int MT>
+__device__ __forceinline__ void store_tile(void* y, const float (&acc)[MT][4], int M, int N, int n0, int t,
+                                           float bias0, float bias1) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int m = mt * 8 + 2 * t + (c & 1);
+            if (m < M)
+                store_out<BF16>(y, static_cast<size_t>(m) * N + n0 + ((c & 2) ? 8 : 0),
+                                acc[mt][c] + ((c & 2) ? bias1 : bias0));
+        }
+}
 
 // one bf16 / fp16 (low 16 bits of `bits`) as float
 template <bool BF16>

@@ -257,16 +257,7 @@ w4a16_lean_kernel(const uint4* __restrict__ qw, const uint32_t* __restrict__ met
                                                         gated_value(acc[mt][c] + bias0, acc[mt][c + 2] + bias1, act));
                                 }
                         } else {
-#pragma unroll
-                            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                                for (int c = 0; c < 4; ++c) {
-                                    const int m = mt * 8 + 2 * t + (c & 1);
-                                    const int n = n0 + ((c & 2) ? 8 : 0);
-                                    if (m < M)
-                                        store_out<BF16>(y, static_cast<size_t>(m) * N + n,
-                                                        acc[mt][c] + ((c & 2) ? bias1 : bias0));
-                                }
+                            store_tile<BF16, MT>(y, acc, M, N, n0, t, bias0, bias1);
                         }
                     }
 #pragma unroll
@@ -317,107 +308,68 @@ cudaError_t lean_launch_typed(const void* qw, const void* meta, const void* x, c
 }
 
 template <bool BF16, int MT, int GT>
-cudaError_t lean_launch_cfg(int ksplit, int depth, bool async_ring, const void* qw, const void* meta, const void* x,
-                            const float* bias, void* y, int M, int N, int K, int tiles_per_cta, bool pdl,
+cudaError_t lean_launch_cfg(int ksplit, int depth, bool async_ring, int act, const void* qw, const void* meta,
+                            const void* x, const float* bias, void* y, int M, int N, int K, int tiles_per_cta, bool pdl,
                             bool late_trigger, cudaStream_t stream) {
-#define EDGEVLM_W4A16_LEAN_CASE(KS, D, A)                                                                        \
-    if (ksplit == KS && depth == D && async_ring == A)                                                           \
-        return lean_launch_typed<BF16, MT, GT, KS, D, A>(qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl,      \
-                                                         late_trigger, 0, stream);
-    EDGEVLM_W4A16_LEAN_CASE(4, 2, false)
-    EDGEVLM_W4A16_LEAN_CASE(4, 4, false)
-    EDGEVLM_W4A16_LEAN_CASE(8, 2, false)
-    EDGEVLM_W4A16_LEAN_CASE(8, 3, false)
-    EDGEVLM_W4A16_LEAN_CASE(8, 4, false)
-    EDGEVLM_W4A16_LEAN_CASE(16, 2, false)
-    EDGEVLM_W4A16_LEAN_CASE(16, 3, false)
-    EDGEVLM_W4A16_LEAN_CASE(16, 4, false)
+#define EDGEVLM_W4A16_LEAN_CASE(KS, D, A, G)                                                                     \
+    if (ksplit == KS && depth == D && async_ring == A && (act >= 0) == G)                                        \
+        return lean_launch_typed<BF16, MT, GT, KS, D, A, G>(qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl,   \
+                                                            late_trigger, act, stream);
+    EDGEVLM_W4A16_LEAN_CASE(4, 2, false, false)
+    EDGEVLM_W4A16_LEAN_CASE(4, 4, false, false)
+    EDGEVLM_W4A16_LEAN_CASE(8, 2, false, false)
+    EDGEVLM_W4A16_LEAN_CASE(8, 3, false, false)
+    EDGEVLM_W4A16_LEAN_CASE(8, 4, false, false)
+    EDGEVLM_W4A16_LEAN_CASE(16, 2, false, false)
+    EDGEVLM_W4A16_LEAN_CASE(16, 3, false, false)
+    EDGEVLM_W4A16_LEAN_CASE(16, 4, false, false)
     // the cp.async ring (ASYNC_CONFIGS of w4a16_mma.py): (KSPLIT, slots per warp)
-    EDGEVLM_W4A16_LEAN_CASE(4, 4, true)
-    EDGEVLM_W4A16_LEAN_CASE(4, 8, true)
-    EDGEVLM_W4A16_LEAN_CASE(8, 4, true)
-    EDGEVLM_W4A16_LEAN_CASE(8, 8, true)
-    EDGEVLM_W4A16_LEAN_CASE(16, 2, true)
-    EDGEVLM_W4A16_LEAN_CASE(16, 4, true)
+    EDGEVLM_W4A16_LEAN_CASE(4, 4, true, false)
+    EDGEVLM_W4A16_LEAN_CASE(4, 8, true, false)
+    EDGEVLM_W4A16_LEAN_CASE(8, 4, true, false)
+    EDGEVLM_W4A16_LEAN_CASE(8, 8, true, false)
+    EDGEVLM_W4A16_LEAN_CASE(16, 2, true, false)
+    EDGEVLM_W4A16_LEAN_CASE(16, 4, true, false)
+    // the gated-MLP epilogue (GATED_CONFIGS of w4a16_mma.py): register ring only
+    EDGEVLM_W4A16_LEAN_CASE(4, 2, false, true)
+    EDGEVLM_W4A16_LEAN_CASE(4, 4, false, true)
+    EDGEVLM_W4A16_LEAN_CASE(8, 2, false, true)
+    EDGEVLM_W4A16_LEAN_CASE(8, 3, false, true)
+    EDGEVLM_W4A16_LEAN_CASE(8, 4, false, true)
 #undef EDGEVLM_W4A16_LEAN_CASE
-    return cudaErrorInvalidValue;
-}
-
-// The GATED instances: register ring only, the (KSPLIT, DEPTH) pairs of GATED_CONFIGS (w4a16_mma.py).
-template <bool BF16, int MT, int GT>
-cudaError_t lean_gated_cfg(int ksplit, int depth, const void* qw, const void* meta, const void* x, const float* bias,
-                           void* y, int M, int N, int K, int tiles_per_cta, bool pdl, bool late_trigger, int act,
-                           cudaStream_t stream) {
-#define EDGEVLM_W4A16_GATED_CASE(KS, D)                                                                          \
-    if (ksplit == KS && depth == D)                                                                              \
-        return lean_launch_typed<BF16, MT, GT, KS, D, false, true>(qw, meta, x, bias, y, M, N, K, tiles_per_cta, \
-                                                                   pdl, late_trigger, act, stream);
-    EDGEVLM_W4A16_GATED_CASE(4, 2)
-    EDGEVLM_W4A16_GATED_CASE(4, 4)
-    EDGEVLM_W4A16_GATED_CASE(8, 2)
-    EDGEVLM_W4A16_GATED_CASE(8, 3)
-    EDGEVLM_W4A16_GATED_CASE(8, 4)
-#undef EDGEVLM_W4A16_GATED_CASE
     return cudaErrorInvalidValue;
 }
 
 // Entry point of the torch binding (w4a16_mma_ext.cpp, built with -DEDGEVLM_W4A16_LEAN). Same contract as
 // launch_w4a16_mma with mode 2 (no x-sum fold, no prefetch); returns cudaErrorInvalidValue for an unsupported
-// (group_size, ksplit, depth, M, tiles_per_cta) or shape, and for late_trigger in a build without
+// (group_size, ksplit, depth, M, tiles_per_cta, act) or shape, and for late_trigger in a build without
 // -DEDGEVLM_W4A16_LEAN_TRIGGER. late_trigger: the PDL release after the last ring refill (see LATE_TRIGGER).
-// async_ring: the ring in shared memory filled by cp.async (ASYNC; depth = slots per warp).
+// async_ring: the ring in shared memory filled by cp.async (ASYNC; depth = slots per warp). act: -1 the plain
+// product y (M, N); 0 / 1 the GATED epilogue, y (M, N / 2) = SiLU / tanh-GELU (gate) * up, for a weight whose rows
+// are interleaved by int4_format.gated_row_order (register ring only).
 cudaError_t launch_w4a16_lean(bool bf16, const void* qw, const void* meta, const void* x, const float* bias, void* y,
                               int M, int N, int K, int group_size, int ksplit, int depth, int tiles_per_cta, bool pdl,
-                              bool late_trigger, bool async_ring, cudaStream_t stream) {
+                              bool late_trigger, bool async_ring, int act, cudaStream_t stream) {
     if (M < 1 || M > 16 || N % 16 || K % 64 || (group_size != 64 && group_size != 128) || K % group_size ||
-        tiles_per_cta < 1)
+        tiles_per_cta < 1 || act < -1 || act > 1)
         return cudaErrorInvalidValue;
     const bool two = M > 8;
     const bool g128 = group_size == 128;
 #define EDGEVLM_W4A16_LEAN_TYPE(B)                                                                                    \
     if (two)                                                                                                          \
-        return g128 ? lean_launch_cfg<B, 2, 2>(ksplit, depth, async_ring, qw, meta, x, bias, y, M, N, K,              \
+        return g128 ? lean_launch_cfg<B, 2, 2>(ksplit, depth, async_ring, act, qw, meta, x, bias, y, M, N, K,         \
                                                tiles_per_cta, pdl, late_trigger, stream)                              \
-                    : lean_launch_cfg<B, 2, 1>(ksplit, depth, async_ring, qw, meta, x, bias, y, M, N, K,              \
+                    : lean_launch_cfg<B, 2, 1>(ksplit, depth, async_ring, act, qw, meta, x, bias, y, M, N, K,         \
                                                tiles_per_cta, pdl, late_trigger, stream);                             \
-    return g128 ? lean_launch_cfg<B, 1, 2>(ksplit, depth, async_ring, qw, meta, x, bias, y, M, N, K, tiles_per_cta,   \
-                                           pdl, late_trigger, stream)                                                 \
-                : lean_launch_cfg<B, 1, 1>(ksplit, depth, async_ring, qw, meta, x, bias, y, M, N, K, tiles_per_cta,   \
-                                           pdl, late_trigger, stream);
+    return g128 ? lean_launch_cfg<B, 1, 2>(ksplit, depth, async_ring, act, qw, meta, x, bias, y, M, N, K,             \
+                                           tiles_per_cta, pdl, late_trigger, stream)                                  \
+                : lean_launch_cfg<B, 1, 1>(ksplit, depth, async_ring, act, qw, meta, x, bias, y, M, N, K,             \
+                                           tiles_per_cta, pdl, late_trigger, stream);
     if (bf16) {
         EDGEVLM_W4A16_LEAN_TYPE(true)
     }
     EDGEVLM_W4A16_LEAN_TYPE(false)
 #undef EDGEVLM_W4A16_LEAN_TYPE
-}
-
-// Entry point of the torch binding's gated launch (see GATED): qw/meta/bias of a weight whose rows are interleaved by
-// int4_format.gated_row_order (N = 2 x the MLP's intermediate size), y (M, N / 2) = act(gate) * up; act 0 SiLU, 1
-// tanh-approximated GELU. cudaErrorInvalidValue as launch_w4a16_lean, and for a (ksplit, depth) pair without a gated
-// instance or another act.
-cudaError_t launch_w4a16_lean_gated(bool bf16, const void* qw, const void* meta, const void* x, const float* bias,
-                                    void* y, int M, int N, int K, int group_size, int ksplit, int depth,
-                                    int tiles_per_cta, bool pdl, bool late_trigger, int act, cudaStream_t stream) {
-    if (M < 1 || M > 16 || N % 16 || K % 64 || (group_size != 64 && group_size != 128) || K % group_size ||
-        tiles_per_cta < 1 || (act != 0 && act != 1))
-        return cudaErrorInvalidValue;
-    const bool two = M > 8;
-    const bool g128 = group_size == 128;
-#define EDGEVLM_W4A16_GATED_TYPE(B)                                                                                  \
-    if (two)                                                                                                         \
-        return g128 ? lean_gated_cfg<B, 2, 2>(ksplit, depth, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl,      \
-                                              late_trigger, act, stream)                                             \
-                    : lean_gated_cfg<B, 2, 1>(ksplit, depth, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl,      \
-                                              late_trigger, act, stream);                                            \
-    return g128 ? lean_gated_cfg<B, 1, 2>(ksplit, depth, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl,          \
-                                          late_trigger, act, stream)                                                 \
-                : lean_gated_cfg<B, 1, 1>(ksplit, depth, qw, meta, x, bias, y, M, N, K, tiles_per_cta, pdl,          \
-                                          late_trigger, act, stream);
-    if (bf16) {
-        EDGEVLM_W4A16_GATED_TYPE(true)
-    }
-    EDGEVLM_W4A16_GATED_TYPE(false)
-#undef EDGEVLM_W4A16_GATED_TYPE
 }
 
 }  // namespace edgevlm_w4a16

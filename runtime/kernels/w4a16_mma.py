@@ -444,6 +444,27 @@ def mma_config(m: int, n: int, k: int, group_size: int, *, bulk: bool = False,
     return _choice(m, n, k, group_size, bulk, lean)[0]
 
 
+def _check_call(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size: int, bias: torch.Tensor | None,
+                max_m: int) -> tuple[int, int, int]:
+    """``(M, N, K)`` of a decode-kernel call after checking its tensors (``x (M, K)`` bf16/fp16 with ``M <= max_m``,
+    the mma layout's ``qw`` / ``meta``, a float32 ``(N,)`` bias); raises ``ValueError`` naming the bad one."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= max_m:
+        raise ValueError(f"x must be (M, K) with 1 <= M <= {max_m}, got {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"x must be bfloat16 or float16, got {x.dtype}")
+    if qw.dtype != torch.int32 or qw.dim() != 4 or tuple(qw.shape[2:]) != (32, 4):
+        raise ValueError(f"qw must be int32 (N/16, K/64, 32, 4), got {qw.dtype} {tuple(qw.shape)}")
+    n, k = int(qw.shape[0]) * 16, int(qw.shape[1]) * 64
+    check_mma_shape(n, k, group_size)
+    if x.shape[1] != k:
+        raise ValueError(f"x must be (M, {k}), got {tuple(x.shape)}")
+    if tuple(meta.shape) != (n // 16, k // group_size, 16) or meta.dtype != torch.int32:
+        raise ValueError(f"meta must be int32 ({n // 16}, {k // group_size}, 16), got {meta.dtype} {tuple(meta.shape)}")
+    if bias is not None and (bias.dtype != torch.float32 or bias.numel() != n):
+        raise ValueError(f"bias must be float32 ({n},)")
+    return int(x.shape[0]), n, k
+
+
 def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size: int,
               bias: torch.Tensor | None = None, config: tuple | None = None,
               *, mode: int | None = None, prefetch: int | None = None, pdl: bool | None = None,
@@ -462,21 +483,7 @@ def w4a16_mma(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size:
     programmatic dependent launch (``None``: :func:`pdl_ok`); ``late_trigger``: the lean variant releases its PDL
     dependent after the last weight load instead of at entry (``None``: where the build has it, see
     :func:`lean_trigger_build`, and ``pdl``; ``True`` raises :class:`MmaKernelUnavailable` where it does not)."""
-    if x.dim() != 2 or not 1 <= x.shape[0] <= BULK_MAX_M:
-        raise ValueError(f"x must be (M, K) with 1 <= M <= {BULK_MAX_M}, got {tuple(x.shape)}")
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"x must be bfloat16 or float16, got {x.dtype}")
-    if qw.dtype != torch.int32 or qw.dim() != 4 or tuple(qw.shape[2:]) != (32, 4):
-        raise ValueError(f"qw must be int32 (N/16, K/64, 32, 4), got {qw.dtype} {tuple(qw.shape)}")
-    n, k = int(qw.shape[0]) * 16, int(qw.shape[1]) * 64
-    check_mma_shape(n, k, group_size)
-    if x.shape[1] != k:
-        raise ValueError(f"x must be (M, {k}), got {tuple(x.shape)}")
-    if tuple(meta.shape) != (n // 16, k // group_size, 16) or meta.dtype != torch.int32:
-        raise ValueError(f"meta must be int32 ({n // 16}, {k // group_size}, 16), got {meta.dtype} {tuple(meta.shape)}")
-    if bias is not None and (bias.dtype != torch.float32 or bias.numel() != n):
-        raise ValueError(f"bias must be float32 ({n},)")
-    m = int(x.shape[0])
+    m, n, k = _check_call(x, qw, meta, group_size, bias, BULK_MAX_M)
     fb_zx = fb_pf = None
     if config is None:
         bulk = m > MMA_MAX_M or _bulk_ok(x.device)
@@ -543,11 +550,12 @@ GATED = os.environ.get("EDGEVLM_W4A16_GATED", "1").strip().lower() not in ("0", 
 
 
 GATED_MAX_M = 8
-"""Rows up to which a decode step uses the gated epilogue. H200, 7B-shape W4A16 step (session 13,
+"""Rows up to which a decode step uses the gated epilogue (above: the plain launch over the interleaved rows and the
+interleaved act kernel, ``Int4Linear.forward_gated``). H200, 7B-shape W4A16 step (session 13,
 ``bench/results/w4a16_kernel_h200_20261203.md``): 1.892 -> 1.844 ms at batch 1 and 2.650 -> 2.593 at batch 8 (the
-SiLU*up kernel gone; the gate/up matmul itself ~1.2 µs slower), but 3.820 -> 3.910 at batch 16, where the matmul
-lost 4.7 µs and the SiLU*up kernel it replaces took only 1.4. :func:`w4a16_mma_gated` itself serves up to
-:data:`MMA_MAX_M`."""
+SiLU*up kernel gone; the gate/up matmul itself ~0.5 µs slower in isolation), but 3.820 -> 3.910 at batch 16, where
+the gated matmul is 4 µs slower than the plain one in isolation (30.10 vs 26.14 µs, 7B gate/up) and the SiLU*up
+kernel it replaces took 1.4. :func:`w4a16_mma_gated` itself serves up to :data:`MMA_MAX_M`."""
 
 
 def gated_ok(device: torch.device | str, m: int, act: str) -> bool:
@@ -584,22 +592,8 @@ def w4a16_mma_gated(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group
     ``decode_fused.GATED_ACTS``; ``config``: ``(KSPLIT, DEPTH, TILES_PER_CTA)`` with a pair of :data:`GATED_CONFIGS`
     (default :func:`gated_config`); ``pdl`` as :func:`w4a16_mma`. Raises ``ValueError`` for bad arguments and
     :class:`MmaKernelUnavailable` where the extension or its lean variant is absent."""
-    if x.dim() != 2 or not 1 <= x.shape[0] <= MMA_MAX_M:
-        raise ValueError(f"x must be (M, K) with 1 <= M <= {MMA_MAX_M}, got {tuple(x.shape)}")
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"x must be bfloat16 or float16, got {x.dtype}")
     code = _act_code(act)
-    if qw.dtype != torch.int32 or qw.dim() != 4 or tuple(qw.shape[2:]) != (32, 4):
-        raise ValueError(f"qw must be int32 (N/16, K/64, 32, 4), got {qw.dtype} {tuple(qw.shape)}")
-    n, k = int(qw.shape[0]) * 16, int(qw.shape[1]) * 64
-    check_mma_shape(n, k, group_size)
-    if x.shape[1] != k:
-        raise ValueError(f"x must be (M, {k}), got {tuple(x.shape)}")
-    if tuple(meta.shape) != (n // 16, k // group_size, 16) or meta.dtype != torch.int32:
-        raise ValueError(f"meta must be int32 ({n // 16}, {k // group_size}, 16), got {meta.dtype} {tuple(meta.shape)}")
-    if bias is not None and (bias.dtype != torch.float32 or bias.numel() != n):
-        raise ValueError(f"bias must be float32 ({n},)")
-    m = int(x.shape[0])
+    m, n, k = _check_call(x, qw, meta, group_size, bias, MMA_MAX_M)
     ksplit, depth, tpc = gated_config(m, n, k, group_size) if config is None else config
     if (ksplit, depth) not in GATED_CONFIGS or tpc < 1:
         raise ValueError(f"config must be (KSPLIT, DEPTH, TILES_PER_CTA >= 1) with a pair of {GATED_CONFIGS}, "

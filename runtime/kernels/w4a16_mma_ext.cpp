@@ -19,10 +19,7 @@ cudaError_t launch_w4a16_dequant(bool bf16, const void* qweight, const void* sca
 #ifdef EDGEVLM_W4A16_LEAN
 cudaError_t launch_w4a16_lean(bool bf16, const void* qw, const void* meta, const void* x, const float* bias, void* y,
                               int M, int N, int K, int group_size, int ksplit, int depth, int tiles_per_cta, bool pdl,
-                              bool late_trigger, bool async_ring, cudaStream_t stream);
-cudaError_t launch_w4a16_lean_gated(bool bf16, const void* qw, const void* meta, const void* x, const float* bias,
-                                    void* y, int M, int N, int K, int group_size, int ksplit, int depth,
-                                    int tiles_per_cta, bool pdl, bool late_trigger, int act, cudaStream_t stream);
+                              bool late_trigger, bool async_ring, int act, cudaStream_t stream);
 #endif
 }
 
@@ -109,7 +106,7 @@ torch::Tensor w4a16_lean(torch::Tensor x, torch::Tensor qw, torch::Tensor meta, 
         x.scalar_type() == at::kBFloat16, qw.data_ptr(), meta.data_ptr(), x.data_ptr(), bias_ptr, y.data_ptr(),
         static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), static_cast<int>(group_size),
         static_cast<int>(ksplit), static_cast<int>(depth), static_cast<int>(tiles_per_cta), pdl, late_trigger,
-        async_ring, at::cuda::getCurrentCUDAStream());
+        async_ring, -1, at::cuda::getCurrentCUDAStream());
     TORCH_CHECK(err == cudaSuccess, "w4a16_lean: launch failed: ", cudaGetErrorString(err));
     return y;
 }
@@ -125,10 +122,10 @@ torch::Tensor w4a16_lean_gated(torch::Tensor x, torch::Tensor qw, torch::Tensor 
     const int64_t M = x.size(0), K = x.size(1), N = qw.size(0) * 16;
     const c10::cuda::CUDAGuard guard(x.device());
     auto y = torch::empty({M, N / 2}, x.options());
-    const cudaError_t err = edgevlm_w4a16::launch_w4a16_lean_gated(
+    const cudaError_t err = edgevlm_w4a16::launch_w4a16_lean(
         x.scalar_type() == at::kBFloat16, qw.data_ptr(), meta.data_ptr(), x.data_ptr(), bias_ptr, y.data_ptr(),
         static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), static_cast<int>(group_size),
-        static_cast<int>(ksplit), static_cast<int>(depth), static_cast<int>(tiles_per_cta), pdl, late_trigger,
+        static_cast<int>(ksplit), static_cast<int>(depth), static_cast<int>(tiles_per_cta), pdl, late_trigger, false,
         static_cast<int>(act), at::cuda::getCurrentCUDAStream());
     TORCH_CHECK(err == cudaSuccess, "w4a16_lean_gated: launch failed: ", cudaGetErrorString(err));
     return y;

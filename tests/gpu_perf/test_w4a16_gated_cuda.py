@@ -74,16 +74,18 @@ def test_gated_kernel_agrees_with_the_unfused_path():
     _mk()
     gen = torch.Generator().manual_seed(3)
     lin = Int4Linear.from_int4(quantize_int4(torch.randn(2 * 2752, 2048, generator=gen) * 0.05, 128)).cuda()
-    x = torch.randn(4, 2048, generator=gen).bfloat16().cuda()
-    plain = lin(x)
-    separate = gated_act(plain, "silu")
-    lin.set_gated("silu")
-    assert lin.gated_ready(x)
-    fused = lin.forward_gated(x)
-    rel = float((fused.float() - separate.float()).norm() / separate.float().norm())
-    assert rel < 1e-2, rel
-    # forward over the interleaved layout: the same sums per row, back in [gate | up] order, bit for bit
-    assert torch.equal(lin(x), plain)
+    for m in (4, 12):  # the gated epilogue; above GATED_MAX_M the plain launch + the interleaved act kernel
+        lin.set_gated(None)
+        x = torch.randn(m, 2048, generator=gen).bfloat16().cuda()
+        plain = lin(x)
+        separate = gated_act(plain, "silu")
+        lin.set_gated("silu")
+        assert lin.gated_ready(x)
+        fused = lin.forward_gated(x)
+        rel = float((fused.float() - separate.float()).norm() / separate.float().norm())
+        assert rel < (1e-2 if m <= 8 else 1e-6), (m, rel)  # above 8 rows: the same roundings, bit for bit ideally
+        # forward over the interleaved layout: the same sums per row, back in [gate | up] order, bit for bit
+        assert torch.equal(lin(x), plain)
 
 
 @needs_cuda

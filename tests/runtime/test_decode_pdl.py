@@ -134,7 +134,7 @@ def test_every_launch_site_passes_use_gdc_and_launch_pdl_together(df, monkeypatc
     pos = torch.full((b,), 40, dtype=torch.int64)
     df.rope_kv_write(qkv, cos, sin, pos, cache, cache.clone(), h, hkv)
     df.silu_mul(torch.randn(b, 64))
-    df.gated_act(torch.randn(b, 64), "gelu_pytorch_tanh")
+    df.gated_act(torch.randn(b, 64), "gelu_pytorch_tanh", interleaved=True)
     df.decode_attention(torch.randn(b, h, 1, dh), cache, cache.clone(), pos, s, block_n=16, cta_budget=1 << 20)
     df.rope_decode_attention(qkv, cos, sin, pos, cache, cache.clone(), h, hkv, s, block_n=16)
     assert [n for n, _ in log] == ["add_rms_norm_kernel", "rope_kv_kernel", "silu_mul_kernel", "silu_mul_kernel",
@@ -176,7 +176,8 @@ def _signatures(use: bool, act: str = "silu") -> dict:
             {"HEAD_DIM": 128, "HALF": 64, "QK_NORM": False, "UNIT_OFFSET": False, "KV_FP8": False, **gdc}, 1),
         "silu_mul_kernel": ({
             "gu_ptr": "*bf16", "y_ptr": "*bf16", "INTER": "i32", "BLOCK": "constexpr", "GELU_TANH": "constexpr",
-            "USE_GDC": "constexpr"}, {"BLOCK": 1024, "GELU_TANH": act != "silu", **gdc}, 4),
+            "INTERLEAVED": "constexpr", "USE_GDC": "constexpr"},
+            {"BLOCK": 1024, "GELU_TANH": act != "silu", "INTERLEAVED": act != "silu", **gdc}, 4),
         "attn_split_kernel": ({
             "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "ks_ptr": "*fp32", "vs_ptr": "*fp32",
             "pos_ptr": "*i64", "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "y_ptr": "*bf16", "H": "i32",

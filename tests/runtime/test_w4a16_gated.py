@@ -17,6 +17,7 @@ from edgevlm.runtime.int4_format import (  # noqa: E402
     repack_int4_mma,
 )
 from edgevlm.runtime.kernels import w4a16_mma as mk  # noqa: E402
+from tests.triton_support import needs_triton, run_interpreted  # noqa: E402
 
 
 def _act(name: str, g: torch.Tensor) -> torch.Tensor:
@@ -108,6 +109,32 @@ def ref_ext(monkeypatch):
     return ext
 
 
+@needs_triton
+def test_gated_act_reads_the_interleaved_columns():
+    out = run_interpreted("""
+        import json, torch
+        import torch.nn.functional as F
+        from edgevlm.runtime.int4_format import gated_row_order
+        from edgevlm.runtime.kernels.decode_fused import gated_act
+        gen = torch.Generator().manual_seed(0)
+        gu = torch.randn(3, 2 * 1032, generator=gen)  # I = 1032: a partial last block of 1024
+        order = gated_row_order(gu.shape[1])
+        res = {}
+        for act, f in (("silu", F.silu), ("gelu_pytorch_tanh", lambda g: F.gelu(g, approximate="tanh"))):
+            want = f(gu[:, :1032]) * gu[:, 1032:]
+            got = gated_act(gu[:, order].contiguous(), act, interleaved=True)
+            res[act] = float((got - want).abs().max())
+        try:
+            gated_act(torch.randn(2, 40), "silu", interleaved=True)
+            res["odd"] = "accepted"
+        except ValueError as exc:
+            res["odd"] = str(exc)
+        print(json.dumps(res))
+    """)
+    assert out["silu"] < 1e-5 and out["gelu_pytorch_tanh"] < 1e-5, out
+    assert "I % 8 == 0" in out["odd"]
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_gated_layer_on_the_mma_path(ref_ext, monkeypatch, bias):
     lin = _gate_up(bias=bias)
@@ -126,6 +153,23 @@ def test_gated_layer_on_the_mma_path(ref_ext, monkeypatch, bias):
     assert gated.shape == (3, 32) and torch.allclose(gated, want, rtol=3e-2, atol=3e-2)
     kind, a, b, tpc, act = ref_ext.calls[-1]
     assert kind == "gated" and act == 1 and (a, b) in mk.GATED_CONFIGS
+    # above GATED_MAX_M rows: the plain launch over the interleaved rows, then the interleaved act kernel
+    from edgevlm.runtime.kernels import decode_fused
+
+    seen = []
+
+    def fake_act(y, act, *, interleaved=False):
+        seen.append((act, interleaved))
+        tiles = y.float().reshape(y.shape[0], -1, 16)
+        return (F.gelu(tiles[:, :, :8], approximate="tanh") * tiles[:, :, 8:]).reshape(y.shape[0], -1).to(y.dtype)
+
+    monkeypatch.setattr(decode_fused, "gated_act", fake_act)
+    x12 = torch.randn(mk.GATED_MAX_M + 4, 256).bfloat16()
+    ref12 = lin(x12.float())
+    got12 = lin.forward_gated(x12).float()
+    assert seen == [("gelu_pytorch_tanh", True)] and ref_ext.calls[-1][0] != "gated"
+    want12 = F.gelu(ref12[:, :32], approximate="tanh") * ref12[:, 32:]
+    assert torch.allclose(got12, want12, rtol=3e-2, atol=3e-2)
 
 
 def test_gated_launch_arguments(ref_ext):
