@@ -193,13 +193,10 @@ def variant(name: str, dec=None):
 
     saved = (decode_fused.FUSED_ATTENTION, decode_fused.ATTENTION_CTA_BUDGET, decode_fused.PDL,
              decode_fused.ADD_RMS_NORM_WARPS, mk.PDL, pdl.MAX_ROWS)
+    if (v.ungated or v.w4head) and dec is None:
+        raise ValueError(f"variant {name!r}: _ungated and _w4head need the decoder (dec)")
     head = None
     gated = {}
-    if v.ungated:
-        gated = {layer.mlp.gate_up_proj: layer.mlp.gate_up_proj.gated_act for layer in dec.layers
-                 if getattr(layer.mlp.gate_up_proj, "gated_act", None) is not None}
-        for mod in gated:
-            mod.set_gated(None)
     decode_fused.FUSED_ATTENTION = v.base == "after"
     if v.split16:  # decode_attention's schedule before 2026-12-02: 16 key splits at any batch
         decode_fused.ATTENTION_CTA_BUDGET = 1 << 30
@@ -212,6 +209,11 @@ def variant(name: str, dec=None):
     if v.norm_warps is not None:
         decode_fused.ADD_RMS_NORM_WARPS = v.norm_warps
     try:
+        if v.ungated:  # (graphs captured before must be reset: set_gated drops the layouts they read)
+            gated = {layer.mlp.gate_up_proj: layer.mlp.gate_up_proj.gated_act for layer in dec.layers
+                     if getattr(layer.mlp.gate_up_proj, "gated_act", None) is not None}
+            for mod in gated:
+                mod.set_gated(None)
         if v.w4head:
             from edgevlm.runtime.int4 import Int4Linear
 
@@ -393,7 +395,9 @@ def main(argv: list[str] | None = None) -> int:
                 # what the launches used (a _pdlall variant on a GPU / Triton without PDL runs plain launches)
                 run["pdl"] = {"w4a16": mk.pdl_ok(dev, b), "decode": decode_fused.pdl_ok(dev, b)}
                 run["add_rms_norm_warps"] = decode_fused.add_rms_norm_warps(dec.cfg.hidden_size)
-                run["gated_mlp"] = any(getattr(layer.mlp.gate_up_proj, "gated_act", None) for layer in dec.layers)
+                # layers marked gated (the epilogue runs where w4a16_mma.gated_ok says so: up to GATED_MAX_M rows)
+                run["gated_layers"] = any(getattr(layer.mlp.gate_up_proj, "gated_act", None) for layer in dec.layers)
+                run["gated_epilogue"] = run["gated_layers"] and b <= mk.GATED_MAX_M
                 run["kernels"] = round(sum(v["kernels"] for v in run["groups"].values()), 1)
                 if b == 1 and tpot.get(name):
                     run["tpot_ms"] = round(statistics.median(tpot[name]), 4)

@@ -467,27 +467,50 @@ class Int4Linear(nn.Module):
     def _mma_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(qw, meta, bias float32)`` of the mma layout, derived once per device (layout version
         ``MMA_LAYOUT_VERSION``); for a gated projection (:meth:`set_gated`) of the rows in
-        :func:`~edgevlm.runtime.int4_format.gated_row_order`."""
+        :func:`~edgevlm.runtime.int4_format.gated_row_order` (the order itself cached as ``_mma_cache[4]``)."""
         cache = self._mma_cache
         if cache is None or cache[0] != self.qweight.device:
             qweight, scales, zeros, bias = self.qweight, self.scales, self.zeros, self.bias
+            order = None
             if self.gated_act is not None:
                 order = gated_row_order(self.out_features, qweight.device)
                 qweight, scales, zeros = qweight[order], scales[order], zeros[order]
                 bias = bias[order] if bias is not None else None
             qw, meta = repack_int4_mma(qweight, scales, zeros, self.group_size)
             bias = bias.to(torch.float32).contiguous() if bias is not None else None
-            cache = (self.qweight.device, qw, meta, bias)
+            cache = (self.qweight.device, qw, meta, bias, order)
             self._mma_cache = cache
         return cache[1], cache[2], cache[3]
+
+    def _mma_launch(self, x2: torch.Tensor) -> torch.Tensor:
+        """The tensor-core product of ``x2 (M, in_features)`` (any float dtype; launched in bf16 unless fp16) for the
+        ``"mma"`` path: ``(M, out_features)`` in the launch dtype, its columns in the layout's row order (a gated
+        layer's interleaved order). Up to ``MMA_MAX_CALLS`` launches over equal row blocks of at most
+        :func:`mma_max_rows`. The call that repacks the layout launches plainly: the kernel reads the weights before
+        its PDL wait (griddepcontrol.wait is where the previous grid's writes are guaranteed visible;
+        ``runtime/kernels/pdl.py``), and the repack's kernels are this stream's last."""
+        from edgevlm.runtime.kernels.w4a16_mma import w4a16_mma
+
+        fresh = self._mma_cache is None or self._mma_cache[0] != self.qweight.device
+        pdl = False if fresh else None
+        qw, meta, bias = self._mma_tensors()
+        xa = (x2 if x2.dtype in (torch.bfloat16, torch.float16) else x2.to(torch.bfloat16)).contiguous()
+        m, top = xa.shape[0], mma_max_rows(xa.device)
+        if m <= top:
+            return w4a16_mma(xa, qw, meta, self.group_size, bias, pdl=pdl)
+        calls = -(-m // top)
+        step = -(-m // calls)
+        return torch.cat([w4a16_mma(xa[r:r + step], qw, meta, self.group_size, bias, pdl=pdl)
+                          for r in range(0, m, step)])
 
     def set_gated(self, act: str | None) -> None:
         """Mark this layer as a fused gate/up projection (rows ``[gate | up]``, 2 I of them) whose decode launches may
         apply ``act`` and the product in the W4A16 kernel's epilogue (:meth:`forward_gated`), or unmark it (None).
         Its mma layout then holds the rows in :func:`~edgevlm.runtime.int4_format.gated_row_order` (re-derived on the
         next call; a stored bundle layout is dropped, and :meth:`set_mma_layout` unmarks it again);
-        :meth:`forward` still returns ``[gate | up]``. Raises ``ValueError`` for another activation than
-        ``decode_fused.GATED_ACTS`` or rows that are not a multiple of 16."""
+        :meth:`forward` still returns ``[gate | up]``. A change drops the layout: CUDA graphs captured before it
+        read freed memory and must be captured again (``DecodeGraphs.reset``). Raises ``ValueError`` for another
+        activation than ``decode_fused.GATED_ACTS`` or rows that are not a multiple of 16."""
         if act is not None:
             from edgevlm.runtime.kernels.decode_fused import GATED_ACTS
 
@@ -501,34 +524,34 @@ class Int4Linear(nn.Module):
 
     def gated_ready(self, x: torch.Tensor) -> bool:
         """Whether :meth:`forward_gated` serves ``x (..., in_features)``: a gated layer (:meth:`set_gated`) on CUDA
-        without ``input_scale``, whose rows take the tensor-core path in one launch."""
+        without ``input_scale`` whose rows take the tensor-core (``"mma"``) path."""
         if self.gated_act is None or self.input_scale is not None or x.device.type != "cuda":
             return False
-        m = x.numel() // self.in_features
-        return self.execution_path(m, x.device) == "mma" and m <= mma_max_rows(x.device)
+        return self.execution_path(x.numel() // self.in_features, x.device) == "mma"
 
     def forward_gated(self, x: torch.Tensor) -> torch.Tensor:
-        """``act(gate) * up`` of a gated projection (:meth:`set_gated`): ``x (..., in_features)`` bf16/fp16 ->
-        ``(..., out_features / 2)`` in ``x.dtype``. Where ``w4a16_mma.gated_ok`` says so (decode steps of up to
-        ``GATED_MAX_M`` rows), one launch with the gated epilogue (fp32 gate and up, one rounding); else the plain
-        launch over the interleaved rows and ``decode_fused.gated_act(..., interleaved=True)``. Only where
-        :meth:`gated_ready` says so; raises ``ValueError`` otherwise."""
+        """``act(gate) * up`` of a gated projection (:meth:`set_gated`): ``x (..., in_features)`` (launched in bf16
+        unless fp16, as :meth:`forward`) -> ``(..., out_features / 2)`` in ``x.dtype``. Where
+        ``w4a16_mma.gated_ok`` says so (decode steps of up to ``GATED_MAX_M`` rows), one launch with the gated
+        epilogue (fp32 gate and up, one rounding); else the plain launches over the interleaved rows and
+        ``decode_fused.gated_act(..., interleaved=True)``. Only where :meth:`gated_ready` says so; raises
+        ``ValueError`` otherwise."""
         if not self.gated_ready(x):
             raise ValueError("forward_gated: not a gated layer on the W4A16 tensor-core path for this input "
                              "(see gated_ready)")
-        from edgevlm.runtime.kernels.w4a16_mma import gated_ok, w4a16_mma, w4a16_mma_gated
+        from edgevlm.runtime.kernels.w4a16_mma import gated_ok, w4a16_mma_gated
 
-        fresh = self._mma_cache is None or self._mma_cache[0] != self.qweight.device  # as in forward: plain launch
-        qw, meta, bias = self._mma_tensors()
-        x2 = x.reshape(-1, self.in_features).contiguous()
-        pdl = False if fresh else None
+        x2 = x.reshape(-1, self.in_features)
         if gated_ok(x2.device, x2.shape[0], self.gated_act):
-            y = w4a16_mma_gated(x2, qw, meta, self.group_size, self.gated_act, bias, pdl=pdl)
+            fresh = self._mma_cache is None or self._mma_cache[0] != self.qweight.device  # as in _mma_launch
+            qw, meta, bias = self._mma_tensors()
+            xa = (x2 if x2.dtype in (torch.bfloat16, torch.float16) else x2.to(torch.bfloat16)).contiguous()
+            y = w4a16_mma_gated(xa, qw, meta, self.group_size, self.gated_act, bias, pdl=False if fresh else None)
         else:
             from edgevlm.runtime.kernels.decode_fused import gated_act
 
-            y = gated_act(w4a16_mma(x2, qw, meta, self.group_size, bias, pdl=pdl), self.gated_act, interleaved=True)
-        return y.reshape(*x.shape[:-1], self.out_features // 2)
+            y = gated_act(self._mma_launch(x2), self.gated_act, interleaved=True)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features // 2)
 
     def set_mma_layout(self, qw: torch.Tensor, meta: torch.Tensor) -> None:
         """Use ``(qw, meta)``, a stored copy of :func:`repack_int4_mma`'s output for this layer (layout
@@ -549,7 +572,7 @@ class Int4Linear(nn.Module):
         dev = self.qweight.device
         bias = self.bias.to(torch.float32).contiguous() if self.bias is not None else None
         self.gated_act = None  # the stored copy is in the canonical row order
-        self._mma_cache = (dev, qw.to(dev).contiguous(), meta.to(dev).contiguous(), bias)
+        self._mma_cache = (dev, qw.to(dev).contiguous(), meta.to(dev).contiguous(), bias, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -559,25 +582,10 @@ class Int4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         path = self.execution_path(x2.shape[0], x2.device)
         if path == "mma":
-            from edgevlm.runtime.kernels.w4a16_mma import w4a16_mma
-
-            # a layout repacked here and now was written by this stream's last kernels, and the kernel reads the
-            # weights before its PDL wait (griddepcontrol.wait is where the previous grid's writes are guaranteed
-            # visible; runtime/kernels/pdl.py): that first call launches plainly
-            fresh = self._mma_cache is None or self._mma_cache[0] != self.qweight.device
-            pdl = False if fresh else None
-            qw, meta, bias = self._mma_tensors()
-            xa = (x2 if x2.dtype in (torch.bfloat16, torch.float16) else x2.to(torch.bfloat16)).contiguous()
-            m, top = xa.shape[0], mma_max_rows(xa.device)
-            if m <= top:
-                y = w4a16_mma(xa, qw, meta, self.group_size, bias, pdl=pdl)
-            else:  # up to MMA_MAX_CALLS launches over equal row blocks of at most `top` rows
-                calls = -(-m // top)
-                step = -(-m // calls)
-                y = torch.cat([w4a16_mma(xa[r:r + step], qw, meta, self.group_size, bias, pdl=pdl)
-                               for r in range(0, m, step)])
-            if self.gated_act is not None:  # the layout's rows are in gated_row_order: back to [gate | up]
-                y = torch.empty_like(y).index_copy_(1, gated_row_order(self.out_features, y.device), y)
+            y = self._mma_launch(x2)
+            order = self._mma_cache[4]
+            if order is not None:  # a gated layer's layout holds its rows in gated_row_order: back to [gate | up]
+                y = torch.empty_like(y).index_copy_(1, order, y)
             return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # (..., N)
         if path == "cuda_dequant":
             return _prefill_matmul(x2.contiguous(), self).reshape(*x.shape[:-1], self.out_features)  # (..., N)

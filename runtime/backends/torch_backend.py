@@ -29,7 +29,8 @@ cloud profiles):
   (:func:`edgevlm.runtime.int4.set_int4_kernel`).
 * ``fused_decode`` (default: True on CUDA with triton and fused projections): the fused Triton
   decode-step kernels (``Decoder.enable_fused_decode``: residual add + RMSNorm, RoPE + KV write,
-  SiLU x up), for 16-bit KV caches.
+  SiLU x up — for W4A16 gate/up projections in the matmul's epilogue up to ``w4a16_mma.GATED_MAX_M`` rows), for
+  16-bit KV caches.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ mostly idle GPU). The plain layer runs ~17 kernels; with these three it runs ~10
   slot (five kernels -> one; eight with q/k norm).
 * :func:`silu_mul` / :func:`gated_act` — SwiGLU's ``silu(gate) * up`` (or GeGLU's tanh-GELU,
   Gemma) from the fused gate/up projection (Shazeer, "GLU Variants Improve Transformer", 2020)
-  (two kernels -> one).
+  (two kernels -> one); ``interleaved=True`` reads a gated W4A16 layer's column order. A decode step of up to
+  ``w4a16_mma.GATED_MAX_M`` rows over a W4A16 model runs none: the gate/up matmul's epilogue applies it.
 
 Gemma 3 (Gemma Team, "Gemma 3 Technical Report", 2025) runs on the same kernels by configuration:
 unit-offset norm weights (``1 + w``), its post-attention / post-feedforward norms folded into
@@ -630,7 +631,7 @@ def gated_act(gate_up: torch.Tensor, act: str = "silu", *, interleaved: bool = F
     Raises ``ValueError`` for an odd last dimension (not a multiple of 16 when interleaved) or another
     activation."""
     if gate_up.dim() != 2 or gate_up.shape[1] % (16 if interleaved else 2):
-        raise ValueError(f"silu_mul: expected (R, 2I){' with I % 8 == 0' if interleaved else ''}, "
+        raise ValueError(f"gated_act: expected (R, 2I){' with I % 8 == 0' if interleaved else ''}, "
                          f"got {tuple(gate_up.shape)}")
     if act not in GATED_ACTS:
         raise ValueError(f"gated_act: activation {act!r} is not one of {', '.join(GATED_ACTS)}")

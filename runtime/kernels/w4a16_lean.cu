@@ -38,8 +38,9 @@
 // tile (rows 0-7 of tile j are gate channels 8j..8j+7, rows 8-15 the up channels of the same indices;
 // int4_format.gated_row_order), so the lane that holds a gate output (mma rows g) holds its up partner too (rows
 // g + 8), and the epilogue writes act(gate) * up, (M, N / 2), in fp32 from the fp32 sums (+ bias) with one rounding:
-// the separate SiLU*up kernel and the (M, N) intermediate are gone. act: 0 SiLU, 1 tanh-approximated GELU, each
-// computed as g * sigmoid(.) (decode_fused.gated_act's formulas). Same loads and mma as the plain kernel.
+// decode steps of up to w4a16_mma.GATED_MAX_M rows run no separate SiLU*up kernel and write no (M, N) intermediate.
+// act: 0 SiLU, 1 tanh-approximated GELU, each computed as g * sigmoid(.) (decode_fused.gated_act's formulas). Same
+// loads and mma as the plain kernel.
 
 #include "w4a16_common.cuh"
 

@@ -134,11 +134,13 @@ def test_every_launch_site_passes_use_gdc_and_launch_pdl_together(df, monkeypatc
     pos = torch.full((b,), 40, dtype=torch.int64)
     df.rope_kv_write(qkv, cos, sin, pos, cache, cache.clone(), h, hkv)
     df.silu_mul(torch.randn(b, 64))
-    df.gated_act(torch.randn(b, 64), "gelu_pytorch_tanh", interleaved=True)
+    df.gated_act(torch.randn(b, 64), "gelu_pytorch_tanh")
+    df.gated_act(torch.randn(b, 64), "silu", interleaved=True)
     df.decode_attention(torch.randn(b, h, 1, dh), cache, cache.clone(), pos, s, block_n=16, cta_budget=1 << 20)
     df.rope_decode_attention(qkv, cos, sin, pos, cache, cache.clone(), h, hkv, s, block_n=16)
     assert [n for n, _ in log] == ["add_rms_norm_kernel", "rope_kv_kernel", "silu_mul_kernel", "silu_mul_kernel",
-                                   "attn_split_kernel", "attn_combine_kernel", "rope_attn_kernel"]
+                                   "silu_mul_kernel", "attn_split_kernel", "attn_combine_kernel", "rope_attn_kernel"]
+    assert [kw["INTERLEAVED"] for n, kw in log if n == "silu_mul_kernel"] == [False, False, True]
     assert all(str(d) == "cpu" and r == b for d, r in seen) and len(seen) >= 6  # the rows: the decode batch
     for name, kwargs in log:
         assert kwargs["USE_GDC"] is use, name
@@ -158,7 +160,7 @@ def test_add_rms_norm_warps_knob(df, monkeypatch):
         assert log[-1][1]["num_warps"] == want
 
 
-def _signatures(use: bool, act: str = "silu") -> dict:
+def _signatures(use: bool, act: str = "silu", interleaved: bool = False) -> dict:
     """``name -> (signature, constexprs, num_warps)`` of each decode kernel, bf16 activations, a bf16 cache."""
     gdc = {"USE_GDC": use}
     return {
@@ -177,7 +179,7 @@ def _signatures(use: bool, act: str = "silu") -> dict:
         "silu_mul_kernel": ({
             "gu_ptr": "*bf16", "y_ptr": "*bf16", "INTER": "i32", "BLOCK": "constexpr", "GELU_TANH": "constexpr",
             "INTERLEAVED": "constexpr", "USE_GDC": "constexpr"},
-            {"BLOCK": 1024, "GELU_TANH": act != "silu", "INTERLEAVED": act != "silu", **gdc}, 4),
+            {"BLOCK": 1024, "GELU_TANH": act != "silu", "INTERLEAVED": interleaved, **gdc}, 4),
         "attn_split_kernel": ({
             "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "ks_ptr": "*fp32", "vs_ptr": "*fp32",
             "pos_ptr": "*i64", "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "y_ptr": "*bf16", "H": "i32",
@@ -207,14 +209,16 @@ _MEMORY = re.compile(r"^\s*(?:@%p\d+\s+)?(?:ld\.global|st\.global|atom\.|red\.|c
 
 
 @needs_triton
-@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
-def test_kernels_compile_with_and_without_gdc_for_sm90(act):
+@pytest.mark.parametrize("act,interleaved", [("silu", False), ("gelu_pytorch_tanh", False), ("silu", True),
+                                             ("gelu_pytorch_tanh", True)])
+def test_kernels_compile_with_and_without_gdc_for_sm90(act, interleaved):
     from edgevlm.runtime.kernels import decode_fused
 
     kernels = dict(zip(NAMES, decode_fused._kernels(), strict=True))
-    names = ("silu_mul_kernel",) if act != "silu" else NAMES  # the gated-activation kernel: GELU_TANH=True
+    # every kernel once; then the gated-activation kernel's other variants (GELU_TANH, INTERLEAVED)
+    names = NAMES if (act, interleaved) == ("silu", False) else ("silu_mul_kernel",)
     for use in (True, False):
-        sigs = _signatures(use, act)
+        sigs = _signatures(use, act, interleaved)
         for name in names:
             sig, consts, warps = sigs[name]
             ptx = _compile(kernels[name], sig, consts, 90, num_warps=warps).asm["ptx"]

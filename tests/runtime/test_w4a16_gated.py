@@ -91,6 +91,10 @@ class _RefExt:
         self.calls.append(("reg", a, b, tpc))
         return mk.w4a16_mma_reference(x, qw, meta, g, bias).to(x.dtype)
 
+    def w4a16_bulk(self, x, qw, meta, bias, g, a, b, tpc, allow_zx, pdl):
+        self.calls.append(("bulk", a, b, tpc))
+        return mk.w4a16_mma_reference(x, qw, meta, g, bias).to(x.dtype)
+
     def w4a16_lean_gated(self, x, qw, meta, bias, g, a, b, tpc, pdl, late, act):
         self.calls.append(("gated", a, b, tpc, act))
         y = mk.w4a16_mma_reference(x, qw, meta, g, bias)
@@ -239,3 +243,87 @@ def test_fused_step_takes_the_gated_launch_where_ready(monkeypatch):
     monkeypatch.setattr(Int4Linear, "gated_ready", lambda self, x: False)
     Decoder._gate_up_act(mlp, h, lambda gu, act: seen.append("separate") or gu[:, :32])
     assert seen == ["gated", "separate"]
+
+
+def test_gated_launch_refuses_bad_configs_and_a_build_without_it(ref_ext, monkeypatch):
+    w = quantize_int4(torch.randn(64, 256), 128)
+    order = gated_row_order(64)
+    qw, meta = repack_int4_mma(w.qweight[order], w.scales[order], w.zeros[order], 128)
+    x = torch.randn(2, 256).bfloat16()
+    for bad in (("lean", 8, 2, 1), (8, 2, 0), (8, 2), (8, 2.0, 1), None.__class__):
+        with pytest.raises(ValueError, match="config must be"):
+            mk.w4a16_mma_gated(x, qw, meta, 128, "silu", config=bad)
+    monkeypatch.setattr(mk, "load_extension", lambda device=None: object())  # a build without the lean variant
+    with pytest.raises(mk.MmaKernelUnavailable, match="no lean variant"):
+        mk.w4a16_mma_gated(x, qw, meta, 128, "silu")
+
+
+def test_gated_ready_follows_the_mma_path(monkeypatch):
+    class _Rows:  # what gated_ready reads of an input: its device and element count
+        def __init__(self, rows, device="cuda"):
+            self.device, self.rows = torch.device(device), rows
+
+        def numel(self):
+            return self.rows * 256
+
+    lin = _gate_up()
+    assert not lin.gated_ready(_Rows(1))  # not gated
+    lin.set_gated("silu")
+    seen = []
+    monkeypatch.setattr(Int4Linear, "execution_path",
+                        lambda self, m, device: seen.append(m) or ("mma" if m <= 64 else "cuda_dequant"))
+    assert lin.gated_ready(_Rows(1)) and lin.gated_ready(_Rows(40))  # 40: forward's row blocks serve it too
+    assert not lin.gated_ready(_Rows(600))  # prefill rows: not the mma path
+    assert not lin.gated_ready(_Rows(1, "cpu"))
+    assert seen == [1, 40, 600]
+
+
+def test_forward_gated_over_row_blocks_and_float32(ref_ext, monkeypatch):
+    from edgevlm.runtime.kernels import decode_fused
+
+    lin = _gate_up()
+    x = torch.randn(40, 256)  # float32, 40 rows: three launches of <= 16 rows
+    plain = lin(x)
+    lin.set_gated("silu")
+    monkeypatch.setattr(Int4Linear, "execution_path", lambda self, m, device: "mma")
+    monkeypatch.setattr(Int4Linear, "gated_ready", lambda self, x: True)
+    monkeypatch.setattr("edgevlm.runtime.int4.mma_max_rows", lambda device: 16)
+
+    def act_interleaved(y, act, *, interleaved=False):
+        assert interleaved and act == "silu"
+        tiles = y.float().reshape(y.shape[0], -1, 16)
+        return (F.silu(tiles[:, :, :8]) * tiles[:, :, 8:]).reshape(y.shape[0], -1).to(y.dtype)
+
+    monkeypatch.setattr(decode_fused, "gated_act", act_interleaved)
+    before = len(ref_ext.calls)
+    y = lin.forward_gated(x)
+    assert y.dtype == torch.float32 and y.shape == (40, 32)
+    launches = [c[0] for c in ref_ext.calls[before:]]
+    assert len(launches) == 3 and "gated" not in launches  # 40 rows > GATED_MAX_M: plain launches of <= 16 rows
+    want = F.silu(plain[:, :32]) * plain[:, 32:]
+    assert torch.allclose(y, want, rtol=3e-2, atol=3e-2)
+    assert torch.allclose(lin(x), plain, rtol=2e-2, atol=2e-2)  # forward: [gate | up] again, over row blocks
+
+
+def test_set_mma_layout_unmarks_a_gated_layer():
+    lin = _gate_up()
+    lin.set_gated("silu")
+    qw, meta = repack_int4_mma(lin.qweight, lin.scales, lin.zeros, 128)
+    lin.set_mma_layout(qw, meta)
+    assert lin.gated_act is None and lin._mma_cache[4] is None
+
+
+def test_breakdown_ungated_variant():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "decode_step_breakdown.py"
+    spec = importlib.util.spec_from_file_location("decode_step_breakdown_t", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    assert mod.parse_variant("nomask_ungated").ungated
+    with pytest.raises(ValueError, match="need the decoder"):
+        with mod.variant("nomask_ungated", None):
+            pass
