@@ -482,19 +482,25 @@ class Int4Linear(nn.Module):
             self._mma_cache = cache
         return cache[1], cache[2], cache[3]
 
-    def _mma_launch(self, x2: torch.Tensor) -> torch.Tensor:
-        """The tensor-core product of ``x2 (M, in_features)`` (any float dtype; launched in bf16 unless fp16) for the
-        ``"mma"`` path: ``(M, out_features)`` in the launch dtype, its columns in the layout's row order (a gated
-        layer's interleaved order). Up to ``MMA_MAX_CALLS`` launches over equal row blocks of at most
-        :func:`mma_max_rows`. The call that repacks the layout launches plainly: the kernel reads the weights before
-        its PDL wait (griddepcontrol.wait is where the previous grid's writes are guaranteed visible;
-        ``runtime/kernels/pdl.py``), and the repack's kernels are this stream's last."""
-        from edgevlm.runtime.kernels.w4a16_mma import w4a16_mma
-
+    def _mma_inputs(self, x2: torch.Tensor) -> tuple:
+        """``(xa, qw, meta, bias, pdl)`` of a tensor-core launch over ``x2 (M, in_features)``: the activations in bf16
+        unless fp16 (contiguous), the layout (:meth:`_mma_tensors`), and ``pdl`` = False on the call that repacks the
+        layout (the kernel reads the weights before its PDL wait, griddepcontrol.wait being where the previous grid's
+        writes are guaranteed visible, ``runtime/kernels/pdl.py``, and the repack's kernels are this stream's last),
+        else None (the rule's choice)."""
         fresh = self._mma_cache is None or self._mma_cache[0] != self.qweight.device
-        pdl = False if fresh else None
         qw, meta, bias = self._mma_tensors()
         xa = (x2 if x2.dtype in (torch.bfloat16, torch.float16) else x2.to(torch.bfloat16)).contiguous()
+        return xa, qw, meta, bias, (False if fresh else None)
+
+    def _mma_launch(self, x2: torch.Tensor) -> torch.Tensor:
+        """The tensor-core product of ``x2 (M, in_features)`` (any float dtype, see :meth:`_mma_inputs`) for the
+        ``"mma"`` path: ``(M, out_features)`` in the launch dtype, its columns in the layout's row order (a gated
+        layer's interleaved order). Up to ``MMA_MAX_CALLS`` launches over equal row blocks of at most
+        :func:`mma_max_rows`."""
+        from edgevlm.runtime.kernels.w4a16_mma import w4a16_mma
+
+        xa, qw, meta, bias, pdl = self._mma_inputs(x2)
         m, top = xa.shape[0], mma_max_rows(xa.device)
         if m <= top:
             return w4a16_mma(xa, qw, meta, self.group_size, bias, pdl=pdl)
@@ -543,10 +549,8 @@ class Int4Linear(nn.Module):
 
         x2 = x.reshape(-1, self.in_features)
         if gated_ok(x2.device, x2.shape[0], self.gated_act):
-            fresh = self._mma_cache is None or self._mma_cache[0] != self.qweight.device  # as in _mma_launch
-            qw, meta, bias = self._mma_tensors()
-            xa = (x2 if x2.dtype in (torch.bfloat16, torch.float16) else x2.to(torch.bfloat16)).contiguous()
-            y = w4a16_mma_gated(xa, qw, meta, self.group_size, self.gated_act, bias, pdl=False if fresh else None)
+            xa, qw, meta, bias, pdl = self._mma_inputs(x2)
+            y = w4a16_mma_gated(xa, qw, meta, self.group_size, self.gated_act, bias, pdl=pdl)
         else:
             from edgevlm.runtime.kernels.decode_fused import gated_act
 
