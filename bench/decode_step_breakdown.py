@@ -46,7 +46,9 @@ order and combination (e.g. ``nomask_pdlall_norm16``; :func:`parse_variant`):
 * ``w4head`` -- an RTN W4A16 ``lm_head`` (a what-if: other logits),
 * ``split16`` -- the 16-way key split at every batch size,
 * ``ungated`` -- the fused gate/up projections without the W4A16 gated-MLP epilogue (the plain kernel, then the
-  SiLU*up kernel; the library's default since session 13 applies ``act(gate) * up`` in the matmul's epilogue).
+  SiLU*up kernel; the library's default since session 13 applies ``act(gate) * up`` in the matmul's epilogue),
+* ``sepcombine`` -- with the ``after`` base: the key splits combined by the combine kernel after the one-kernel
+  attention instead of its last CTA (``decode_fused.FUSED_ATTENTION_COMBINE``: two attention kernels per layer).
 
 Every switch is restored when the variant's captures are done.
 
@@ -136,6 +138,7 @@ class Variant:
     split16: bool = False
     norm_warps: int | None = None
     ungated: bool = False
+    sepcombine: bool = False
 
 
 def parse_variant(name: str) -> Variant:
@@ -164,6 +167,8 @@ def parse_variant(name: str) -> Variant:
             opts["split16"] = True
         elif suffix == "ungated":
             opts["ungated"] = True
+        elif suffix == "sepcombine":
+            opts["sepcombine"] = True
         elif norm:
             warps = int(norm.group(1))
             if warps < 1 or warps > 32 or warps & (warps - 1) or "norm_warps" in opts:
@@ -171,7 +176,7 @@ def parse_variant(name: str) -> Variant:
             opts["norm_warps"] = warps
         else:
             raise ValueError(f"variant {name!r}: unknown suffix {suffix!r} (nopdl, pdl, pdlall, normN, w4head, split16, "
-                             "ungated)")
+                             "ungated, sepcombine)")
     return Variant(base, **opts)
 
 
@@ -182,7 +187,7 @@ def variant(name: str, dec=None):
     ``_split16``: the old 16-way key split of ``decode_attention``; ``_nopdl``: plain launches everywhere;
     ``_pdl``: only the W4A16 kernels launched as programmatic dependents (``w4a16_mma.PDL``); ``_pdlall``: those
     and the fused decode step's Triton kernels (``decode_fused.PDL``) at every batch size (``pdl.MAX_ROWS``); ``_normN``:
-    ``decode_fused.ADD_RMS_NORM_WARPS = N``; ``_w4head``: ``dec``'s bf16 ``lm_head`` replaced by an RTN W4A16
+    ``decode_fused.ADD_RMS_NORM_WARPS = N``; ``_sepcombine``: ``decode_fused.FUSED_ATTENTION_COMBINE`` off; ``_w4head``: ``dec``'s bf16 ``lm_head`` replaced by an RTN W4A16
     ``Int4Linear`` (group 128; other logits: a what-if for bundles whose head is quantized); ``_ungated``: ``dec``'s
     gated gate/up projections unmarked (``Int4Linear.set_gated(None)``, re-marked after). Switches a variant
     does not name keep their values (the environment's). Raises ``ValueError`` for a bad name, before changing
@@ -192,7 +197,7 @@ def variant(name: str, dec=None):
     from edgevlm.runtime.kernels import w4a16_mma as mk
 
     saved = (decode_fused.FUSED_ATTENTION, decode_fused.ATTENTION_CTA_BUDGET, decode_fused.PDL,
-             decode_fused.ADD_RMS_NORM_WARPS, mk.PDL, pdl.MAX_ROWS)
+             decode_fused.ADD_RMS_NORM_WARPS, mk.PDL, pdl.MAX_ROWS, decode_fused.FUSED_ATTENTION_COMBINE)
     if (v.ungated or v.w4head) and dec is None:
         raise ValueError(f"variant {name!r}: _ungated and _w4head need the decoder (dec)")
     head = None
@@ -208,6 +213,8 @@ def variant(name: str, dec=None):
         pdl.MAX_ROWS = None
     if v.norm_warps is not None:
         decode_fused.ADD_RMS_NORM_WARPS = v.norm_warps
+    if v.sepcombine:
+        decode_fused.FUSED_ATTENTION_COMBINE = False
     try:
         if v.ungated:  # (graphs captured before must be reset: set_gated drops the layouts they read)
             gated = {layer.mlp.gate_up_proj: layer.mlp.gate_up_proj.gated_act for layer in dec.layers
@@ -225,7 +232,7 @@ def variant(name: str, dec=None):
             yield
     finally:
         (decode_fused.FUSED_ATTENTION, decode_fused.ATTENTION_CTA_BUDGET, decode_fused.PDL,
-         decode_fused.ADD_RMS_NORM_WARPS, mk.PDL, pdl.MAX_ROWS) = saved
+         decode_fused.ADD_RMS_NORM_WARPS, mk.PDL, pdl.MAX_ROWS, decode_fused.FUSED_ATTENTION_COMBINE) = saved
         for mod, act in gated.items():
             mod.set_gated(act)
         if head is not None:

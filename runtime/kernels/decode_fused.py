@@ -28,8 +28,9 @@ off for every other decoder, which compiles to the same kernels as before.
   kernels -> one): each CTA rotates its KV head's queries and the fresh key itself, the CTA whose key
   range holds the slot writes k and v into the cache, the fresh key stands in for the slot's row where a
   CTA reads the cache, and the last CTA of each KV head to finish (an atomic counter per head, reset by
-  that CTA) combines the splits (none at large batch: one CTA per head). Opt-in
-  (:data:`FUSED_ATTENTION`): its first version measured slower than the three kernels.
+  that CTA) combines the splits (none at large batch: one CTA per head), or (``combine=False``,
+  :data:`FUSED_ATTENTION_COMBINE`) the combine kernel after it. Opt-in (:data:`FUSED_ATTENTION`): it measured
+  slower than the three kernels.
 
 FP8 KV caches (:class:`~edgevlm.runtime.kv_cache.Fp8KVCache`, ``float8_e4m3fn`` values + one fp16 scale per
 (row, head, position)): :func:`rope_kv_write` quantizes the fresh key and value in its kernel, bit-identical to
@@ -67,8 +68,17 @@ KV write, split attention and the combine in one kernel) where it applies, inste
 + :func:`decode_attention` (three kernels). Off by default, ``EDGEVLM_DECODE_FUSED_ATTENTION=1`` opts in: its
 first version measured slower in the whole 7B W4A16 decode on an H200 (2026-12-02, three alternations:
 404-415 vs 427-441 tok/s at batch 1, 1697-1773 vs 2281-2400 at 8, 2366-2405 vs 3916-4014 at 32;
-``bench/results/w4a16_kernel_h200_20261202.md``, session 8); the version here (no per-thread fence, fewer
-splits at large batch) is not measured yet. Read at each step, so a new CUDA graph capture picks up a change."""
+``bench/results/w4a16_kernel_h200_20261202.md``, session 8); its revised form (no per-thread fence, fewer splits at
+large batch) measured slower too (2026-12-03, step 1.850 -> 1.995 ms at batch 1, 2.608 -> 2.881 at 8, 6.214 -> 6.929
+at 32; ``bench/results/w4a16_kernel_h200_20261203.md``, session 14). Read at each step, so a new CUDA graph capture
+picks up a change."""
+
+FUSED_ATTENTION_COMBINE = os.environ.get("EDGEVLM_DECODE_FUSED_COMBINE", "1").strip().lower() in (
+    "1", "true", "yes", "on")
+"""Under :data:`FUSED_ATTENTION`, whether :func:`rope_decode_attention` combines the key splits in its own kernel
+(the last CTA of each head, behind an atomic counter: one kernel per layer) or leaves them to the combine kernel
+:func:`decode_attention` uses (two kernels: RoPE + KV write + split attention, then the combine;
+``EDGEVLM_DECODE_FUSED_COMBINE=0``). Read at each launch."""
 
 FP8_NATIVE: bool | None = None
 """How :func:`decode_attention` turns e4m3 bytes into numbers: True the hardware conversion (Triton's
@@ -402,7 +412,7 @@ def _kernels():
                          l_ptr, cnt_ptr, y_ptr, H, HKV, S, CHUNK, scale, eps,
                          REP: tl.constexpr, REP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                          BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, QK_NORM: tl.constexpr,
-                         UNIT_OFFSET: tl.constexpr, USE_GDC: tl.constexpr = False):
+                         UNIT_OFFSET: tl.constexpr, COMBINE: tl.constexpr = True, USE_GDC: tl.constexpr = False):
         if USE_GDC:  # programmatic dependent launch (pdl_ok): the previous grid done before any memory access
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -480,6 +490,8 @@ def _kernels():
         tl.store(o_ptr + (part + split)[:, None] * HEAD_DIM + d[None, :], acc, mask=keep[:, None])
         tl.store(m_ptr + part + split, m, mask=keep)
         tl.store(l_ptr + part + split, den, mask=keep)
+        if not COMBINE:  # attn_combine_kernel, launched after this kernel, combines the partials
+            return
         # every thread's partials issued before one thread's release of the counter (the barrier orders them
         # before it at CTA scope; the gpu-scope acq_rel atomic makes them visible with it, as CUTLASS's
         # semaphore does after __syncthreads)
@@ -816,7 +828,8 @@ def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
                           k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv_heads: int, kv_len: int,
                           *, rope_pos: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
                           k_norm: torch.Tensor | None = None, norm_eps: float = 1e-6, unit_offset: bool = False,
-                          scale: float | None = None, block_n: int = 64, max_splits: int = 16) -> torch.Tensor:
+                          scale: float | None = None, block_n: int = 64, max_splits: int = 16,
+                          combine: bool | None = None) -> torch.Tensor:
     """:func:`rope_kv_write` then :func:`decode_attention`, in one kernel: the decode step's attention
     from the fused q/k/v projection.
 
@@ -828,7 +841,10 @@ def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     per-head RMSNorm before RoPE (eps ``norm_eps``, ``unit_offset``: weights act as ``1 + w``);
     ``scale``: score scale (None: ``Dh ** -0.5``). The keys are split as :func:`decode_attention` splits them
     (``block_n``, up to ``max_splits``), halved while ``B x Hkv x splits`` exceeds :func:`_cta_budget`; one
-    split writes the output directly. No sliding window and no rolling cache (those keep the two-kernel path). Returns ``(B, H, 1, Dh)`` in ``qkv.dtype``; the same function as the two kernels
+    split writes the output directly. ``combine`` (None: :data:`FUSED_ATTENTION_COMBINE`): True, the last CTA of each
+    head to finish combines the splits (an atomic counter per head; one kernel); False, :func:`decode_attention`'s
+    combine kernel runs after it (two kernels, no counter). No sliding window and no rolling cache (those keep the
+    two-kernel path). Returns ``(B, H, 1, Dh)`` in ``qkv.dtype``; the same function as the two kernels
     (queries and keys rounded to the activation dtype as they store them; the splits' combine sums in
     another order: equal to fp32 rounding). Raises ``ValueError`` as those two do."""
     b = qkv.shape[0]
@@ -857,10 +873,16 @@ def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     lse = torch.empty(b * n_heads, nsplit, dtype=torch.float32, device=qkv.device)
     y = torch.empty(b, n_heads, 1, dh, dtype=qkv.dtype, device=qkv.device)
     qk_norm = q_norm is not None
+    combine = FUSED_ATTENTION_COMBINE if combine is None else bool(combine)
+    use_pdl = pdl_ok(qkv.device, b)
     _kernels()[5][(b * hkv, nsplit)](
         qkv, cos, sin, input_pos, input_pos if rope_pos is None else rope_pos, q_norm if qk_norm else cos,
         k_norm if qk_norm else cos, k_cache, v_cache, part, m, lse, _counters(b * hkv, qkv.device), y,
         n_heads, hkv, s, chunk, dh ** -0.5 if scale is None else float(scale), float(norm_eps),
         REP=rep, REP_PAD=max(16, _next_pow2(rep)), HEAD_DIM=dh, HALF=dh // 2, BLOCK_N=block_n, NSPLIT=nsplit,
-        QK_NORM=qk_norm, UNIT_OFFSET=bool(unit_offset), num_warps=4, **_gdc_launch(pdl_ok(qkv.device, b), "rope_attn"))
+        QK_NORM=qk_norm, UNIT_OFFSET=bool(unit_offset), COMBINE=combine, num_warps=4,
+        **_gdc_launch(use_pdl, "rope_attn"))
+    if nsplit > 1 and not combine:
+        _kernels()[4][(b * n_heads,)](part, m, lse, y, HEAD_DIM=dh, NSPLIT=nsplit, num_warps=1,
+                                      **_gdc_launch(use_pdl, "attn_combine"))
     return y

@@ -41,9 +41,10 @@ INTERP_SCRIPT = """
             ref = torch.stack([torch.nn.functional.scaled_dot_product_attention(
                 q[i].double(), k1[i, :, : pos[i] + 1].double().repeat_interleave(rep, 0),
                 v1[i, :, : pos[i] + 1].double().repeat_interleave(rep, 0), scale=0.3) for i in range(b)])
-            for launch in range(2):  # the second launch finds the per-head counters back at zero
+            # the second launch finds the per-head counters back at zero; the third leaves the combine to its kernel
+            for launch, combine in ((0, True), (1, True), (2, False)):
                 y = rope_decode_attention(qkv, cos, sin, pos, k2, v2, h, hkv, kv_len, rope_pos=rpos, q_norm=qn,
-                                          k_norm=kn, unit_offset=unit, scale=0.3)
+                                          k_norm=kn, unit_offset=unit, scale=0.3, combine=combine)
                 out.append({"dtype": str(dtype), "h": h, "hkv": hkv, "launch": launch,
                             "vs_two": float((y.double() - two.double()).norm() / two.double().norm()),
                             "vs_f64": float((y.double() - ref).norm() / ref.norm()),
@@ -62,11 +63,12 @@ INTERP_SCRIPT = """
         pos = torch.tensor([199, 70])
         k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
         two = decode_attention(rope_kv_write(qkv, cos, sin, pos, k1, v1, h, hkv), k1, v1, pos, kv_len)
-        y = rope_decode_attention(qkv, cos, sin, pos, k2, v2, h, hkv, kv_len)
-        out.append({"dtype": "budget", "h": budget, "hkv": hkv, "launch": 0, "expect": [b, h, 1, dh],
-                    "vs_two": float((y - two).norm() / two.norm()), "vs_f64": 0.0, "two_vs_f64": 0.0,
-                    "k_diff": float((k1 - k2).abs().max()), "v_same": bool(torch.equal(v1, v2)),
-                    "shape": list(y.shape), "finite": bool(torch.isfinite(y).all())})
+        for combine in (True, False):
+            y = rope_decode_attention(qkv, cos, sin, pos, k2, v2, h, hkv, kv_len, combine=combine)
+            out.append({"dtype": "budget", "h": budget, "hkv": hkv, "launch": int(not combine), "expect": [b, h, 1, dh],
+                        "vs_two": float((y - two).norm() / two.norm()), "vs_f64": 0.0, "two_vs_f64": 0.0,
+                        "k_diff": float((k1 - k2).abs().max()), "v_same": bool(torch.equal(v1, v2)),
+                        "shape": list(y.shape), "finite": bool(torch.isfinite(y).all())})
     print(json.dumps({"rows": out}))
 """
 
@@ -74,7 +76,7 @@ INTERP_SCRIPT = """
 @needs_triton
 def test_one_kernel_equals_rope_kv_write_and_decode_attention_in_the_interpreter():
     rows = run_interpreted(INTERP_SCRIPT)["rows"]
-    assert len(rows) == 18
+    assert len(rows) == 28  # 8 cases x 3 launches (the last with the combine kernel), 2 budgets x 2
     for r in rows:
         assert r["finite"] and r["v_same"], r
         assert r["shape"] == r["expect"], r

@@ -197,9 +197,9 @@ def _signatures(use: bool, act: str = "silu", interleaved: bool = False) -> dict
             "m_ptr": "*fp32", "l_ptr": "*fp32", "cnt_ptr": "*i32", "y_ptr": "*bf16", "H": "i32", "HKV": "i32",
             "S": "i32", "CHUNK": "i32", "scale": "fp32", "eps": "fp32", "REP": "constexpr", "REP_PAD": "constexpr",
             "HEAD_DIM": "constexpr", "HALF": "constexpr", "BLOCK_N": "constexpr", "NSPLIT": "constexpr",
-            "QK_NORM": "constexpr", "UNIT_OFFSET": "constexpr", "USE_GDC": "constexpr"},
+            "QK_NORM": "constexpr", "UNIT_OFFSET": "constexpr", "COMBINE": "constexpr", "USE_GDC": "constexpr"},
             {"REP": 1, "REP_PAD": 16, "HEAD_DIM": 128, "HALF": 64, "BLOCK_N": 64, "NSPLIT": 16, "QK_NORM": False,
-             "UNIT_OFFSET": False, **gdc}, 4),
+             "UNIT_OFFSET": False, "COMBINE": True, **gdc}, 4),
     }
 
 
