@@ -771,7 +771,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part = torch.empty(rows, nsplit, dh, dtype=torch.float32, device=q.device)
     m = torch.empty(rows, nsplit, dtype=torch.float32, device=q.device)
     lse = torch.empty_like(m)
-    split_k, combine = _kernels()[3], _kernels()[4]
+    split_k = _kernels()[3]
     use_pdl = pdl_ok(q.device, b)
     fp8 = kind == "fp8"
     native = fp8 and fp8_native(q.device)
@@ -785,9 +785,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                num_stages=cfg.num_stages if num_stages is None else num_stages,
                                **_gdc_launch(use_pdl, "attn_split"))
     if nsplit > 1:
-        combine[(b * h,)](part, m, lse, y, HEAD_DIM=dh, NSPLIT=nsplit, num_warps=1,
-                          **_gdc_launch(use_pdl, "attn_combine"))
+        _combine_splits(part, m, lse, y, use_pdl)
     return y
+
+
+def _combine_splits(part: torch.Tensor, m: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, use_pdl: bool) -> None:
+    """The combine kernel over the key splits' partials ``part (B * H, NSPLIT, Dh)`` fp32, running maxima ``m`` and
+    denominators ``lse`` ``(B * H, NSPLIT)`` into ``y (B, H, 1, Dh)``: one CTA per (row, query head)."""
+    _kernels()[4][(part.shape[0],)](part, m, lse, y, HEAD_DIM=part.shape[2], NSPLIT=part.shape[1], num_warps=1,
+                                    **_gdc_launch(use_pdl, "attn_combine"))
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -883,6 +889,5 @@ def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         QK_NORM=qk_norm, UNIT_OFFSET=bool(unit_offset), COMBINE=combine, num_warps=4,
         **_gdc_launch(use_pdl, "rope_attn"))
     if nsplit > 1 and not combine:
-        _kernels()[4][(b * n_heads,)](part, m, lse, y, HEAD_DIM=dh, NSPLIT=nsplit, num_warps=1,
-                                      **_gdc_launch(use_pdl, "attn_combine"))
+        _combine_splits(part, m, lse, y, use_pdl)
     return y
