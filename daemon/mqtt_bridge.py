@@ -393,11 +393,11 @@ class MqttBridge:
 
     def _drop(self, reason: str, message: str, *args: Any) -> None:
         """Count (counters and ``edgevlm_requests_dropped_total{reason}``) and log a request that
-        cannot be answered."""
-        self.counters.inc(reason)
+        cannot be answered. The counter goes last: whoever sees it has the log line and the metric too."""
+        logger.warning(message, *args)
         if self.metrics is not None:
             self.metrics.request_dropped(reason)
-        logger.warning(message, *args)
+        self.counters.inc(reason)
 
     def _handle(self, msg: Any) -> None:
         received = self.receipt_clock.received(getattr(msg, "qos", 1))
@@ -582,8 +582,8 @@ class MqttBridge:
     # ------------------------------------------------------------------ paho callbacks
     def _on_connect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
         if reason_code.is_failure:
-            self.counters.inc("mqtt_connect_refused")
             logger.error("MQTT: connection refused by %s:%d: %s", self.config.host, self.config.port, reason_code)
+            self.counters.inc("mqtt_connect_refused")  # after the log line (tests wait on the counter)
             return
         from paho.mqtt.subscribeoptions import SubscribeOptions
 
@@ -624,9 +624,9 @@ class MqttBridge:
             self.on_connection(True, "connected")
 
     def _on_connect_fail(self, client: Any, userdata: Any) -> None:
-        self.counters.inc("mqtt_connect_failures")
         cause = describe_connect_error(sys.exc_info()[1])  # paho calls this inside its `except OSError`
         logger.warning("MQTT: cannot connect to %s:%d: %s; retrying", self.config.host, self.config.port, cause)
+        self.counters.inc("mqtt_connect_failures")
 
     def _on_disconnect(
         self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any
@@ -649,7 +649,6 @@ class MqttBridge:
                     "stopped or crashed, or the network failed)"  # fmt: skip
         if taken_over or lived_s < FLAP_S:
             self.takeovers += 1
-            self.counters.inc("mqtt_session_taken_over")
             delay = min(cfg.reconnect_max_delay_s, cfg.reconnect_min_delay_s * 2 ** (self.takeovers - 1))
             self.takeover_delays_s.append(delay)
             self._set_delays(delay, max(delay, cfg.reconnect_max_delay_s), client)
@@ -664,6 +663,7 @@ class MqttBridge:
             else:
                 logger.warning("MQTT: connection lost %.1f s after it was made: %s; reconnecting in %.1f s",
                                lived_s, cause, delay)  # fmt: skip
+            self.counters.inc("mqtt_session_taken_over")
         else:
             self.takeovers = 0
             logger.warning("MQTT: connection lost: %s; reconnecting", cause)
@@ -682,14 +682,14 @@ class MqttBridge:
         with self._lock:
             topic = self._reply_mids.pop(mid, None)
         if reason_code is not None and getattr(reason_code, "is_failure", False) and topic is not None:
-            self.counters.inc("response_refused")
-            if self.metrics is not None:
-                self.metrics.request_dropped("response_refused")
             reason = str(reason_code)
             if properties is not None and getattr(properties, "ReasonString", None):
                 reason += f" ({properties.ReasonString})"
             logger.warning("MQTT: the broker refused the response on %s: PUBACK reason 0x%02X %s (check its ACL)",
                            topic, reason_code.value, reason)  # fmt: skip
+            if self.metrics is not None:
+                self.metrics.request_dropped("response_refused")
+            self.counters.inc("response_refused")  # last: whoever sees it has the log line and the metric
 
     def _on_subscribe(self, client: Any, userdata: Any, mid: int, reason_codes: Any, properties: Any) -> None:
         failed = [rc for rc in reason_codes if rc.is_failure]
