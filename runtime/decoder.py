@@ -676,6 +676,7 @@ class Decoder(nn.Module):
         the step applies ``act(gate) * up`` in that matmul's epilogue; off, unmarked. Returns whether the fused path
         is now on."""
         from edgevlm.runtime.int4 import Int4Linear
+        from edgevlm.runtime.int4_format import gated_rows_ok
         from edgevlm.runtime.kernels import kernels_usable, w4a16_mma
         from edgevlm.runtime.kernels.decode_fused import GATED_ACTS
 
@@ -687,7 +688,7 @@ class Decoder(nn.Module):
         for layer in self.layers:
             gu = layer.mlp.gate_up_proj
             if isinstance(gu, Int4Linear):
-                gated = self.fused_decode and w4a16_mma.GATED and gu.out_features % 16 == 0
+                gated = self.fused_decode and w4a16_mma.GATED and gated_rows_ok(gu.out_features)
                 gu.set_gated(layer.mlp.act if gated else None)
         return self.fused_decode
 

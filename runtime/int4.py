@@ -518,12 +518,11 @@ class Int4Linear(nn.Module):
         read freed memory and must be captured again (``DecodeGraphs.reset``). Raises ``ValueError`` for another
         activation than ``decode_fused.GATED_ACTS`` or rows that are not a multiple of 16."""
         if act is not None:
-            from edgevlm.runtime.kernels.decode_fused import GATED_ACTS
+            from edgevlm.runtime.int4_format import check_gated_rows
+            from edgevlm.runtime.kernels.decode_fused import gated_act_code
 
-            if act not in GATED_ACTS:
-                raise ValueError(f"set_gated: activation {act!r} is not one of {', '.join(GATED_ACTS)}")
-            if self.out_features % 16:
-                raise ValueError(f"a gated projection needs 2 x a multiple of 8 rows, got {self.out_features}")
+            gated_act_code(act, "set_gated")
+            check_gated_rows(self.out_features, "set_gated")
         if act != self.gated_act:
             self.gated_act = act
             self._mma_cache = None

@@ -246,14 +246,30 @@ def repack_int4_mma(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     return qw, meta
 
 
+GATED_ROW_TILE = 16
+"""Rows per tile of the gated row order (8 gate channels, then their 8 up partners): a gated projection's
+``out_features`` (2 I) must be a multiple of it (:func:`gated_rows_ok`)."""
+
+
+def gated_rows_ok(out_features: int) -> bool:
+    """Whether a fused gate/up projection of ``out_features`` rows (2 I) can take :func:`gated_row_order`."""
+    return out_features % GATED_ROW_TILE == 0
+
+
+def check_gated_rows(out_features: int, where: str) -> None:
+    """Raise ``ValueError`` naming ``where`` unless :func:`gated_rows_ok`."""
+    if not gated_rows_ok(out_features):
+        raise ValueError(f"{where}: a gated projection needs out_features % {GATED_ROW_TILE} == 0 (2 x a multiple "
+                         f"of 8), got {out_features}")
+
+
 def gated_row_order(out_features: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Row order of a fused gate/up weight (``out_features`` = 2 I rows: gate channels ``0..I-1``, then up) for the
     W4A16 kernel's gated-MLP epilogue: int64 ``(2 I,)``, entry ``r`` is the canonical row that goes to row ``r``.
     Each 16-row tile ``j`` takes gate rows ``8j .. 8j + 7`` then up rows ``I + 8j .. I + 8j + 7``, so the mma rows
     ``g`` and ``g + 8`` of a tile (one lane's accumulators) are a gate channel and its up partner. Raises
     ``ValueError`` unless ``out_features`` is a multiple of 16."""
-    if out_features % 16:
-        raise ValueError(f"the gated row order needs out_features % 16 == 0 (2 x a multiple of 8), got {out_features}")
+    check_gated_rows(out_features, "gated_row_order")
     inter = out_features // 2
     gate = torch.arange(inter, device=device).reshape(-1, 8)  # (I/8, 8)
     return torch.cat([gate, gate + inter], dim=1).reshape(-1)

@@ -633,6 +633,16 @@ def _kv_kind(name: str, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: t
 GATED_ACTS = ("silu", "gelu_pytorch_tanh", "gelu_new")
 
 
+def gated_act_code(act: str, where: str = "gated_act") -> int:
+    """The code every gated-MLP backend (the W4A16 kernel's epilogue, the act(gate) * up Triton kernel) takes for
+    ``act``: 0 SiLU (SwiGLU), 1 the tanh-approximated GELU (GeGLU; Gemma's ``gelu_pytorch_tanh`` and
+    ``gelu_new`` are the same function). Raises ``ValueError`` naming ``where`` for an activation not in
+    :data:`GATED_ACTS`."""
+    if act not in GATED_ACTS:
+        raise ValueError(f"{where}: activation {act!r} is not one of {', '.join(GATED_ACTS)}")
+    return 0 if act == "silu" else 1
+
+
 def gated_act(gate_up: torch.Tensor, act: str = "silu", *, interleaved: bool = False) -> torch.Tensor:
     """``act(gate) * up`` for ``gate_up (R, 2 I)`` = ``[gate | up]`` -> ``(R, I)`` in its dtype, ``act``
     one of :data:`GATED_ACTS`: SwiGLU's SiLU (Shazeer 2020) or GeGLU's tanh-approximated GELU
@@ -642,16 +652,17 @@ def gated_act(gate_up: torch.Tensor, act: str = "silu", *, interleaved: bool = F
     channels then their up partners; what a gated W4A16 layer's plain launch returns), ``I`` a multiple of 8.
     Raises ``ValueError`` for an odd last dimension (not a multiple of 16 when interleaved) or another
     activation."""
-    if gate_up.dim() != 2 or gate_up.shape[1] % (16 if interleaved else 2):
+    from edgevlm.runtime.int4_format import GATED_ROW_TILE
+
+    if gate_up.dim() != 2 or gate_up.shape[1] % (GATED_ROW_TILE if interleaved else 2):
         raise ValueError(f"gated_act: expected (R, 2I){' with I % 8 == 0' if interleaved else ''}, "
                          f"got {tuple(gate_up.shape)}")
-    if act not in GATED_ACTS:
-        raise ValueError(f"gated_act: activation {act!r} is not one of {', '.join(GATED_ACTS)}")
+    code = gated_act_code(act)
     gate_up = gate_up.contiguous()
     r, inter = gate_up.shape[0], gate_up.shape[1] // 2
     y = torch.empty(r, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _kernels()[2][(r, -(-inter // block))](gate_up, y, inter, BLOCK=block, GELU_TANH=act != "silu",
+    _kernels()[2][(r, -(-inter // block))](gate_up, y, inter, BLOCK=block, GELU_TANH=code == 1,
                                            INTERLEAVED=interleaved, num_warps=4,
                                            **_gdc_launch(pdl_ok(gate_up.device, gate_up.shape[0]), "silu_mul"))
     return y

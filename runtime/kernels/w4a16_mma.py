@@ -548,17 +548,6 @@ group-64 (GT = 1) instances 14 of 40 spill 12-24 bytes (nvcc 13, sm_90; the plai
 benchmarked with the epilogue."""
 
 
-def _act_code(act: str) -> int:
-    """The gated epilogue's ``act`` code of one of ``decode_fused.GATED_ACTS`` (the activations a gated MLP fuses,
-    transformers' names): 0 SiLU (SwiGLU), 1 the tanh-approximated GELU (GeGLU; Gemma). Raises ``ValueError`` for
-    another."""
-    from edgevlm.runtime.kernels.decode_fused import GATED_ACTS
-
-    if act not in GATED_ACTS:
-        raise ValueError(f"act must be one of {', '.join(GATED_ACTS)}, got {act!r}")
-    return 0 if act == "silu" else 1
-
-
 GATED = os.environ.get("EDGEVLM_W4A16_GATED", "1").strip().lower() not in ("0", "false", "no", "off")
 """Whether a fused W4A16 gate/up projection runs the gated-MLP epilogue (``Decoder.enable_fused_decode`` marks it,
 :func:`gated_ok` lets it run; ``EDGEVLM_W4A16_GATED=0``: the plain kernel and the separate act(gate) * up kernel)."""
@@ -607,7 +596,9 @@ def w4a16_mma_gated(x: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group
     ``decode_fused.GATED_ACTS``; ``config``: ``(KSPLIT, DEPTH, TILES_PER_CTA)`` with a pair of :data:`GATED_CONFIGS`
     (default :func:`gated_config`); ``pdl`` as :func:`w4a16_mma`. Raises ``ValueError`` for bad arguments and
     :class:`MmaKernelUnavailable` where the extension or its lean variant is absent."""
-    code = _act_code(act)
+    from edgevlm.runtime.kernels.decode_fused import gated_act_code
+
+    code = gated_act_code(act, "w4a16_mma_gated")
     m, n, k = _check_call(x, qw, meta, group_size, bias, MMA_MAX_M)
     if config is None:
         config = gated_config(m, n, k, group_size)

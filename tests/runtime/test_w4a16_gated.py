@@ -183,7 +183,7 @@ def test_gated_launch_arguments(ref_ext):
     x = torch.randn(2, 256).bfloat16()
     mk.w4a16_mma_gated(x, qw, meta, 128, "silu", config=(8, 3, 2))
     assert ref_ext.calls[-1] == ("gated", 8, 3, 2, 0)
-    with pytest.raises(ValueError, match="act must be one of"):
+    with pytest.raises(ValueError, match="w4a16_mma_gated: activation 'relu' is not one of"):
         mk.w4a16_mma_gated(x, qw, meta, 128, "relu")
     with pytest.raises(ValueError, match="config must be"):
         mk.w4a16_mma_gated(x, qw, meta, 128, "silu", config=(16, 2, 1))  # no gated instance
