@@ -21,7 +21,6 @@ Exit status 0 only if every step worked, every question got an answer and at lea
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -87,7 +86,9 @@ def run_demo(
     timeout_s: float = 180.0,
     json_out: bool = False,
 ) -> int:
-    """Run the demo (see the module docstring). Returns the exit status: 0 if it worked.
+    """Run the demo (see the module docstring). Returns the exit status: 0 if it worked, 1 if it ran and failed,
+    2 for a bad argument (a model folder that does not load, a missing video, ``timeout_s`` not > 0: one line on
+    stderr before anything starts), 130 when interrupted (Ctrl-C; the broker and daemon are stopped first).
 
     Args:
         model_dir: model folder; None = the shipped demo model.
@@ -96,18 +97,28 @@ def run_demo(
         timeout_s: overall time limit (s).
         json_out: also print the results as one JSON line.
     """
+    from edgevlm.cli_args import EXIT_USAGE
+    from edgevlm.errors import ModelLoadError
+    from edgevlm.model_folder import check_model_folder
     from edgevlm.runtime import demo as demo_assets
 
     t_start = time.monotonic()
+    if not 0.0 < timeout_s < float("inf"):
+        print(f"demo: error: the time limit must be a number of seconds > 0, got {timeout_s}", file=sys.stderr)
+        return EXIT_USAGE
     video = Path(video).resolve() if video else demo_assets.video_path()
     sidecar = Path(ground_truth).resolve() if ground_truth else demo_assets.scenes_json_path()
     model = Path(model_dir).resolve() if model_dir else None
     weights = model or demo_assets.model_dir()
-    for what, path in (("camera video", video), ("its ground truth", sidecar),
-                       ("model config", weights / "config.json")):  # fmt: skip
+    for what, path in (("camera video", video), ("its ground truth", sidecar)):
         if not path.is_file():
             print(f"demo: error: {what} not found: {path}", file=sys.stderr)
-            return 1
+            return EXIT_USAGE
+    try:
+        check_model_folder(weights)
+    except ModelLoadError as exc:
+        print(f"demo: error: {exc.message}", file=sys.stderr)
+        return EXIT_USAGE if model is not None else 1  # the shipped model missing: a broken install
     try:
         segments = load_ground_truth(sidecar)
         mosquitto, rr = ensure_mosquitto()
@@ -117,6 +128,7 @@ def run_demo(
 
     rows: list[Row] = []
     problems: list[str] = []
+    interrupted = False
     with tempfile.TemporaryDirectory(prefix="edgevlm-demo-") as tmp:
         workdir = Path(tmp)
         broker = Broker(mosquitto, workdir)
@@ -131,15 +143,18 @@ def run_demo(
         except DemoError as exc:
             problems.append(str(exc))
         except KeyboardInterrupt:
-            problems.append("interrupted")
+            interrupted = True
         finally:
             if daemon is not None:
                 code = daemon.stop()
-                if code != 0 and not problems:
+                if code != 0 and not problems and not interrupted:
                     problems.append(
                         f"the daemon exited with status {code} on SIGTERM; log:\n{_tail(daemon.log_path)}"
                     )
             broker.stop()
+    if interrupted:
+        print("demo: interrupted (broker and daemon stopped)", file=sys.stderr, flush=True)
+        return 130
 
     if rows:
         print()
@@ -212,9 +227,11 @@ def _ask_all(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m edgevlm.daemon.demo [--model DIR] [--timeout-s S] [--json]``."""
-    parser = argparse.ArgumentParser(prog="edgevlm demo", description=__doc__.splitlines()[0])
+    from edgevlm.cli_args import OneLineParser, positive_float
+
+    parser = OneLineParser(prog="edgevlm demo", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model folder; default: the demo model")
-    parser.add_argument("--timeout-s", type=float, default=180.0, help="give up after this long")
+    parser.add_argument("--timeout-s", type=positive_float, default=180.0, help="give up after this long, s")
     parser.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

@@ -28,7 +28,7 @@ import sys
 import time
 
 from edgevlm import __version__
-from edgevlm.cli_args import OneLineParser, fail, positive_int, torch_device
+from edgevlm.cli_args import OneLineParser, fail, positive_float, positive_int, torch_device
 from edgevlm.errors import ConfigError, EdgeVLMError, ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--model", metavar="DIR", default=None, help="model folder; default: the demo model")
     demo.add_argument(
-        "--timeout-s", type=_non_negative_float, default=180.0, help="give up after this long (default: 180)"
+        "--timeout-s", type=positive_float, default=180.0, help="give up after this long, s (default: 180)"
     )
     demo.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     demo.set_defaults(func=_cmd_demo)

@@ -11,6 +11,7 @@ weights.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -123,9 +124,11 @@ def test_demo_fails_when_the_daemon_cannot_load_the_model(
     tiny_setup: dict[str, Path], tmp_path: Path, capsys
 ) -> None:
     _require_mosquitto()
-    broken = tmp_path / "broken-model"
+    broken = tmp_path / "broken-model"  # passes the folder check (intact weights), fails to load (no model_type)
     broken.mkdir()
     (broken / "config.json").write_text("{}")
+    for weights in tiny_setup["model"].glob("*.safetensors"):
+        shutil.copy(weights, broken / weights.name)
     code = demo.run_demo(
         model_dir=broken, video=tiny_setup["video"], ground_truth=tiny_setup["sidecar"], timeout_s=120
     )
@@ -139,8 +142,64 @@ def test_demo_missing_video(tmp_path: Path, tiny_setup: dict[str, Path], capsys)
     code = demo.run_demo(
         model_dir=tiny_setup["model"], video=tmp_path / "none.mp4", ground_truth=tiny_setup["sidecar"]
     )
-    assert code == 1
+    assert code == 2
     assert "camera video not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["missing", "file", "no_weights"])
+def test_demo_bad_model_folder_is_a_usage_error(tmp_path: Path, tiny_setup: dict[str, Path], capsys, case) -> None:
+    """Refused before a broker or daemon starts: one line, exit 2."""
+    model = tmp_path / "model"
+    if case == "file":
+        model.write_text("not a folder")
+    elif case == "no_weights":
+        model.mkdir()
+        shutil.copy(tiny_setup["model"] / "config.json", model / "config.json")
+    code = demo.run_demo(model_dir=model, video=tiny_setup["video"], ground_truth=tiny_setup["sidecar"])
+    out = capsys.readouterr()
+    assert code == 2 and out.out == ""
+    want = {"missing": f"demo: error: model folder {model} does not exist\n",
+            "file": f"demo: error: {model} is not a folder (expected a model folder with config.json)\n",
+            "no_weights": "demo: error: "}[case]  # fmt: skip
+    assert out.err.startswith(want) and out.err.count("\n") == 1, out.err
+
+
+@pytest.mark.parametrize("timeout_s", [0.0, -1.0, float("nan"), float("inf")])
+def test_demo_time_limit_must_be_positive(tiny_setup: dict[str, Path], capsys, timeout_s: float) -> None:
+    code = demo.run_demo(model_dir=tiny_setup["model"], video=tiny_setup["video"],
+                         ground_truth=tiny_setup["sidecar"], timeout_s=timeout_s)  # fmt: skip
+    out = capsys.readouterr()
+    assert code == 2 and out.out == ""
+    assert out.err == f"demo: error: the time limit must be a number of seconds > 0, got {timeout_s}\n"
+
+
+@pytest.mark.parametrize("argv", [["demo", "--timeout-s", "0"], ["demo", "--timeout-s", "nan"]])
+def test_demo_command_line_refuses_a_zero_time_limit(argv: list[str]) -> None:
+    res = subprocess.run([sys.executable, "-m", "edgevlm.cli", *argv], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and res.stdout == ""
+    want = f"edgevlm: error: argument --timeout-s: expected a number > 0, got {argv[-1]} (see 'edgevlm demo --help')\n"
+    assert res.stderr == want
+    res = subprocess.run([sys.executable, "-m", "edgevlm.daemon.demo", *argv[1:]], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert (res.returncode, res.stdout, res.stderr) == (2, "", want)
+
+
+def test_demo_interrupted_stops_broker_and_daemon(tiny_setup: dict[str, Path], capsys, monkeypatch) -> None:
+    """Ctrl-C while the questions run: the daemon and the broker are stopped, exit 130 (as ``edgevlm ask``)."""
+    _require_mosquitto()
+    started: list = []
+
+    def interrupted(port, rr, daemon, segments, deadline):
+        started.append(daemon)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "_ask_all", interrupted)
+    code = demo.run_demo(model_dir=tiny_setup["model"], video=tiny_setup["video"],
+                         ground_truth=tiny_setup["sidecar"], timeout_s=120)  # fmt: skip
+    out = capsys.readouterr()
+    assert code == 130
+    assert out.err.endswith("demo: interrupted (broker and daemon stopped)\n") and "FAILED" not in out.out
+    assert started and started[0].proc.poll() is not None  # the daemon process has exited
 
 
 @pytest.mark.parametrize("text", ["{not json", '{"segments": [{"start_ms": 0}]}', "[]", '{"segments": 3}'])
