@@ -733,6 +733,9 @@ def _build_artifacts(files: ModelFiles, out: Path, opts: BuildOptions, ladder: l
             export_bundle_onnx(out, ladder)
     if opts.tensorrt and family not in TENSORRT_FAMILIES:
         notes.append(f"tensorrt: not built (the TensorRT build is LLaVA-only; no engine for {family})")
+    elif opts.tensorrt and not opts.onnx:
+        notes.append("tensorrt: not built (it builds from the ONNX export, which --no-onnx skipped); "
+                     "the bundle is complete for torch")  # fmt: skip
     elif opts.tensorrt:
         from edgevlm.quantize.tensorrt_build import build_tensorrt_engines
 

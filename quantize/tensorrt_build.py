@@ -80,14 +80,14 @@ def build_tensorrt_engines(bundle_dir: str | Path, ladder: list[int], *, patch_p
 
     Raises ``ValueError`` for a bad profile and ``RuntimeError`` when TensorRT fails to parse or build.
     """
-    try:
-        import tensorrt as trt
-    except ImportError:
-        return "tensorrt: not built (tensorrt is not importable here; the bundle is complete for torch and onnx)"
     root = Path(bundle_dir)
     onnx_path = root / "onnx" / "vision.onnx"
     if not onnx_path.is_file():
-        return "tensorrt: not built (no onnx/vision.onnx to build from)"
+        return "tensorrt: not built (no onnx/vision.onnx to build from); the bundle is complete for torch"
+    try:
+        import tensorrt as trt
+    except ImportError:
+        return "tensorrt: not built (tensorrt is not importable here); the bundle is complete for torch and onnx"
     if patch_px is None:
         import json
 

@@ -116,7 +116,10 @@ def test_onnx_backend_errors(bundle, tmp_path):
     plain = write_tiny_checkpoint(tmp_path / "plain")
     with pytest.raises(ModelLoadError, match="not an engine bundle"):
         Engine.load(plain, backend="onnx")
-    no_onnx = build_bundle(plain, tmp_path / "b", BuildOptions(method="rtn", onnx=False)).bundle_dir
+    built = build_bundle(plain, tmp_path / "b", BuildOptions(method="rtn", onnx=False))
+    no_onnx = built.bundle_dir
+    assert built.notes[-1] == ("tensorrt: not built (it builds from the ONNX export, which --no-onnx skipped); "
+                               "the bundle is complete for torch")  # not "for torch and onnx": no onnx/ was written
     with pytest.raises(ModelLoadError, match="no onnx/vision.onnx"):
         Engine.load(no_onnx, backend="onnx")
     from edgevlm.errors import InvalidRequestError
@@ -164,7 +167,9 @@ def test_tensorrt_missing_is_one_line_and_backend_errors(bundle):
     from edgevlm.runtime.bundle import read_manifest
 
     note = build_tensorrt_engines(bundle, LADDER)
-    assert note.startswith("tensorrt: not built") and "\n" not in note
+    assert note == "tensorrt: not built (tensorrt is not importable here); the bundle is complete for torch and onnx"
+    assert build_tensorrt_engines(bundle / "onnx", LADDER) == (  # a folder without onnx/vision.onnx
+        "tensorrt: not built (no onnx/vision.onnx to build from); the bundle is complete for torch")
     assert read_manifest(bundle).artifacts["tensorrt"].startswith("not built")
     with pytest.raises(ModelLoadError, match=r"edgevlm\[tensorrt\]"):
         Engine.load(bundle, backend="tensorrt")
