@@ -53,7 +53,15 @@ from edgevlm.errors import (
     InvalidImageError,
     InvalidRequestError,
 )
-from edgevlm.protocol import MAX_NEW_TOKENS_LIMIT, MAX_STOP_STRINGS, Request, Response, parse_request
+from edgevlm.protocol import (
+    MAX_NEW_TOKENS_LIMIT,
+    MAX_STOP_STRINGS,
+    Request,
+    Response,
+    json_type_name,
+    parse_request,
+    reject_json_constant,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +141,7 @@ def _number(body: dict, name: str, lo: float, hi: float, *, lo_open: bool = Fals
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _invalid(f"must be a number, got {type(value).__name__}", name)
+        raise _invalid(f"must be a number, got {json_type_name(value)}", name)
     if value < lo or value > hi or (lo_open and value == lo):
         raise _invalid(f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}", name)
     return float(value)
@@ -144,7 +152,8 @@ def _integer(body: dict, name: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _invalid(f"must be an integer, got {type(value).__name__}", name)
+        raise _invalid(f"must be an integer, got {json_type_name(value) if not isinstance(value, float) else value}",
+                       name)  # fmt: skip
     return value
 
 
@@ -360,7 +369,7 @@ async def read_chat_request(request: Any, config: HttpConfig, model_id: str, lim
         return _http_error(413, f"request body exceeds http.max_body_bytes={config.max_body_bytes}",
                            code=ErrorCode.INVALID_REQUEST.value)
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=reject_json_constant)
     except (ValueError, RecursionError) as exc:
         return _invalid(f"malformed JSON ({str(exc)[:120]})", "$")
     try:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from edgevlm.errors import ModelLoadError
+from edgevlm.protocol import json_type_name
 
 __all__ = ["BUNDLE_BACKEND_FILES", "LOADED_FILES", "check_config_model_path", "check_loaded_files", "check_model_folder",
            "check_safetensors", "confined_path", "read_image_processor", "read_json", "weight_files"]
@@ -169,13 +170,13 @@ def read_image_processor(model_dir: Path) -> dict | None:
     proc = read_json(model_dir / "processor_config.json", required=False)
     if proc is not None and not isinstance(proc, dict):
         raise ModelLoadError(f"{model_dir / 'processor_config.json'}: expected a JSON object, got "
-                             f"{type(proc).__name__}")
+                             f"{json_type_name(proc)}")
     if isinstance(proc, dict) and isinstance(proc.get("image_processor"), dict):
         return proc["image_processor"]
     pre = read_json(model_dir / "preprocessor_config.json", required=False)
     if pre is not None and not isinstance(pre, dict):
         raise ModelLoadError(f"{model_dir / 'preprocessor_config.json'}: expected a JSON object, got "
-                             f"{type(pre).__name__}")
+                             f"{json_type_name(pre)}")
     return pre
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -304,7 +305,7 @@ def check_model_folder(model_dir: str | Path, *, backend: str = "torch") -> list
     for name, required in (("config.json", True), ("manifest.json", False)):
         value = read_json(model_dir / name, required=required)
         if value is not None and not isinstance(value, dict):
-            raise ModelLoadError(f"{model_dir / name}: expected a JSON object, got {type(value).__name__}")
+            raise ModelLoadError(f"{model_dir / name}: expected a JSON object, got {json_type_name(value)}")
     needs = BUNDLE_BACKEND_FILES.get(backend, ())
     if needs and not (model_dir / "manifest.json").is_file():
         raise ModelLoadError(

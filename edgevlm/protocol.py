@@ -464,9 +464,19 @@ def _validation_error(exc: ValidationError, what: str) -> InvalidRequestError:
     )
 
 
+class NonFiniteJSONError(ValueError):
+    """``NaN``, ``Infinity`` or ``-Infinity`` in a JSON text: Python's ``json`` accepts them, RFC 8259 (section 6)
+    does not, and no field of a request takes them."""
+
+
+def reject_json_constant(name: str) -> Any:
+    """``json.loads(..., parse_constant=reject_json_constant)``: raise :class:`NonFiniteJSONError` for ``name``."""
+    raise NonFiniteJSONError(f"{name} is not a JSON number (RFC 8259 has no NaN or Infinity)")
+
+
 def parse_json_object(payload: bytes | str) -> dict[str, Any]:
     """Decode a UTF-8 JSON object. Raises :class:`InvalidRequestError` (path ``$``) for non-UTF-8,
-    malformed JSON or a non-object top level. Integers keep full precision (Python ints)."""
+    malformed JSON (``NaN`` / ``Infinity`` included) or a non-object top level. Integers keep full precision (Python ints)."""
     if isinstance(payload, (bytes, bytearray, memoryview)):
         try:
             text = bytes(payload).decode("utf-8")
@@ -478,11 +488,16 @@ def parse_json_object(payload: bytes | str) -> dict[str, Any]:
     else:
         text = payload
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_constant=reject_json_constant)
     except json.JSONDecodeError as exc:
         msg = f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         raise InvalidRequestError(
             f"$: {msg}", details={"path": "$", "errors": [{"path": "$", "message": msg}], "pos": exc.pos}
+        ) from None
+    except NonFiniteJSONError as exc:
+        msg = f"malformed JSON: {exc}"
+        raise InvalidRequestError(
+            f"$: {msg}", details={"path": "$", "errors": [{"path": "$", "message": msg}]}
         ) from None
     except RecursionError:
         msg = "malformed JSON: nested too deeply"
@@ -495,11 +510,25 @@ def parse_json_object(payload: bytes | str) -> dict[str, Any]:
             f"$: {msg}", details={"path": "$", "errors": [{"path": "$", "message": msg}]}
         ) from None
     if not isinstance(data, dict):
-        msg = f"expected a JSON object, got {type(data).__name__}"
+        msg = f"expected a JSON object, got {json_type_name(data)}"
         raise InvalidRequestError(
             f"$: {msg}", details={"path": "$", "errors": [{"path": "$", "message": msg}]}
         )
     return data
+
+
+def json_type_name(value: Any) -> str:
+    """What ``value`` (as ``json.loads`` returns it) is in JSON's terms (RFC 8259 section 3), for error messages:
+    ``null``, ``a boolean``, ``a number``, ``a string``, ``an array`` or ``an object``."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
 
 
 def parse_request(payload: bytes | str | dict[str, Any]) -> Request:

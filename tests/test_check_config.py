@@ -213,7 +213,7 @@ def _edit_preprocessor(src: Path, tmp_path: Path, edit) -> Path:
     (lambda pre: {**pre, "image_mean": [0.5, 0.5]}, "image_mean"),
     (lambda pre: {**pre, "do_pan_and_scan": True}, "do_pan_and_scan true is not supported"),
     (lambda pre: {**pre, "size": {"height": 224, "width": 224}}, "is not the encoder's"),
-    (lambda pre: [pre], "preprocessor_config.json: expected a JSON object, got list"),
+    (lambda pre: [pre], "preprocessor_config.json: expected a JSON object, got an array"),
 ], ids=["two-value-mean", "pan-and-scan", "wrong-size", "not-an-object"])
 def test_gemma3_image_processor_file_the_load_refuses(gemma3_src, tmp_path, capsys, edit, needle):
     """Found by a new user: these files passed ``--check-config`` as OK, then ``serve`` refused the model
@@ -236,4 +236,4 @@ def test_gemma3_good_image_processor_file_is_ok(gemma3_src, tmp_path, capsys):
 def test_llava_preprocessor_config_not_an_object(tiny_src, tmp_path, capsys):
     model = _edit_preprocessor(tiny_src, tmp_path, lambda pre: "clip")
     code, err = _check(_config(tmp_path, model=f"  path: {model}\n"), capsys)
-    assert code == 2 and err == f"model.path: {model}/preprocessor_config.json: expected a JSON object, got str", err
+    assert code == 2 and err == f"model.path: {model}/preprocessor_config.json: expected a JSON object, got a string", err

@@ -79,7 +79,7 @@ def test_folder_problems(tmp_path) -> None:
     d = _folder(tmp_path, GOOD, config="[1]")
     with pytest.raises(ModelLoadError) as info:
         check_model_folder(d)
-    assert info.value.message == f"{d / 'config.json'}: expected a JSON object, got list"
+    assert info.value.message == f"{d / 'config.json'}: expected a JSON object, got an array"
     (d / "config.json").write_text("{}")
     (d / "model.safetensors").unlink()
     (d / "pytorch_model.bin").write_bytes(b"pickle")

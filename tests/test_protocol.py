@@ -113,8 +113,13 @@ def test_lone_surrogate_is_invalid_request_naming_the_field(field: str) -> None:
 @pytest.mark.parametrize(
     ("payload", "path", "fragment"),
     [
-        (b"[1, 2]", "$", "expected a JSON object, got list"),
-        (b'"just a string"', "$", "expected a JSON object, got str"),
+        (b"[1, 2]", "$", "expected a JSON object, got an array"),
+        (b'"just a string"', "$", "expected a JSON object, got a string"),
+        (b"null", "$", "expected a JSON object, got null"),
+        (b"true", "$", "expected a JSON object, got a boolean"),
+        (b"4.5", "$", "expected a JSON object, got a number"),
+        (b'{"prompt": "a", "source": "s", "temperature": NaN}', "$", "NaN is not a JSON number (RFC 8259"),
+        (b'{"prompt": "a", "source": "s", "timeout_ms": Infinity}', "$", "Infinity is not a JSON number"),
         (b'{"prompt": 5, "source": "s"}', "prompt", "valid string"),
         (b'{"source": "s"}', "prompt", "field required"),
         (b'{"prompt": "", "source": "s"}', "prompt", "at least 1 character"),

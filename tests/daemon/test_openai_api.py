@@ -273,8 +273,17 @@ def test_raw_http_errors(http_daemon) -> None:
 
     daemon = http_daemon(max_body_bytes=2048)
     url = f"http://127.0.0.1:{daemon.http.port}/v1/chat/completions"
+    chat = ('{"model": "edgevlm-demo", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, '
+            '{"type": "image_url", "image_url": {"url": "edgevlm://sources/front"}}]}], ')
     for payload, status, needle in [(b"{not json", 400, "malformed JSON"), (b"[1]", 400, "JSON object"),
-                                    (b"x" * 4096, 413, "max_body_bytes")]:
+                                    (b"x" * 4096, 413, "max_body_bytes"),
+                                    ((chat + '"temperature": NaN}').encode(), 400,
+                                     "$: malformed JSON (NaN is not a JSON number (RFC 8259 has no NaN or Infinity))"),
+                                    ((chat + '"temperature": -Infinity}').encode(), 400, "-Infinity is not a JSON"),
+                                    ((chat + '"temperature": "hot"}').encode(), 400,
+                                     "temperature: must be a number, got a string"),
+                                    ((chat + '"max_tokens": 2.5}').encode(), 400,
+                                     "max_tokens: must be an integer, got 2.5")]:
         req = urllib.request.Request(url, data=payload, headers={"Content-Type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(req, timeout=30)

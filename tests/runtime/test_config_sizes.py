@@ -88,8 +88,8 @@ def test_bad_size_is_one_line_exit_2_at_the_cli(tmp_path, capsys, key, value, me
 
 
 @pytest.mark.parametrize(("name", "text", "kind"), [
-    ("preprocessor_config.json", "[]", "list"), ("preprocessor_config.json", '"x"', "str"),
-    ("processor_config.json", "[1]", "list"), ("processor_config.json", "5", "int"),
+    ("preprocessor_config.json", "[]", "an array"), ("preprocessor_config.json", '"x"', "a string"),
+    ("processor_config.json", "[1]", "an array"), ("processor_config.json", "5", "a number"),
 ])
 def test_image_processor_file_that_is_not_an_object_is_refused(tmp_path, capsys, name, text, kind):
     """Was: silently ignored, the model loaded with a WARNING that the checkpoint *has no*
