@@ -237,3 +237,17 @@ def test_llava_preprocessor_config_not_an_object(tiny_src, tmp_path, capsys):
     model = _edit_preprocessor(tiny_src, tmp_path, lambda pre: "clip")
     code, err = _check(_config(tmp_path, model=f"  path: {model}\n"), capsys)
     assert code == 2 and err == f"model.path: {model}/preprocessor_config.json: expected a JSON object, got a string", err
+
+
+def test_readme_local_daemon_config_is_valid(tmp_path, capsys):
+    """The README's "run one on this machine" daemon.yaml (the bundled video as camera) passes --check-config."""
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "README.md").read_text()
+    start = text.index("cat > daemon.yaml <<'YAML'\n") + len("cat > daemon.yaml <<'YAML'\n")
+    cfg = tmp_path / "daemon.yaml"
+    cfg.write_text(text[start:text.index("\nYAML\n", start) + 1])
+    video = tmp_path / "runtime" / "demo" / "media" / "scenes.mp4"  # a relative uri: from the config file's folder
+    video.parent.mkdir(parents=True)
+    video.symlink_to(root / "runtime" / "demo" / "media" / "scenes.mp4")
+    code, out = _check(cfg, capsys)
+    assert (code, out) == (0, f"{cfg}: OK (broker localhost:1883, device_id robot-1, sources: front, model: demo)")
