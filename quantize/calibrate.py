@@ -403,7 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--keep-adapters", action="store_true",
                     help="with --init: keep its adapters (trained with the model); --steps train the classifiers")
     ap.add_argument("--time-budget-s", type=float, default=None,
-                    help="stop each phase early so that training ends within about this many seconds")
+                    help="stop each phase early so that training ends within about this many seconds (the "
+                         "operating-point measurement after it is not bounded: --frontier-n or --no-frontier)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: per device)")
