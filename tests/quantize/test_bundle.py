@@ -65,7 +65,8 @@ def test_manifest_records_the_build(rtn_bundle, tiny_src):
     assert by_name["vision_tower.encoder.layers.0.mlp.fc1"].action == "keep"  # --vision fp16 (default)
     assert by_name["vision_tower.projector.linear_1"].action == "keep"
     assert m.stats["decoder_linear_int4_bytes"] / m.stats["decoder_linear_16bit_bytes"] < 0.30
-    assert "tensorrt" in m.artifacts and "not importable" in m.artifacts["tensorrt"]
+    assert m.artifacts["tensorrt"] == ("not built (it builds from the ONNX export, which --no-onnx skipped); the bundle "
+                                       "is complete for torch")  # the fixture builds without ONNX
     cfg = json.loads((rtn_bundle.bundle_dir / "config.json").read_text())
     assert cfg["edgevlm"]["resolution_ladder"] == [64, 32]
 
