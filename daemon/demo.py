@@ -97,7 +97,7 @@ def run_demo(
         timeout_s: overall time limit (s).
         json_out: also print the results as one JSON line.
     """
-    from edgevlm.cli_args import EXIT_USAGE
+    from edgevlm.cli_args import EXIT_INTERRUPTED, EXIT_USAGE
     from edgevlm.errors import ModelLoadError
     from edgevlm.model_folder import check_model_folder
     from edgevlm.runtime import demo as demo_assets
@@ -154,7 +154,7 @@ def run_demo(
             broker.stop()
     if interrupted:
         print("demo: interrupted (broker and daemon stopped)", file=sys.stderr, flush=True)
-        return 130
+        return EXIT_INTERRUPTED
 
     if rows:
         print()

@@ -28,14 +28,13 @@ import sys
 import time
 
 from edgevlm import __version__
-from edgevlm.cli_args import OneLineParser, fail, positive_float, positive_int, torch_device
+from edgevlm.cli_args import EXIT_INTERRUPTED, OneLineParser, fail, positive_float, positive_int, torch_device
 from edgevlm.errors import ConfigError, EdgeVLMError, ModelLoadError
 
 logger = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
-EXIT_INTERRUPTED = 130
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _BACKENDS = ("torch", "onnx", "tensorrt")  # edgevlm.runtime.backends.BACKENDS (not imported: no torch here)

@@ -12,6 +12,7 @@ import sys
 from typing import NoReturn
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 
 
 def one_line(message: object) -> str:

@@ -476,44 +476,33 @@ def reject_json_constant(name: str) -> Any:
 
 def parse_json_object(payload: bytes | str) -> dict[str, Any]:
     """Decode a UTF-8 JSON object. Raises :class:`InvalidRequestError` (path ``$``) for non-UTF-8,
-    malformed JSON (``NaN`` / ``Infinity`` included) or a non-object top level. Integers keep full precision (Python ints)."""
+    malformed JSON (``NaN`` / ``Infinity`` included) or a non-object top level. Integers keep full
+    precision (Python ints)."""
+
+    def whole_payload(msg: str, short: str | None = None, **extra: Any) -> InvalidRequestError:  # path "$"
+        errors = [{"path": "$", "message": short or msg}]
+        return InvalidRequestError(f"$: {msg}", details={"path": "$", "errors": errors, **extra})
+
     if isinstance(payload, (bytes, bytearray, memoryview)):
         try:
             text = bytes(payload).decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise InvalidRequestError(
-                f"$: payload is not UTF-8 ({exc.reason} at byte {exc.start})",
-                details={"path": "$", "errors": [{"path": "$", "message": "not UTF-8"}]},
-            ) from None
+            raise whole_payload(f"payload is not UTF-8 ({exc.reason} at byte {exc.start})", "not UTF-8") from None
     else:
         text = payload
     try:
         data = json.loads(text, parse_constant=reject_json_constant)
     except json.JSONDecodeError as exc:
-        msg = f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
-        raise InvalidRequestError(
-            f"$: {msg}", details={"path": "$", "errors": [{"path": "$", "message": msg}], "pos": exc.pos}
-        ) from None
+        raise whole_payload(f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}", pos=exc.pos) from None
     except NonFiniteJSONError as exc:
-        msg = f"malformed JSON: {exc}"
-        raise InvalidRequestError(
-            f"$: {msg}", details={"path": "$", "errors": [{"path": "$", "message": msg}]}
-        ) from None
+        raise whole_payload(f"malformed JSON: {exc}") from None
     except RecursionError:
-        msg = "malformed JSON: nested too deeply"
-        raise InvalidRequestError(
-            f"$: {msg}", details={"path": "$", "errors": [{"path": "$", "message": msg}]}
-        ) from None
+        raise whole_payload("malformed JSON: nested too deeply") from None
     except ValueError:  # Python refuses to convert an integer literal of more than 4300 digits
-        msg = f"a JSON integer has more than {MAX_INT_DIGITS} digits (no field takes a number that large)"
-        raise InvalidRequestError(
-            f"$: {msg}", details={"path": "$", "errors": [{"path": "$", "message": msg}]}
-        ) from None
+        raise whole_payload(f"a JSON integer has more than {MAX_INT_DIGITS} digits (no field takes a number that "
+                            "large)") from None  # fmt: skip
     if not isinstance(data, dict):
-        msg = f"expected a JSON object, got {json_type_name(data)}"
-        raise InvalidRequestError(
-            f"$: {msg}", details={"path": "$", "errors": [{"path": "$", "message": msg}]}
-        )
+        raise whole_payload(f"expected a JSON object, got {json_type_name(data)}")
     return data
 
 
