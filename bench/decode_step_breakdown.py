@@ -48,7 +48,16 @@ order and combination (e.g. ``nomask_pdlall_norm16``; :func:`parse_variant`):
 * ``ungated`` -- the fused gate/up projections without the W4A16 gated-MLP epilogue (the plain kernel, then the
   SiLU*up kernel; the library's default since session 13 applies ``act(gate) * up`` in the matmul's epilogue),
 * ``sepcombine`` -- with the ``after`` base: the key splits combined by the combine kernel after the one-kernel
-  attention instead of its last CTA (``decode_fused.FUSED_ATTENTION_COMBINE``: two attention kernels per layer).
+  attention instead of its last CTA (``decode_fused.FUSED_ATTENTION_COMBINE``: two attention kernels per layer),
+* ``nonorm`` -- a what-if with other logits: the layers' ``add_rms_norm`` launches nothing and passes its inputs on
+  (``(x, delta)`` as ``(s, normed)``), the upper bound of what folding the norms into the matmuls could save,
+* ``noattn`` -- a what-if with other logits, with the ``after`` base: the one-kernel attention launches nothing and
+  returns the query part of ``qkv`` (the critical-path cost of attention, RoPE and the KV write together),
+* ``regring`` / ``loadsonly`` -- each W4A16 launch of the lean variant's table entry ``(lean|async, KSPLIT, DEPTH,
+  TILES_PER_CTA)`` runs the register-ring kernel with the same schedule (a DEPTH it lacks: the next one it has),
+  computing (``regring``) or as its loads-only diagnostic (``loadsonly``: the weights streamed, nothing computed;
+  other logits): the step's time if the matmuls' arithmetic were free. Gated launches keep their own kernel, so
+  compare with ``_ungated``.
 
 Every switch is restored when the variant's captures are done.
 
@@ -139,6 +148,9 @@ class Variant:
     norm_warps: int | None = None
     ungated: bool = False
     sepcombine: bool = False
+    nonorm: bool = False
+    noattn: bool = False
+    matmul: str | None = None  # "regring" / "loadsonly": the register-ring kernel for every lean launch
 
 
 def parse_variant(name: str) -> Variant:
@@ -169,6 +181,16 @@ def parse_variant(name: str) -> Variant:
             opts["ungated"] = True
         elif suffix == "sepcombine":
             opts["sepcombine"] = True
+        elif suffix == "nonorm":
+            opts["nonorm"] = True
+        elif suffix in ("regring", "loadsonly"):
+            if "matmul" in opts:
+                raise ValueError(f"variant {name!r}: regring and loadsonly exclude each other")
+            opts["matmul"] = suffix
+        elif suffix == "noattn":
+            if base != "after":
+                raise ValueError(f"variant {name!r}: noattn needs the after base (the one-kernel attention)")
+            opts["noattn"] = True
         elif norm:
             warps = int(norm.group(1))
             if warps < 1 or warps > 32 or warps & (warps - 1) or "norm_warps" in opts:
@@ -176,8 +198,30 @@ def parse_variant(name: str) -> Variant:
             opts["norm_warps"] = warps
         else:
             raise ValueError(f"variant {name!r}: unknown suffix {suffix!r} (nopdl, pdl, pdlall, normN, w4head, split16, "
-                             "ungated, sepcombine)")
+                             "ungated, sepcombine, nonorm, noattn, regring, loadsonly)")
     return Variant(base, **opts)
+
+
+def register_ring_launch(launch, loads_only: bool):
+    """``launch`` (:func:`~edgevlm.runtime.kernels.w4a16_mma.w4a16_mma`) wrapped so that a call the table gives to
+    the lean variant (``lean`` / ``async``, :func:`~edgevlm.runtime.kernels.w4a16_mma.mma_config`) runs the
+    register-ring kernel with the same KSPLIT, TILES_PER_CTA and the smallest compiled DEPTH >= the entry's
+    (``MMA_CONFIGS``), in mode 1 (loads only: other outputs) or 2 (computing). Calls with an explicit ``config`` or
+    ``mode``, and shapes without such an entry, pass through unchanged."""
+    from edgevlm.runtime.kernels import w4a16_mma as mk
+
+    def wrapped(x, qw, meta, group_size, bias=None, config=None, *, mode=None, **kw):
+        if config is None and mode is None and x.dim() == 2:
+            m, n, k = x.shape[0], qw.shape[0] * 16, qw.shape[1] * 64  # the mma layout: (N/16, K/64, 32, 4)
+            kind, a, b, tpc = mk.mma_config(m, n, k, group_size, lean=True)
+            depth = min((d for ks, d in mk.MMA_CONFIGS if ks == a and d >= b), default=None)
+            if kind in ("lean", "async") and depth is not None:
+                kw.pop("late_trigger", None)
+                return launch(x, qw, meta, group_size, bias, ("reg", a, depth, tpc), mode=1 if loads_only else 2,
+                              **kw)
+        return launch(x, qw, meta, group_size, bias, config, mode=mode, **kw)
+
+    return wrapped
 
 
 @contextlib.contextmanager
@@ -187,7 +231,10 @@ def variant(name: str, dec=None):
     ``_split16``: the old 16-way key split of ``decode_attention``; ``_nopdl``: plain launches everywhere;
     ``_pdl``: only the W4A16 kernels launched as programmatic dependents (``w4a16_mma.PDL``); ``_pdlall``: those
     and the fused decode step's Triton kernels (``decode_fused.PDL``) at every batch size (``pdl.MAX_ROWS``); ``_normN``:
-    ``decode_fused.ADD_RMS_NORM_WARPS = N``; ``_sepcombine``: ``decode_fused.FUSED_ATTENTION_COMBINE`` off; ``_w4head``: ``dec``'s bf16 ``lm_head`` replaced by an RTN W4A16
+    ``decode_fused.ADD_RMS_NORM_WARPS = N``; ``_sepcombine``: ``decode_fused.FUSED_ATTENTION_COMBINE`` off; ``_nonorm``: ``decode_fused.add_rms_norm`` replaced by a
+    function that returns its first two arguments (no kernel; other logits); ``_noattn``:
+    ``decode_fused.rope_decode_attention`` replaced by the query heads of ``qkv`` (no kernel; other logits);
+    ``_regring`` / ``_loadsonly``: ``w4a16_mma.w4a16_mma`` wrapped by :func:`register_ring_launch`; ``_w4head``: ``dec``'s bf16 ``lm_head`` replaced by an RTN W4A16
     ``Int4Linear`` (group 128; other logits: a what-if for bundles whose head is quantized); ``_ungated``: ``dec``'s
     gated gate/up projections unmarked (``Int4Linear.set_gated(None)``, re-marked after). Switches a variant
     does not name keep their values (the environment's). Raises ``ValueError`` for a bad name, before changing
@@ -197,7 +244,8 @@ def variant(name: str, dec=None):
     from edgevlm.runtime.kernels import w4a16_mma as mk
 
     saved = (decode_fused.FUSED_ATTENTION, decode_fused.ATTENTION_CTA_BUDGET, decode_fused.PDL,
-             decode_fused.ADD_RMS_NORM_WARPS, mk.PDL, pdl.MAX_ROWS, decode_fused.FUSED_ATTENTION_COMBINE)
+             decode_fused.ADD_RMS_NORM_WARPS, mk.PDL, pdl.MAX_ROWS, decode_fused.FUSED_ATTENTION_COMBINE,
+             decode_fused.add_rms_norm, decode_fused.rope_decode_attention, mk.w4a16_mma)
     if (v.ungated or v.w4head) and dec is None:
         raise ValueError(f"variant {name!r}: _ungated and _w4head need the decoder (dec)")
     head = None
@@ -215,6 +263,13 @@ def variant(name: str, dec=None):
         decode_fused.ADD_RMS_NORM_WARPS = v.norm_warps
     if v.sepcombine:
         decode_fused.FUSED_ATTENTION_COMBINE = False
+    if v.nonorm:  # the decoder imports add_rms_norm from the module at each fused step
+        decode_fused.add_rms_norm = lambda x, delta, weight, eps, **_: (x, delta)
+    if v.matmul is not None:  # Int4Linear imports w4a16_mma from the module at each launch
+        mk.w4a16_mma = register_ring_launch(mk.w4a16_mma, loads_only=v.matmul == "loadsonly")
+    if v.noattn:  # (B, H, 1, Dh) as the kernel returns, read from qkv's query columns
+        decode_fused.rope_decode_attention = lambda qkv, cos, sin, pos, k_cache, v_cache, n_heads, *a, **kw: \
+            qkv[:, :n_heads * k_cache.shape[-1]].reshape(qkv.shape[0], n_heads, 1, k_cache.shape[-1])
     try:
         if v.ungated:  # (graphs captured before must be reset: set_gated drops the layouts they read)
             gated = {layer.mlp.gate_up_proj: layer.mlp.gate_up_proj.gated_act for layer in dec.layers
@@ -232,7 +287,8 @@ def variant(name: str, dec=None):
             yield
     finally:
         (decode_fused.FUSED_ATTENTION, decode_fused.ATTENTION_CTA_BUDGET, decode_fused.PDL,
-         decode_fused.ADD_RMS_NORM_WARPS, mk.PDL, pdl.MAX_ROWS, decode_fused.FUSED_ATTENTION_COMBINE) = saved
+         decode_fused.ADD_RMS_NORM_WARPS, mk.PDL, pdl.MAX_ROWS, decode_fused.FUSED_ATTENTION_COMBINE,
+         decode_fused.add_rms_norm, decode_fused.rope_decode_attention, mk.w4a16_mma) = saved
         for mod, act in gated.items():
             mod.set_gated(act)
         if head is not None:

@@ -78,7 +78,9 @@ FUSED_ATTENTION_COMBINE = os.environ.get("EDGEVLM_DECODE_FUSED_COMBINE", "1").st
 """Under :data:`FUSED_ATTENTION`, whether :func:`rope_decode_attention` combines the key splits in its own kernel
 (the last CTA of each head, behind an atomic counter: one kernel per layer) or leaves them to the combine kernel
 :func:`decode_attention` uses (two kernels: RoPE + KV write + split attention, then the combine;
-``EDGEVLM_DECODE_FUSED_COMBINE=0``). Read at each launch."""
+``EDGEVLM_DECODE_FUSED_COMBINE=0``). The two-kernel form measured slower than the three kernels of the default
+path too (H200, 2026-12-03, session 16: step 1.841 -> 1.939 ms at batch 1, 2.605 -> 2.781 at 8;
+``bench/results/w4a16_kernel_h200_20261203.md``). Read at each launch."""
 
 FP8_NATIVE: bool | None = None
 """How :func:`decode_attention` turns e4m3 bytes into numbers: True the hardware conversion (Triton's

@@ -306,6 +306,62 @@ def test_bench_variant_sets_and_restores_the_switches(monkeypatch):
     assert not w4a16_mma.PDL
 
 
+def test_bench_what_if_variants_skip_the_kernels_and_restore_them():
+    """``_nonorm`` passes the residual and the delta on as ``(s, normed)``; ``_noattn`` (the ``after`` base only)
+    returns the query heads of ``qkv`` as ``(B, H, 1, Dh)``; both functions are the library's again after."""
+    import torch
+
+    from edgevlm.runtime.kernels import decode_fused
+
+    bench = _bench_module()
+    norm, attn = decode_fused.add_rms_norm, decode_fused.rope_decode_attention
+    x, d = torch.randn(2, 8), torch.randn(2, 8)
+    qkv = torch.arange(2 * 16, dtype=torch.float32).reshape(2, 16)  # H = 2, Hkv = 1, Dh = 4: q 8, k 4, v 4
+    k_cache = torch.zeros(2, 1, 6, 4)
+    with bench.variant("after_nonorm_noattn"):
+        s, y = decode_fused.add_rms_norm(x, d, torch.ones(8), 1e-6, unit_offset=False)
+        assert s is x and y is d
+        q = decode_fused.rope_decode_attention(qkv, None, None, None, k_cache, k_cache, 2, 1, 6, scale=0.5)
+        assert q.shape == (2, 2, 1, 4) and torch.equal(q.reshape(2, 8), qkv[:, :8])
+    assert decode_fused.add_rms_norm is norm and decode_fused.rope_decode_attention is attn
+    assert bench.parse_variant("nomask_nonorm") == bench.Variant("nomask", nonorm=True)
+    with pytest.raises(ValueError, match="noattn needs the after base"):
+        bench.parse_variant("nomask_noattn")
+
+
+def test_bench_register_ring_launch_maps_lean_entries(monkeypatch):
+    """``_regring`` / ``_loadsonly``: a call the table gives to the lean kernel runs the register ring with the same
+    KSPLIT and TILES_PER_CTA and the next compiled DEPTH (8, 3 -> 8, 4), mode 1 or 2; explicit configs, explicit
+    modes and register-ring entries pass through."""
+    import torch
+
+    from edgevlm.runtime.kernels import w4a16_mma as mk
+
+    bench = _bench_module()
+    calls = []
+
+    def launch(x, qw, meta, g, bias=None, config=None, *, mode=None, **kw):
+        calls.append((config, mode, sorted(kw)))
+        return "y"
+
+    table = {(1, 12288, 4096): ("lean", 8, 3, 2), (1, 4096, 4096): ("reg", 8, 2, 1)}
+    monkeypatch.setattr(mk, "mma_config", lambda m, n, k, g, **kw: table[(m, n, k)])
+    x = torch.zeros(1, 4096, dtype=torch.bfloat16)
+    qkv = torch.zeros(12288 // 16, 4096 // 64, 32, 4, dtype=torch.int32)
+    o = torch.zeros(4096 // 16, 4096 // 64, 32, 4, dtype=torch.int32)
+    loads = bench.register_ring_launch(launch, loads_only=True)
+    assert loads(x, qkv, None, 128, pdl=True, late_trigger=True) == "y"
+    assert calls[-1] == (("reg", 8, 4, 2), 1, ["pdl"])
+    bench.register_ring_launch(launch, loads_only=False)(x, qkv, None, 128, pdl=True)
+    assert calls[-1] == (("reg", 8, 4, 2), 2, ["pdl"])
+    loads(x, o, None, 128, pdl=False)  # the table's register-ring entry: unchanged
+    assert calls[-1] == (None, None, ["pdl"])
+    loads(x, qkv, None, 128, config=("lean", 4, 2, 1))  # an explicit config: unchanged
+    assert calls[-1] == (("lean", 4, 2, 1), None, [])
+    with pytest.raises(ValueError, match="exclude each other"):
+        bench.parse_variant("nomask_regring_loadsonly")
+
+
 def test_w4a16_bench_loads_the_breakdown_module(monkeypatch):
     """bench/w4a16_kernel.py's model section loads decode_step_breakdown by path (its ``variant`` switches); the
     module defines a dataclass, which needs the module registered before it runs (it failed on the H200 on 12-02,
