@@ -25,6 +25,11 @@
 // 11.08 -> 14.72 us; a 7B layer's four matmuls 47.8 -> 53.0 us). Where the register count stayed (gate_up (8, 2):
 // 64) it lost 2-4 %: 16 instead of 8 mma per item cost more than the 32 fma2 they replaced; where it grew
 // (down (16, 2): 64 -> 76 registers, one 512-thread CTA per SM instead of two) it lost up to a third.
+// Also tried and reverted (H200, 12-03 session 16, bench/results/session16_h200_20261203/): each item taken out of
+// its ring slot and the slot refilled before the item's compute (DEPTH loads in flight during it instead of
+// DEPTH - 1; the refill's loads moved ahead of the HMMAs in the SASS). Bit-identical, but registers 64 -> 78-80 for
+// (4, 2) and the gated (8, 2), 96 -> 117 for (8, 4) (nvcc 13, sm_90), and slower: the decode step 1.841-1.855 ->
+// 1.882 ms at batch 1, 2.589-2.605 -> 2.755 at batch 8; 7B gate/up at M = 1 19.30 -> 20.29 us.
 //
 // LATE_TRIGGER (-DEDGEVLM_W4A16_LEAN_TRIGGER: built by default for sm_90+ since session 11, see
 // w4a16_mma.lean_trigger_build; EDGEVLM_W4A16_LEAN_TRIGGER=1 / 0 forces it either way):
