@@ -16,8 +16,8 @@ GenAI provider, live-vlm-webui and agent frameworks can call the robot's model:
 A request becomes the same :class:`~edgevlm.protocol.Request` an MQTT client would send and goes
 through the same admission check (:mod:`edgevlm.daemon.admission`), scheduler, latency controller,
 deadlines and metrics. Errors are OpenAI error objects ``{"error": {"message", "type", "param",
-"code"}}`` whose ``code`` is edgevlm's wire code (``INVALID_REQUEST``, ``DEADLINE_EXCEEDED``, ...) and
-whose ``details`` carry the wire error's details; HTTP statuses: 400 invalid request / image, 401 bad
+"code", "details"}}`` whose ``code`` is edgevlm's wire code (``INVALID_REQUEST``, ``DEADLINE_EXCEEDED``, ...)
+and whose ``details`` carry the wire error's details (``{}`` where it has none, as on MQTT); HTTP statuses: 400 invalid request / image, 401 bad
 token, 404 unknown model or source, 413 body too large, 503 busy (``Retry-After``), 504 deadline
 exceeded, 500 internal. ``x-should-retry`` tells the ``openai`` client whether its automatic retry
 makes sense (only for 503).
@@ -99,9 +99,7 @@ def _http_error(status: int, message: str, *, type_: str = "invalid_request_erro
                 code: str | None = None, details: dict | None = None, retry: bool = False) -> Any:
     from starlette.responses import JSONResponse
 
-    body: dict[str, Any] = {"message": message, "type": type_, "param": param, "code": code}
-    if details:
-        body["details"] = details
+    body: dict[str, Any] = {"message": message, "type": type_, "param": param, "code": code, "details": details or {}}
     headers = {"x-should-retry": "true" if retry else "false"}
     if retry:
         headers["Retry-After"] = "1"

@@ -252,6 +252,7 @@ def test_bad_inputs_are_openai_errors_with_edgevlm_codes(http_daemon, frames) ->
         got_status, body = _error(call)
         assert (got_status, body["code"]) == (status, code), body
         assert needle in body["message"], body
+        assert isinstance(body["details"], dict), body  # always there, {} where the error has none
     # the daemon is still serving
     assert client.chat.completions.create(model="edgevlm-demo", messages=user(QUESTION, uri), max_tokens=4)
     # every refusal counted once in the daemon's events, as MQTT's are, whether the HTTP front door or the
@@ -301,7 +302,8 @@ def test_unknown_routes_and_methods_are_openai_errors(http_daemon) -> None:
                               (urllib.request.Request(f"{base}/v1/chat/completions"), 405, "method_not_allowed")]:
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(req, timeout=30)
-        assert info.value.code == status and json.loads(info.value.read())["error"]["code"] == code
+        error = json.loads(info.value.read())["error"]
+        assert info.value.code == status and error["code"] == code and error["details"] == {}
 
 
 def test_client_that_disconnects_mid_body_leaves_no_traceback(http_daemon, caplog) -> None:
