@@ -93,6 +93,17 @@ def test_fused_decode_step_equals_the_eager_gemma3_decoder_in_the_interpreter(dt
         assert res["argmax_same"]
 
 
+@needs_triton
+def test_fused_decode_step_reading_old_keys_first_equals_the_eager_decoder(monkeypatch):
+    """EDGEVLM_DECODE_KV_BEFORE_WAIT=1 (the split attention reads its first key block's old keys before the new
+    slot's): over Gemma 3's 8-slot rolling caches the new slot is not the last attended one, and the window
+    layers shift the first block; the fused step still gives the eager decoder's logits."""
+    monkeypatch.setenv("EDGEVLM_DECODE_KV_BEFORE_WAIT", "1")
+    res = run_interpreted(FUSED_SCRIPT, "float32", "ring")
+    assert res["enabled_on"] is True and res["shape"] == [20, 2, 97]
+    assert res["rel"] < 1e-5 and res["argmax_same"], res
+
+
 KERNELS_SCRIPT = """
     import json, math, torch, torch.nn.functional as F
     from edgevlm.runtime.kernels.decode_fused import add_rms_norm, decode_attention, gated_act, rope_kv_write
