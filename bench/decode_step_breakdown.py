@@ -52,7 +52,8 @@ order and combination (e.g. ``nomask_pdlall_norm16``; :func:`parse_variant`):
 * ``nonorm`` -- a what-if with other logits: the layers' ``add_rms_norm`` launches nothing and passes its inputs on
   (``(x, delta)`` as ``(s, normed)``), the upper bound of what folding the norms into the matmuls could save,
 * ``noattn`` -- a what-if with other logits, with the ``after`` base: the one-kernel attention launches nothing and
-  returns the query part of ``qkv`` (the critical-path cost of attention, RoPE and the KV write together),
+  returns the query part of ``qkv`` (the critical-path cost of attention, RoPE and the KV write together; layers the
+  one-kernel attention does not serve -- sliding windows, rolling, fp8 or int4 caches -- still attend),
 * ``kvearly`` -- :func:`~edgevlm.runtime.kernels.decode_fused.decode_attention` reads the first key block's old keys
   and values before its PDL wait (``decode_fused.ATTENTION_KV_BEFORE_WAIT``; bit-identical),
 * ``regring`` / ``loadsonly`` -- each W4A16 launch of the lean variant's table entry ``(lean|async, KSPLIT, DEPTH,
@@ -187,6 +188,8 @@ def parse_variant(name: str) -> Variant:
         elif suffix == "nonorm":
             opts["nonorm"] = True
         elif suffix == "kvearly":
+            if base == "after":  # the one-kernel attention does not run the split kernel
+                raise ValueError(f"variant {name!r}: kvearly needs the before or nomask base (the split kernel)")
             opts["kv_early"] = True
         elif suffix in ("regring", "loadsonly"):
             if "matmul" in opts:
@@ -211,8 +214,9 @@ def register_ring_launch(launch, loads_only: bool):
     """``launch`` (:func:`~edgevlm.runtime.kernels.w4a16_mma.w4a16_mma`) wrapped so that a call the table gives to
     the lean variant (``lean`` / ``async``, :func:`~edgevlm.runtime.kernels.w4a16_mma.mma_config`) runs the
     register-ring kernel with the same KSPLIT, TILES_PER_CTA and the smallest compiled DEPTH >= the entry's
-    (``MMA_CONFIGS``), in mode 1 (loads only: other outputs) or 2 (computing). Calls with an explicit ``config`` or
-    ``mode``, and shapes without such an entry, pass through unchanged."""
+    (``MMA_CONFIGS``; an ``async`` entry's slots taken as the depth), in mode 1 (loads only: other outputs) or 2
+    (computing), without the table's L2 prefetch or zero-point fold. Calls with an explicit ``config`` or ``mode``,
+    shapes without such an entry and entries deeper than any compiled DEPTH pass through unchanged."""
     from edgevlm.runtime.kernels import w4a16_mma as mk
 
     def wrapped(x, qw, meta, group_size, bias=None, config=None, *, mode=None, **kw):

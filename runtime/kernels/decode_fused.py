@@ -91,7 +91,9 @@ ATTENTION_KV_BEFORE_WAIT = os.environ.get("EDGEVLM_DECODE_KV_BEFORE_WAIT", "0").
     "1", "true", "yes", "on")
 """Whether :func:`decode_attention`, launched as a programmatic dependent of the RoPE + KV write (its ``new_slot``
 given), reads its first key block's old keys and values before it waits for that kernel (the new slot after):
-their memory latency then overlaps the previous kernel instead of following it. Off by default
+their memory latency then overlaps the previous kernel instead of following it. The first block is then computed
+outside the key loop: the split kernel's registers grow (``ptxas`` sm_90, 4 query heads a KV head: head dim 128
+85 -> 128, 256 153 -> 255; occupancy there is set by shared memory), so it applies under PDL only. Off by default
 (``EDGEVLM_DECODE_KV_BEFORE_WAIT=1`` opts in) until measured on a GPU; read at each launch."""
 
 ATTENTION_CTA_BUDGET: int | None = None
@@ -141,10 +143,12 @@ def pdl_ok(device: torch.device | str, rows: int) -> bool:
     is still running, once every CTA of that kernel has executed ``griddepcontrol.launch_dependents`` (or exited);
     ``griddepcontrol.wait`` then blocks until the previous grid has completed and its memory writes are visible.
     Inside a CUDA graph the launch becomes a programmatic edge. Here every kernel launched so waits at its very
-    top, before any load, store or atomic, and releases its own dependents right after (``USE_GDC``): only the
-    launch and the CTAs' start-up overlap the previous kernel's tail, at most one grid waits ahead, and because
-    every such kernel waits before touching memory, completion stays transitive along the stream (a kernel
-    that is launched plainly waits for the whole previous grid, as always).
+    top, before any store or atomic and before any load but one, and releases its own dependents right after
+    (``USE_GDC``): only the launch and the CTAs' start-up overlap the previous kernel's tail, at most one grid
+    waits ahead, and because every such kernel waits before it writes, completion stays transitive along the
+    stream (a kernel that is launched plainly waits for the whole previous grid, as always). The one load before
+    the wait: :func:`decode_attention` with ``new_slot`` (:data:`ATTENTION_KV_BEFORE_WAIT`) reads its step inputs
+    and the cache slots the previous kernel (the RoPE + KV write of one token per row) does not write.
 
     True when :data:`PDL` is on, :func:`edgevlm.runtime.kernels.pdl.allowed` (sm_90+, ``EDGEVLM_PDL`` and the row
     limit), Triton does not run in its CPU interpreter (``TRITON_INTERPRET``) and the installed Triton has
@@ -327,7 +331,7 @@ def _kernels():
         d = tl.arange(0, HEAD_DIM)
         srow = (b * HKV + g).to(tl.int64) * S  # (row, KV head)'s first position: scales (B, HKV, S, 1)
         base = srow * HEAD_DIM
-        tl.static_assert(not (KV_EARLY and KV_FP8), "KV_EARLY reads 16-bit caches only")
+        tl.static_assert(not (KV_EARLY and KV_FP8), "KV_EARLY: not for fp8 caches (their scales are not read early)")
         if KV_EARLY:  # (a 16-bit cache) the first key block's old keys / values, under PDL before the wait
             # the step's positions and new slots are its inputs, written before the step; the previous kernel
             # (the RoPE + KV write) writes the new slot only, so every other slot reads the same before the wait
@@ -341,6 +345,7 @@ def _kernels():
             k0 = tl.load(k_ptr + base + keys0[:, None] * HEAD_DIM + d[None, :], mask=old0[:, None], other=0.0)
             v0 = tl.load(v_ptr + base + keys0[:, None] * HEAD_DIM + d[None, :], mask=old0[:, None], other=0.0)
         if USE_GDC:  # programmatic dependent launch (pdl_ok): the previous grid done before any other access
+            # (KV_EARLY: the loads above read nothing the previous kernel writes)
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         if not KV_EARLY:
@@ -362,8 +367,9 @@ def _kernels():
                 if (new >= start) & (new < start + BLOCK_N):
                     k_new = tl.load(k_ptr + base + new * HEAD_DIM + d)
                     v_new = tl.load(v_ptr + base + new * HEAD_DIM + d)
-                    k0 = tl.where((keys == new)[:, None], k_new[None, :], k0)
-                    v0 = tl.where((keys == new)[:, None], v_new[None, :], v0)
+                    put = (keys == new) & valid  # (a window can put the first tile past the split's last key)
+                    k0 = tl.where(put[:, None], k_new[None, :], k0)
+                    v0 = tl.where(put[:, None], v_new[None, :], v0)
                 sc = tl.dot(q, tl.trans(k0)) * scale  # (REP_PAD, BLOCK_N) fp32, as the loop's first step
                 sc = tl.where(valid[None, :], sc, float("-inf"))
                 m_new = tl.maximum(m, tl.max(sc, 1))
@@ -794,10 +800,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``query_pre_attn_scalar ** -0.5``), fp32 softmax and accumulation. ``window`` (Gemma 3's sliding layers over
     a full-length cache): only keys ``input_pos[b] - window < k <= input_pos[b]`` count
     (:func:`~edgevlm.runtime.decoder.sliding_decode_mask`); None = all. Returns ``(B, H, 1, Dh)`` in
-    ``q.dtype``. ``new_slot (B,)`` int64 (optional): the cache slot the previous kernel in the stream wrote (this
-    step's key and value, :func:`rope_kv_write`); with a 16-bit cache and :data:`ATTENTION_KV_BEFORE_WAIT` on,
-    each CTA reads its first key block's other slots first (under PDL before it waits for that kernel) and the
-    new slot after the wait (the same values either way: the outputs are bit-identical). Raises
+    ``q.dtype``. ``new_slot (B,)`` int64 (optional): the one cache slot per row that the previous kernel in the
+    stream wrote (this step's key and value, :func:`rope_kv_write` of one token per row; a kernel that writes more
+    slots must not come right before a call that names one); launched as a programmatic dependent (PDL), with a
+    non-fp8 cache and :data:`ATTENTION_KV_BEFORE_WAIT` on, each CTA reads its first key block's other slots before
+    it waits for that kernel and the new slot after the wait (the same values: the outputs are bit-identical).
+    Raises
     ``ValueError`` for mismatched shapes or dtypes, a head count not divisible by ``Hkv``, a non-power-of-two
     ``Dh`` or ``block_n``, a window < 1, an fp8 cache without its scales (or scales with a 16-bit cache), a
     ``new_slot`` that is not ``(B,)`` int64 on ``q``'s device."""
@@ -839,7 +847,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if fp8 and not native:  # the kernel decodes the bytes itself
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     gdc = _gdc_launch(use_pdl, "attn_split")
-    early = new_slot is not None and not fp8 and ATTENTION_KV_BEFORE_WAIT  # (without PDL: the same reads, no wait)
+    early = gdc["USE_GDC"] and new_slot is not None and not fp8 and ATTENTION_KV_BEFORE_WAIT
     split_k[(b * hkv, nsplit)](q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, input_pos,
                                new_slot if early else input_pos, part, m, lse, y, h, hkv, s, chunk,
                                dh ** -0.5 if scale is None else float(scale), window or 0,

@@ -73,9 +73,21 @@ INTERP_SCRIPT = """
 """
 
 
-KV_EARLY_SCRIPT = """
-    import json, torch
+# PDL in the interpreter: the kernels' griddepcontrol calls become Python functions; WAIT_HOOK runs at each wait
+PDL_IN_INTERPRETER = """
+    import triton.language as tl
     import edgevlm.runtime.kernels.decode_fused as df
+    WAIT_HOOK = []
+    def fake_wait(*args, **kwargs):
+        for hook in WAIT_HOOK:
+            hook()
+    tl.extra.cuda.gdc_wait = fake_wait
+    tl.extra.cuda.gdc_launch_dependents = lambda *args, **kwargs: None
+    df.pdl_ok = lambda device, rows: True
+"""
+
+KV_EARLY_SCRIPT = PDL_IN_INTERPRETER + """
+    import json, torch
     torch.manual_seed(1)
     out = []
     # (H, Hkv, Dh, S, kv_len, positions, new slots, window, CTA budget): one key block per split, several blocks
@@ -106,11 +118,51 @@ KV_EARLY_SCRIPT = """
 """
 
 
+# the new slot's key and value land at the wait, as the RoPE + KV write's do: NaN before it. One program per case
+# (one row, one KV head, one split), so that no other program's wait puts the row in place first
+POISON_SCRIPT = PDL_IN_INTERPRETER + """
+    import json, torch
+    torch.manual_seed(2)
+    out = []
+    # (H, S, position, new slot, window): the slot in the first block, in a later block (a rolling cache), with a
+    # window, the first position
+    for h, s, pos, slot, window in [(4, 64, 40, 40, None), (4, 64, 63, 5, None), (2, 64, 63, 60, 10),
+                                    (1, 64, 0, 0, None)]:
+        q = torch.randn(1, h, 1, 16)
+        kc, vc = torch.randn(1, 1, s, 16), torch.randn(1, 1, s, 16)
+        ref = df.decode_attention(q, kc, vc, torch.tensor([pos]), s, block_n=16, window=window, cta_budget=1)
+        true_k, true_v = kc[0, 0, slot].clone(), vc[0, 0, slot].clone()
+        kc[0, 0, slot], vc[0, 0, slot] = float("nan"), float("nan")
+        waits = []
+        def land(true_k=true_k, true_v=true_v, slot=slot):
+            kc[0, 0, slot], vc[0, 0, slot] = true_k, true_v
+            waits.append(1)
+        WAIT_HOOK[:] = [land]
+        df.ATTENTION_KV_BEFORE_WAIT = True
+        y = df.decode_attention(q, kc, vc, torch.tensor([pos]), s, block_n=16, window=window, cta_budget=1,
+                                new_slot=torch.tensor([slot]))
+        out.append({"case": [h, s, pos, slot, window], "waits": len(waits), "same": bool(torch.equal(y, ref))})
+    print(json.dumps({"rows": out}))
+"""
+
+
+@needs_triton
+def test_the_new_slot_is_read_after_the_wait_in_the_interpreter():
+    """Under PDL (griddepcontrol stubbed in Triton's interpreter) the new slot holds NaN until the wait writes its
+    key and value, as the previous kernel's writes become visible there: the output equals the plain kernel's, so
+    nothing of that slot was read before the wait; the old slots read before it are the ones the kernel uses."""
+    rows = run_interpreted(POISON_SCRIPT)["rows"]
+    assert len(rows) == 4
+    for row in rows:
+        assert row["waits"] == 1 and row["same"], row
+
+
 @needs_triton
 def test_old_keys_read_before_the_wait_give_the_same_bits_in_the_interpreter():
-    """decode_attention with ``new_slot`` and ATTENTION_KV_BEFORE_WAIT: the first key block read without the new
-    slot's row, that row read after (the wait, under PDL) and put in place: bit-identical to the plain kernel,
-    with one or several key blocks per split, a new slot that is not the last position, GQA and a window."""
+    """decode_attention with ``new_slot`` and ATTENTION_KV_BEFORE_WAIT under PDL (stubbed in the interpreter): the
+    first key block read without the new slot's row, that row read after the wait and put in place: bit-identical
+    to the plain kernel, with one or several key blocks per split, a new slot that is not the last position, GQA
+    and a window."""
     rows = run_interpreted(KV_EARLY_SCRIPT)["rows"]
     assert len(rows) == 12
     for row in rows:
@@ -298,3 +350,52 @@ def test_cuda_graph_replays_after_a_larger_batch_took_new_counters():
     eager = df.rope_decode_attention(qkv, cos, sin, pos, k3, v3, h, hkv, 768)
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+@needs_cuda
+@pytest.mark.parametrize("h,hkv,dh,s,b,window,ring", [(32, 32, 128, 768, 1, None, False),
+                                                      (32, 8, 128, 4096, 4, None, False),
+                                                      (8, 4, 256, 1024, 2, 100, False),
+                                                      (16, 16, 64, 512, 3, None, True)])
+def test_cuda_old_keys_before_the_wait_are_bit_identical_over_graph_replays(h, hkv, dh, s, b, window, ring,
+                                                                            monkeypatch):
+    """Under PDL (``EDGEVLM_PDL=on``), ``rope_kv_write`` then ``decode_attention(new_slot=)`` with
+    ATTENTION_KV_BEFORE_WAIT on and off, captured in one CUDA graph and replayed 100 times with the positions moving
+    (a rolling cache wraps): every replay gives the same bits both ways and the same caches."""
+    from edgevlm.runtime.kernels import decode_fused as df
+
+    monkeypatch.setenv("EDGEVLM_PDL", "on")
+    monkeypatch.setattr(df, "PDL", True)
+    dev = torch.device("cuda")
+    if not df.pdl_ok(dev, b):
+        pytest.skip("no programmatic dependent launch here (sm_90+ and a Triton with gdc_wait)")
+    cos, sin, qkv, kc, vc, _, _ = _case(h, hkv, dh, 4 * s, b, False, torch.bfloat16, dev, seed=11)
+    kc, vc = kc[:, :, :s].contiguous(), vc[:, :, :s].contiguous()
+    caches = [(kc.clone(), vc.clone()), (kc.clone(), vc.clone())]
+    pos = torch.tensor([(3 * s + 5 if ring else s // 2) + 7 * i for i in range(b)], device=dev)
+
+    def step():
+        slot = pos % s if ring else pos
+        key_pos = pos.clamp(max=s - 1) if ring else pos
+        ys = []
+        for early, (k, v) in zip((False, True), caches, strict=True):
+            monkeypatch.setattr(df, "ATTENTION_KV_BEFORE_WAIT", early)
+            q = df.rope_kv_write(qkv, cos, sin, slot, k, v, h, hkv, rope_pos=pos)
+            ys.append(df.decode_attention(q, k, v, key_pos, s, window=window, new_slot=slot))
+        return ys
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ys = step()
+    differ = 0
+    for _ in range(100):
+        qkv.normal_()
+        graph.replay()
+        differ += int(not torch.equal(ys[0], ys[1]))
+        pos += 1
+    torch.cuda.synchronize()
+    assert differ == 0
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert torch.isfinite(ys[1]).all()

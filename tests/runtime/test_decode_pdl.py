@@ -237,8 +237,9 @@ def test_kernels_compile_with_and_without_gdc_for_sm90(act, interleaved):
 def test_split_attention_reads_old_keys_before_the_wait_only_with_kv_early():
     """``KV_EARLY`` (decode_fused.ATTENTION_KV_BEFORE_WAIT with a ``new_slot``): the sm_90 split-attention kernel's
     first global loads (the first key block's keys and values, positions and slots) come before
-    ``griddepcontrol.wait``; the loads after it include the rest (the query, the new slot's row). Without it no
-    memory access precedes the wait (test_kernels_compile_with_and_without_gdc_for_sm90)."""
+    ``griddepcontrol.wait``, no store does, and loads follow it. That the new slot's row is read after the wait is
+    tested on the kernel's behaviour (tests/gpu_perf/test_decode_rope_attention.py, the NaN-until-the-wait test).
+    Without it no memory access precedes the wait (test_kernels_compile_with_and_without_gdc_for_sm90)."""
     from edgevlm.runtime.kernels import decode_fused
 
     kernel = dict(zip(NAMES, decode_fused._kernels(), strict=True))["attn_split_kernel"]
@@ -352,6 +353,8 @@ def test_bench_what_if_variants_skip_the_kernels_and_restore_them():
     assert decode_fused.ATTENTION_KV_BEFORE_WAIT is early
     with pytest.raises(ValueError, match="noattn needs the after base"):
         bench.parse_variant("nomask_noattn")
+    with pytest.raises(ValueError, match="kvearly needs the before or nomask base"):
+        bench.parse_variant("after_kvearly")
 
 
 def test_bench_register_ring_launch_maps_lean_entries(monkeypatch):
