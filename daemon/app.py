@@ -44,7 +44,7 @@ from typing import Any
 from edgevlm.config import DaemonConfig
 from edgevlm.daemon.metrics_common import EventCounters
 from edgevlm.daemon.mqtt_bridge import MqttBridge
-from edgevlm.daemon.scheduler import Scheduler, default_prepare_threads
+from edgevlm.daemon.scheduler import Scheduler, StartupCancelled, default_prepare_threads
 from edgevlm.daemon.sources import FrameSource, SourceManager
 from edgevlm.errors import BusyError, EdgeVLMError
 from edgevlm.protocol import (
@@ -448,12 +448,18 @@ class Daemon:
             self.metrics.observe_source(name, fps=info["fps"], state=info["state"], frame_age_s=info["frame_age_s"])
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self, *, load_timeout_s: float | None = MODEL_LOAD_TIMEOUT_S) -> None:
+    def start(self, *, load_timeout_s: float | None = MODEL_LOAD_TIMEOUT_S,
+              cancel: threading.Event | None = None) -> None:
         """Start sources, load the model, connect to the broker (returns without waiting for the
         connection: paho retries until the broker is reachable; ``READY=1`` follows it).
 
+        ``cancel``: a stop signal's event; set before the broker connection is made (while the model
+        loads, typically), the start-up ends with :class:`~edgevlm.daemon.scheduler.StartupCancelled`
+        within 0.1 s and announces nothing (no ``READY=1``, no retained ``online``).
+
         Raises:
             ModelLoadError: the model could not be loaded (everything started is stopped again).
+            StartupCancelled: ``cancel`` was set (everything started is stopped again).
             OSError, ValueError: paho refused the broker connection's set-up (a TLS file it cannot
                 read; everything started, the front processes included, is stopped again).
         """
@@ -463,7 +469,9 @@ class Daemon:
             self.audio.start()
         self.notifier.status(f"loading model {_model_name(self.config, self.scheduler.engine)}")
         try:
-            self.scheduler.start(load_timeout_s)
+            self.scheduler.start(load_timeout_s, cancel)
+            if cancel is not None and cancel.is_set():  # came as the load finished
+                raise StartupCancelled("stopped while the model loaded")
         except BaseException:
             self.scheduler.stop(timeout_s=1.0)
             self.sources.stop()
@@ -657,7 +665,11 @@ def run(
 
             previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, _on_hup)
         try:
-            daemon.start()
+            daemon.start(cancel=stop)
+        except StartupCancelled:
+            daemon.notifier.stopping("stopped during start-up")
+            logger.info("stopped during start-up, before the broker connection")
+            return EXIT_OK
         except EdgeVLMError as err:
             daemon.notifier.status(f"start-up failed: {err.message}")
             if raise_startup_errors:

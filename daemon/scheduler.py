@@ -91,6 +91,11 @@ logger = logging.getLogger(__name__)
 
 ReplyFn = Callable[[Response], None]
 
+
+class StartupCancelled(Exception):
+    """A stop signal came while the daemon started (:meth:`Scheduler.start`'s ``cancel``,
+    :meth:`edgevlm.daemon.app.Daemon.start`): what had started is stopped again, nothing is announced."""
+
 HEARTBEAT_S = 1.0
 """Period of the idle worker's heartbeat (s)."""
 
@@ -329,11 +334,16 @@ class Scheduler:
         self._reply_pool: ThreadPoolExecutor | None = None  # one thread: responses built and sent in order
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self, load_timeout_s: float | None = None) -> None:
+    def start(self, load_timeout_s: float | None = None, cancel: threading.Event | None = None) -> None:
         """Start the worker and wait until it has loaded the engine.
+
+        ``cancel``: set (by a stop signal) while the engine loads, the wait ends within 0.1 s with
+        :class:`StartupCancelled`; the load itself goes on in the worker thread (a daemon thread) until
+        :meth:`stop` or the process ends.
 
         Raises:
             ModelLoadError: the engine could not be loaded (or did not load in time).
+            StartupCancelled: ``cancel`` was set before the engine had loaded.
         """
         if self.prepare_threads > 0:
             self._prepare_pool = ThreadPoolExecutor(self.prepare_threads, thread_name_prefix="edgevlm-prepare")
@@ -342,8 +352,14 @@ class Scheduler:
         self._thread.start()
         self._expiry_thread = threading.Thread(target=self._expire_queued, name="edgevlm-deadlines", daemon=True)
         self._expiry_thread.start()
-        if not self._ready.wait(load_timeout_s):
-            raise ModelLoadError(f"the model did not load within {load_timeout_s} s")
+        deadline = None if load_timeout_s is None else time.monotonic() + load_timeout_s
+        while not self._ready.is_set():
+            if cancel is not None and cancel.is_set():
+                raise StartupCancelled("stopped while the model loaded")
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise ModelLoadError(f"the model did not load within {load_timeout_s} s")
+            self._ready.wait(0.1 if left is None else min(0.1, left))
         if self._load_error is not None:
             err = self._load_error
             if isinstance(err, ModelLoadError):

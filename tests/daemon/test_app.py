@@ -55,6 +55,61 @@ def test_sigterm_shuts_down_cleanly_with_offline_status(tmp_path, mosquitto, raw
     assert b"received SIGTERM" in out
 
 
+# the model load made slow (a large model on a Jetson): it says when it starts, then sleeps
+RUN_SLOW_LOAD = "import sys, time; import edgevlm.daemon.app as app; real = app.load_engine; " \
+    "app.load_engine = lambda c, p: (print('LOADING', flush=True), time.sleep(120), real(c, p))[2]; " \
+    "from edgevlm.config import load_daemon_config; sys.exit(app.run(load_daemon_config(sys.argv[1])))"  # fmt: skip
+
+
+def test_sigterm_while_the_model_loads_stops_at_once_and_announces_nothing(tmp_path, mosquitto, raw_client,
+                                                                            tiny_model_dir) -> None:
+    """``systemctl stop`` during a long model load: the daemon stops within seconds (exit 0), never reports
+    ready (no READY=1 to systemd: STOPPING=1 instead), never publishes the retained "online"."""
+    import socket
+    import time
+
+    watcher = raw_client()
+    watcher.subscribe(STATUS_TOPIC)
+    sock_path = tmp_path / "notify.sock"
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(sock_path))
+    notify.settimeout(0.2)
+    cfg = {"mqtt": {"host": mosquitto.host, "port": mosquitto.port, "device_id": "proc1"},
+           "model": {"path": str(tiny_model_dir)}}
+    path = tmp_path / "daemon.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.Popen([sys.executable, "-c", RUN_SLOW_LOAD, str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env={**__import__("os").environ, "NOTIFY_SOCKET": str(sock_path)})
+    try:
+        before = [proc.stdout.readline() for _ in range(1)]
+        while before[-1] and before[-1].strip() != b"LOADING" and len(before) < 200:
+            before.append(proc.stdout.readline())
+        assert before[-1].strip() == b"LOADING", before
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        out, _ = proc.communicate(timeout=60)
+        took_s = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        messages = []
+        while True:
+            try:
+                messages.append(notify.recv(4096).decode())
+            except OSError:
+                break
+        notify.close()
+    text = b"".join(before).decode(errors="replace") + out.decode(errors="replace")
+    assert proc.returncode == 0, text
+    assert took_s < 15, took_s  # the load goes on for 120 s in its own thread: not waited for
+    assert "received SIGTERM" in text and "stopped during start-up" in text and "ready: serving" not in text
+    assert any("STOPPING=1" in m for m in messages), messages
+    assert not any("READY=1" in m for m in messages), messages
+    time.sleep(0.5)
+    assert STATUS_TOPIC not in watcher.messages  # no retained "online" (nor "offline": it never connected)
+
+
 def test_model_that_does_not_load_exits_1(tmp_path, caplog) -> None:
     empty = tmp_path / "no_model"
     empty.mkdir()
