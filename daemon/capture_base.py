@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
 from typing import Any
 
@@ -30,14 +31,19 @@ def _cv2() -> Any:
 @functools.lru_cache(maxsize=1)
 def _quiet_opencv(cv2: Any) -> None:
     """OpenCV writes ``[ WARN:0@1.2] global cap_ffmpeg_impl.hpp ...`` lines straight to stderr,
-    outside Python's logging. Capture reports what they say through logging itself (a timed-out
-    open or read becomes the source's ``last_error`` and a WARNING), so OpenCV's own output is
-    silenced through its API (``cv2.utils.logging.setLogLevel``), unless this logger is at DEBUG,
-    where OpenCV's warnings are kept for diagnosis."""
+    outside Python's logging, and its FFmpeg backend lets FFmpeg print its own (``[mov,mp4,...] moov
+    atom not found`` for a truncated file, at every reopen). Capture reports what they say through
+    logging itself (a timed-out open or read becomes the source's ``last_error`` and a WARNING), so
+    both are silenced: OpenCV's through its API (``cv2.utils.logging.setLogLevel``), FFmpeg's with
+    ``OPENCV_FFMPEG_LOGLEVEL=-8`` (AV_LOG_QUIET; OpenCV reads it when its FFmpeg backend first opens
+    something, so before any capture; a value the user set is kept). At DEBUG on this logger both are
+    kept for diagnosis."""
+    debug = logging.getLogger(__name__).isEnabledFor(logging.DEBUG)
+    if not debug:
+        os.environ.setdefault("OPENCV_FFMPEG_LOGLEVEL", "-8")
     cv_logging = getattr(getattr(cv2, "utils", None), "logging", None)
     if cv_logging is None:  # pragma: no cover - OpenCV builds without the logging API
         return
-    debug = logging.getLogger(__name__).isEnabledFor(logging.DEBUG)
     cv_logging.setLogLevel(cv_logging.LOG_LEVEL_WARNING if debug else cv_logging.LOG_LEVEL_SILENT)
 
 

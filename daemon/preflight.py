@@ -147,8 +147,10 @@ def _video_file_problem(path: str) -> str | None:
         return f"{p} is a folder, not a video file"
     if not p.is_file():
         return f"video file not found: {p}"
+    from edgevlm.daemon.capture_base import _cv2
+
     try:
-        import cv2
+        cv2 = _cv2()  # OpenCV and FFmpeg quieted: the problem is this function's one line
     except ImportError:
         return f"{p}: reading video files needs OpenCV (pip install 'edgevlm[runtime]')"
     cap = cv2.VideoCapture(str(p), cv2.CAP_FFMPEG)

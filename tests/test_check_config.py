@@ -106,6 +106,25 @@ def test_text_file_as_a_video(tmp_path, capsys):
                    "frame) (source 'front')")
 
 
+@pytest.mark.parametrize("kind", ["text", "truncated"])
+def test_undecodable_video_is_one_line_on_stderr(tmp_path, kind):
+    """As a process: OpenCV's ``[ WARN ...] cap.cpp`` and FFmpeg's ``moov atom not found`` lines do not reach
+    stderr; the CLI's one line does (exit 2)."""
+    video = tmp_path / "cam.mp4"
+    if kind == "text":
+        video.write_text("this is not a video\n" * 20)
+    else:  # a recording cut short: the container's index (moov) missing
+        video.write_bytes((Path(__file__).resolve().parents[1] / "runtime/demo/media/scenes.mp4").read_bytes()[:100_000])
+    cfg = tmp_path / "daemon.yaml"
+    cfg.write_text(f"sources: [{{name: front, uri: {video}}}]\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPENCV_")}
+    res = subprocess.run([sys.executable, "-m", "edgevlm.cli", "serve", "--check-config", str(cfg)],
+                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, env=env)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.splitlines() == [f"edgevlm: error: sources[0].uri: {video} is not a video OpenCV can decode "
+                                       "(cannot open it or read its first frame) (source 'front')"], res.stderr
+
+
 def test_folder_as_a_video(tmp_path, capsys):
     code, err = _check(_config(tmp_path, sources="  - name: front\n    uri: /tmp\n"), capsys)
     assert code == 2 and err == "sources[0].uri: /tmp is a folder, not a video file"
