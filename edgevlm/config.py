@@ -203,8 +203,10 @@ def parse_daemon_config(data: Any, *, base_dir: Path | None = None) -> DaemonCon
     except ValidationError as exc:
         raise ConfigError(first_error_message(exc)) from None
     base = base_dir or Path.cwd()
-    if cfg.model.path is not None and not cfg.model.path.is_absolute():
-        cfg.model.path = (base / cfg.model.path).resolve()
+    if cfg.model.path is not None:
+        cfg.model.path = cfg.model.path.expanduser()  # ~/models/x, as every other path of the file
+        if not cfg.model.path.is_absolute():
+            cfg.model.path = (base / cfg.model.path).resolve()
     for i, src in enumerate(cfg.sources):
         if src.kind != "file":
             continue

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from edgevlm.config import DaemonConfig, load_daemon_config, source_kind
+from edgevlm.config import DaemonConfig, load_daemon_config, parse_daemon_config, source_kind
 from edgevlm.errors import ConfigError
 from edgevlm.validation import StrictModel
 
@@ -266,3 +266,12 @@ def test_continuous_batching_on_cuda_takes_the_profile_rows():
     with pytest.raises(ConfigError, match=r"model.continuous_batching: .*a model on 'cpu' gets 1 row"):
         parse_daemon_config({"profile": "h100", "model": {"device": "cpu", "continuous_batching": True}})
 
+
+
+def test_model_path_with_a_tilde_is_the_home_folder(tmp_path, monkeypatch):
+    """``model.path: ~/models/x`` is under the home folder, as a source's ``uri: ~/x.mp4`` is (it was taken relative
+    to the config file's folder: ``<config dir>/~/models/x``)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cfg = parse_daemon_config({"model": {"path": "~/models/x"}}, base_dir=tmp_path / "etc")
+    assert cfg.model.path == tmp_path / "home" / "models" / "x"
+    assert parse_daemon_config({"model": {"path": "m"}}, base_dir=tmp_path).model.path == tmp_path / "m"
