@@ -138,9 +138,12 @@ def _parse_broker(text: str) -> tuple[str, int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``doctor`` options (for a subcommand of the ``edgevlm`` CLI)."""
+    from edgevlm.cli_args import positive_float
+
     parser.add_argument("--config", type=Path, help="daemon config to check (sources, model, broker)")
     parser.add_argument("--broker", type=_parse_broker, help="HOST[:PORT] to probe (default: the config's)")
-    parser.add_argument("--timeout", type=float, default=3.0, help="broker timeout in seconds (default 3)")
+    parser.add_argument("--timeout", type=positive_float, default=3.0,
+                        help="broker timeout in seconds, > 0 (default 3)")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list")
 
 
@@ -179,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     """``edgevlm doctor [--config FILE] [--broker HOST[:PORT]] [--timeout S] [--json]``.
 
     Returns 0 (no FAIL), 1 (some FAIL) or 2 (bad arguments: one ``edgevlm: error:`` line)."""
-    from edgevlm.cli_args import OneLineParser, fail
+    from edgevlm.cli_args import OneLineParser
 
     parser = OneLineParser(prog="edgevlm doctor", description="Check this machine for edgevlm.")
     add_arguments(parser)
@@ -187,8 +190,6 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return int(exc.code or 0) if exc.code in (0, None) else EXIT_USAGE
-    if args.timeout <= 0:
-        return fail("--timeout must be > 0", EXIT_USAGE)
     return run_from_args(args)
 
 

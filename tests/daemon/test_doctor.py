@@ -126,7 +126,8 @@ def test_invalid_config_is_a_fail_row_not_a_traceback(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "argv",
-    [["--broker", "host:99999"], ["--broker", "a b"], ["--timeout", "0"], ["--timeout", "x"], ["--bogus"]],
+    [["--broker", "host:99999"], ["--broker", "a b"], ["--timeout", "0"], ["--timeout", "x"], ["--timeout", "nan"],
+     ["--timeout", "inf"], ["--timeout", "-1"], ["--bogus"]],
 )
 def test_bad_arguments_exit_2(argv, capsys):
     assert main(argv) == 2
