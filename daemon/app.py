@@ -311,9 +311,9 @@ class Daemon:
                              prefix=self.config.mqtt.prefix, device_id=self.config.mqtt.device_id)
 
     def _make_audio(self) -> Any:
-        """Microphones and WAV sources (``edgevlm.daemon.audio``) with their MQTT topics."""
-        if not self.config.audio:
-            return None
+        """Microphones and WAV sources (``edgevlm.daemon.audio``) with their MQTT topics. Without any, the
+        features topic is still served: a request there is answered ``UNKNOWN_SOURCE`` (none configured),
+        not left unanswered."""
         from edgevlm.daemon.audio import AudioManager, make_features_handler
 
         manager = AudioManager(self.config.audio, listener=self._on_audio_event)

@@ -290,6 +290,18 @@ def test_wav_source_in_the_daemon_publishes_events_and_answers_features(make_dae
     assert bad["error"]["message"] == "colour: unknown field"
 
 
+def test_features_request_without_audio_sources_is_answered_unknown_source(make_daemon, watcher) -> None:
+    """A daemon with no microphone configured still answers its features topic (it was silent: the asker timed
+    out): UNKNOWN_SOURCE naming that none is configured, the Correlation Data echoed."""
+    w = watcher()
+    daemon = make_daemon({})
+    assert daemon.audio is not None and daemon.audio.names == []
+    r = w_ask(w, {"source": "mic", "seconds": 2})
+    assert r["ok"] is False and r["error"]["code"] == "UNKNOWN_SOURCE"
+    assert r["error"]["message"] == "unknown audio source 'mic' (known: none configured)"
+    assert r["error"]["details"] == {"source": "mic", "known": []}
+
+
 def w_ask(w, payload: dict, corr: bytes = b"\x00corr") -> dict:
     import uuid
 
