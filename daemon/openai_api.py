@@ -59,8 +59,8 @@ from edgevlm.protocol import (
     Request,
     Response,
     json_type_name,
+    parse_json_object,
     parse_request,
-    reject_json_constant,
 )
 
 logger = logging.getLogger(__name__)
@@ -367,9 +367,9 @@ async def read_chat_request(request: Any, config: HttpConfig, model_id: str, lim
         return _http_error(413, f"request body exceeds http.max_body_bytes={config.max_body_bytes}",
                            code=ErrorCode.INVALID_REQUEST.value)
     try:
-        body = json.loads(raw, parse_constant=reject_json_constant)
-    except (ValueError, RecursionError) as exc:
-        return _invalid(f"malformed JSON ({str(exc)[:120]})", "$")
+        body = parse_json_object(raw)  # the wire's rule: UTF-8, no NaN / Infinity, nesting, an object
+    except InvalidRequestError as err:
+        return err
     try:
         req, stream, include_usage = to_request(body, model_id=model_id, multiple_images=config.multiple_images)
         check_inline_image(req, limits)

@@ -279,7 +279,10 @@ def test_raw_http_errors(http_daemon) -> None:
     for payload, status, needle in [(b"{not json", 400, "malformed JSON"), (b"[1]", 400, "JSON object"),
                                     (b"x" * 4096, 413, "max_body_bytes"),
                                     ((chat + '"temperature": NaN}').encode(), 400,
-                                     "$: malformed JSON (NaN is not a JSON number (RFC 8259 has no NaN or Infinity))"),
+                                     "$: malformed JSON: NaN is not a JSON number (RFC 8259 has no NaN or Infinity)"),
+                                    # the MQTT wire's words for the same faults (protocol.parse_json_object)
+                                    (b'\xff\xfe{"model": 1}', 400, "$: payload is not UTF-8"),
+                                    (b"[" * 1020 + b"]" * 1020, 400, "$: malformed JSON: nested too deeply"),
                                     ((chat + '"temperature": -Infinity}').encode(), 400, "-Infinity is not a JSON"),
                                     ((chat + '"temperature": "hot"}').encode(), 400,
                                      "temperature: must be a number, got a string"),
