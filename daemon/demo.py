@@ -97,34 +97,30 @@ def run_demo(
         timeout_s: overall time limit (s).
         json_out: also print the results as one JSON line.
     """
-    from edgevlm.cli_args import EXIT_INTERRUPTED, EXIT_USAGE
+    from edgevlm.cli_args import EXIT_INTERRUPTED, EXIT_USAGE, fail
     from edgevlm.errors import ModelLoadError
     from edgevlm.model_folder import check_model_folder
     from edgevlm.runtime import demo as demo_assets
 
     t_start = time.monotonic()
     if not 0.0 < timeout_s < float("inf"):
-        print(f"demo: error: the time limit must be a number of seconds > 0, got {timeout_s}", file=sys.stderr)
-        return EXIT_USAGE
+        return fail(f"the time limit must be a number of seconds > 0, got {timeout_s}")
     video = Path(video).resolve() if video else demo_assets.video_path()
     sidecar = Path(ground_truth).resolve() if ground_truth else demo_assets.scenes_json_path()
     model = Path(model_dir).resolve() if model_dir else None
     weights = model or demo_assets.model_dir()
     for what, path in (("camera video", video), ("its ground truth", sidecar)):
         if not path.is_file():
-            print(f"demo: error: {what} not found: {path}", file=sys.stderr)
-            return EXIT_USAGE
+            return fail(f"{what} not found: {path}")
     try:
         check_model_folder(weights)
     except ModelLoadError as exc:
-        print(f"demo: error: {exc.message}", file=sys.stderr)
-        return EXIT_USAGE if model is not None else 1  # the shipped model missing: a broken install
+        return fail(exc, EXIT_USAGE if model is not None else 1)  # the shipped model missing: a broken install
     try:
         segments = load_ground_truth(sidecar)
         mosquitto, rr = ensure_mosquitto()
     except DemoError as exc:
-        print(f"demo: error: {exc}", file=sys.stderr)
-        return 1
+        return fail(exc, 1)
 
     rows: list[Row] = []
     problems: list[str] = []

@@ -370,7 +370,7 @@ def _add_to_manifest(bundle_dir: Path, names: list[str]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from edgevlm.cli_args import OneLineParser, non_negative_int, positive_int
+    from edgevlm.cli_args import OneLineParser, non_negative_int, positive_int, torch_device
 
     ap = OneLineParser(prog="edgevlm calibrate", description=__doc__.split("\n")[0])
     ap.add_argument("model", help="model folder or engine bundle")
@@ -406,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="stop each phase early so that training ends within about this many seconds (the "
                          "operating-point measurement after it is not bounded: --frontier-n or --no-frontier)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    ap.add_argument("--device", type=torch_device, default="cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: per device)")
     ap.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     ap.add_argument("--out", default=None, help="output folder (default: the model folder)")

@@ -564,6 +564,7 @@ def test_ask_stream_into_a_closed_pipe_is_not_an_error(tiny_model: Path, image_f
     (["--time-budget-s", "nan"], "--time-budget-s must be > 0, got nan"),
     (["--adapter-hidden", "-1"], "argument --adapter-hidden: expected a positive integer, got -1"),
     (["--adapter-attn-dim", "-2"], "argument --adapter-attn-dim: expected an integer >= 0, got -2"),
+    (["--device", "tpu"], "argument --device: expected cpu, cuda or cuda:N, got 'tpu'"),  # was torch's device list
 ])
 def test_calibrate_bad_option_is_refused_before_the_model_loads(tmp_path: Path, capsys, args, needle) -> None:
     """Checked before anything loads or trains (the model folder does not even exist): ``--profile nope``

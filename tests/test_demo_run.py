@@ -158,9 +158,9 @@ def test_demo_bad_model_folder_is_a_usage_error(tmp_path: Path, tiny_setup: dict
     code = demo.run_demo(model_dir=model, video=tiny_setup["video"], ground_truth=tiny_setup["sidecar"])
     out = capsys.readouterr()
     assert code == 2 and out.out == ""
-    want = {"missing": f"demo: error: model folder {model} does not exist\n",
-            "file": f"demo: error: {model} is not a folder (expected a model folder with config.json)\n",
-            "no_weights": "demo: error: "}[case]  # fmt: skip
+    want = {"missing": f"edgevlm: error: model folder {model} does not exist\n",
+            "file": f"edgevlm: error: {model} is not a folder (expected a model folder with config.json)\n",
+            "no_weights": "edgevlm: error: "}[case]  # fmt: skip
     assert out.err.startswith(want) and out.err.count("\n") == 1, out.err
 
 
@@ -170,7 +170,7 @@ def test_demo_time_limit_must_be_positive(tiny_setup: dict[str, Path], capsys, t
                          ground_truth=tiny_setup["sidecar"], timeout_s=timeout_s)  # fmt: skip
     out = capsys.readouterr()
     assert code == 2 and out.out == ""
-    assert out.err == f"demo: error: the time limit must be a number of seconds > 0, got {timeout_s}\n"
+    assert out.err == f"edgevlm: error: the time limit must be a number of seconds > 0, got {timeout_s}\n"
 
 
 @pytest.mark.parametrize("argv", [["demo", "--timeout-s", "0"], ["demo", "--timeout-s", "nan"]])
