@@ -17,8 +17,9 @@ A request becomes the same :class:`~edgevlm.protocol.Request` an MQTT client wou
 through the same admission check (:mod:`edgevlm.daemon.admission`), scheduler, latency controller,
 deadlines and metrics. Errors are OpenAI error objects ``{"error": {"message", "type", "param",
 "code", "details"}}`` whose ``code`` is edgevlm's wire code (``INVALID_REQUEST``, ``DEADLINE_EXCEEDED``, ...)
-and whose ``details`` carry the wire error's details (``{}`` where it has none, as on MQTT); HTTP statuses: 400 invalid request / image, 401 bad
-token, 404 unknown model or source, 413 body too large, 503 busy (``Retry-After``), 504 deadline
+and whose ``details`` carry the wire error's details (``{}`` where it has none, as on MQTT); a body is parsed
+by the MQTT wire's rule (:func:`~edgevlm.protocol.parse_json_object`). HTTP statuses: 400 invalid request /
+image, 401 bad token, 404 unknown model or source, 413 body too large, 503 busy (``Retry-After``), 504 deadline
 exceeded, 500 internal. ``x-should-retry`` tells the ``openai`` client whether its automatic retry
 makes sense (only for 503).
 

@@ -96,6 +96,7 @@ class StartupCancelled(Exception):
     """A stop signal came while the daemon started (:meth:`Scheduler.start`'s ``cancel``,
     :meth:`edgevlm.daemon.app.Daemon.start`): what had started is stopped again, nothing is announced."""
 
+
 HEARTBEAT_S = 1.0
 """Period of the idle worker's heartbeat (s)."""
 

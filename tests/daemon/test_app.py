@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -79,7 +80,7 @@ def test_sigterm_while_the_model_loads_stops_at_once_and_announces_nothing(tmp_p
     path = tmp_path / "daemon.yaml"
     path.write_text(yaml.safe_dump(cfg))
     proc = subprocess.Popen([sys.executable, "-c", RUN_SLOW_LOAD, str(path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env={**__import__("os").environ, "NOTIFY_SOCKET": str(sock_path)})
+                            stderr=subprocess.STDOUT, env={**os.environ, "NOTIFY_SOCKET": str(sock_path)})
     try:
         before = [proc.stdout.readline() for _ in range(1)]
         while before[-1] and before[-1].strip() != b"LOADING" and len(before) < 200:
