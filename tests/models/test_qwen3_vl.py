@@ -324,6 +324,19 @@ def _hf_inputs(ck: Checkpoint, images: list[np.ndarray], vision=None):
     return proc(text=[text], return_tensors="pt", **kwargs)
 
 
+def _skip_where_hf_wraps_the_video_twice(ck: Checkpoint, ref_ids: torch.Tensor, vision) -> None:
+    """transformers 5.x before 5.25 kept the chat template's ``<|vision_start|>..<|vision_end|>`` around a video's
+    per-frame runs (one more pair than 4.57's processor and 5.25's, which reverted it; our prompt follows those):
+    no reference for our prompt there."""
+    if "video" not in vision.kinds:
+        return
+    start = transformers.AutoTokenizer.from_pretrained(ck.folder).convert_tokens_to_ids("<|vision_start|>")
+    frames = int(vision.grid_thw[list(vision.kinds).index("video")][0])
+    if int((ref_ids == start).sum()) == frames + len(vision.kinds):  # each frame's pair + one around the video
+        pytest.skip(f"transformers {transformers.__version__} wraps the video's frames in one more "
+                    "<|vision_start|>..<|vision_end|> (5.x before 5.25)")
+
+
 def _our_ids(ck: Checkpoint, vision) -> torch.Tensor:
     """Our prompt (the runtime's tokenizer: chat template with one content part per item,
     the family's expand_prompt, tokenised)."""
@@ -410,6 +423,7 @@ def test_token_ids_match_transformers_processor(ckpt, case):
     vision = proc.prepare(images, video=_video() if case == "video" else None,
                           video_timestamps_s=VIDEO_TIMES_S if case == "video" else None)
     ref = _hf_inputs(ckpt, images, vision)
+    _skip_where_hf_wraps_the_video_twice(ckpt, ref["input_ids"], vision)
     assert _our_ids(ckpt, vision).tolist() == ref["input_ids"].tolist()
     if case == "video":
         assert vision.grid_thw.tolist() == [[2, 4, 6]]
@@ -568,6 +582,7 @@ def test_engine_ask_about_frames_answers_as_transformers_video(ckpt):
     answer = engine.ask(_video(), QUESTION, max_new_tokens=12, frame_timestamps_s=VIDEO_TIMES_S)
     vision = _processor(ckpt).prepare([], video=_video(), video_timestamps_s=VIDEO_TIMES_S)
     ref_in = _hf_inputs(ckpt, [], vision)
+    _skip_where_hf_wraps_the_video_twice(ckpt, ref_in["input_ids"], vision)
     with torch.no_grad():
         out = ckpt.hf.generate(**ref_in, do_sample=False, max_new_tokens=12)
     expected = transformers.AutoTokenizer.from_pretrained(ckpt.folder).decode(

@@ -12,9 +12,11 @@ normalisation and patchify rules are :mod:`edgevlm.runtime.models.qwen_vl.prepro
 * the video size rule counts the frames: :func:`video_target_size`;
 * text timestamps: each temporal patch (``temporal_patch_size`` frames, the last frame repeated to
   fill it) is stamped with the mean time of its first and last frame, written ``<{t:.1f} seconds>``,
-  and the template's one ``<|video_pad|>`` becomes, per temporal patch,
-  ``<t seconds><|vision_start|><|video_pad|> x (grid_h * grid_w / 4)<|vision_end|>`` (inside the
-  template's own ``<|vision_start|>..<|vision_end|>``, as transformers writes it).
+  and the template's ``<|vision_start|><|video_pad|><|vision_end|>`` becomes, per temporal patch,
+  ``<t seconds><|vision_start|><|video_pad|> x (grid_h * grid_w / 4)<|vision_end|>``: the template's own
+  wrapper is replaced, not kept around the frames (transformers 4.57's ``Qwen3VLProcessor`` and 5.25+; 5.x
+  releases before 5.25 kept it, one more ``<|vision_start|>..<|vision_end|>`` around all frames, a regression
+  5.25 reverted). A bare ``<|video_pad|>`` becomes the frames' runs alone.
 """
 
 from __future__ import annotations
@@ -192,8 +194,9 @@ class Qwen3VLProcessor:
         each item's token run (module doc).
 
         Raises ``InvalidRequestError`` when the placeholders do not match ``vision.kinds``."""
-        kinds = [("image" if m.group() == IMAGE_TOKEN else "video")
-                 for m in re.finditer(re.escape(IMAGE_TOKEN) + "|" + re.escape(VIDEO_TOKEN), text)]
+        placeholder = re.compile("|".join(map(re.escape, (VISION_START + VIDEO_TOKEN + VISION_END, IMAGE_TOKEN,
+                                                          VIDEO_TOKEN))))  # the wrapped video first: it is replaced whole
+        kinds = [("image" if m.group() == IMAGE_TOKEN else "video") for m in placeholder.finditer(text)]
         if kinds != list(vision.kinds):
             raise InvalidRequestError(f"prompt has vision placeholders {kinds} but the input has {list(vision.kinds)}")
         merge2 = self.image.merge_size**2
@@ -208,4 +211,4 @@ class Qwen3VLProcessor:
             runs.append("".join(f"<{s:.1f} seconds>{VISION_START}{VIDEO_TOKEN * per_frame}{VISION_END}"
                                 for s in stamps))
         it = iter(runs)
-        return re.sub(re.escape(IMAGE_TOKEN) + "|" + re.escape(VIDEO_TOKEN), lambda m: next(it), text)
+        return placeholder.sub(lambda m: next(it), text)
