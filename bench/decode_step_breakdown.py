@@ -52,10 +52,7 @@ order and combination (e.g. ``nomask_pdlall_norm16``; :func:`parse_variant`):
 * ``nonorm`` -- a what-if with other logits: the layers' ``add_rms_norm`` launches nothing and passes its inputs on
   (``(x, delta)`` as ``(s, normed)``), the upper bound of what folding the norms into the matmuls could save,
 * ``noattn`` -- a what-if with other logits, with the ``after`` base: the one-kernel attention launches nothing and
-  returns the query part of ``qkv`` (the critical-path cost of attention, RoPE and the KV write together; layers the
-  one-kernel attention does not serve -- sliding windows, rolling, fp8 or int4 caches -- still attend),
-* ``kvearly`` -- :func:`~edgevlm.runtime.kernels.decode_fused.decode_attention` reads the first key block's old keys
-  and values before its PDL wait (``decode_fused.ATTENTION_KV_BEFORE_WAIT``; bit-identical),
+  returns the query part of ``qkv`` (the critical-path cost of attention, RoPE and the KV write together),
 * ``regring`` / ``loadsonly`` -- each W4A16 launch of the lean variant's table entry ``(lean|async, KSPLIT, DEPTH,
   TILES_PER_CTA)`` runs the register-ring kernel with the same schedule (a DEPTH it lacks: the next one it has),
   computing (``regring``) or as its loads-only diagnostic (``loadsonly``: the weights streamed, nothing computed;
@@ -154,7 +151,6 @@ class Variant:
     nonorm: bool = False
     noattn: bool = False
     matmul: str | None = None  # "regring" / "loadsonly": the register-ring kernel for every lean launch
-    kv_early: bool = False
 
 
 def parse_variant(name: str) -> Variant:
@@ -187,10 +183,6 @@ def parse_variant(name: str) -> Variant:
             opts["sepcombine"] = True
         elif suffix == "nonorm":
             opts["nonorm"] = True
-        elif suffix == "kvearly":
-            if base == "after":  # the one-kernel attention does not run the split kernel
-                raise ValueError(f"variant {name!r}: kvearly needs the before or nomask base (the split kernel)")
-            opts["kv_early"] = True
         elif suffix in ("regring", "loadsonly"):
             if "matmul" in opts:
                 raise ValueError(f"variant {name!r}: regring and loadsonly exclude each other")
@@ -206,7 +198,7 @@ def parse_variant(name: str) -> Variant:
             opts["norm_warps"] = warps
         else:
             raise ValueError(f"variant {name!r}: unknown suffix {suffix!r} (nopdl, pdl, pdlall, normN, w4head, split16, "
-                             "ungated, sepcombine, nonorm, noattn, regring, loadsonly, kvearly)")
+                             "ungated, sepcombine, nonorm, noattn, regring, loadsonly)")
     return Variant(base, **opts)
 
 
@@ -214,9 +206,8 @@ def register_ring_launch(launch, loads_only: bool):
     """``launch`` (:func:`~edgevlm.runtime.kernels.w4a16_mma.w4a16_mma`) wrapped so that a call the table gives to
     the lean variant (``lean`` / ``async``, :func:`~edgevlm.runtime.kernels.w4a16_mma.mma_config`) runs the
     register-ring kernel with the same KSPLIT, TILES_PER_CTA and the smallest compiled DEPTH >= the entry's
-    (``MMA_CONFIGS``; an ``async`` entry's slots taken as the depth), in mode 1 (loads only: other outputs) or 2
-    (computing), without the table's L2 prefetch or zero-point fold. Calls with an explicit ``config`` or ``mode``,
-    shapes without such an entry and entries deeper than any compiled DEPTH pass through unchanged."""
+    (``MMA_CONFIGS``), in mode 1 (loads only: other outputs) or 2 (computing). Calls with an explicit ``config`` or
+    ``mode``, and shapes without such an entry, pass through unchanged."""
     from edgevlm.runtime.kernels import w4a16_mma as mk
 
     def wrapped(x, qw, meta, group_size, bias=None, config=None, *, mode=None, **kw):
@@ -243,8 +234,7 @@ def variant(name: str, dec=None):
     ``decode_fused.ADD_RMS_NORM_WARPS = N``; ``_sepcombine``: ``decode_fused.FUSED_ATTENTION_COMBINE`` off; ``_nonorm``: ``decode_fused.add_rms_norm`` replaced by a
     function that returns its first two arguments (no kernel; other logits); ``_noattn``:
     ``decode_fused.rope_decode_attention`` replaced by the query heads of ``qkv`` (no kernel; other logits);
-    ``_regring`` / ``_loadsonly``: ``w4a16_mma.w4a16_mma`` wrapped by :func:`register_ring_launch`; ``_kvearly``:
-    ``decode_fused.ATTENTION_KV_BEFORE_WAIT`` on; ``_w4head``: ``dec``'s bf16 ``lm_head`` replaced by an RTN W4A16
+    ``_regring`` / ``_loadsonly``: ``w4a16_mma.w4a16_mma`` wrapped by :func:`register_ring_launch`; ``_w4head``: ``dec``'s bf16 ``lm_head`` replaced by an RTN W4A16
     ``Int4Linear`` (group 128; other logits: a what-if for bundles whose head is quantized); ``_ungated``: ``dec``'s
     gated gate/up projections unmarked (``Int4Linear.set_gated(None)``, re-marked after). Switches a variant
     does not name keep their values (the environment's). Raises ``ValueError`` for a bad name, before changing
@@ -255,8 +245,7 @@ def variant(name: str, dec=None):
 
     saved = (decode_fused.FUSED_ATTENTION, decode_fused.ATTENTION_CTA_BUDGET, decode_fused.PDL,
              decode_fused.ADD_RMS_NORM_WARPS, mk.PDL, pdl.MAX_ROWS, decode_fused.FUSED_ATTENTION_COMBINE,
-             decode_fused.add_rms_norm, decode_fused.rope_decode_attention, mk.w4a16_mma,
-             decode_fused.ATTENTION_KV_BEFORE_WAIT)
+             decode_fused.add_rms_norm, decode_fused.rope_decode_attention, mk.w4a16_mma)
     if (v.ungated or v.w4head) and dec is None:
         raise ValueError(f"variant {name!r}: _ungated and _w4head need the decoder (dec)")
     head = None
@@ -276,8 +265,6 @@ def variant(name: str, dec=None):
         decode_fused.FUSED_ATTENTION_COMBINE = False
     if v.nonorm:  # the decoder imports add_rms_norm from the module at each fused step
         decode_fused.add_rms_norm = lambda x, delta, weight, eps, **_: (x, delta)
-    if v.kv_early:
-        decode_fused.ATTENTION_KV_BEFORE_WAIT = True
     if v.matmul is not None:  # Int4Linear imports w4a16_mma from the module at each launch
         mk.w4a16_mma = register_ring_launch(mk.w4a16_mma, loads_only=v.matmul == "loadsonly")
     if v.noattn:  # (B, H, 1, Dh) as the kernel returns, read from qkv's query columns
@@ -301,8 +288,7 @@ def variant(name: str, dec=None):
     finally:
         (decode_fused.FUSED_ATTENTION, decode_fused.ATTENTION_CTA_BUDGET, decode_fused.PDL,
          decode_fused.ADD_RMS_NORM_WARPS, mk.PDL, pdl.MAX_ROWS, decode_fused.FUSED_ATTENTION_COMBINE,
-         decode_fused.add_rms_norm, decode_fused.rope_decode_attention, mk.w4a16_mma,
-         decode_fused.ATTENTION_KV_BEFORE_WAIT) = saved
+         decode_fused.add_rms_norm, decode_fused.rope_decode_attention, mk.w4a16_mma) = saved
         for mod, act in gated.items():
             mod.set_gated(act)
         if head is not None:

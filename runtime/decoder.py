@@ -788,7 +788,7 @@ class Decoder(nn.Module):
                               **norm, **scales)  # (B, H, 1, Dh); k, v stored at the slot
             if fp8 or cache.k.dtype == q.dtype:  # split-K Triton attention over the cache
                 return decode_attention(q, cache.k, cache.v, key_pos, n_keys, scale=attn.scale, window=window,
-                                        new_slot=slot, **scales)  # (B, H, 1, Dh)
+                                        **scales)  # (B, H, 1, Dh)
         else:  # the cache quantizes on write: rotate k into a one-slot buffer first
             k1 = qkv.new_empty(b, hkv, 1, dh)
             v1 = qkv.new_empty(b, hkv, 1, dh)

@@ -87,15 +87,6 @@ FP8_NATIVE: bool | None = None
 ``float8e4nv``, sm_89+), False by moving the bits into fp16's fields (any GPU, and Triton's interpreter), None
 (default) the hardware where the device has it (:func:`fp8_native`)."""
 
-ATTENTION_KV_BEFORE_WAIT = os.environ.get("EDGEVLM_DECODE_KV_BEFORE_WAIT", "0").strip().lower() in (
-    "1", "true", "yes", "on")
-"""Whether :func:`decode_attention`, launched as a programmatic dependent of the RoPE + KV write (its ``new_slot``
-given), reads its first key block's old keys and values before it waits for that kernel (the new slot after):
-their memory latency then overlaps the previous kernel instead of following it. The first block is then computed
-outside the key loop: the split kernel's registers grow (``ptxas`` sm_90, 4 query heads a KV head: head dim 128
-85 -> 128, 256 153 -> 255; occupancy there is set by shared memory), so it applies under PDL only. Off by default
-(``EDGEVLM_DECODE_KV_BEFORE_WAIT=1`` opts in) until measured on a GPU; read at each launch."""
-
 ATTENTION_CTA_BUDGET: int | None = None
 """CTAs :func:`decode_attention` aims for when it splits the keys (None: about one wave, :func:`_cta_budget`). A
 huge value keeps ``max_splits`` splits at every batch size (the schedule before 2026-12-02; benchmarks A/B it)."""
@@ -106,6 +97,11 @@ stream (:func:`pdl_ok`; where it applies is :func:`edgevlm.runtime.kernels.pdl.a
 W4A16 CUDA kernels' own switch :data:`~edgevlm.runtime.kernels.w4a16_mma.PDL`). On by default since session 11
 (H200: the 7B W4A16 decode step 2.179 -> 1.997 ms at batch 1 with both modules' kernels so launched, bit-identical);
 ``EDGEVLM_DECODE_PDL=0`` turns it off. Read at each launch, so a new CUDA graph capture picks up a change."""
+
+# Tried and reverted (H200, 2026-12-03, sessions 16-17; bench/results/w4a16_kernel_h200_20261203.md): under PDL the
+# split attention reading its first key block's old keys and values before griddepcontrol.wait (only the new slot
+# comes from the RoPE + KV write kernel before it), the new row after. Bit-identical, but it cost registers (sm_90,
+# head dim 128: 85 -> 128) and was slower: the 7B W4A16 step 1.862 -> 1.984 ms at batch 1, 2.619 -> 2.682 at 8.
 
 ADD_RMS_NORM_WARPS: int | None = None
 """Warps per CTA (one CTA per row) of :func:`add_rms_norm`'s kernel; None: :func:`add_rms_norm_warps`'s rule. A
@@ -143,12 +139,10 @@ def pdl_ok(device: torch.device | str, rows: int) -> bool:
     is still running, once every CTA of that kernel has executed ``griddepcontrol.launch_dependents`` (or exited);
     ``griddepcontrol.wait`` then blocks until the previous grid has completed and its memory writes are visible.
     Inside a CUDA graph the launch becomes a programmatic edge. Here every kernel launched so waits at its very
-    top, before any store or atomic and before any load but one, and releases its own dependents right after
-    (``USE_GDC``): only the launch and the CTAs' start-up overlap the previous kernel's tail, at most one grid
-    waits ahead, and because every such kernel waits before it writes, completion stays transitive along the
-    stream (a kernel that is launched plainly waits for the whole previous grid, as always). The one load before
-    the wait: :func:`decode_attention` with ``new_slot`` (:data:`ATTENTION_KV_BEFORE_WAIT`) reads its step inputs
-    and the cache slots the previous kernel (the RoPE + KV write of one token per row) does not write.
+    top, before any load, store or atomic, and releases its own dependents right after (``USE_GDC``): only the
+    launch and the CTAs' start-up overlap the previous kernel's tail, at most one grid waits ahead, and because
+    every such kernel waits before touching memory, completion stays transitive along the stream (a kernel
+    that is launched plainly waits for the whole previous grid, as always).
 
     True when :data:`PDL` is on, :func:`edgevlm.runtime.kernels.pdl.allowed` (sm_90+, ``EDGEVLM_PDL`` and the row
     limit), Triton does not run in its CPU interpreter (``TRITON_INTERPRET``) and the installed Triton has
@@ -319,66 +313,31 @@ def _kernels():
         tl.store(y_ptr + row * INTER + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, slot_ptr, o_ptr, m_ptr, l_ptr, y_ptr, H, HKV,
-                          S, CHUNK, scale, WINDOW, REP: tl.constexpr, REP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    def attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, y_ptr, H, HKV, S, CHUNK,
+                          scale, WINDOW, REP: tl.constexpr, REP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                           BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                          KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, KV_EARLY: tl.constexpr = False,
-                          USE_GDC: tl.constexpr = False):
+                          KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, USE_GDC: tl.constexpr = False):
+        if USE_GDC:  # programmatic dependent launch (pdl_ok): the previous grid done before any memory access
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         bg = tl.program_id(0)  # row b, KV head g
         split = tl.program_id(1)
         b = bg // HKV
         g = bg % HKV
-        d = tl.arange(0, HEAD_DIM)
-        srow = (b * HKV + g).to(tl.int64) * S  # (row, KV head)'s first position: scales (B, HKV, S, 1)
-        base = srow * HEAD_DIM
-        tl.static_assert(not (KV_EARLY and KV_FP8), "KV_EARLY: not for fp8 caches (their scales are not read early)")
-        if KV_EARLY:  # (a 16-bit cache) the first key block's old keys / values, under PDL before the wait
-            # the step's positions and new slots are its inputs, written before the step; the previous kernel
-            # (the RoPE + KV write) writes the new slot only, so every other slot reads the same before the wait
-            n_keys = tl.load(pos_ptr + b) + 1
-            new = tl.load(slot_ptr + b)
-            start = split * CHUNK
-            if HAS_WINDOW:
-                start = tl.maximum(start, n_keys - WINDOW)
-            keys0 = start + tl.arange(0, BLOCK_N)
-            old0 = (keys0 < tl.minimum(split * CHUNK + CHUNK, n_keys)) & (keys0 != new)
-            k0 = tl.load(k_ptr + base + keys0[:, None] * HEAD_DIM + d[None, :], mask=old0[:, None], other=0.0)
-            v0 = tl.load(v_ptr + base + keys0[:, None] * HEAD_DIM + d[None, :], mask=old0[:, None], other=0.0)
-        if USE_GDC:  # programmatic dependent launch (pdl_ok): the previous grid done before any other access
-            # (KV_EARLY: the loads above read nothing the previous kernel writes)
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        if not KV_EARLY:
-            n_keys = tl.load(pos_ptr + b) + 1  # keys 0..pos (decode_mask's rule)
+        n_keys = tl.load(pos_ptr + b) + 1  # keys 0..pos (decode_mask's rule)
         rows = tl.arange(0, REP_PAD)
+        d = tl.arange(0, HEAD_DIM)
         head = g * REP + rows  # the query heads sharing KV head g
         q = tl.load(q_ptr + (b * H + head)[:, None] * HEAD_DIM + d[None, :], mask=rows[:, None] < REP, other=0.0)
         m = tl.full([REP_PAD], float("-inf"), tl.float32)
         den = tl.zeros([REP_PAD], tl.float32)  # softmax denominator
         acc = tl.zeros([REP_PAD, HEAD_DIM], tl.float32)
+        srow = (b * HKV + g).to(tl.int64) * S  # (row, KV head)'s first position: scales (B, HKV, S, 1)
+        base = srow * HEAD_DIM
         start = split * CHUNK
         stop = tl.minimum(start + CHUNK, n_keys)
         if HAS_WINDOW:  # sliding window: keys pos - WINDOW < k <= pos (sliding_decode_mask's rule)
             start = tl.maximum(start, n_keys - WINDOW)
-        if KV_EARLY:  # the first block from k0 / v0, the new slot's row read now; the loop from the second block
-            if start < stop:
-                keys = keys0
-                valid = keys < stop
-                if (new >= start) & (new < start + BLOCK_N):
-                    k_new = tl.load(k_ptr + base + new * HEAD_DIM + d)
-                    v_new = tl.load(v_ptr + base + new * HEAD_DIM + d)
-                    put = (keys == new) & valid  # (a window can put the first tile past the split's last key)
-                    k0 = tl.where(put[:, None], k_new[None, :], k0)
-                    v0 = tl.where(put[:, None], v_new[None, :], v0)
-                sc = tl.dot(q, tl.trans(k0)) * scale  # (REP_PAD, BLOCK_N) fp32, as the loop's first step
-                sc = tl.where(valid[None, :], sc, float("-inf"))
-                m_new = tl.maximum(m, tl.max(sc, 1))
-                p = tl.exp(sc - m_new[:, None])
-                alpha = tl.exp(m - m_new)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v0.dtype), v0)
-                den = den * alpha + tl.sum(p, 1)
-                m = m_new
-            start = start + BLOCK_N
         # fp8: the key / value scales of the next block, loaded one block ahead. Triton's software pipeline streams
         # the k / v tiles ahead (cp.async, num_stages) but not these small loads: loaded in the block that uses
         # them, each block waited two memory round trips (the compiled sm_90 code: k / v async copies, the scale
@@ -773,7 +732,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      kv_len: int, block_n: int | None = None, max_splits: int = 16, *, scale: float | None = None,
                      window: int | None = None, cta_budget: int | None = None, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None, new_slot: torch.Tensor | None = None) -> torch.Tensor:
+                     num_stages: int | None = None) -> torch.Tensor:
     """One-token grouped-query attention over the static KV cache, split over the keys
     (flash-decoding: Dao et al., "Flash-Decoding for long-context inference", 2023; online softmax,
     Milakov & Gimelshein 2018) and combined in a second kernel.
@@ -800,15 +759,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``query_pre_attn_scalar ** -0.5``), fp32 softmax and accumulation. ``window`` (Gemma 3's sliding layers over
     a full-length cache): only keys ``input_pos[b] - window < k <= input_pos[b]`` count
     (:func:`~edgevlm.runtime.decoder.sliding_decode_mask`); None = all. Returns ``(B, H, 1, Dh)`` in
-    ``q.dtype``. ``new_slot (B,)`` int64 (optional): the one cache slot per row that the previous kernel in the
-    stream wrote (this step's key and value, :func:`rope_kv_write` of one token per row; a kernel that writes more
-    slots must not come right before a call that names one); launched as a programmatic dependent (PDL), with a
-    non-fp8 cache and :data:`ATTENTION_KV_BEFORE_WAIT` on, each CTA reads its first key block's other slots before
-    it waits for that kernel and the new slot after the wait (the same values: the outputs are bit-identical).
-    Raises
-    ``ValueError`` for mismatched shapes or dtypes, a head count not divisible by ``Hkv``, a non-power-of-two
-    ``Dh`` or ``block_n``, a window < 1, an fp8 cache without its scales (or scales with a 16-bit cache), a
-    ``new_slot`` that is not ``(B,)`` int64 on ``q``'s device."""
+    ``q.dtype``. Raises ``ValueError`` for mismatched shapes or dtypes, a head count not divisible by ``Hkv``, a
+    non-power-of-two ``Dh`` or ``block_n``, a window < 1, an fp8 cache without its scales (or scales with a
+    16-bit cache)."""
     b, h, t, dh = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     if t != 1 or k_cache.shape != v_cache.shape or k_cache.shape[3] != dh or k_cache.shape[0] < b \
@@ -822,10 +775,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          "power-of-two head_dim >= 16")
     if window is not None and window < 1:
         raise ValueError(f"decode_attention: window must be >= 1, got {window}")
-    if new_slot is not None and (new_slot.shape != (b,) or new_slot.dtype != torch.int64
-                                 or new_slot.device != q.device):
-        raise ValueError(f"decode_attention: new_slot must be ({b},) int64 on {q.device}, got "
-                         f"{tuple(new_slot.shape)} {new_slot.dtype} on {new_slot.device}")
     cfg = attention_config(kind, b)
     block_n = cfg.block_n if block_n is None else block_n
     if block_n < 16 or block_n & (block_n - 1):
@@ -846,16 +795,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     native = fp8 and fp8_native(q.device)
     if fp8 and not native:  # the kernel decodes the bytes itself
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    gdc = _gdc_launch(use_pdl, "attn_split")
-    early = gdc["USE_GDC"] and new_slot is not None and not fp8 and ATTENTION_KV_BEFORE_WAIT
-    split_k[(b * hkv, nsplit)](q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, input_pos,
-                               new_slot if early else input_pos, part, m, lse, y, h, hkv, s, chunk,
-                               dh ** -0.5 if scale is None else float(scale), window or 0,
+    split_k[(b * hkv, nsplit)](q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, input_pos, part,
+                               m, lse, y, h, hkv, s, chunk, dh ** -0.5 if scale is None else float(scale), window or 0,
                                REP=rep, REP_PAD=max(16, _next_pow2(rep)), HEAD_DIM=dh, BLOCK_N=block_n,
                                NSPLIT=nsplit, HAS_WINDOW=window is not None, KV_FP8=fp8, FP8_NATIVE=native,
-                               KV_EARLY=early,
                                num_warps=cfg.num_warps if num_warps is None else num_warps,
-                               num_stages=cfg.num_stages if num_stages is None else num_stages, **gdc)
+                               num_stages=cfg.num_stages if num_stages is None else num_stages,
+                               **_gdc_launch(use_pdl, "attn_split"))
     if nsplit > 1:
         _combine_splits(part, m, lse, y, use_pdl)
     return y

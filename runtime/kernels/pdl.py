@@ -21,11 +21,10 @@ explained yet: each module alone, and the W4A16 kernels with only up to 16 rows,
 ``rows`` is the launch's own row count, whatever the phase: a W4A16 product of at most :data:`MAX_ROWS` rows outside
 a decode step (a prefill chunk, a short vision or speculative batch through ``Int4Linear``) is a programmatic
 dependent too. That is as safe as in the decode step: every kernel launched so (the W4A16 register / lean / bulk
-kernels, the Triton decode kernels) reads nothing but its weights (the split attention with ``new_slot``: the step's
-positions and the KV-cache slots the kernel before it does not write) and writes nothing before its
-``griddepcontrol.wait``, and a plainly launched kernel after it waits for it to finish, as always. An input read
-before the wait must not come from the kernel right before: ``Int4Linear`` launches plainly on the call that repacks
-its layout. What is not measured there is the gain.
+kernels, the Triton decode kernels) reads nothing but its weights and writes nothing before its
+``griddepcontrol.wait``, and a plainly launched kernel after it waits for it to finish, as always. The one input read
+before the wait, the weights, must not come from the kernel right before: ``Int4Linear`` launches plainly on the call
+that repacks its layout. What is not measured there is the gain.
 """
 
 from __future__ import annotations

@@ -93,50 +93,6 @@ def test_fused_decode_step_equals_the_eager_gemma3_decoder_in_the_interpreter(dt
         assert res["argmax_same"]
 
 
-SLOT_SCRIPT = GEMMA_DECODER + """
-    import edgevlm.runtime.kernels.decode_fused as df
-    dec.setup_caches(2, 64, window_caches=True)
-    dec.fuse_projections()
-    dec.enable_fused_decode(True)
-    calls = []
-    rope, attn = df.rope_kv_write, df.decode_attention
-    def rope_seen(qkv, cos, sin, input_pos, *args, **kwargs):
-        calls.append(["rope", input_pos.tolist()])
-        return rope(qkv, cos, sin, input_pos, *args, **kwargs)
-    def attn_seen(q, k_cache, v_cache, input_pos, kv_len, *args, new_slot=None, **kwargs):
-        calls.append(["attn", input_pos.tolist(), None if new_slot is None else new_slot.tolist()])
-        return attn(q, k_cache, v_cache, input_pos, kv_len, *args, new_slot=new_slot, **kwargs)
-    df.rope_kv_write, df.decode_attention = rope_seen, attn_seen
-    run(20, 64)
-    pairs = [(a[1], b[1], b[2]) for a, b in zip(calls, calls[1:]) if a[0] == "rope" and b[0] == "attn"]
-    print(json.dumps({"pairs": len(pairs), "attn_calls": sum(c[0] == "attn" for c in calls),
-                      "slot_is_written_slot": all(slot == written for written, _, slot in pairs),
-                      "ring_slots_apart": sum(slot != pos for _, pos, slot in pairs)}))
-"""
-
-
-@needs_triton
-def test_fused_step_names_the_slot_the_rope_kv_write_wrote():
-    """The fused step gives ``decode_attention`` as ``new_slot`` the slot ``rope_kv_write`` wrote right before it
-    (the one slot the split kernel may not read before its PDL wait), also on Gemma 3's 8-slot rolling caches once
-    they wrap, where that slot is not the last attended position."""
-    res = run_interpreted(SLOT_SCRIPT, "float32")
-    assert res["pairs"] == res["attn_calls"] == 20 * 3, res  # every layer's attention right after its write
-    assert res["slot_is_written_slot"], res
-    assert res["ring_slots_apart"] > 0, res
-
-
-@needs_triton
-def test_fused_decode_step_reading_old_keys_first_equals_the_eager_decoder(monkeypatch):
-    """EDGEVLM_DECODE_KV_BEFORE_WAIT=1 (the split attention reads its first key block's old keys before the new
-    slot's): over Gemma 3's 8-slot rolling caches the new slot is not the last attended one, and the window
-    layers shift the first block; the fused step still gives the eager decoder's logits."""
-    monkeypatch.setenv("EDGEVLM_DECODE_KV_BEFORE_WAIT", "1")
-    res = run_interpreted(FUSED_SCRIPT, "float32", "ring")
-    assert res["enabled_on"] is True and res["shape"] == [20, 2, 97]
-    assert res["rel"] < 1e-5 and res["argmax_same"], res
-
-
 KERNELS_SCRIPT = """
     import json, math, torch, torch.nn.functional as F
     from edgevlm.runtime.kernels.decode_fused import add_rms_norm, decode_attention, gated_act, rope_kv_write

@@ -182,13 +182,12 @@ def _signatures(use: bool, act: str = "silu", interleaved: bool = False) -> dict
             {"BLOCK": 1024, "GELU_TANH": act != "silu", "INTERLEAVED": interleaved, **gdc}, 4),
         "attn_split_kernel": ({
             "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "ks_ptr": "*fp32", "vs_ptr": "*fp32",
-            "pos_ptr": "*i64", "slot_ptr": "*i64", "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "y_ptr": "*bf16", "H": "i32",
+            "pos_ptr": "*i64", "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "y_ptr": "*bf16", "H": "i32",
             "HKV": "i32", "S": "i32", "CHUNK": "i32", "scale": "fp32", "WINDOW": "i32", "REP": "constexpr",
             "REP_PAD": "constexpr", "HEAD_DIM": "constexpr", "BLOCK_N": "constexpr", "NSPLIT": "constexpr",
-            "HAS_WINDOW": "constexpr", "KV_FP8": "constexpr", "FP8_NATIVE": "constexpr", "KV_EARLY": "constexpr",
-            "USE_GDC": "constexpr"},
+            "HAS_WINDOW": "constexpr", "KV_FP8": "constexpr", "FP8_NATIVE": "constexpr", "USE_GDC": "constexpr"},
             {"REP": 1, "REP_PAD": 16, "HEAD_DIM": 128, "BLOCK_N": 64, "NSPLIT": 16, "HAS_WINDOW": False,
-             "KV_FP8": False, "FP8_NATIVE": False, "KV_EARLY": False, **gdc}, 4),
+             "KV_FP8": False, "FP8_NATIVE": False, **gdc}, 4),
         "attn_combine_kernel": ({
             "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "y_ptr": "*bf16", "HEAD_DIM": "constexpr",
             "NSPLIT": "constexpr", "USE_GDC": "constexpr"}, {"HEAD_DIM": 128, "NSPLIT": 16, **gdc}, 1),
@@ -231,27 +230,6 @@ def test_kernels_compile_with_and_without_gdc_for_sm90(act, interleaved):
             first = _MEMORY.search(ptx)
             assert wait >= 0 and launch > wait, name
             assert first is not None and launch < first.start(), (name, ptx[first.start():first.start() + 80])
-
-
-@needs_triton
-def test_split_attention_reads_old_keys_before_the_wait_only_with_kv_early():
-    """``KV_EARLY`` (decode_fused.ATTENTION_KV_BEFORE_WAIT with a ``new_slot``): the sm_90 split-attention kernel's
-    first global loads (the first key block's keys and values, positions and slots) come before
-    ``griddepcontrol.wait``, no store does, and loads follow it. That the new slot's row is read after the wait is
-    tested on the kernel's behaviour (tests/gpu_perf/test_decode_rope_attention.py, the NaN-until-the-wait test).
-    Without it no memory access precedes the wait (test_kernels_compile_with_and_without_gdc_for_sm90)."""
-    from edgevlm.runtime.kernels import decode_fused
-
-    kernel = dict(zip(NAMES, decode_fused._kernels(), strict=True))["attn_split_kernel"]
-    sig, consts, warps = _signatures(True)["attn_split_kernel"]
-    ptx = _compile(kernel, sig, {**consts, "KV_EARLY": True}, 90, num_warps=warps).asm["ptx"]
-    wait = ptx.find("griddepcontrol.wait")
-    before = [m.group(0).strip() for m in _MEMORY.finditer(ptx[:wait])]
-    after = [m.group(0).strip() for m in _MEMORY.finditer(ptx[wait:])]
-    assert wait > 0 and ptx.find("griddepcontrol.launch_dependents") > wait
-    assert len([x for x in before if "ld.global" in x]) >= 4, before  # pos, slot, and the k / v tiles
-    assert not any(x.startswith(("st.", "atom.", "red.")) for x in before), before  # nothing written before it
-    assert any("ld.global" in x for x in after), after  # q and the new slot's row
 
 
 def _load_bench(name: str, monkeypatch=None, *, register: bool = False):
@@ -347,14 +325,8 @@ def test_bench_what_if_variants_skip_the_kernels_and_restore_them():
         assert q.shape == (2, 2, 1, 4) and torch.equal(q.reshape(2, 8), qkv[:, :8])
     assert decode_fused.add_rms_norm is norm and decode_fused.rope_decode_attention is attn
     assert bench.parse_variant("nomask_nonorm") == bench.Variant("nomask", nonorm=True)
-    early = decode_fused.ATTENTION_KV_BEFORE_WAIT
-    with bench.variant("nomask_kvearly"):
-        assert decode_fused.ATTENTION_KV_BEFORE_WAIT is True
-    assert decode_fused.ATTENTION_KV_BEFORE_WAIT is early
     with pytest.raises(ValueError, match="noattn needs the after base"):
         bench.parse_variant("nomask_noattn")
-    with pytest.raises(ValueError, match="kvearly needs the before or nomask base"):
-        bench.parse_variant("after_kvearly")
 
 
 def test_bench_register_ring_launch_maps_lean_entries(monkeypatch):
