@@ -57,10 +57,7 @@ order and combination (e.g. ``nomask_pdlall_norm16``; :func:`parse_variant`):
   TILES_PER_CTA)`` runs the register-ring kernel with the same schedule (a DEPTH it lacks: the next one it has),
   computing (``regring``) or as its loads-only diagnostic (``loadsonly``: the weights streamed, nothing computed;
   other logits): the step's time if the matmuls' arithmetic were free. Gated launches keep their own kernel, so
-  compare with ``_ungated``,
-* ``relfirst`` -- the fused decode step's Triton kernels release their dependents before their PDL wait
-  (``decode_fused.PDL_RELEASE_FIRST``; the same outputs): the next kernel's CTAs start, and a W4A16 kernel streams
-  its weights, while they wait and run.
+  compare with ``_ungated``.
 
 Every switch is restored when the variant's captures are done.
 
@@ -154,7 +151,6 @@ class Variant:
     nonorm: bool = False
     noattn: bool = False
     matmul: str | None = None  # "regring" / "loadsonly": the register-ring kernel for every lean launch
-    release_first: bool = False
 
 
 def parse_variant(name: str) -> Variant:
@@ -187,8 +183,6 @@ def parse_variant(name: str) -> Variant:
             opts["sepcombine"] = True
         elif suffix == "nonorm":
             opts["nonorm"] = True
-        elif suffix == "relfirst":
-            opts["release_first"] = True
         elif suffix in ("regring", "loadsonly"):
             if "matmul" in opts:
                 raise ValueError(f"variant {name!r}: regring and loadsonly exclude each other")
@@ -204,7 +198,7 @@ def parse_variant(name: str) -> Variant:
             opts["norm_warps"] = warps
         else:
             raise ValueError(f"variant {name!r}: unknown suffix {suffix!r} (nopdl, pdl, pdlall, normN, w4head, split16, "
-                             "ungated, sepcombine, nonorm, noattn, regring, loadsonly, relfirst)")
+                             "ungated, sepcombine, nonorm, noattn, regring, loadsonly)")
     return Variant(base, **opts)
 
 
@@ -240,8 +234,7 @@ def variant(name: str, dec=None):
     ``decode_fused.ADD_RMS_NORM_WARPS = N``; ``_sepcombine``: ``decode_fused.FUSED_ATTENTION_COMBINE`` off; ``_nonorm``: ``decode_fused.add_rms_norm`` replaced by a
     function that returns its first two arguments (no kernel; other logits); ``_noattn``:
     ``decode_fused.rope_decode_attention`` replaced by the query heads of ``qkv`` (no kernel; other logits);
-    ``_regring`` / ``_loadsonly``: ``w4a16_mma.w4a16_mma`` wrapped by :func:`register_ring_launch`; ``_relfirst``:
-    ``decode_fused.PDL_RELEASE_FIRST`` on; ``_w4head``: ``dec``'s bf16 ``lm_head`` replaced by an RTN W4A16
+    ``_regring`` / ``_loadsonly``: ``w4a16_mma.w4a16_mma`` wrapped by :func:`register_ring_launch`; ``_w4head``: ``dec``'s bf16 ``lm_head`` replaced by an RTN W4A16
     ``Int4Linear`` (group 128; other logits: a what-if for bundles whose head is quantized); ``_ungated``: ``dec``'s
     gated gate/up projections unmarked (``Int4Linear.set_gated(None)``, re-marked after). Switches a variant
     does not name keep their values (the environment's). Raises ``ValueError`` for a bad name, before changing
@@ -252,8 +245,7 @@ def variant(name: str, dec=None):
 
     saved = (decode_fused.FUSED_ATTENTION, decode_fused.ATTENTION_CTA_BUDGET, decode_fused.PDL,
              decode_fused.ADD_RMS_NORM_WARPS, mk.PDL, pdl.MAX_ROWS, decode_fused.FUSED_ATTENTION_COMBINE,
-             decode_fused.add_rms_norm, decode_fused.rope_decode_attention, mk.w4a16_mma,
-             decode_fused.PDL_RELEASE_FIRST)
+             decode_fused.add_rms_norm, decode_fused.rope_decode_attention, mk.w4a16_mma)
     if (v.ungated or v.w4head) and dec is None:
         raise ValueError(f"variant {name!r}: _ungated and _w4head need the decoder (dec)")
     head = None
@@ -271,8 +263,6 @@ def variant(name: str, dec=None):
         decode_fused.ADD_RMS_NORM_WARPS = v.norm_warps
     if v.sepcombine:
         decode_fused.FUSED_ATTENTION_COMBINE = False
-    if v.release_first:
-        decode_fused.PDL_RELEASE_FIRST = True
     if v.nonorm:  # the decoder imports add_rms_norm from the module at each fused step
         decode_fused.add_rms_norm = lambda x, delta, weight, eps, **_: (x, delta)
     if v.matmul is not None:  # Int4Linear imports w4a16_mma from the module at each launch
@@ -298,8 +288,7 @@ def variant(name: str, dec=None):
     finally:
         (decode_fused.FUSED_ATTENTION, decode_fused.ATTENTION_CTA_BUDGET, decode_fused.PDL,
          decode_fused.ADD_RMS_NORM_WARPS, mk.PDL, pdl.MAX_ROWS, decode_fused.FUSED_ATTENTION_COMBINE,
-         decode_fused.add_rms_norm, decode_fused.rope_decode_attention, mk.w4a16_mma,
-         decode_fused.PDL_RELEASE_FIRST) = saved
+         decode_fused.add_rms_norm, decode_fused.rope_decode_attention, mk.w4a16_mma) = saved
         for mod, act in gated.items():
             mod.set_gated(act)
         if head is not None:

@@ -98,21 +98,14 @@ W4A16 CUDA kernels' own switch :data:`~edgevlm.runtime.kernels.w4a16_mma.PDL`). 
 (H200: the 7B W4A16 decode step 2.179 -> 1.997 ms at batch 1 with both modules' kernels so launched, bit-identical);
 ``EDGEVLM_DECODE_PDL=0`` turns it off. Read at each launch, so a new CUDA graph capture picks up a change."""
 
-PDL_RELEASE_FIRST = os.environ.get("EDGEVLM_DECODE_PDL_RELEASE_FIRST", "0").strip().lower() in (
-    "1", "true", "yes", "on")
-"""Under :data:`PDL`, whether this module's kernels release their dependents (``griddepcontrol.launch_dependents``)
-before they wait for the previous grid instead of right after: the next kernel's CTAs may then start while this
-kernel still waits and runs, e.g. the attention output projection streaming its INT4 weights (loaded before its own
-wait) during the split attention. Every kernel still waits before its first memory access, and a wait returns only
-once the previous grid has completed, which itself waited for the one before, so what each kernel reads is the
-same; more grids may sit resident at once (each launched only after every CTA of the one before has started, so
-none waits for a slot another holds). Off by default until measured (``EDGEVLM_DECODE_PDL_RELEASE_FIRST=1``);
-read at each launch."""
-
 # Tried and reverted (H200, 2026-12-03, sessions 16-17; bench/results/w4a16_kernel_h200_20261203.md): under PDL the
 # split attention reading its first key block's old keys and values before griddepcontrol.wait (only the new slot
 # comes from the RoPE + KV write kernel before it), the new row after. Bit-identical, but it cost registers (sm_90,
 # head dim 128: 85 -> 128) and was slower: the 7B W4A16 step 1.862 -> 1.984 ms at batch 1, 2.619 -> 2.682 at 8.
+# Also tried and reverted (session 17): every Triton decode kernel releasing its dependents before its wait instead
+# of after (the next kernel's CTAs, e.g. the output projection streaming its weights, resident during the
+# attention). The same logits (CUDA graph replays bit-identical), slower: 1.864 -> 1.936 ms at batch 1, 2.620 ->
+# 2.638 at 8; every W4A16 kernel's own time grew (batch 1: 1583 -> 1856 µs of matmul kernel time per step).
 
 ADD_RMS_NORM_WARPS: int | None = None
 """Warps per CTA (one CTA per row) of :func:`add_rms_norm`'s kernel; None: :func:`add_rms_norm_warps`'s rule. A
@@ -150,11 +143,10 @@ def pdl_ok(device: torch.device | str, rows: int) -> bool:
     is still running, once every CTA of that kernel has executed ``griddepcontrol.launch_dependents`` (or exited);
     ``griddepcontrol.wait`` then blocks until the previous grid has completed and its memory writes are visible.
     Inside a CUDA graph the launch becomes a programmatic edge. Here every kernel launched so waits at its very
-    top, before any load, store or atomic, and releases its own dependents right after (``USE_GDC``; before the
-    wait with :data:`PDL_RELEASE_FIRST`): only the launch and the CTAs' start-up overlap the previous kernel's
-    tail, at most one grid waits ahead (more with ``PDL_RELEASE_FIRST``), and because every such kernel waits
-    before touching memory, completion stays transitive along the stream (a kernel that is launched plainly waits
-    for the whole previous grid, as always).
+    top, before any load, store or atomic, and releases its own dependents right after (``USE_GDC``): only the
+    launch and the CTAs' start-up overlap the previous kernel's tail, at most one grid waits ahead, and because
+    every such kernel waits before touching memory, completion stays transitive along the stream (a kernel
+    that is launched plainly waits for the whole previous grid, as always).
 
     True when :data:`PDL` is on, :func:`edgevlm.runtime.kernels.pdl.allowed` (sm_90+, ``EDGEVLM_PDL`` and the row
     limit), Triton does not run in its CPU interpreter (``TRITON_INTERPRET``) and the installed Triton has
@@ -183,12 +175,11 @@ for the kernel a difference comes from (``bench/decode_pdl_check.py``); read at 
 
 def _gdc_launch(use: bool, kernel: str) -> dict:
     """Launch keywords of ``kernel`` (a name of :data:`PDL_KERNELS`): ``USE_GDC`` (the kernel's wait / release at
-    its top; ``RELEASE_FIRST``: :data:`PDL_RELEASE_FIRST`) and Triton's ``launch_pdl`` (the launch attribute)
-    together, never one without the other.
+    its top) and Triton's ``launch_pdl`` (the launch attribute) together, never one without the other.
     ``launch_pdl`` is left out when False so that a Triton without that option (< 3.4, which refuses unknown
     launch keywords) still launches."""
     use = use and (PDL_KERNELS is None or kernel in PDL_KERNELS)
-    return {"USE_GDC": True, "RELEASE_FIRST": PDL_RELEASE_FIRST, "launch_pdl": True} if use else {"USE_GDC": False}
+    return {"USE_GDC": True, "launch_pdl": True} if use else {"USE_GDC": False}
 
 
 def _next_pow2(n: int) -> int:
@@ -200,27 +191,12 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    # a module-level name: the kernels find their callees in the module's globals (Triton's CPU interpreter
-    # looks nowhere else)
-    global _pdl_enter
-
-    @triton.jit
-    def _pdl_enter(USE_GDC: tl.constexpr, RELEASE_FIRST: tl.constexpr):
-        # pdl_ok / PDL_RELEASE_FIRST: wait for the previous grid (complete, its writes visible), then release this
-        # kernel's dependents; or release them first, so that the next kernel's CTAs start (and a W4A16 kernel
-        # streams its weights) while this one waits and runs
-        if USE_GDC:
-            if RELEASE_FIRST:
-                tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-            if not RELEASE_FIRST:
-                tl.extra.cuda.gdc_launch_dependents()
-
     @triton.jit
     def add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, wd_ptr, s_ptr, y_ptr, D, eps, d_eps, BLOCK_D: tl.constexpr,
-                            UNIT_OFFSET: tl.constexpr, DELTA_NORM: tl.constexpr, USE_GDC: tl.constexpr = False,
-                            RELEASE_FIRST: tl.constexpr = False):
-        _pdl_enter(USE_GDC, RELEASE_FIRST)  # programmatic dependent launch: before any memory access
+                            UNIT_OFFSET: tl.constexpr, DELTA_NORM: tl.constexpr, USE_GDC: tl.constexpr = False):
+        if USE_GDC:  # programmatic dependent launch (pdl_ok): the previous grid done before any memory access
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK_D)
         mask = offs < D
@@ -244,9 +220,10 @@ def _kernels():
     @triton.jit
     def rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, rpos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr, ks_ptr,
                        vs_ptr, H, HKV, S, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr,
-                       UNIT_OFFSET: tl.constexpr, KV_FP8: tl.constexpr, USE_GDC: tl.constexpr = False,
-                       RELEASE_FIRST: tl.constexpr = False):
-        _pdl_enter(USE_GDC, RELEASE_FIRST)  # programmatic dependent launch: before any memory access
+                       UNIT_OFFSET: tl.constexpr, KV_FP8: tl.constexpr, USE_GDC: tl.constexpr = False):
+        if USE_GDC:  # programmatic dependent launch (pdl_ok): the previous grid done before any memory access
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         b = tl.program_id(0)
         head = tl.program_id(1)  # 0..H-1: q heads, H..H+HKV-1: k heads, then v heads
         n_all = H + 2 * HKV
@@ -317,9 +294,10 @@ def _kernels():
 
     @triton.jit
     def silu_mul_kernel(gu_ptr, y_ptr, INTER, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr,
-                        INTERLEAVED: tl.constexpr = False, USE_GDC: tl.constexpr = False,
-                        RELEASE_FIRST: tl.constexpr = False):
-        _pdl_enter(USE_GDC, RELEASE_FIRST)  # programmatic dependent launch: before any memory access
+                        INTERLEAVED: tl.constexpr = False, USE_GDC: tl.constexpr = False):
+        if USE_GDC:  # programmatic dependent launch (pdl_ok): the previous grid done before any memory access
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < INTER
@@ -342,9 +320,10 @@ def _kernels():
     def attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, y_ptr, H, HKV, S, CHUNK,
                           scale, WINDOW, REP: tl.constexpr, REP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                           BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                          KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, USE_GDC: tl.constexpr = False,
-                          RELEASE_FIRST: tl.constexpr = False):
-        _pdl_enter(USE_GDC, RELEASE_FIRST)  # programmatic dependent launch: before any memory access
+                          KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, USE_GDC: tl.constexpr = False):
+        if USE_GDC:  # programmatic dependent launch (pdl_ok): the previous grid done before any memory access
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         bg = tl.program_id(0)  # row b, KV head g
         split = tl.program_id(1)
         b = bg // HKV
@@ -424,9 +403,10 @@ def _kernels():
 
     @triton.jit
     def attn_combine_kernel(o_ptr, m_ptr, l_ptr, y_ptr, HEAD_DIM: tl.constexpr, NSPLIT: tl.constexpr,
-                            USE_GDC: tl.constexpr = False,
-                            RELEASE_FIRST: tl.constexpr = False):
-        _pdl_enter(USE_GDC, RELEASE_FIRST)  # programmatic dependent launch: before any memory access
+                            USE_GDC: tl.constexpr = False):
+        if USE_GDC:  # programmatic dependent launch (pdl_ok): the previous grid done before any memory access
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         bh = tl.program_id(0)
         sp = tl.arange(0, NSPLIT)
         d = tl.arange(0, HEAD_DIM)
@@ -443,9 +423,10 @@ def _kernels():
                          l_ptr, cnt_ptr, y_ptr, H, HKV, S, CHUNK, scale, eps,
                          REP: tl.constexpr, REP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                          BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, QK_NORM: tl.constexpr,
-                         UNIT_OFFSET: tl.constexpr, COMBINE: tl.constexpr = True, USE_GDC: tl.constexpr = False,
-                         RELEASE_FIRST: tl.constexpr = False):
-        _pdl_enter(USE_GDC, RELEASE_FIRST)  # programmatic dependent launch: before any memory access
+                         UNIT_OFFSET: tl.constexpr, COMBINE: tl.constexpr = True, USE_GDC: tl.constexpr = False):
+        if USE_GDC:  # programmatic dependent launch (pdl_ok): the previous grid done before any memory access
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         bg = tl.program_id(0)  # row b, KV head g
         split = tl.program_id(1)
         b = bg // HKV

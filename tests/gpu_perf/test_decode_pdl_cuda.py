@@ -4,9 +4,7 @@ A Qwen2-0.5B-shape decoder (the benches' ``small`` spec: hidden 896, 14 heads, 2
 W4A16 linears, the fused Triton decode step and CUDA graphs: the graph captured with the library's default (PDL
 for decode steps of at most ``pdl.MAX_ROWS`` rows) replays to the same logits, bit for bit, as the graph captured
 with plain launches, on every replay, at each batch size of the default's range. Where the GPU has no PDL (older
-than sm_90) the two captures are the same launches and the test checks only that. A third capture with the Triton
-kernels releasing their dependents before their wait (``decode_fused.PDL_RELEASE_FIRST``) replays to the same
-logits too.
+than sm_90) the two captures are the same launches and the test checks only that.
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ def test_pdl_decode_graph_is_bit_identical_to_plain_launches():
     position = 300
     kv_len = be.kv_len_for(position + 1)
     batches = (1, 4, 8)
-    saved = (mk.PDL, decode_fused.PDL, decode_fused.PDL_RELEASE_FIRST)
+    saved = (mk.PDL, decode_fused.PDL)
 
     def replays(b: int, n: int = 8) -> list:
         be.graphs.tokens[:b, 0].copy_(torch.arange(5, 5 + b, device=dev))  # (B_max, 1)
@@ -54,11 +52,8 @@ def test_pdl_decode_graph_is_bit_identical_to_plain_launches():
         be.graphs.reset()
         used = {b: decode_fused.pdl_ok(dev, b) and mk.pdl_ok(dev, b) for b in batches}
         with_pdl = {b: replays(b) for b in batches}
-        decode_fused.PDL_RELEASE_FIRST = True
-        be.graphs.reset()
-        release_first = {b: replays(b) for b in batches}
     finally:
-        mk.PDL, decode_fused.PDL, decode_fused.PDL_RELEASE_FIRST = saved
+        mk.PDL, decode_fused.PDL = saved
         be.graphs.reset()
     if torch.cuda.get_device_capability(dev) >= pdl.CAPABILITY and pdl.mode() == "auto":
         assert all(used.values()), used  # the default's range: every batch size here is <= MAX_ROWS
@@ -67,5 +62,3 @@ def test_pdl_decode_graph_is_bit_identical_to_plain_launches():
         assert torch.isfinite(ref).all()
         assert all(torch.equal(ref, o) for o in plain[b]), b
         assert all(torch.equal(ref, o) for o in with_pdl[b]), (b, float((with_pdl[b][0] - ref).abs().max()))
-        assert all(torch.equal(ref, o) for o in release_first[b]), \
-            (b, float((release_first[b][0] - ref).abs().max()))

@@ -44,17 +44,17 @@ def test_rope_kv_write_and_split_attention_compile(cc, cache):
         "qw_ptr": "*fp32", "kw_ptr": "*fp32", "q_ptr": "*bf16", "k_ptr": "*u8" if fp8 else "*bf16",
         "v_ptr": "*u8" if fp8 else "*bf16", "ks_ptr": scales, "vs_ptr": scales, "H": "i32", "HKV": "i32", "S": "i32",
         "eps": "fp32", "HEAD_DIM": "constexpr", "HALF": "constexpr", "QK_NORM": "constexpr", "UNIT_OFFSET": "constexpr",
-        "KV_FP8": "constexpr", "USE_GDC": "constexpr", "RELEASE_FIRST": "constexpr"},
-        {"HEAD_DIM": 128, "HALF": 64, "QK_NORM": True, "UNIT_OFFSET": False, "KV_FP8": fp8, "USE_GDC": False, "RELEASE_FIRST": False}, cc,
+        "KV_FP8": "constexpr", "USE_GDC": "constexpr"},
+        {"HEAD_DIM": 128, "HALF": 64, "QK_NORM": True, "UNIT_OFFSET": False, "KV_FP8": fp8, "USE_GDC": False}, cc,
         num_warps=1)
     split = _compile(kernels[3], {
         "q_ptr": "*bf16", "k_ptr": kv, "v_ptr": kv, "ks_ptr": scales, "vs_ptr": scales, "pos_ptr": "*i64",
         "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "y_ptr": "*bf16", "H": "i32", "HKV": "i32", "S": "i32",
         "CHUNK": "i32", "scale": "fp32", "WINDOW": "i32", "REP": "constexpr", "REP_PAD": "constexpr",
         "HEAD_DIM": "constexpr", "BLOCK_N": "constexpr", "NSPLIT": "constexpr", "HAS_WINDOW": "constexpr",
-        "KV_FP8": "constexpr", "FP8_NATIVE": "constexpr", "USE_GDC": "constexpr", "RELEASE_FIRST": "constexpr"},
+        "KV_FP8": "constexpr", "FP8_NATIVE": "constexpr", "USE_GDC": "constexpr"},
         {"REP": 4, "REP_PAD": 16, "HEAD_DIM": 128, "BLOCK_N": 64, "NSPLIT": 2, "HAS_WINDOW": False, "KV_FP8": fp8,
-         "FP8_NATIVE": native, "USE_GDC": False, "RELEASE_FIRST": False}, cc)
+         "FP8_NATIVE": native, "USE_GDC": False}, cc)
     for out in (rope, split):
         assert len(out.asm["cubin"]) > 1000
         assert f".target sm_{cc}" in out.asm["ptx"]

@@ -119,10 +119,9 @@ NAMES = ("add_rms_norm_kernel", "rope_kv_kernel", "silu_mul_kernel", "attn_split
          "rope_attn_kernel")
 
 
-@pytest.mark.parametrize("use,release_first", [(False, False), (True, False), (True, True), (False, True)])
-def test_every_launch_site_passes_use_gdc_and_launch_pdl_together(df, monkeypatch, use, release_first):
+@pytest.mark.parametrize("use", [False, True])
+def test_every_launch_site_passes_use_gdc_and_launch_pdl_together(df, monkeypatch, use):
     log: list = []
-    monkeypatch.setattr(df, "PDL_RELEASE_FIRST", release_first)
     monkeypatch.setattr(df, "_kernels", lambda: tuple(_FakeKernel(n, log) for n in NAMES))
     seen = []
     monkeypatch.setattr(df, "pdl_ok", lambda device, rows: seen.append((device, rows)) or use)
@@ -147,9 +146,8 @@ def test_every_launch_site_passes_use_gdc_and_launch_pdl_together(df, monkeypatc
         assert kwargs["USE_GDC"] is use, name
         if use:
             assert kwargs["launch_pdl"] is True, name
-            assert kwargs["RELEASE_FIRST"] is release_first, name
-        else:  # kept out: Triton < 3.4 refuses an unknown launch keyword; no release without the wait
-            assert "launch_pdl" not in kwargs and "RELEASE_FIRST" not in kwargs, name
+        else:  # kept out: Triton < 3.4 refuses an unknown launch keyword
+            assert "launch_pdl" not in kwargs, name
 
 
 def test_add_rms_norm_warps_knob(df, monkeypatch):
@@ -162,45 +160,44 @@ def test_add_rms_norm_warps_knob(df, monkeypatch):
         assert log[-1][1]["num_warps"] == want
 
 
-def _signatures(use: bool, act: str = "silu", interleaved: bool = False, release_first: bool = False) -> dict:
-    """``name -> (signature, constexprs, num_warps)`` of each decode kernel, bf16 activations, a bf16 cache;
-    ``release_first``: the ``RELEASE_FIRST`` constexpr (the release before the wait)."""
-    gdc = {"USE_GDC": use, "RELEASE_FIRST": release_first}
+def _signatures(use: bool, act: str = "silu", interleaved: bool = False) -> dict:
+    """``name -> (signature, constexprs, num_warps)`` of each decode kernel, bf16 activations, a bf16 cache."""
+    gdc = {"USE_GDC": use}
     return {
         "add_rms_norm_kernel": ({
             "x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "wd_ptr": "*bf16", "s_ptr": "*bf16",
             "y_ptr": "*bf16", "D": "i32", "eps": "fp32", "d_eps": "fp32", "BLOCK_D": "constexpr",
-            "UNIT_OFFSET": "constexpr", "DELTA_NORM": "constexpr", "USE_GDC": "constexpr", "RELEASE_FIRST": "constexpr"},
+            "UNIT_OFFSET": "constexpr", "DELTA_NORM": "constexpr", "USE_GDC": "constexpr"},
             {"BLOCK_D": 4096, "UNIT_OFFSET": False, "DELTA_NORM": False, **gdc}, 8),
         "rope_kv_kernel": ({
             "qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "rpos_ptr": "*i64",
             "qw_ptr": "*fp32", "kw_ptr": "*fp32", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
             "ks_ptr": "*fp32", "vs_ptr": "*fp32", "H": "i32", "HKV": "i32", "S": "i32", "eps": "fp32",
             "HEAD_DIM": "constexpr", "HALF": "constexpr", "QK_NORM": "constexpr", "UNIT_OFFSET": "constexpr",
-            "KV_FP8": "constexpr", "USE_GDC": "constexpr", "RELEASE_FIRST": "constexpr"},
+            "KV_FP8": "constexpr", "USE_GDC": "constexpr"},
             {"HEAD_DIM": 128, "HALF": 64, "QK_NORM": False, "UNIT_OFFSET": False, "KV_FP8": False, **gdc}, 1),
         "silu_mul_kernel": ({
             "gu_ptr": "*bf16", "y_ptr": "*bf16", "INTER": "i32", "BLOCK": "constexpr", "GELU_TANH": "constexpr",
-            "INTERLEAVED": "constexpr", "USE_GDC": "constexpr", "RELEASE_FIRST": "constexpr"},
+            "INTERLEAVED": "constexpr", "USE_GDC": "constexpr"},
             {"BLOCK": 1024, "GELU_TANH": act != "silu", "INTERLEAVED": interleaved, **gdc}, 4),
         "attn_split_kernel": ({
             "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "ks_ptr": "*fp32", "vs_ptr": "*fp32",
             "pos_ptr": "*i64", "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "y_ptr": "*bf16", "H": "i32",
             "HKV": "i32", "S": "i32", "CHUNK": "i32", "scale": "fp32", "WINDOW": "i32", "REP": "constexpr",
             "REP_PAD": "constexpr", "HEAD_DIM": "constexpr", "BLOCK_N": "constexpr", "NSPLIT": "constexpr",
-            "HAS_WINDOW": "constexpr", "KV_FP8": "constexpr", "FP8_NATIVE": "constexpr", "USE_GDC": "constexpr", "RELEASE_FIRST": "constexpr"},
+            "HAS_WINDOW": "constexpr", "KV_FP8": "constexpr", "FP8_NATIVE": "constexpr", "USE_GDC": "constexpr"},
             {"REP": 1, "REP_PAD": 16, "HEAD_DIM": 128, "BLOCK_N": 64, "NSPLIT": 16, "HAS_WINDOW": False,
              "KV_FP8": False, "FP8_NATIVE": False, **gdc}, 4),
         "attn_combine_kernel": ({
             "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "y_ptr": "*bf16", "HEAD_DIM": "constexpr",
-            "NSPLIT": "constexpr", "USE_GDC": "constexpr", "RELEASE_FIRST": "constexpr"}, {"HEAD_DIM": 128, "NSPLIT": 16, **gdc}, 1),
+            "NSPLIT": "constexpr", "USE_GDC": "constexpr"}, {"HEAD_DIM": 128, "NSPLIT": 16, **gdc}, 1),
         "rope_attn_kernel": ({
             "qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "rpos_ptr": "*i64",
             "qw_ptr": "*fp32", "kw_ptr": "*fp32", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*fp32",
             "m_ptr": "*fp32", "l_ptr": "*fp32", "cnt_ptr": "*i32", "y_ptr": "*bf16", "H": "i32", "HKV": "i32",
             "S": "i32", "CHUNK": "i32", "scale": "fp32", "eps": "fp32", "REP": "constexpr", "REP_PAD": "constexpr",
             "HEAD_DIM": "constexpr", "HALF": "constexpr", "BLOCK_N": "constexpr", "NSPLIT": "constexpr",
-            "QK_NORM": "constexpr", "UNIT_OFFSET": "constexpr", "COMBINE": "constexpr", "USE_GDC": "constexpr", "RELEASE_FIRST": "constexpr"},
+            "QK_NORM": "constexpr", "UNIT_OFFSET": "constexpr", "COMBINE": "constexpr", "USE_GDC": "constexpr"},
             {"REP": 1, "REP_PAD": 16, "HEAD_DIM": 128, "HALF": 64, "BLOCK_N": 64, "NSPLIT": 16, "QK_NORM": False,
              "UNIT_OFFSET": False, "COMBINE": True, **gdc}, 4),
     }
@@ -233,27 +230,6 @@ def test_kernels_compile_with_and_without_gdc_for_sm90(act, interleaved):
             first = _MEMORY.search(ptx)
             assert wait >= 0 and launch > wait, name
             assert first is not None and launch < first.start(), (name, ptx[first.start():first.start() + 80])
-
-
-@needs_triton
-def test_release_first_puts_the_release_before_the_wait_and_both_before_memory():
-    """``RELEASE_FIRST`` (decode_fused.PDL_RELEASE_FIRST): each decode kernel compiled for sm_90 carries
-    ``griddepcontrol.launch_dependents`` before ``griddepcontrol.wait``, once each, and the wait still comes before
-    its first global or shared memory access; without ``USE_GDC`` neither instruction is there."""
-    from edgevlm.runtime.kernels import decode_fused
-
-    kernels = dict(zip(NAMES, decode_fused._kernels(), strict=True))
-    for use in (True, False):
-        for name, (sig, consts, warps) in _signatures(use, release_first=True).items():
-            ptx = _compile(kernels[name], sig, consts, 90, num_warps=warps).asm["ptx"]
-            if not use:
-                assert "griddepcontrol" not in ptx, name
-                continue
-            assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1, name
-            wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
-            first = _MEMORY.search(ptx)
-            assert 0 <= launch < wait, name
-            assert first is not None and wait < first.start(), (name, ptx[first.start():first.start() + 80])
 
 
 def _load_bench(name: str, monkeypatch=None, *, register: bool = False):
@@ -349,10 +325,6 @@ def test_bench_what_if_variants_skip_the_kernels_and_restore_them():
         assert q.shape == (2, 2, 1, 4) and torch.equal(q.reshape(2, 8), qkv[:, :8])
     assert decode_fused.add_rms_norm is norm and decode_fused.rope_decode_attention is attn
     assert bench.parse_variant("nomask_nonorm") == bench.Variant("nomask", nonorm=True)
-    assert bench.parse_variant("nomask_relfirst") == bench.Variant("nomask", release_first=True)
-    with bench.variant("nomask_relfirst"):
-        assert decode_fused.PDL_RELEASE_FIRST is True
-    assert decode_fused.PDL_RELEASE_FIRST is False
     with pytest.raises(ValueError, match="noattn needs the after base"):
         bench.parse_variant("nomask_noattn")
 
@@ -417,10 +389,8 @@ def test_pdl_check_settings_parse(monkeypatch):
 
 def test_pdl_kernels_knob_picks_the_launches(df, monkeypatch):
     monkeypatch.setattr(df, "PDL_KERNELS", frozenset({"rope_kv"}))
-    monkeypatch.setattr(df, "PDL_RELEASE_FIRST", False)
-    assert df._gdc_launch(True, "rope_kv") == {"USE_GDC": True, "RELEASE_FIRST": False, "launch_pdl": True}
+    assert df._gdc_launch(True, "rope_kv") == {"USE_GDC": True, "launch_pdl": True}
     assert df._gdc_launch(True, "attn_split") == {"USE_GDC": False}
     assert df._gdc_launch(False, "rope_kv") == {"USE_GDC": False}
     monkeypatch.setattr(df, "PDL_KERNELS", None)
-    monkeypatch.setattr(df, "PDL_RELEASE_FIRST", True)
-    assert df._gdc_launch(True, "attn_split") == {"USE_GDC": True, "RELEASE_FIRST": True, "launch_pdl": True}
+    assert df._gdc_launch(True, "attn_split") == {"USE_GDC": True, "launch_pdl": True}
