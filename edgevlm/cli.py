@@ -28,7 +28,7 @@ import sys
 import time
 
 from edgevlm import __version__
-from edgevlm.cli_args import EXIT_INTERRUPTED, OneLineParser, fail, positive_float, positive_int, torch_device
+from edgevlm.cli_args import OneLineParser, fail, interrupted, positive_float, positive_int, torch_device
 from edgevlm.errors import ConfigError, EdgeVLMError, ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -391,8 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.debug("failed", exc_info=True)
         return fail(str(exc) or exc.__class__.__name__)
     except KeyboardInterrupt:
-        sys.stderr.write("edgevlm: interrupted\n")
-        return EXIT_INTERRUPTED
+        return interrupted()
     except Exception as exc:  # a bug: still one line, the traceback only with -vv
         logger.debug("unexpected error", exc_info=True)
         return fail(

@@ -7,8 +7,12 @@ The CLI convention: a usage error is one line on stderr, ``edgevlm: error: <mess
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from typing import NoReturn
 
 EXIT_USAGE = 2
@@ -29,6 +33,30 @@ def fail(error: str | BaseException, code: int = EXIT_USAGE, *, prog: str = "edg
     sys.stderr.write(f"{prog}: error: {one_line(message)}\n")
     sys.stderr.flush()
     return code
+
+
+def interrupted(prog: str = "edgevlm") -> int:
+    """Print ``<prog>: interrupted`` on stderr and return :data:`EXIT_INTERRUPTED` (the answer to a
+    ``KeyboardInterrupt``: Ctrl-C, or SIGTERM under :func:`sigterm_interrupts`)."""
+    sys.stderr.write(f"{prog}: interrupted\n")
+    sys.stderr.flush()
+    return EXIT_INTERRUPTED
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """Within the block SIGTERM (``kill``, ``systemctl stop``, a CI job's timeout) raises
+    ``KeyboardInterrupt`` as SIGINT does, so a command's clean-up for Ctrl-C (``except
+    KeyboardInterrupt`` / ``finally``) also runs for it; the previous handler is restored after.
+    Signals are only delivered to the main thread: from another thread this changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 _RST_ROLE_RE = re.compile(r":[a-z]+:`~?([^`<]*?)(?:\s*<[^>]*>)?`")

@@ -64,6 +64,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgevlm.cli_args import fail, interrupted, sigterm_interrupts
 from edgevlm.quantize.calibrate_data import (  # noqa: F401  (re-exported: used by tests and monitors)
     CALIB_DOMAIN,
     NOISE_SIGMA,
@@ -416,20 +417,35 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _check_writable(out: Path, *, given: bool) -> None:
-    """Create ``out`` and check that files can be written into it, before any training.
+def _check_writable(out: Path, *, given: bool) -> Path | None:
+    """Create ``out`` and check that files can be written into it, before any training. Returns the
+    outermost folder this created (``out`` or one of its parents), None if ``out`` was there.
 
     Raises:
         ValueError: the folder cannot be created or is not writable (named as ``--out`` when given,
             else as the model folder, with the hint to give ``--out``).
     """
     what = f"--out {out}" if given else f"model folder {out} (the default --out)"
+    created = next((p for p in reversed([out, *out.absolute().parents]) if not p.exists()), None)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ValueError(f"{what}: cannot create the folder ({exc.strerror or exc})") from None
     if not os.access(out, os.W_OK | os.X_OK):
         raise ValueError(f"{what} is not writable" + ("" if given else "; give --out FOLDER"))
+    return created
+
+
+def _remove_empty_folders(top: Path, out: Path) -> None:
+    """Remove ``out`` and its parents up to ``top`` while they are empty (after an interrupted run:
+    the folders it created and wrote nothing into; files already written are kept)."""
+    for folder in [out.absolute(), *out.absolute().parents]:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (or gone): the folders above it stay
+            return
+        if folder == top.absolute():
+            return
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -441,79 +457,84 @@ def main(argv: list[str] | None = None) -> int:
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    try:
-        if args.steps < 1 and not args.init:
-            raise ValueError(f"--steps must be >= 1 (0 only with --init), got {args.steps}")
-        shape_opts = {"--exit-blocks": args.exit_blocks, "--adapter-hidden": args.adapter_hidden,
-                      "--adapter-attn-dim": args.adapter_attn_dim or None, "--adapter-blocks": args.adapter_blocks or None,
-                      "--question-conditioned": args.question_conditioned or None}
-        given = [name for name, value in shape_opts.items() if value is not None]
-        if args.init and given:
-            raise ValueError(f"{', '.join(given)}: the heads' architecture comes from --init {args.init}; "
-                             "leave these out")
-        if args.keep_adapters and not args.init:
-            raise ValueError("--keep-adapters needs --init (the folder whose adapters to keep)")
-        if args.keep_adapters and args.kd_steps:
-            raise ValueError("--keep-adapters trains no adapter: leave out --kd-steps")
-        if args.agreement_images < 5:
-            raise ValueError(f"--agreement-images must be >= 5, got {args.agreement_images}")
-        if not 0.0 <= args.risk_delta < 1.0:
-            raise ValueError(f"--risk-delta must be in [0, 1), got {args.risk_delta}")
-        if not args.lr > 0 or not math.isfinite(args.lr):  # `not > 0` refuses NaN too
-            raise ValueError(f"--lr must be a finite number > 0, got {args.lr}")
-        if args.time_budget_s is not None and not args.time_budget_s > 0:
-            raise ValueError(f"--time-budget-s must be > 0, got {args.time_budget_s}")
-        if not 0.0 <= args.max_answer_change <= 1.0:
-            raise ValueError(f"--max-answer-change must be in [0, 1], got {args.max_answer_change}")
-        if args.profile is not None:  # read now: the frontier reads it only after the whole training
-            from edgevlm.profile import load_profile
+    out: Path | None = None
+    created: Path | None = None  # the outermost folder of --out that this run made
+    with sigterm_interrupts():  # SIGTERM as Ctrl-C: the clean-up below runs for both
+        try:
+            if args.steps < 1 and not args.init:
+                raise ValueError(f"--steps must be >= 1 (0 only with --init), got {args.steps}")
+            shape_opts = {"--exit-blocks": args.exit_blocks, "--adapter-hidden": args.adapter_hidden,
+                          "--adapter-attn-dim": args.adapter_attn_dim or None, "--adapter-blocks": args.adapter_blocks or None,
+                          "--question-conditioned": args.question_conditioned or None}
+            given = [name for name, value in shape_opts.items() if value is not None]
+            if args.init and given:
+                raise ValueError(f"{', '.join(given)}: the heads' architecture comes from --init {args.init}; "
+                                 "leave these out")
+            if args.keep_adapters and not args.init:
+                raise ValueError("--keep-adapters needs --init (the folder whose adapters to keep)")
+            if args.keep_adapters and args.kd_steps:
+                raise ValueError("--keep-adapters trains no adapter: leave out --kd-steps")
+            if args.agreement_images < 5:
+                raise ValueError(f"--agreement-images must be >= 5, got {args.agreement_images}")
+            if not 0.0 <= args.risk_delta < 1.0:
+                raise ValueError(f"--risk-delta must be in [0, 1), got {args.risk_delta}")
+            if not args.lr > 0 or not math.isfinite(args.lr):  # `not > 0` refuses NaN too
+                raise ValueError(f"--lr must be a finite number > 0, got {args.lr}")
+            if args.time_budget_s is not None and not args.time_budget_s > 0:
+                raise ValueError(f"--time-budget-s must be > 0, got {args.time_budget_s}")
+            if not 0.0 <= args.max_answer_change <= 1.0:
+                raise ValueError(f"--max-answer-change must be in [0, 1], got {args.max_answer_change}")
+            if args.profile is not None:  # read now: the frontier reads it only after the whole training
+                from edgevlm.profile import load_profile
 
-            load_profile(args.profile)
-        import torch
+                load_profile(args.profile)
+            import torch
 
-        if args.threads is not None:
-            torch.set_num_threads(max(1, args.threads))
-        if args.device.startswith("cuda"):
-            if not torch.cuda.is_available():
-                raise ValueError(f"--device {args.device}: CUDA is not available")
-        from edgevlm.runtime import Engine
-        from edgevlm.runtime.bundle import is_bundle
-        from edgevlm.runtime.exits import EXITS_JSON, EXITS_WEIGHTS, load_exit_heads, save_exit_heads
+            if args.threads is not None:
+                torch.set_num_threads(max(1, args.threads))
+            if args.device.startswith("cuda"):
+                if not torch.cuda.is_available():
+                    raise ValueError(f"--device {args.device}: CUDA is not available")
+            from edgevlm.runtime import Engine
+            from edgevlm.runtime.bundle import is_bundle
+            from edgevlm.runtime.exits import EXITS_JSON, EXITS_WEIGHTS, load_exit_heads, save_exit_heads
 
-        engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
-        out = Path(args.out) if args.out else Path(engine.model_dir)
-        _check_writable(out, given=args.out is not None)  # before the training, not after it
-        if args.kd_steps is None:  # answer distillation is LLaVA's (a ViT family's model has exit_run)
-            args.kd_steps = 0 if args.keep_adapters or hasattr(engine.backend.model, "exit_run") else 100
-        heads = calibrate(engine, exit_blocks=args.exit_blocks, steps=args.steps, batch_size=args.batch_size,
-                          agreement_images=args.agreement_images, questions_per_image=args.questions_per_image,
-                          seed=args.seed, kd_steps=max(0, args.kd_steps), adapter_hidden=args.adapter_hidden,
-                          adapter_attn_dim=args.adapter_attn_dim, adapter_blocks=args.adapter_blocks,
-                          question_conditioned=args.question_conditioned, max_answer_change=args.max_answer_change,
-                          lr=args.lr, rungs=args.rungs, workers=args.workers, time_budget_s=args.time_budget_s,
-                          risk_delta=args.risk_delta, init=args.init, keep_adapters=args.keep_adapters,
-                          progress=say)
-        weights, spec_path = save_exit_heads(heads, out)
-        say(f"calibrate: wrote {weights} and {spec_path}")
-        written = [EXITS_WEIGHTS, EXITS_JSON]
-        if args.out is None and is_bundle(out):  # listed at once: a bundle loads no file its manifest lacks
-            _add_to_manifest(out, written)
-        if not args.no_frontier:
-            from edgevlm.quantize import frontier
+            engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
+            out = Path(args.out) if args.out else Path(engine.model_dir)
+            created = _check_writable(out, given=args.out is not None)  # before the training, not after it
+            if args.kd_steps is None:  # answer distillation is LLaVA's (a ViT family's model has exit_run)
+                args.kd_steps = 0 if args.keep_adapters or hasattr(engine.backend.model, "exit_run") else 100
+            heads = calibrate(engine, exit_blocks=args.exit_blocks, steps=args.steps, batch_size=args.batch_size,
+                              agreement_images=args.agreement_images, questions_per_image=args.questions_per_image,
+                              seed=args.seed, kd_steps=max(0, args.kd_steps), adapter_hidden=args.adapter_hidden,
+                              adapter_attn_dim=args.adapter_attn_dim, adapter_blocks=args.adapter_blocks,
+                              question_conditioned=args.question_conditioned, max_answer_change=args.max_answer_change,
+                              lr=args.lr, rungs=args.rungs, workers=args.workers, time_budget_s=args.time_budget_s,
+                              risk_delta=args.risk_delta, init=args.init, keep_adapters=args.keep_adapters,
+                              progress=say)
+            weights, spec_path = save_exit_heads(heads, out)
+            say(f"calibrate: wrote {weights} and {spec_path}")
+            written = [EXITS_WEIGHTS, EXITS_JSON]
+            if args.out is None and is_bundle(out):  # listed at once: a bundle loads no file its manifest lacks
+                _add_to_manifest(out, written)
+            if not args.no_frontier:
+                from edgevlm.quantize import frontier
 
-            engine.backend.model.attach_exit_heads(load_exit_heads(out, engine.config, device=engine.backend.device,
-                                                                   dtype=engine.backend.dtype,
-                                                                   weights_dir=engine.model_dir))
-            written += frontier.run(engine, out, n=args.frontier_n, profile=args.profile, progress=say,
-                                    show=print)
-        if args.out is None and is_bundle(out):
-            _add_to_manifest(out, written)
-            say(f"calibrate: added {', '.join(written)} to {out / 'manifest.json'}")
-    except (EdgeVLMError, ValueError, OSError) as exc:
-        from edgevlm.cli_args import fail
-
-        return fail(exc)
-    return 0
+                engine.backend.model.attach_exit_heads(load_exit_heads(out, engine.config, device=engine.backend.device,
+                                                                       dtype=engine.backend.dtype,
+                                                                       weights_dir=engine.model_dir))
+                written += frontier.run(engine, out, n=args.frontier_n, profile=args.profile, progress=say,
+                                        show=print)
+            if args.out is None and is_bundle(out):
+                _add_to_manifest(out, written)
+                say(f"calibrate: added {', '.join(written)} to {out / 'manifest.json'}")
+        except (EdgeVLMError, ValueError, OSError) as exc:
+            return fail(exc)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM
+            if created is not None and out is not None:
+                _remove_empty_folders(created, out)
+            return interrupted()
+        return 0
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from edgevlm.cli_args import OneLineParser, fail, positive_int
+from edgevlm.cli_args import OneLineParser, fail, interrupted, positive_int, sigterm_interrupts
 from edgevlm.errors import EdgeVLMError
 from edgevlm.runtime.models import FAMILIES  # torch-free: the registry's names
 
@@ -225,13 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     level = logging.DEBUG if args.verbose >= 2 else logging.INFO if args.verbose == 1 else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return run(args)
+        with sigterm_interrupts():  # build_bundle removes BUNDLE_DIR.partial on either
+            return run(args)
     except (EdgeVLMError, ValueError, OSError) as exc:
         logger.debug("quantize failed", exc_info=True)
         return fail(exc, EXIT_USAGE)
     except KeyboardInterrupt:
-        sys.stderr.write("edgevlm: interrupted\n")
-        return 130
+        return interrupted()
 
 
 if __name__ == "__main__":
