@@ -474,10 +474,33 @@ def reject_json_constant(name: str) -> Any:
     raise NonFiniteJSONError(f"{name} is not a JSON number (RFC 8259 has no NaN or Infinity)")
 
 
+class DuplicateKeyError(ValueError):
+    """A name twice in one JSON object: Python's ``json`` keeps the last value, other readers may keep the first
+    (RFC 8259 section 4: names SHOULD be unique; I-JSON, RFC 7493 section 2.3: MUST), so no field reads it.
+    ``short`` is the message without the reason."""
+
+    def __init__(self, key: str) -> None:
+        self.short = f"duplicate key {json.dumps(key)}"  # quoted and escaped: one line, any key
+        super().__init__(f"{self.short} (a name may appear only once in an object)")
+
+
+def reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads(..., object_pairs_hook=reject_duplicate_keys)``: the object as a dict, or
+    :class:`DuplicateKeyError` naming the first name that appears twice."""
+    data = dict(pairs)
+    if len(data) < len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKeyError(key)
+            seen.add(key)
+    return data
+
+
 def parse_json_object(payload: bytes | str) -> dict[str, Any]:
     """Decode a UTF-8 JSON object. Raises :class:`InvalidRequestError` (path ``$``) for non-UTF-8,
-    malformed JSON (``NaN`` / ``Infinity`` included) or a non-object top level. Integers keep full
-    precision (Python ints)."""
+    malformed JSON (``NaN`` / ``Infinity`` and a name twice in one object included) or a non-object top
+    level. Integers keep full precision (Python ints)."""
 
     def whole_payload(msg: str, short: str | None = None, **extra: Any) -> InvalidRequestError:  # path "$"
         errors = [{"path": "$", "message": short or msg}]
@@ -491,11 +514,13 @@ def parse_json_object(payload: bytes | str) -> dict[str, Any]:
     else:
         text = payload
     try:
-        data = json.loads(text, parse_constant=reject_json_constant)
+        data = json.loads(text, parse_constant=reject_json_constant, object_pairs_hook=reject_duplicate_keys)
     except json.JSONDecodeError as exc:
         raise whole_payload(f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}", pos=exc.pos) from None
     except NonFiniteJSONError as exc:
         raise whole_payload(f"malformed JSON: {exc}") from None
+    except DuplicateKeyError as exc:
+        raise whole_payload(f"malformed JSON: {exc}", exc.short) from None
     except RecursionError:
         raise whole_payload("malformed JSON: nested too deeply") from None
     except ValueError:  # Python refuses to convert an integer literal of more than 4300 digits

@@ -28,6 +28,7 @@ from edgevlm.protocol import (
     fallback_reply_address,
     format_loc,
     is_valid_publish_topic,
+    parse_json_object,
     parse_request,
     parse_response,
     reload_topic,
@@ -93,6 +94,28 @@ def test_malformed_json_has_root_path_and_position() -> None:
 def test_non_utf8_payload() -> None:
     err = _err(b"\xff\xfe{}")
     assert err.details["path"] == "$" and "not UTF-8" in str(err)
+
+
+@pytest.mark.parametrize(("payload", "key"), [
+    (b'{"prompt": "p", "source": "s", "prompt": "q"}', '"prompt"'),
+    (b'{"prompt": "p", "source": "s", "source": "s"}', '"source"'),  # the same value twice too
+    (b'{"prompt": "p", "image_b64": "AAAA", "x": {"a": 1, "a": 2}}', '"a"'),  # in a nested object
+    ('{"prompt": "p", "source": "s", "\u00e9t\u00e9": 1, "\u00e9t\u00e9": 2}'.encode(), '"\\u00e9t\\u00e9"'),
+])
+def test_duplicate_key_is_malformed_json_naming_the_key(payload: bytes, key: str) -> None:
+    # was: accepted, the last value silently winning (Python's json), so two readers of one payload
+    # could see two different requests
+    err = _err(payload)
+    assert err.details == {"path": "$", "errors": [{"path": "$", "message": f"duplicate key {key}"}]}
+    assert str(err) == f"$: malformed JSON: duplicate key {key} (a name may appear only once in an object)"
+    with pytest.raises(InvalidRequestError) as info:
+        parse_json_object(payload)  # what the MQTT bridge, the HTTP API and audio requests decode with
+    assert str(info.value) == str(err)
+
+
+def test_same_key_in_sibling_objects_is_not_a_duplicate() -> None:
+    assert parse_json_object(b'{"a": {"k": 1}, "b": {"k": 2}, "c": [{"k": 3}, {"k": 4}]}') == {
+        "a": {"k": 1}, "b": {"k": 2}, "c": [{"k": 3}, {"k": 4}]}
 
 
 def test_huge_integer_literal_is_invalid_request_not_a_crash() -> None:

@@ -218,6 +218,23 @@ def test_malformed_and_wrong_shape_payloads(start_daemon, raw_client, encode_ima
     assert response["ok"] is True
 
 
+def test_duplicate_key_is_invalid_request_naming_the_key(start_daemon, raw_client, encode_image) -> None:
+    # was: served, the last "prompt" silently winning
+    start_daemon()
+    raw = raw_client()
+    body = json.dumps(_body(encode_image(_scene())))
+    payload = body[:-1].encode() + b', "prompt": "what shape is it?"}'
+    response, msg = _roundtrip(raw, payload)
+    assert response["ok"] is False and msg.properties.CorrelationData == b"corr"
+    assert response["error"] == {
+        "code": "INVALID_REQUEST",
+        "message": '$: malformed JSON: duplicate key "prompt" (a name may appear only once in an object)',
+        "details": {"path": "$", "errors": [{"path": "$", "message": 'duplicate key "prompt"'}]},
+    }
+    response, _ = _roundtrip(raw, body.encode())  # the same request without the second "prompt": served
+    assert response["ok"] is True
+
+
 def test_oversized_payload_is_invalid_request(start_daemon, raw_client) -> None:
     start_daemon(mqtt={"max_payload_bytes": 1000})
     response, _ = _roundtrip(raw_client(), _body(b"x" * 2000))

@@ -284,6 +284,9 @@ def test_raw_http_errors(http_daemon) -> None:
                                     (b'\xff\xfe{"model": 1}', 400, "$: payload is not UTF-8"),
                                     (b"[" * 1020 + b"]" * 1020, 400, "$: malformed JSON: nested too deeply"),
                                     ((chat + '"temperature": -Infinity}').encode(), 400, "-Infinity is not a JSON"),
+                                    ((chat + '"model": "edgevlm-demo"}').encode(), 400,  # was: served
+                                     '$: malformed JSON: duplicate key "model" (a name may appear only once in an '
+                                     'object)'),
                                     ((chat + '"temperature": "hot"}').encode(), 400,
                                      "temperature: must be a number, got a string"),
                                     ((chat + '"max_tokens": 2.5}').encode(), 400,
@@ -292,7 +295,8 @@ def test_raw_http_errors(http_daemon) -> None:
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(req, timeout=30)
         assert info.value.code == status
-        assert needle in json.loads(info.value.read())["error"]["message"]
+        error = json.loads(info.value.read())["error"]
+        assert needle in error["message"] and error["code"] == "INVALID_REQUEST", error
 
 
 def test_unknown_routes_and_methods_are_openai_errors(http_daemon) -> None:
