@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--max-new-tokens", type=positive_int, default=64, metavar="N", help="default: 64")
     ask.add_argument("--device", type=torch_device, default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     ask.add_argument(
-        "--dtype", choices=_DTYPES, default=None, help="default: float32 on CPU, bfloat16 on CUDA"
+        "--dtype", choices=_DTYPES, default=None,
+        help="default: float32 on CPU, bfloat16 on CUDA; --backend onnx runs float32 only"
     )
     ask.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy (default)")
     ask.add_argument("--seed", type=int, default=None, help="sampling seed")
@@ -181,6 +182,9 @@ def _cmd_ask(args: argparse.Namespace) -> int:
         raise _UsageError("the question is empty")
     if args.backend == "tensorrt" and not args.device.startswith("cuda"):  # before the TensorRT import
         raise _UsageError(f"--backend tensorrt needs --device cuda (got --device {args.device})")
+    if args.backend == "onnx" and args.dtype not in (None, "float32"):  # its graphs compute in float32
+        raise _UsageError(f"--backend onnx runs float32: --dtype {args.dtype} is not supported "
+                          "(--dtype float32, or leave it out)")
 
     from edgevlm.runtime.image import load_image, native_stderr_captured  # OpenCV: the runtime extra
 

@@ -628,6 +628,24 @@ def test_ask_tensorrt_on_the_cpu_is_refused_before_anything_loads(image_files: d
     assert err == [f"edgevlm: error: --backend tensorrt needs --device cuda (got --device {device})"], err
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_ask_onnx_backend_with_a_16_bit_dtype_is_refused_before_anything_loads(tmp_path: Path, dtype: str) -> None:
+    # was: ran float32 without a word (the ONNX graphs compute in float32); neither the model nor the image
+    # exists here: the flags are refused first
+    res = run_cli("ask", "--image", str(tmp_path / "none.png"), "--model", str(tmp_path / "no-model"),
+                  "--backend", "onnx", "--dtype", dtype, "hi")
+    line = assert_one_line_error(res)
+    assert line == (f"edgevlm: error: --backend onnx runs float32: --dtype {dtype} is not supported "
+                    "(--dtype float32, or leave it out)")
+
+
+def test_ask_onnx_backend_with_float32_goes_on_to_the_image(tmp_path: Path, capsys) -> None:
+    code = main(["ask", "--image", str(tmp_path / "none.png"), "--backend", "onnx", "--dtype", "float32", "hi"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("edgevlm: error: ") and "none.png" in err[0], err
+
+
 def test_ask_help_does_not_say_llava_only(capsys):
     # was "model folder (Hugging Face LLaVA format)" while six families load (the help stays
     # registry-free: `edgevlm --help` imports nothing of edgevlm.runtime, tests/test_packaging.py)
