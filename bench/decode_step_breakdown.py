@@ -57,11 +57,7 @@ order and combination (e.g. ``nomask_pdlall_norm16``; :func:`parse_variant`):
   TILES_PER_CTA)`` runs the register-ring kernel with the same schedule (a DEPTH it lacks: the next one it has),
   computing (``regring``) or as its loads-only diagnostic (``loadsonly``: the weights streamed, nothing computed;
   other logits): the step's time if the matmuls' arithmetic were free. Gated launches keep their own kernel, so
-  compare with ``_ungated``,
-* ``chained`` -- each W4A16 launch whose table entry is the lean kernel runs the lean configuration that was fastest
-  as a chain of PDL launches with the late release (``pdl_by_kind["lean_late"]`` of a ``bench/w4a16_kernel.py``
-  JSON given by ``--chained-from``) instead of the one fastest launched alone (the table's rule); the same outputs
-  (every lean configuration is bit-identical).
+  compare with ``_ungated``.
 
 Every switch is restored when the variant's captures are done.
 
@@ -155,7 +151,6 @@ class Variant:
     nonorm: bool = False
     noattn: bool = False
     matmul: str | None = None  # "regring" / "loadsonly": the register-ring kernel for every lean launch
-    chained: bool = False
 
 
 def parse_variant(name: str) -> Variant:
@@ -188,8 +183,6 @@ def parse_variant(name: str) -> Variant:
             opts["sepcombine"] = True
         elif suffix == "nonorm":
             opts["nonorm"] = True
-        elif suffix == "chained":
-            opts["chained"] = True
         elif suffix in ("regring", "loadsonly"):
             if "matmul" in opts:
                 raise ValueError(f"variant {name!r}: regring and loadsonly exclude each other")
@@ -205,7 +198,7 @@ def parse_variant(name: str) -> Variant:
             opts["norm_warps"] = warps
         else:
             raise ValueError(f"variant {name!r}: unknown suffix {suffix!r} (nopdl, pdl, pdlall, normN, w4head, split16, "
-                             "ungated, sepcombine, nonorm, noattn, regring, loadsonly, chained)")
+                             "ungated, sepcombine, nonorm, noattn, regring, loadsonly)")
     return Variant(base, **opts)
 
 
@@ -226,45 +219,6 @@ def register_ring_launch(launch, loads_only: bool):
                 kw.pop("late_trigger", None)
                 return launch(x, qw, meta, group_size, bias, ("reg", a, depth, tpc), mode=1 if loads_only else 2,
                               **kw)
-        return launch(x, qw, meta, group_size, bias, config, mode=mode, **kw)
-
-    return wrapped
-
-
-CHAINED_OVERRIDES: dict = {}
-"""``(m, n, k) -> (kind, a, b, TILES_PER_CTA)`` of the ``_chained`` variant (:func:`chained_overrides` of
-``--chained-from``)."""
-
-
-def chained_overrides(results: dict) -> dict:
-    """``(m, n, k) -> ("lean", KSPLIT, DEPTH, TILES_PER_CTA)`` from a ``bench/w4a16_kernel.py`` JSON (its ``layers``
-    rows): each (shape, M) row's fastest lean configuration as a chain of PDL launches with the late release
-    (``pdl_by_kind["lean_late"]``). Rows without one are left out. Raises ``ValueError`` when ``results`` has no
-    ``layers`` list."""
-    rows = results.get("layers") if isinstance(results, dict) else None
-    if not isinstance(rows, list):
-        raise ValueError("--chained-from: not a bench/w4a16_kernel.py JSON with a layers section")
-    out = {}
-    for r in rows:
-        late = (r.get("pdl_by_kind") or {}).get("lean_late")
-        if late:
-            kind, a, b, tpc = late[1][:4]
-            out[(int(r["m"]), int(r["n"]), int(r["k"]))] = (kind, int(a), int(b), int(tpc))
-    return out
-
-
-def config_override_launch(launch, overrides: dict):
-    """``launch`` (:func:`~edgevlm.runtime.kernels.w4a16_mma.w4a16_mma`) wrapped so that a call without ``config`` /
-    ``mode`` whose table entry is the lean kernel (``mma_config(..., lean=True)``) and whose ``(M, N, K)`` is in
-    ``overrides`` runs ``overrides[(M, N, K)]``; every other call passes through unchanged."""
-    from edgevlm.runtime.kernels import w4a16_mma as mk
-
-    def wrapped(x, qw, meta, group_size, bias=None, config=None, *, mode=None, **kw):
-        if config is None and mode is None and x.dim() == 2:
-            m, n, k = x.shape[0], qw.shape[0] * 16, qw.shape[1] * 64  # the mma layout: (N/16, K/64, 32, 4)
-            cfg = overrides.get((m, n, k))
-            if cfg is not None and mk.mma_config(m, n, k, group_size, lean=True)[0] == "lean":
-                return launch(x, qw, meta, group_size, bias, cfg, **kw)
         return launch(x, qw, meta, group_size, bias, config, mode=mode, **kw)
 
     return wrapped
@@ -294,8 +248,6 @@ def variant(name: str, dec=None):
              decode_fused.add_rms_norm, decode_fused.rope_decode_attention, mk.w4a16_mma)
     if (v.ungated or v.w4head) and dec is None:
         raise ValueError(f"variant {name!r}: _ungated and _w4head need the decoder (dec)")
-    if v.chained and not CHAINED_OVERRIDES:
-        raise ValueError(f"variant {name!r}: _chained needs --chained-from (a bench/w4a16_kernel.py JSON)")
     head = None
     gated = {}
     decode_fused.FUSED_ATTENTION = v.base == "after"
@@ -315,8 +267,6 @@ def variant(name: str, dec=None):
         decode_fused.add_rms_norm = lambda x, delta, weight, eps, **_: (x, delta)
     if v.matmul is not None:  # Int4Linear imports w4a16_mma from the module at each launch
         mk.w4a16_mma = register_ring_launch(mk.w4a16_mma, loads_only=v.matmul == "loadsonly")
-    if v.chained:
-        mk.w4a16_mma = config_override_launch(mk.w4a16_mma, CHAINED_OVERRIDES)
     if v.noattn:  # (B, H, 1, Dh) as the kernel returns, read from qkv's query columns
         decode_fused.rope_decode_attention = lambda qkv, cos, sin, pos, k_cache, v_cache, n_heads, *a, **kw: \
             qkv[:, :n_heads * k_cache.shape[-1]].reshape(qkv.shape[0], n_heads, 1, k_cache.shape[-1])
@@ -423,22 +373,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="alternations of the variants for the step times")
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--out", default="", help="also write the JSON here")
-    ap.add_argument("--chained-from", default="", help="bench/w4a16_kernel.py JSON of the _chained variant")
     args = ap.parse_args(argv)
     for name in (v for v in args.variants.split(",") if v):
         try:
             parse_variant(name)
         except ValueError as exc:
             ap.error(str(exc))
-    if args.chained_from:
-        import json
-
-        try:
-            CHAINED_OVERRIDES.update(chained_overrides(json.loads(open(args.chained_from).read())))
-        except (OSError, ValueError) as exc:
-            ap.error(f"--chained-from {args.chained_from}: {exc}")
-    if any(parse_variant(v).chained for v in args.variants.split(",") if v) and not CHAINED_OVERRIDES:
-        ap.error("the _chained variant needs --chained-from with lean_late entries (bench/w4a16_kernel.py JSON)")
     from bench_support import print_result, use_package  # bench/ is sys.path[0] when run as a script
 
     use_package()

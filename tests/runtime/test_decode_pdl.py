@@ -362,62 +362,6 @@ def test_bench_register_ring_launch_maps_lean_entries(monkeypatch):
         bench.parse_variant("nomask_regring_loadsonly")
 
 
-def test_bench_chained_variant_runs_the_chain_fastest_lean_configuration(monkeypatch):
-    """``_chained``: the overrides come from a w4a16_kernel JSON's ``pdl_by_kind["lean_late"]`` entries; a call the
-    table gives to the lean kernel at an overridden (M, N, K) runs that configuration (its PDL keywords kept);
-    register-ring entries, other shapes and explicit configs pass through; the variant refuses to run without
-    overrides and restores the launch after."""
-    import torch
-
-    from edgevlm.runtime.kernels import w4a16_mma as mk
-
-    bench = _bench_module()
-    results = {"layers": [
-        {"shape": "7b.o", "n": 4096, "k": 4096, "m": 1,
-         "pdl_by_kind": {"lean": [5.5, ["lean", 8, 4, 1, 0, 0]], "lean_late": [4.85, ["lean", 16, 2, 1, 0, 0]]}},
-        {"shape": "7b.qkv", "n": 12288, "k": 4096, "m": 1, "pdl_by_kind": {"reg": [12.1, ["reg", 8, 2, 1, 0, 0]]}},
-        {"shape": "7b.down", "n": 4096, "k": 11008, "m": 1,
-         "pdl_by_kind": {"lean_late": [10.3, ["lean", 16, 2, 1, 0, 0]]}}]}
-    overrides = bench.chained_overrides(results)
-    assert overrides == {(1, 4096, 4096): ("lean", 16, 2, 1), (1, 4096, 11008): ("lean", 16, 2, 1)}
-    with pytest.raises(ValueError, match="layers"):
-        bench.chained_overrides({"sections": {}})
-    calls = []
-
-    def launch(x, qw, meta, g, bias=None, config=None, *, mode=None, **kw):
-        calls.append((config, mode, sorted(kw)))
-        return "y"
-
-    table = {(1, 4096, 4096): ("lean", 8, 4, 1), (1, 4096, 11008): ("async", 16, 2, 1),
-             (1, 12288, 4096): ("lean", 4, 2, 1)}
-    monkeypatch.setattr(mk, "mma_config", lambda m, n, k, g, **kw: table[(m, n, k)])
-    x = torch.zeros(1, 4096, dtype=torch.bfloat16)
-    o = torch.zeros(4096 // 16, 4096 // 64, 32, 4, dtype=torch.int32)
-    qkv = torch.zeros(12288 // 16, 4096 // 64, 32, 4, dtype=torch.int32)
-    down = torch.zeros(4096 // 16, 11008 // 64, 32, 4, dtype=torch.int32)
-    wrapped = bench.config_override_launch(launch, overrides)
-    assert wrapped(x, o, None, 128, pdl=True) == "y"
-    assert calls[-1] == (("lean", 16, 2, 1), None, ["pdl"])
-    wrapped(x, qkv, None, 128, pdl=True)  # no lean_late entry: the table's choice
-    assert calls[-1] == (None, None, ["pdl"])
-    wrapped(torch.zeros(1, 11008, dtype=torch.bfloat16), down, None, 128)  # the table's async entry: unchanged
-    assert calls[-1] == (None, None, [])
-    wrapped(x, o, None, 128, config=("reg", 8, 2, 1))  # an explicit config: unchanged
-    assert calls[-1] == (("reg", 8, 2, 1), None, [])
-    plain = mk.w4a16_mma
-    with pytest.raises(ValueError, match="needs --chained-from"), bench.variant("nomask_chained"):
-        pass
-    assert mk.w4a16_mma is plain
-    with pytest.raises(SystemExit) as exit_info:  # the CLI says so before building anything
-        bench.main(["--variants", "nomask,nomask_chained"])
-    assert exit_info.value.code == 2
-    monkeypatch.setattr(bench, "CHAINED_OVERRIDES", overrides)
-    with bench.variant("nomask_chained"):
-        assert mk.w4a16_mma is not plain
-    assert mk.w4a16_mma is plain
-    assert bench.parse_variant("nomask_chained") == bench.Variant("nomask", chained=True)
-
-
 def test_w4a16_bench_loads_the_breakdown_module(monkeypatch):
     """bench/w4a16_kernel.py's model section loads decode_step_breakdown by path (its ``variant`` switches); the
     module defines a dataclass, which needs the module registered before it runs (it failed on the H200 on 12-02,
