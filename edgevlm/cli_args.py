@@ -12,7 +12,7 @@ import re
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
 EXIT_USAGE = 2
@@ -86,6 +86,27 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"edgevlm: error: {one_line(message)} (see '{self.prog} --help')\n")
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        """As argparse's, except that arguments left over are reported by the parser of the subcommand
+        that was given (``see 'edgevlm serve --help'``): argparse hands a subparser's leftovers up to
+        the top-level parser, whose usage is not the one to read."""
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self._subcommand_parser(namespace).error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace
+
+    def _subcommand_parser(self, namespace: argparse.Namespace) -> argparse.ArgumentParser:
+        """The innermost parser of the subcommands named in ``namespace`` (``self`` without any; a
+        subparsers action needs a ``dest`` for its choice to be known)."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = action.choices.get(getattr(namespace, action.dest, None))
+                if isinstance(chosen, OneLineParser):
+                    return chosen._subcommand_parser(namespace)
+        return self
 
 
 def positive_int(text: str) -> int:

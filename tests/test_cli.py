@@ -646,6 +646,29 @@ def test_ask_onnx_backend_with_float32_goes_on_to_the_image(tmp_path: Path, caps
     assert len(err) == 1 and err[0].startswith("edgevlm: error: ") and "none.png" in err[0], err
 
 
+def test_serve_extra_argument_names_the_serve_usage(tmp_path: Path) -> None:
+    # was: "... (see 'edgevlm --help')": argparse hands a subcommand's leftovers to the top-level parser
+    cfg = tmp_path / "daemon.yaml"
+    cfg.write_text("mqtt:\n  port: 1\n")
+    res = run_cli("serve", "--check-config", str(cfg), "extra-arg")
+    assert assert_one_line_error(res) == "edgevlm: error: unrecognized arguments: extra-arg (see 'edgevlm serve --help')"
+
+
+@pytest.mark.parametrize(("argv", "extra"), [
+    (["ask", "--image", "x.png", "--nope", "q"], "--nope"),
+    (["serve", "--config", "c.yaml", "--dry-run", "x"], "--dry-run x"),
+    (["serve-ray", "--config", "c.yaml", "more"], "more"),
+    (["demo", "--json", "--model-dir", "m"], "--model-dir m"),
+])
+def test_unrecognized_arguments_name_the_subcommand_usage(argv: list[str], extra: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == (f"edgevlm: error: unrecognized arguments: {extra} "
+                                         f"(see 'edgevlm {argv[0]} --help')\n"), out.err
+
+
 def test_ask_help_does_not_say_llava_only(capsys):
     # was "model folder (Hugging Face LLaVA format)" while six families load (the help stays
     # registry-free: `edgevlm --help` imports nothing of edgevlm.runtime, tests/test_packaging.py)
