@@ -329,10 +329,30 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from edgevlm.daemon.app import run
 
     try:
-        return int(run(cfg, raise_startup_errors=True))
+        code = int(run(cfg, raise_startup_errors=True))
     except ModelLoadError as exc:
         where = cfg.model.path or "the demo model"
         raise ConfigError(f"model: cannot load {where} on {cfg.model.device}: {exc.message}") from exc
+    _end_if_worker_left(code)
+    return code
+
+
+def _end_if_worker_left(code: int) -> None:
+    """End the process now when the daemon stopped with its inference worker still running: a stop signal
+    during the model load (or a request past ``service.shutdown_timeout_s``) leaves it inside native code
+    (torch), and the interpreter's finalization would stop that thread mid-call and abort the process
+    (SIGABRT, "terminate called without an active exception") instead of exiting ``code``."""
+    import threading
+
+    if not any(t.name == "edgevlm-inference" and t.is_alive() for t in threading.enumerate()):
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _cmd_serve_ray(args: argparse.Namespace) -> int:
