@@ -24,8 +24,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -88,7 +90,8 @@ def run_demo(
 ) -> int:
     """Run the demo (see the module docstring). Returns the exit status: 0 if it worked, 1 if it ran and failed,
     2 for a bad argument (a model folder that does not load, a missing video, ``timeout_s`` not > 0: one line on
-    stderr before anything starts), 130 when interrupted (Ctrl-C; the broker and daemon are stopped first).
+    stderr before anything starts), 130 when interrupted (Ctrl-C), 143 on SIGTERM (in both cases the broker and
+    daemon are stopped first).
 
     Args:
         model_dir: model folder; None = the shipped demo model.
@@ -124,7 +127,10 @@ def run_demo(
 
     rows: list[Row] = []
     problems: list[str] = []
-    interrupted = False
+    interrupted = ""  # "interrupted" (Ctrl-C) or "terminated" (SIGTERM)
+    previous_term = None
+    if threading.current_thread() is threading.main_thread():  # SIGTERM stops the demo as Ctrl-C does
+        previous_term = signal.signal(signal.SIGTERM, _on_sigterm)
     with tempfile.TemporaryDirectory(prefix="edgevlm-demo-") as tmp:
         workdir = Path(tmp)
         broker = Broker(mosquitto, workdir)
@@ -138,8 +144,8 @@ def run_demo(
             rows = _ask_all(broker.port, rr, daemon, segments, t_start + timeout_s)
         except DemoError as exc:
             problems.append(str(exc))
-        except KeyboardInterrupt:
-            interrupted = True
+        except KeyboardInterrupt as exc:
+            interrupted = "terminated" if isinstance(exc, _Terminated) else "interrupted"
         finally:
             if daemon is not None:
                 code = daemon.stop()
@@ -148,9 +154,11 @@ def run_demo(
                         f"the daemon exited with status {code} on SIGTERM; log:\n{_tail(daemon.log_path)}"
                     )
             broker.stop()
+            if previous_term is not None:
+                signal.signal(signal.SIGTERM, previous_term)
     if interrupted:
-        print("demo: interrupted (broker and daemon stopped)", file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
+        print(f"demo: {interrupted} (broker and daemon stopped)", file=sys.stderr, flush=True)
+        return 128 + signal.SIGTERM if interrupted == "terminated" else EXIT_INTERRUPTED
 
     if rows:
         print()
@@ -180,6 +188,15 @@ def run_demo(
         print(json.dumps({"ok": ok, "right": right, "checked": len(checked), "rows": [asdict(r) for r in rows],
                           "problems": problems}))  # fmt: skip
     return 0 if ok else 1
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM while the demo runs: its broker and daemon are stopped as for Ctrl-C."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one does not cut the clean-up short
+    raise _Terminated
 
 
 def _ask_all(

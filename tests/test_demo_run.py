@@ -264,3 +264,42 @@ def test_segment_grades_any_canonical_question_from_its_objects():
     assert seg.expected("describe the scene.") == "large yellow triangle"
     assert seg.expected("what color is the circle?") is None  # no circle: no exact answer
     assert seg.expected("what is the meaning of life?") is None
+
+
+def test_demo_sigterm_stops_its_broker_and_daemon(tmp_path: Path) -> None:
+    """``kill <edgevlm demo>`` (a CI job cancelled, ``timeout make demo``) while it runs: like Ctrl-C, its
+    private broker and daemon are stopped and its temporary folder removed (they used to outlive it)."""
+    import os
+    import re
+    import signal
+    import time
+
+    _require_mosquitto()
+    proc = subprocess.Popen([sys.executable, "-m", "edgevlm.cli", "demo"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    pids: list[int] = []
+    try:
+        for _ in range(2):
+            line = proc.stdout.readline()
+            match = re.search(r"\(pid (\d+)\)", line)
+            assert match, line
+            pids.append(int(match.group(1)))
+        workdirs = [p for p in Path("/proc", str(pids[0]), "cmdline").read_bytes().split(b"\0") if b"edgevlm-demo-" in p]
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    deadline = time.monotonic() + 30
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in pids if Path("/proc", str(pid)).exists()
+                 and b"zombie" not in Path("/proc", str(pid), "status").read_bytes().lower()]
+        time.sleep(0.1)
+    for pid in alive:  # do not leak them from the test either
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"still running after the demo was stopped: {alive}"
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, out, err)
+    assert "demo: terminated (broker and daemon stopped)" in err and "Traceback" not in err, err
+    assert workdirs and not any(Path(os.fsdecode(w)).parent.exists() for w in workdirs), workdirs
