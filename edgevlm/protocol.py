@@ -560,9 +560,16 @@ def parse_request(payload: bytes | str | dict[str, Any]) -> Request:
             f"{bad}: contains a lone UTF-16 surrogate (a \\udXXX escape without its pair): not valid Unicode",
             details={"path": bad, "errors": [{"path": bad, "message": "lone surrogate"}]},
         )
-    if "schema_version" in data and data["schema_version"] != SCHEMA_VERSION:
+    version = data.get("schema_version", SCHEMA_VERSION)
+    if type(version) is not int:  # strict, as every integer field: not true, 1.0 or "1" (True == 1.0 == 1)
         raise InvalidRequestError(
-            f"schema_version: unsupported version {data['schema_version']!r} (this daemon speaks {SCHEMA_VERSION})",
+            f"schema_version: must be the integer {SCHEMA_VERSION}, got {json_type_name(version)} "
+            f"({json.dumps(version)[:40]})",
+            details={"path": "schema_version", "errors": [{"path": "schema_version", "message": "not an integer"}]},
+        )
+    if version != SCHEMA_VERSION:
+        raise InvalidRequestError(
+            f"schema_version: unsupported version {version!r} (this daemon speaks {SCHEMA_VERSION})",
             details={
                 "path": "schema_version",
                 "errors": [{"path": "schema_version", "message": "unsupported"}],

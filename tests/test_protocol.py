@@ -154,6 +154,13 @@ def test_lone_surrogate_is_invalid_request_naming_the_field(field: str) -> None:
         (b'{"prompt": "p", "source": "s", "max_new_tokens": 0}', "max_new_tokens", "greater than 0"),
         (b'{"prompt": "p", "source": "s", "reply_to": "a/+/b"}', "reply_to", "not a valid topic"),
         (b'{"prompt": "p", "source": "s", "schema_version": 2}', "schema_version", "unsupported"),
+        # strict as every integer: True == 1.0 == 1 in Python, and these used to pass as version 1
+        (b'{"prompt": "p", "source": "s", "schema_version": true}', "schema_version",
+         "must be the integer 1, got a boolean (true)"),
+        (b'{"prompt": "p", "source": "s", "schema_version": 1.0}', "schema_version",
+         "must be the integer 1, got a number (1.0)"),
+        (b'{"prompt": "p", "source": "s", "schema_version": "1"}', "schema_version",
+         'must be the integer 1, got a string ("1")'),
     ],
 )
 def test_wrong_shape_names_the_field(payload: bytes, path: str, fragment: str) -> None:
