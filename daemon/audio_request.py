@@ -31,7 +31,7 @@ class FeaturesRequest(BaseModel):
     """A request for log-mel features, published on ``<prefix>/<device_id>/audio/request`` with a
     Response Topic and Correlation Data (or the ``reply_to``/``correlation_id`` fallback)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # as the request topic: "2" and true are not numbers
 
     schema_version: int = Field(1, ge=1, le=1, description="Payload schema version.")
     source: StrictStr = Field(min_length=1, max_length=64, description="Audio source name.")

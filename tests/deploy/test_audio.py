@@ -290,6 +290,27 @@ def test_wav_source_in_the_daemon_publishes_events_and_answers_features(make_dae
     assert bad["error"]["message"] == "colour: unknown field"
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "fragment"),
+    [
+        ("seconds", "2", "seconds: Input should be a valid number"),  # a string is not a number (was 2 s)
+        ("seconds", True, "seconds: Input should be a valid number"),  # nor a boolean (was 1 s)
+        ("schema_version", True, "schema_version: Input should be a valid integer"),
+        ("schema_version", 1.0, "schema_version: Input should be a valid integer"),
+        ("dtype", 5, "dtype: Input should be a valid string"),
+    ],
+)
+def test_features_request_values_are_strict_as_on_the_request_topic(make_daemon, watcher, tmp_path, field, value,
+                                                                     fragment) -> None:  # fmt: skip
+    """The audio request's values are strict like the main request's: a string or a boolean is not a number."""
+    wav = write_wav(tmp_path / "tone.wav", tone(440.0, 16000, 2.0), 16000)
+    w = watcher()
+    make_daemon({"audio": [{"name": "mic", "file": str(wav), "buffer_s": 5}]})
+    bad = w_ask(w, {"source": "mic", "seconds": 1, field: value})
+    assert bad["ok"] is False and bad["error"]["code"] == "INVALID_REQUEST", bad
+    assert bad["error"]["message"].startswith(fragment) and bad["error"]["details"]["path"] == field, bad
+
+
 def test_features_request_without_audio_sources_is_answered_unknown_source(make_daemon, watcher) -> None:
     """A daemon with no microphone configured still answers its features topic (it was silent: the asker timed
     out): UNKNOWN_SOURCE naming that none is configured, the Correlation Data echoed."""
