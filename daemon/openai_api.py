@@ -228,8 +228,9 @@ def to_request(body: Any, *, model_id: str, multiple_images: str = "refuse") -> 
     if model != model_id:
         raise LookupError(model)
     for name, allowed in _UNSUPPORTED:
-        if body.get(name) not in allowed:
-            raise _invalid(f"{body.get(name)!r} is not supported by edgevlm", name)
+        value = body.get(name)
+        if not any(type(value) is type(a) and value == a for a in allowed):  # strict: True is not 1, 0 not False
+            raise _invalid(f"{value!r} is not supported by edgevlm", name)
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise _invalid("only {'type': 'text'} is supported", "response_format")

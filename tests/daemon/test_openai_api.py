@@ -290,7 +290,13 @@ def test_raw_http_errors(http_daemon) -> None:
                                     ((chat + '"temperature": "hot"}').encode(), 400,
                                      "temperature: must be a number, got a string"),
                                     ((chat + '"max_tokens": 2.5}').encode(), 400,
-                                     "max_tokens: must be an integer, got 2.5")]:
+                                     "max_tokens: must be an integer, got 2.5"),
+                                    # the refused-by-name options are strict too (True == 1, 0 == False)
+                                    ((chat + '"n": true}').encode(), 400, "n: True is not supported by edgevlm"),
+                                    ((chat + '"n": 1.0}').encode(), 400, "n: 1.0 is not supported by edgevlm"),
+                                    ((chat + '"logprobs": 0}').encode(), 400, "logprobs: 0 is not supported"),
+                                    ((chat + '"presence_penalty": false}').encode(), 400,
+                                     "presence_penalty: False is not supported")]:
         req = urllib.request.Request(url, data=payload, headers={"Content-Type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(req, timeout=30)
