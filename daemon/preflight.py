@@ -12,7 +12,8 @@ one the daemon starts with. It checks what can be checked without loading the we
   (``processor_config.json`` / ``preprocessor_config.json``) are what the family's processor accepts
   at load (``ModelFamily.read_image_config``: a JSON object, ``image_mean`` of 3 values, Gemma 3's
   ``size`` and ``do_pan_and_scan``, ...); the tokenizer loads and the chat template compiles
-  and renders; ``exits.json`` (when present) is JSON and the frontier the controller will read
+  and renders; ``exits.json`` (when present) is JSON, the ``monitors`` name its labels and classifier
+  blocks (:func:`_check_monitors`), and the frontier the controller will read
   (``controller.frontier``, else the folder's ``frontier.json``) validates; ``model.device`` exists (CUDA available, ``cuda:N`` within the device count); the
   backend's library imports (onnxruntime, tensorrt). A failure raises ConfigError naming the key:
   the daemon cannot serve without its model.
@@ -88,10 +89,30 @@ def check_model(cfg: DaemonConfig, *, verify_hashes: bool = True) -> None:
         model_cfg = family.parse_config(raw)  # what the loader parses (torch-free)
         family.read_image_config(path, model_cfg)  # what the processor reads at load (torch-free)
         VLMTokenizer.from_dir(path, model_cfg.image_token_id)
-        read_json(path / "exits.json", required=False)  # the loader parses it (its schema needs torch)
+        exits = read_json(path / "exits.json", required=False)  # the loader parses it (its schema needs torch)
     except ModelLoadError as exc:
         raise ConfigError(f"model.path: {exc.message}") from None
     _check_frontier(cfg, path)
+    _check_monitors(cfg, exits if m.backend == "torch" and family.adaptive_vision else None)
+
+
+def _check_monitors(cfg: DaemonConfig, exits: object) -> None:
+    """The monitors against the exit classifier the model will have (``exits``: its ``exits.json``; None when
+    it has none, or its backend loads none), as :meth:`edgevlm.daemon.monitors.Monitors.attach` checks them once
+    the model has loaded (there a failure stops the start-up as a model load error)."""
+    if not cfg.monitors:
+        return
+    labels = list(exits.get("labels") or []) if isinstance(exits, dict) else []
+    if not labels:
+        raise ConfigError("monitors: the model has no exit classifier (run `edgevlm calibrate` on it)")
+    blocks = list(exits.get("classifier_blocks") or [])
+    for i, mon in enumerate(cfg.monitors):
+        unknown = [lab for lab in mon.labels if lab not in labels]
+        if unknown:
+            raise ConfigError(f"monitors[{i}].labels: unknown label(s) {unknown} (the model has {labels})")
+        if mon.exit_layer is not None and mon.exit_layer not in blocks:
+            raise ConfigError(f"monitors[{i}].exit_layer: no classifier after block {mon.exit_layer} "
+                              f"(classifier blocks: {blocks})")
 
 
 def _check_frontier(cfg: DaemonConfig, model_path: Path) -> None:

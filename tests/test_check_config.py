@@ -270,3 +270,33 @@ def test_readme_local_daemon_config_is_valid(tmp_path, capsys):
     video.symlink_to(root / "runtime" / "demo" / "media" / "scenes.mp4")
     code, out = _check(cfg, capsys)
     assert (code, out) == (0, f"{cfg}: OK (broker localhost:1883, device_id robot-1, sources: front, model: demo)")
+
+
+@pytest.mark.parametrize(
+    ("monitor", "model", "expected"),
+    [
+        ("{name: m, source: cam, labels: [purple]}", "", "monitors[0].labels: unknown label(s) ['purple'] (the model "
+         "has ['red', 'green'"),
+        ("{name: m, source: cam, labels: [red], exit_layer: 4}", "", "monitors[0].exit_layer: no classifier after "
+         "block 4 (classifier blocks: [2, 3, 6])"),
+        ("{name: m, source: cam, labels: [red]}", "tiny", "monitors: the model has no exit classifier (run `edgevlm "
+         "calibrate` on it)"),
+    ],
+)
+def test_monitor_the_model_cannot_run_is_refused_as_serve_refuses_it(tmp_path, capsys, video, tiny_src, monitor,
+                                                                      model, expected) -> None:  # fmt: skip
+    """A monitor's labels and classifier block are checked against the model's exits.json: --check-config said OK
+    and ``serve`` then refused to start ("model: cannot load the demo model on cpu: cannot load the model:
+    ConfigError: monitors[0].labels: ...")."""
+    cfg = _config(tmp_path, model=f"  path: {tiny_src}\n" if model else "",
+                  sources=f"  - {{name: cam, uri: {video}}}\n")
+    cfg.write_text(cfg.read_text() + f"monitors:\n  - {monitor}\n")
+    code, err = _check(cfg, capsys)
+    assert code == 2 and err.startswith(expected), err
+
+
+def test_monitor_the_model_can_run_passes(tmp_path, capsys, video) -> None:
+    cfg = _config(tmp_path, sources=f"  - {{name: cam, uri: {video}}}\n")
+    cfg.write_text(cfg.read_text() + "monitors:\n  - {name: m, source: cam, labels: [red, large bottom], exit_layer: 3}\n")
+    code, out = _check(cfg, capsys)
+    assert code == 0, out
