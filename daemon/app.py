@@ -459,6 +459,7 @@ class Daemon:
 
         Raises:
             ModelLoadError: the model could not be loaded (everything started is stopped again).
+            ConfigError: the loaded model cannot serve a config key, e.g. a monitor's label (the same).
             StartupCancelled: ``cancel`` was set (everything started is stopped again).
             OSError, ValueError: paho refused the broker connection's set-up (a TLS file it cannot
                 read; everything started, the front processes included, is stopped again).

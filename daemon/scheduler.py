@@ -78,6 +78,7 @@ from edgevlm.daemon.metrics_common import EventCounters
 from edgevlm.daemon.sources import CapturedFrame, SourceManager, evenly_spaced
 from edgevlm.errors import (
     BusyError,
+    ConfigError,
     DeadlineExceededError,
     EdgeVLMError,
     InternalError,
@@ -344,6 +345,7 @@ class Scheduler:
 
         Raises:
             ModelLoadError: the engine could not be loaded (or did not load in time).
+            ConfigError: the loaded engine cannot serve a config key (a monitor's label it has no classifier for).
             StartupCancelled: ``cancel`` was set before the engine had loaded.
         """
         if self.prepare_threads > 0:
@@ -363,7 +365,7 @@ class Scheduler:
             self._ready.wait(0.1 if left is None else min(0.1, left))
         if self._load_error is not None:
             err = self._load_error
-            if isinstance(err, ModelLoadError):
+            if isinstance(err, (ModelLoadError, ConfigError)):  # a config key the loaded model cannot serve: named
                 raise err
             raise ModelLoadError(f"cannot load the model: {type(err).__name__}: {err}") from err
 

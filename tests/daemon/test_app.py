@@ -233,3 +233,29 @@ def test_host_threads_one_for_a_cuda_model_unless_configured() -> None:
     assert host_threads(cfg(device="cuda")) == CUDA_HOST_THREADS == 1
     assert host_threads(cfg(device="cuda:1", cpu_threads=4)) == 4
     assert host_threads(cfg(cpu_threads=2)) == 2
+
+
+def test_serve_names_the_monitor_not_the_model_when_a_monitor_cannot_run_on_the_loaded_model(tmp_path) -> None:
+    """A check that only the loaded model can answer (its exit heads dropped at load: calibrated for other
+    weights) fails the start-up naming the monitors key, one line, exit 2; it read "model: cannot load ... on
+    cpu: cannot load the model: ConfigError: monitors: ..." although the model had loaded."""
+    import shutil
+
+    from edgevlm.runtime.demo import model_dir
+
+    model = tmp_path / "model"
+    shutil.copytree(model_dir(), model)
+    exits = json.loads((model / "exits.json").read_text())
+    exits["weights_fingerprint"] = "0" * 64  # retrained weights: the loader drops the heads, with an ERROR
+    (model / "exits.json").write_text(json.dumps(exits))
+    cfg = {"mqtt": {"host": "127.0.0.1", "port": 1, "device_id": "proc1"}, "metrics": {"listen": None},
+           "model": {"path": str(model)},
+           "sources": [{"name": "front", "uri": str(Path(model_dir()).parent / "media" / "scenes.mp4")}],
+           "monitors": [{"name": "m", "source": "front", "labels": ["red"]}]}
+    path = tmp_path / "daemon.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    done = subprocess.run([sys.executable, "-m", "edgevlm.cli", "serve", "--config", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("edgevlm: error: ")]
+    assert done.returncode == 2 and errors == [
+        "edgevlm: error: monitors: the model has no exit classifier (run `edgevlm calibrate` on it)"], done.stderr

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from edgevlm.errors import ModelLoadError
+from edgevlm.errors import ConfigError
 
 torch = pytest.importorskip("torch")
 
@@ -166,19 +166,19 @@ def test_requests_go_first(run_daemon, mosquitto, monitor_engine, video):
 
 
 def test_monitor_label_unknown_fails_startup(run_daemon, monitor_engine, video):
-    with pytest.raises(ModelLoadError, match=r"monitors\[0\].labels: unknown label"):
+    with pytest.raises(ConfigError, match=r"monitors\[0\].labels: unknown label"):
         run_daemon(monitor_engine, sources=[{"name": "cam", "uri": str(video)}],
                    monitors=[{"name": "m", "source": "cam", "labels": ["purple"]}])
 
 
 def test_monitor_without_classifier_fails_startup(run_daemon, plain_engine, video):
-    with pytest.raises(ModelLoadError, match="no exit classifier"):
+    with pytest.raises(ConfigError, match="no exit classifier"):
         run_daemon(plain_engine, sources=[{"name": "cam", "uri": str(video)}],
                    monitors=[{"name": "m", "source": "cam", "labels": ["red"]}])
 
 
 def test_monitor_bad_exit_layer_fails_startup(run_daemon, monitor_engine, video):
-    with pytest.raises(ModelLoadError, match=r"monitors\[0\].exit_layer: no classifier after block 3"):
+    with pytest.raises(ConfigError, match=r"monitors\[0\].exit_layer: no classifier after block 3"):
         run_daemon(monitor_engine, sources=[{"name": "cam", "uri": str(video)}],
                    monitors=[{"name": "m", "source": "cam", "labels": ["red"], "exit_layer": 3}])
 
