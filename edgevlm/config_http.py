@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
+from edgevlm.validation import check_host
+
 API_KEY_ENV = "EDGEVLM_HTTP_API_KEY"
 """Environment variable holding the bearer token when ``http.api_key_env`` is left at its default."""
 
@@ -49,9 +51,7 @@ class HttpConfig(BaseModel):
     @field_validator("host")
     @classmethod
     def _host(cls, v: str) -> str:
-        if any(c.isspace() for c in v) or "/" in v:
-            raise ValueError(f"not a host name or address: {v!r}")
-        return v
+        return check_host(v)
 
     def api_key(self) -> str | None:
         """The bearer token clients must present, from the environment (None = none required)."""

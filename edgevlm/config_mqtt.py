@@ -17,7 +17,7 @@ from edgevlm.protocol import (
     check_pool,
     check_prefix,
 )
-from edgevlm.validation import ConfigPath, StrictModel
+from edgevlm.validation import ConfigPath, StrictModel, check_host
 
 MAX_FRONT_PROCESSES = 64
 """The most front processes ``mqtt.front_processes`` may ask for."""
@@ -117,6 +117,11 @@ class MqttConfig(StrictModel):
     @classmethod
     def _prefix(cls, v: str) -> str:
         return check_prefix(v)
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        return check_host(v)
 
     @field_validator("device_id")
     @classmethod

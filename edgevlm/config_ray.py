@@ -18,6 +18,7 @@ from pydantic import (
 )
 
 from edgevlm.protocol import check_pool
+from edgevlm.validation import check_host
 
 
 class RayConfig(BaseModel):
@@ -87,3 +88,8 @@ class OffloadConfig(BaseModel):
     @classmethod
     def _pool(cls, v: str | None) -> str | None:
         return check_pool(v) if v is not None else v
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str | None) -> str | None:
+        return check_host(v) if v is not None else v

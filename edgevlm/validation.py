@@ -30,6 +30,7 @@ __all__ = [  # format_loc: from edgevlm.protocol
     "ConfigPath",
     "DuplicateKeyError",
     "StrictModel",
+    "check_host",
     "first_error_message",
     "format_loc",
     "load_yaml",
@@ -50,6 +51,14 @@ class StrictModel(BaseModel):
     valid float. File paths are written as strings in YAML: annotate them :data:`ConfigPath`."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def check_host(v: str) -> str:
+    """A host name or IP address in a config (``mqtt.host``, ``offload.host``, ``http.host``): no whitespace,
+    control character or ``/`` (a URL), which no resolver accepts (the daemon would retry it for ever)."""
+    if any(c.isspace() or not c.isprintable() for c in v) or "/" in v:
+        raise ValueError(f"not a host name or address: {v!r}")
+    return v
 
 
 ConfigPath = Annotated[Path, Strict(False)]

@@ -300,3 +300,21 @@ def test_monitor_the_model_can_run_passes(tmp_path, capsys, video) -> None:
     cfg.write_text(cfg.read_text() + "monitors:\n  - {name: m, source: cam, labels: [red, large bottom], exit_layer: 3}\n")
     code, out = _check(cfg, capsys)
     assert code == 0, out
+
+
+@pytest.mark.parametrize(
+    ("section", "expected"),
+    [
+        ('mqtt:\n  host: "broker .local"\n', "mqtt.host: not a host name or address: 'broker .local'"),
+        ('mqtt:\n  host: "a\\0b"\n', "mqtt.host: not a host name or address: 'a\\x00b'"),
+        ('mqtt:\n  host: "mqtt://broker.local"\n', "mqtt.host: not a host name or address: 'mqtt://broker.local'"),
+        ('offload:\n  pool: gpu\n  host: "cloud broker"\n', "offload.host: not a host name or address: 'cloud broker'"),
+    ],
+)
+def test_broker_host_that_is_not_a_host_name_is_refused(tmp_path, capsys, section, expected) -> None:
+    """A broker host with a space, a control character or a URL's '/' was OK here, and the daemon then retried
+    'cannot resolve the host name' for ever (http.host was already checked this way)."""
+    cfg = tmp_path / "daemon.yaml"
+    cfg.write_text("metrics:\n  listen: null\n" + section)
+    code, err = _check(cfg, capsys)
+    assert (code, err) == (2, expected)
