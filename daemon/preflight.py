@@ -19,11 +19,13 @@ one the daemon starts with. It checks what can be checked without loading the we
   the daemon cannot serve without its model.
 - **sources** (:func:`check_sources`): a video file is a file OpenCV decodes a frame from (not a
   folder, not a text file); a V4L2 camera's device node exists, is a character device and is
-  readable and writable by this user. Network streams, GStreamer pipelines and CSI cameras are not
-  probed (they may come up after the daemon). A failure is a one-line problem naming the key.
+  readable and writable by this user; a GStreamer pipeline read through gst-launch-1.0 has a frame
+  size. Network streams, GStreamer pipelines and CSI cameras are not probed (they may come up
+  after the daemon). A failure is a one-line problem naming the key.
 
 Nothing here imports torch unless ``model.device`` is CUDA, nor OpenCV unless a source is a video
-file (``tokenizers`` and ``jinja2`` are imported to check the tokenizer and chat template).
+file or a GStreamer pipeline (``tokenizers`` and ``jinja2`` are imported to check the tokenizer and
+chat template).
 
 What the modes do with the result: ``--check-config`` refuses the first problem of either kind
 (one line, exit 2). ``serve`` refuses a model problem the same way, and logs each source problem
@@ -184,6 +186,20 @@ def _video_file_problem(path: str) -> str | None:
     return None
 
 
+def _gst_launch_problem(src) -> str | None:
+    """A GStreamer pipeline read through gst-launch-1.0 needs its frame size (the config's ``width`` and
+    ``height``, or its caps'), as the source's capture backend does when it opens it."""
+    from edgevlm.daemon.capture import capture_path, subprocess_pipeline
+
+    if capture_path(src) != "gst-launch-subprocess":
+        return None
+    try:
+        subprocess_pipeline(src)
+    except ValueError as exc:
+        return str(exc).removeprefix(f"source {src.name}: ")
+    return None
+
+
 def check_sources(cfg: DaemonConfig) -> list[str]:
     """The source checks of :func:`preflight`: one ``sources[i].uri: ...`` line per problem."""
     problems = []
@@ -193,6 +209,8 @@ def check_sources(cfg: DaemonConfig) -> list[str]:
             problem = _v4l2_problem(src.uri)
         elif src.kind == "file":
             problem = _video_file_problem(str(src.uri))
+        elif src.kind == "gstreamer":
+            problem = _gst_launch_problem(src)
         if problem is not None:
             problems.append(f"sources[{i}].uri: {problem} (source {src.name!r})")
     return problems

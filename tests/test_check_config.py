@@ -318,3 +318,17 @@ def test_broker_host_that_is_not_a_host_name_is_refused(tmp_path, capsys, sectio
     cfg.write_text("metrics:\n  listen: null\n" + section)
     code, err = _check(cfg, capsys)
     assert (code, err) == (2, expected)
+
+
+def test_gstreamer_pipeline_without_a_frame_size_read_through_gst_launch_is_refused(tmp_path, capsys) -> None:
+    """Read through a gst-launch-1.0 subprocess (OpenCV without GStreamer, or ``capture: subprocess``) a
+    pipeline needs its frame size; without one --check-config said OK and the source never delivered a frame
+    ("the frame size of ... is unknown; set width and height", once, at start)."""
+    pipeline = "videotestsrc ! videoconvert ! appsink"
+    cfg = _config(tmp_path, sources=f"  - {{name: gst, uri: '{pipeline}', capture: subprocess}}\n")
+    code, err = _check(cfg, capsys)
+    assert (code, err) == (2, f"sources[0].uri: the frame size of {pipeline!r} is unknown; set width and height "
+                              "(needed to read raw frames from gst-launch-1.0) (source 'gst')")
+    sized = _config(tmp_path, sources=f"  - {{name: gst, uri: '{pipeline}', capture: subprocess, width: 64, "
+                                      "height: 48}\n")
+    assert _check(sized, capsys)[0] == 0
