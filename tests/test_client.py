@@ -89,6 +89,22 @@ def test_port_outside_1_65535_is_refused_by_name(port) -> None:
         Client("127.0.0.1", port, device_id="robot-1")
 
 
+@pytest.mark.parametrize("which", ["ca_certs", "certfile"])
+def test_tls_file_that_cannot_be_read_is_named(mosquitto, tmp_path, which) -> None:
+    """A TLS file that is missing (or not a certificate) raised a bare ``FileNotFoundError: [Errno 2] No such
+    file or directory`` (or an ``ssl.SSLError``) naming neither the argument nor the file; now the constructor's
+    BrokerUnreachableError (a ConnectionError: "a TLS certificate failure") names both."""
+    missing = tmp_path / "nope.crt"
+    kw = {"ca_certs": str(missing)} if which == "ca_certs" else {"certfile": str(missing)}
+    with pytest.raises(BrokerUnreachableError, match=rf"^cannot set up TLS for the MQTT broker at "
+                                                      rf"{mosquitto.host}:{mosquitto.port}: {which} {missing}: "):
+        Client(mosquitto.host, mosquitto.port, "dev1", tls=True, **kw)
+    garbage = tmp_path / "garbage.crt"
+    garbage.write_text("not a certificate")
+    with pytest.raises(BrokerUnreachableError, match=rf"ca_certs {garbage}: "):
+        Client(mosquitto.host, mosquitto.port, "dev1", tls=True, ca_certs=str(garbage))
+
+
 def test_client_is_exported_lazily() -> None:
     assert edgevlm.Client is Client
 
