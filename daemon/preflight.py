@@ -44,7 +44,7 @@ from pathlib import Path
 from edgevlm.config import DaemonConfig
 from edgevlm.errors import ConfigError, ModelLoadError
 
-__all__ = ["check_model", "check_sources", "preflight"]
+__all__ = ["check_model", "check_sources", "check_tls", "preflight"]
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +224,27 @@ def preflight(cfg: DaemonConfig, *, verify_hashes: bool = True) -> list[str]:
         logs them and starts).
 
     Raises:
-        ConfigError: the model cannot be served (the message names the key).
+        ConfigError: the model cannot be served, or ``mqtt.tls``'s files cannot be loaded (the message names
+            the key).
     """
     check_model(cfg, verify_hashes=verify_hashes)
+    check_tls(cfg)
     return check_sources(cfg)
+
+
+def check_tls(cfg: DaemonConfig) -> None:
+    """``mqtt.tls``'s files are what paho's ``tls_set`` loads at connect: readable, the CA file PEM certificates,
+    the client certificate with its key (a text file as ``ca_certs`` failed the start-up after the model load,
+    naming neither the key nor the file).
+
+    Raises:
+        ConfigError: ``mqtt.tls.<key>: <file>: <reason>``.
+    """
+    from edgevlm.client import tls_files_problem
+
+    tls = cfg.mqtt.tls
+    if tls is None:
+        return
+    problem = tls_files_problem(*(str(p) if p is not None else None for p in (tls.ca_certs, tls.certfile, tls.keyfile)))
+    if problem is not None:
+        raise ConfigError(f"mqtt.tls.{problem[0]}: {problem[1]}")

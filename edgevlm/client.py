@@ -238,10 +238,11 @@ class _Pending:
     last_sent: float = 0.0
 
 
-def tls_files_problem(ca_certs: str | None, certfile: str | None, keyfile: str | None) -> str | None:
-    """Why these TLS files cannot be used (``"ca_certs /x.crt: No such file or directory"``, naming the argument
-    and the file), or None: each is readable, ``ca_certs`` holds PEM certificates and ``certfile`` (with
-    ``keyfile``) a certificate and its private key."""
+def tls_files_problem(ca_certs: str | None, certfile: str | None, keyfile: str | None) -> tuple[str, str] | None:
+    """Why these TLS files cannot be used, as ``(argument, "<file>: <reason>")`` (``("ca_certs", "/x.crt: No such
+    file or directory")``), or None: each is readable, ``ca_certs`` holds PEM certificates and ``certfile`` (with
+    ``keyfile``) a certificate and its private key. The SDK's constructor and the daemon's start-up checks
+    (``mqtt.tls``) use it."""
     import ssl
 
     for name, path in (("ca_certs", ca_certs), ("certfile", certfile), ("keyfile", keyfile)):
@@ -250,19 +251,19 @@ def tls_files_problem(ca_certs: str | None, certfile: str | None, keyfile: str |
                 with open(path, "rb"):
                     pass
             except OSError as exc:
-                return f"{name} {path}: {exc.strerror or exc}"
+                return name, f"{path}: {exc.strerror or exc}"
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     if ca_certs is not None:
         try:
             ctx.load_verify_locations(ca_certs)
         except (ssl.SSLError, ValueError) as exc:
-            return f"ca_certs {ca_certs}: not a PEM CA certificate ({exc})"
+            return "ca_certs", f"{ca_certs}: not a PEM CA certificate ({exc})"
     if certfile is not None:
         try:
             ctx.load_cert_chain(certfile, keyfile)
         except (ssl.SSLError, ValueError) as exc:
             with_key = f" with keyfile {keyfile}" if keyfile is not None else ""
-            return f"certfile {certfile}: cannot load the certificate and its key{with_key} ({exc})"
+            return "certfile", f"{certfile}: cannot load the certificate and its key{with_key} ({exc})"
     return None
 
 
@@ -370,8 +371,8 @@ class Client:
         if tls:
             problem = tls_files_problem(ca_certs, certfile, keyfile)
             if problem is not None:  # paho's own error names neither the argument nor the file
-                raise BrokerUnreachableError(f"cannot set up TLS for the MQTT broker at {host}:{port}: {problem}",
-                                             details={"host": host, "port": port})
+                raise BrokerUnreachableError(f"cannot set up TLS for the MQTT broker at {host}:{port}: "
+                                             f"{problem[0]} {problem[1]}", details={"host": host, "port": port})
             self._client.tls_set(ca_certs=ca_certs, certfile=certfile, keyfile=keyfile)
             self._client.tls_insecure_set(tls_insecure)
         self._client.reconnect_delay_set(1, 10)

@@ -332,3 +332,23 @@ def test_gstreamer_pipeline_without_a_frame_size_read_through_gst_launch_is_refu
     sized = _config(tmp_path, sources=f"  - {{name: gst, uri: '{pipeline}', capture: subprocess, width: 64, "
                                       "height: 48}\n")
     assert _check(sized, capsys)[0] == 0
+
+
+def test_tls_file_that_is_not_a_certificate_is_refused_naming_the_key(tmp_path, capsys) -> None:
+    """A CA file that is not a certificate passed --check-config; serve then failed after loading the model
+    with "edgevlm: error: [X509: NO_CERTIFICATE_OR_CRL_FOUND] no certificate or crl found (_ssl.c:...)",
+    naming neither the key nor the file."""
+    bad = tmp_path / "ca.crt"
+    bad.write_text("not a certificate\n")
+    cfg = tmp_path / "daemon.yaml"
+    cfg.write_text(f"metrics:\n  listen: null\nmqtt:\n  port: 8883\n  tls:\n    ca_certs: {bad}\n")
+    code, err = _check(cfg, capsys)
+    assert code == 2 and err.startswith(f"mqtt.tls.ca_certs: {bad}: not a PEM CA certificate ("), err
+    cfg.write_text(f"metrics:\n  listen: null\nmqtt:\n  port: 8883\n  tls:\n    certfile: {bad}\n")
+    code, err = _check(cfg, capsys)
+    assert code == 2 and err.startswith(f"mqtt.tls.certfile: {bad}: cannot load the certificate and its key ("), err
+    proc = subprocess.run([sys.executable, "-m", "edgevlm.cli", "serve", "--config", str(cfg)], capture_output=True,
+                          text=True, timeout=120)  # serve refuses it the same way, before loading the model
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
+        f"edgevlm: error: mqtt.tls.certfile: {bad}: cannot load"), proc.stderr
+    assert "loading model" not in proc.stderr, proc.stderr
