@@ -294,7 +294,8 @@ class Client:
     Raises:
         BrokerUnreachableError: (a ``ConnectionError``) the broker is unreachable, refuses the
             connection, or does not answer within ``connect_timeout_s``; the message names the cause.
-        ValueError: ``port`` outside 1..65535, ``qos`` not 0/1/2, both ``device_id`` and ``pool``.
+        ValueError: ``port`` outside 1..65535, ``qos`` not 0/1/2, ``keepalive_s`` outside 0..65535,
+            ``connect_timeout_s`` not > 0, both ``device_id`` and ``pool``.
     """
 
     def __init__(
@@ -325,6 +326,11 @@ class Client:
             raise ValueError(f"qos must be 0, 1 or 2, got {qos}")
         if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:  # else "connection refused"
             raise ValueError(f"port must be an integer in 1..65535, got {port!r}")
+        if isinstance(keepalive_s, bool) or not isinstance(keepalive_s, int) or not 0 <= keepalive_s <= 65535:
+            raise ValueError(f"keepalive_s must be an integer in 0..65535, got {keepalive_s!r}")
+        if isinstance(connect_timeout_s, bool) or not isinstance(connect_timeout_s, (int, float)) \
+                or not 0 < connect_timeout_s < float("inf"):
+            raise ValueError(f"connect_timeout_s must be a positive number, got {connect_timeout_s!r}")
         self.host, self.port, self.device_id, self.prefix, self.qos = host, port, device_id, prefix, qos
         self._connect_timeout_s = connect_timeout_s
         if resend_interval_s is not None and not resend_interval_s > 0:

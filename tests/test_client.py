@@ -105,6 +105,20 @@ def test_tls_file_that_cannot_be_read_is_named(mosquitto, tmp_path, which) -> No
         Client(mosquitto.host, mosquitto.port, "dev1", tls=True, ca_certs=str(garbage))
 
 
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"keepalive_s": -1}, "keepalive_s must be an integer in 0..65535, got -1"),
+    ({"keepalive_s": 1.5}, "keepalive_s must be an integer in 0..65535, got 1.5"),
+    ({"connect_timeout_s": 0}, "connect_timeout_s must be a positive number, got 0"),
+    ({"connect_timeout_s": float("nan")}, "connect_timeout_s must be a positive number, got nan"),
+])
+def test_bad_connection_arguments_are_refused_by_name(mosquitto, kw, message) -> None:
+    """keepalive_s=-1 read "BrokerUnreachableError: cannot connect to the MQTT broker ...: ValueError: Keepalive
+    must be >=0." (the broker was fine), connect_timeout_s=0 paho's "timeout must be a positive number"."""
+    with pytest.raises(ValueError, match="^" + message.replace(".", r"\.") + "$") as info:
+        Client(mosquitto.host, mosquitto.port, "dev1", **kw)
+    assert not isinstance(info.value, ConnectionError)
+
+
 def test_client_is_exported_lazily() -> None:
     assert edgevlm.Client is Client
 
