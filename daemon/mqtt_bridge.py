@@ -194,6 +194,7 @@ class MqttBridge:
         self.takeovers = 0
         self.takeover_delays_s: list[float] = []
         self._connected_at = 0.0
+        self._connack_seen = False  # a CONNACK (accepting or refusing) came on the current connection
         self._sub_mids: set[int] = set()
         self.recent_answers = RecentAnswers(config.dedup_cache_size)
         self.receipt_clock = ReceiptClock()
@@ -581,6 +582,7 @@ class MqttBridge:
 
     # ------------------------------------------------------------------ paho callbacks
     def _on_connect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
+        self._connack_seen = True
         if reason_code.is_failure:
             logger.error("MQTT: connection refused by %s:%d: %s", self.config.host, self.config.port, reason_code)
             self.counters.inc("mqtt_connect_refused")  # after the log line (tests wait on the counter)
@@ -631,12 +633,22 @@ class MqttBridge:
     def _on_disconnect(
         self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any
     ) -> None:
+        connack, self._connack_seen = self._connack_seen, False
         self._connected.clear()
         self._subscribed.clear()
         if self._stopping:
             return
-        self.counters.inc("mqtt_disconnects")
         cfg = self.config
+        if not connack and not getattr(flags, "is_disconnect_packet_from_server", False):
+            # closed before any CONNACK: not a lost connection, a failed connect (what answered is not MQTT)
+            logger.warning("MQTT: cannot connect to %s:%d: the connection closed before the broker's CONNACK "
+                           "(%s): is that port an MQTT broker's, and plain or TLS (mqtt.tls) as that listener "
+                           "expects? retrying", cfg.host, cfg.port, reason_code)  # fmt: skip
+            self.counters.inc("mqtt_connect_failures")
+            if self.on_connection is not None:
+                self.on_connection(False, str(reason_code))
+            return
+        self.counters.inc("mqtt_disconnects")
         lived_s = time.monotonic() - self._connected_at
         from_broker = bool(getattr(flags, "is_disconnect_packet_from_server", False))
         taken_over = from_broker and getattr(reason_code, "value", None) == SESSION_TAKEN_OVER

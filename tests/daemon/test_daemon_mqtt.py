@@ -402,3 +402,45 @@ def test_daemon_started_before_the_broker_connects_when_it_comes_up(start_daemon
     assert daemon.counters.get("mqtt_connect_failures") >= 1
     response, _ = _roundtrip(raw_client(), {"prompt": PROMPT, "source": "nope"})
     assert response["error"]["code"] == "UNKNOWN_SOURCE"
+
+
+def test_a_port_that_is_not_an_mqtt_broker_is_logged_as_a_failed_connect(start_daemon, caplog, wait_until) -> None:
+    """mqtt.port pointing at something that answers the CONNECT with bytes that are not MQTT (an HTTP server,
+    a TLS listener): each attempt is logged as a failed connect that says so, not as a lost connection of "the
+    broker stopped or crashed" (no connection had been made), and the daemon keeps retrying."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    port = server.getsockname()[1]
+    stop = threading.Event()
+
+    def serve_http() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.recv(1024)
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+    thread = threading.Thread(target=serve_http, daemon=True)
+    thread.start()
+    try:
+        with caplog.at_level("WARNING", logger="edgevlm.daemon.mqtt_bridge"):
+            daemon = start_daemon(wait=False, mqtt={"port": port})
+            wait_until(lambda: "cannot connect to 127.0.0.1" in caplog.text, timeout_s=20, what="a failed connect")
+            assert not daemon.wait_ready(0.1)
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()
+    line = next(r.getMessage() for r in caplog.records if "cannot connect to" in r.getMessage())
+    assert line.startswith(f"MQTT: cannot connect to 127.0.0.1:{port}: the connection closed before the broker's "
+                           "CONNACK"), line
+    assert "not an MQTT broker" in line or "MQTT broker" in line, line
+    assert "stopped or crashed" not in caplog.text, caplog.text
