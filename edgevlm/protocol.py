@@ -39,7 +39,6 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
-    StrictFloat,
     StrictInt,
     StrictStr,
     ValidationError,
@@ -250,11 +249,12 @@ class Request(BaseModel):
         "point predicted to fit it, or answers DEADLINE_EXCEEDED at once when even the cheapest does not; "
         "None = the profile's default budget.",
     )
-    temperature: StrictFloat | StrictInt | None = Field(
-        None, ge=0, le=2, description="Sampling temperature; 0 or None = greedy decoding."
+    # strict float (an int is a valid float; "1" and true are not): one type, so an error's path is the field's
+    temperature: float | None = Field(
+        None, ge=0, le=2, strict=True, description="Sampling temperature; 0 or None = greedy decoding."
     )
-    top_p: StrictFloat | StrictInt | None = Field(
-        None, gt=0, le=1, description="Nucleus sampling mass (with temperature > 0); None = 1."
+    top_p: float | None = Field(
+        None, gt=0, le=1, strict=True, description="Nucleus sampling mass (with temperature > 0); None = 1."
     )
     stop: list[Annotated[StrictStr, Field(min_length=1)]] | None = Field(
         None, max_length=MAX_STOP_STRINGS, description="Non-empty strings that end the answer (not included in it)."
@@ -271,8 +271,8 @@ class Request(BaseModel):
         "delivered N yet): a Qwen-family model sees them as one video with their capture times, other "
         "families as several images; a model that takes neither answers INVALID_REQUEST naming its limit.",
     )
-    frames_s: StrictFloat | StrictInt | None = Field(
-        None, gt=0, le=MAX_REQUEST_FRAMES_S,
+    frames_s: float | None = Field(
+        None, gt=0, le=MAX_REQUEST_FRAMES_S, strict=True,
         description="Ask about the frames of ``source`` captured in the last S seconds (up to the newest "
         f"frame; at most {MAX_REQUEST_FRAMES} frames, the newest kept), as ``frames``. A window holding more "
         "frames than the model takes in one request (a family without video: its max_images, e.g. 8) is "

@@ -154,6 +154,10 @@ def test_lone_surrogate_is_invalid_request_naming_the_field(field: str) -> None:
         (b'{"prompt": "p", "source": "s", "max_new_tokens": 0}', "max_new_tokens", "greater than 0"),
         (b'{"prompt": "p", "source": "s", "reply_to": "a/+/b"}', "reply_to", "not a valid topic"),
         (b'{"prompt": "p", "source": "s", "schema_version": 2}', "schema_version", "unsupported"),
+        # a number field's path is the field, not pydantic's union member ("temperature.float: ... (and 1 more)")
+        (b'{"prompt": "p", "source": "s", "temperature": "hot"}', "temperature", "Input should be a valid number"),
+        (b'{"prompt": "p", "source": "s", "top_p": true}', "top_p", "Input should be a valid number"),
+        (b'{"prompt": "p", "source": "s", "frames_s": [1]}', "frames_s", "Input should be a valid number"),
         # strict as every integer: True == 1.0 == 1 in Python, and these used to pass as version 1
         (b'{"prompt": "p", "source": "s", "schema_version": true}', "schema_version",
          "must be the integer 1, got a boolean (true)"),
