@@ -337,14 +337,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return code
 
 
+_NATIVE_WORKERS = ("edgevlm-inference", "edgevlm-reload")
+"""The daemon's threads that run the model or load one (native code, torch) and that a shutdown may leave
+running: the inference worker (a stop during the model load, a request past ``service.shutdown_timeout_s``)
+and the hot-reload thread (a stop during a reload's load)."""
+
+
 def _end_if_worker_left(code: int) -> None:
-    """End the process now when the daemon stopped with its inference worker still running: a stop signal
-    during the model load (or a request past ``service.shutdown_timeout_s``) leaves it inside native code
-    (torch), and the interpreter's finalization would stop that thread mid-call and abort the process
-    (SIGABRT, "terminate called without an active exception") instead of exiting ``code``."""
+    """End the process now when the daemon stopped with one of its :data:`_NATIVE_WORKERS` still running:
+    it is inside native code (torch), and the interpreter's finalization would stop that thread mid-call and
+    abort the process (SIGABRT, "terminate called without an active exception") instead of exiting ``code``."""
     import threading
 
-    if not any(t.name == "edgevlm-inference" and t.is_alive() for t in threading.enumerate()):
+    if not any(t.name in _NATIVE_WORKERS and t.is_alive() for t in threading.enumerate()):
         return
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -259,3 +259,51 @@ def test_serve_names_the_monitor_not_the_model_when_a_monitor_cannot_run_on_the_
     errors = [line for line in done.stderr.splitlines() if line.startswith("edgevlm: error: ")]
     assert done.returncode == 2 and errors == [
         "edgevlm: error: monitors: the model has no exit classifier (run `edgevlm calibrate` on it)"], done.stderr
+
+
+# `edgevlm serve` whose hot reload is slow native work (a large model's load on a Jetson): torch, not a sleep
+RUN_SLOW_RELOAD = "import sys, torch; import edgevlm.daemon.app as app; real = app.load_engine; calls = [0]\n" \
+    "def slow(c, p):\n" \
+    "    calls[0] += 1\n" \
+    "    if calls[0] > 1:\n" \
+    "        print('RELOADING', flush=True); a = torch.ones(2000, 2000)\n" \
+    "        for _ in range(2000): a = (a @ a) * 1e-4\n" \
+    "    return real(c, p)\n" \
+    "app.load_engine = slow\n" \
+    "from edgevlm.cli import main; sys.exit(main(['serve', '--config', sys.argv[1]]))\n"  # fmt: skip
+
+
+def test_sigterm_during_a_slow_hot_reload_exits_0_not_sigabrt(tmp_path, mosquitto, raw_client, tiny_model_dir) -> None:
+    """``systemctl stop`` while a hot reload (SIGHUP) loads the new engine: the shutdown waits 5 s for the reload
+    thread and leaves it inside native code; the process must still exit 0, not abort in the interpreter's
+    finalization ("terminate called without an active exception", SIGABRT)."""
+    import time
+
+    watcher = raw_client()
+    watcher.subscribe(STATUS_TOPIC)
+    cfg = {"mqtt": {"host": mosquitto.host, "port": mosquitto.port, "device_id": "proc1"},
+           "model": {"path": str(tiny_model_dir)}, "metrics": {"listen": None}}
+    path = tmp_path / "daemon.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.Popen([sys.executable, "-c", RUN_SLOW_RELOAD, str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        watcher.wait_messages(STATUS_TOPIC, 1, timeout_s=120)
+        proc.send_signal(signal.SIGHUP)
+        seen = []
+        while True:
+            line = proc.stdout.readline()
+            seen.append(line)
+            if not line or line.strip() == b"RELOADING":
+                break
+        assert seen[-1].strip() == b"RELOADING", seen
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    text = b"".join(seen).decode(errors="replace") + out.decode(errors="replace")
+    assert proc.returncode == 0, (proc.returncode, text[-3000:])
+    assert "terminate called" not in text and "stopped; counters" in text, text[-3000:]
