@@ -281,6 +281,8 @@ def to_request(body: Any, *, model_id: str, multiple_images: str = "refuse") -> 
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise _invalid("must be an object", "stream_options")
+    if options.get("include_usage") is not None and not isinstance(options["include_usage"], bool):  # not "yes"
+        raise _invalid("must be a boolean", "stream_options.include_usage")
     fields: dict[str, Any] = {
         "prompt": prompt,
         **_image_fields(url, param),
@@ -297,7 +299,7 @@ def to_request(body: Any, *, model_id: str, multiple_images: str = "refuse") -> 
         "frame_seq": body.get("frame_seq"),  # that frame again (an earlier answer's edgevlm.frame.seq)
     }
     request = parse_request({k: v for k, v in fields.items() if v is not None})
-    return request, bool(stream), bool(options.get("include_usage"))
+    return request, bool(stream), options.get("include_usage") is True
 
 
 class _Pending:

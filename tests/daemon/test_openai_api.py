@@ -296,7 +296,9 @@ def test_raw_http_errors(http_daemon) -> None:
                                     ((chat + '"n": 1.0}').encode(), 400, "n: 1.0 is not supported by edgevlm"),
                                     ((chat + '"logprobs": 0}').encode(), 400, "logprobs: 0 is not supported"),
                                     ((chat + '"presence_penalty": false}').encode(), 400,
-                                     "presence_penalty: False is not supported")]:
+                                     "presence_penalty: False is not supported"),
+                                    ((chat + '"stream": true, "stream_options": {"include_usage": "yes"}}').encode(),
+                                     400, "stream_options.include_usage: must be a boolean")]:
         req = urllib.request.Request(url, data=payload, headers={"Content-Type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(req, timeout=30)
