@@ -11,7 +11,7 @@ GenAI provider, live-vlm-webui and agent frameworks can call the robot's model:
   events, ``stream_options.include_usage``) and the edgevlm extensions ``budget_ms`` / ``timeout_ms`` /
   ``frames`` / ``frames_s`` / ``frame_seq``
   (the MQTT request fields of the same names). System messages are prepended to the question.
-- ``GET /v1/models``: the one model served. ``GET /health``: liveness + queue depth, no token needed.
+- ``GET /v1/models``: the one model served (``GET /v1/models/{id}``: that model). ``GET /health``: liveness + queue depth, no token needed.
 
 A request becomes the same :class:`~edgevlm.protocol.Request` an MQTT client would send and goes
 through the same admission check (:mod:`edgevlm.daemon.admission`), scheduler, latency controller,
@@ -343,9 +343,14 @@ def unauthorised() -> Any:
                        type_="authentication_error", code="invalid_api_key")
 
 
+def model_object(model_id: str, created: int) -> dict[str, Any]:
+    """``GET /v1/models/{id}``: the model served (an OpenAI model object)."""
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "edgevlm"}
+
+
 def models_body(model_id: str, created: int) -> dict[str, Any]:
     """``GET /v1/models``: the one model served."""
-    return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "edgevlm"}]}
+    return {"object": "list", "data": [model_object(model_id, created)]}
 
 
 async def read_chat_request(request: Any, config: HttpConfig, model_id: str, limits: Any,
@@ -470,6 +475,7 @@ class OpenAIServer:
         return Starlette(routes=[
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self._model, methods=["GET"]),
             Route("/health", self._health, methods=["GET"]),
         ], exception_handlers={404: _not_found, 405: _not_allowed})
 
@@ -485,6 +491,17 @@ class OpenAIServer:
         if not authorised(request, self.api_key):
             return unauthorised()
         return JSONResponse(models_body(self.model_id, self.created))
+
+    async def _model(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse
+
+        if not authorised(request, self.api_key):
+            return unauthorised()
+        asked = request.path_params["model_id"]
+        if asked != self.model_id:
+            return _http_error(404, f"model {asked!r} is not served here; this server serves {self.model_id!r}",
+                               param="model", code="model_not_found")
+        return JSONResponse(model_object(self.model_id, self.created))
 
     async def _chat(self, request: Any) -> Any:
         parsed = await read_chat_request(request, self.config, self.model_id, self.limits, self.api_key)

@@ -209,6 +209,21 @@ def test_curl_models_and_chat(http_daemon, demo_engine, frames) -> None:
     assert text == out["choices"][0]["message"]["content"]
 
 
+def test_models_retrieve_with_the_openai_client(http_daemon, monkeypatch) -> None:
+    """``client.models.retrieve(id)`` (GET /v1/models/{id}, which tools call to check the model) answered 404
+    "no route"; now the model object, 404 model_not_found for another id, 401 without the token."""
+    monkeypatch.setenv("EDGEVLM_HTTP_API_KEY", "s3cret")
+    daemon = http_daemon()
+    client = client_for(daemon, api_key="s3cret")
+    model = client.models.retrieve("edgevlm-demo")
+    assert (model.id, model.object, model.owned_by) == ("edgevlm-demo", "model", "edgevlm")
+    assert model.created == client.models.list().data[0].created
+    status, body = _error(lambda: client.models.retrieve("gpt-4o"))
+    assert (status, body["code"]) == (404, "model_not_found") and "edgevlm-demo" in body["message"], body
+    status, body = _error(lambda: client_for(daemon).models.retrieve("edgevlm-demo"))
+    assert (status, body["code"]) == (401, "invalid_api_key"), body
+
+
 # ---------------------------------------------------------------------------------------- errors
 
 
