@@ -20,7 +20,7 @@ one the daemon starts with. It checks what can be checked without loading the we
 - **sources** (:func:`check_sources`): a video file is a file OpenCV decodes a frame from (not a
   folder, not a text file); a V4L2 camera's device node exists, is a character device and is
   readable and writable by this user; a GStreamer pipeline read through gst-launch-1.0 has a frame
-  size. Network streams, GStreamer pipelines and CSI cameras are not probed (they may come up
+  size; an audio source's WAV file has a supported format and samples. Network streams, GStreamer pipelines and CSI cameras are not probed (they may come up
   after the daemon). A failure is a one-line problem naming the key.
 
 Nothing here imports torch unless ``model.device`` is CUDA, nor OpenCV unless a source is a video
@@ -213,7 +213,26 @@ def check_sources(cfg: DaemonConfig) -> list[str]:
             problem = _gst_launch_problem(src)
         if problem is not None:
             problems.append(f"sources[{i}].uri: {problem} (source {src.name!r})")
+    for i, mic in enumerate(cfg.audio):
+        if mic.file is not None:
+            problem = _wav_problem(mic.file)
+            if problem is not None:
+                problems.append(f"audio[{i}].file: {problem} (audio source {mic.name!r})")
     return problems
+
+
+def _wav_problem(path: Path) -> str | None:
+    """An audio source's WAV file is what its source plays: RIFF/WAVE with a supported format and samples
+    (read from its chunk headers only)."""
+    from edgevlm.daemon.wav import WavFormatError, read_wav_info
+
+    try:
+        _, frames = read_wav_info(path)
+    except WavFormatError as exc:
+        return exc.message
+    except OSError as exc:
+        return f"{path}: cannot read it ({exc.strerror or exc})"
+    return f"{path}: no audio frames" if frames == 0 else None
 
 
 def preflight(cfg: DaemonConfig, *, verify_hashes: bool = True) -> list[str]:

@@ -22,6 +22,7 @@ with one WARNING naming the file and the bytes missing.
 from __future__ import annotations
 
 import logging
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +103,41 @@ def decode_samples(data: bytes, info: WavInfo) -> np.ndarray:
     else:
         x = (np.frombuffer(data, "<i4").astype(np.float64) / float(1 << 31)).astype(np.float32)
     return x.reshape(n, info.channels)
+
+
+def read_wav_info(path: str | Path) -> tuple[WavInfo, int]:
+    """The format and the number of whole sample frames of a WAV file, reading only its chunk headers (the
+    start-up checks: ``edgevlm serve --check-config``).
+
+    Raises:
+        WavFormatError: as :func:`read_wav` (not RIFF/WAVE, no ``fmt ``/``data`` chunk, an unsupported format).
+        OSError: the file cannot be read.
+    """
+    where = str(path)
+    with open(path, "rb") as f:
+        size_all = os.fstat(f.fileno()).st_size
+        head = f.read(12)
+        if head[:4] == b"RF64":
+            raise WavFormatError(f"{where}: RF64 (WAV over 4 GiB) is not supported")
+        if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+            raise WavFormatError(f"{where}: not a RIFF/WAVE file")
+        info, data_bytes = None, None
+        while info is None or data_bytes is None:
+            header = f.read(8)
+            if len(header) < 8:
+                break
+            cid, size = header[:4], struct.unpack("<I", header[4:])[0]
+            start = f.tell()
+            if cid == b"fmt ":
+                info = _parse_fmt(f.read(size), where)
+            elif cid == b"data":
+                data_bytes = min(size, size_all - start)  # a data chunk cut short keeps its whole frames
+            f.seek(start + size + (size & 1))
+    if info is None:
+        raise WavFormatError(f"{where}: no fmt chunk")
+    if data_bytes is None:
+        raise WavFormatError(f"{where}: no data chunk")
+    return info, data_bytes // info.block_align
 
 
 def read_wav(path: str | Path) -> tuple[np.ndarray, WavInfo]:

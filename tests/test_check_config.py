@@ -352,3 +352,38 @@ def test_tls_file_that_is_not_a_certificate_is_refused_naming_the_key(tmp_path, 
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
         f"edgevlm: error: mqtt.tls.certfile: {bad}: cannot load"), proc.stderr
     assert "loading model" not in proc.stderr, proc.stderr
+
+
+def _wav(path: Path, chunks: bytes) -> Path:
+    import struct
+
+    path.write_bytes(b"RIFF" + struct.pack("<I", 4 + len(chunks)) + b"WAVE" + chunks)
+    return path
+
+
+def test_audio_file_that_is_not_a_playable_wav_is_refused(tmp_path, capsys) -> None:
+    """An audio source's WAV file is read as its source will read it (a text file, a WAV without samples, an
+    unsupported format): --check-config said OK and the source then failed for ever ("audio source 'mic' has no
+    audio yet (WavFormatError: ...: no fmt chunk)"), as a video file OpenCV cannot decode is already refused."""
+    import struct
+
+    fmt = b"fmt " + struct.pack("<IHHIIHH", 16, 1, 1, 16000, 32000, 2, 16)
+    cases = [
+        (tmp_path / "text.wav", "not a RIFF/WAVE file"),
+        (_wav(tmp_path / "nofmt.wav", b"data" + struct.pack("<I", 4) + b"\0" * 4), "no fmt chunk"),
+        (_wav(tmp_path / "nodata.wav", fmt), "no data chunk"),
+        (_wav(tmp_path / "empty.wav", fmt + b"data" + struct.pack("<I", 0)), "no audio frames"),
+        (_wav(tmp_path / "alaw.wav", b"fmt " + struct.pack("<IHHIIHH", 16, 6, 1, 8000, 8000, 1, 8)
+              + b"data" + struct.pack("<I", 2) + b"\0\0"), "unsupported format code 0x0006"),
+    ]
+    (tmp_path / "text.wav").write_text("hello\n")
+    for path, reason in cases:
+        cfg = tmp_path / "daemon.yaml"
+        cfg.write_text(f"metrics:\n  listen: null\naudio:\n  - {{name: mic, file: {path}}}\n")
+        code, err = _check(cfg, capsys)
+        assert (code, err) == (2, f"audio[0].file: {path}: {reason} (audio source 'mic')") or (
+            code == 2 and err.startswith(f"audio[0].file: {path}: {reason}")), err
+    good = _wav(tmp_path / "good.wav", fmt + b"data" + struct.pack("<I", 3200) + b"\0" * 3200)
+    cfg = tmp_path / "daemon.yaml"
+    cfg.write_text(f"metrics:\n  listen: null\naudio:\n  - {{name: mic, file: {good}}}\n")
+    assert _check(cfg, capsys)[0] == 0
