@@ -348,6 +348,17 @@ def model_object(model_id: str, created: int) -> dict[str, Any]:
     return {"id": model_id, "object": "model", "created": created, "owned_by": "edgevlm"}
 
 
+def model_response(asked: str, model_id: str, created: int) -> Any:
+    """The answer to ``GET /v1/models/{asked}``: the model object of ``model_id`` (:func:`model_object`), or 404
+    ``model_not_found`` naming the model served when ``asked`` is another id."""
+    from starlette.responses import JSONResponse
+
+    if asked != model_id:
+        return _http_error(404, f"model {asked!r} is not served here; this server serves {model_id!r}",
+                           param="model", code="model_not_found")
+    return JSONResponse(model_object(model_id, created))
+
+
 def models_body(model_id: str, created: int) -> dict[str, Any]:
     """``GET /v1/models``: the one model served."""
     return {"object": "list", "data": [model_object(model_id, created)]}
@@ -493,15 +504,9 @@ class OpenAIServer:
         return JSONResponse(models_body(self.model_id, self.created))
 
     async def _model(self, request: Any) -> Any:
-        from starlette.responses import JSONResponse
-
         if not authorised(request, self.api_key):
             return unauthorised()
-        asked = request.path_params["model_id"]
-        if asked != self.model_id:
-            return _http_error(404, f"model {asked!r} is not served here; this server serves {self.model_id!r}",
-                               param="model", code="model_not_found")
-        return JSONResponse(model_object(self.model_id, self.created))
+        return model_response(request.path_params["model_id"], self.model_id, self.created)
 
     async def _chat(self, request: Any) -> Any:
         parsed = await read_chat_request(request, self.config, self.model_id, self.limits, self.api_key)

@@ -143,13 +143,22 @@ class OpenAIIngress:
     async def __call__(self, request: Any) -> Any:
         from starlette.responses import JSONResponse
 
-        from edgevlm.daemon.openai_api import _http_error, authorised, models_body, unauthorised
+        from edgevlm.daemon.openai_api import (
+            _http_error,
+            authorised,
+            model_response,
+            models_body,
+            unauthorised,
+        )
 
         path, method = request.url.path.rstrip("/"), request.method
         if path == "/health" and method == "GET":
             return JSONResponse({"status": "ok", "model": self.model_id, "replica_retries": self.retries})
         if path == "/v1/models" and method == "GET":
             return JSONResponse(models_body(self.model_id, self.created)) if authorised(
+                request, self.api_key) else unauthorised()
+        if path.startswith("/v1/models/") and method == "GET":  # the openai client's models.retrieve
+            return model_response(path[len("/v1/models/"):], self.model_id, self.created) if authorised(
                 request, self.api_key) else unauthorised()
         if path == "/v1/chat/completions" and method == "POST":
             return await self._chat(request)

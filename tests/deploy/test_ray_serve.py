@@ -91,6 +91,10 @@ def test_answers_equal_the_engine(ray_app, tiny_engine) -> None:
     port, _ = ray_app
     client = _client(port)
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"  # GET /v1/models/{id}, as edgevlm serve's API
+    with pytest.raises(openai.NotFoundError) as not_found:
+        client.models.retrieve("other")
+    assert not_found.value.body["code"] == "model_not_found" and "'tiny'" in not_found.value.body["message"]
     for seed in range(3):
         uri, img = _png(seed)
         out = client.chat.completions.create(model="tiny", messages=_messages(uri), max_tokens=6)
