@@ -304,6 +304,9 @@ def load_profile(name_or_path: str | Path) -> Profile:
     """
     path = Path(name_or_path)
     if path.suffix not in (".yaml", ".yml"):
+        if path.is_file():  # a file that is not a profile file: say so rather than "not found"
+            raise ConfigError(f"profile {str(name_or_path)!r}: a profile file ends in .yaml or .yml (or give a "
+                              "shipped profile's name)")
         path = profiles_dir() / f"{name_or_path}.yaml"
     if not path.is_file():
         known = sorted(p.stem for p in profiles_dir().glob("*.yaml"))

@@ -76,6 +76,15 @@ def test_unknown_profile_lists_known():
         load_profile("no-such-device")
 
 
+def test_existing_file_without_a_yaml_suffix_is_named_as_such(tmp_path):
+    """A path to a file that exists but does not end in .yaml / .yml is not reported as "not found"."""
+    other = tmp_path / "passwd"
+    other.write_text("root:x:0:0\n")
+    with pytest.raises(ConfigError, match=r"'.*passwd': a profile file ends in \.yaml or \.yml") as info:
+        load_profile(str(other))
+    assert "not found" not in str(info.value)
+
+
 def test_not_yaml(tmp_path):
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_profile(_write(tmp_path, "name: [unclosed\n"))
