@@ -63,6 +63,22 @@ class MonitorState:
     last_scores: dict[str, float] = field(default_factory=dict)
 
 
+def check_monitors(monitors: list[MonitorConfig], labels: list[str], blocks: list[int]) -> None:
+    """The monitors against a model's exit classifier: its ``labels`` and the vision blocks with a classifier
+    after them (``blocks``). The one rule for ``serve --check-config`` (from the model folder's ``exits.json``) and
+    for the start-up (from the loaded model). Raises ``ConfigError`` naming the monitor's key: no classifier at all,
+    an unknown label, an ``exit_layer`` without a classifier."""
+    if monitors and not labels:
+        raise ConfigError("monitors: the model has no exit classifier (run `edgevlm calibrate` on it)")
+    for i, mon in enumerate(monitors):
+        unknown = [lab for lab in mon.labels if lab not in labels]
+        if unknown:
+            raise ConfigError(f"monitors[{i}].labels: unknown label(s) {unknown} (the model has {labels})")
+        if mon.exit_layer is not None and mon.exit_layer not in blocks:
+            raise ConfigError(f"monitors[{i}].exit_layer: no classifier after block {mon.exit_layer} "
+                              f"(classifier blocks: {blocks})")
+
+
 class MonitorRunner:
     """All configured monitors. :meth:`attach` (worker thread, engine loaded), then the scheduler
     calls :meth:`next_due` / :meth:`run_due` whenever it is idle.
@@ -88,20 +104,13 @@ class MonitorRunner:
             ConfigError: the model has no exit classifier, or a label / exit_layer it does not have.
         """
         labels = list(getattr(engine, "labels", []) or [])
-        if self.states and not labels:
-            raise ConfigError("monitors: the model has no exit classifier (run `edgevlm calibrate` on it)")
         ladder = sorted(getattr(engine, "resolution_ladder", None) or [engine.image_size_px])
         heads = getattr(engine.backend, "exit_heads", None)
         blocks = list(heads.spec.classifier_blocks) if heads is not None else []
+        check_monitors([st.config for st in self.states], labels, blocks)
         now = time.monotonic()
-        for i, st in enumerate(self.states):
+        for st in self.states:
             c = st.config
-            unknown = [lab for lab in c.labels if lab not in labels]
-            if unknown:
-                raise ConfigError(f"monitors[{i}].labels: unknown label(s) {unknown} (the model has {labels})")
-            if c.exit_layer is not None and c.exit_layer not in blocks:
-                raise ConfigError(f"monitors[{i}].exit_layer: no classifier after block {c.exit_layer} "
-                                  f"(classifier blocks: {blocks})")
             st.exit_layer = c.exit_layer if c.exit_layer is not None else (blocks[0] if blocks else None)
             st.resolution_px = c.resolution_px or ladder[0]
             st.next_due = now

@@ -101,20 +101,14 @@ def check_model(cfg: DaemonConfig, *, verify_hashes: bool = True) -> None:
 def _check_monitors(cfg: DaemonConfig, exits: object) -> None:
     """The monitors against the exit classifier the model will have (``exits``: its ``exits.json``; None when
     it has none, or its backend loads none), as :meth:`edgevlm.daemon.monitors.Monitors.attach` checks them once
-    the model has loaded (there a failure stops the start-up as a model load error)."""
+    the model has loaded (:func:`edgevlm.daemon.monitors.check_monitors`, the one rule for both)."""
+    from edgevlm.daemon.monitors import check_monitors
+
     if not cfg.monitors:
         return
-    labels = list(exits.get("labels") or []) if isinstance(exits, dict) else []
-    if not labels:
-        raise ConfigError("monitors: the model has no exit classifier (run `edgevlm calibrate` on it)")
-    blocks = list(exits.get("classifier_blocks") or [])
-    for i, mon in enumerate(cfg.monitors):
-        unknown = [lab for lab in mon.labels if lab not in labels]
-        if unknown:
-            raise ConfigError(f"monitors[{i}].labels: unknown label(s) {unknown} (the model has {labels})")
-        if mon.exit_layer is not None and mon.exit_layer not in blocks:
-            raise ConfigError(f"monitors[{i}].exit_layer: no classifier after block {mon.exit_layer} "
-                              f"(classifier blocks: {blocks})")
+    ok = isinstance(exits, dict)
+    check_monitors(list(cfg.monitors), list(exits.get("labels") or []) if ok else [],
+                   list(exits.get("classifier_blocks") or []) if ok else [])
 
 
 def _check_frontier(cfg: DaemonConfig, model_path: Path) -> None:

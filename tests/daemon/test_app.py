@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -30,6 +31,29 @@ def _start_process(tmp_path: Path, mosquitto, model_dir: Path) -> subprocess.Pop
     path.write_text(yaml.safe_dump(cfg))
     load_daemon_config(path)  # the file is valid
     return subprocess.Popen([sys.executable, "-c", RUN, str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _sigterm_after_line(proc: subprocess.Popen, marker, delay_s: float) -> str:
+    """Read ``proc``'s stdout until a line for which ``marker(line)`` is true (asserting it came), wait
+    ``delay_s``, send SIGTERM and collect the rest; the process is killed if anything fails on the way. Returns
+    everything it printed."""
+    seen: list[bytes] = []
+    out = b""
+    try:
+        while True:
+            line = proc.stdout.readline()
+            seen.append(line)
+            if not line or marker(line):
+                break
+        assert line and marker(line), seen
+        time.sleep(delay_s)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return b"".join(seen).decode(errors="replace") + out.decode(errors="replace")
 
 
 def _states(watcher) -> list[dict]:
@@ -67,7 +91,6 @@ def test_sigterm_while_the_model_loads_stops_at_once_and_announces_nothing(tmp_p
     """``systemctl stop`` during a long model load: the daemon stops within seconds (exit 0), never reports
     ready (no READY=1 to systemd: STOPPING=1 instead), never publishes the retained "online"."""
     import socket
-    import time
 
     watcher = raw_client()
     watcher.subscribe(STATUS_TOPIC)
@@ -116,29 +139,14 @@ def test_edgevlm_serve_sigterm_during_the_real_model_load_exits_0_not_sigabrt(tm
     weights) is native code in the inference worker, which the start-up leaves running; the process must still
     end with exit 0, not abort in the interpreter's finalization ("terminate called without an active
     exception", SIGABRT: a failed unit and a core dump)."""
-    import time
 
     cfg = {"mqtt": {"host": mosquitto.host, "port": mosquitto.port, "device_id": "proc1"}}
     path = tmp_path / "daemon.yaml"
     path.write_text(yaml.safe_dump(cfg))
     proc = subprocess.Popen([sys.executable, "-m", "edgevlm.cli", "serve", "--config", str(path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        seen = []
-        while True:
-            line = proc.stdout.readline()
-            seen.append(line)
-            if not line or b"loading model" in line:
-                break
-        assert b"loading model" in seen[-1], seen
-        time.sleep(0.3)  # inside the load (torch's import takes about a second)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    text = b"".join(seen).decode(errors="replace") + out.decode(errors="replace")
+    # 0.3 s after the line: inside the load (torch's import takes about a second)
+    text = _sigterm_after_line(proc, lambda line: b"loading model" in line, 0.3)
     assert proc.returncode == 0, (proc.returncode, text)
     assert "terminate called" not in text, text
     assert "stopped during start-up" in text or "stopped; counters" in text, text
@@ -277,7 +285,6 @@ def test_sigterm_during_a_slow_hot_reload_exits_0_not_sigabrt(tmp_path, mosquitt
     """``systemctl stop`` while a hot reload (SIGHUP) loads the new engine: the shutdown waits 5 s for the reload
     thread and leaves it inside native code; the process must still exit 0, not abort in the interpreter's
     finalization ("terminate called without an active exception", SIGABRT)."""
-    import time
 
     watcher = raw_client()
     watcher.subscribe(STATUS_TOPIC)
@@ -290,20 +297,10 @@ def test_sigterm_during_a_slow_hot_reload_exits_0_not_sigabrt(tmp_path, mosquitt
     try:
         watcher.wait_messages(STATUS_TOPIC, 1, timeout_s=120)
         proc.send_signal(signal.SIGHUP)
-        seen = []
-        while True:
-            line = proc.stdout.readline()
-            seen.append(line)
-            if not line or line.strip() == b"RELOADING":
-                break
-        assert seen[-1].strip() == b"RELOADING", seen
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    text = b"".join(seen).decode(errors="replace") + out.decode(errors="replace")
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        raise
+    text = _sigterm_after_line(proc, lambda line: line.strip() == b"RELOADING", 0.5)
     assert proc.returncode == 0, (proc.returncode, text[-3000:])
     assert "terminate called" not in text and "stopped; counters" in text, text[-3000:]
