@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--device", type=torch_device, default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     ask.add_argument(
         "--dtype", choices=_DTYPES, default=None,
-        help="default: float32 on CPU, bfloat16 on CUDA; --backend onnx runs float32 only"
+        help="default: float32 on CPU, bfloat16 on CUDA; --backend onnx and tensorrt run float32 only"
     )
     ask.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy (default)")
     ask.add_argument("--seed", type=int, default=None, help="sampling seed")
@@ -180,11 +180,12 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     question = " ".join(args.question).strip()
     if not question:
         raise _UsageError("the question is empty")
-    if args.backend == "tensorrt" and not args.device.startswith("cuda"):  # before the TensorRT import
-        raise _UsageError(f"--backend tensorrt needs --device cuda (got --device {args.device})")
-    if args.backend == "onnx" and args.dtype not in (None, "float32"):  # its graphs compute in float32
-        raise _UsageError(f"--backend onnx runs float32: --dtype {args.dtype} is not supported "
-                          "(--dtype float32, or leave it out)")
+    from edgevlm.config_runtime import backend_settings_error  # pydantic: not at `import edgevlm.cli`
+
+    # before the TensorRT / ONNX Runtime import
+    refused = backend_settings_error(args.backend, args.device, args.dtype)
+    if refused is not None:
+        raise _UsageError("--{}: {}".format(*refused))
 
     from edgevlm.runtime.image import load_image, native_stderr_captured  # OpenCV: the runtime extra
 

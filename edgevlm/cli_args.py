@@ -93,10 +93,29 @@ class OneLineParser(argparse.ArgumentParser):
         """As argparse's, except that arguments left over are reported by the parser of the subcommand
         that was given (``see 'edgevlm serve --help'``): argparse hands a subparser's leftovers up to
         the top-level parser, whose usage is not the one to read."""
-        namespace, extras = self.parse_known_args(args, namespace)
+        argv = list(sys.argv[1:] if args is None else args)
+        self._check_leading_options(argv)
+        namespace, extras = self.parse_known_args(argv, namespace)
         if extras:
             self._subcommand_parser(namespace).error(f"unrecognized arguments: {' '.join(extras)}")
         return namespace
+
+    def _check_leading_options(self, argv: list[str]) -> None:
+        """Refuse an unknown option given before the subcommand (``edgevlm --nope serve``) as this parser's
+        own error: argparse would collect it as a leftover and first report what the subcommand misses
+        (``one of the arguments --config --check-config is required``), never naming ``--nope``. Only a
+        parser with subcommands and without options that take a value (the ``edgevlm`` top level) checks."""
+        commands = [a for a in self._actions if isinstance(a, argparse._SubParsersAction)]
+        if not commands or any(a.nargs != 0 for a in self._actions if a.option_strings
+                               and not isinstance(a, (argparse._VersionAction, argparse._HelpAction))):
+            return
+        known = self._option_string_actions
+        for arg in argv:
+            if arg == "--" or not arg.startswith("-") or arg == "-":
+                return  # the subcommand (or a positional) starts here
+            if arg in known or (not arg.startswith("--") and all(f"-{c}" in known for c in arg[1:])):
+                continue  # -v, --verbose, -vv
+            self.error(f"unrecognized arguments: {arg}")
 
     def _subcommand_parser(self, namespace: argparse.Namespace) -> argparse.ArgumentParser:
         """The innermost parser of the subcommands named in ``namespace`` (``self`` without any; a

@@ -11,6 +11,37 @@ from pydantic import Field, field_validator, model_validator
 
 from edgevlm.validation import ConfigPath, StrictModel
 
+FLOAT32_BACKENDS: dict[str, str] = {
+    "onnx": "its graphs compute in float32",
+    "tensorrt": "its engines' precision is fixed when the bundle is built; float32 in and out",
+}
+"""Backends whose precision a ``dtype`` cannot change, with the reason (the ``--dtype`` / ``model.dtype``
+error says it)."""
+
+
+def backend_settings_error(backend: str, device: str, dtype: str | None) -> tuple[str, str] | None:
+    """The one rule for which device and activation dtype a backend runs with, shared by ``edgevlm ask``
+    (``--device`` / ``--dtype``), the daemon config (``model.device`` / ``model.dtype``) and
+    ``Engine.load``: ``tensorrt`` needs a CUDA device; ``onnx`` and ``tensorrt``
+    (:data:`FLOAT32_BACKENDS`) take ``dtype`` unset or ``"float32"`` only (a 16-bit dtype would be
+    silently ignored).
+
+    Args:
+        backend: ``"torch"``, ``"onnx"`` or ``"tensorrt"``.
+        device: torch device string (``"cpu"``, ``"cuda"``, ``"cuda:N"``).
+        dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or None (the device's default).
+
+    Returns:
+        None when the combination runs, else ``(setting, reason)``: the setting to change
+        (``"device"`` or ``"dtype"``) and a one-line reason that names the value given.
+    """
+    if backend == "tensorrt" and not device.startswith("cuda"):
+        return "device", f"backend {backend!r} needs a CUDA device, got {device!r}"
+    if backend in FLOAT32_BACKENDS and dtype not in (None, "float32"):
+        return "dtype", (f"backend {backend!r} runs float32 only ({FLOAT32_BACKENDS[backend]}), got {dtype!r}; "
+                         "use float32 or leave it unset")
+    return None
+
 
 class ModelConfig(StrictModel):
     """Which model the inference worker loads (``edgevlm.runtime.Engine.load``)."""
@@ -87,8 +118,9 @@ class ModelConfig(StrictModel):
                 f"backend: {self.backend!r} runs engine bundles only, and model.path is null (the shipped demo "
                 "model, not a bundle): set model.path to a bundle built by `edgevlm quantize`, or use backend 'torch'"
             )
-        if self.backend == "tensorrt" and not self.device.startswith("cuda"):
-            raise ValueError(f"backend: 'tensorrt' needs a CUDA device (model.device is {self.device!r})")
+        refused = backend_settings_error(self.backend, self.device, self.dtype)
+        if refused is not None:
+            raise ValueError("{}: {}".format(*refused))
         return self
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from edgevlm.config_runtime import backend_settings_error
 from edgevlm.errors import InvalidImageError, InvalidRequestError, ModelLoadError
 from edgevlm.runtime.backends import Backend, decode_tokens, load_backend
 from edgevlm.runtime.loader import parse_dtype, read_model_files
@@ -181,7 +182,8 @@ class Engine:
                 :meth:`set_vision_cache`).
         Raises:
             ModelLoadError: bad folder/files, device unavailable, backend dependencies missing.
-            InvalidRequestError: bad ``device``/``dtype``/``backend``/``max_seq_len`` argument.
+            InvalidRequestError: bad ``device``/``dtype``/``backend``/``max_seq_len`` argument, or a
+                device / dtype the backend does not run (:func:`edgevlm.config_runtime.backend_settings_error`).
         """
         if path is None:
             from edgevlm.runtime.demo import model_dir
@@ -199,6 +201,9 @@ class Engine:
             torch_dtype = parse_dtype(dtype, dev)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from exc
+        refused = backend_settings_error(str(backend), str(dev), None if dtype is None else str(torch_dtype)[len("torch."):])
+        if refused is not None:
+            raise InvalidRequestError("{}: {}".format(*refused))
         files = read_model_files(path)
         tokenizer = VLMTokenizer.from_dir(files.model_dir, files.config.image_token_id)
         if max_seq_len is None:

@@ -233,7 +233,14 @@ NULL_PATH = ("model.backend: '{b}' runs engine bundles only, and model.path is n
     ("  path: null\n  backend: onnx\n", NULL_PATH.format(b="onnx")),
     ("  backend: onnx\n", NULL_PATH.format(b="onnx")),
     ("  path: null\n  backend: tensorrt\n  device: cuda\n", NULL_PATH.format(b="tensorrt")),
-    ("  path: /models/b\n  backend: tensorrt\n", "model.backend: 'tensorrt' needs a CUDA device (model.device is 'cpu')"),
+    ("  path: /models/b\n  backend: tensorrt\n", "model.device: backend 'tensorrt' needs a CUDA device, got 'cpu'"),
+    # was: accepted, and the daemon ran float32 (the ONNX graphs' precision) without a word
+    ("  path: /models/b\n  backend: onnx\n  dtype: bfloat16\n",
+     "model.dtype: backend 'onnx' runs float32 only (its graphs compute in float32), got 'bfloat16'; "
+     "use float32 or leave it unset"),
+    ("  path: /models/b\n  backend: tensorrt\n  device: cuda\n  dtype: float16\n",
+     "model.dtype: backend 'tensorrt' runs float32 only (its engines' precision is fixed when the bundle is built; "
+     "float32 in and out), got 'float16'; use float32 or leave it unset"),
 ])
 def test_bundle_backend_without_a_bundle_is_refused(tmp_path, mode, model, message, capsys):
     assert main(["serve", mode, str(_config(tmp_path, model))]) == 2

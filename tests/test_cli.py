@@ -20,7 +20,7 @@ cv2 = pytest.importorskip("cv2")
 pytest.importorskip("torch")
 
 from edgevlm import __version__  # noqa: E402
-from edgevlm.cli import main  # noqa: E402
+from edgevlm.cli import build_parser, main  # noqa: E402
 
 QUESTION = "what color is the circle?"
 MAX_NEW_TOKENS = 4
@@ -625,18 +625,23 @@ def test_ask_tensorrt_on_the_cpu_is_refused_before_anything_loads(image_files: d
     code = main(["ask", "--image", str(image_files["scene.png"]), "--backend", "tensorrt", "--device", device, "hi"])
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"edgevlm: error: --backend tensorrt needs --device cuda (got --device {device})"], err
+    assert err == [f"edgevlm: error: --device: backend 'tensorrt' needs a CUDA device, got '{device}'"], err
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_ask_onnx_backend_with_a_16_bit_dtype_is_refused_before_anything_loads(tmp_path: Path, dtype: str) -> None:
-    # was: ran float32 without a word (the ONNX graphs compute in float32); neither the model nor the image
-    # exists here: the flags are refused first
+@pytest.mark.parametrize(("backend", "device", "why"), [
+    ("onnx", "cpu", "its graphs compute in float32"),
+    ("tensorrt", "cuda", "its engines' precision is fixed when the bundle is built; float32 in and out"),
+])
+def test_ask_bundle_backend_with_a_16_bit_dtype_is_refused_before_anything_loads(
+        tmp_path: Path, dtype: str, backend: str, device: str, why: str) -> None:
+    # was: ran float32 without a word (onnx; tensorrt too, and it also ignored the flag); neither the
+    # model nor the image exists here: the flags are refused first
     res = run_cli("ask", "--image", str(tmp_path / "none.png"), "--model", str(tmp_path / "no-model"),
-                  "--backend", "onnx", "--dtype", dtype, "hi")
+                  "--backend", backend, "--device", device, "--dtype", dtype, "hi")
     line = assert_one_line_error(res)
-    assert line == (f"edgevlm: error: --backend onnx runs float32: --dtype {dtype} is not supported "
-                    "(--dtype float32, or leave it out)")
+    assert line == (f"edgevlm: error: --dtype: backend '{backend}' runs float32 only ({why}), got '{dtype}'; "
+                    "use float32 or leave it unset")
 
 
 def test_ask_onnx_backend_with_float32_goes_on_to_the_image(tmp_path: Path, capsys) -> None:
@@ -667,6 +672,27 @@ def test_unrecognized_arguments_name_the_subcommand_usage(argv: list[str], extra
     out = capsys.readouterr()
     assert out.out == "" and out.err == (f"edgevlm: error: unrecognized arguments: {extra} "
                                          f"(see 'edgevlm {argv[0]} --help')\n"), out.err
+
+
+@pytest.mark.parametrize(("argv", "extra"), [
+    (["--nope", "serve"], "--nope"),
+    (["-vv", "--nope", "ask"], "--nope"),
+    (["-vx", "ask", "q"], "-vx"),
+    (["--verbose=2", "demo"], "--verbose=2"),
+])
+def test_unknown_option_before_the_subcommand_is_named(argv: list[str], extra: str, capsys) -> None:
+    # was: `edgevlm --nope serve` -> "one of the arguments --config --check-config is required (see
+    # 'edgevlm serve --help')": argparse kept --nope as a leftover and reported the subcommand first
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == f"edgevlm: error: unrecognized arguments: {extra} (see 'edgevlm --help')\n"
+
+
+def test_known_options_before_the_subcommand_still_parse() -> None:
+    args = build_parser().parse_args(["-vv", "--verbose", "ask", "--image", "x.png", "q"])
+    assert (args.command, args.verbose, args.question) == ("ask", 3, ["q"])
 
 
 def test_ask_help_does_not_say_llava_only(capsys):

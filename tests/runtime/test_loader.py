@@ -196,6 +196,11 @@ def test_bad_load_arguments(tiny_dir):
         Engine.load(tiny_dir, device="tpu")
     with pytest.raises(InvalidRequestError, match="max_seq_len"):
         Engine.load(tiny_dir, max_seq_len=0)
+    # was: loaded and ran in float32 without a word (the ONNX graphs compute in float32)
+    with pytest.raises(InvalidRequestError, match=r"^dtype: backend 'onnx' runs float32 only \(.*\), got 'bfloat16'"):
+        Engine.load(tiny_dir, backend="onnx", dtype=torch.bfloat16)
+    with pytest.raises(InvalidRequestError, match=r"^device: backend 'tensorrt' needs a CUDA device, got 'cpu'$"):
+        Engine.load(tiny_dir, backend="tensorrt")
     if not torch.cuda.is_available():
         with pytest.raises(ModelLoadError, match="CUDA is not available"):
             Engine.load(tiny_dir, device="cuda")
