@@ -42,7 +42,10 @@ operating point's live latency) with what only the daemon knows:
   frame), so torch's first-call set-up of each input size is not mistaken for a slow device;
 - a **refit** when the request leaves the queue: if the point chosen at arrival no longer fits the
   budget left, the most accurate cheaper point that does is run instead (never a refusal then: the
-  request was accepted; its hard deadline stays ``timeout_ms``).
+  request was accepted; its hard deadline stays ``timeout_ms``). The same refit, passing over the
+  points with as many vision tokens, serves a prompt that does not fit the KV cache at the chosen
+  point (:class:`~edgevlm.errors.PromptTooLongError`; the scheduler's one rule: see
+  :mod:`edgevlm.daemon.scheduler`).
 
 :func:`build_controller` makes one for a loaded engine: the frontier comes from
 ``controller.frontier``, else the model's (or bundle's) ``frontier.json`` (measured for exactly this
@@ -58,6 +61,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -246,21 +250,27 @@ class BudgetController:
         n = min(max_new_tokens, point.max_new_tokens or max_new_tokens)
         return self.controller.predict_ms(point.name, n, tail=tail) * self._hint + self._overhead_ms
 
-    def refit(self, choice: Choice, remaining_ms: float, *, max_new_tokens: int) -> tuple[OperatingPoint, float]:
+    def refit(self, choice: Choice, remaining_ms: float, *, max_new_tokens: int,
+              too_long: Collection[OperatingPoint] = ()) -> tuple[OperatingPoint, float] | None:
         """At dequeue: keep the chosen point if it still fits ``remaining_ms`` (with the controller's
         headroom), else the most accurate cheaper point that does, else the cheapest. Returns the
-        point and its predicted service time. Does not move the controller's hysteresis state."""
+        point and its predicted service time. Does not move the controller's hysteresis state.
+
+        ``too_long``: points at which the request's prompt did not fit the KV cache; they are passed
+        over, and so is every point with as many vision tokens (the same rung and keep ratio: see
+        :func:`same_vision_tokens`). None when that leaves no point."""
         limit = remaining_ms * self.controller.headroom
         names = [p.name for p in self.points]
         start = names.index(choice.point.name) if choice.point.name in names else 0
         best: tuple[OperatingPoint, float] | None = None
         for p in self.points[start:]:
+            if any(same_vision_tokens(p.point, t) for t in too_long):
+                continue
             ms = self.service_ms(p.point, max_new_tokens, tail=True)
             if ms <= limit:  # its token cap raised to what the budget left affords (see runtime.policy)
                 return self.controller.lift_cap(p.point, (remaining_ms - self._overhead_ms) / self._hint), ms
             if best is None or ms < best[1]:
                 best = (p.point, ms)
-        assert best is not None  # the frontier is never empty
         return best
 
     def observe(self, point: OperatingPoint, stats: Stats, *, prompt: str | None = None) -> None:
@@ -285,6 +295,12 @@ class BudgetController:
             "overhead_ms": round(self._overhead_ms, 2),
             "default_budget_ms": self.default_budget_ms,
         }
+
+
+def same_vision_tokens(a: OperatingPoint, b: OperatingPoint) -> bool:
+    """Whether points ``a`` and ``b`` give an image as many vision tokens: the same rung and keep
+    ratio (early exit changes the encoder's depth, not its token count)."""
+    return a.resolution_px == b.resolution_px and (a.keep_ratio or 1.0) == (b.keep_ratio or 1.0)
 
 
 # ------------------------------------------------------------------------------ construction

@@ -33,8 +33,15 @@ cheapest point cannot serve within its deadline (the shorter of its ``budget_ms`
 answered ``DEADLINE_EXCEEDED`` at once, the message naming that field, with
 ``details.cheapest_predicted_ms``. The worker re-fits
 the point to the budget left when it dequeues the request, runs it, feeds the measured stats back
-and reports ``operating_point``, ``budget_ms`` and ``predicted_ms`` in the response stats. Monitors
-(:mod:`edgevlm.daemon.monitors`) run on the same worker, only while no request waits.
+and reports ``operating_point``, ``budget_ms`` and ``predicted_ms`` in the response stats. A prompt
+that does not fit the KV cache at the point the controller chose (``Engine.prepare``'s
+:class:`~edgevlm.errors.PromptTooLongError`) runs at the point that refit picks among the cheaper
+ones with fewer vision tokens (the most accurate whose prompt fits, within the budget left; the
+stats name it), wherever it is prepared (the worker, a prepare thread, a batched admission: one
+rule, :meth:`Scheduler._fit_prompt`); when none fits it is answered ``INVALID_REQUEST`` naming the
+fewest tokens of the points tried. Without a controller (the model's default point) it is refused as
+``Engine.prepare`` refuses it. Monitors (:mod:`edgevlm.daemon.monitors`) run on the same worker,
+only while no request waits.
 
 Deadlines are measured on the monotonic clock from the moment the daemon received the request;
 :func:`edgevlm.protocol.request_timeout_ms` is the one rule (``timeout_ms``, else ``defaults.timeout_ms``,
@@ -71,7 +78,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from edgevlm.config import DefaultsConfig
 from edgevlm.daemon.metrics_common import EventCounters
@@ -84,6 +91,7 @@ from edgevlm.errors import (
     InternalError,
     InvalidRequestError,
     ModelLoadError,
+    PromptTooLongError,
 )
 from edgevlm.protocol import NO_DEADLINE_MS, Frame, Request, Response, deadline_s, request_timeout_ms  # noqa: F401 (the rule, re-exported)
 from edgevlm.types import Answer
@@ -91,6 +99,7 @@ from edgevlm.types import Answer
 logger = logging.getLogger(__name__)
 
 ReplyFn = Callable[[Response], None]
+_T = TypeVar("_T")
 
 
 class StartupCancelled(Exception):
@@ -229,6 +238,7 @@ class Job:
     queued_monotonic: float | None = None  # when submit() queued it (the transport's checks were done)
     image: Any = None  # (H, W, 3) uint8 RGB decoded by a front process (edgevlm.daemon.front); the request has no file
     dedup: Any = None  # (key, payload digest) of the MQTT recent-answers cache (a front's re-sends, fronts.py)
+    too_long: list[tuple[Any, PromptTooLongError]] = field(default_factory=list)  # points its prompt overflowed
 
     def ready(self) -> bool:
         """Whether the worker can take the job without waiting for its preparation."""
@@ -537,9 +547,12 @@ class Scheduler:
         batch, engine = self._batch, self._engine
         if batch is not None and batch.engine is engine and engine is not None:
             point = job.refit[0] if job.refit is not None else job.choice.point if job.choice is not None else None
-            prepared.request = engine.prepare(prepared.image, req.prompt, operating_point=point,
-                                              max_new_tokens=req.max_new_tokens or self.defaults.max_new_tokens,
-                                              uint8_pixels=True, **sampling_kwargs(req))
+            max_new_tokens = req.max_new_tokens or self.defaults.max_new_tokens
+            prepared.request, fit = self._fit_prompt(job, point, max_new_tokens, lambda op: engine.prepare(
+                prepared.image, req.prompt, operating_point=op, max_new_tokens=max_new_tokens, uint8_pixels=True,
+                **sampling_kwargs(req)))
+            if fit is not None:  # the prompt fits at a cheaper point only: the worker runs that one
+                job.refit, point = fit, fit[0]
             prepared.engine, prepared.point = engine, point
         prepared.done_monotonic = time.monotonic()
         return prepared
@@ -692,7 +705,7 @@ class Scheduler:
     def _generate(self, job: Job, started: _Started) -> Answer:
         """Run one request on the engine; a streaming job gets each text delta as it is made."""
         req = job.request
-        kwargs = {"max_new_tokens": started.max_new_tokens, "operating_point": started.point, **sampling_kwargs(req)}
+        kwargs = {"max_new_tokens": started.max_new_tokens, **sampling_kwargs(req)}
         if started.frames is not None:
             kwargs["frame_timestamps_s"] = started.frame_timestamps_s
         if getattr(self._engine, "vision_cache", None) is not None:
@@ -704,12 +717,19 @@ class Scheduler:
                 # an inline image by its file's hash: a JPEG is ~60x smaller than its pixels (1080p: ~0.2
                 # vs ~7 ms of hashing on a 2-core x86 CPU)
                 kwargs["vision_key"] = ("inline", hashlib.blake2b(req.image_bytes, digest_size=16).hexdigest())
-        if job.on_delta is None:
-            return self._engine.ask(started.image, req.prompt, **kwargs)
-        stream = self._engine.stream(started.image, req.prompt, **kwargs)
-        for delta in stream:
-            job.on_delta(delta)
-        return stream.answer
+
+        def run(point: Any) -> Answer:  # the prompt is checked against the KV cache before the first token
+            if job.on_delta is None:
+                return self._engine.ask(started.image, req.prompt, operating_point=point, **kwargs)
+            stream = self._engine.stream(started.image, req.prompt, operating_point=point, **kwargs)
+            for delta in stream:
+                job.on_delta(delta)
+            return stream.answer
+
+        answer, fit = self._fit_prompt(job, started.point, started.max_new_tokens, run)
+        if fit is not None:
+            started.point, started.service_ms, started.predicted_ms = fit
+        return answer
 
     def _guarded(self, job: Job, what: str, fn: Callable[[], Any]) -> tuple[bool, Any]:
         """``(True, fn())``; or, when ``fn`` raises, ``(False, None)`` after answering ``job`` with
@@ -747,13 +767,10 @@ class Scheduler:
                 started.point, started.service_ms, started.predicted_ms = job.refit
             elif job.choice is not None and self.controller is not None:
                 # the wait may differ from the prediction: refit the point to the budget left
-                elapsed_ms = (time.monotonic() - job.received_monotonic) * 1000.0
-                planned_tokens = self.controller.expected_tokens(req.prompt, started.max_new_tokens)
-                started.point, started.service_ms = self.controller.refit(
-                    job.choice, job.choice.budget_ms - elapsed_ms, max_new_tokens=planned_tokens)
-                # the prediction the point was chosen on: at submit, or now if the refit changed it
-                started.predicted_ms = (job.choice.predicted_ms if started.point == job.choice.point
-                                        else elapsed_ms + started.service_ms)
+                fit = self._refit(job, started.max_new_tokens)
+                if fit is None:
+                    raise self._no_point_fits(job)
+                started.point, started.service_ms, started.predicted_ms = fit
         except EdgeVLMError as err:
             self._fail(job, err)
             return None
@@ -762,6 +779,60 @@ class Scheduler:
             self._fail(job, InternalError(f"internal error: {type(exc).__name__}: {exc}"))
             return None
         return started
+
+    def _refit(self, job: Job, max_new_tokens: int) -> tuple[Any, float, float] | None:
+        """The job's point refitted to the budget it has left now (:meth:`~edgevlm.daemon.budget.
+        BudgetController.refit`), passing over the points its prompt did not fit at: ``(point,
+        predicted service ms, predicted ms)``, the last the prediction at submit while the point is
+        the one chosen then. None when no point is left."""
+        ctl = self.controller
+        elapsed_ms = (time.monotonic() - job.received_monotonic) * 1000.0
+        planned_tokens = ctl.expected_tokens(job.request.prompt, max_new_tokens)
+        fit = ctl.refit(job.choice, job.choice.budget_ms - elapsed_ms, max_new_tokens=planned_tokens,
+                        too_long=[p for p, _ in job.too_long])
+        if fit is None:
+            return None
+        point, service_ms = fit
+        return point, service_ms, job.choice.predicted_ms if point == job.choice.point else elapsed_ms + service_ms
+
+    def _fit_prompt(self, job: Job, point: Any, max_new_tokens: int,
+                    attempt: Callable[[Any], _T]) -> tuple[_T, tuple[Any, float, float] | None]:
+        """``attempt(point)`` (``Engine.prepare``, itself or in ``Engine.ask`` / ``BatchWorker.add``);
+        when the prompt does not fit the KV cache at a point the controller chose, ``attempt`` again
+        at the job's point refitted without it and the points with as many vision tokens
+        (:meth:`_refit`), until one fits. The one rule of the three prepare paths (the worker, a
+        prepare thread, a batched admission). Returns the result and the refit ``(point, service ms,
+        predicted ms)`` it ran at (None: at ``point``).
+
+        Raises:
+            PromptTooLongError: at a point the controller did not choose (none: the model's default),
+                as raised; when no point fits, naming the fewest tokens of the points tried.
+        """
+        fit = None
+        while True:
+            try:
+                return attempt(point), fit
+            except PromptTooLongError as err:
+                if job.choice is None or self.controller is None or point is None:
+                    raise
+                job.too_long.append((point, err))
+                fit = self._refit(job, max_new_tokens)
+                if fit is None:
+                    raise self._no_point_fits(job) from None
+                logger.info("prompt of %d tokens does not fit the KV cache at %s: trying %s", err.tokens, point.name,
+                            fit[0].name)
+                self.counters.inc("prompt_refits")
+                point = fit[0]
+
+    @staticmethod
+    def _no_point_fits(job: Job) -> PromptTooLongError:
+        """The refusal of a prompt that fits the KV cache at none of the points tried: the fewest tokens."""
+        point, err = min(job.too_long, key=lambda t: t[1].tokens)
+        names = [p.name for p, _ in job.too_long]
+        tried = ", ".join(map(repr, names)) + (f"; the fewest tokens at {point.name!r}" if len(names) > 1 else "")
+        return PromptTooLongError(f"no operating point fits the prompt in the KV cache (tried {tried}): {err.message}",
+                                  tokens=err.tokens, capacity=err.capacity, vision_tokens=err.vision_tokens,
+                                  details={"operating_point": point.name, "points_tried": names})
 
     def _complete(self, job: Job, started: _Started, answer: Answer) -> None:
         """Answer a job that ran: stats, controller feedback, the response."""
@@ -959,12 +1030,15 @@ class Scheduler:
                 started.point, ready = pre.point, pre.request
             elif self._prepare_again(job, started):
                 return  # back in the queue, prepared for the refitted point on a prepare thread
-        ok, _ = self._guarded(job, "request preparation", lambda: batch.add(
-            (job, started), started.image, job.request.prompt, max_new_tokens=started.max_new_tokens,
-            operating_point=started.point, deadline_s=job.deadline_monotonic, on_delta=job.on_delta,
-            prepared=ready, **sampling_kwargs(job.request)))
+        ok, done = self._guarded(job, "request preparation", lambda: self._fit_prompt(
+            job, started.point, started.max_new_tokens, lambda op: batch.add(
+                (job, started), started.image, job.request.prompt, max_new_tokens=started.max_new_tokens,
+                operating_point=op, deadline_s=job.deadline_monotonic, on_delta=job.on_delta,
+                prepared=ready if op is started.point else None, **sampling_kwargs(job.request))))
         if not ok:
             return
+        if done[1] is not None:  # the prompt fits at a cheaper point only
+            started.point, started.service_ms, started.predicted_ms = done[1]
         with self._cond:
             self._active[id(job)] = (started.dequeued, started.service_ms)
         self.counters.inc("batched_requests")

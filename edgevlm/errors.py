@@ -38,6 +38,19 @@ class InvalidRequestError(EdgeVLMError, ValueError):
     code = ErrorCode.INVALID_REQUEST
 
 
+class PromptTooLongError(InvalidRequestError):
+    """The prompt with its vision tokens does not fit the KV cache (``Engine.prepare``): ``tokens``
+    (vision included) >= ``capacity`` positions. The daemon then runs a point its latency controller
+    chose with fewer vision tokens, if one fits (:mod:`edgevlm.daemon.scheduler`). ``details``:
+    ``reason`` ``prompt_too_long``, ``prompt_tokens``, ``vision_tokens``, ``max_seq_len``."""
+
+    def __init__(self, message: str, *, tokens: int, capacity: int, vision_tokens: int = 0,
+                 details: dict | None = None) -> None:
+        super().__init__(message, details={"reason": "prompt_too_long", "prompt_tokens": tokens,
+                                           "vision_tokens": vision_tokens, "max_seq_len": capacity, **(details or {})})
+        self.tokens, self.capacity, self.vision_tokens = tokens, capacity, vision_tokens
+
+
 class InvalidImageError(EdgeVLMError, ValueError):
     code = ErrorCode.INVALID_IMAGE
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from edgevlm.config_runtime import backend_settings_error
-from edgevlm.errors import InvalidImageError, InvalidRequestError, ModelLoadError
+from edgevlm.errors import InvalidImageError, InvalidRequestError, ModelLoadError, PromptTooLongError
 from edgevlm.runtime.backends import Backend, decode_tokens, load_backend
 from edgevlm.runtime.loader import parse_dtype, read_model_files
 from edgevlm.runtime.models.base import VisionInput
@@ -279,7 +279,8 @@ class Engine:
         Raises:
             InvalidImageError: an image is not an ``(H, W, 3)`` uint8 array, or the family cannot
                 resize it.
-            InvalidRequestError: bad prompt/knobs/frames, or prompt + vision tokens do not fit the KV cache.
+            InvalidRequestError: bad prompt/knobs/frames; :class:`~edgevlm.errors.PromptTooLongError`
+                when prompt + vision tokens do not fit the KV cache.
         """
         op = self._check_operating_point(operating_point)
         images, video, video_ts = self._vision_items(image, frame_timestamps_s)
@@ -304,9 +305,10 @@ class Engine:
         ids = self._prompt_ids(prompt, in_prompt)
         if len(ids) >= self.max_seq_len:
             th, tw = vision.input_sizes_px[0] if vision.input_sizes_px else (0, 0)
-            raise InvalidRequestError(
+            raise PromptTooLongError(
                 f"prompt is {len(ids)} tokens ({len(ids) - n_vision} text + {n_vision} vision at {tw}x{th} px); "
-                f"the KV cache holds {self.max_seq_len} positions"
+                f"the KV cache holds {self.max_seq_len} positions",
+                tokens=len(ids), capacity=self.max_seq_len, vision_tokens=n_vision,
             )
         key = None
         # an exit_threshold point's tokens depend on the question, its encoder blocks do not: the frame's

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from edgevlm.config import parse_daemon_config
-from edgevlm.daemon.budget import BudgetController, build_controller, runnable
+from edgevlm.daemon.budget import BudgetController, build_controller, runnable, same_vision_tokens
 from edgevlm.errors import ConfigError, DeadlineExceededError
 from edgevlm.profile import FrontierPoint
 from edgevlm.runtime.policy import Controller, PointProfile
@@ -162,6 +162,25 @@ def test_refit_steps_down_to_what_still_fits():
     assert p.name == "r256" and ms == pytest.approx(65)
     p, ms = bc.refit(c, 10, max_new_tokens=5)  # nothing fits: the cheapest
     assert p.name == "r128" and ms == pytest.approx(34)
+
+
+def test_refit_passes_over_the_points_a_prompt_did_not_fit_and_those_with_as_many_vision_tokens():
+    exit_384 = PointProfile(OperatingPoint(name="r384-x2", resolution_px=384, exit_layer=2), 0.95, 30.0, 40.0, 5.0)
+    bc = BudgetController(Controller([*POINTS, exit_384]), default_budget_ms=500, source="test")
+    c = bc.choose(1000, max_new_tokens=5, queue_wait_ms=0)
+    assert [p.name for p in bc.points] == ["r384", "r384-x2", "r256", "r128"] and c.point.name == "r384"
+    r384, r256, r128 = (p.point for p in POINTS)
+    # r384 overflowed: its early exit has as many vision tokens; r256 is the most accurate left that fits
+    p, ms = bc.refit(c, 1000, max_new_tokens=5, too_long=[r384])
+    assert p.name == "r256" and ms == pytest.approx(65)
+    p, ms = bc.refit(c, 50, max_new_tokens=5, too_long=[r384])  # within the budget left: 45 ms -> r128
+    assert p.name == "r128" and ms == pytest.approx(34)
+    p, _ = bc.refit(c, 10, max_new_tokens=5, too_long=[r384, r128])  # none fits the budget: the cheapest left
+    assert p.name == "r256"
+    assert bc.refit(c, 1000, max_new_tokens=5, too_long=[r384, r256, r128]) is None
+    assert same_vision_tokens(r384, exit_384.point)
+    assert same_vision_tokens(r256, r256.model_copy(update={"keep_ratio": 1.0, "max_new_tokens": 8}))
+    assert not same_vision_tokens(r256, r256.model_copy(update={"keep_ratio": 0.5}))
 
 
 def test_runnable_needs_exit_heads():
