@@ -80,6 +80,10 @@ deadline."""
 
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
+_PREVIEW_BYTES = 32
+"""How many bytes a server sent before (instead of) a CONNACK are quoted in the error that says it is
+not an MQTT broker."""
+
 
 # ------------------------------------------------------------------------------------------ PNG
 
@@ -294,6 +298,11 @@ class Client:
     Raises:
         BrokerUnreachableError: (a ``ConnectionError``) the broker is unreachable, refuses the
             connection, or does not answer within ``connect_timeout_s``; the message names the cause.
+            A port that is not an MQTT broker (it closes the connection during CONNECT, or answers
+            something other than a CONNACK, e.g. an HTTP server) is named as such as soon as the
+            connection ends: ``"<host>:<port> did not answer as an MQTT broker: it answered CONNECT
+            with b'HTTP/1.1 400 ...'..., not a CONNACK (an HTTP server?)"``; nothing is logged
+            while the constructor runs (its error says it all).
         ValueError: ``port`` outside 1..65535, ``qos`` not 0/1/2, ``keepalive_s`` outside 0..65535,
             ``connect_timeout_s`` not > 0, both ``device_id`` and ``pool``.
     """
@@ -366,6 +375,10 @@ class Client:
         self._subscribed = threading.Event()
         self._connect_error: str | None = None
         self._closed = False
+        self._constructing = True  # the constructor's error names the cause: nothing is logged until it returns
+        self._loop_ended = False  # the network thread was told to end from inside (a failed first connection)
+        self._connack = False  # whether the current connection has had its CONNACK
+        self._preamble = bytearray()  # the bytes the server sent on this connection before any CONNACK
 
         self._client = mqtt.Client(
             CallbackAPIVersion.VERSION2,
@@ -388,10 +401,13 @@ class Client:
         self._client.on_connect_fail = self._on_connect_fail
         self._client.on_message = self._on_message
         self._client.on_publish = request_quick_ack  # PUBACK of a request read: ACK it now (see there)
-        self._client.on_socket_open = set_tcp_nodelay
+        self._client.on_socket_open = self._on_socket_open
+        self._record_preamble()
         self._client.connect_timeout = connect_timeout_s
         try:
             self._client.connect(host, port, keepalive=keepalive_s, clean_start=True)
+        except (ConnectionResetError, BrokenPipeError):  # accepted, then closed while CONNECT was written
+            raise BrokerUnreachableError(self._not_a_broker(), details={"host": host, "port": port}) from None
         except (OSError, ValueError) as exc:
             raise BrokerUnreachableError(
                 f"cannot connect to the MQTT broker at {host}:{port}: {describe_connect_error(exc)}",
@@ -399,10 +415,16 @@ class Client:
             ) from None
         self._client.loop_start()
         if not self._ready.wait(connect_timeout_s) or self._connect_error is not None:
-            reason = self._connect_error or f"no answer within {connect_timeout_s} s"
+            if self._connect_error is not None:
+                message = self._connect_error
+            elif not self._connack:  # connected over TCP, then silence: e.g. an HTTP server waiting for a line
+                message = f"{host}:{port} did not answer as an MQTT broker: no CONNACK within {connect_timeout_s} s"
+            else:
+                message = (f"the MQTT broker at {host}:{port} did not acknowledge the response subscription "
+                           f"within {connect_timeout_s} s")
             self.close()
-            raise BrokerUnreachableError(f"MQTT broker at {host}:{port} refused the connection: {reason}",
-                                         details={"host": host, "port": port})  # fmt: skip
+            raise BrokerUnreachableError(message, details={"host": host, "port": port})
+        self._constructing = False
 
     # ------------------------------------------------------------------ public API
     def ask(
@@ -548,7 +570,8 @@ class Client:
         try:
             self._client.disconnect()
         finally:
-            self._client.loop_stop()
+            if not self._loop_ended:  # else it is ending by itself (joining it races paho's clean-up)
+                self._client.loop_stop()
 
     def __enter__(self) -> Client:
         return self
@@ -658,10 +681,48 @@ class Client:
         if info.rc not in (0, 4):  # success, or queued while reconnecting (MQTT_ERR_NO_CONN)
             logger.warning("edgevlm client: cannot publish a request (paho rc=%s); re-sent on reconnect", info.rc)
 
+    def _record_preamble(self) -> None:
+        """Keep the first bytes paho reads on a connection until its CONNACK (:attr:`_preamble`), so that
+        a server that is not an MQTT broker can be named with what it sent (``b'HTTP/1.1 400 ...'``).
+        paho has no public hook for received bytes: its socket read is wrapped where it exists (a paho
+        without it only loses the quote in that message)."""
+        recv = getattr(self._client, "_sock_recv", None)
+        if not callable(recv):
+            return
+
+        def recording_recv(bufsize: int) -> bytes:
+            data = recv(bufsize)
+            if not self._connack and len(self._preamble) < _PREVIEW_BYTES + 1:
+                self._preamble += data[: _PREVIEW_BYTES + 1 - len(self._preamble)]
+            return data
+
+        self._client._sock_recv = recording_recv
+
+    def _not_a_broker(self) -> str:
+        """Why a connection closed before its CONNACK, in one line: the server is not an MQTT broker
+        (quoting what it sent instead) or closed the connection during CONNECT."""
+        where = f"{self.host}:{self.port} did not answer as an MQTT broker"
+        got = bytes(self._preamble)
+        if not got:
+            return f"{where}: it closed the connection during CONNECT, before a CONNACK"
+        quoted = repr(got[:_PREVIEW_BYTES]) + ("..." if len(got) > _PREVIEW_BYTES else "")
+        hint = ""
+        if got.startswith(b"HTTP/"):
+            hint = " (an HTTP server?)"
+        elif got[0] in (0x15, 0x16) and got[1:2] == b"\x03":  # a TLS alert or handshake record
+            hint = " (a TLS port? connect with tls=True)"
+        return f"{where}: it answered CONNECT with {quoted}, not a CONNACK{hint}"
+
     # ------------------------------------------------------------------ paho callbacks
+    def _on_socket_open(self, client: Any, userdata: Any, sock: Any) -> None:
+        self._connack = False  # a new connection (the first, or a reconnect): its CONNACK is still to come
+        self._preamble.clear()
+        set_tcp_nodelay(client, userdata, sock)
+
     def _on_connect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
+        self._connack = True
         if reason_code.is_failure:
-            self._connect_error = str(reason_code)
+            self._connect_error = f"the MQTT broker at {self.host}:{self.port} refused the connection: {reason_code}"
             self._disconnect_cause = f"the broker refused the connection: {reason_code}"
             self._ready.set()
             return
@@ -675,7 +736,8 @@ class Client:
     def _on_subscribe(self, client: Any, userdata: Any, mid: int, reason_codes: Any, properties: Any) -> None:
         failed = [rc for rc in reason_codes if rc.is_failure]
         if failed:
-            self._connect_error = f"subscription refused: {failed[0]}"
+            self._connect_error = (f"the MQTT broker at {self.host}:{self.port} refused the response "
+                                   f"subscription: {failed[0]}")
             self._ready.set()
             return
         self._disconnected_at = None
@@ -691,9 +753,24 @@ class Client:
         if self._disconnected_at is None:
             self._disconnected_at = time.monotonic()
         from_broker = bool(getattr(flags, "is_disconnect_packet_from_server", False))
-        self._disconnect_cause = (f"the broker sent DISCONNECT: {reason_code}" if from_broker
-                                  else f"connection lost: {reason_code}")  # fmt: skip
-        if not self._closed:
+        if from_broker:
+            cause = f"the broker sent DISCONNECT: {reason_code}"
+        elif not self._connack:  # closed before its CONNACK: not an MQTT broker, or one dropping us in CONNECT
+            cause = self._not_a_broker()
+        else:
+            cause = f"connection lost: {reason_code}"
+        if self._connect_error is None or not self._constructing:  # keep the broker's refusal as the cause
+            self._disconnect_cause = cause
+        if self._constructing:
+            if self._connect_error is None and not self._ready.is_set():  # fail now, not at the timeout
+                self._connect_error = cause if not self._connack else (
+                    f"the MQTT broker at {self.host}:{self.port} closed the connection before it acknowledged "
+                    f"the response subscription ({cause})")
+                self._loop_ended = True
+                client.loop_stop()  # from the network thread: it ends now instead of sleeping to reconnect
+                self._ready.set()
+            logger.debug("edgevlm client: %s (while connecting)", cause)
+        elif not self._closed:
             logger.warning("edgevlm client: %s; reconnecting", self._disconnect_cause)
 
     def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:

@@ -82,6 +82,126 @@ def test_connection_refused_is_connection_error() -> None:
     assert isinstance(info.value, ConnectionError)
 
 
+class _NotABroker:
+    """A real TCP listener on 127.0.0.1 that is not an MQTT broker: for each connection it reads what the
+    client sends (kept in ``received``), then answers ``reply`` and closes; ``reply=None`` closes at once,
+    without reading; ``silent`` reads and never answers (closed when the test ends)."""
+
+    def __init__(self, reply: bytes | None, *, silent: bool = False) -> None:
+        self.reply, self.silent = reply, silent
+        self.received: list[bytes] = []
+        self._held: list[socket.socket] = []
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:  # closed
+                return
+            if self.reply is None and not self.silent:
+                conn.close()
+                continue
+            conn.settimeout(5)
+            try:
+                self.received.append(conn.recv(4096))
+            except OSError:
+                self.received.append(b"")
+            if self.silent:
+                self._held.append(conn)
+                continue
+            conn.sendall(self.reply)
+            conn.close()
+
+    def close(self) -> None:
+        self._sock.close()
+        for conn in self._held:
+            conn.close()
+
+
+HTTP_REPLY = b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+SSH_REPLY = b"SSH-2.0-OpenSSH_9.2\r\nInvalid SSH identification string.\r\n"
+TLS_ALERT = b"\x15\x03\x03\x00\x02\x02\x46"  # what a TLS port answers to bytes that are not a ClientHello
+
+
+@pytest.mark.parametrize(("reply", "said"), [
+    (HTTP_REPLY, "it answered CONNECT with b'HTTP/1.1 400 Bad Request\\r\\nConten'..., not a CONNACK (an HTTP server?)"),
+    (SSH_REPLY, "it answered CONNECT with b'SSH-2.0-OpenSSH_9.2\\r\\nInvalid SSH'..., not a CONNACK"),
+    (TLS_ALERT, "it answered CONNECT with b'\\x15\\x03\\x03\\x00\\x02', not a CONNACK "
+                "(a TLS port? connect with tls=True)"),
+    (None, "it closed the connection during CONNECT, before a CONNACK"),
+], ids=["http", "ssh", "tls", "close-at-once"])
+def test_port_that_is_not_an_mqtt_broker_is_named_at_once(reply, said) -> None:
+    """A port that is not an MQTT broker (an HTTP server, an SSH banner, a TLS port, one that accepts and
+    closes) waited the whole connect timeout, logging "connection lost: Unspecified error; reconnecting"
+    on every retry, then raised "MQTT broker at ... refused the connection: no answer within 10 s". Now the
+    first connection's end raises BrokerUnreachableError naming the port and what it sent."""
+    server = _NotABroker(reply)
+    try:
+        start = time.monotonic()
+        with pytest.raises(BrokerUnreachableError) as info:
+            Client("127.0.0.1", server.port, "dev1", connect_timeout_s=10)
+        took = time.monotonic() - start
+    finally:
+        server.close()
+    assert str(info.value) == f"127.0.0.1:{server.port} did not answer as an MQTT broker: {said}"
+    assert isinstance(info.value, ConnectionError) and "\n" not in str(info.value)
+    assert took < 2.0, took  # the connection's end, not the 10 s timeout
+    if reply is not None:  # the client did send an MQTT v5 CONNECT (packet type 1, "MQTT", level 5)
+        assert server.received[0][:1] == b"\x10" and b"\x00\x04MQTT\x05" in server.received[0][:12]
+
+
+def test_port_that_accepts_and_never_answers_is_named_at_the_connect_timeout() -> None:
+    """An HTTP server that waits for a request line (python -m http.server) reads CONNECT and answers
+    nothing: "no CONNACK within" the connect timeout, not "refused the connection"."""
+    server = _NotABroker(None, silent=True)
+    try:
+        start = time.monotonic()
+        with pytest.raises(BrokerUnreachableError) as info:
+            Client("127.0.0.1", server.port, "dev1", connect_timeout_s=0.5)
+        took = time.monotonic() - start
+    finally:
+        server.close()
+    assert str(info.value) == f"127.0.0.1:{server.port} did not answer as an MQTT broker: no CONNACK within 0.5 s"
+    assert 0.5 <= took < 1.5, took
+
+
+def test_not_a_broker_writes_nothing_on_stderr() -> None:
+    """In a plain process (no logging set up) each failed connection printed "edgevlm client: connection
+    lost: Unspecified error; reconnecting" on stderr (the logging module's last-resort handler) before the
+    error: now only the error, as the program prints it."""
+    import subprocess
+    import sys
+
+    http, closing = _NotABroker(HTTP_REPLY), _NotABroker(None)
+    script = (
+        "import sys\n"
+        "from edgevlm import Client\n"
+        "from edgevlm.errors import BrokerUnreachableError\n"
+        "for port in sys.argv[1:]:\n"
+        "    try:\n"
+        "        Client('127.0.0.1', int(port), 'dev1', connect_timeout_s=5)\n"
+        "    except BrokerUnreachableError as exc:\n"
+        "        print(exc)\n"
+    )
+    try:
+        proc = subprocess.run([sys.executable, "-c", script, str(http.port), str(closing.port)],
+                              capture_output=True, timeout=60)
+    finally:
+        http.close()
+        closing.close()
+    assert proc.stderr == b""
+    assert proc.returncode == 0
+    assert proc.stdout.decode().splitlines() == [
+        f"127.0.0.1:{http.port} did not answer as an MQTT broker: it answered CONNECT with "
+        "b'HTTP/1.1 400 Bad Request\\r\\nConten'..., not a CONNACK (an HTTP server?)",
+        f"127.0.0.1:{closing.port} did not answer as an MQTT broker: it closed the connection during CONNECT, "
+        "before a CONNACK",
+    ]
+
+
 @pytest.mark.parametrize("port", [0, 70000, -1, "1883", True])
 def test_port_outside_1_65535_is_refused_by_name(port) -> None:
     """A port no socket can have used to read "connection refused (no broker listening on that port)"."""
