@@ -30,8 +30,11 @@ decode batch, with ``vision_ms``, ``ttft_ms``, ``tpot_ms``, ``decode_tok_s``, ``
 ``copy_frac`` as defined in :mod:`edgevlm.quantize.bench_families`, and a prefill-logit parity
 check against transformers in fp32 per model.
 
-Prints a table, then one JSON line; saves the JSON under ``bench/results/`` with device, date and
-versions. Runs on CPU with the tiny models (``edgevlm bench --device cpu``).
+Prints a table, then one JSON line (device, date, versions, rows) on stdout. Files are written only
+where asked: ``--out FILE`` (the JSON line) and ``--results-dir DIR`` (the JSON, indented, as
+``DIR/bench_<device>_<UTC time>.json``); by default nothing is written (the default used to be
+``bench/results`` under the current directory, which left a file in the source tree of a checkout).
+Runs on CPU with the tiny models (``edgevlm bench --device cpu``).
 """
 
 from __future__ import annotations
@@ -362,7 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     from edgevlm.runtime.models import FAMILIES
 
     names = (*LLAVA_NAMES, *FAMILY_MODEL_NAMES)
-    ap = OneLineParser(prog="edgevlm bench", description=__doc__.split("\n")[0])
+    ap = OneLineParser(prog="edgevlm bench", description=__doc__.split("\n")[0],
+                       epilog="Prints a table, then one JSON line on stdout; writes files only where asked "
+                              "(--out, --results-dir), nothing by default.")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     ap.add_argument("--models", type=_csv_choice(names), default=None,
                     help=f"comma-separated, from {', '.join(names)} (random weights in the published shapes; "
@@ -383,8 +388,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="input frame sizes W x H px of the non-LLaVA families (default GPU 448x448,1280x720; CPU 64x64)")
     ap.add_argument("--no-parity", action="store_true",
                     help="skip the prefill-logit parity check against transformers in fp32 (non-LLaVA families)")
-    ap.add_argument("--results-dir", default="bench/results", help="where the JSON goes ('' = don't save)")
-    ap.add_argument("--out", default="", help="also write the JSON line to this file")
+    ap.add_argument("--results-dir", metavar="DIR", default="",
+                    help="also save the JSON as DIR/bench_<device>_<UTC time>.json (DIR created if missing; "
+                         "default: not saved)")
+    ap.add_argument("--out", metavar="FILE", default="",
+                    help="also write the JSON line to FILE (its folder must exist; default: stdout only)")
     args = ap.parse_args(argv)
     try:
         import torch

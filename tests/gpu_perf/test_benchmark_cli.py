@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +34,36 @@ def test_bench_runs_on_cpu_and_saves_results(tmp_path, capsys):
     assert summary["copy_gbps"] > 0 and summary["versions"]["torch"] == torch.__version__
     saved = list(tmp_path.glob("bench_cpu_*.json"))
     assert len(saved) == 1 and json.loads(saved[0].read_text())["rows"] == summary["rows"]
+
+
+@pytest.mark.parametrize("out", ["results/run.json", None], ids=["out", "stdout-only"])
+def test_bench_writes_only_where_asked(tmp_path, monkeypatch, capsys, out):
+    """``--results-dir`` defaulted to ``bench/results`` under the current directory: a run from a checkout
+    (``edgevlm bench --device cpu --models tiny``) left ``bench/results/bench_cpu_<time>.json`` in the source
+    tree. Now, run from a folder laid out as a checkout, nothing appears there (nor in this repository's
+    bench/results): the table and the JSON line go to stdout, and the JSON line to ``--out`` when given."""
+    from edgevlm.quantize.benchmark import main
+
+    repo_results = Path(__file__).resolve().parents[2] / "bench" / "results"
+    before = {p.name for p in repo_results.glob("bench_cpu_*.json")}
+    checkout = tmp_path / "checkout"
+    (checkout / "bench" / "results").mkdir(parents=True)
+    (checkout / "results").mkdir()
+    monkeypatch.chdir(checkout)
+    argv = ["--device", "cpu", "--models", "tiny", "--no-hf", "--variants", "edgevlm", "--new-tokens", "2",
+            "--batch-sizes", "1", "--vision-batch", "2"]
+    assert main(argv + (["--out", out] if out else [])) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("device=cpu dtype=float32 ")
+    assert lines[1].split()[:3] == ["model", "impl", "ttft_ms"] and lines[2].split()[:2] == ["tiny", "edgevlm"]
+    summary = json.loads(lines[-1])
+    assert [(r["model"], r["impl"]) for r in summary["rows"]] == [("tiny", "edgevlm")] and "saved_to" not in summary
+    written = sorted(str(p.relative_to(checkout)) for p in checkout.rglob("*") if p.is_file())
+    assert written == ([out] if out else [])
+    if out:
+        assert (checkout / out).read_text() == lines[-1] + "\n"
+    assert not any((checkout / "bench" / "results").iterdir())
+    assert {p.name for p in repo_results.glob("bench_cpu_*.json")} == before
 
 
 @pytest.mark.parametrize("argv", [["--models", "nope"], ["--batch-sizes", "0"], ["--variants", "x"]])
