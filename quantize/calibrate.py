@@ -64,6 +64,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgevlm.atomic_files import AtomicFiles
 from edgevlm.cli_args import fail, interrupted, sigterm_interrupts
 from edgevlm.quantize.calibrate_data import (  # noqa: F401  (re-exported: used by tests and monitors)
     CALIB_DOMAIN,
@@ -357,17 +358,18 @@ def _initial_heads(engine, folder: Path, *, other_weights_ok: bool = False,
     return heads.to(engine.backend.device, torch.float32)
 
 
-def _add_to_manifest(bundle_dir: Path, names: list[str]) -> None:
-    """Record (or refresh) ``names`` with their SHA-256 in an engine bundle's ``manifest.json``."""
+def _add_to_manifest(bundle_dir: Path, names: list[str], group: AtomicFiles) -> None:
+    """Stage in ``group`` an engine bundle's ``manifest.json`` that records (or refreshes) ``names`` with
+    their SHA-256, read from where ``group`` holds their new content; replaced with them at its commit."""
     from edgevlm.runtime.bundle import MANIFEST_NAME, FileEntry, read_manifest, sha256_file
 
     manifest = read_manifest(bundle_dir)
     keep = [e for e in manifest.files if e.path not in names]
     for name in names:
-        p = bundle_dir / name
+        p = group.staged(bundle_dir / name)
         keep.append(FileEntry(path=name, sha256=sha256_file(p), size_bytes=p.stat().st_size))
     manifest.files = sorted(keep, key=lambda e: e.path)
-    (bundle_dir / MANIFEST_NAME).write_text(manifest.model_dump_json(indent=2) + "\n")
+    group.write_text(bundle_dir / MANIFEST_NAME, manifest.model_dump_json(indent=2) + "\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -512,11 +514,14 @@ def main(argv: list[str] | None = None) -> int:
                               lr=args.lr, rungs=args.rungs, workers=args.workers, time_budget_s=args.time_budget_s,
                               risk_delta=args.risk_delta, init=args.init, keep_adapters=args.keep_adapters,
                               progress=say)
-            weights, spec_path = save_exit_heads(heads, out)
-            say(f"calibrate: wrote {weights} and {spec_path}")
             written = [EXITS_WEIGHTS, EXITS_JSON]
-            if args.out is None and is_bundle(out):  # listed at once: a bundle loads no file its manifest lacks
-                _add_to_manifest(out, written)
+            # heads and, in a bundle, the manifest listing them are replaced together: an interrupt leaves
+            # the old three or the new three (a bundle loads no file its manifest lacks or mis-hashes)
+            with AtomicFiles() as group:
+                weights, spec_path = save_exit_heads(heads, out, group=group)
+                if args.out is None and is_bundle(out):
+                    _add_to_manifest(out, written, group)
+            say(f"calibrate: wrote {weights} and {spec_path}")
             if not args.no_frontier:
                 from edgevlm.quantize import frontier
 
@@ -526,7 +531,8 @@ def main(argv: list[str] | None = None) -> int:
                 written += frontier.run(engine, out, n=args.frontier_n, profile=args.profile, progress=say,
                                         show=print)
             if args.out is None and is_bundle(out):
-                _add_to_manifest(out, written)
+                with AtomicFiles() as group:
+                    _add_to_manifest(out, written, group)
                 say(f"calibrate: added {', '.join(written)} to {out / 'manifest.json'}")
         except (EdgeVLMError, ValueError, OSError) as exc:
             return fail(exc)

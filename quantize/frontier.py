@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from edgevlm.atomic_files import write_text_atomic
 from edgevlm.profile import FrontierFile, FrontierPoint, latency_ms, pareto  # noqa: F401  (pareto re-exported)
 
 logger = logging.getLogger(__name__)
@@ -231,7 +232,7 @@ def run(engine, out_dir: str | Path, *, n: int = 90, seed: int = EVAL_SEED, prof
         host=host_description(engine), eval_items=n, eval_seed=seed, grid=grid, points=points, frontier=front,
         weights_fingerprint=weights_fingerprint(engine.model_dir),
     )
-    (out / FRONTIER_JSON).write_text(record.model_dump_json(indent=2) + "\n")
+    write_text_atomic(out / FRONTIER_JSON, record.model_dump_json(indent=2) + "\n")  # a daemon may be reading it
     plot(points, front, out / FRONTIER_PNG, title=f"operating points ({record.device}, n={n})")
     show(f"Pareto frontier of {len(points)} grid points, with the full-depth points' own "
          f"({record.device}, {n} eval items):")

@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import nn
 
+from edgevlm.atomic_files import AtomicFiles
 from edgevlm.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -477,17 +478,36 @@ def load_exit_heads(model_dir: str | Path, cfg, *, device: torch.device | str = 
     return heads
 
 
-def save_exit_heads(heads: ExitHeads, out_dir: str | Path, *, dtype: torch.dtype = torch.float16) -> tuple[Path, Path]:
+def save_exit_heads(heads: ExitHeads, out_dir: str | Path, *, dtype: torch.dtype = torch.float16,
+                    group: AtomicFiles | None = None) -> tuple[Path, Path]:
     """Write ``exits.safetensors`` (``dtype``, float16 by default: half the bytes, and the heads
-    run in the model's dtype anyway) and ``exits.json`` into ``out_dir``; returns both paths."""
+    run in the model's dtype anyway; mode 0644) and ``exits.json`` into ``out_dir``; returns both paths.
+
+    The two files are replaced together (:class:`edgevlm.atomic_files.AtomicFiles`): a reader (a
+    daemon's hot reload) or an interrupt never leaves new weights beside an old spec. With ``group``
+    they are only staged in it, and replaced at its commit together with the caller's other files
+    (``edgevlm calibrate``: the bundle's ``manifest.json``).
+
+    Raises:
+        OSError: ``out_dir`` cannot be created or written (no file changed).
+    """
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in heads.state_dict().items()}
-    weights = out / EXITS_WEIGHTS
-    save_file(tensors, str(weights), metadata={"format": EXITS_FORMAT})
-    weights.chmod(0o644)  # safetensors writes 0600; the daemon's service user must read shipped heads
-    spec_path = out / EXITS_JSON
-    spec_path.write_text(heads.spec.model_dump_json(indent=2) + "\n")
+    weights, spec_path = out / EXITS_WEIGHTS, out / EXITS_JSON
+    own = AtomicFiles() if group is None else None
+    staging = own or group
+    try:
+        tmp = staging.path(weights)
+        save_file(tensors, str(tmp), metadata={"format": EXITS_FORMAT})
+        tmp.chmod(0o644)  # safetensors writes 0600; the daemon's service user must read shipped heads
+        staging.write_text(spec_path, heads.spec.model_dump_json(indent=2) + "\n")
+    except BaseException:
+        if own is not None:  # a caller's group is the caller's to discard
+            own.discard()
+        raise
+    if own is not None:
+        own.commit()
     return weights, spec_path
