@@ -460,6 +460,9 @@ class OpenAIServer:
         self._thread.start()
         logger.info("HTTP API (OpenAI-compatible) on http://%s:%d/v1, model %r%s", self.config.host, self.port,
                     self.model_id, "" if self.api_key is None else ", bearer token required")
+        warning = self.config.open_access_warning()
+        if warning is not None:
+            logger.warning("%s", warning)
 
     def stop_accepting(self) -> None:
         """New chat requests are answered 503 BUSY (shutdown)."""

@@ -6,6 +6,7 @@ Off by default; when on it listens on 127.0.0.1 unless ``host`` says otherwise. 
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from typing import Literal
 
@@ -58,3 +59,29 @@ class HttpConfig(BaseModel):
         if self.api_key_env is None:
             return None
         return os.environ.get(self.api_key_env) or None
+
+    def open_access_warning(self) -> str | None:
+        """A one-line warning when the API will take requests without a token and that is likely a
+        mistake: it listens beyond this machine (``host`` not a loopback address), or ``api_key_env``
+        names a variable that is set but empty (an empty secret from a deployment tool); None otherwise."""
+        if self.api_key() is not None:
+            return None
+        env = self.api_key_env
+        why = ("http.api_key_env is null" if env is None
+               else f"{env} is set but empty" if env in os.environ else f"{env} is not set")
+        if not _is_loopback(self.host):
+            return (f"HTTP API on {self.host} takes requests without a token from any host that reaches it ({why}); "
+                    f"set {env or 'http.api_key_env'} to require 'Authorization: Bearer <token>'")
+        if env is not None and env in os.environ:
+            return f"HTTP API takes requests without a token: {why}"
+        return None
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or name) is this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name other than localhost may resolve anywhere

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import subprocess
 import time
 
@@ -416,3 +417,40 @@ def test_port_in_use_leaves_mqtt_serving(start_daemon, demo_engine, mosquitto, c
             assert client.ask("how many shapes are there?", image=np.zeros((32, 32, 3), np.uint8), timeout_s=60)
     finally:
         blocker.close()
+
+
+OPEN_ON_ALL = ("HTTP API on 0.0.0.0 takes requests without a token from any host that reaches it "
+               "(EDGEVLM_HTTP_API_KEY is not set); set EDGEVLM_HTTP_API_KEY to require 'Authorization: Bearer <token>'")
+
+
+@pytest.mark.parametrize(("host", "key", "expected"), [
+    ("0.0.0.0", None, OPEN_ON_ALL),
+    ("127.0.0.1", "", "HTTP API takes requests without a token: EDGEVLM_HTTP_API_KEY is set but empty"),
+    ("127.0.0.1", None, None),
+    ("0.0.0.0", "s3cret", None),
+])
+def test_serving_without_a_token_where_it_is_likely_a_mistake_is_warned(
+        http_daemon, monkeypatch, caplog, host, key, expected) -> None:
+    # was: an empty EDGEVLM_HTTP_API_KEY (a deployment tool's unset secret) or a 0.0.0.0 listener without
+    # one served everyone without a word beyond the info line
+    if key is None:
+        monkeypatch.delenv("EDGEVLM_HTTP_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("EDGEVLM_HTTP_API_KEY", key)
+    with caplog.at_level(logging.INFO, logger="edgevlm.daemon.openai_api"):
+        daemon = http_daemon(host=host)
+    warnings = [r.getMessage() for r in caplog.records
+                if r.name == "edgevlm.daemon.openai_api" and r.levelno == logging.WARNING]
+    assert warnings == ([] if expected is None else [expected])
+    # the warning changes nothing: the API answers as configured
+    assert client_for(daemon, api_key=key or "none").models.list().data[0].id == "edgevlm-demo"
+
+
+@pytest.mark.parametrize(("host", "warned"), [("::1", False), ("localhost", False), ("127.0.0.2", False),
+                                              ("192.168.1.20", True), ("robot.local", True), ("::", True)])
+def test_open_access_warning_knows_loopback_addresses(monkeypatch, host: str, warned: bool) -> None:
+    from edgevlm.config import HttpConfig
+
+    monkeypatch.delenv("EDGEVLM_HTTP_API_KEY", raising=False)
+    warning = HttpConfig(enabled=True, host=host).open_access_warning()
+    assert (warning is not None) == warned, warning
