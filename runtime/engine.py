@@ -365,10 +365,13 @@ class Engine:
 
     @property
     def no_exit_heads_reason(self) -> str:
-        """Why this model runs no early exit (one line): no ``exits.json``, or heads calibrated
-        for other weights (their ``weights_fingerprint`` differs; logged at load, not used)."""
+        """Why this model runs no early exit (one line): a backend that runs none (ONNX Runtime,
+        TensorRT: whatever the folder holds), no ``exits.json``, or heads calibrated for other
+        weights (their ``weights_fingerprint`` differs; logged at load, not used)."""
         from edgevlm.runtime.exits import has_exit_heads
 
+        if not hasattr(self.backend, "exit_heads"):
+            return f"backend {self.backend_name!r} does not support early exit (the torch backend does)"
         if has_exit_heads(self.model_dir):
             return (f"the exit heads in {self.model_dir} were calibrated for other weights and are not used "
                     "(rerun `edgevlm calibrate`)")
