@@ -126,6 +126,17 @@ SSH_REPLY = b"SSH-2.0-OpenSSH_9.2\r\nInvalid SSH identification string.\r\n"
 TLS_ALERT = b"\x15\x03\x03\x00\x02\x02\x46"  # what a TLS port answers to bytes that are not a ClientHello
 
 
+def _connect_error(server: _NotABroker, *, connect_timeout_s: float) -> tuple[BrokerUnreachableError, float]:
+    """The error of a Client connecting to ``server`` (closed after), and how long it took (s)."""
+    try:
+        start = time.monotonic()
+        with pytest.raises(BrokerUnreachableError) as info:
+            Client("127.0.0.1", server.port, "dev1", connect_timeout_s=connect_timeout_s)
+        return info.value, time.monotonic() - start
+    finally:
+        server.close()
+
+
 @pytest.mark.parametrize(("reply", "said"), [
     (HTTP_REPLY, "it answered CONNECT with b'HTTP/1.1 400 Bad Request\\r\\nConten'..., not a CONNACK (an HTTP server?)"),
     (SSH_REPLY, "it answered CONNECT with b'SSH-2.0-OpenSSH_9.2\\r\\nInvalid SSH'..., not a CONNACK"),
@@ -139,15 +150,9 @@ def test_port_that_is_not_an_mqtt_broker_is_named_at_once(reply, said) -> None:
     on every retry, then raised "MQTT broker at ... refused the connection: no answer within 10 s". Now the
     first connection's end raises BrokerUnreachableError naming the port and what it sent."""
     server = _NotABroker(reply)
-    try:
-        start = time.monotonic()
-        with pytest.raises(BrokerUnreachableError) as info:
-            Client("127.0.0.1", server.port, "dev1", connect_timeout_s=10)
-        took = time.monotonic() - start
-    finally:
-        server.close()
-    assert str(info.value) == f"127.0.0.1:{server.port} did not answer as an MQTT broker: {said}"
-    assert isinstance(info.value, ConnectionError) and "\n" not in str(info.value)
+    error, took = _connect_error(server, connect_timeout_s=10)
+    assert str(error) == f"127.0.0.1:{server.port} did not answer as an MQTT broker: {said}"
+    assert isinstance(error, ConnectionError) and "\n" not in str(error)
     assert took < 2.0, took  # the connection's end, not the 10 s timeout
     if reply is not None:  # the client did send an MQTT v5 CONNECT (packet type 1, "MQTT", level 5)
         assert server.received[0][:1] == b"\x10" and b"\x00\x04MQTT\x05" in server.received[0][:12]
@@ -157,14 +162,8 @@ def test_port_that_accepts_and_never_answers_is_named_at_the_connect_timeout() -
     """An HTTP server that waits for a request line (python -m http.server) reads CONNECT and answers
     nothing: "no CONNACK within" the connect timeout, not "refused the connection"."""
     server = _NotABroker(None, silent=True)
-    try:
-        start = time.monotonic()
-        with pytest.raises(BrokerUnreachableError) as info:
-            Client("127.0.0.1", server.port, "dev1", connect_timeout_s=0.5)
-        took = time.monotonic() - start
-    finally:
-        server.close()
-    assert str(info.value) == f"127.0.0.1:{server.port} did not answer as an MQTT broker: no CONNACK within 0.5 s"
+    error, took = _connect_error(server, connect_timeout_s=0.5)
+    assert str(error) == f"127.0.0.1:{server.port} did not answer as an MQTT broker: no CONNACK within 0.5 s"
     assert 0.5 <= took < 1.5, took
 
 
