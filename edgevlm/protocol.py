@@ -204,10 +204,21 @@ def status_filter(prefix: str) -> str:
     return f"{check_prefix(prefix)}/+/status"
 
 
+_UNPUBLISHABLE_TOPIC_RE = re.compile(
+    "[+#\x00-\x1f\x7f-\x9f\ufdd0-\ufdef\ud800-\udfff"  # wildcards, controls (C0, DEL, C1), lone surrogates
+    + "".join(chr(plane * 0x10000 + 0xFFFE) + chr(plane * 0x10000 + 0xFFFF) for plane in range(17))  # U+nFFFE/F
+    + "]"
+)
+
+
 def is_valid_publish_topic(topic: str) -> bool:
-    """True if ``topic`` may be published to: non-empty, no wildcard (``+``/``#``), no NUL,
-    at most 65535 UTF-8 bytes (MQTT v5 sections 4.7.1 and 1.5.4)."""
-    return bool(topic) and not any(c in topic for c in "+#\x00") and len(topic.encode()) <= 65535
+    """True if ``topic`` may be published to: non-empty, no wildcard (``+``/``#``), at most 65535
+    UTF-8 bytes (MQTT v5 sections 4.7.1 and 1.5.4), and none of the code points a broker may refuse
+    in a UTF-8 string by closing the connection (MQTT v5 section 1.5.4: NUL, the control characters
+    U+0001-U+001F and U+007F-U+009F, the non-characters; a lone surrogate is not UTF-8 at all).
+    mosquitto does refuse them: publishing a response to such a topic got the daemon disconnected
+    ("Malformed packet"), again at every reconnect as paho re-sent the unacknowledged publish."""
+    return bool(topic) and _UNPUBLISHABLE_TOPIC_RE.search(topic) is None and len(topic.encode()) <= 65535
 
 
 # ------------------------------------------------------------------------------------- payloads
@@ -320,7 +331,8 @@ class Request(BaseModel):
             if not self._image_bytes:
                 raise ValueError("image_b64: empty image")
         if self.reply_to is not None and not is_valid_publish_topic(self.reply_to):
-            raise ValueError("reply_to: not a valid topic to publish to (wildcard or NUL)")
+            raise ValueError("reply_to: not a valid topic to publish to (a wildcard, a control character, "
+                             "a non-character or NUL)")
         return self
 
     @property

@@ -264,6 +264,10 @@ def test_is_valid_publish_topic() -> None:
     assert not is_valid_publish_topic("a/#")
     assert not is_valid_publish_topic("")
     assert not is_valid_publish_topic("a\x00b")
+    # what a broker may refuse by closing the connection (MQTT v5 section 1.5.4; mosquitto does)
+    for bad in ("a\x01b", "a\x1f", "a\x7f", "a\x85", "a\ufdd0", "a\ufffe", "a\U0010ffff", "a\udc00"):
+        assert not is_valid_publish_topic(bad), repr(bad)
+    assert is_valid_publish_topic("caf\u00e9/\U0001f600/\ufffd")
 
 
 def test_status_message() -> None:

@@ -299,6 +299,35 @@ def test_lone_surrogate_correlation_id_gets_a_typed_error(start_daemon, raw_clie
     assert json.loads(msg.payload)["error"]["details"]["path"] == "correlation_id"
 
 
+@pytest.mark.parametrize("bad", ["legacy/\u0001answers", "legacy/answers\u0085", "legacy/\ufffe", "legacy/\udc00"],
+                         ids=["c0-control", "c1-control", "non-character", "lone-surrogate"])
+def test_reply_to_the_broker_would_refuse_keeps_the_daemon_connected(start_daemon, raw_client, wait_until,
+                                                                     bad) -> None:  # fmt: skip
+    # mosquitto closes a connection that publishes to a topic with a control character or a
+    # non-character ("Malformed packet", MQTT v5 section 1.5.4). A 3.1.1 client's JSON reply_to used
+    # to be published to as it was: the daemon was disconnected, and again at every reconnect as paho
+    # re-sent the unacknowledged response, so one request took it off the broker for good. A lone
+    # surrogate beside a valid Response Topic raised in the handler: a traceback and no answer.
+    daemon = start_daemon()
+    raw = raw_client()
+    raw.subscribe("test/answers")
+    body = {"prompt": "p", "source": "front", "reply_to": bad, "correlation_id": "c-1"}
+    _publish(raw, json.dumps(body).encode(), response_topic=None, correlation=None)
+    wait_until(lambda: daemon.counters.get("no_reply_address") == 1, timeout_s=5, what="no_reply_address == 1")
+    # with a Response Topic too, the bad reply_to is the request's error, answered there
+    _publish(raw, json.dumps(body).encode(), response_topic="test/answers", correlation=b"\x00rt")
+    msg = raw.wait_messages("test/answers", 1, timeout_s=5)[0]
+    error = json.loads(msg.payload)["error"]
+    assert msg.properties.CorrelationData == b"\x00rt"
+    assert error["code"] == "INVALID_REQUEST" and error["details"]["path"] == "reply_to", error
+    # still connected and serving: a good request is answered, nothing was disconnected or raised
+    _publish(raw, b'{"prompt": "p", "source": "nope"}', response_topic="test/answers", correlation=b"after")
+    after = raw.wait_messages("test/answers", 2, timeout_s=5)[1]
+    assert json.loads(after.payload)["error"]["code"] == "UNKNOWN_SOURCE"
+    assert daemon.counters.get("mqtt_disconnects") == 0 and daemon.counters.get("mqtt_connects") == 1
+    assert daemon.counters.get("handler_errors") == 0
+
+
 def test_huge_integer_is_invalid_request_without_python_advice(start_daemon, raw_client) -> None:
     start_daemon()
     raw = raw_client()
