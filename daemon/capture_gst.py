@@ -77,23 +77,37 @@ def csi_pipeline(cfg: SourceConfig, *, sink: str = "appsink") -> str:
     return " ! ".join(parts)
 
 
-def _sink(sink: str) -> str:
+def _sink(sink: str, *, sync: bool = False) -> str:
     if sink == "appsink":
-        return "appsink drop=true max-buffers=1 sync=false"
+        return f"appsink drop=true max-buffers=1 sync={str(sync).lower()}"
     if sink == "fdsink":
-        return "fdsink fd=1 sync=false"
+        return f"fdsink fd=1 sync={str(sync).lower()}"
     raise ValueError(f"sink must be 'appsink' or 'fdsink', got {sink!r}")
 
 
 _SIZE_RE = re.compile(r"\b(width|height)\s*=\s*(?:\(int\))?\s*(\d+)")
+_SYNC_RE = re.compile(r"\bsync\s*=\s*(?:\(boolean\))?\s*(\w+)", re.IGNORECASE)
+
+
+def _appsink_sync(appsink: str | None) -> bool:
+    """Whether the user's ``appsink ...`` element renders buffers on the pipeline clock: its ``sync=``
+    property, else appsink's default (true, as every GStreamer base sink), which is what OpenCV's GStreamer
+    backend runs the same pipeline with. A non-live source (``videotestsrc``, ``filesrc ! decodebin``) is
+    paced to its framerate by it; with ``sync=false`` such a pipeline produces frames as fast as it can."""
+    m = _SYNC_RE.search(appsink or "")
+    if m is None:
+        return True
+    return m.group(1).lower() not in ("false", "0", "no", "off")
 
 
 def subprocess_pipeline(cfg: SourceConfig) -> tuple[str, int, int]:
     """``(pipeline, width, height)`` for reading a ``gstreamer``/``csi`` source through gst-launch.
 
     A user pipeline's final ``appsink ...`` element is replaced by a conversion to BGR at a fixed
-    size and ``fdsink fd=1``. The size is the config's ``width``/``height``, else the last
-    ``width=``/``height=`` in the pipeline's caps.
+    size and ``fdsink fd=1`` with the appsink's ``sync`` (default true, appsink's own: a non-live source
+    such as ``videotestsrc`` is paced to its framerate as OpenCV's GStreamer backend paces it, instead of
+    producing frames as fast as a core allows). The size is the config's ``width``/``height``, else the
+    last ``width=``/``height=`` in the pipeline's caps.
 
     Raises:
         ValueError: the frame size cannot be known (set ``width`` and ``height``).
@@ -102,8 +116,9 @@ def subprocess_pipeline(cfg: SourceConfig) -> tuple[str, int, int]:
         w, h = csi_output_size(cfg)
         return csi_pipeline(cfg, sink="fdsink"), w, h
     elements = [e.strip() for e in str(cfg.uri).split("!")]
+    appsink = None
     if elements and elements[-1].split()[0:1] == ["appsink"]:
-        elements = elements[:-1]
+        appsink, elements = elements[-1], elements[:-1]
     found: dict[str, int] = {}
     for e in elements:
         for key, value in _SIZE_RE.findall(e):
@@ -114,7 +129,8 @@ def subprocess_pipeline(cfg: SourceConfig) -> tuple[str, int, int]:
             f"source {cfg.name}: the frame size of {cfg.uri!r} is unknown; set width and height "
             "(needed to read raw frames from gst-launch-1.0)"
         )
-    tail = ["videoconvert", "videoscale", f"video/x-raw,format=BGR,width={w},height={h}", _sink("fdsink")]
+    tail = ["videoconvert", "videoscale", f"video/x-raw,format=BGR,width={w},height={h}",
+            _sink("fdsink", sync=_appsink_sync(appsink))]
     return " ! ".join([*elements, *tail]), w, h
 
 
@@ -131,6 +147,7 @@ class GstSubprocessCapture(CaptureBackend):
         self._stderr: collections.deque[str] = collections.deque(maxlen=20)
         self._lock = threading.Lock()
         self._aborted = False
+        self._drain: threading.Thread | None = None
 
     def open(self) -> dict[str, Any]:
         exe = shutil.which(self.cfg.gst_launch) or self.cfg.gst_launch
@@ -146,8 +163,10 @@ class GstSubprocessCapture(CaptureBackend):
                 cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True, bufsize=0,
             )  # fmt: skip
-        threading.Thread(target=self._drain_stderr, name=f"gst-stderr-{self.cfg.name}", daemon=True).start()
-        logger.info("source %s: reading %dx%d BGR from %s", self.cfg.name, self.width, self.height, shlex.join(cmd))
+        self._drain = threading.Thread(target=self._drain_stderr, name=f"gst-stderr-{self.cfg.name}", daemon=True)
+        self._drain.start()
+        # DEBUG: the source logs its (re)opens, once at INFO; a camera down for hours reopens every few seconds
+        logger.debug("source %s: reading %dx%d BGR from %s", self.cfg.name, self.width, self.height, shlex.join(cmd))
         return {"path": self.path, "width": self.width, "height": self.height, "pid": self.proc.pid}
 
     def _drain_stderr(self) -> None:
@@ -171,9 +190,25 @@ class GstSubprocessCapture(CaptureBackend):
             buf += chunk
         return np.frombuffer(bytes(buf), np.uint8).reshape(self.height, self.width, 3)
 
-    def error_text(self) -> str:
-        """The child's last stderr lines (why gst-launch failed)."""
-        return " | ".join(line for line in self._stderr if line)[-400:]
+    def error_text(self, wait_s: float = 1.0) -> str:
+        """Why gst-launch ended: its exit status when not 0 and its last stderr lines. Called once its
+        stdout has ended, so the child is exiting: it and the stderr reader are waited for (up to
+        ``wait_s`` each), or a failure's reason (``erroneous pipeline: no element "x"``) would be read
+        before the reader thread had it, and missing from the error on some attempts."""
+        proc, drain = self.proc, self._drain
+        status = None
+        if proc is not None:
+            try:
+                status = proc.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                status = None
+        if drain is not None and status is not None:
+            drain.join(wait_s)
+        text = " | ".join(line for line in self._stderr if line)[-400:]
+        if status:  # not None, not 0
+            exited = f"{os.path.basename(self.cfg.gst_launch)} exited with status {status}"
+            return f"{exited}: {text}" if text else exited
+        return text
 
     def abort(self) -> None:
         with self._lock:

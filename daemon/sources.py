@@ -141,6 +141,8 @@ class _Attempt:
         self.eof = False
         self.stalled = False  # the backend's own read timeout ended the stream
         self.loop_reopen = False  # reopened at the end of a video file (logged once, not per loop)
+        self.first = False  # the source's first attempt (its open is logged at INFO)
+        self.recovering = False  # an attempt after a failed one (its first frame is logged at INFO)
         self.frames = 0
         self.error: str | None = None
         self.thread: threading.Thread | None = None
@@ -178,6 +180,7 @@ class FrameSource:
         self.last_error: str | None = None
         self.negotiated: dict[str, Any] = {}
         self._same_since: float | None = None  # monotonic time of the first of the identical frames
+        self._down_warned = False  # a failure was logged at WARNING and no recovery at INFO since
         self.frozen_checked = self.kind != "file" and config.frozen_after_s is not None
 
     # ------------------------------------------------------------------ public
@@ -412,6 +415,8 @@ class FrameSource:
             else:
                 attempt = _Attempt(backend)
                 attempt.loop_reopen, looped = looped, False
+                attempt.first = self.opens == 0 and self.open_failures == 0 and self.reconnects == 0
+                attempt.recovering = self.reconnects > 0 and not attempt.loop_reopen
                 self._attempt = attempt
                 attempt.thread = threading.Thread(
                     target=self._reader, args=(attempt, file_clock), name=f"edgevlm-reader-{self.name}", daemon=True
@@ -435,6 +440,7 @@ class FrameSource:
             failures += 1
             delay = min(self.config.reconnect_max_delay_s, self.config.reopen_delay_s * 2 ** (failures - 1))
             log = logger.warning if failures == 1 else logger.debug
+            self._down_warned = self._down_warned or failures == 1
             hint = ""
             if self.kind in ("gstreamer", "csi") and capture_path(self.config) == "gst-launch-subprocess":
                 hint = " (read through gst-launch-1.0: OpenCV lacks GStreamer)"
@@ -503,7 +509,9 @@ class FrameSource:
             attempt.opened.set()
             if attempt.abandoned:
                 return
-            log = logger.debug if attempt.loop_reopen else logger.info
+            # INFO once: the first open (a retry's is DEBUG, as its warning is after the first failure; the
+            # source coming back is logged when it delivers), never per loop of a video file
+            log = logger.info if attempt.first else logger.debug
             log("source %s: opened %s (%s)", self.name, cfg.uri or "csi", backend.path)
             if self.kind == "file":
                 file_clock[0] = self._play_file(attempt, file_clock[0])
@@ -552,6 +560,10 @@ class FrameSource:
         attempt.frames += 1
         if attempt.frames == 1:
             self.opens += 1
+            if attempt.recovering:  # INFO for the outage whose first failure was a WARNING, else DEBUG
+                log = logger.info if self._down_warned else logger.debug
+                log("source %s: streaming again (%s; reconnect %d)", self.name, attempt.backend.path, self.reconnects)
+                self._down_warned = False
             self._set_state(STREAMING)
 
     def _play_file(self, attempt: _Attempt, clock: float | None) -> float | None:

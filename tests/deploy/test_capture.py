@@ -5,11 +5,13 @@ from config fields, V4L2 pixel formats are chosen from the device's capabilities
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -112,7 +114,7 @@ def test_gst_launch_subprocess_rescales_to_the_configured_size() -> None:
                        uri="videotestsrc pattern=blue ! video/x-raw,width=320,height=240 ! appsink")  # fmt: skip
     pipeline, w, h = subprocess_pipeline(cfg)
     assert (w, h) == (40, 30) and pipeline.endswith(
-        "videoconvert ! videoscale ! video/x-raw,format=BGR,width=40,height=30 ! fdsink fd=1 sync=false")
+        "videoconvert ! videoscale ! video/x-raw,format=BGR,width=40,height=30 ! fdsink fd=1 sync=true")
     src = FrameSource(cfg)
     src.start()
     try:
@@ -120,6 +122,81 @@ def test_gst_launch_subprocess_rescales_to_the_configured_size() -> None:
     finally:
         src.stop()
     assert f.image.shape == (30, 40, 3) and f.image[..., 2].min() > 200  # blue
+
+
+@needs_gst
+def test_gst_launch_subprocess_paces_a_non_live_pipeline_to_its_framerate() -> None:
+    # videotestsrc (not live) at 10/1: appsink, through OpenCV, renders on the clock (sync defaults to
+    # true); the gst-launch path ended in 'fdsink sync=false' and delivered tens of thousands of frames a
+    # second, a core busy converting frames nobody asked for
+    cfg = SourceConfig(name="t", capture="subprocess",
+                       uri="videotestsrc ! video/x-raw,width=32,height=24,framerate=10/1 ! appsink")  # fmt: skip
+    assert subprocess_pipeline(cfg)[0].endswith("fdsink fd=1 sync=true")
+    src = FrameSource(cfg)
+    src.start()
+    try:
+        first = _collect(src, 1)[0]
+        cpu0, t0 = time.process_time(), time.monotonic()
+        time.sleep(1.5)
+        frames = src.latest().seq - first.seq
+        cpu_s, wall_s = time.process_time() - cpu0, time.monotonic() - t0
+    finally:
+        src.stop()
+    assert 5 <= frames <= 1.5 * 10 * wall_s, f"{frames} frames in {wall_s:.2f} s at framerate=10/1"
+    assert cpu_s < 0.5 * wall_s, f"capture took {cpu_s:.2f} s of CPU in {wall_s:.2f} s"
+
+
+def test_appsink_sync_property_is_kept_on_the_gst_launch_path() -> None:
+    def tail(uri: str) -> str:
+        return subprocess_pipeline(SourceConfig(name="t", capture="subprocess", width=8, height=6, uri=uri))[0]
+
+    assert tail("v4l2src ! appsink sync=false drop=true").endswith("fdsink fd=1 sync=false")
+    assert tail("v4l2src ! appsink drop=true max-buffers=1").endswith("fdsink fd=1 sync=true")
+    assert tail("v4l2src ! appsink sync=true").endswith("fdsink fd=1 sync=true")
+    assert tail("v4l2src ! videoconvert").endswith("fdsink fd=1 sync=true")
+
+
+@needs_gst
+def test_a_pipeline_gst_launch_refuses_names_why_on_every_attempt(caplog, wait_until) -> None:
+    # gst-launch-1.0 exits 1 with 'erroneous pipeline: no element "nosuchsrc"' on stderr; the reason was read
+    # before the stderr thread had it on some attempts ('read failed (end of stream)' alone), and every
+    # retry logged two INFO lines (the command, 'opened') on top of the one reconnect WARNING
+    caplog.set_level(logging.DEBUG, logger="edgevlm.daemon")
+    cfg = SourceConfig(name="typo", capture="subprocess", width=8, height=6,
+                       uri="nosuchsrc ! video/x-raw,width=8,height=6 ! appsink", reopen_delay_s=0.02,
+                       reconnect_max_delay_s=0.05)  # fmt: skip
+    errors: list[str | None] = []
+    src = FrameSource(cfg, listener=lambda s, info: errors.append(info["last_error"])
+                      if info["event"] == "reconnecting" else None)  # fmt: skip
+    src.start()
+    try:
+        wait_until(lambda: len(errors) >= 6, timeout_s=20, what="six failed attempts")
+    finally:
+        src.stop()
+    for error in errors:
+        assert error is not None and 'no element "nosuchsrc"' in error and "exited with status 1" in error, errors
+    info = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert len([m for m in info if "opened" in m]) == 1, info
+    assert len([m for m in info if "reconnecting in" in m]) == 1, info
+
+
+@needs_gst
+def test_a_pipeline_that_ends_again_and_again_logs_its_outage_once(caplog, wait_until) -> None:
+    caplog.set_level(logging.DEBUG, logger="edgevlm.daemon")
+    cfg = SourceConfig(name="eos", capture="subprocess", reopen_delay_s=0.02, reconnect_max_delay_s=0.05,
+                       uri="videotestsrc num-buffers=2 ! video/x-raw,width=8,height=6,framerate=50/1 ! appsink")  # fmt: skip
+    src = FrameSource(cfg)
+    src.start()
+    try:
+        wait_until(lambda: src.reconnects >= 4 and src.state == "streaming", timeout_s=20, what="four comebacks")
+    finally:
+        src.stop()
+    info = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert [m for m in info if "streaming again" in m] == [
+        "source eos: streaming again (gst-launch-subprocess; reconnect 1)"], info
+    assert len([m for m in info if "reconnecting in" in m]) == 1, info
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert len([m for m in debug if "streaming again" in m]) >= 3
 
 
 def test_unknown_raw_frame_size_is_a_clear_error() -> None:
