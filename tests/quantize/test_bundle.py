@@ -315,6 +315,39 @@ def test_ask_on_a_tampered_bundle_is_one_line(rtn_bundle, tmp_path, capsys):
     assert err.startswith("edgevlm: error: ") and "outside the bundle" in err and "\n" not in err
 
 
+@pytest.mark.parametrize("damage", ["manifest deleted", "layer kept", "layers emptied"])
+def test_int4_weights_the_manifest_does_not_declare_are_named(rtn_bundle, tmp_path, capsys, damage):
+    """A bundle copied without manifest.json, or whose manifest no longer lists an INT4 layer as
+    INT4 (edited by hand: the manifest hashes the other files, not itself), is refused naming
+    that: it was "checkpoint ... has tensors the llava runtime does not know: ...qweight"."""
+    from edgevlm.cli import main
+
+    dst = _copy(rtn_bundle, tmp_path)
+    raw = json.loads((dst / MANIFEST_NAME).read_text())
+    int4 = [d for d in raw["layers"] if d["action"] == "int4"]
+    if damage == "manifest deleted":
+        (dst / MANIFEST_NAME).unlink()
+        needle = "holds INT4 layers (" + min(d["source_key"] for d in int4)
+        tail = "but no manifest.json: an engine bundle whose manifest.json is missing"
+    else:
+        if damage == "layer kept":
+            int4[-1]["action"] = "keep"
+        else:
+            raw["layers"] = []
+        (dst / MANIFEST_NAME).write_text(json.dumps(raw))
+        needle = "the weights hold INT4 layers that manifest.json does not list as INT4 ("
+        needle += int4[-1]["source_key"] if damage == "layer kept" else min(d["source_key"] for d in int4)
+        tail = "manifest.json was edited or comes from another build (rebuild the bundle)"
+    image = tmp_path / "i.png"
+    import cv2
+
+    cv2.imwrite(str(image), np.zeros((32, 32, 3), np.uint8))
+    assert main(["ask", "--image", str(image), "--model", str(dst), "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("edgevlm: error: ") and "\n" not in err, err
+    assert needle in err and tail in err and "does not know" not in err, err
+
+
 def test_build_refuses_bad_inputs(rtn_bundle, tiny_src, tmp_path):
     with pytest.raises(ConfigError, match="exists and is not empty"):
         build_bundle(tiny_src, rtn_bundle.bundle_dir, RTN)
