@@ -20,7 +20,7 @@ one the daemon starts with. It checks what can be checked without loading the we
 - **sources** (:func:`check_sources`): a video file is a file OpenCV decodes a frame from (not a
   folder, not a text file); a V4L2 camera's device node exists, is a character device and is
   readable and writable by this user; a GStreamer pipeline read through gst-launch-1.0 has a frame
-  size; an audio source's WAV file has a supported format and samples. Network streams, GStreamer pipelines and CSI cameras are not probed (they may come up
+  size and its ``gst_launch`` executable is there; ``capture: opencv`` needs an OpenCV built with GStreamer; an audio source's WAV file has a supported format and samples. Network streams, GStreamer pipelines and CSI cameras are not probed (they may come up
   after the daemon). A failure is a one-line problem naming the key.
 
 Nothing here imports torch unless ``model.device`` is CUDA, nor OpenCV unless a source is a video
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -194,6 +195,30 @@ def _gst_launch_problem(src) -> str | None:
     return None
 
 
+def _capture_problem(src) -> tuple[str, str] | None:
+    """How a GStreamer or CSI source will be read must be there: ``capture: opencv`` needs an OpenCV built with
+    GStreamer (the PyPI wheels are not: every open failed with "cannot open", for ever), and the gst-launch-1.0
+    path its ``gst_launch`` executable (else every open failed with "gst-launch-1.0 not found"). Returns
+    ``(key, problem)``."""
+    from edgevlm.daemon.capture import capture_path, opencv_has_gstreamer
+
+    if src.kind not in ("gstreamer", "csi"):
+        return None
+    if src.capture == "opencv" and not opencv_has_gstreamer():
+        return "capture", ("'opencv' reads the pipeline through OpenCV's GStreamer backend, and this OpenCV "
+                           "was built without GStreamer; use capture: auto or subprocess (gst-launch-1.0)")
+    if capture_path(src) != "gst-launch-subprocess":
+        return None
+    exe = shutil.which(src.gst_launch)
+    if exe is None:
+        if os.sep in src.gst_launch and os.path.isfile(src.gst_launch):
+            return "gst_launch", f"{src.gst_launch} is not executable"
+        return "gst_launch", (f"{src.gst_launch} not found (apt-get install gstreamer1.0-tools); OpenCV lacks "
+                              "GStreamer, so the pipeline is read through it" if src.capture == "auto" else
+                              f"{src.gst_launch} not found (apt-get install gstreamer1.0-tools)")  # fmt: skip
+    return None
+
+
 def check_sources(cfg: DaemonConfig) -> list[str]:
     """The source checks of :func:`preflight`: one ``sources[i].uri: ...`` line per problem."""
     problems = []
@@ -207,6 +232,10 @@ def check_sources(cfg: DaemonConfig) -> list[str]:
             problem = _gst_launch_problem(src)
         if problem is not None:
             problems.append(f"sources[{i}].uri: {problem} (source {src.name!r})")
+            continue
+        capture = _capture_problem(src)
+        if capture is not None:
+            problems.append(f"sources[{i}].{capture[0]}: {capture[1]} (source {src.name!r})")
     for i, mic in enumerate(cfg.audio):
         if mic.file is not None:
             problem = _wav_problem(mic.file)

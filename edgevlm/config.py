@@ -215,6 +215,9 @@ def parse_daemon_config(data: Any, *, base_dir: Path | None = None) -> DaemonCon
             path = (base / path).resolve()
         if path.is_dir():
             raise ConfigError(f"sources[{i}].uri: {path} is a folder, not a video file")
+        if path.exists() and not path.is_file():  # /dev/null, a FIFO: not 'not found'
+            raise ConfigError(f"sources[{i}].uri: {path} is not a regular file, not a video file (a V4L2 camera "
+                              "is /dev/videoN or its index)")
         if not path.is_file():
             raise ConfigError(f"sources[{i}].uri: video file not found: {path}")
         src.uri = str(path)

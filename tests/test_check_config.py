@@ -387,3 +387,39 @@ def test_audio_file_that_is_not_a_playable_wav_is_refused(tmp_path, capsys) -> N
     cfg = tmp_path / "daemon.yaml"
     cfg.write_text(f"metrics:\n  listen: null\naudio:\n  - {{name: mic, file: {good}}}\n")
     assert _check(cfg, capsys)[0] == 0
+
+
+def test_gstreamer_source_that_cannot_be_read_here_is_refused_naming_the_key(tmp_path, capsys) -> None:
+    """``capture: opencv`` on an OpenCV built without GStreamer, and a ``gst_launch`` that is not there or not
+    executable, passed --check-config; the source then failed every open for ever ("cannot open '...'",
+    "FileNotFoundError: ... not found", "PermissionError: ...")."""
+    from edgevlm.daemon.capture import opencv_has_gstreamer
+
+    pipeline = "videotestsrc ! video/x-raw,width=64,height=48 ! appsink"
+
+    def check(extra: str) -> tuple[int, str]:
+        return _check(_config(tmp_path, sources=f"  - {{name: gst, uri: '{pipeline}', {extra}}}\n"), capsys)
+
+    missing = tmp_path / "no-such-gst-launch"
+    assert check(f"capture: subprocess, gst_launch: {missing}") == (
+        2, f"sources[0].gst_launch: {missing} not found (apt-get install gstreamer1.0-tools) (source 'gst')")
+    not_a_program = tmp_path / "gst.txt"
+    not_a_program.write_text("not a program\n")
+    assert check(f"capture: subprocess, gst_launch: {not_a_program}") == (
+        2, f"sources[0].gst_launch: {not_a_program} is not executable (source 'gst')")
+    csi = _config(tmp_path, sources=f"  - {{name: cam, csi: {{sensor_id: 0}}, capture: subprocess, "
+                                    f"gst_launch: {missing}}}\n")
+    assert _check(csi, capsys)[1].startswith(f"sources[0].gst_launch: {missing} not found")
+    if shutil.which("gst-launch-1.0") is not None:
+        assert check("capture: subprocess")[0] == 0
+    if not opencv_has_gstreamer():
+        assert check("capture: opencv") == (
+            2, "sources[0].capture: 'opencv' reads the pipeline through OpenCV's GStreamer backend, and this "
+               "OpenCV was built without GStreamer; use capture: auto or subprocess (gst-launch-1.0) (source 'gst')")
+
+
+def test_device_file_as_a_video_is_named_as_such_not_as_missing(tmp_path, capsys) -> None:
+    """``uri: /dev/null`` (not /dev/videoN, so read as a video file) was 'video file not found: /dev/null'."""
+    cfg = _config(tmp_path, sources="  - {name: cam, uri: /dev/null}\n")
+    assert _check(cfg, capsys) == (2, "sources[0].uri: /dev/null is not a regular file, not a video file (a V4L2 "
+                                      "camera is /dev/videoN or its index)")
