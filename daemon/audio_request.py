@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 
 from edgevlm.daemon.audio_dsp import HOP_MS, N_MELS, WIN_MS
 from edgevlm.errors import EdgeVLMError, InvalidRequestError
-from edgevlm.protocol import parse_json_object
+from edgevlm.protocol import is_valid_publish_topic, parse_json_object
 from edgevlm.validation import first_error_message
 
 if TYPE_CHECKING:
@@ -90,10 +90,21 @@ def make_features_handler(manager: AudioManager, bridge: Any) -> Callable[[Any],
     def handle(msg: Any) -> None:
         if msg.retain:
             return
+        props_in = getattr(msg, "properties", None)
+        response_topic = getattr(props_in, "ResponseTopic", None) if props_in is not None else None
+        if response_topic and not is_valid_publish_topic(response_topic):
+            # as on the request topic: paho refuses a wildcard (ValueError), a broker closes the
+            # connection over a control character or a non-character
+            bridge.drop_request("invalid_response_topic",
+                                "audio: dropping a features request whose Response Topic %r cannot be published to "
+                                "(a wildcard, a control character, a non-character, NUL or too long)",
+                                response_topic)  # fmt: skip
+            return
         response, data = features_response(manager, msg.payload)
         topic, corr_data, _ = bridge.reply_address(msg, data)
         if topic is None:
-            logger.warning("audio: dropping a features request without a Response Topic or reply_to")
+            bridge.drop_request("no_reply_address",
+                                "audio: dropping a features request without a Response Topic or reply_to")
             return
         props = Properties(PacketTypes.PUBLISH)
         props.ContentType = "application/json"

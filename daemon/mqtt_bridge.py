@@ -392,9 +392,10 @@ class MqttBridge:
         reply_to, correlation_id = fallback_reply_address(data) if data is not None else (None, None)
         return response_topic or reply_to, correlation_data, correlation_id
 
-    def _drop(self, reason: str, message: str, *args: Any) -> None:
+    def drop_request(self, reason: str, message: str, *args: Any) -> None:
         """Count (counters and ``edgevlm_requests_dropped_total{reason}``) and log a request that
-        cannot be answered. The counter goes last: whoever sees it has the log line and the metric too."""
+        cannot be answered (also one of an :meth:`add_handler` topic). The counter goes last: whoever
+        sees it has the log line and the metric too."""
         logger.warning(message, *args)
         if self.metrics is not None:
             self.metrics.request_dropped(reason)
@@ -412,7 +413,7 @@ class MqttBridge:
         if response_topic == "":
             response_topic = None  # an empty Response Topic is no address: the JSON reply_to may give one
         if response_topic is not None and not is_valid_publish_topic(response_topic):
-            self._drop("invalid_response_topic",
+            self.drop_request("invalid_response_topic",
                        "MQTT: dropping a request whose Response Topic %r cannot be published to (a wildcard, "
                        "NUL or too long)", response_topic)  # fmt: skip
             return
@@ -443,7 +444,7 @@ class MqttBridge:
 
         topic, correlation_data, correlation_id = self.reply_address(msg, data)
         if topic is None:
-            self._drop("no_reply_address",
+            self.drop_request("no_reply_address",
                        "MQTT: dropping a request with no Response Topic and no valid 'reply_to' field "
                        "(MQTT 3.1.1 clients: add reply_to/correlation_id to the JSON)")  # fmt: skip
             return

@@ -323,6 +323,28 @@ def test_features_request_without_audio_sources_is_answered_unknown_source(make_
     assert r["error"]["details"] == {"source": "mic", "known": []}
 
 
+def test_features_request_that_cannot_be_answered_is_dropped_and_counted(make_daemon, watcher, wait_until,
+                                                                        caplog) -> None:  # fmt: skip
+    """A features request whose Response Topic is a wildcard raised paho's ValueError in the handler (an ERROR
+    with a traceback per request, counted as a handler error); one with no reply address was logged but not
+    counted. Both are dropped and counted as on the request topic, and the daemon answers the next one."""
+    import logging
+
+    w = watcher()
+    daemon = make_daemon({})
+    w.subscribe("test/audio/#")
+    with caplog.at_level(logging.WARNING):
+        w.publish("edgevlm/dev1/audio/request", b'{"source": "mic", "seconds": 1}', response_topic="test/audio/+",
+                  correlation=b"wild")  # fmt: skip
+        w.publish("edgevlm/dev1/audio/request", b'{"source": "mic", "seconds": 1}')
+        wait_until(lambda: daemon.counters.get("no_reply_address") == 1, timeout_s=5, what="no_reply_address")
+    assert daemon.counters.get("invalid_response_topic") == 1 and daemon.counters.get("handler_errors") == 0
+    assert "Traceback" not in caplog.text and not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "Response Topic 'test/audio/+' cannot be published to" in caplog.text
+    r = w_ask(w, {"source": "mic", "seconds": 2})
+    assert r["error"]["code"] == "UNKNOWN_SOURCE"
+
+
 def w_ask(w, payload: dict, corr: bytes = b"\x00corr") -> dict:
     import uuid
 
