@@ -259,6 +259,8 @@ class AudioSource:
         self.device_name, self.device_rate_hz, self.device_channels = str(cfg.file), info.sample_rate_hz, info.channels
         feed = self._pipeline(info.sample_rate_hz)
         block = max(1, info.sample_rate_hz * cfg.block_ms // 1000)
+        if cfg.loop and len(samples) < block:  # a file shorter than a block, looped: whole blocks of its loops,
+            samples = np.tile(samples, (-(-block // len(samples)), 1))  # not one pass (a 1-sample file: 48000/s)
         self._set_state("streaming")
         t0, pos, sent = time.monotonic(), 0, 0
         while not self._stop.is_set():

@@ -178,6 +178,29 @@ def test_a_wav_source_with_loop_false_plays_once_and_reports_the_end(tmp_path, w
     assert states == ["streaming", "ended", "stopped"]
 
 
+def test_a_looped_wav_shorter_than_a_block_does_not_spin_a_core(tmp_path, wait_until) -> None:
+    """A looped WAV of fewer samples than one block (``block_ms``) was fed one pass per iteration: a one-sample
+    file at 48 kHz ran the pipeline 48000 times a second, a core busy for a click."""
+    import time
+
+    from edgevlm.config import AudioSourceConfig
+    from edgevlm.daemon.audio import AudioSource
+
+    wav = write_wav(tmp_path / "click.wav", np.full((1, 1), 0.25), 48000)
+    src = AudioSource(AudioSourceConfig(name="click", file=str(wav), level_interval_s=None))
+    src.start()
+    try:
+        wait_until(lambda: src.ring.written > 0, timeout_s=5, what="audio")
+        written, cpu0, t0 = src.ring.written, time.process_time(), time.monotonic()
+        time.sleep(1.0)
+        cpu_s, wall_s, played = time.process_time() - cpu0, time.monotonic() - t0, src.ring.written - written
+    finally:
+        src.stop()
+    assert cpu_s < 0.3 * wall_s, f"{cpu_s:.2f} s of CPU in {wall_s:.2f} s"
+    assert abs(played - 16000 * wall_s) < 0.15 * 16000, played  # real time, at sample_rate_hz
+    assert src.last_error is None and src.reconnects == 0
+
+
 @pytest.mark.parametrize("rate_in", [48000, 44100, 22050, 8000])
 def test_resampler_reproduces_a_tone_at_16k(rate_in) -> None:
     x = tone(1000, rate_in, 0.5)[:, 0].astype(np.float32)
