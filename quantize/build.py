@@ -149,14 +149,26 @@ def _versions() -> dict[str, str]:
 
 
 def _resolve_ladder(files: ModelFiles, opts: BuildOptions) -> list[int]:
+    """The bundle's ladder: ``opts.resolution_ladder``, else the profile's, else the model's own; a
+    rung below the vision patch size is refused before anything is built (the bundle's config.json
+    would not load: :func:`edgevlm.runtime.config.parse_resolution_ladder`)."""
+    patch = int(files.config.vision.patch_size)
+
+    def checked(ladder, what: str) -> list[int]:
+        small = sorted({r for r in ladder if r < patch})
+        if small:
+            raise ConfigError(f"{what}: rung(s) {', '.join(map(str, small))} px are below the model's vision patch "
+                              f"size ({patch} px): a rung is at least one patch")
+        return sorted(set(ladder), reverse=True)
+
     if opts.resolution_ladder:
-        return sorted(set(opts.resolution_ladder), reverse=True)
+        return checked(opts.resolution_ladder, "resolution_ladder")
     if opts.profile:
         from edgevlm.profile import load_profile
 
         ladder = load_profile(opts.profile).resolution_ladder_px
         if ladder:
-            return list(ladder)
+            return checked(ladder, f"--profile {opts.profile}: resolution_ladder_px")
     return sorted(files.config.resolution_ladder, reverse=True)
 
 

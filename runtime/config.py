@@ -280,12 +280,14 @@ def parse_text_config(tc: dict, where: str = "text_config.") -> TextConfig:
     return cfg
 
 
-def parse_resolution_ladder(raw: dict, default: tuple[int, ...] = ()) -> tuple[int, ...]:
+def parse_resolution_ladder(raw: dict, default: tuple[int, ...] = (), *, min_px: int = 1) -> tuple[int, ...]:
     """The resolution ladder of a checkpoint: ``config.json``'s ``edgevlm.resolution_ladder`` (rungs
-    in px, sorted, duplicates dropped), else ``default``. One rule for every family.
+    in px, sorted, duplicates dropped), else ``default``. One rule for every family; ``min_px`` is the
+    vision patch size, the smallest rung (as for ``edgevlm ask --resolution``).
 
     Raises:
-        ModelLoadError: ``edgevlm`` is not an object, or the ladder is not a list of positive ints.
+        ModelLoadError: ``edgevlm`` is not an object, the ladder is not a list of positive ints, or
+            a rung is below ``min_px``.
     """
     extra = raw.get("edgevlm") or {}
     if not isinstance(extra, dict):
@@ -294,4 +296,10 @@ def parse_resolution_ladder(raw: dict, default: tuple[int, ...] = ()) -> tuple[i
     if not isinstance(ladder, list) or not all(isinstance(r, int) and not isinstance(r, bool) and r > 0
                                                for r in ladder):
         raise ModelLoadError(f"config.json: edgevlm.resolution_ladder must be a list of positive ints, got {ladder!r}")
+    small = sorted({r for r in ladder if r < min_px})
+    if small:
+        raise ModelLoadError(
+            f"config.json: edgevlm.resolution_ladder rung(s) {', '.join(map(str, small))} px are below the vision "
+            f"patch size ({min_px} px): a rung is at least one patch"
+        )
     return tuple(sorted(set(ladder)))

@@ -243,6 +243,6 @@ def parse_config(raw: dict) -> Gemma3Config:
         boi_token_id=ids["boi_token_index"],
         eoi_token_id=ids["eoi_token_index"],
         tie_word_embeddings=get_typed(raw, "tie_word_embeddings", True, bool, ""),
-        resolution_ladder=parse_resolution_ladder(raw, ()),
+        resolution_ladder=parse_resolution_ladder(raw, (), min_px=vision.patch_size),
         model_type=model_type,
     )

@@ -206,6 +206,6 @@ def parse_config(raw: dict) -> InternVLConfig:
         vision_feature_layer=layer,
         vision_feature_select_strategy=strategy,
         tie_word_embeddings=get_typed(raw, "tie_word_embeddings", True, bool, ""),
-        resolution_ladder=parse_resolution_ladder(raw, ()),
+        resolution_ladder=parse_resolution_ladder(raw, (), min_px=vision.patch_size),
         model_type=model_type,
     )

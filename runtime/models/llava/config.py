@@ -143,7 +143,7 @@ def parse_config(raw: dict) -> LlavaConfig:
     if act not in SUPPORTED_ACTIVATIONS:
         raise ModelLoadError(f"config.json: projector_hidden_act {act!r} is not supported")
     tie = bool(raw.get("tie_word_embeddings", False)) or bool(raw["text_config"].get("tie_word_embeddings", False))
-    ladder = parse_resolution_ladder(raw, (vision.image_size,))
+    ladder = parse_resolution_ladder(raw, (vision.image_size,), min_px=vision.patch_size)
     return LlavaConfig(
         vision=vision,
         text=text,

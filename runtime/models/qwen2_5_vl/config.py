@@ -181,6 +181,6 @@ def parse_config(raw: dict) -> Qwen25VLConfig:
                              f"the decoder's hidden_size {text.hidden_size}")
     tokens = parse_vision_token_ids(raw, text.vocab_size)
     tie = bool(raw.get("tie_word_embeddings", False)) or bool(tc.get("tie_word_embeddings", False))
-    ladder = parse_resolution_ladder(raw, ())
+    ladder = parse_resolution_ladder(raw, (), min_px=vision.patch_size)
     return Qwen25VLConfig(vision=vision, text=text, tie_word_embeddings=tie,
                           resolution_ladder=ladder, tokens=tokens)

@@ -162,6 +162,6 @@ def parse_config(raw: dict) -> Qwen3VLConfig:
     if len(vision.deepstack_visual_indexes) > text.num_hidden_layers:
         raise ModelLoadError("config.json: vision_config.deepstack_visual_indexes has more entries than decoder layers")
     tokens = parse_vision_token_ids(raw, text.vocab_size)
-    ladder = parse_resolution_ladder(raw, ())
+    ladder = parse_resolution_ladder(raw, (), min_px=vision.patch_size)
     return Qwen3VLConfig(vision=vision, text=text, tie_word_embeddings=tie,
                          resolution_ladder=ladder, tokens=tokens)

@@ -106,7 +106,7 @@ def parse_config(raw: dict) -> SmolVLMConfig:
             "(vision_config.image_size / patch_size)"
         )
     image_token_id = token_id(raw, "image_token_id", _DEFAULT_IMAGE_TOKEN_ID[model_type], text.vocab_size)
-    ladder = parse_resolution_ladder(raw, ())
+    ladder = parse_resolution_ladder(raw, (), min_px=vision.patch_size)
     return SmolVLMConfig(
         vision=vision,
         text=text,
