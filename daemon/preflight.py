@@ -18,8 +18,8 @@ one the daemon starts with. It checks what can be checked without loading the we
   backend's library imports (onnxruntime, tensorrt). A failure raises ConfigError naming the key:
   the daemon cannot serve without its model.
 - **sources** (:func:`check_sources`): a video file is a file OpenCV decodes a frame from (not a
-  folder, not a text file); a V4L2 camera's device node exists, is a character device and is
-  readable and writable by this user; a GStreamer pipeline read through gst-launch-1.0 has a frame
+  folder, not a text file); a V4L2 camera's device node exists, is a character device,
+  readable and writable by this user, and a V4L2 video capture device (VIDIOC_QUERYCAP); a GStreamer pipeline read through gst-launch-1.0 has a frame
   size and its ``gst_launch`` executable is there; ``capture: opencv`` needs an OpenCV built with GStreamer; an audio source's WAV file has a supported format and samples. Network streams, GStreamer pipelines and CSI cameras are not probed (they may come up
   after the daemon). A failure is a one-line problem naming the key.
 
@@ -156,7 +156,9 @@ def _v4l2_problem(uri: int | str) -> str | None:
         return f"{dev} is not a video device (not a character device)"
     if not os.access(dev, os.R_OK | os.W_OK):
         return f"{dev} is not readable and writable by this user (add the user to group video)"
-    return None
+    from edgevlm.daemon.v4l2 import capture_device_problem
+
+    return capture_device_problem(dev)
 
 
 def _video_file_problem(path: str) -> str | None:

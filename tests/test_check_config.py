@@ -423,3 +423,24 @@ def test_device_file_as_a_video_is_named_as_such_not_as_missing(tmp_path, capsys
     cfg = _config(tmp_path, sources="  - {name: cam, uri: /dev/null}\n")
     assert _check(cfg, capsys) == (2, "sources[0].uri: /dev/null is not a regular file, not a video file (a V4L2 "
                                       "camera is /dev/videoN or its index)")
+
+
+def test_character_device_that_is_not_a_v4l2_camera_is_refused(tmp_path, capsys) -> None:
+    """A /dev/videoN that is a character device but not V4L2 (here /dev/null's device) passed --check-config;
+    the source then failed every open for ever ("cannot open '/dev/videoN'"). VIDIOC_QUERYCAP says so."""
+    from edgevlm.daemon.v4l2 import capture_device_problem
+
+    assert capture_device_problem("/dev/null") == (
+        "/dev/null is not a V4L2 device (VIDIOC_QUERYCAP: Inappropriate ioctl for device)")
+    if os.geteuid() != 0 or not os.access("/dev", os.W_OK):
+        pytest.skip("a /dev/videoN node of another device needs root")
+    dev = Path(f"/dev/video{4000 + os.getpid() % 90}")  # not a number another test uses
+    if dev.exists() or dev.is_symlink():
+        pytest.skip(f"{dev} exists")
+    os.mknod(dev, 0o660 | 0o020000, os.makedev(1, 3))  # a character device: major 1, minor 3 (/dev/null's)
+    try:
+        cfg = _config(tmp_path, sources=f"  - {{name: usb, uri: {dev}}}\n")
+        assert _check(cfg, capsys) == (2, f"sources[0].uri: {dev} is not a V4L2 device (VIDIOC_QUERYCAP: "
+                                          "Inappropriate ioctl for device) (source 'usb')")
+    finally:
+        dev.unlink()
