@@ -24,9 +24,12 @@ pytest.importorskip("transformers")
 from edgevlm.cli_args import EXIT_INTERRUPTED  # noqa: E402
 
 # The step after the quantized weights are written into BUNDLE.partial (quantize), the training after
-# --out is created (calibrate), made slow: each says when it starts, then sleeps.
+# --out is created (calibrate), made slow: each says when it starts, then sleeps. SIGINT is given its
+# usual handler first: a suite started as a shell's background job (`make test &`) inherits SIGINT
+# ignored, and Python then leaves it ignored (a background job is not meant to get the terminal's Ctrl-C).
 RUN_SLOW = """\
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import edgevlm.quantize.build as build, edgevlm.quantize.calibrate as calibrate
 def slow(*args, **kwargs):
     print("SLOW", flush=True)
