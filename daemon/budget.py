@@ -187,7 +187,8 @@ class BudgetController:
         return min(self.default_budget_ms, timeout), timeout
 
     def choose(self, budget_ms: float, *, max_new_tokens: int, queue_wait_ms: float,
-               deadline_ms: float | None = None, requested_budget_ms: float | None = None) -> Choice:
+               deadline_ms: float | None = None, requested_budget_ms: float | None = None,
+               deadline_limit: str = "timeout_ms") -> Choice:
         """The most accurate point predicted to finish within ``budget_ms`` (predictions scaled by
         the slowdown hint, plus the overhead); when none does, the cheapest point as long as its
         mean prediction is within ``deadline_ms`` (default: ``budget_ms``).
@@ -196,15 +197,17 @@ class BudgetController:
         is the request's own ``budget_ms`` (None when it gave none). Without ``deadline_ms`` the
         budget is the limit and counts as requested. The refusal names the request field that was
         the limit: the request's ``budget_ms`` when it gave one no longer than the deadline, else
-        its ``timeout_ms``.
+        its ``timeout_ms``, or its MQTT v5 Message Expiry Interval when ``deadline_limit`` is
+        ``"message_expiry"`` (the interval was shorter than the timeout: the deadline came from it).
 
         Raises:
             DeadlineExceededError: even the cheapest point is predicted to miss the deadline;
                 message ``"budget_ms B cannot be met: ..."`` or ``"timeout_ms T cannot be met:
-                ..."``; ``details`` has ``cheapest_predicted_ms``, ``planned_budget_ms`` (the
-                budget planned for, as in the response stats' ``budget_ms``), ``queue_wait_ms``,
-                ``slowdown_hint``, ``slowdown``, ``budget_ms`` only when the request gave one, and
-                ``timeout_ms`` only when the timeout was the limit.
+                ..."`` (``"the Message Expiry Interval of T ms cannot be met: ..."``); ``details``
+                has ``cheapest_predicted_ms``, ``planned_budget_ms`` (the budget planned for, as in
+                the response stats' ``budget_ms``), ``queue_wait_ms``, ``slowdown_hint``,
+                ``slowdown``, ``budget_ms`` only when the request gave one, and ``timeout_ms`` and
+                ``limit`` (``deadline_limit``) only when the deadline was the limit.
         """
         h, extra = self._hint, self._overhead_ms
         deadline = budget_ms if deadline_ms is None else deadline_ms
@@ -234,7 +237,9 @@ class BudgetController:
                 what = f"budget_ms {requested_budget_ms:.0f}"
             else:
                 details["timeout_ms"] = _ms(deadline)
-                what = f"timeout_ms {deadline:.0f}"
+                details["limit"] = deadline_limit
+                what = (f"the Message Expiry Interval of {deadline:.0f} ms" if deadline_limit == "message_expiry"
+                        else f"timeout_ms {deadline:.0f}")  # fmt: skip
             raise DeadlineExceededError(
                 f"{what} cannot be met: the cheapest operating point is predicted to take "
                 f"{cheapest:.0f} ms (queue wait {queue_wait_ms:.0f} ms included)",

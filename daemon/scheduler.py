@@ -622,7 +622,7 @@ class Scheduler:
         try:
             job.choice = ctl.choose(budget, max_new_tokens=planned_tokens,
                                     queue_wait_ms=self._predicted_wait_locked(now), deadline_ms=deadline,
-                                    requested_budget_ms=req.budget_ms)
+                                    requested_budget_ms=req.budget_ms, deadline_limit=job.deadline_limit)
         except DeadlineExceededError as err:
             self.counters.inc("deadline_refused")
             return err

@@ -68,9 +68,10 @@ def test_without_budget_the_cheapest_runs_until_the_timeout():
     ("budget_ms", "timeout_ms", "message", "details"),
     [
         # the default budget (500) is above the timeout: the timeout is the limit, no budget_ms
-        (None, 10, "timeout_ms 10 cannot be met", {"planned_budget_ms": 10, "timeout_ms": 10}),
+        (None, 10, "timeout_ms 10 cannot be met", {"planned_budget_ms": 10, "timeout_ms": 10, "limit": "timeout_ms"}),
         # a budget_ms longer than timeout_ms: the timeout is the limit, the request's budget kept
-        (5000, 10, "timeout_ms 10 cannot be met", {"planned_budget_ms": 10, "timeout_ms": 10, "budget_ms": 5000}),
+        (5000, 10, "timeout_ms 10 cannot be met", {"planned_budget_ms": 10, "timeout_ms": 10, "budget_ms": 5000,
+                                                  "limit": "timeout_ms"}),
         (10, 5000, "budget_ms 10 cannot be met", {"planned_budget_ms": 10, "budget_ms": 10}),
         (10, 10, "budget_ms 10 cannot be met", {"planned_budget_ms": 10, "budget_ms": 10}),
         (10, None, "budget_ms 10 cannot be met", {"planned_budget_ms": 10, "budget_ms": 10}),

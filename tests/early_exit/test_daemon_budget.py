@@ -194,9 +194,9 @@ def test_readme_mosquitto_rr_request_without_budget(run_daemon, mosquitto, plain
     [
         # no budget_ms: the default budget (cpu profile: 2000 ms) is capped to the timeout, which
         # is the limit the refusal names
-        ({"timeout_ms": 10}, "timeout_ms 10", {"planned_budget_ms": 10, "timeout_ms": 10}),
+        ({"timeout_ms": 10}, "timeout_ms 10", {"planned_budget_ms": 10, "timeout_ms": 10, "limit": "timeout_ms"}),
         ({"budget_ms": 5000, "timeout_ms": 10}, "timeout_ms 10",
-         {"planned_budget_ms": 10, "timeout_ms": 10, "budget_ms": 5000}),
+         {"planned_budget_ms": 10, "timeout_ms": 10, "budget_ms": 5000, "limit": "timeout_ms"}),
         ({"budget_ms": 10, "timeout_ms": 5000}, "budget_ms 10", {"planned_budget_ms": 10, "budget_ms": 10}),
     ],
 )
@@ -271,3 +271,40 @@ def test_warm_up_logs_a_point_the_engine_refuses(exit_engine, caplog):
         warm_up(exit_engine, [good, bad])  # logged, not raised: the daemon still starts
     msgs = [r.getMessage() for r in caplog.records]
     assert len(msgs) == 1 and msgs[0].startswith("controller: warm-up of bad failed: InvalidRequestError")
+
+
+def test_refusal_over_a_message_expiry_interval_names_it_not_timeout_ms(run_daemon, mosquitto, plain_engine,
+                                                                       frontier_path, image) -> None:  # fmt: skip
+    """A client that is not the SDK (mosquitto_rr, a C++ node) sets a Message Expiry Interval and no timeout_ms:
+    the refusal named 'timeout_ms 5000', a field the request never had. It names the interval (details.limit
+    'message_expiry', as a request that expires in the queue); a request's own timeout_ms is still named."""
+    import base64
+
+    import cv2
+    from mqtt_support import RecordingClient
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    daemon = run_daemon(plain_engine, controller={"frontier": str(frontier_path)})
+    daemon.scheduler.controller.hint_slowdown(50.0)  # the cheapest point: 3.5 s predicted
+    raw = RecordingClient(mosquitto.host, mosquitto.port)
+    try:
+        raw.subscribe("test/budget")
+        png = base64.b64encode(cv2.imencode(".png", image)[1].tobytes()).decode()
+        for i, (extra, expiry_s) in enumerate([({}, 2), ({"timeout_ms": 3000}, None)]):
+            props = Properties(PacketTypes.PUBLISH)
+            props.ResponseTopic, props.CorrelationData = "test/budget", b"e%d" % i
+            if expiry_s is not None:
+                props.MessageExpiryInterval = expiry_s
+            body = json.dumps({"prompt": PROMPT, "image_b64": png, **extra}).encode()
+            raw.client.publish("edgevlm/dev1/request", body, qos=1, properties=props).wait_for_publish(5)
+        by_corr = {m.properties.CorrelationData: json.loads(m.payload).get("error", {})
+                   for m in raw.wait_messages("test/budget", 2, timeout_s=5)}  # fmt: skip
+    finally:
+        raw.close()
+    expired, timed = by_corr[b"e0"], by_corr[b"e1"]
+    assert expired["code"] == "DEADLINE_EXCEEDED" and expired["details"]["limit"] == "message_expiry", expired
+    assert expired["message"].startswith("the Message Expiry Interval of 2000 ms cannot be met: "), expired
+    assert "timeout_ms" not in expired["message"] and expired["details"]["timeout_ms"] == 2000
+    assert timed["message"].startswith("timeout_ms 3000 cannot be met: ") and timed["details"]["limit"] == "timeout_ms"
+    assert daemon.counters.get("deadline_refused") == 2 and daemon.counters.get("responses_ok") == 0
