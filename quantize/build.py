@@ -450,7 +450,8 @@ def build_bundle(model_dir: str | Path, out_dir: str | Path, opts: BuildOptions 
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"--out {out_dir} is a file, not a folder (choose another --out)")
     if out_dir.exists() and any(out_dir.iterdir()) and not opts.overwrite:
-        raise ConfigError(f"output folder {out_dir} exists and is not empty (choose another --out)")
+        raise ConfigError(f"output folder {out_dir} exists and is not empty (choose another --out, or --overwrite "
+                          "to replace it)")
     if out_dir == model_dir or model_dir in out_dir.parents:
         raise ConfigError(f"output folder {out_dir} must not be inside the model folder")
     cfg = files.config

@@ -390,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kd-steps", type=non_negative_int, default=None,
                     help="answer-distillation steps through the frozen decoder after the feature loss "
                          "(LLaVA only: default 100, 0 with --keep-adapters; the other families take 0)")
-    ap.add_argument("--agreement-images", type=positive_int, default=300, help="images for the confidence heads")
+    ap.add_argument("--agreement-images", type=positive_int, default=300, help="images for the confidence heads (at least 5)")
     ap.add_argument("--questions-per-image", type=positive_int, default=3)
     ap.add_argument("--question-conditioned", action="store_true",
                     help="confidence heads also read the question (prompt embedding)")

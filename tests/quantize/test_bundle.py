@@ -349,7 +349,8 @@ def test_int4_weights_the_manifest_does_not_declare_are_named(rtn_bundle, tmp_pa
 
 
 def test_build_refuses_bad_inputs(rtn_bundle, tiny_src, tmp_path):
-    with pytest.raises(ConfigError, match="exists and is not empty"):
+    with pytest.raises(ConfigError, match=r"exists and is not empty \(choose another --out, or --overwrite to "
+                                          r"replace it\)$"):  # was: no word of --overwrite
         build_bundle(tiny_src, rtn_bundle.bundle_dir, RTN)
     a_file = tmp_path / "scene.png"
     a_file.write_bytes(b"x")
