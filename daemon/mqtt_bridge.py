@@ -414,8 +414,8 @@ class MqttBridge:
             response_topic = None  # an empty Response Topic is no address: the JSON reply_to may give one
         if response_topic is not None and not is_valid_publish_topic(response_topic):
             self.drop_request("invalid_response_topic",
-                       "MQTT: dropping a request whose Response Topic %r cannot be published to (a wildcard, "
-                       "NUL or too long)", response_topic)  # fmt: skip
+                              "MQTT: dropping a request whose Response Topic %r cannot be published to (a wildcard, "
+                              "a control character, a non-character, NUL or too long)", response_topic)  # fmt: skip
             return
 
         payload: bytes = msg.payload
@@ -445,8 +445,8 @@ class MqttBridge:
         topic, correlation_data, correlation_id = self.reply_address(msg, data)
         if topic is None:
             self.drop_request("no_reply_address",
-                       "MQTT: dropping a request with no Response Topic and no valid 'reply_to' field "
-                       "(MQTT 3.1.1 clients: add reply_to/correlation_id to the JSON)")  # fmt: skip
+                              "MQTT: dropping a request with no Response Topic and no valid 'reply_to' field "
+                              "(MQTT 3.1.1 clients: add reply_to/correlation_id to the JSON)")  # fmt: skip
             return
 
         key = early_key
