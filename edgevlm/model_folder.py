@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,29 @@ and every file under ``onnx/`` and ``tensorrt/`` (ONNX external data included) i
 
 LOADED_FOLDERS = ("onnx", "tensorrt")
 MANIFEST = "manifest.json"
+
+INT4_SUFFIXES = (".qweight", ".scales", ".zeros", ".input_scale")
+"""Tensor-name suffixes of an engine bundle's INT4 layers (``edgevlm.runtime.bundle``'s format; their
+dtypes are part of the format and never converted). A folder whose weights hold them is a bundle."""
+
+
+def int4_layers(tensor_names: Iterable[str]) -> list[str]:
+    """The INT4 layers (module names, sorted) among safetensors tensor names (:data:`INT4_SUFFIXES`)."""
+    return sorted({n.rsplit(".", 1)[0] for n in tensor_names if n.endswith(INT4_SUFFIXES)})
+
+
+def name_layers(layers: list[str], *, most: int = 2) -> str:
+    """``"a, b and 3 more"``: the first ``most`` of ``layers`` for a one-line message."""
+    return ", ".join(layers[:most]) + (f" and {len(layers) - most} more" if len(layers) > most else "")
+
+
+def missing_manifest_error(model_dir: Path, layers: list[str]) -> ModelLoadError:
+    """The refusal of a folder whose weights hold INT4 ``layers`` but that has no ``manifest.json``: an
+    engine bundle copied without it (its layers cannot be read as a checkpoint's)."""
+    return ModelLoadError(
+        f"{model_dir} holds INT4 layers ({name_layers(layers)}) but no {MANIFEST}: an engine bundle whose "
+        f"{MANIFEST} is missing (copy the whole bundle again, or rebuild it with `edgevlm quantize`)"
+    )
 
 
 def _hub_blobs(root: Path) -> Path | None:
@@ -219,11 +243,11 @@ def weight_files(model_dir: Path) -> list[Path]:
     raise ModelLoadError(f"model folder {model_dir} has no model.safetensors")
 
 
-def check_safetensors(path: Path) -> int:
+def check_safetensors(path: Path) -> list[str]:
     """Check a safetensors file's header against the file's size, without reading tensor data.
 
     Returns:
-        The number of tensors the header lists.
+        The names of the tensors the header lists, in its order.
 
     Raises:
         ModelLoadError: unreadable, shorter than its header, a header that is not a JSON object
@@ -251,7 +275,7 @@ def check_safetensors(path: Path) -> int:
     if not isinstance(header, dict):
         raise ModelLoadError(f"{path}: corrupt safetensors header (not a JSON object)")
     end = 0
-    tensors = 0
+    tensors: list[str] = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
@@ -262,7 +286,7 @@ def check_safetensors(path: Path) -> int:
         ):
             raise ModelLoadError(f"{path}: corrupt safetensors header (tensor {name!r} has no valid data_offsets)")
         end = max(end, offsets[1])
-        tensors += 1
+        tensors.append(name)
     data_bytes = size - 8 - n
     if end > data_bytes:
         raise ModelLoadError(
@@ -290,6 +314,8 @@ def check_model_folder(model_dir: str | Path, *, backend: str = "torch") -> list
     An engine bundle's ``manifest.json`` must be a JSON object too (its hashes are verified when
     it loads). The ``onnx`` and ``tensorrt`` backends run engine bundles only: for them the
     folder must hold ``manifest.json`` and the backend's artifacts (:data:`BUNDLE_BACKEND_FILES`).
+    Weights holding INT4 layers without a ``manifest.json`` (a bundle copied without it) are refused
+    (:func:`missing_manifest_error`), as loading would refuse them.
 
     Returns:
         The weight files.
@@ -316,8 +342,9 @@ def check_model_folder(model_dir: str | Path, *, backend: str = "torch") -> list
         if not (model_dir / rel).is_file():
             raise ModelLoadError(f"bundle {model_dir} has no {rel}, which backend {backend!r} needs")
     files = weight_files(model_dir)
-    for f in files:
-        check_safetensors(f)
+    names = [name for f in files for name in check_safetensors(f)]
+    if not (model_dir / MANIFEST).is_file() and int4_layers(names):
+        raise missing_manifest_error(model_dir, int4_layers(names))
     if (model_dir / "exits.safetensors").is_file():  # exit heads (edgevlm calibrate): loaded with the model
         check_safetensors(model_dir / "exits.safetensors")
     return files

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
 from edgevlm.errors import ModelLoadError
-from edgevlm.model_folder import confined_path, weight_files
+from edgevlm.model_folder import INT4_SUFFIXES, confined_path, weight_files
 from edgevlm.validation import first_error_message
 
 if TYPE_CHECKING:
@@ -52,8 +52,6 @@ INT4_LAYOUT = (
     "canonical-v1: qweight uint8 (out, in/2), low nibble = even input channel; "
     "scales float16 (out, in/group_size); zeros uint8 (out, in/group_size); w = (q - zero) * scale"
 )
-# Tensor-name suffixes of INT4 layers; their dtypes are part of the format and never converted.
-INT4_SUFFIXES = (".qweight", ".scales", ".zeros", ".input_scale")
 
 
 class FileEntry(BaseModel):

@@ -25,7 +25,15 @@ from typing import Any
 import torch
 
 from edgevlm.errors import ModelLoadError
-from edgevlm.model_folder import check_safetensors, read_image_processor, read_json, weight_files
+from edgevlm.model_folder import (
+    check_safetensors,
+    int4_layers,
+    missing_manifest_error,
+    name_layers,
+    read_image_processor,
+    read_json,
+    weight_files,
+)
 from edgevlm.runtime.models import family_for
 from edgevlm.runtime.models.base import ModelFamily
 
@@ -107,8 +115,6 @@ def canonical_key(key: str, files: ModelFiles) -> str | None:
     return map_weight_name(key, _rules(files.family))
 
 
-#: tensor name suffixes of an INT4 layer in an engine bundle (runtime/bundle.py's layout)
-_INT4_SUFFIXES = (".qweight", ".scales", ".zeros", ".input_scale")
 _COMPILED: dict[str, list[tuple[re.Pattern, str | None]]] = {}
 
 
@@ -228,17 +234,13 @@ def load_weights(
             raise
         except Exception as exc:  # safetensors raises its own error types for corrupt files
             raise ModelLoadError(f"{path}: cannot read safetensors file ({exc})") from exc
-    int4 = sorted({k.rsplit(".", 1)[0] for k in unexpected if k.endswith(_INT4_SUFFIXES)})
+    int4 = int4_layers(unexpected)
     if int4:  # a bundle's INT4 layers that no manifest.json declares
-        named = ", ".join(int4[:2]) + (f" and {len(int4) - 2} more" if len(int4) > 2 else "")
         if what == "checkpoint":
-            raise ModelLoadError(
-                f"{files.model_dir} holds INT4 layers ({named}) but no manifest.json: an engine bundle whose "
-                "manifest.json is missing (copy the whole bundle again, or rebuild it with `edgevlm quantize`)"
-            )
+            raise missing_manifest_error(files.model_dir, int4)
         raise ModelLoadError(
             f"bundle {files.model_dir}: the weights hold INT4 layers that manifest.json does not list as INT4 "
-            f"({named}): manifest.json was edited or comes from another build (rebuild the bundle)"
+            f"({name_layers(int4)}): manifest.json was edited or comes from another build (rebuild the bundle)"
         )
     if unexpected:
         raise ModelLoadError(

@@ -40,7 +40,7 @@ GOOD = _safetensors({"a": np.ones((4, 4)), "b": np.zeros(3)})
 def test_good_folder_passes_and_matches_the_reference_reader(tmp_path) -> None:
     d = _folder(tmp_path, GOOD)
     assert check_model_folder(d) == [d / "model.safetensors"]
-    assert check_safetensors(d / "model.safetensors") == 2
+    assert check_safetensors(d / "model.safetensors") == ["a", "b"]
     from safetensors.numpy import load_file  # the reference implementation reads the same file
 
     assert load_file(d / "model.safetensors")["a"].shape == (4, 4)
@@ -95,4 +95,26 @@ def test_truncated_exit_heads_are_named(tmp_path) -> None:
         check_model_folder(d)
     assert info.value.message.startswith(f"{d / 'exits.safetensors'}: truncated safetensors file"), info.value.message
     (d / "exits.safetensors").write_bytes(GOOD)
+    assert check_model_folder(d) == [d / "model.safetensors"]
+
+
+def test_int4_weights_without_a_manifest_are_refused_before_loading(tmp_path) -> None:
+    # a bundle copied without manifest.json: `serve --check-config` passed it, then the daemon refused to load
+    d = _folder(tmp_path, _safetensors({
+        "language_model.model.layers.0.mlp.down_proj.qweight": np.zeros((4, 2), np.uint8),
+        "language_model.model.layers.0.mlp.down_proj.scales": np.ones((4, 1), np.float16),
+        "language_model.model.layers.0.mlp.up_proj.qweight": np.zeros((4, 2), np.uint8),
+        "language_model.model.layers.1.mlp.up_proj.qweight": np.zeros((4, 2), np.uint8),
+        "language_model.model.norm.weight": np.ones(4, np.float32),
+    }))
+    with pytest.raises(ModelLoadError) as info:
+        check_model_folder(d)
+    assert str(info.value) == (
+        f"{d} holds INT4 layers (language_model.model.layers.0.mlp.down_proj, "
+        "language_model.model.layers.0.mlp.up_proj and 1 more) but no manifest.json: an engine bundle whose "
+        "manifest.json is missing (copy the whole bundle again, or rebuild it with `edgevlm quantize`)")
+    # with one, the bundle's own checks (hashes, the layers it declares) take over when it loads
+    listed = [{"path": n, "sha256": "0" * 64, "size_bytes": (d / n).stat().st_size}
+              for n in ("config.json", "model.safetensors")]
+    (d / "manifest.json").write_text(json.dumps({"files": listed}))
     assert check_model_folder(d) == [d / "model.safetensors"]

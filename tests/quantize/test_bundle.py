@@ -346,6 +346,12 @@ def test_int4_weights_the_manifest_does_not_declare_are_named(rtn_bundle, tmp_pa
     err = capsys.readouterr().err.strip()
     assert err.startswith("edgevlm: error: ") and "\n" not in err, err
     assert needle in err and tail in err and "does not know" not in err, err
+    if damage == "manifest deleted":  # `serve --check-config` says it too (it passed such a folder)
+        cfg = tmp_path / "daemon.yaml"
+        cfg.write_text(f"mqtt:\n  host: 127.0.0.1\n  port: 1\nmodel:\n  path: {dst}\nmetrics:\n  listen: null\n")
+        assert main(["serve", "--check-config", str(cfg)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("edgevlm: error: model.path: ") and needle in err and tail in err, err
 
 
 def test_build_refuses_bad_inputs(rtn_bundle, tiny_src, tmp_path):
