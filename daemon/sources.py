@@ -25,6 +25,11 @@ subprocess) may block inside native code, so:
 - :meth:`FrameSource.frame_for_request` refuses a frame older than ``max_frame_age_s``: the
   request is answered with a typed error whose details say ``stale_frame`` and the frame's age;
   on a ``frozen`` camera the reason is ``frozen_frame``.
+- A request about several recent frames (``frames`` / ``frames_s``, :meth:`FrameSource.recent_frames`)
+  gets a contiguous clip: only frames of the newest frame's *run* (the frames read since the
+  source last (re)connected; a video file's loops are one run). After an outage it therefore gets
+  fewer frames than asked, never frames from before the outage (possibly minutes old) joined to
+  new ones.
 
 Frames are converted to RGB uint8 ``(H, W, 3)``; timestamps are UNIX seconds (``ts``) plus the
 monotonic clock for age checks.
@@ -86,6 +91,8 @@ class CapturedFrame:
         index: frame index within the current loop of a video file, None for live sources.
         seq: frames delivered by this source so far (1 for the first), increasing.
         monotonic_s: ``time.monotonic()`` when the frame was read (for age checks).
+        run: which connection of the source read it (1 for the first open that delivered; a
+            reconnect after a failure or a stall starts a new run, a video file's loop does not).
     """
 
     source: str
@@ -95,6 +102,7 @@ class CapturedFrame:
     index: int | None
     seq: int
     monotonic_s: float = 0.0
+    run: int = 0
 
     def age_s(self) -> float:
         return max(0.0, time.monotonic() - self.monotonic_s)
@@ -164,6 +172,7 @@ class FrameSource:
         self._latest: CapturedFrame | None = None
         self._recent: collections.deque[CapturedFrame] = collections.deque(maxlen=RECENT_FRAMES)
         self._seq = 0
+        self._run = 0  # the current run (CapturedFrame.run): +1 at an attempt's first frame, loops excepted
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._attempt: _Attempt | None = None
@@ -302,12 +311,18 @@ class FrameSource:
         newest :data:`RECENT_FRAMES` of them). The ring holds the last :data:`RECENT_FRAMES` frames
         (RGB arrays shared, not copied).
 
+        A clip is contiguous: only frames of the newest one's run (:attr:`CapturedFrame.run`) are
+        used, so after the camera reconnected a request gets the frames read since, fewer than
+        ``count`` if need be (as before the source has delivered ``count``), never frames from
+        before the outage (only the newest frame's age is checked against ``max_frame_age_s``).
+        A video file's loops are one run.
+
         Raises:
             InternalError: as :meth:`frame_for_request` (no / stale / frozen newest frame).
         """
         newest = self.frame_for_request(wait_s)
         with self._cond:
-            ring = [f for f in self._recent if f.seq <= newest.seq]
+            ring = [f for f in self._recent if f.seq <= newest.seq and f.run == newest.run]
         if count is not None:
             return ring[-count:]
         if window_s is None:
@@ -369,7 +384,8 @@ class FrameSource:
                 except Exception:  # noqa: BLE001 - a publishing problem must not stop capture
                     logger.exception("source %s: state listener failed", self.name)
 
-    def _publish(self, bgr: np.ndarray, ts: float, pos_ms: float | None, index: int | None) -> None:
+    def _publish(self, bgr: np.ndarray, ts: float, pos_ms: float | None, index: int | None,
+                 attempt: _Attempt) -> None:
         rgb = to_rgb(bgr)
         now = time.monotonic()
         frozen_for: float | None = None
@@ -383,7 +399,9 @@ class FrameSource:
                 else:
                     self._same_since = None
             self._seq += 1
-            self._latest = CapturedFrame(self.name, rgb, ts, pos_ms, index, self._seq, now)
+            if attempt.frames == 0 and not attempt.loop_reopen:  # a (re)connect: frames before are another run
+                self._run += 1
+            self._latest = CapturedFrame(self.name, rgb, ts, pos_ms, index, self._seq, now, self._run)
             self._recent.append(self._latest)
             self._frame_times.append(now)
             self._cond.notify_all()
@@ -528,7 +546,7 @@ class FrameSource:
                         break
                     if attempt.abandoned:
                         break
-                    self._publish(frame, time.time(), None, None)
+                    self._publish(frame, time.time(), None, None, attempt)
                     self._delivered(attempt)
             if attempt.eof and attempt.frames == 0 and self.kind == "file":
                 attempt.error = "video file has no frames"
@@ -589,7 +607,7 @@ class FrameSource:
                 t0 = now - index * period_s
             elif due > now and self._stop.wait(due - now):
                 return None
-            self._publish(frame, time.time(), round(float(pos_ms), 3), index)  # ms, 1 us resolution
+            self._publish(frame, time.time(), round(float(pos_ms), 3), index, attempt)  # ms, 1 us resolution
             self._delivered(attempt)
             index += 1
         attempt.eof = True

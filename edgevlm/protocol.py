@@ -279,7 +279,8 @@ class Request(BaseModel):
     frames: StrictInt | None = Field(
         None, ge=1, le=MAX_REQUEST_FRAMES,
         description="Ask about the last N frames of ``source`` (oldest first; fewer if the source has not "
-        "delivered N yet): a Qwen-family model sees them as one video with their capture times, other "
+        "delivered N yet, or not since it last reconnected: a clip never joins frames from before an outage to "
+        "new ones): a Qwen-family model sees them as one video with their capture times, other "
         "families as several images; a model that takes neither answers INVALID_REQUEST naming its limit.",
     )
     frames_s: float | None = Field(

@@ -199,6 +199,31 @@ def test_a_pipeline_that_ends_again_and_again_logs_its_outage_once(caplog, wait_
     assert len([m for m in debug if "streaming again" in m]) >= 3
 
 
+@needs_gst
+def test_a_clip_after_a_reconnect_holds_only_frames_read_since(wait_until) -> None:
+    """Found by a tester: after an outage and a reconnect, ``frames: N`` / ``frames_s`` mixed frames from
+    before the outage (minutes old, only the newest frame's age is checked) with new ones. A real
+    gst-launch-1.0 camera that ends after 6 frames (the stream drops) and is reopened after the backoff:
+    a clip holds only the frames of the newest run, fewer than asked; ``frame_seq`` still pins an older one."""
+    cfg = SourceConfig(name="cam", capture="subprocess", reopen_delay_s=0.6, reconnect_max_delay_s=5.0,
+                       uri="videotestsrc num-buffers=6 is-live=true ! video/x-raw,format=BGR,width=8,height=6,"
+                           "framerate=30/1 ! appsink")  # fmt: skip
+    src = FrameSource(cfg)
+    src.start()
+    try:
+        # the second run has delivered its 6 frames; the next reopen is 1.2 s away (doubled backoff)
+        wait_until(lambda: (f := src.latest()) is not None and f.seq >= 12, 10, "two runs of 6 frames")
+        assert src.reconnects == 1 and src.last_error == "read failed (end of stream)"
+        clip = src.recent_frames(0.0, count=32)
+        window = src.recent_frames(0.0, window_s=10.0)
+        old = src.frame_by_seq(3)
+    finally:
+        src.stop()
+    assert [f.seq for f in clip] == [7, 8, 9, 10, 11, 12] and {f.run for f in clip} == {2}
+    assert [f.seq for f in window] == [7, 8, 9, 10, 11, 12]
+    assert old.seq == 3 and old.run == 1
+
+
 def test_unknown_raw_frame_size_is_a_clear_error() -> None:
     cfg = SourceConfig(name="t", capture="subprocess", uri="videotestsrc ! videoconvert ! appsink")
     with pytest.raises(ValueError, match="frame size .* is unknown; set width and height"):
