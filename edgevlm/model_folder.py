@@ -300,6 +300,22 @@ def check_safetensors(path: Path) -> list[str]:
     return tensors
 
 
+def check_weight_headers(model_dir: Path, files: list[Path]) -> None:
+    """Check the headers of a folder's weight ``files`` (:func:`check_safetensors`), and that weights
+    holding INT4 layers come with the bundle's ``manifest.json`` (else :func:`missing_manifest_error`:
+    a bundle copied without it), as loading its weights refuses them. Used by ``serve --check-config``
+    and ``edgevlm bench --model``.
+
+    Raises:
+        ModelLoadError: naming the file, or the folder and its first INT4 layers.
+    """
+    names = [name for f in files for name in check_safetensors(f)]
+    if not (model_dir / MANIFEST).is_file():
+        layers = int4_layers(names)
+        if layers:
+            raise missing_manifest_error(model_dir, layers)
+
+
 BUNDLE_BACKEND_FILES: dict[str, tuple[str, ...]] = {
     "onnx": ("onnx/vision.onnx", "onnx/decoder.onnx"),
     "tensorrt": ("onnx/vision.onnx", "onnx/decoder.onnx", "tensorrt/vision.engine"),
@@ -342,9 +358,7 @@ def check_model_folder(model_dir: str | Path, *, backend: str = "torch") -> list
         if not (model_dir / rel).is_file():
             raise ModelLoadError(f"bundle {model_dir} has no {rel}, which backend {backend!r} needs")
     files = weight_files(model_dir)
-    names = [name for f in files for name in check_safetensors(f)]
-    if not (model_dir / MANIFEST).is_file() and int4_layers(names):
-        raise missing_manifest_error(model_dir, int4_layers(names))
+    check_weight_headers(model_dir, files)
     if (model_dir / "exits.safetensors").is_file():  # exit heads (edgevlm calibrate): loaded with the model
         check_safetensors(model_dir / "exits.safetensors")
     return files

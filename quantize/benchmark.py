@@ -346,12 +346,14 @@ def _csv_choice(choices):
 def _checkpoint(path: str) -> Path | str:
     """``path`` if it is a checkpoint folder transformers and edgevlm both load, else the one-line reason."""
     from edgevlm.errors import ModelLoadError
+    from edgevlm.model_folder import check_model_folder
     from edgevlm.runtime.bundle import is_bundle
     from edgevlm.runtime.loader import read_model_files
 
     if is_bundle(path):
         return f"--model: {path} is an edgevlm bundle; bench compares against transformers, so give the checkpoint"
     try:
+        check_model_folder(path)  # also a bundle copied without its manifest.json
         return read_model_files(path).model_dir
     except ModelLoadError as exc:
         return f"--model: {exc.message}"

@@ -77,7 +77,7 @@ def read_model_files(model_dir: str | Path) -> ModelFiles:
     family = family_for(raw)
     cfg = family.parse_config(raw)
     files = weight_files(model_dir)
-    for f in files:
+    for f in files:  # (not check_weight_headers: quantize reads its bundle before it writes the manifest)
         check_safetensors(f)  # header vs file size: a truncated file is named before torch reads it
     eos: list[int] = []
     gen = read_json(model_dir / "generation_config.json", required=False)

@@ -139,6 +139,27 @@ def test_model_dir_that_is_a_bundle_exits_2(perf_dir, tmp_path, capsys):
     assert err.startswith(f"edgevlm: error: --model: {folder} is an edgevlm bundle") and err.count("\n") == 1
 
 
+def test_model_dir_that_is_a_bundle_without_its_manifest_exits_2(perf_dir, tmp_path, capsys):
+    """A bundle copied without manifest.json (its INT4 layers are no checkpoint's): was exit 0 with an
+    ERROR row ("... has tensors the runtime does not know"); now refused in one line, naming the cause."""
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from edgevlm.quantize.benchmark import main
+
+    folder = shutil.copytree(perf_dir, tmp_path / "bundle")
+    weights = load_file(str(folder / "model.safetensors"))  # one layer as a bundle stores it
+    weights["language_model.model.layers.0.mlp.down_proj.qweight"] = np.zeros((4, 2), np.uint8)
+    save_file(weights, str(folder / "model.safetensors"))
+    assert main(["--device", "cpu", "--model", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"edgevlm: error: --model: {folder} holds INT4 layers (language_model.model.layers.0.mlp.down_proj)"
+                   " but no manifest.json: an engine bundle whose manifest.json is missing (copy the whole bundle "
+                   "again, or rebuild it with `edgevlm quantize`)\n")
+
+
 def test_bad_sizes_exit_2(capsys):
     from edgevlm.quantize.benchmark import main
 
