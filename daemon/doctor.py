@@ -11,7 +11,9 @@ runtime selects them), ``tensorrt``, ``onnxruntime`` (execution providers), ``op
 GStreamer support), ``capture path`` (how GStreamer/CSI sources are read: OpenCV's GStreamer
 backend or a ``gst-launch-1.0`` subprocess), ``cameras`` (``/dev/video*`` with V4L2 capabilities),
 ``source <name>`` per configured source, ``microphones`` (PortAudio via sounddevice, else
-``/proc/asound``), ``broker`` (a real MQTT v5 CONNECT/CONNACK exchange), ``jetson`` (model and L4T
+``/proc/asound``), ``audio <name>`` per configured audio source (a WAV file: its format and length),
+``broker`` (a real MQTT v5 CONNECT/CONNACK exchange; with a config that does not validate, the broker
+of its ``mqtt`` section if that loads alone, else a WARN row saying it was not checked), ``jetson`` (model and L4T
 release), ``power mode`` (``nvpmodel -q``), ``clocks`` (GPU devfreq, CPU cpufreq), ``tegrastats``.
 
 Host paths are read under ``root`` (default ``/``) so tests can point the checks at a prepared tree.
@@ -30,7 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from edgevlm.daemon.doctor_devices import _check_cameras, _check_microphones
+from edgevlm.daemon.doctor_devices import _check_audio_sources, _check_cameras, _check_microphones
 from edgevlm.daemon.doctor_devices import _check_source as _check_source  # re-exported (tests)
 from edgevlm.daemon.doctor_host import (
     CheckResult,
@@ -42,6 +44,7 @@ from edgevlm.daemon.doctor_host import (
     _fail,
     _Host,
     _ok,
+    _warn,
 )
 from edgevlm.daemon.doctor_mqtt import mqtt_probe
 from edgevlm.daemon.doctor_software import (
@@ -78,14 +81,22 @@ def run_checks(
     broker: tuple[str, int] | None = None,
     timeout_s: float = 3.0,
     root: str | Path = "/",
+    mqtt: Any = None,
+    broker_unknown: str | None = None,
 ) -> list[CheckResult]:
     """Run every check and return the rows in a stable order (see the module doc).
 
     Args:
         config: a :class:`edgevlm.config.DaemonConfig` (sources, model device/backend, broker).
-        broker: ``(host, port)`` to probe; default: the config's broker, else ``localhost:1883``.
+        broker: ``(host, port)`` to probe; default: the config's broker (``mqtt``'s without a
+            config), else ``localhost:1883``.
         timeout_s: broker connect/answer timeout.
         root: folder the host paths (``/dev``, ``/sys``, ``/proc``, ``/etc``) are read under.
+        mqtt: a :class:`edgevlm.config.MqttConfig` for the broker check when ``config`` is None (the
+            ``mqtt`` section of a config file that does not validate as a whole).
+        broker_unknown: why the configured broker is not known (a config whose ``mqtt`` section does
+            not load): without ``broker`` the broker row then says it was not checked, and why,
+            instead of probing a default the daemon would not use.
     """
     h = _Host(Path(root), config)
     h.jetson_model = (h.read("/proc/device-tree/model") or "") or None
@@ -95,9 +106,12 @@ def run_checks(
     if release:
         m = re.search(r"R(\d+)\s*\(release\),\s*REVISION:\s*([\d.]+)", release)
         h.l4t = f"L4T R{m.group(1)}.{m.group(2)}" if m else "L4T (unparsed release file)"
-    if broker is None:
-        broker = (config.mqtt.host, config.mqtt.port) if config is not None else ("localhost", 1883)
-    mq = config.mqtt if config is not None else None
+    mq = config.mqtt if config is not None else mqtt
+    from_section = broker is None and config is None and mqtt is not None  # of a config that does not load
+    if broker is None and mq is not None:
+        broker = (mq.host, mq.port)
+    elif broker is None and broker_unknown is None:
+        broker = ("localhost", 1883)  # no config given: the daemon's default
     rows: list[CheckResult] = []
     rows += _guard("python", _check_python)
     rows += _guard("edgevlm", _check_edgevlm)
@@ -110,15 +124,24 @@ def run_checks(
         ("opencv", _check_opencv),
         ("cameras", _check_cameras),
         ("microphones", _check_microphones),
+        ("audio sources", _check_audio_sources),
     ):
         rows += _guard(name, fn, h)
-    rows += _guard(
-        "broker",
-        lambda: mqtt_probe(
-            broker[0], broker[1], timeout_s=timeout_s,
-            username=mq.username if mq else None, password=mq.password if mq else None, tls=mq.tls if mq else None,
-        ),
-    )  # fmt: skip
+    if broker is None:
+        rows.append(_warn("broker", f"not checked: {broker_unknown}; give --broker HOST[:PORT] to probe one"))
+    else:
+        host, port = broker
+        probed = _guard(
+            "broker",
+            lambda: mqtt_probe(
+                host, port, timeout_s=timeout_s,
+                username=mq.username if mq else None, password=mq.password if mq else None, tls=mq.tls if mq else None,
+            ),
+        )  # fmt: skip
+        if from_section:  # say where the broker came from: the rest of the config is broken
+            probed = [CheckResult(r.check, r.verdict, f"{r.detail} (the config's mqtt section; the config does not "
+                                                      "load as a whole)") for r in probed]  # fmt: skip
+        rows += probed
     for name, fn in (
         ("jetson", _check_jetson),
         ("power mode", _check_power_mode),
@@ -136,6 +159,26 @@ def _parse_broker(text: str) -> tuple[str, int]:
     return (m.group(1) or m.group(2)), int(m.group(3) or 1883)
 
 
+def _mqtt_section(path: Path) -> tuple[Any, str | None]:
+    """``(MqttConfig, None)`` from the ``mqtt`` section of a config file that does not validate as a
+    whole (validated alone, by the same rules; no section: the daemon's defaults, as it would use), or
+    ``(None, why)`` when that section cannot be read either."""
+    from edgevlm.config import parse_daemon_config, read_config_file
+    from edgevlm.errors import ConfigError
+
+    try:
+        data = read_config_file(path)
+    except ConfigError as exc:
+        return None, f"the config file does not load ({exc.message})"
+    if data is not None and not isinstance(data, dict):
+        return None, "the config is not a mapping"
+    section = {"mqtt": data["mqtt"]} if data and "mqtt" in data else {}
+    try:
+        return parse_daemon_config(section, base_dir=path.resolve().parent).mqtt, None
+    except ConfigError as exc:
+        return None, f"the config's mqtt section does not load ({exc.message})"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``doctor`` options (for a subcommand of the ``edgevlm`` CLI)."""
     from edgevlm.cli_args import positive_float
@@ -151,7 +194,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     """Run the checks for parsed :func:`add_arguments` options, print the report, return the exit
     code: 0 = no FAIL, 1 = at least one FAIL (a config that does not load is a FAIL row)."""
     rows: list[CheckResult] = []
-    config = None
+    config = mqtt = broker_unknown = None
     if args.config is not None:
         from edgevlm.config import load_daemon_config
         from edgevlm.errors import ConfigError
@@ -164,7 +207,8 @@ def run_from_args(args: argparse.Namespace) -> int:
             rows.append(_ok("config", f"{args.config}: valid"))
         except ConfigError as exc:
             rows.append(_fail("config", f"{args.config}: {exc}"))
-    checks = run_checks(config, broker=args.broker, timeout_s=args.timeout)
+            mqtt, broker_unknown = _mqtt_section(args.config)
+    checks = run_checks(config, broker=args.broker, timeout_s=args.timeout, mqtt=mqtt, broker_unknown=broker_unknown)
     rows = checks[:2] + rows + checks[2:]  # python, edgevlm, config, ...
     if args.json:
         print(json.dumps([r.as_dict() for r in rows], indent=2))

@@ -1,5 +1,6 @@
 """``edgevlm doctor``'s device rows: ``cameras`` (``/dev/video*`` with V4L2 capabilities),
-``source <name>`` per configured source, and ``microphones``. See :mod:`edgevlm.daemon.doctor`."""
+``source <name>`` per configured source, ``microphones`` and ``audio <name>`` per configured audio
+source. See :mod:`edgevlm.daemon.doctor`."""
 
 from __future__ import annotations
 
@@ -102,6 +103,32 @@ def _check_source(h: _Host, src: Any) -> CheckResult:
             return _fail(check, str(exc))
         return _ok(check, f"{kind} source read as {w}x{h} BGR from a {exe} subprocess (OpenCV lacks GStreamer)")
     return _ok(check, f"{kind} source (not probed)")
+
+
+def _check_audio_sources(h: _Host) -> list[CheckResult]:
+    """``audio <name>`` per configured audio source: a WAV file as a video file is listed (its format and
+    length, or why it cannot be played), a microphone by the device it opens."""
+    from edgevlm.daemon.wav import WavFormatError, read_wav_info
+
+    rows: list[CheckResult] = []
+    for mic in h.config.audio if h.config is not None else []:
+        check = f"audio {mic.name}"
+        if mic.file is None:
+            device = "the default input" if mic.device is None else f"device {mic.device!r}"
+            rows.append(_ok(check, f"microphone: PortAudio {device} (see microphones)"))
+            continue
+        try:
+            info, frames = read_wav_info(mic.file)
+        except FileNotFoundError:
+            rows.append(_fail(check, f"{mic.file} not found"))
+            continue
+        except (OSError, WavFormatError) as exc:
+            rows.append(_fail(check, f"WAV file {mic.file}: {exc}"))
+            continue
+        seconds = frames / info.sample_rate_hz
+        rows.append(_ok(check, f"WAV file {mic.file} ({info.sample_rate_hz} Hz, {info.channels} ch, {seconds:.1f} s"
+                               f"{', looped' if mic.loop else ', played once'})"))  # fmt: skip
+    return rows
 
 
 def _check_microphones(h: _Host) -> CheckResult:

@@ -87,6 +87,7 @@ __all__ = [
     "VadConfig",
     "load_daemon_config",
     "parse_daemon_config",
+    "read_config_file",
     "source_kind",
 ]
 
@@ -262,13 +263,13 @@ def parse_daemon_config(data: Any, *, base_dir: Path | None = None) -> DaemonCon
     return cfg
 
 
-def load_daemon_config(path: str | Path) -> DaemonConfig:
-    """Read and validate a daemon config YAML file.
+def read_config_file(path: str | Path) -> Any:
+    """The parsed YAML of a daemon config file, not validated (:func:`load_daemon_config` validates it;
+    ``edgevlm doctor`` reads the ``mqtt`` section of a config that does not validate).
 
     Raises:
-        ConfigError: missing/unreadable file, YAML syntax error (with line and column), or a
-            validation error; the one-line message starts with the key path
-            (``mqtt.prot: unknown key``); ``details["file"]`` names the file.
+        ConfigError: missing/unreadable file, YAML syntax error (with line and column) or a duplicate
+            key; ``details["file"]`` names the file.
     """
     path = Path(path)
     try:
@@ -283,6 +284,19 @@ def load_daemon_config(path: str | Path) -> DaemonConfig:
         raise ConfigError(f"$: {exc.message}", details={"file": str(path)}) from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"$: YAML syntax error{yaml_error_message(exc)}", details={"file": str(path)}) from None
+    return data
+
+
+def load_daemon_config(path: str | Path) -> DaemonConfig:
+    """Read and validate a daemon config YAML file.
+
+    Raises:
+        ConfigError: missing/unreadable file, YAML syntax error (with line and column), or a
+            validation error; the one-line message starts with the key path
+            (``mqtt.prot: unknown key``); ``details["file"]`` names the file.
+    """
+    path = Path(path)
+    data = read_config_file(path)
     try:
         return parse_daemon_config(data, base_dir=path.resolve().parent)
     except ConfigError as exc:

@@ -523,3 +523,64 @@ def test_broker_row_names_the_delayed_ack_fix(tmp_path, tuned):
     else:
         assert r.verdict is Verdict.WARN, r.detail
         assert rtt_ms >= 30.0 and "'set_tcp_nodelay true' to mosquitto.conf" in r.detail
+
+
+def test_a_config_that_does_not_load_probes_its_mqtt_section_never_a_default(mosquitto, tmp_path, capsys):
+    """Found by a tester: with a config that fails to validate, doctor probed localhost:1883, a broker the
+    config never named. The config error is a FAIL row naming the key; the broker row probes the config's
+    mqtt section when that loads alone (a real mosquitto), else says it was not checked and why."""
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(f"mqtt:\n  host: 127.0.0.1\n  port: {mosquitto.port}\n"
+                   "sources:\n  - {name: dock, uri: 'rtsp://10.0.0.5/x', width: 640}\n")
+    code, rows = run_main(capsys, "--config", str(cfg), "--timeout", "2")
+    by = {r["check"]: r for r in rows}
+    assert by["config"]["verdict"] == "FAIL" and by["config"]["detail"].startswith(
+        f"{cfg}: sources[0].width: a network stream is decoded at the size it is sent"), by["config"]
+    assert by["broker"]["verdict"] == "OK", by["broker"]
+    assert by["broker"]["detail"].startswith(f"127.0.0.1:{mosquitto.port}: MQTT v5 CONNACK in ")
+    assert by["broker"]["detail"].endswith("(the config's mqtt section; the config does not load as a whole)")
+    assert code == 1
+
+    cfg.write_text(f"mqtt:\n  host: 127.0.0.1\n  prot: {mosquitto.port}\n")
+    code, rows = run_main(capsys, "--config", str(cfg), "--timeout", "2")
+    by = {r["check"]: r for r in rows}
+    assert by["config"]["verdict"] == "FAIL" and "mqtt.prot: unknown key" in by["config"]["detail"]
+    assert by["broker"] == {"check": "broker", "verdict": "WARN", "detail": "not checked: the config's mqtt section "
+                            "does not load (mqtt.prot: unknown key); give --broker HOST[:PORT] to probe one"}
+    code, rows = run_main(capsys, "--config", str(tmp_path / "missing.yaml"), "--timeout", "2")
+    broker = {r["check"]: r for r in rows}["broker"]
+    assert broker["verdict"] == "WARN" and broker["detail"].startswith(
+        f"not checked: the config file does not load (config file not found: {tmp_path / 'missing.yaml'})")
+    # an explicit --broker is probed as asked
+    code, rows = run_main(capsys, "--config", str(cfg), "--broker", f"127.0.0.1:{mosquitto.port}", "--timeout", "2")
+    assert {r["check"]: r for r in rows}["broker"]["verdict"] == "OK"
+
+
+def test_audio_sources_are_listed_wav_files_checked(tmp_path, capsys):
+    """WAV-file audio sources were not listed at all (video files are): each audio source is a row, a WAV file
+    with its format and length, or FAIL saying why it cannot be played."""
+    import wave
+
+    good = tmp_path / "speech.wav"
+    with wave.open(str(good), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(b"\0\0" * 8000)
+    bad = tmp_path / "notes.wav"
+    bad.write_text("not a wav file\n")
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(f"audio:\n  - {{name: speech, file: {good}}}\n  - {{name: notes, file: {bad}, loop: false}}\n"
+                   "  - {name: mic, device: USB}\n")
+    code, rows = run_main(capsys, "--config", str(cfg), "--broker", f"127.0.0.1:{_free_port()}", "--timeout", "0.5")
+    names = [r["check"] for r in rows]
+    assert names[names.index("microphones") + 1:names.index("broker")] == ["audio speech", "audio notes", "audio mic"]
+    by = {r["check"]: r for r in rows}
+    assert by["config"]["verdict"] == "OK"
+    assert by["audio speech"] == {"check": "audio speech", "verdict": "OK",
+                                  "detail": f"WAV file {good} (16000 Hz, 1 ch, 0.5 s, looped)"}
+    assert by["audio notes"] == {"check": "audio notes", "verdict": "FAIL",
+                                 "detail": f"WAV file {bad}: {bad}: not a RIFF/WAVE file"}
+    assert by["audio mic"] == {"check": "audio mic", "verdict": "OK",
+                               "detail": "microphone: PortAudio device 'USB' (see microphones)"}
+    assert code == 1
