@@ -237,7 +237,8 @@ class Engine:
         Raises:
             InvalidImageError: an image is not an ``(H, W, 3)`` uint8 array.
             InvalidRequestError: bad prompt/knobs, more frames than the model takes (the message names
-                the limit), bad ``frame_timestamps_s``, or prompt + vision tokens do not fit the KV cache.
+                the limit; details ``reason: too_many_frames``, ``frames``, ``max_frames``), bad
+                ``frame_timestamps_s``, or prompt + vision tokens do not fit the KV cache.
         """
         stream = self.stream(image, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                              top_p=top_p, stop=stop, seed=seed, operating_point=operating_point,
@@ -464,7 +465,9 @@ class Engine:
             what = "a video" if self.family.supports_video else (
                 "several images" if self.max_frames > 1 else "one image per request: neither video nor several images")
             raise InvalidRequestError(f"{len(frames)} frames: the {self.family.name} family takes {what}, "
-                                      f"at most {self.max_frames} frame(s)")
+                                      f"at most {self.max_frames} frame(s)",
+                                      details={"reason": "too_many_frames", "frames": len(frames),
+                                               "max_frames": self.max_frames})  # fmt: skip
         ts = None
         if timestamps_s is not None:
             if not isinstance(timestamps_s, list | tuple) or len(timestamps_s) != len(frames) or not all(

@@ -119,10 +119,17 @@ def test_frames_to_a_one_image_model_is_invalid_request_naming_the_limit(start_d
     daemon = start_daemon(sources=[{"name": "cam", "uri": str(make_video(n_frames=30))}])  # the tiny LLaVA
     wait_until(lambda: (f := daemon.sources.get("cam").latest()) is not None and f.seq >= 3, 20, "3 frames")
     raw = raw_client()
-    resp = _roundtrip(raw, {"prompt": PROMPT, "source": "cam", "frames": 3})
+    reply = f"test/replies/{uuid.uuid4().hex}"
+    raw.subscribe(reply)
+    raw.publish(REQUEST_TOPIC, json.dumps({"prompt": PROMPT, "source": "cam", "frames": 3}).encode(),
+                response_topic=reply, correlation=b"c")
+    wire = raw.wait_messages(reply, 1, timeout_s=60)[0].payload  # the bytes on the wire
+    resp = json.loads(wire)
     assert resp["error"]["code"] == "INVALID_REQUEST"
     assert "llava family takes one image per request" in resp["error"]["message"]
     assert "at most 1 frame" in resp["error"]["message"]
+    # a reason as the other refusals have (frame_gone, prompt_too_long); its details were empty
+    assert resp["error"]["details"] == {"reason": "too_many_frames", "frames": 3, "max_frames": 1}, wire
     time.sleep(0.05)
     assert _roundtrip(raw, {"prompt": PROMPT, "source": "cam", "frames": 1})["ok"]  # one frame is one image
 
@@ -217,6 +224,7 @@ def test_frames_s_window_is_sampled_to_the_family_image_limit(start_daemon, gemm
     assert resp["ok"] and 2 <= resp["frame"]["frames"] <= 4 and "window_frames" not in resp["stats"], resp
     resp = _roundtrip(raw, {"prompt": PROMPT, "source": "cam", "frames": 9})
     assert resp["error"]["code"] == "INVALID_REQUEST" and "at most 8 frame(s)" in resp["error"]["message"], resp
+    assert resp["error"]["details"] == {"reason": "too_many_frames", "frames": 9, "max_frames": 8}, resp
 
 
 def test_evenly_spaced_keeps_exactly_n_in_order_the_oldest_and_newest_and_no_duplicate() -> None:
