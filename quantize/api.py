@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from edgevlm.errors import InvalidRequestError
 from edgevlm.quantize import awq
 from edgevlm.quantize.config import Int4WeightOnlyConfig
 from edgevlm.quantize.plan import LayerDecision, LinearInfo, format_plan, plan_layers
@@ -116,12 +117,22 @@ def quantize_(
     Returns:
         the per-layer decisions (after ``convert``: with AWQ's alpha, fold target and errors).
     Raises:
-        TypeError: ``config`` is not an Int4WeightOnlyConfig.
-        ValueError: a ``step`` that does not fit the method or the model's state.
+        TypeError: ``config`` is not an Int4WeightOnlyConfig, or ``model`` is not an ``nn.Module``.
+        ValueError: a ``step`` that does not fit the method or the model's state;
+            :class:`~edgevlm.errors.InvalidRequestError` when ``model`` is itself an ``nn.Linear`` the
+            filter accepts (a layer cannot replace itself in place: wrap it, or use
+            :meth:`Int4Linear.from_linear <edgevlm.runtime.int4.Int4Linear.from_linear>`).
         RuntimeError: AWQ ``convert`` without calibration data reaching a layer.
     """
     if not isinstance(config, Int4WeightOnlyConfig):
         raise TypeError(f"config must be an Int4WeightOnlyConfig, got {type(config).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if type(model) is nn.Linear and (filter_fn or _default_filter)(model, ""):
+        # its plan would say "int4" while the caller's object stays an nn.Linear (setattr(model, "", ...))
+        raise InvalidRequestError(
+            "quantize_ replaces the nn.Linear layers inside model in place, and model is itself an nn.Linear: "
+            "wrap it (nn.Sequential(layer)) or use Int4Linear.from_linear(layer, group_size)")
     if config.method == "rtn":
         if config.step is not None:
             raise ValueError("step is only used with method='awq'")

@@ -226,6 +226,27 @@ def test_config_errors():
         Int4WeightOnlyConfig(grop_size=128)  # unknown field
 
 
+@pytest.mark.parametrize("config", [Int4WeightOnlyConfig(), AWQ_PREPARE], ids=["rtn", "awq"])
+def test_a_bare_linear_is_refused_not_left_unquantized(config):
+    """quantize_(nn.Linear(256, 256), cfg) returned a plan saying "int4" for layer '' while the caller's layer
+    stayed a plain nn.Linear (the Int4Linear was set as an attribute named '' on it): a silent no-op. Now it is
+    refused naming the way out, the layer untouched; a wrapped layer is quantized; a non-module is a TypeError."""
+    from edgevlm.errors import InvalidRequestError
+
+    layer = nn.Linear(256, 256)
+    weight = layer.weight.detach().clone()
+    with pytest.raises(InvalidRequestError, match=r"model is itself an nn\.Linear: wrap it"):
+        quantize_(layer, config)
+    assert type(layer) is nn.Linear and torch.equal(layer.weight, weight) and "" not in layer._modules
+    assert not any(name.startswith("_edgevlm") for name in layer.__dict__)  # not left prepared for AWQ either
+    wrapped = nn.Sequential(layer)
+    if config.method == "rtn":
+        assert [d.action for d in quantize_(wrapped, config)] == ["int4"]
+        assert isinstance(wrapped[0], Int4Linear)
+    with pytest.raises(TypeError, match="^model must be a torch.nn.Module, got str$"):
+        quantize_("model", config)
+
+
 def test_reservoir_keeps_uniform_sample_and_full_mean():
     obs = awq.InputObserver(4, max_rows=50, seed=0)
     for i in range(20):
