@@ -46,7 +46,7 @@ PYTHON=${PYTHON:-python3}
 PIP_OPTS=${PIP_OPTS:-}
 SERVICE_USER=edgevlm
 SERVICE_GROUPS=(video render audio)
-DEFAULT_EXEC=/opt/edgevlm/venv/bin/edgevlm
+DEFAULT_VENV=/opt/edgevlm/venv
 # The "runtime" extra of pyproject.toml minus torch and opencv-python-headless (tests/jetson checks this).
 JETSON_RUNTIME_DEPS=("safetensors>=0.4" "tokenizers>=0.15" "jinja2>=3.1" "pillow>=10")
 
@@ -197,7 +197,8 @@ else
 fi
 
 # -- files ------------------------------------------------------------------------------------------
-sed "s#$DEFAULT_EXEC#$VENV/bin/edgevlm#" "$SCRIPT_DIR/edgevlm.service" |
+# Every venv path of the unit (ExecStart, the kernel cache's ReadWritePaths) follows --prefix.
+sed "s#$DEFAULT_VENV/#$VENV/#g" "$SCRIPT_DIR/edgevlm.service" |
     install_content 0644 "$DESTDIR/etc/systemd/system/edgevlm.service"
 install_content 0640 "$DESTDIR/etc/edgevlm/config.example.yaml" <"$SCRIPT_DIR/config.example.yaml"
 if [[ -e $DESTDIR/etc/edgevlm/config.yaml ]]; then

@@ -170,3 +170,50 @@ def test_bad_arguments(args, env, code, message):
 def test_help():
     proc = install("--help")
     assert proc.returncode == 0 and proc.stdout.startswith("Usage: install.sh")
+
+
+def _unit_values(text: str, key: str) -> list[str]:
+    return [w for ln in text.splitlines() if ln.startswith(f"{key}=") for w in ln.split("=", 1)[1].split()]
+
+
+TRY_LOCK = (
+    "import sys; from torch.utils.file_baton import FileBaton\n"
+    "b = FileBaton(sys.argv[1] + '/lock')\n"
+    "try:\n    b.try_acquire(); b.release(); print('LOCKED')\n"
+    "except OSError as e:\n    print('REFUSED', e.strerror)\n"
+)
+
+
+def test_kernel_cache_stays_writable_under_protect_system_strict(tmp_path):
+    # Was: install.sh builds the W4A16 kernel into <venv>/var/cache/edgevlm-kernels, but the unit's
+    # ProtectSystem=strict made /opt read-only and torch's extension loader creates a lock file there at every
+    # load (FileBaton), so the service never used the prebuilt kernel (INT4 decode fell back to tinygemm).
+    proc = install("--skip-pip", "--prefix", "/srv/evlm", destdir=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    unit = (tmp_path / "etc/systemd/system/edgevlm.service").read_text()
+    assert "/opt/edgevlm" not in unit  # every venv path follows --prefix
+    assert _unit_values(unit, "ProtectSystem") == ["strict"]
+    cache = "/srv/evlm/venv/var/cache/edgevlm-kernels"  # install.sh's KERNEL_CACHE, the runtime's venv cache
+    assert "KERNEL_CACHE=$VENV_DIR/var/cache/edgevlm-kernels" in SCRIPT.read_text()
+    assert f"-{cache}" in _unit_values(unit, "ReadWritePaths")
+    assert '"var" / "cache" / "edgevlm-kernels"' in (ROOT / "runtime/kernels/w4a16_mma.py").read_text()
+    # What systemd does with those two settings, in a mount namespace: the prefix read-only, the unit's
+    # ReadWritePaths under it bound read-write again; then torch's own lock, as the service would take it.
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare(1) for a mount namespace")
+    venv = tmp_path / "srv/evlm/venv"
+    (venv / "var/cache/edgevlm-kernels/ext").mkdir(parents=True)
+    binds = [p[1:] if p.startswith("-") else p for p in _unit_values(unit, "ReadWritePaths")]
+    rw = " && ".join(f"mount --bind {tmp_path}{p} {tmp_path}{p} && mount -o remount,bind,rw {tmp_path}{p}"
+                    for p in binds if p.startswith("/srv/"))
+    script = (f"mount --bind {tmp_path}/srv {tmp_path}/srv && mount -o remount,bind,ro {tmp_path}/srv"
+              f"{' && ' + rw if rw else ''} && {sys.executable} -c \"$1\" {venv}/var/cache/edgevlm-kernels/ext")
+    ns = subprocess.run(["unshare", "-m", "sh", "-c", script, "sh", TRY_LOCK], capture_output=True, text=True,
+                        timeout=60)
+    if "Operation not permitted" in ns.stderr:
+        pytest.skip(f"no mount namespace here: {ns.stderr.strip()}")
+    assert ns.stdout.strip() == "LOCKED", ns.stdout + ns.stderr
+    # and without that line the lock is refused, as it was
+    ro = script.replace(rw, "true") if rw else script
+    ns = subprocess.run(["unshare", "-m", "sh", "-c", ro, "sh", TRY_LOCK], capture_output=True, text=True, timeout=60)
+    assert ns.stdout.strip() == "REFUSED Read-only file system", ns.stdout + ns.stderr
