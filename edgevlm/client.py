@@ -525,13 +525,24 @@ class Client:
         self._timeout_ms(timeout_s)  # the same check of timeout_s as ask
         return self._roundtrip(bytes(payload), timeout_s)
 
-    def wait_online(self, timeout_s: float = 10.0) -> bool:
+    def wait_online(self, timeout_s: float | None = 10.0) -> bool:
         """Wait until the daemon's retained status says "online" (pool mode: any member's);
-        returns whether it does (False on timeout, never raises)."""
-        deadline = time.monotonic() + timeout_s
+        returns whether it does (False on timeout: no daemon online is not an exception).
+
+        Args:
+            timeout_s: how long to wait (s); 0 or less checks once; None or ``inf`` waits for ever.
+
+        Raises:
+            InvalidRequestError: ``timeout_s`` is not a number (NaN, a string, a bool).
+        """
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                      or math.isnan(timeout_s)):
+            raise InvalidRequestError(f"timeout_s must be a number of seconds or None, got {timeout_s!r}")
+        forever = timeout_s is None or timeout_s >= threading.TIMEOUT_MAX
+        deadline = None if forever else time.monotonic() + timeout_s
         with self._status_cond:
             while self._status is None or self._status.state != "online":
-                remaining = deadline - time.monotonic()
+                remaining = threading.TIMEOUT_MAX if deadline is None else deadline - time.monotonic()
                 if remaining <= 0:
                     return False
                 self._status_cond.wait(remaining)

@@ -474,3 +474,31 @@ def test_request_held_by_a_daemon_that_died_is_resent_when_it_is_back_online(sta
         assert [a.text for a in got] == [tiny_engine.ask(img, PROMPT, max_new_tokens=4).text]  # type: ignore[attr-defined]
         assert client.resends == 1 and client.connected
     assert second.counters.get("responses_ok") == 1
+
+
+def test_wait_online_timeout_nan_none_and_inf_neither_hang_nor_crash(mosquitto) -> None:
+    """wait_online(float("nan")) waited for ever on a daemon that was not online (NaN <= 0 is False, and the
+    condition's wait(nan) never returns), wait_online(float("inf")) raised OverflowError and wait_online(None)
+    a TypeError from deep inside, while its docstring said "never raises". Now NaN (or a string) is refused by
+    name, None and inf wait until the status says online, and the client stays usable."""
+    import subprocess
+
+    with Client(mosquitto.host, mosquitto.port, "nobody-here") as client:
+        for bad in (float("nan"), "5", True):
+            with pytest.raises(InvalidRequestError, match=r"^timeout_s must be a number of seconds or None, got "):
+                client.wait_online(bad)
+        start = time.monotonic()
+        assert client.wait_online(0) is False and client.wait_online(-1) is False
+        assert client.wait_online(0.2) is False
+        assert time.monotonic() - start < 1.0
+        status = '{"schema_version": 1, "state": "online", "device_id": "nobody-here"}'
+        threading.Timer(0.3, subprocess.run, (["mosquitto_pub", "-h", mosquitto.host, "-p", str(mosquitto.port),
+                                               "-t", "edgevlm/nobody-here/status", "-m", status, "-q", "1"],),
+                        {"check": True}).start()
+        for forever in (None, float("inf"), 1e30):
+            done: list[bool] = []
+            waiter = threading.Thread(target=lambda f=forever, out=done: out.append(client.wait_online(f)),
+                                      daemon=True)
+            waiter.start()
+            waiter.join(5)
+            assert done == [True], forever
