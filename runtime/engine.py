@@ -32,7 +32,7 @@ from edgevlm.runtime.preprocess import CLIP_MEAN, CLIP_STD, preprocess
 from edgevlm.runtime.sampling import SamplingParams, TextAssembler, make_generator, select_token
 from edgevlm.runtime.tokenizer import IncrementalDecoder, VLMTokenizer
 from edgevlm.runtime.vision_cache import VisionCache, VisionTrunk, content_key
-from edgevlm.types import Answer, OperatingPoint, Stats, asks_adaptive_vision
+from edgevlm.types import MAX_RESOLUTION_PX, Answer, OperatingPoint, Stats, asks_adaptive_vision
 
 logger = logging.getLogger(__name__)
 
@@ -420,9 +420,14 @@ class Engine:
         RGB), running the vision encoder only up to ``block`` (None = the earliest classifier).
 
         Returns ``{label: probability}``. Raises InvalidImageError for a bad array and
-        InvalidRequestError when the model has no classifier at ``block``.
+        InvalidRequestError when the model has no classifier at ``block`` or ``resolution_px`` is not
+        an integer in ``1..MAX_RESOLUTION_PX`` (an :class:`OperatingPoint`'s range).
         """
         self._check_image(image)
+        if resolution_px is not None and (isinstance(resolution_px, bool) or not isinstance(resolution_px, int)
+                                          or not 0 < resolution_px <= MAX_RESOLUTION_PX):
+            raise InvalidRequestError(f"resolution_px must be an integer in 1..{MAX_RESOLUTION_PX} (px) or None, "
+                                      f"got {resolution_px!r}")
         classify = getattr(self.backend, "classify_image", None)
         if classify is None or not self.labels:
             raise InvalidRequestError("this model has no exit classifier (run `edgevlm calibrate` on it)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -214,3 +215,29 @@ def test_several_frames_to_a_single_image_model_is_invalid_request_naming_the_li
                                                   "nor several images, at most 1 frame"):
         engine.ask([image, image], PROMPT, max_new_tokens=2)
     assert engine.ask([image], PROMPT, max_new_tokens=6).text == engine.ask(image, PROMPT, max_new_tokens=6).text
+
+
+@pytest.mark.parametrize("bad", [-5, 0, 100_000, "256", 128.0, True])
+def test_classify_refuses_a_bad_resolution_px_by_name(bad):
+    """On the demo model (it has an exit classifier) classify(resolution_px=-5) raised a bare ValueError from
+    the resize ("sizes must be positive"), 100000 an OpenCV out-of-memory error (30 GB asked for) and "256" a
+    TypeError ("'<=' not supported"): now InvalidRequestError naming the argument and its range, and the
+    engine answers the next call."""
+    from edgevlm.runtime import Engine
+
+    engine = _demo_engine(Engine)
+    frame = np.full((48, 64, 3), 90, np.uint8)
+    with pytest.raises(InvalidRequestError, match=r"^resolution_px must be an integer in 1\.\.8192 \(px\) or None, "
+                                                  rf"got {re.escape(repr(bad))}$"):
+        engine.classify(frame, resolution_px=bad)
+    probs = engine.classify(frame, resolution_px=128)
+    assert set(probs) == set(engine.labels) and all(0.0 <= p <= 1.0 for p in probs.values())
+
+
+_DEMO: list = []
+
+
+def _demo_engine(engine_cls):
+    if not _DEMO:
+        _DEMO.append(engine_cls.load())
+    return _DEMO[0]
