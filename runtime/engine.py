@@ -181,7 +181,8 @@ class Engine:
             vision_cache_mb: per-frame vision feature cache budget in MiB (None = off; see
                 :meth:`set_vision_cache`).
         Raises:
-            ModelLoadError: bad folder/files, device unavailable, backend dependencies missing.
+            ModelLoadError: bad folder/files, device unavailable, backend dependencies missing, not
+                enough memory for the weights and the KV cache (``max_seq_len``).
             InvalidRequestError: bad ``device``/``dtype``/``backend``/``max_seq_len`` argument, or a
                 device / dtype the backend does not run (:func:`edgevlm.config_runtime.backend_settings_error`).
         """
@@ -190,9 +191,11 @@ class Engine:
 
             path = model_dir()
         try:
+            if not isinstance(device, str | torch.device):
+                raise TypeError(type(device).__name__)
             dev = torch.device(device)
-        except (RuntimeError, TypeError) as exc:
-            raise InvalidRequestError(f"bad device {device!r}: {exc}") from exc
+        except (RuntimeError, TypeError):  # torch's own message lists every device type it knows, over lines
+            raise InvalidRequestError(f"bad device {device!r}: expected 'cpu', 'cuda' or 'cuda:N'") from None
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
         if dev.type not in ("cpu", "cuda"):
@@ -215,8 +218,15 @@ class Engine:
         eos_from_tokenizer = tokenizer.token_id(tokenizer.eos_token)
         if eos_from_tokenizer is not None and eos_from_tokenizer not in eos:
             eos.append(eos_from_tokenizer)
-        be = load_backend(backend, files, device=dev, dtype=torch_dtype, max_seq_len=max_seq_len,
-                          **(backend_options or {}))
+        try:
+            be = load_backend(backend, files, device=dev, dtype=torch_dtype, max_seq_len=max_seq_len,
+                              **(backend_options or {}))
+        except RuntimeError as exc:  # torch.OutOfMemoryError is one; the CPU allocator's is a plain RuntimeError
+            if not (isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)
+                    or "out of memory" in str(exc)):
+                raise
+            raise ModelLoadError(f"{files.model_dir}: not enough memory on {dev} for the weights and a KV cache of "
+                                 f"max_seq_len={max_seq_len} positions (give a smaller max_seq_len)") from None
         engine = cls(be, tokenizer, files, eos)
         engine.set_vision_cache(vision_cache_mb)
         return engine

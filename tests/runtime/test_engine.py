@@ -241,3 +241,21 @@ def _demo_engine(engine_cls):
     if not _DEMO:
         _DEMO.append(engine_cls.load())
     return _DEMO[0]
+
+
+def test_load_arguments_that_cannot_work_are_one_line_typed_errors(tiny_dir, image):
+    """Engine.load(max_seq_len=10**12) raised torch's bare RuntimeError ("[enforce fail at alloc_cpu.cpp] ...
+    DefaultCPUAllocator: can't allocate memory: you tried to allocate ... bytes"); device=None an
+    InvalidRequestError over 6 lines of torch's overload listing, device="gpu" one listing 20 device types.
+    Now ModelLoadError naming max_seq_len, and one line naming the devices that run."""
+    from edgevlm.errors import ModelLoadError
+    from edgevlm.runtime import Engine
+
+    with pytest.raises(ModelLoadError, match=r"not enough memory on cpu for the weights and a KV cache of "
+                                             r"max_seq_len=1000000000000 positions \(give a smaller max_seq_len\)$"):
+        Engine.load(tiny_dir, max_seq_len=10**12)
+    for bad in (None, "gpu", 0):
+        with pytest.raises(InvalidRequestError) as info:
+            Engine.load(tiny_dir, device=bad)
+        assert str(info.value) == f"bad device {bad!r}: expected 'cpu', 'cuda' or 'cuda:N'"
+    assert Engine.load(tiny_dir, max_seq_len=256).ask(image, PROMPT, max_new_tokens=2).stats.new_tokens >= 1
