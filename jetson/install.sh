@@ -207,6 +207,18 @@ else
     install_content 0640 "$DESTDIR/etc/edgevlm/config.yaml" <"$SCRIPT_DIR/config.example.yaml"
 fi
 
+# Secrets the daemon reads from its environment (the unit's EnvironmentFile=): created once, never overwritten.
+if [[ -e $DESTDIR/etc/edgevlm/environment ]]; then
+    log "kept existing $DESTDIR/etc/edgevlm/environment"
+else
+    install_content 0640 "$DESTDIR/etc/edgevlm/environment" <<'EOF'
+# Environment of the edgevlm service (EnvironmentFile= of edgevlm.service), root:edgevlm 0640.
+# KEY=value lines; after an edit: sudo systemctl restart edgevlm
+# The HTTP API's bearer token (http.api_key_env); unset = no token asked (an empty value is warned about):
+#EDGEVLM_HTTP_API_KEY=change-me
+EOF
+fi
+
 # -- user and groups --------------------------------------------------------------------------------
 if [[ -n $DESTDIR ]]; then
     log "not creating the '$SERVICE_USER' user (DESTDIR is set)"
@@ -224,7 +236,8 @@ else
     fi
     GROUP_LIST=$(IFS=, && echo "${SERVICE_GROUPS[*]}")
     run usermod --append --groups "$GROUP_LIST" "$SERVICE_USER"
-    run chown "root:$SERVICE_USER" /etc/edgevlm /etc/edgevlm/config.yaml /etc/edgevlm/config.example.yaml
+    run chown "root:$SERVICE_USER" /etc/edgevlm /etc/edgevlm/config.yaml /etc/edgevlm/config.example.yaml \
+        /etc/edgevlm/environment
     run chmod 0750 /etc/edgevlm
 fi
 

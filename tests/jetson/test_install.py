@@ -59,6 +59,7 @@ def test_dry_run_generic_prints_every_step_and_changes_nothing(tmp_path):
         f"install -D -m 0644 <generated> {stage}/etc/systemd/system/edgevlm.service",
         f"install -D -m 0640 <generated> {stage}/etc/edgevlm/config.example.yaml",
         f"install -D -m 0640 <generated> {stage}/etc/edgevlm/config.yaml",
+        f"install -D -m 0640 <generated> {stage}/etc/edgevlm/environment",
     ]
     assert "not creating the 'edgevlm' user (DESTDIR is set)" in proc.stdout
     assert proc.stdout.rstrip().endswith("dry run: nothing was changed")
@@ -217,3 +218,26 @@ def test_kernel_cache_stays_writable_under_protect_system_strict(tmp_path):
     ro = script.replace(rw, "true") if rw else script
     ns = subprocess.run(["unshare", "-m", "sh", "-c", ro, "sh", TRY_LOCK], capture_output=True, text=True, timeout=60)
     assert ns.stdout.strip() == "REFUSED Read-only file system", ns.stdout + ns.stderr
+
+
+def test_environment_file_for_secrets_is_installed_once_and_read_by_the_unit(tmp_path):
+    # Was: no EnvironmentFile= in the unit, so EDGEVLM_HTTP_API_KEY (http.api_key_env) could not reach the
+    # service without hand-writing a drop-in; the secret belongs in a root:edgevlm 0640 file, not the unit.
+    first = install("--skip-pip", destdir=tmp_path)
+    assert first.returncode == 0, first.stderr
+    unit = (tmp_path / "etc/systemd/system/edgevlm.service").read_text()
+    env_file = tmp_path / "etc/edgevlm/environment"
+    assert _unit_values(unit, "EnvironmentFile") == ["-/etc/edgevlm/environment"]
+    assert env_file.stat().st_mode & 0o777 == 0o640
+    text = env_file.read_text()
+    assert "EDGEVLM_HTTP_API_KEY" in text
+    # nothing set by default: an empty EDGEVLM_HTTP_API_KEY= would switch the daemon's empty-token warning on
+    assert [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("#")] == []
+    env_file.write_text("EDGEVLM_HTTP_API_KEY=s3cret\n")
+    second = install("--skip-pip", destdir=tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert f"kept existing {env_file}" in second.stdout
+    assert env_file.read_text() == "EDGEVLM_HTTP_API_KEY=s3cret\n"  # the deployer's secret survives
+    dry = install("--dry-run", "--platform", "generic")
+    assert any(c.startswith("chown root:edgevlm ") and c.endswith(" /etc/edgevlm/environment")
+               for c in commands(dry.stdout)), dry.stdout
