@@ -55,8 +55,16 @@ die() {
     printf 'install.sh: error: %s\n' "$*" >&2
     exit 1
 }
+# bad_usage MESSAGE: a mistake in the options or environment given: one line, exit 2 (as an unknown option).
+bad_usage() {
+    printf 'install.sh: error: %s\n' "$*" >&2
+    exit 2
+}
 
 while (($#)); do
+    case $1 in
+        --prefix | --source | --platform | --extras) [[ $# -ge 2 && -n $2 ]] || bad_usage "$1 needs a value" ;;
+    esac
     case $1 in
         --dry-run) DRY_RUN=1 ;;
         --prefix) PREFIX=${2:?--prefix needs a folder}; shift ;;
@@ -67,15 +75,15 @@ while (($#)); do
         --no-user) CREATE_USER=0 ;;
         --enable) ENABLE=1 ;;
         -h | --help) usage; exit 0 ;;
-        *) usage >&2; printf 'install.sh: error: unknown option %s\n' "$1" >&2; exit 2 ;;
+        *) bad_usage "unknown option $1 (install.sh --help lists them)" ;;
     esac
     shift
 done
 
-case $PLATFORM in auto | jetson | generic) ;; *) die "--platform must be auto, jetson or generic, got '$PLATFORM'" ;; esac
-[[ $PREFIX == /* ]] || die "--prefix must be an absolute path, got '$PREFIX'"
-[[ -z $DESTDIR || $DESTDIR == /* ]] || die "DESTDIR must be an absolute path, got '$DESTDIR'"
-[[ -e $SOURCE ]] || die "source not found: $SOURCE"
+case $PLATFORM in auto | jetson | generic) ;; *) bad_usage "--platform must be auto, jetson or generic, got '$PLATFORM'" ;; esac
+[[ $PREFIX == /* ]] || bad_usage "--prefix must be an absolute path, got '$PREFIX'"
+[[ -z $DESTDIR || $DESTDIR == /* ]] || bad_usage "DESTDIR must be an absolute path, got '$DESTDIR'"
+[[ -e $SOURCE ]] || bad_usage "--source not found: $SOURCE"
 [[ -f $SCRIPT_DIR/edgevlm.service && -f $SCRIPT_DIR/config.example.yaml ]] ||
     die "jetson/edgevlm.service and jetson/config.example.yaml must sit beside this script"
 
@@ -127,7 +135,7 @@ if [[ -z $DESTDIR && $EUID -ne 0 && $DRY_RUN -eq 0 ]]; then
 fi
 
 if [[ $PLATFORM == jetson && ,$EXTRAS, == *,runtime,* ]]; then
-    die "--extras runtime would pull torch from PyPI on a Jetson; leave it out (its torch-free deps are added)"
+    bad_usage "--extras runtime would pull torch from PyPI on a Jetson; leave it out (its torch-free deps are added)"
 fi
 
 # -- the base interpreter ---------------------------------------------------------------------------

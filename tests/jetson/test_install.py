@@ -93,7 +93,7 @@ def test_jetson_runtime_deps_match_pyproject():
 
 def test_jetson_refuses_the_runtime_extra(tmp_path):
     proc = install("--dry-run", "--platform", "jetson", "--extras", "runtime,metrics", destdir=tmp_path)
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # a mistake in the options: exit 2, as an unknown option
     assert "would pull torch from PyPI on a Jetson" in proc.stderr
 
 
@@ -154,17 +154,20 @@ def test_existing_venv_without_system_site_packages_is_refused(tmp_path):
     ("args", "env", "code", "message"),
     [
         (["--bogus"], {}, 2, "unknown option --bogus"),
-        (["--prefix", "relative/dir"], {}, 1, "--prefix must be an absolute path"),
-        (["--platform", "mars"], {}, 1, "--platform must be auto, jetson or generic"),
-        (["--source", "/nonexistent/edgevlm"], {}, 1, "source not found"),
-        ([], {"DESTDIR": "relative"}, 1, "DESTDIR must be an absolute path"),
+        (["--prefix"], {}, 2, "--prefix needs a value"),
+        (["--prefix", "relative/dir"], {}, 2, "--prefix must be an absolute path"),
+        (["--platform", "mars"], {}, 2, "--platform must be auto, jetson or generic"),
+        (["--source", "/nonexistent/edgevlm"], {}, 2, "--source not found"),
+        ([], {"DESTDIR": "relative"}, 2, "DESTDIR must be an absolute path"),
         ([], {"PYTHON": "/nonexistent/python3"}, 1, "/nonexistent/python3 not found"),
     ],
 )
 def test_bad_arguments(args, env, code, message):
     proc = install("--dry-run", *args, **env)
+    # a mistake in the options or environment: one line naming the flag, exit 2 (was 1 for all but an
+    # unknown option)
     assert proc.returncode == code
-    assert message in proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "Traceback" not in proc.stderr
 
 
