@@ -64,7 +64,7 @@ from edgevlm.protocol import (
     status_filter,
     status_topic,
 )
-from edgevlm.types import Answer
+from edgevlm.types import Answer, plain_scalar
 
 logger = logging.getLogger(__name__)
 
@@ -441,7 +441,7 @@ class Client:
         model: str | None = None,
         temperature: float | None = None,
         top_p: float | None = None,
-        stop: list[str] | None = None,
+        stop: list[str] | str | None = None,
         seed: int | None = None,
         frame_seq: int | None = None,
     ) -> Answer:
@@ -462,8 +462,10 @@ class Client:
                 forwards the request to its offload pool, else refuses it).
             temperature: sampling temperature, 0 to 2 (None = the daemon's default, 0: greedy).
             top_p: nucleus sampling mass in (0, 1], with ``temperature`` > 0.
-            stop: up to 4 non-empty strings; the answer ends before the first of them.
+            stop: up to 4 non-empty strings (or one string); the answer ends before the first of them.
             seed: sampling seed, an integer in ``[0, 2**63 - 1]``, with ``temperature`` > 0.
+
+        Numbers may be NumPy scalars (``np.int64``, ``np.float32``; :func:`edgevlm.types.plain_scalar`).
             frame_seq: ask about this frame of ``source`` (an earlier answer's ``frame_seq``) while the
                 daemon still holds it (the source's last 32 frames): several questions about one frame.
 
@@ -482,6 +484,10 @@ class Client:
             raise ConnectionError("the client is closed")
         if (source is None) == (image is None):
             raise InvalidRequestError("give exactly one of source= and image=")
+        timeout_s, max_new_tokens, budget_ms, frames, frames_s, temperature, top_p, seed, frame_seq = map(
+            plain_scalar, (timeout_s, max_new_tokens, budget_ms, frames, frames_s, temperature, top_p, seed, frame_seq))
+        if isinstance(stop, str):  # one stop string, as Engine.ask and the OpenAI API take it
+            stop = [stop]
         timeout_ms = self._timeout_ms(timeout_s)
         body: dict[str, Any] = {"prompt": prompt, "timeout_ms": timeout_ms}
         if source is not None:

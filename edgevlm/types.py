@@ -10,6 +10,20 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+
+def plain_scalar(value: Any) -> Any:
+    """A NumPy scalar (``np.int64``, ``np.float32``, ``np.bool_``, ...) as the Python ``int`` / ``float`` /
+    ``bool`` it holds; any other value unchanged. Robotics code computes knobs (token caps, seeds,
+    budgets, sampling temperature) with NumPy, while the wire's schema and the runtime's checks take
+    Python numbers (``np.int64`` is not an ``int``, ``np.float32`` not a ``float``): the SDK and
+    :meth:`edgevlm.runtime.Engine.ask` pass every numeric argument through this first."""
+    item = getattr(value, "item", None)
+    if item is not None and type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0 \
+            and getattr(getattr(value, "dtype", None), "kind", "") in "biuf":
+        return item()
+    return value
+
+
 MAX_RESOLUTION_PX = 8192
 """The largest input resolution (longer side, px) an operating point may ask for; a larger one would
 allocate gigabytes for one image before any other check could refuse it."""

@@ -32,7 +32,7 @@ from edgevlm.runtime.preprocess import CLIP_MEAN, CLIP_STD, preprocess
 from edgevlm.runtime.sampling import SamplingParams, TextAssembler, make_generator, select_token
 from edgevlm.runtime.tokenizer import IncrementalDecoder, VLMTokenizer
 from edgevlm.runtime.vision_cache import VisionCache, VisionTrunk, content_key
-from edgevlm.types import MAX_RESOLUTION_PX, Answer, OperatingPoint, Stats, asks_adaptive_vision
+from edgevlm.types import MAX_RESOLUTION_PX, Answer, OperatingPoint, Stats, asks_adaptive_vision, plain_scalar
 
 logger = logging.getLogger(__name__)
 
@@ -297,6 +297,7 @@ class Engine:
         images, video, video_ts = self._vision_items(image, frame_timestamps_s)
         if not isinstance(prompt, str):
             raise InvalidRequestError(f"prompt must be a string, got {type(prompt).__name__}")
+        max_new_tokens, temperature, top_p, seed = map(plain_scalar, (max_new_tokens, temperature, top_p, seed))
         if op.max_new_tokens is not None and isinstance(max_new_tokens, int):
             max_new_tokens = min(max_new_tokens, op.max_new_tokens)
         params = SamplingParams.validate(max_new_tokens, temperature, top_p, stop, seed)

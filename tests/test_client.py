@@ -263,6 +263,20 @@ def test_ask_with_array_bytes_and_path(start_daemon, mosquitto, tiny_engine, tmp
             assert answer.source is None and answer.frame_ts is None
 
 
+def test_numpy_scalars_and_a_single_stop_string_are_taken(start_daemon, mosquitto, tiny_engine) -> None:
+    # was: max_new_tokens=np.int64(5) -> "max_new_tokens: Input should be a valid integer" (robot code computes
+    # its knobs with NumPy), stop="." -> "stop: Input should be a valid list" (Engine.ask takes one string)
+    start_daemon()
+    img = _image(1)
+    expected = tiny_engine.ask(img, PROMPT, max_new_tokens=5, temperature=0.7, top_p=0.9, seed=3, stop=["zz"])
+    with Client(mosquitto.host, mosquitto.port, "dev1") as client:
+        answer = client.ask(PROMPT, image=img, timeout_s=np.float32(30), max_new_tokens=np.int64(5),
+                            temperature=np.float32(0.7), top_p=np.float64(0.9), seed=np.uint32(3), stop="zz",
+                            budget_ms=np.int32(60000))
+    assert answer.text == expected.text
+    assert answer.stats.new_tokens == expected.stats.new_tokens
+
+
 def test_ask_source_returns_frame_info(start_daemon, mosquitto, tmp_path) -> None:
     import cv2
 

@@ -259,3 +259,14 @@ def test_load_arguments_that_cannot_work_are_one_line_typed_errors(tiny_dir, ima
             Engine.load(tiny_dir, device=bad)
         assert str(info.value) == f"bad device {bad!r}: expected 'cpu', 'cuda' or 'cuda:N'"
     assert Engine.load(tiny_dir, max_seq_len=256).ask(image, PROMPT, max_new_tokens=2).stats.new_tokens >= 1
+
+
+def test_numpy_scalar_knobs_answer_as_python_numbers(engine, image) -> None:
+    # was: max_new_tokens=np.int64(6) -> "max_new_tokens must be a positive integer, got np.int64(6)";
+    # np.float32 temperature refused the same way (np.float32 is not a float)
+    plain = engine.ask(image, "what is here?", max_new_tokens=6, temperature=0.8, top_p=0.95, seed=11)
+    numpy_ = engine.ask(image, "what is here?", max_new_tokens=np.int64(6), temperature=np.float32(0.8),
+                        top_p=np.float64(0.95), seed=np.uint8(11))
+    assert (numpy_.text, numpy_.stats.new_tokens) == (plain.text, plain.stats.new_tokens)
+    with pytest.raises(InvalidRequestError, match="max_new_tokens must be a positive integer"):
+        engine.ask(image, "hi", max_new_tokens=np.float64(6.0))  # a float is not a token count, NumPy or not
