@@ -4,42 +4,29 @@ source. See :mod:`edgevlm.daemon.doctor`."""
 
 from __future__ import annotations
 
-import fcntl
 import glob
 import os
 import re
 import shutil
-import struct
 from pathlib import Path
 from typing import Any
 
 from edgevlm.daemon.audio import import_sounddevice
 from edgevlm.daemon.doctor_host import CheckResult, _fail, _Host, _ok, _warn
-
-_VIDIOC_QUERYCAP = 0x80685600  # _IOR('V', 0, struct v4l2_capability), 104 bytes (linux/videodev2.h)
-_V4L2_CAP_VIDEO_CAPTURE = 0x00000001
-_V4L2_CAP_VIDEO_CAPTURE_MPLANE = 0x00001000
-_V4L2_CAP_DEVICE_CAPS = 0x80000000
+from edgevlm.daemon.v4l2 import query_capability
 
 
 def _v4l2_caps(path: Path) -> str | None:
     """'capture' / 'no capture (metadata...)' from VIDIOC_QUERYCAP, or None when it cannot be asked."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+        cap = query_capability(path)
     except OSError:
         return None
-    try:
-        buf = fcntl.ioctl(fd, _VIDIOC_QUERYCAP, bytes(104))
-    except OSError:
+    if cap is None:
         return None
-    finally:
-        os.close(fd)
-    caps, device_caps = struct.unpack_from("<II", buf, 84)
-    use = device_caps if caps & _V4L2_CAP_DEVICE_CAPS else caps
-    card = buf[16:48].split(b"\0")[0].decode(errors="replace")
-    if use & (_V4L2_CAP_VIDEO_CAPTURE | _V4L2_CAP_VIDEO_CAPTURE_MPLANE):
-        return f"capture, {card}"
-    return f"no video capture (metadata node?), {card}"
+    if cap.video_capture:
+        return f"capture, {cap.card}"
+    return f"no video capture (metadata node?), {cap.card}"
 
 
 def _check_cameras(h: _Host) -> list[CheckResult]:

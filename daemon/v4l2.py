@@ -14,7 +14,8 @@ import struct
 import sys
 from dataclasses import dataclass, field
 
-__all__ = ["DeviceCaps", "FrameMode", "capture_device_problem", "choose_pixel_format", "fourcc_int", "fourcc_str", "query_v4l2_caps"]
+__all__ = ["Capability", "DeviceCaps", "FrameMode", "capture_device_problem", "choose_pixel_format", "fourcc_int", "fourcc_str",
+           "query_capability", "query_v4l2_caps"]
 
 _V4L2_BUF_TYPE_VIDEO_CAPTURE = 1
 _VIDIOC_ENUM_FMT = 0xC0405602  # _IOWR('V', 2, struct v4l2_fmtdesc), 64 bytes
@@ -62,11 +63,34 @@ _CAP_VIDEO_CAPTURE, _CAP_VIDEO_CAPTURE_MPLANE, _CAP_DEVICE_CAPS = 0x00000001, 0x
 _CAP_META_CAPTURE = 0x00800000
 
 
-def capture_device_problem(path: str) -> str | None:
-    """Why the device node ``path`` is not a V4L2 video capture device, or None when it is (or when it
-    cannot be asked: not Linux, not openable; the caller checks access). VIDIOC_QUERYCAP: a device that
-    does not answer it is not V4L2 (``/dev/null``); one whose device caps hold metadata capture and no video
-    capture is a UVC camera's metadata node (the ``/dev/videoN+1`` beside the camera's own)."""
+@dataclass(frozen=True)
+class Capability:
+    """A device node's VIDIOC_QUERYCAP answer (``struct v4l2_capability``): driver and card names, and
+    the node's capability bits (``device_caps`` where the driver sets V4L2_CAP_DEVICE_CAPS, else
+    ``capabilities``)."""
+
+    driver: str
+    card: str
+    caps: int
+
+    @property
+    def video_capture(self) -> bool:
+        """Single- or multi-planar video capture (a camera's video node)."""
+        return bool(self.caps & (_CAP_VIDEO_CAPTURE | _CAP_VIDEO_CAPTURE_MPLANE))
+
+    @property
+    def metadata_capture(self) -> bool:
+        """Metadata capture (a UVC camera's second node)."""
+        return bool(self.caps & _CAP_META_CAPTURE)
+
+
+def query_capability(path: str | os.PathLike) -> Capability | None:
+    """Ask the device node ``path`` VIDIOC_QUERYCAP. None when it cannot be opened (missing, no access)
+    or not on Linux.
+
+    Raises:
+        OSError: the node opened but does not answer VIDIOC_QUERYCAP: not a V4L2 device (``/dev/null``).
+    """
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -75,20 +99,28 @@ def capture_device_problem(path: str) -> str | None:
         return None
     try:
         out = fcntl.ioctl(fd, _VIDIOC_QUERYCAP, bytes(104))
-    except OSError as exc:
-        return f"{path} is not a V4L2 device (VIDIOC_QUERYCAP: {exc.strerror})"
     finally:
         os.close(fd)
-    driver = out[0:16].split(b"\0")[0].decode(errors="replace")
-    card = out[16:48].split(b"\0")[0].decode(errors="replace")
     caps, device_caps = struct.unpack_from("<II", out, 84)
-    if caps & _CAP_DEVICE_CAPS:
-        caps = device_caps
+    return Capability(driver=out[0:16].split(b"\0")[0].decode(errors="replace"),
+                      card=out[16:48].split(b"\0")[0].decode(errors="replace"),
+                      caps=device_caps if caps & _CAP_DEVICE_CAPS else caps)
+
+
+def capture_device_problem(path: str) -> str | None:
+    """Why the device node ``path`` is not a V4L2 video capture device, or None when it is (or when it
+    cannot be asked: not Linux, not openable; the caller checks access). VIDIOC_QUERYCAP: a device that
+    does not answer it is not V4L2 (``/dev/null``); one whose device caps hold metadata capture and no video
+    capture is a UVC camera's metadata node (the ``/dev/videoN+1`` beside the camera's own)."""
+    try:
+        cap = query_capability(path)
+    except OSError as exc:
+        return f"{path} is not a V4L2 device (VIDIOC_QUERYCAP: {exc.strerror})"
     # only a metadata node is refused: a v4l2loopback device with exclusive_caps offers capture only once
     # its producer runs (a camera that comes up after the daemon)
-    if not caps & (_CAP_VIDEO_CAPTURE | _CAP_VIDEO_CAPTURE_MPLANE) and caps & _CAP_META_CAPTURE:
-        return (f"{path} ({card or driver}) is a camera's metadata node, not its video: no video capture "
-                f"(device capabilities 0x{caps:08x}); its video node is usually the one before it")
+    if cap is not None and not cap.video_capture and cap.metadata_capture:
+        return (f"{path} ({cap.card or cap.driver}) is a camera's metadata node, not its video: no video capture "
+                f"(device capabilities 0x{cap.caps:08x}); its video node is usually the one before it")
     return None
 
 
