@@ -353,8 +353,9 @@ def _checkpoint(path: str) -> Path | str:
     if is_bundle(path):
         return f"--model: {path} is an edgevlm bundle; bench compares against transformers, so give the checkpoint"
     try:
-        check_model_folder(path)  # also a bundle copied without its manifest.json
-        return read_model_files(path).model_dir
+        model_dir = read_model_files(path).model_dir  # first: its model_type check names the registry
+        check_model_folder(model_dir)  # then what it does not check: a bundle copied without its manifest.json
+        return model_dir
     except ModelLoadError as exc:
         return f"--model: {exc.message}"
 

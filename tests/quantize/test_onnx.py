@@ -171,8 +171,16 @@ def test_tensorrt_missing_is_one_line_and_backend_errors(bundle):
     assert build_tensorrt_engines(bundle / "onnx", LADDER) == (  # a folder without onnx/vision.onnx
         "tensorrt: not built (no onnx/vision.onnx to build from); the bundle is complete for torch")
     assert read_manifest(bundle).artifacts["tensorrt"].startswith("not built")
-    with pytest.raises(ModelLoadError, match=r"edgevlm\[tensorrt\]"):
+    from edgevlm.errors import InvalidRequestError
+    from edgevlm.runtime.backends import load_backend
+    from edgevlm.runtime.loader import read_model_files
+
+    # on a CPU the device is named first: installing the extra would not make it run here
+    with pytest.raises(InvalidRequestError, match=r"^device: backend 'tensorrt' needs a CUDA device, got 'cpu'$"):
         Engine.load(bundle, backend="tensorrt")
+    with pytest.raises(ModelLoadError, match=r"pip install 'edgevlm\[tensorrt\]'"):  # the backend's own import
+        load_backend("tensorrt", read_model_files(bundle), device=torch.device("cpu"), dtype=torch.float32,
+                     max_seq_len=64)
 
 
 # ------------------------------------------------------------------------------ export check (issue 11)
