@@ -82,10 +82,7 @@ def features_response(manager: AudioManager, payload: bytes) -> tuple[dict[str, 
 def make_features_handler(manager: AudioManager, bridge: Any) -> Callable[[Any], None]:
     """An :meth:`MqttBridge.add_handler` handler answering :class:`FeaturesRequest` messages. A
     response over the broker's maximum packet size is replaced by an error saying so."""
-    from paho.mqtt.packettypes import PacketTypes
-    from paho.mqtt.properties import Properties
-
-    from edgevlm.daemon.mqtt_bridge import PacketTooLargeError
+    from edgevlm.daemon.mqtt_bridge import PacketTooLargeError, response_properties
 
     def handle(msg: Any) -> None:
         if msg.retain:
@@ -106,10 +103,7 @@ def make_features_handler(manager: AudioManager, bridge: Any) -> Callable[[Any],
             bridge.drop_request("no_reply_address",
                                 "audio: dropping a features request without a Response Topic or reply_to")
             return
-        props = Properties(PacketTypes.PUBLISH)
-        props.ContentType = "application/json"
-        if corr_data is not None:
-            props.CorrelationData = bytes(corr_data)
+        props = response_properties(corr_data)
         payload = json.dumps({k: v for k, v in response.items() if v is not None}).encode()
         try:
             bridge.publish(topic, payload, properties=props)

@@ -123,6 +123,22 @@ def publish_packet_size(topic: str, payload: bytes, qos: int, properties: Any = 
     return 1 + _varint_len(remaining) + remaining
 
 
+
+def response_properties(correlation_data: bytes | None) -> Any:
+    """The MQTT v5 PUBLISH properties of a response (the request topic's and the audio features
+    topic's): Content Type ``application/json``, Payload Format Indicator 1 (the payload is UTF-8 text,
+    MQTT v5 section 3.3.2.3.2, so a client or bridge may treat it as text) and the request's
+    Correlation Data, byte for byte (none when the request had none)."""
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    props = Properties(PacketTypes.PUBLISH)
+    props.ContentType = "application/json"
+    props.PayloadFormatIndicator = 1
+    if correlation_data is not None:
+        props.CorrelationData = bytes(correlation_data)
+    return props
+
 class MqttBridge:
     """Connects the scheduler to the broker: a request message is checked (retain flag, Response
     Topic, duplicates, payload size, JSON, inline image limits) and submitted to the scheduler, and
@@ -541,13 +557,7 @@ class MqttBridge:
     def _publish_reply(self, topic: str, correlation_data: bytes | None, response: Response) -> Response:
         """Publish ``response`` (or the error that replaces it when it cannot be serialized or is
         too large for the broker); returns the response actually sent."""
-        from paho.mqtt.packettypes import PacketTypes
-        from paho.mqtt.properties import Properties
-
-        props = Properties(PacketTypes.PUBLISH)
-        props.ContentType = "application/json"
-        if correlation_data is not None:
-            props.CorrelationData = bytes(correlation_data)
+        props = response_properties(correlation_data)
         try:
             payload = response.to_bytes()
         except Exception as exc:  # noqa: BLE001 - never leave a request unanswered

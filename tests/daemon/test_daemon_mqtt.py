@@ -85,6 +85,8 @@ def test_binary_correlation_data_is_echoed_byte_for_byte(start_daemon, raw_clien
         assert response["ok"] is True
         assert msg.properties.CorrelationData == corr
         assert msg.properties.ContentType == "application/json"
+        assert msg.properties.PayloadFormatIndicator == 1  # UTF-8 text (MQTT v5 3.3.2.3.2); was absent
+        assert msg.payload.decode("utf-8")  # and it is
 
 
 def test_request_without_correlation_data_is_answered_without_it(start_daemon, raw_client, encode_image) -> None:

@@ -376,6 +376,7 @@ def w_ask(w, payload: dict, corr: bytes = b"\x00corr") -> dict:
     w.publish("edgevlm/dev1/audio/request", json.dumps(payload).encode(), response_topic=topic, correlation=corr)
     msg = w.wait(topic)[0]
     assert msg.properties.CorrelationData == corr
+    assert (msg.properties.ContentType, msg.properties.PayloadFormatIndicator) == ("application/json", 1)
     return json.loads(msg.payload)
 
 
