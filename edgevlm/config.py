@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
@@ -62,6 +63,8 @@ from edgevlm.validation import (
     load_yaml,
     yaml_error_message,
 )
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "AudioSourceConfig",
@@ -234,9 +237,16 @@ def parse_daemon_config(data: Any, *, base_dir: Path | None = None) -> DaemonCon
         if prof.suffix in (".yaml", ".yml") and not prof.is_absolute():
             cfg.profile = str((base / prof).resolve())
         try:
-            load_profile(cfg.profile)
+            profile = load_profile(cfg.profile)
         except ConfigError as exc:
             raise ConfigError(f"profile: {exc.message}") from None
+        device = "cuda" if cfg.model.device.startswith("cuda") else "cpu"
+        if profile.device != device:  # allowed (a laptop trying a robot's config), but rarely meant
+            logger.warning(
+                "profile: %r is a %s profile and model.device is %r: its %s, and its default budget and "
+                "frontier were measured on another device", profile.name, profile.device, cfg.model.device,
+                "GPU runtime settings are not used" if device == "cpu" else "runtime settings are CPU ones",
+            )  # fmt: skip
     _check_batching_rows(cfg)
     for i, mic in enumerate(cfg.audio):
         if mic.file is None:
