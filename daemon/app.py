@@ -237,6 +237,7 @@ class Daemon:
             version=__version__,
             sources=self.sources.names,
             model=_model_name(config, engine),
+            model_id=served_model_id(config, engine),
             pool=config.mqtt.pool,
             **({"audio": [a.name for a in config.audio]} if config.audio else {}),
         )
@@ -342,10 +343,10 @@ class Daemon:
         self.bridge.publish_safe(reload_topic(self.config.mqtt.prefix, self.config.mqtt.device_id), payload,
                                  retain=True)
         if result.ok:
-            self.bridge.update_online(model=result.path)
             # the served id follows the new model (unless http.model_name pins it): the wire's and the
-            # HTTP API's `model` name what now answers
+            # HTTP API's `model` name what now answers (the status says so to the pool's other members)
             model_id = served_model_id(self.config, self.scheduler.engine)
+            self.bridge.update_online(model=result.path, model_id=model_id)
             self.scheduler.model_id = model_id
             if self.http is not None:
                 self.http.model_id = model_id

@@ -69,6 +69,13 @@ class RecentAnswers:
             else:
                 self._entries[key] = (digest, response)
 
+    def forget(self, key: DedupKey, digest: bytes) -> None:
+        """Drop the entry of ``(key, digest)`` (a request handed on, not answered here)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry[0] == digest and entry[1] is None:
+                del self._entries[key]
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)

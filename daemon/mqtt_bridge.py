@@ -54,6 +54,7 @@ with its *Correlation Data* (MQTT v5 section 4.10, request/response).
 from __future__ import annotations
 
 import logging
+import random
 import sys
 import threading
 import time
@@ -195,6 +196,10 @@ class MqttBridge:
         self.pool_subscription = (pool_subscription(config.prefix, config.pool, config.pool_group or config.pool)
                                   if config.pool else None)
         self.status_topic = status_topic(config.prefix, config.device_id)
+        # a pool member watches the members' statuses: a pool request for a model another member
+        # serves is handed to that member (members of one pool may serve different models)
+        self.peer_status_filter = f"{config.prefix}/+/status" if config.pool and serve_requests else None
+        self._peers: dict[str, StatusMessage] = {}
         self._online = online_status
         self._connected = threading.Event()
         self._subscribed = threading.Event()
@@ -489,6 +494,9 @@ class MqttBridge:
             timeout_ms = request_timeout_ms(request.timeout_ms, self.scheduler.defaults.timeout_ms, expiry_s)
             if timeout_ms < asked_ms:
                 limit = "message_expiry"
+        if (request is not None and error is None and self._accepting and msg.topic == self.pool_topic
+                and self._forward_to_member(msg, request, key, digest)):
+            return
         reply = self._make_reply(topic, correlation_data, correlation_id, received, timeout_ms,
                                  None if key is None else (key, digest))  # fmt: skip
         if error is None and not self._accepting:
@@ -504,6 +512,56 @@ class MqttBridge:
                                   deadline_limit=limit, dedup=None if key is None else (key, digest)))  # fmt: skip
         if self.metrics is not None:
             self.metrics.set_queue_depth(self.scheduler.queue_size())
+
+    def _forward_to_member(self, msg: Any, request: Request, key: DedupKey | None, digest: bytes) -> bool:
+        """A pool request whose ``model`` is not served here but by another online member of the pool:
+        publish it unchanged (payload, Response Topic, Correlation Data, Message Expiry) to that member's
+        own request topic, which answers the requester directly. Returns whether it was forwarded. Only
+        requests from the pool's topic are forwarded (a member's device topic is never), so nothing loops."""
+        wanted, served = request.model, self.scheduler.model_id
+        if wanted is None or served is None or wanted == served:
+            return False
+        with self._lock:
+            members = sorted(d for d, s in self._peers.items()
+                             if s.state == "online" and s.pool == self.config.pool and s.model_id == wanted)
+        if not members:
+            return False  # nobody serves it: the scheduler refuses it (or offloads it) as before
+        member = random.choice(members)
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+
+        props = Properties(PacketTypes.PUBLISH)
+        src = getattr(msg, "properties", None)
+        for name in ("ResponseTopic", "CorrelationData", "MessageExpiryInterval", "PayloadFormatIndicator",
+                     "ContentType", "UserProperty"):
+            value = getattr(src, name, None) if src is not None else None
+            if value is not None and value != "":
+                setattr(props, name, value)
+        try:
+            self.publish(request_topic(self.config.prefix, member), msg.payload, properties=props)
+        except EdgeVLMError as err:
+            logger.warning("MQTT: could not hand a request for model %r to pool member %r: %s", wanted, member,
+                           err.message)
+            return False
+        if key is not None:
+            self.recent_answers.forget(key, digest)  # a re-send that comes back here is handed on again
+        logger.info("MQTT: pool request for model %r (served here: %r) handed to member %r", wanted, served, member)
+        self.counters.inc("forwarded_to_member")
+        return True
+
+    def _on_peer_status(self, msg: Any) -> None:
+        device = msg.topic.split("/")[-2]
+        status: StatusMessage | None = None
+        if msg.payload:
+            try:
+                status = StatusMessage.model_validate_json(msg.payload)
+            except ValueError:
+                logger.debug("MQTT: malformed status on %s ignored", msg.topic)
+        with self._lock:
+            if status is None or device == self.config.device_id:
+                self._peers.pop(device, None)
+            else:
+                self._peers[device] = status
 
     def _duplicate(self, key: DedupKey, digest: bytes, topic: str, correlation_data: bytes | None) -> bool:
         """Record a request in the recent-answers cache; for a re-send of one already there, answer
@@ -620,6 +678,8 @@ class MqttBridge:
             if self.pool_subscription is not None and self._accepting:
                 topics.append((self.pool_subscription, SubscribeOptions(qos=self.config.qos)))
         topics += [(t, SubscribeOptions(qos=self.config.qos, retainHandling=2)) for t in self._handlers]
+        if self.peer_status_filter is not None:  # the retained statuses too (retain handling 0)
+            topics.append((self.peer_status_filter, SubscribeOptions(qos=self.config.qos)))
         if topics:
             _, mid = client.subscribe(topics)
             self._sub_mids.add(mid)
@@ -731,8 +791,15 @@ class MqttBridge:
             handler = self._handlers.get(msg.topic)
             if handler is not None:
                 handler(msg)
+            elif self.peer_status_filter is not None and _is_status_topic(msg.topic, self.config.prefix):
+                self._on_peer_status(msg)
             else:
                 self._handle(msg)
         except Exception:  # noqa: BLE001 - an exception here would stop paho's network loop
             self.counters.inc("handler_errors")
             logger.exception("MQTT: unexpected error while handling a message on %s", msg.topic)
+
+
+def _is_status_topic(topic: str, prefix: str) -> bool:
+    """Whether ``topic`` is ``<prefix>/<device_id>/status`` (a daemon's retained status)."""
+    return topic.startswith(prefix + "/") and topic.endswith("/status") and topic.count("/") == prefix.count("/") + 2

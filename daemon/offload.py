@@ -90,15 +90,17 @@ class Offloader:
             self._client.close()
 
     # ------------------------------------------------------------------ decisions
-    def available(self) -> bool:
-        """Connected, a member of the pool online, and room for one more forwarded request."""
+    def available(self, model: str | None = None) -> bool:
+        """Connected, a member of the pool online (with ``model``: one whose status says it serves that
+        model, or says nothing of it), and room for one more forwarded request."""
         client = self._client
         if client is None or not client.connected:
             return False
         with self._lock:
             if self._in_flight >= self.cfg.max_in_flight:
                 return False
-        return any(s.state == "online" for s in client.pool_members.values())
+        return any(s.state == "online" and (model is None or getattr(s, "model_id", None) in (None, model))
+                   for s in client.pool_members.values())
 
     def submit(self, job: Any, reason: str) -> None:
         """Forward ``job`` (a :class:`~edgevlm.daemon.scheduler.Job`); answered via ``job.reply``."""

@@ -482,7 +482,7 @@ class Scheduler:
         several = req.frames is not None or req.frames_s is not None
         offload = None if several else self.offloader
         if req.model is not None and self.model_id is not None and req.model != self.model_id:
-            if offload is not None and offload.cfg.on_unknown_model and offload.available():
+            if offload is not None and offload.cfg.on_unknown_model and offload.available(req.model):
                 offload.submit(job, "unknown_model")
                 return True
             self._fail(job, InvalidRequestError(

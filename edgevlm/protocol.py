@@ -430,6 +430,8 @@ class StatusMessage(BaseModel):
     version: str | None = Field(None, description="edgevlm version.")
     sources: list[str] = Field(default_factory=list, description="Configured source names.")
     model: str | None = Field(None, description="Model folder served.")
+    model_id: str | None = Field(None, description="The id a request's ``model`` names to be answered here "
+                                 "(``http.model_name``, else the model folder's name).")
     pool: str | None = Field(None, description="The pool this daemon is a member of (mqtt.pool), if any.")
 
     def to_bytes(self) -> bytes:
