@@ -48,7 +48,7 @@ operating point's live latency) with what only the daemon knows:
   :mod:`edgevlm.daemon.scheduler`).
 
 :func:`build_controller` makes one for a loaded engine: the frontier comes from
-``controller.frontier``, else the model's (or bundle's) ``frontier.json`` (measured for exactly this
+``controller.frontier`` (refused when measured on other weights: :func:`check_frontier_weights`), else the model's (or bundle's) ``frontier.json`` (measured for exactly this
 model by ``edgevlm calibrate``; ignored, with a warning, when the weights changed since), else the
 profile's ``operating_points.frontier`` (the shipped figures for the demo model on that device;
 only when every rung it names is on the model's ladder), else one point per resolution rung
@@ -369,12 +369,33 @@ def _same_weights(record: Any, model_dir: Any) -> bool:
     """Whether a model's frontier.json was measured on its current weights (unknown = yes)."""
     if not record.weights_fingerprint:
         return True
-    from edgevlm.runtime.exits import weights_fingerprint
+    from edgevlm.model_folder import weights_fingerprint
 
     if record.weights_fingerprint == weights_fingerprint(model_dir):
         return True
     logger.warning("controller: %s/frontier.json was measured on other weights: not used", model_dir)
     return False
+
+
+def check_frontier_weights(record: Any, path: Any, model_dir: Any) -> None:
+    """``controller.frontier`` (``record``, read from ``path``) must have been measured on the
+    weights in ``model_dir``: a frontier of another model (or of this one before retraining) would
+    run this model at that model's rungs, exits and keep ratios under that model's latencies, and
+    name the points as that model did. A frontier without ``weights_fingerprint`` (hand-written) is
+    not checked. The one rule for ``serve --check-config`` and the start-up.
+
+    Raises:
+        ConfigError: ``controller.frontier: ...`` naming both models.
+    """
+    if not record.weights_fingerprint or model_dir is None:
+        return
+    from edgevlm.model_folder import weights_fingerprint
+
+    if record.weights_fingerprint != weights_fingerprint(model_dir):
+        raise ConfigError(
+            f"controller.frontier: {path} was measured on other weights (its model: {record.model!r}), not on "
+            f"{model_dir}'s: measure this model's with `edgevlm calibrate MODEL` (or drop the file's "
+            f"weights_fingerprint to use it anyway)")
 
 
 def _fits_ladder(profile: Profile, engine: Any) -> bool:
@@ -401,7 +422,8 @@ def build_controller(config: Any, engine: Any, *, batched: bool = False) -> Budg
     exits save under load (measured: bench/results/daemon_throughput_h200_20261201.md).
 
     Raises:
-        ConfigError: the profile or frontier file is invalid, or no frontier point is runnable.
+        ConfigError: the profile or frontier file is invalid, ``controller.frontier`` was measured on
+            other weights (:func:`check_frontier_weights`), or no frontier point is runnable.
     """
     cc = config.controller
     if not cc.enabled:
@@ -412,7 +434,9 @@ def build_controller(config: Any, engine: Any, *, batched: bool = False) -> Budg
     model_dir = getattr(engine, "model_dir", None)
     model_frontier = Path(model_dir) / "frontier.json" if model_dir is not None else None
     if cc.frontier is not None:
-        points, source = load_frontier(cc.frontier).frontier, str(cc.frontier)
+        record = load_frontier(cc.frontier)
+        check_frontier_weights(record, cc.frontier, model_dir)
+        points, source = record.frontier, str(cc.frontier)
     elif model_frontier is not None and model_frontier.is_file() and _same_weights(load_frontier(model_frontier),
                                                                                       model_dir):
         points, source = load_frontier(model_frontier).frontier, str(model_frontier)

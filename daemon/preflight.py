@@ -114,7 +114,8 @@ def _check_monitors(cfg: DaemonConfig, exits: object) -> None:
 
 def _check_frontier(cfg: DaemonConfig, model_path: Path) -> None:
     """The frontier the controller reads at start-up (:func:`edgevlm.daemon.budget.build_controller`):
-    ``controller.frontier``, else the model folder's ``frontier.json``, must validate."""
+    ``controller.frontier``, else the model folder's ``frontier.json``, must validate, and
+    ``controller.frontier`` must have been measured on this model's weights."""
     from edgevlm.profile import load_frontier
 
     cc = cfg.controller
@@ -125,9 +126,13 @@ def _check_frontier(cfg: DaemonConfig, model_path: Path) -> None:
     if cc.frontier is None and not path.is_file():
         return
     try:
-        load_frontier(path)
+        record = load_frontier(path)
     except ConfigError as exc:
         raise ConfigError(f"{key}: {exc.message}") from None
+    if cc.frontier is not None:
+        from edgevlm.daemon.budget import check_frontier_weights
+
+        check_frontier_weights(record, cc.frontier, model_path)
 
 
 def _check_device(device: str) -> None:

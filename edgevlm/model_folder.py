@@ -37,7 +37,8 @@ from edgevlm.errors import ModelLoadError
 from edgevlm.protocol import json_type_name
 
 __all__ = ["BUNDLE_BACKEND_FILES", "LOADED_FILES", "check_config_model_path", "check_loaded_files", "check_model_folder",
-           "check_safetensors", "confined_path", "read_image_processor", "read_json", "weight_files"]
+           "check_safetensors", "confined_path", "read_image_processor", "read_json", "weight_files",
+           "weights_fingerprint"]
 
 REFUSED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.gguf", "*.h5", "*.msgpack")
 """Weight-file patterns that are never loaded (pickle-based or not supported)."""
@@ -380,3 +381,24 @@ def check_config_model_path(cfg) -> None:
         check_model_folder(cfg.model.path, backend=cfg.model.backend)
     except ModelLoadError as exc:
         raise ConfigError(f"model.path: {exc.message}") from None
+
+
+def weights_fingerprint(model_dir: str | Path) -> str:
+    """A cheap identity of a model's weights: SHA-256 over each safetensors file's size and its
+    first and last MiB (header and tensor data), so exit heads and a ``frontier.json`` are never
+    used with other weights. Torch-free (``serve --check-config`` checks ``controller.frontier``
+    with it).
+
+    Raises ModelLoadError when the folder has no weights."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for path in weight_files(Path(model_dir)):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}:".encode())
+        with open(path, "rb") as f:
+            h.update(f.read(1 << 20))
+            if size > 2 << 20:
+                f.seek(size - (1 << 20))
+                h.update(f.read())
+    return h.hexdigest()

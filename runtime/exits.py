@@ -57,6 +57,7 @@ from torch import nn
 
 from edgevlm.atomic_files import AtomicFiles
 from edgevlm.errors import ModelLoadError
+from edgevlm.model_folder import weights_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -364,27 +365,6 @@ def make_spec(cfg, *, exit_blocks: list[int], labels: list[str], adapter_hidden:
         labels=list(labels),
         classifier_blocks=sorted(set(classifier_blocks)) if labels else [],
     )
-
-
-def weights_fingerprint(model_dir: str | Path) -> str:
-    """A cheap identity of a model's weights: SHA-256 over each safetensors file's size and its
-    first and last MiB (header and tensor data), so heads are never used with retrained weights.
-
-    Raises ModelLoadError when the folder has no weights."""
-    import hashlib
-
-    from edgevlm.runtime.loader import weight_files
-
-    h = hashlib.sha256()
-    for path in weight_files(Path(model_dir)):
-        size = path.stat().st_size
-        h.update(f"{path.name}:{size}:".encode())
-        with open(path, "rb") as f:
-            h.update(f.read(1 << 20))
-            if size > 2 << 20:
-                f.seek(size - (1 << 20))
-                h.update(f.read())
-    return h.hexdigest()
 
 
 def has_exit_heads(model_dir: str | Path) -> bool:

@@ -316,6 +316,40 @@ def test_stale_model_frontier_is_ignored(tmp_path, plain_model_dir):
     assert bc.source == "resolution ladder measured at start-up"
 
 
+def test_controller_frontier_of_another_model_is_refused(tmp_path, plain_model_dir, plain_engine, capsys):
+    """controller.frontier measured on other weights (another model's frontier.json) was used as is: the
+    model ran at that model's rungs under its latencies. Now serve and --check-config refuse it, one line
+    naming controller.frontier, exit 2; the model's own frontier (same fingerprint) and a hand-written one
+    (no fingerprint) are still taken."""
+    from edgevlm.cli import main
+    from edgevlm.model_folder import weights_fingerprint
+    from edgevlm.runtime.testing import write_tiny_checkpoint
+
+    other = write_tiny_checkpoint(tmp_path / "other", seed=7, vision_layers=4, resolution_ladder=[64, 32])
+    point = {"name": "r32", "resolution_px": 32, "accuracy": 0.5, "vision_ms": 5, "prefill_ms": 5, "tpot_ms": 5}
+    f = _frontier_file(tmp_path / "frontier.json", [point])
+    raw = json.loads(f.read_text())
+    raw["weights_fingerprint"] = weights_fingerprint(other)
+    f.write_text(json.dumps(raw))
+    cfg = parse_daemon_config({"controller": {"frontier": str(f)}})
+    with pytest.raises(ConfigError, match=r"^controller\.frontier: .*frontier\.json was measured on other weights"):
+        build_controller(cfg, plain_engine)
+    yaml = tmp_path / "daemon.yaml"
+    yaml.write_text(f"mqtt: {{host: 127.0.0.1, port: 1}}\nmetrics: {{listen: null}}\n"
+                    f"model: {{path: {plain_model_dir}}}\ncontroller: {{frontier: {f}}}\n")
+    assert main(["serve", "--check-config", str(yaml)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("edgevlm: error: controller.frontier: ") and "other weights" in err[0]
+
+    raw["weights_fingerprint"] = weights_fingerprint(plain_model_dir)  # this model's own: used
+    f.write_text(json.dumps(raw))
+    assert [p.name for p in build_controller(cfg, plain_engine).points] == ["r32"]
+    assert main(["serve", "--check-config", str(yaml)]) == 0
+    del raw["weights_fingerprint"]  # hand-written: not checked
+    f.write_text(json.dumps(raw))
+    assert [p.name for p in build_controller(cfg, plain_engine).points] == ["r32"]
+
+
 def test_answer_length_is_learned_per_prompt():
     bc = make()
     assert bc.expected_tokens("is there a red circle?", 16) == 16  # never seen: worst case
