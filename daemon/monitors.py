@@ -63,11 +63,13 @@ class MonitorState:
     last_scores: dict[str, float] = field(default_factory=dict)
 
 
-def check_monitors(monitors: list[MonitorConfig], labels: list[str], blocks: list[int]) -> None:
+def check_monitors(monitors: list[MonitorConfig], labels: list[str], blocks: list[int], *,
+                   patch_size_px: int | None = None) -> None:
     """The monitors against a model's exit classifier: its ``labels`` and the vision blocks with a classifier
     after them (``blocks``). The one rule for ``serve --check-config`` (from the model folder's ``exits.json``) and
-    for the start-up (from the loaded model). Raises ``ConfigError`` naming the monitor's key: no classifier at all,
-    an unknown label, an ``exit_layer`` without a classifier."""
+    for the start-up (from the loaded model, which also gives its ``patch_size_px``). Raises ``ConfigError`` naming
+    the monitor's key: no classifier at all, an unknown label, an ``exit_layer`` without a classifier, a
+    ``resolution_px`` below the patch size (as ``edgevlm ask --resolution``)."""
     if monitors and not labels:
         raise ConfigError("monitors: the model has no exit classifier (run `edgevlm calibrate` on it)")
     for i, mon in enumerate(monitors):
@@ -77,6 +79,9 @@ def check_monitors(monitors: list[MonitorConfig], labels: list[str], blocks: lis
         if mon.exit_layer is not None and mon.exit_layer not in blocks:
             raise ConfigError(f"monitors[{i}].exit_layer: no classifier after block {mon.exit_layer} "
                               f"(classifier blocks: {blocks})")
+        if mon.resolution_px is not None and patch_size_px and mon.resolution_px < patch_size_px:
+            raise ConfigError(f"monitors[{i}].resolution_px: {mon.resolution_px} px is below the model's patch size "
+                              f"({patch_size_px} px)")
 
 
 class MonitorRunner:
@@ -101,13 +106,15 @@ class MonitorRunner:
         """Check every monitor against the loaded model (labels, classifier block, rung).
 
         Raises:
-            ConfigError: the model has no exit classifier, or a label / exit_layer it does not have.
+            ConfigError: the model has no exit classifier, or a label / exit_layer it does not have, or a
+                resolution_px below its patch size.
         """
         labels = list(getattr(engine, "labels", []) or [])
         ladder = sorted(getattr(engine, "resolution_ladder", None) or [engine.image_size_px])
         heads = getattr(engine.backend, "exit_heads", None)
         blocks = list(heads.spec.classifier_blocks) if heads is not None else []
-        check_monitors([st.config for st in self.states], labels, blocks)
+        check_monitors([st.config for st in self.states], labels, blocks,
+                       patch_size_px=getattr(engine, "patch_size_px", None))
         now = time.monotonic()
         for st in self.states:
             c = st.config

@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from edgevlm.types import MAX_RESOLUTION_PX
 from edgevlm.validation import ConfigPath, StrictModel
 
 SourceKind = Literal["v4l2", "gstreamer", "stream", "file", "csi"]
@@ -245,7 +246,8 @@ class MonitorConfig(StrictModel):
         3, ge=1, le=1000, description="Frames in a row that must show a new state before it is published."
     )
     resolution_px: int | None = Field(
-        None, gt=0, description="Input resolution (longer side, px); None = the lowest rung of the model's ladder."
+        None, gt=0, le=MAX_RESOLUTION_PX, description="Input resolution (longer side, px, at least the model's "
+        "patch size); None = the lowest rung of the model's ladder."
     )
     exit_layer: int | None = Field(
         None, ge=1, description="Vision block whose classifier to use; None = the earliest classifier."

@@ -183,6 +183,24 @@ def test_monitor_bad_exit_layer_fails_startup(run_daemon, monitor_engine, video)
                    monitors=[{"name": "m", "source": "cam", "labels": ["red"], "exit_layer": 3}])
 
 
+def test_monitor_resolution_out_of_range_fails_startup(run_daemon, monitor_engine, video):
+    """monitors[].resolution_px above MAX_RESOLUTION_PX was accepted and then warned on every tick forever;
+    one below the patch size ran the classifier on a patch-sized image without a word. Both now fail
+    like the other monitor keys: config (and --check-config) and start-up name monitors[0].resolution_px."""
+    from edgevlm.config import parse_daemon_config
+    from edgevlm.types import MAX_RESOLUTION_PX
+
+    mon = {"name": "m", "source": "cam", "labels": ["red"]}
+    with pytest.raises(ConfigError, match=rf"monitors\[0\]\.resolution_px: .*{MAX_RESOLUTION_PX}"):
+        parse_daemon_config({"sources": [{"name": "cam", "uri": str(video)}],
+                             "monitors": [{**mon, "resolution_px": MAX_RESOLUTION_PX + 1}]})
+    patch = monitor_engine.patch_size_px
+    with pytest.raises(ConfigError, match=rf"^monitors\[0\]\.resolution_px: {patch - 1} px is below the model's "
+                                          rf"patch size \({patch} px\)"):
+        run_daemon(monitor_engine, sources=[{"name": "cam", "uri": str(video)}],
+                   monitors=[{**mon, "resolution_px": patch - 1}])
+
+
 class ScriptedSource:
     """A source whose newest frame the test sets (the SourceManager/FrameSource reading interface)."""
 
