@@ -78,6 +78,11 @@ def _check_frontier(points: list[FrontierPoint], where: str) -> None:
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ValueError(f"{where}: duplicate operating point names {dup}")
+    for i, p in enumerate(points):
+        if p.vision_ms + p.prefill_ms <= 0:
+            # every point encodes an image and runs a prefill: all-zero figures are a hand edit, and the
+            # controller would predict 0 ms and admit any budget, answering late until it learned better
+            raise ValueError(f"{where}[{i}] ({p.name!r}): vision_ms + prefill_ms is 0: a measured point takes time")
 
 
 class OperatingPointsConfig(StrictModel):

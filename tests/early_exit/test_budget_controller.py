@@ -287,6 +287,20 @@ def test_bad_frontier_file(tmp_path, plain_engine):
         build_controller(cfg, plain_engine)
 
 
+def test_frontier_point_of_zero_ms_is_refused(tmp_path, plain_engine):
+    """A hand-edited frontier whose point takes 0 ms (vision and prefill) was taken: the controller
+    predicted 0 ms, admitted a 1 ms budget and answered it tens of ms late (predicted_ms 0.0) until its
+    EWMA caught up. Now the file is refused naming the point; a point with only one stage at 0 still loads."""
+    zero = {"name": "z", "resolution_px": 32, "accuracy": 0.5, "vision_ms": 0, "prefill_ms": 0, "tpot_ms": 0}
+    f = _frontier_file(tmp_path / "frontier.json", [zero])
+    cfg = parse_daemon_config({"controller": {"frontier": str(f)}})
+    with pytest.raises(ConfigError, match=r"frontier\[0\] \('z'\): vision_ms \+ prefill_ms is 0"):
+        build_controller(cfg, plain_engine)
+    _frontier_file(f, [{**zero, "prefill_ms": 0.5}])
+    bc = build_controller(cfg, plain_engine)
+    assert bc.service_ms(bc.points[0].point, 4) > 0
+
+
 def test_profile_frontier_is_used(tmp_path, plain_engine):
     prof = tmp_path / "dev.yaml"
     prof.write_text(
