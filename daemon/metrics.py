@@ -17,6 +17,9 @@ edgevlm_decode_tokens_per_second            gauge       last request's decode ra
 edgevlm_decode_tokens_total / _seconds_total counter    rate() of both = mean decode rate
 edgevlm_queue_depth                         gauge       requests waiting
 edgevlm_deadline_misses_total               counter     DEADLINE_EXCEEDED or answered late
+edgevlm_budget_misses_total                 counter     answered later than its latency budget
+                                                        (``stats.budget_ms``, from receipt): the
+                                                        controller's predictions were too low
 edgevlm_early_exits_total                   counter     ``layer``: vision block exited after
 edgevlm_operating_point                     gauge       ``name``: 1 for the point in use
 edgevlm_operating_point_requests_total      counter     ``name``
@@ -148,6 +151,10 @@ class Metrics:
         self.deadline_misses = prom.Counter(
             "deadline_misses", "Requests that missed their deadline.", namespace=ns, registry=r
         )
+        self.budget_misses = prom.Counter(
+            "budget_misses", "Requests answered later than the latency budget the controller planned for.",
+            namespace=ns, registry=r,
+        )
         self.early_exits = prom.Counter(
             "early_exits",
             "Vision encodes that exited early, by exit layer.",
@@ -208,6 +215,7 @@ class Metrics:
         # state for the JSON summary
         self._codes: dict[str, int] = dict.fromkeys(RESULT_CODES, 0)
         self._deadline_misses = 0
+        self._budget_misses = 0
         self._early_exits: dict[str, int] = {}
         self._ttft_ms: deque[float] = deque(maxlen=window)
         self._e2e_ms: deque[float] = deque(maxlen=window)
@@ -224,21 +232,26 @@ class Metrics:
                          queue_depth: int | None = None) -> None:
         """Count one request answered with the wire ``response`` (every transport calls this once
         per answer): its code, its stats, whether an ok answer left after the deadline
-        (``timeout_ms`` from ``received_monotonic``; :data:`~edgevlm.protocol.NO_DEADLINE_MS` = none),
-        the operating point it ran at, and the queue depth now."""
+        (``timeout_ms`` from ``received_monotonic``; :data:`~edgevlm.protocol.NO_DEADLINE_MS` = none)
+        or after the latency budget the controller planned for (``stats.budget_ms`` from
+        ``received_monotonic``), the operating point it ran at, and the queue depth now."""
         from edgevlm.protocol import deadline_s
 
         code = "OK" if response.ok else (response.error.code if response.error else "INTERNAL")
         after_s = deadline_s(timeout_ms)
-        late = after_s is not None and time.monotonic() > received_monotonic + after_s
-        self.observe_answer(response.stats, code, deadline_missed=late and response.ok)
+        now = time.monotonic()
+        late = after_s is not None and now > received_monotonic + after_s
+        budget_ms = response.stats.budget_ms if response.ok and response.stats is not None else None
+        over_budget = budget_ms is not None and (now - received_monotonic) * 1000.0 > budget_ms
+        self.observe_answer(response.stats, code, deadline_missed=late and response.ok, budget_missed=over_budget)
         if response.stats is not None and response.stats.operating_point:
             self.set_operating_point(response.stats.operating_point)
         if queue_depth is not None:
             self.set_queue_depth(queue_depth)
 
     def observe_answer(
-        self, stats: Any = None, code: ErrorCode | str = RESULT_OK, *, deadline_missed: bool = False
+        self, stats: Any = None, code: ErrorCode | str = RESULT_OK, *, deadline_missed: bool = False,
+        budget_missed: bool = False,
     ) -> None:
         """Count one finished request.
 
@@ -248,13 +261,14 @@ class Metrics:
             code: ``"OK"`` or the wire :class:`ErrorCode` the request was answered with.
             deadline_missed: the answer went out after the request's deadline (also implied by
                 ``DEADLINE_EXCEEDED``).
+            budget_missed: the answer went out after the latency budget it was planned for.
         """
         try:
-            self._observe(stats, code, deadline_missed)
+            self._observe(stats, code, deadline_missed, budget_missed)
         except Exception:  # noqa: BLE001 - metrics must never fail a request
             logger.exception("metrics: cannot record an answer")
 
-    def _observe(self, stats: Any, code: ErrorCode | str, deadline_missed: bool) -> None:
+    def _observe(self, stats: Any, code: ErrorCode | str, deadline_missed: bool, budget_missed: bool) -> None:
         label = code.value if isinstance(code, ErrorCode) else str(code)
         if label not in self._codes:
             label = _OTHER
@@ -262,6 +276,8 @@ class Metrics:
         self.requests.labels(label).inc()
         if missed:
             self.deadline_misses.inc()
+        if budget_missed:
+            self.budget_misses.inc()
         ttft, e2e = _number(_field(stats, "ttft_ms")), _number(_field(stats, "e2e_ms"))
         queue, vision = _number(_field(stats, "queue_ms")), _number(_field(stats, "vision_ms"))
         decode, new_tokens = _number(_field(stats, "decode_ms")), _number(_field(stats, "new_tokens"))
@@ -288,6 +304,7 @@ class Metrics:
         with self._lock:
             self._codes[label] = self._codes.get(label, 0) + 1
             self._deadline_misses += missed
+            self._budget_misses += budget_missed
             if ttft:
                 self._ttft_ms.append(ttft)
             if e2e:
@@ -429,6 +446,7 @@ class Metrics:
                 "requests": {k: v for k, v in self._codes.items() if v or k in RESULT_CODES},
                 "requests_total": sum(self._codes.values()),
                 "deadline_misses": self._deadline_misses,
+                "budget_misses": self._budget_misses,
                 "queue_depth": self._queue_depth,
                 "operating_point": self._op_name,
                 "ttft_ms": _percentiles(self._ttft_ms),
