@@ -55,6 +55,12 @@ class RayConfig(BaseModel):
     def _bounds(self) -> RayConfig:
         if self.max_replicas is not None and self.max_replicas < max(1, self.min_replicas):
             raise ValueError(f"max_replicas: {self.max_replicas} is below min_replicas {self.min_replicas}")
+        if self.target_ongoing_requests > self.max_ongoing_requests:
+            # a replica never holds more than max_ongoing_requests, so its load never reaches the target
+            # and the autoscaler never adds a replica: the extra requests only queue in Ray's router
+            raise ValueError(f"target_ongoing_requests: {self.target_ongoing_requests} is above max_ongoing_requests "
+                             f"{self.max_ongoing_requests} (a replica never reaches it, so autoscaling never adds "
+                             "one)")
         return self
 
 

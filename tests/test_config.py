@@ -293,3 +293,20 @@ def test_a_profile_for_another_device_is_warned(caplog, profile, device, warned)
         cfg = parse_daemon_config({"profile": profile, "model": {"device": device}})
     assert cfg.profile == profile
     assert [r.getMessage() for r in caplog.records if r.name == "edgevlm.config"] == ([warned] if warned else [])
+
+
+def test_serve_ray_refuses_a_target_its_replicas_can_never_reach(tmp_path) -> None:
+    """``ray.target_ongoing_requests`` above ``ray.max_ongoing_requests``: a replica never holds more than the
+    latter, so the autoscaler never adds a replica; was accepted and Ray Serve started (the real CLI, before Ray)."""
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "ray.yaml"
+    cfg.write_text("ray: {target_ongoing_requests: 10, max_ongoing_requests: 2}\n")
+    run = subprocess.run([sys.executable, "-m", "edgevlm.cli", "serve-ray", "--config", str(cfg)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines() == [
+        "edgevlm: error: ray.target_ongoing_requests: 10 is above max_ongoing_requests 2 (a replica never "
+        "reaches it, so autoscaling never adds one)"]
+    assert parse_daemon_config({"ray": {"target_ongoing_requests": 2, "max_ongoing_requests": 2}}).ray.max_ongoing_requests == 2
