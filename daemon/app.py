@@ -678,7 +678,7 @@ def run(
                 raise
             logger.error("start-up failed: %s", err.message)
             return EXIT_STARTUP_FAILED
-        logger.info("started: requests on %s (sources: %s); 'ready' is logged once the broker has the subscription",
+        logger.info("started: requests on %s (sources: %s); the 'ready' line says when the broker has the subscription",
                     daemon.bridge.request_topic, ", ".join(daemon.sources.names) or "none")  # fmt: skip
         try:
             while not stop.wait(1.0):
