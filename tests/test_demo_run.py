@@ -22,6 +22,8 @@ import pytest
 cv2 = pytest.importorskip("cv2")
 pytest.importorskip("torch")
 
+from process_support import reaped, stop  # noqa: E402
+
 from edgevlm.daemon import demo  # noqa: E402
 
 pytestmark = pytest.mark.mqtt
@@ -278,19 +280,14 @@ def test_demo_sigterm_stops_its_broker_and_daemon(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "edgevlm.cli", "demo"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
     pids: list[int] = []
-    try:
+    with reaped(proc):
         for _ in range(2):
             line = proc.stdout.readline()
             match = re.search(r"\(pid (\d+)\)", line)
             assert match, line
             pids.append(int(match.group(1)))
         workdirs = [p for p in Path("/proc", str(pids[0]), "cmdline").read_bytes().split(b"\0") if b"edgevlm-demo-" in p]
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        out, err = stop(proc)
     deadline = time.monotonic() + 30
     alive = pids
     while alive and time.monotonic() < deadline:

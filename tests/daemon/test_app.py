@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import yaml
+from process_support import reaped, stop
 
 from edgevlm.config import DaemonConfig, load_daemon_config
 from edgevlm.daemon.app import CUDA_HOST_THREADS, EXIT_STARTUP_FAILED, host_threads, run
@@ -38,8 +39,7 @@ def _sigterm_after_line(proc: subprocess.Popen, marker, delay_s: float) -> str:
     ``delay_s``, send SIGTERM and collect the rest; the process is killed if anything fails on the way. Returns
     everything it printed."""
     seen: list[bytes] = []
-    out = b""
-    try:
+    with reaped(proc):
         while True:
             line = proc.stdout.readline()
             seen.append(line)
@@ -47,12 +47,7 @@ def _sigterm_after_line(proc: subprocess.Popen, marker, delay_s: float) -> str:
                 break
         assert line and marker(line), seen
         time.sleep(delay_s)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        out, _ = stop(proc)
     return b"".join(seen).decode(errors="replace") + out.decode(errors="replace")
 
 
@@ -64,15 +59,10 @@ def test_sigterm_shuts_down_cleanly_with_offline_status(tmp_path, mosquitto, raw
     watcher = raw_client()
     watcher.subscribe(STATUS_TOPIC)
     proc = _start_process(tmp_path, mosquitto, tiny_model_dir)
-    try:
+    with reaped(proc):
         watcher.wait_messages(STATUS_TOPIC, 1, timeout_s=120)
         assert _states(watcher)[0]["state"] == "online"
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        out, _ = stop(proc)
     assert proc.returncode == 0, out.decode(errors="replace")
     watcher.wait_messages(STATUS_TOPIC, 2)
     offline = _states(watcher)[1]
@@ -105,18 +95,15 @@ def test_sigterm_while_the_model_loads_stops_at_once_and_announces_nothing(tmp_p
     proc = subprocess.Popen([sys.executable, "-c", RUN_SLOW_LOAD, str(path)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, env={**os.environ, "NOTIFY_SOCKET": str(sock_path)})
     try:
-        before = [proc.stdout.readline() for _ in range(1)]
-        while before[-1] and before[-1].strip() != b"LOADING" and len(before) < 200:
-            before.append(proc.stdout.readline())
-        assert before[-1].strip() == b"LOADING", before
-        proc.send_signal(signal.SIGTERM)
-        sent = time.monotonic()
-        out, _ = proc.communicate(timeout=60)
-        took_s = time.monotonic() - sent
+        with reaped(proc):
+            before = [proc.stdout.readline() for _ in range(1)]
+            while before[-1] and before[-1].strip() != b"LOADING" and len(before) < 200:
+                before.append(proc.stdout.readline())
+            assert before[-1].strip() == b"LOADING", before
+            sent = time.monotonic()
+            out, _ = stop(proc)
+            took_s = time.monotonic() - sent
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
         messages = []
         while True:
             try:

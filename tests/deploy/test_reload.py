@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from process_support import reaped, stop
 
 PROMPT = "What is in the image?"
 
@@ -151,7 +152,7 @@ def test_sighup_reloads_a_running_daemon(models, tmp_path, mosquitto, watcher, w
     w.subscribe("edgevlm/hup/status")
     w.subscribe("edgevlm/hup/reload")
     proc = subprocess.Popen([sys.executable, "-c", run, str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
+    with reaped(proc):
         w.wait("edgevlm/hup/status", 1, timeout_s=120)
         current.unlink()
         current.symlink_to(models["other"])  # re-point, then ask for a reload
@@ -172,12 +173,7 @@ def test_sighup_reloads_a_running_daemon(models, tmp_path, mosquitto, watcher, w
         r = w.ask("hup", {"prompt": PROMPT, "image_b64": image_b64, "max_new_tokens": 3,
                           "model": tiny_model_dir.resolve().name})
         assert r["ok"] is False and r["error"]["code"] == "INVALID_REQUEST"
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        out, _ = stop(proc)
     assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
     assert b"received SIGHUP; reloading the engine" in out
 

@@ -21,6 +21,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from process_support import reaped, stop  # noqa: E402
+
 from edgevlm.cli_args import EXIT_INTERRUPTED  # noqa: E402
 
 # The step after the quantized weights are written into BUNDLE.partial (quantize), the training after
@@ -52,19 +54,14 @@ def _interrupt(argv: list[str], sig: signal.Signals) -> tuple[int, str]:
     """Run ``edgevlm *argv`` with the slow step, send ``sig`` once it is in that step; exit status and stderr."""
     proc = subprocess.Popen([sys.executable, "-c", RUN_SLOW, *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-    try:
+    with reaped(proc):
         lines = [proc.stdout.readline()]
         while lines[-1] and lines[-1].strip() != "SLOW":
             lines.append(proc.stdout.readline())
         assert lines[-1].strip() == "SLOW", (lines, proc.stderr.read())
-        proc.send_signal(sig)
         sent = time.monotonic()
-        _, err = proc.communicate(timeout=60)
+        _, err = stop(proc, sig)
         assert time.monotonic() - sent < 30  # stopped, not slept through
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     return proc.returncode, err
 
 
