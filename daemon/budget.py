@@ -365,13 +365,19 @@ def warm_up(engine: Any, points: list[PointProfile]) -> None:
             logger.warning("controller: warm-up of %s failed: %s: %s", p.name, type(exc).__name__, exc)
 
 
-def _same_weights(record: Any, model_dir: Any) -> bool:
-    """Whether a model's frontier.json was measured on its current weights (unknown = yes)."""
-    if not record.weights_fingerprint:
+def _measured_on(record: Any, model_dir: Any) -> bool:
+    """Whether a frontier record was measured on the weights in ``model_dir`` (unknown = yes: a
+    hand-written file has no ``weights_fingerprint``, an engine may have no folder)."""
+    if not record.weights_fingerprint or model_dir is None:
         return True
     from edgevlm.model_folder import weights_fingerprint
 
-    if record.weights_fingerprint == weights_fingerprint(model_dir):
+    return record.weights_fingerprint == weights_fingerprint(model_dir)
+
+
+def _same_weights(record: Any, model_dir: Any) -> bool:
+    """Whether a model's frontier.json was measured on its current weights; a warning when not."""
+    if _measured_on(record, model_dir):
         return True
     logger.warning("controller: %s/frontier.json was measured on other weights: not used", model_dir)
     return False
@@ -387,11 +393,7 @@ def check_frontier_weights(record: Any, path: Any, model_dir: Any) -> None:
     Raises:
         ConfigError: ``controller.frontier: ...`` naming both models.
     """
-    if not record.weights_fingerprint or model_dir is None:
-        return
-    from edgevlm.model_folder import weights_fingerprint
-
-    if record.weights_fingerprint != weights_fingerprint(model_dir):
+    if not _measured_on(record, model_dir):
         raise ConfigError(
             f"controller.frontier: {path} was measured on other weights (its model: {record.model!r}), not on "
             f"{model_dir}'s: measure this model's with `edgevlm calibrate MODEL` (or drop the file's "
@@ -437,9 +439,9 @@ def build_controller(config: Any, engine: Any, *, batched: bool = False) -> Budg
         record = load_frontier(cc.frontier)
         check_frontier_weights(record, cc.frontier, model_dir)
         points, source = record.frontier, str(cc.frontier)
-    elif model_frontier is not None and model_frontier.is_file() and _same_weights(load_frontier(model_frontier),
-                                                                                      model_dir):
-        points, source = load_frontier(model_frontier).frontier, str(model_frontier)
+    elif model_frontier is not None and model_frontier.is_file() \
+            and _same_weights(record := load_frontier(model_frontier), model_dir):
+        points, source = record.frontier, str(model_frontier)
     elif profile is not None and profile.operating_points.frontier and _fits_ladder(profile, engine):
         points, source = profile.operating_points.frontier, f"profile {profile.name}"
     profiles: list[PointProfile]
