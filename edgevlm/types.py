@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from edgevlm.errors import InvalidRequestError
 
 
 def plain_scalar(value: Any) -> Any:
@@ -33,9 +35,25 @@ class OperatingPoint(BaseModel):
     """The knobs of one inference call. ``None`` means "the engine's default".
 
     Later work (early exit, token pruning) adds fields here; every inference entry point takes one.
+
+    Raises:
+        InvalidRequestError: (a ``ValueError``) a knob out of its range, of the wrong type, or unknown; one
+            line naming the field and the rule, e.g. ``operating point: exit_layer: Input should be greater
+            than or equal to 1`` (:func:`edgevlm.validation.first_error_message`, as every schema's error).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def __init__(self, /, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            # imported here: edgevlm.validation imports edgevlm.protocol, which imports this module
+            from edgevlm.validation import first_error_message
+
+            raise InvalidRequestError(
+                f"operating point: {first_error_message(exc, unknown='unknown field')}"
+            ) from None
 
     name: str = Field("default", description="Name of the operating point, echoed in the stats.")
     resolution_px: int | None = Field(

@@ -111,6 +111,28 @@ def test_operating_point_picks_resolution_and_caps_tokens(engine, image):
     assert big.stats.vision_tokens == 40
 
 
+@pytest.mark.parametrize(
+    ("knobs", "message"),
+    [
+        (dict(exit_layer=0), "operating point: exit_layer: Input should be greater than or equal to 1"),
+        (dict(keep_ratio=1.5), "operating point: keep_ratio: Input should be less than or equal to 1"),
+        (
+            dict(resolution_px=-8, exit_threshold=2.0),
+            "operating point: resolution_px: Input should be greater than 0 (and 1 more)",
+        ),
+        (dict(exit_layr=2), "operating point: exit_layr: unknown field"),
+    ],
+)
+def test_bad_operating_point_is_one_line_invalid_request(engine, image, knobs, message):
+    """OperatingPoint(exit_layer=0) raised pydantic's ValidationError over 3 lines (type, input, URL): now the
+    typed InvalidRequestError (a ValueError) of one line naming the field and the rule, as every schema's."""
+    with pytest.raises(InvalidRequestError) as info:
+        OperatingPoint(name="bad", **knobs)
+    assert str(info.value) == message and isinstance(info.value, ValueError)
+    good = OperatingPoint(name="ok", resolution_px=32)  # a good point still runs
+    assert engine.ask(image, PROMPT, max_new_tokens=2, operating_point=good).stats.input_width_px == 32
+
+
 def test_stale_cache_entries_never_leak_into_a_shorter_request(engine, image):
     before = engine.ask(image, PROMPT, max_new_tokens=6)
     engine.warmup()
