@@ -31,6 +31,7 @@ from edgevlm.daemon.capture_gst import (
     GstSubprocessCapture,
     csi_output_size,
     csi_pipeline,
+    opencv_pipeline,
     subprocess_pipeline,
 )
 from edgevlm.daemon.capture_opencv import OpenCVCapture
@@ -61,6 +62,7 @@ __all__ = [
     "fourcc_str",
     "make_backend",
     "opencv_has_gstreamer",
+    "opencv_pipeline",
     "query_v4l2_caps",
     "subprocess_pipeline",
 ]

@@ -3,6 +3,8 @@
 - :func:`csi_pipeline`: the Jetson CSI pipeline (``nvarguscamerasrc ! nvvidconv ! BGRx !
   videoconvert ! BGR ! appsink``, NVIDIA's "Accelerated GStreamer" guide) built from config
   fields; OpenCV's GStreamer backend reads it, or gst-launch with an ``fdsink`` at its end.
+- :func:`opencv_pipeline` / :func:`subprocess_pipeline`: what each path runs for a source; both scale a
+  user pipeline's frames to the source's ``width``/``height`` when it sets them.
 - :class:`GstSubprocessCapture`: a ``gst-launch-1.0 -q <pipeline> ! fdsink fd=1`` child process
   writing raw BGR frames of a known size to a pipe; used where OpenCV lacks GStreamer.
 """
@@ -27,7 +29,13 @@ from edgevlm.daemon.capture_base import CaptureBackend
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GstSubprocessCapture", "csi_output_size", "csi_pipeline", "subprocess_pipeline"]
+__all__ = [
+    "GstSubprocessCapture",
+    "csi_output_size",
+    "csi_pipeline",
+    "opencv_pipeline",
+    "subprocess_pipeline",
+]
 
 CSI_DEFAULT_WIDTH_PX = 1280
 CSI_DEFAULT_HEIGHT_PX = 720
@@ -100,6 +108,28 @@ def _appsink_sync(appsink: str | None) -> bool:
     return m.group(1).lower() not in ("false", "0", "no", "off")
 
 
+def _user_pipeline(cfg: SourceConfig) -> tuple[list[str], str | None, int | None, int | None]:
+    """A ``gstreamer`` source's pipeline split into its elements, its final ``appsink ...`` element (None
+    if it has none; not in the elements) and the frame size it is scaled to: the config's ``width`` /
+    ``height``, else the last ``width=`` / ``height=`` in the pipeline's caps (None where neither says)."""
+    elements = [e.strip() for e in str(cfg.uri).split("!")]
+    appsink = None
+    if elements and elements[-1].split()[0:1] == ["appsink"]:
+        appsink, elements = elements[-1], elements[:-1]
+    found: dict[str, int] = {}
+    for e in elements:
+        for key, value in _SIZE_RE.findall(e):
+            found[key] = int(value)
+    return elements, appsink, cfg.width or found.get("width"), cfg.height or found.get("height")
+
+
+def _scale_to(w: int | None, h: int | None) -> list[str]:
+    """The elements that convert a pipeline's frames to BGR at ``w`` x ``h`` (a size left None is
+    negotiated by ``videoscale``, which keeps the aspect ratio)."""
+    size = "".join(f",{key}={value}" for key, value in (("width", w), ("height", h)) if value)
+    return ["videoconvert", "videoscale", f"video/x-raw,format=BGR{size}"]
+
+
 def subprocess_pipeline(cfg: SourceConfig) -> tuple[str, int, int]:
     """``(pipeline, width, height)`` for reading a ``gstreamer``/``csi`` source through gst-launch.
 
@@ -115,23 +145,32 @@ def subprocess_pipeline(cfg: SourceConfig) -> tuple[str, int, int]:
     if cfg.kind == "csi":
         w, h = csi_output_size(cfg)
         return csi_pipeline(cfg, sink="fdsink"), w, h
-    elements = [e.strip() for e in str(cfg.uri).split("!")]
-    appsink = None
-    if elements and elements[-1].split()[0:1] == ["appsink"]:
-        appsink, elements = elements[-1], elements[:-1]
-    found: dict[str, int] = {}
-    for e in elements:
-        for key, value in _SIZE_RE.findall(e):
-            found[key] = int(value)
-    w, h = cfg.width or found.get("width"), cfg.height or found.get("height")
+    elements, appsink, w, h = _user_pipeline(cfg)
     if not w or not h:
         raise ValueError(
             f"source {cfg.name}: the frame size of {cfg.uri!r} is unknown; set width and height "
             "(needed to read raw frames from gst-launch-1.0)"
         )
-    tail = ["videoconvert", "videoscale", f"video/x-raw,format=BGR,width={w},height={h}",
-            _sink("fdsink", sync=_appsink_sync(appsink))]
+    tail = [*_scale_to(w, h), _sink("fdsink", sync=_appsink_sync(appsink))]
     return " ! ".join([*elements, *tail]), w, h
+
+
+def opencv_pipeline(cfg: SourceConfig) -> str:
+    """The pipeline OpenCV's GStreamer backend opens for a ``gstreamer``/``csi`` source.
+
+    A CSI source's is :func:`csi_pipeline` (its size is in its caps). A user pipeline is opened as written,
+    unless the source sets ``width`` / ``height``: then, as on the gst-launch path
+    (:func:`subprocess_pipeline`), its frames are converted to BGR and scaled to that size
+    (``videoconvert ! videoscale ! video/x-raw,format=BGR,width=W,height=H``) before its final
+    ``appsink ...`` element (kept as written; ``appsink`` is added when the pipeline has none), so the
+    size a source asks for holds whichever path ``capture: auto`` picks on the host.
+    """
+    if cfg.kind == "csi":
+        return csi_pipeline(cfg)
+    if cfg.width is None and cfg.height is None:
+        return str(cfg.uri)
+    elements, appsink, w, h = _user_pipeline(cfg)
+    return " ! ".join([*elements, *_scale_to(w, h), appsink or "appsink"])
 
 
 class GstSubprocessCapture(CaptureBackend):

@@ -1,6 +1,8 @@
 """The ``cv2.VideoCapture`` backend: V4L2 devices, video files, RTSP/HTTP streams (FFmpeg, with
 ``CAP_PROP_OPEN_TIMEOUT_MSEC`` / ``CAP_PROP_READ_TIMEOUT_MSEC``) and GStreamer pipelines when
-OpenCV is built with GStreamer (JetPack's OpenCV is, the PyPI wheels are not).
+OpenCV is built with GStreamer (JetPack's OpenCV is, the PyPI wheels are not; a pipeline's frames
+are scaled to the source's ``width``/``height`` as on the gst-launch path:
+:func:`~edgevlm.daemon.capture_gst.opencv_pipeline`).
 
 V4L2: the pixel format is chosen from the device's capabilities
 (:func:`edgevlm.daemon.v4l2.choose_pixel_format`) and set *before* size and rate (drivers
@@ -18,7 +20,7 @@ import numpy as np
 
 from edgevlm.config import SourceConfig
 from edgevlm.daemon.capture_base import CaptureBackend, _cv2, capture_path
-from edgevlm.daemon.capture_gst import csi_pipeline
+from edgevlm.daemon.capture_gst import opencv_pipeline
 from edgevlm.daemon.v4l2 import choose_pixel_format, fourcc_int, fourcc_str, query_v4l2_caps
 
 logger = logging.getLogger(__name__)
@@ -45,8 +47,7 @@ class OpenCVCapture(CaptureBackend):
             api = cv2.CAP_V4L2 if sys.platform.startswith("linux") else cv2.CAP_ANY
             cap = cv2.VideoCapture(cfg.uri, api)
         elif cfg.kind in ("gstreamer", "csi"):
-            pipeline = csi_pipeline(cfg) if cfg.kind == "csi" else str(cfg.uri)
-            cap = cv2.VideoCapture(pipeline, cv2.CAP_GSTREAMER, timeouts)
+            cap = cv2.VideoCapture(opencv_pipeline(cfg), cv2.CAP_GSTREAMER, timeouts)
         else:
             cap = cv2.VideoCapture(str(cfg.uri), cv2.CAP_FFMPEG, timeouts)
         self.cap = cap

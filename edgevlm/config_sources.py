@@ -48,12 +48,13 @@ class SourceConfig(StrictModel):
     csi: CsiConfig | None = Field(None, description="A Jetson CSI camera (instead of uri).")
     width: int | None = Field(
         None, gt=0, le=16384, description="Frame width requested from a V4L2/CSI camera (px); None = device "
-        "default (CSI: 1280). Also the raw frame width of a GStreamer subprocess pipeline. Refused on a video "
-        "file, a network stream and a pipeline with capture: opencv (they would ignore it)."
+        "default (CSI: 1280). On a GStreamer pipeline: the width its frames are scaled to (either capture "
+        "path). Refused on a video file and a network stream (they would ignore it)."
     )
     height: int | None = Field(
         None, gt=0, le=16384, description="Frame height requested from a V4L2/CSI camera (px); None = device "
-        "default (CSI: 720). Also the raw frame height of a GStreamer subprocess pipeline. Refused where width is."
+        "default (CSI: 720). On a GStreamer pipeline: the height its frames are scaled to. Refused where "
+        "width is."
     )
     fps: float | None = Field(
         None, gt=0, le=1000, description="Pace of a video file (None = the file's native fps), or the frame "
@@ -139,17 +140,20 @@ class SourceConfig(StrictModel):
         return source_kind(self.uri)
 
 
-_SIZE_APPLIES = ("applies to V4L2/CSI cameras (the size requested from the device) and to a GStreamer pipeline "
-                 "read through gst-launch-1.0 (capture: subprocess: the size its frames are scaled to)")
+_SIZE_APPLIES = (
+    "applies to V4L2/CSI cameras (the size requested from the device) and to a GStreamer pipeline "
+    "(the size its frames are scaled to)"
+)
 _FPS_APPLIES = "applies to V4L2/CSI cameras (the rate requested from the device) and paces a video file"
 
 
 def _ignored_setting(src: SourceConfig) -> str | None:
     """``'<key>: why'`` for the first of ``width`` / ``height`` / ``fps`` that is set on a source whose
     capture never uses it (so it would be silently ignored), else None. The one place this rule lives:
-    ``width``/``height`` are used by V4L2 and CSI cameras and by a pipeline read through gst-launch-1.0;
-    ``fps`` by V4L2 and CSI cameras and to pace a video file. ``capture: auto`` on a pipeline is decided
-    at run time (OpenCV's GStreamer backend ignores the size), so it is not refused here."""
+    ``width``/``height`` are used by V4L2 and CSI cameras and by a GStreamer pipeline on either capture
+    path (``capture: auto`` picks one at run time; both scale the frames to them: ``opencv_pipeline`` and
+    ``subprocess_pipeline`` in :mod:`edgevlm.daemon.capture_gst`); ``fps`` by V4L2 and CSI cameras and to
+    pace a video file."""
     kind = src.kind
     for key in ("width", "height"):
         if getattr(src, key) is None:
@@ -158,9 +162,6 @@ def _ignored_setting(src: SourceConfig) -> str | None:
             return f"{key}: a video file is decoded at its own size; {key} {_SIZE_APPLIES}; remove it"
         if kind == "stream":
             return f"{key}: a network stream is decoded at the size it is sent; {key} {_SIZE_APPLIES}; remove it"
-        if kind == "gstreamer" and src.capture == "opencv":
-            return (f"{key}: OpenCV's GStreamer backend (capture: opencv) reads the pipeline's frames at the size "
-                    f"of its caps (set {key}= in them); {key} {_SIZE_APPLIES}; remove it")
     if src.fps is not None:
         if kind == "stream":
             return f"fps: a network stream arrives at its sender's rate; fps {_FPS_APPLIES}; remove it"

@@ -17,6 +17,7 @@ cv2 = pytest.importorskip("cv2")
 torch = pytest.importorskip("torch")
 
 from edgevlm.cli import main  # noqa: E402
+from edgevlm.config import SourceConfig  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -448,14 +449,14 @@ def test_character_device_that_is_not_a_v4l2_camera_is_refused(tmp_path, capsys)
 
 def test_size_and_rate_a_source_would_ignore_are_refused_naming_the_key(tmp_path, capsys, video) -> None:
     """``width`` / ``height`` / ``fps`` on a video file or a network stream (and ``fps`` on a GStreamer
-    pipeline, the size on one read by OpenCV) passed --check-config and were silently ignored: a file and a
-    stream are decoded at their own size, a stream and a pipeline run at their own rate. Where they apply they
-    still pass: ``fps`` paces a video file, the size scales a pipeline read through gst-launch-1.0."""
+    pipeline) passed --check-config and were silently ignored: a file and a stream are decoded at their own
+    size, a stream and a pipeline run at their own rate. Where they apply they still pass: ``fps`` paces a
+    video file, the size scales a GStreamer pipeline on either capture path (OpenCV's as gst-launch-1.0's)."""
     pipeline = "videotestsrc ! video/x-raw,width=64,height=48 ! appsink"
     refused = [
         (f"{{name: cam, uri: {video}, width: 640}}", "sources[0].width: a video file is decoded at its own size; "
          "width applies to V4L2/CSI cameras (the size requested from the device) and to a GStreamer pipeline "
-         "read through gst-launch-1.0 (capture: subprocess: the size its frames are scaled to); remove it"),
+         "(the size its frames are scaled to); remove it"),
         (f"{{name: cam, uri: {video}, fps: 5, height: 480}}", "sources[0].height: a video file is decoded at its "
          "own size"),
         ("{name: dock, uri: 'rtsp://127.0.0.1:1/x', width: 640, height: 480}", "sources[0].width: a network "
@@ -465,13 +466,13 @@ def test_size_and_rate_a_source_would_ignore_are_refused_naming_the_key(tmp_path
          "file; remove it"),
         (f"{{name: gst, uri: '{pipeline}', capture: subprocess, fps: 15}}", "sources[0].fps: a GStreamer pipeline "
          "runs at the framerate of its caps (set framerate=N/1 in them)"),
-        (f"{{name: gst, uri: '{pipeline}', capture: opencv, height: 48}}", "sources[0].height: OpenCV's GStreamer "
-         "backend (capture: opencv) reads the pipeline's frames at the size of its caps (set height= in them)"),
     ]
     for source, message in refused:
         code, err = _check(_config(tmp_path, sources=f"  - {source}\n"), capsys)
         assert code == 2 and err.startswith(message), (source, err)
     assert _check(_config(tmp_path, sources=f"  - {{name: cam, uri: {video}, fps: 5}}\n"), capsys)[0] == 0
+    for capture in ("auto", "opencv", "subprocess"):  # each path scales the pipeline's frames to the size
+        assert SourceConfig(name="gst", uri=pipeline, capture=capture, height=24).height == 24
     if shutil.which("gst-launch-1.0") is not None:
         sized = f"  - {{name: gst, uri: '{pipeline}', capture: subprocess, width: 32, height: 24}}\n"
         assert _check(_config(tmp_path, sources=sized), capsys)[0] == 0

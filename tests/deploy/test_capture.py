@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import shutil
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from process_support import reaped
 
 from edgevlm.config import SourceConfig, parse_daemon_config
 from edgevlm.daemon.capture import (
@@ -26,6 +29,8 @@ from edgevlm.daemon.capture import (
     csi_pipeline,
     fourcc_int,
     fourcc_str,
+    opencv_has_gstreamer,
+    opencv_pipeline,
     subprocess_pipeline,
 )
 from edgevlm.daemon.sources import FrameSource
@@ -115,6 +120,75 @@ def test_gst_launch_subprocess_rescales_to_the_configured_size() -> None:
     pipeline, w, h = subprocess_pipeline(cfg)
     assert (w, h) == (40, 30) and pipeline.endswith(
         "videoconvert ! videoscale ! video/x-raw,format=BGR,width=40,height=30 ! fdsink fd=1 sync=true")
+    src = FrameSource(cfg)
+    src.start()
+    try:
+        (f,) = _collect(src, 1)
+    finally:
+        src.stop()
+    assert f.image.shape == (30, 40, 3) and f.image[..., 2].min() > 200  # blue
+
+
+def test_opencv_path_scales_a_pipeline_to_the_configured_size_as_gst_launch_does() -> None:
+    """Found by a new user: with ``capture: auto`` on an OpenCV built with GStreamer (JetPack's), a
+    pipeline's ``width`` / ``height`` were silently ignored (OpenCV opened the pipeline as written), while
+    the same config on a host without it (gst-launch-1.0) scaled the frames to them. Both paths now append
+    the same conversion; the user's appsink and its properties are kept; without a size the pipeline is
+    opened as written; a size left out is the caps' own on both paths."""
+    uri = "videotestsrc pattern=blue ! video/x-raw,width=320,height=240 ! appsink drop=true max-buffers=2"
+    for capture in ("auto", "opencv"):
+        cfg = SourceConfig(name="t", capture=capture, width=40, height=30, uri=uri)
+        assert opencv_pipeline(cfg) == (
+            "videotestsrc pattern=blue ! video/x-raw,width=320,height=240 ! videoconvert ! videoscale ! "
+            "video/x-raw,format=BGR,width=40,height=30 ! appsink drop=true max-buffers=2")
+        scaled = subprocess_pipeline(cfg)[0]
+        assert scaled.endswith("video/x-raw,format=BGR,width=40,height=30 ! fdsink fd=1 sync=true")
+    assert opencv_pipeline(SourceConfig(name="t", uri=uri)) == uri
+    only_width = SourceConfig(name="t", width=40, uri=uri)
+    tail = "video/x-raw,format=BGR,width=40,height=240 ! appsink drop=true max-buffers=2"
+    assert opencv_pipeline(only_width).endswith(tail)
+    assert subprocess_pipeline(only_width)[1:] == (40, 240)
+    no_sink = SourceConfig(name="t", width=8, height=6, uri="videotestsrc ! videoconvert")
+    assert opencv_pipeline(no_sink) == ("videotestsrc ! videoconvert ! videoconvert ! videoscale ! "
+                                        "video/x-raw,format=BGR,width=8,height=6 ! appsink")  # fmt: skip
+    csi = SourceConfig(name="c", csi={}, width=640, height=480)
+    assert opencv_pipeline(csi) == csi_pipeline(csi)
+
+
+@needs_gst
+def test_the_pipeline_opencv_opens_delivers_the_configured_size() -> None:
+    """The pipeline :func:`opencv_pipeline` builds, run by GStreamer itself (gst-launch-1.0 -v prints the caps
+    every pad negotiated; an appsink nobody pulls from never lets the pipeline end, so it is stopped once
+    they are printed): the appsink OpenCV reads from receives BGR frames of the configured size."""
+    cfg = SourceConfig(name="t", width=40, height=30,
+                       uri="videotestsrc ! video/x-raw,width=320,height=240 ! appsink")  # fmt: skip
+    proc = subprocess.Popen([GST, "-v", *shlex.split(opencv_pipeline(cfg))], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    with reaped(proc):
+        lines = []
+        timer = threading.Timer(20, proc.kill)  # a pipeline that never negotiates ends the read below
+        timer.start()
+        try:
+            for line in proc.stdout:
+                lines.append(line.strip())
+                if "GstAppSink" in line and "caps = " in line:
+                    break
+        finally:
+            timer.cancel()
+    sink_caps = [ln for ln in lines if "GstAppSink" in ln and "caps = " in ln]
+    assert sink_caps, lines
+    negotiated = sink_caps[0].split("caps = ")[1]
+    assert negotiated.startswith("video/x-raw, format=(string)BGR, width=(int)40, height=(int)30,")
+
+
+@needs_gst
+def test_capture_auto_through_opencv_honours_width_and_height() -> None:
+    """The real OpenCV path, on an OpenCV with GStreamer (JetPack's): frames come at the configured size."""
+    if not opencv_has_gstreamer():
+        pytest.skip("this OpenCV was built without GStreamer (the PyPI wheels are)")
+    uri = "videotestsrc pattern=blue is-live=true ! video/x-raw,width=320,height=240 ! appsink"
+    cfg = SourceConfig(name="t", width=40, height=30, uri=uri)
+    assert capture_path(cfg) == "opencv-gstreamer"
     src = FrameSource(cfg)
     src.start()
     try:
