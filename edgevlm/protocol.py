@@ -35,6 +35,7 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -97,6 +98,20 @@ MAX_REQUEST_FRAMES_S = 10.0
 """The longest window of recent frames (``frames_s``, seconds) one request may ask about."""
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+def check_prompt(prompt: str) -> str:
+    """The one rule for a question's text, on the wire (:class:`Request`'s ``prompt``: MQTT, HTTP, the SDK's
+    local check) and in :meth:`edgevlm.runtime.Engine.ask`: it holds something besides whitespace (an empty
+    or blank question has nothing to answer). Returns ``prompt`` unchanged.
+
+    Raises:
+        ValueError: ``must hold a question (it is empty or only whitespace)``; the callers name the field
+            (``prompt: ...``).
+    """
+    if not prompt.strip():
+        raise ValueError("must hold a question (it is empty or only whitespace)")
+    return prompt
 
 
 # --------------------------------------------------------------------------------------- topics
@@ -235,7 +250,10 @@ class Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     schema_version: Literal[1] = Field(SCHEMA_VERSION, description="Payload schema version.")
-    prompt: StrictStr = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="The question.")
+    prompt: Annotated[StrictStr, AfterValidator(check_prompt)] = Field(
+        max_length=MAX_PROMPT_CHARS,
+        description="The question: not empty, not only whitespace (check_prompt).",
+    )
     source: StrictStr | None = Field(
         None, min_length=1, max_length=128, description="Name of a configured camera source."
     )

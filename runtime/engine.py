@@ -25,6 +25,7 @@ import torch
 
 from edgevlm.config_runtime import backend_settings_error
 from edgevlm.errors import InvalidImageError, InvalidRequestError, ModelLoadError, PromptTooLongError
+from edgevlm.protocol import check_prompt
 from edgevlm.runtime.backends import Backend, decode_tokens, load_backend
 from edgevlm.runtime.loader import parse_dtype, read_model_files
 from edgevlm.runtime.models.base import VisionInput
@@ -246,9 +247,11 @@ class Engine:
 
         Raises:
             InvalidImageError: an image is not an ``(H, W, 3)`` uint8 array.
-            InvalidRequestError: bad prompt/knobs, more frames than the model takes (the message names
-                the limit; details ``reason: too_many_frames``, ``frames``, ``max_frames``), bad
-                ``frame_timestamps_s``, or prompt + vision tokens do not fit the KV cache.
+            InvalidRequestError: bad prompt (not a string; empty or only whitespace: ``prompt: must hold a
+                question ...``, the wire's rule, :func:`edgevlm.protocol.check_prompt`) or knobs, more frames
+                than the model takes (the message names the limit; details ``reason: too_many_frames``,
+                ``frames``, ``max_frames``), bad ``frame_timestamps_s``, or prompt + vision tokens do not fit
+                the KV cache.
         """
         stream = self.stream(image, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                              top_p=top_p, stop=stop, seed=seed, operating_point=operating_point,
@@ -297,6 +300,10 @@ class Engine:
         images, video, video_ts = self._vision_items(image, frame_timestamps_s)
         if not isinstance(prompt, str):
             raise InvalidRequestError(f"prompt must be a string, got {type(prompt).__name__}")
+        try:  # the wire's rule (Request.prompt): the same inputs refused, with the same message
+            check_prompt(prompt)
+        except ValueError as exc:
+            raise InvalidRequestError(f"prompt: {exc}", details={"path": "prompt"}) from None
         max_new_tokens, temperature, top_p, seed = map(plain_scalar, (max_new_tokens, temperature, top_p, seed))
         if op.max_new_tokens is not None and isinstance(max_new_tokens, int):
             max_new_tokens = min(max_new_tokens, op.max_new_tokens)

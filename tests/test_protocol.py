@@ -145,7 +145,12 @@ def test_lone_surrogate_is_invalid_request_naming_the_field(field: str) -> None:
         (b'{"prompt": "a", "source": "s", "timeout_ms": Infinity}', "$", "Infinity is not a JSON number"),
         (b'{"prompt": 5, "source": "s"}', "prompt", "valid string"),
         (b'{"source": "s"}', "prompt", "field required"),
-        (b'{"prompt": "", "source": "s"}', "prompt", "at least 1 character"),
+        (b'{"prompt": "", "source": "s"}', "prompt", "must hold a question (it is empty or only whitespace)"),
+        (
+            b'{"prompt": " \\n\\t", "source": "s"}',
+            "prompt",
+            "must hold a question (it is empty or only whitespace)",
+        ),
         (b'{"prompt": "p"}', "source", "exactly one of"),
         (b'{"prompt": "p", "source": "s", "image_b64": "AAAA"}', "source", "exactly one of"),
         (b'{"prompt": "p", "image_b64": "not base64!"}', "image_b64", "not valid base64"),

@@ -207,6 +207,24 @@ def test_bad_request_raises_invalid_request(engine, image, kwargs, message):
         engine.ask(image, prompt, **args)
 
 
+@pytest.mark.parametrize("prompt", ["", "   ", "\n\t \u3000"])
+def test_empty_or_blank_prompt_is_refused_as_the_wire_refuses_it(engine, image, prompt):
+    """Engine.ask("") and ask("   ") answered (a made-up answer about the image) while the wire refused the empty
+    prompt and answered the blank one: now both refuse both, with one rule (protocol.check_prompt) and message."""
+    from edgevlm.protocol import parse_request
+
+    with pytest.raises(InvalidRequestError) as wire:
+        parse_request({"prompt": prompt, "source": "front"})
+    with pytest.raises(InvalidRequestError) as local:
+        engine.ask(image, prompt, max_new_tokens=2)
+    message = "prompt: must hold a question (it is empty or only whitespace)"
+    assert str(local.value) == str(wire.value) == message
+    assert local.value.details["path"] == wire.value.details["path"] == "prompt"
+    with pytest.raises(InvalidRequestError, match="^prompt: must hold a question"):
+        engine.stream(image, prompt)  # refused before the first delta
+    assert engine.ask(image, " " + PROMPT, max_new_tokens=2).stats.new_tokens == 2
+
+
 def test_cpu_bf16_engine_answers(tiny_dir, image):
     from edgevlm.runtime import Engine
 
