@@ -81,6 +81,15 @@ class BrokerUnreachableError(EdgeVLMError, ConnectionError):
     code = ErrorCode.INTERNAL
 
 
+class StreamNotEndedError(EdgeVLMError, RuntimeError):
+    """:attr:`edgevlm.runtime.engine.Stream.answer` read before the stream ended: iterate it to the end
+    first (or use :meth:`~edgevlm.runtime.Engine.ask`). Also raised when the stream was closed early or
+    its iteration raised: such a stream has no answer. A caller mistake, local like
+    :class:`BrokerUnreachableError` (never on the wire; ``code`` is ``INTERNAL``); a ``RuntimeError``."""
+
+    code = ErrorCode.INTERNAL
+
+
 class ModelLoadError(EdgeVLMError):
     """A model folder or bundle cannot be loaded (missing file, bad config, hash mismatch)."""
 

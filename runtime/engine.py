@@ -24,7 +24,13 @@ import numpy as np
 import torch
 
 from edgevlm.config_runtime import backend_settings_error
-from edgevlm.errors import InvalidImageError, InvalidRequestError, ModelLoadError, PromptTooLongError
+from edgevlm.errors import (
+    InvalidImageError,
+    InvalidRequestError,
+    ModelLoadError,
+    PromptTooLongError,
+    StreamNotEndedError,
+)
 from edgevlm.protocol import check_prompt
 from edgevlm.runtime.backends import Backend, decode_tokens, load_backend
 from edgevlm.runtime.loader import parse_dtype, read_model_files
@@ -49,11 +55,14 @@ def _ms(t0: float, t1: float) -> float:
 
 
 class Stream:
-    """Iterator over the text deltas of one generation; :attr:`answer` once it is exhausted."""
+    """Iterator over the text deltas of one generation; :attr:`answer` once it is exhausted.
+
+    ``for delta in stream: ...`` then ``stream.answer``: the deltas concatenate to ``answer.text``."""
 
     def __init__(self, gen: Generator[str, None, Answer]) -> None:
         self._gen = gen
         self._answer: Answer | None = None
+        self._no_answer = ""  # why there will be none: closed early, or the iteration raised
 
     def __iter__(self) -> Stream:
         return self
@@ -65,17 +74,33 @@ class Stream:
             if self._answer is None:
                 self._answer = done.value
             raise
+        except BaseException as exc:
+            self._no_answer = self._no_answer or f"its iteration raised {type(exc).__name__}"
+            raise
 
     def close(self) -> None:
-        """Stop generating early (releases the engine)."""
+        """Stop generating early (releases the engine); the stream then has no :attr:`answer`."""
+        if self._answer is None:
+            self._no_answer = self._no_answer or "it was closed before it ended"
         self._gen.close()
 
     @property
     def answer(self) -> Answer:
-        """The complete :class:`Answer` (RuntimeError before the stream is exhausted)."""
-        if self._answer is None:
-            raise RuntimeError("the stream has not finished yet")
-        return self._answer
+        """The complete :class:`Answer`, once the iteration has ended (no answer is generated here: reading it
+        never consumes deltas).
+
+        Raises:
+            StreamNotEndedError: (a ``RuntimeError``) the stream has not ended yet (iterate it to the end
+                first), was closed before it ended, or its iteration raised.
+        """
+        if self._answer is not None:
+            return self._answer
+        if self._no_answer:
+            raise StreamNotEndedError(f"the stream has no answer: {self._no_answer}")
+        raise StreamNotEndedError(
+            "the stream has not ended: iterate it to the end before reading .answer "
+            "(Engine.ask returns the answer at once)"
+        )
 
 
 @dataclass(frozen=True)

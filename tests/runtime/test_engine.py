@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from edgevlm.errors import InvalidImageError, InvalidRequestError  # noqa: E402
+from edgevlm.errors import EdgeVLMError, InvalidImageError, InvalidRequestError, StreamNotEndedError  # noqa: E402
 from edgevlm.types import OperatingPoint  # noqa: E402
 
 PROMPT = "what colour is the small circle ?"
@@ -34,11 +34,38 @@ def test_ask_is_deterministic_and_fills_stats(engine, image):
 
 def test_stream_deltas_concatenate_to_the_answer(engine, image):
     stream = engine.stream(image, PROMPT, max_new_tokens=10)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(StreamNotEndedError, match=r"^the stream has not ended: iterate it to the end"):
         _ = stream.answer
     deltas = list(stream)
     assert len(deltas) >= 2
     assert "".join(deltas) == stream.answer.text == engine.ask(image, PROMPT, max_new_tokens=10).text
+
+
+def test_stream_answer_before_the_end_is_a_typed_error_that_consumes_nothing(engine, image):
+    """stream.answer read mid-stream raised a bare RuntimeError('the stream has not finished yet'); a closed
+    stream said the same. Now StreamNotEndedError (edgevlm.errors; still a RuntimeError) says which, and
+    reading it consumes no delta."""
+    full = engine.ask(image, PROMPT, max_new_tokens=6).text
+    stream = engine.stream(image, PROMPT, max_new_tokens=6)
+    first = next(stream)
+    with pytest.raises(StreamNotEndedError) as info:
+        _ = stream.answer
+    assert isinstance(info.value, RuntimeError) and isinstance(info.value, EdgeVLMError)
+    assert str(info.value) == (
+        "the stream has not ended: iterate it to the end before reading .answer "
+        "(Engine.ask returns the answer at once)"
+    )
+    assert first + "".join(stream) == stream.answer.text == full  # nothing was lost to the early read
+    closed = engine.stream(image, PROMPT, max_new_tokens=6)
+    next(closed)
+    failed = engine.stream(image, PROMPT, max_new_tokens=2)  # a second open stream of this thread: refused
+    with pytest.raises(InvalidRequestError, match="still open"):
+        next(failed)
+    with pytest.raises(StreamNotEndedError, match=r"^the stream has no answer: its iteration raised Invalid"):
+        _ = failed.answer
+    closed.close()
+    with pytest.raises(StreamNotEndedError, match=r"^the stream has no answer: it was closed before it"):
+        _ = closed.answer
 
 
 def test_open_stream_blocks_a_second_request_in_the_same_thread(engine, image):
