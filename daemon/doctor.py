@@ -57,6 +57,7 @@ from edgevlm.daemon.doctor_software import (
     _check_tensorrt,
     _check_torch,
 )
+from edgevlm.profile import jetson_host
 
 logger = logging.getLogger(__name__)
 
@@ -99,10 +100,7 @@ def run_checks(
             instead of probing a default the daemon would not use.
     """
     h = _Host(Path(root), config)
-    h.jetson_model = (h.read("/proc/device-tree/model") or "") or None
-    if h.jetson_model and "jetson" not in h.jetson_model.lower():
-        h.jetson_model = None
-    release = h.read("/etc/nv_tegra_release")
+    h.jetson_model, release = jetson_host(h.root)
     if release:
         m = re.search(r"R(\d+)\s*\(release\),\s*REVISION:\s*([\d.]+)", release)
         h.l4t = f"L4T R{m.group(1)}.{m.group(2)}" if m else "L4T (unparsed release file)"

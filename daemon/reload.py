@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from edgevlm.config import DaemonConfig
+from edgevlm.profile import jetson_host
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def available_bytes(device: str) -> int | None:
         try:
             import torch
 
-            if torch.cuda.is_available() and not Path("/etc/nv_tegra_release").exists():
+            if torch.cuda.is_available() and jetson_host() == (None, None):
                 return int(torch.cuda.mem_get_info(torch.device(device))[0])
         except Exception:  # noqa: BLE001 - fall back to the system's view
             logger.debug("cuda memory query failed", exc_info=True)

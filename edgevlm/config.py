@@ -231,7 +231,7 @@ def parse_daemon_config(data: Any, *, base_dir: Path | None = None) -> DaemonCon
         if not cfg.controller.frontier.is_file():
             raise ConfigError(f"controller.frontier: file not found: {cfg.controller.frontier}")
     if cfg.profile is not None:
-        from edgevlm.profile import load_profile
+        from edgevlm.profile import load_profile, profile_mismatch
 
         prof = Path(cfg.profile).expanduser()
         if prof.suffix in (".yaml", ".yml") and not prof.is_absolute():
@@ -240,13 +240,9 @@ def parse_daemon_config(data: Any, *, base_dir: Path | None = None) -> DaemonCon
             profile = load_profile(cfg.profile)
         except ConfigError as exc:
             raise ConfigError(f"profile: {exc.message}") from None
-        device = "cuda" if cfg.model.device.startswith("cuda") else "cpu"
-        if profile.device != device:  # allowed (a laptop trying a robot's config), but rarely meant
-            logger.warning(
-                "profile: %r is a %s profile and model.device is %r: its %s, and its default budget and "
-                "frontier were measured on another device", profile.name, profile.device, cfg.model.device,
-                "GPU runtime settings are not used" if device == "cpu" else "runtime settings are CPU ones",
-            )  # fmt: skip
+        mismatch = profile_mismatch(profile, cfg.model.device)  # allowed, but rarely meant
+        if mismatch is not None:
+            logger.warning("%s", mismatch)
     _check_batching_rows(cfg)
     for i, mic in enumerate(cfg.audio):
         if mic.file is None:

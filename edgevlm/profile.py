@@ -331,3 +331,58 @@ def load_profile(name_or_path: str | Path) -> Profile:
     if profile.name != path.stem:
         raise ConfigError(f"{path}: name: {profile.name!r} must equal the file name {path.stem!r}")
     return profile
+
+
+def jetson_host(root: str | Path = "/") -> tuple[str | None, str | None]:
+    """How this host shows it is a Jetson: ``(model, l4t_release)``, the device tree's model when it names a
+    Jetson (``/proc/device-tree/model``: ``NVIDIA Jetson AGX Orin Developer Kit``) and the first line of
+    ``/etc/nv_tegra_release`` (the Jetson Linux release: ``# R36 (release), REVISION: 4.3, ...``); each None
+    where absent, both on a host that is not a Jetson. ``root``: the folder the paths are read under (``/``;
+    ``edgevlm doctor --root`` and the tests give a host tree). Never raises (an unreadable file is absent)."""
+
+    def read(rel: str) -> str | None:
+        try:
+            text = (Path(root) / rel).read_bytes().replace(b"\0", b"").decode(errors="replace").strip()
+        except OSError:
+            return None
+        return text or None
+
+    model = read("proc/device-tree/model")
+    release = read("etc/nv_tegra_release")
+    first = release.splitlines()[0] if release else None
+    return (model if model and "jetson" in model.lower() else None), first
+
+
+def profile_mismatch(profile: Profile, model_device: str, *, root: str | Path = "/") -> str | None:
+    """Why ``profile`` does not fit the model's device or this host, as a one-line warning, else None. The
+    one place this rule lives (the daemon config logs it when it loads: ``serve``, ``--check-config``,
+    ``doctor``). A profile is rarely meant (a laptop trying a robot's config is allowed) when:
+
+    - its ``device`` is not ``model_device``'s kind (an ``h100`` profile on a CPU model, ``cpu`` on CUDA);
+    - it is a Jetson profile (``device_class: jetson``) on a CUDA model on a host that is not a Jetson, or a
+      cloud profile on a Jetson (:func:`jetson_host` under ``root``): its memory size, runtime settings,
+      default budget and frontier are another machine's.
+    """
+    device = "cuda" if model_device.startswith("cuda") else "cpu"
+    if profile.device != device:
+        unused = "GPU runtime settings are not used" if device == "cpu" else "runtime settings are CPU ones"
+        return (
+            f"profile: {profile.name!r} is a {profile.device} profile and model.device is {model_device!r}: "
+            f"its {unused}, and its default budget and frontier were measured on another device"
+        )
+    if device != "cuda" or profile.device_class not in ("jetson", "cloud"):
+        return None
+    model, release = jetson_host(root)
+    if profile.device_class == "jetson" and model is None and release is None:
+        return (
+            f"profile: {profile.name!r} is a Jetson profile and this host is not a Jetson (no "
+            "/proc/device-tree/model naming one, no /etc/nv_tegra_release): its memory_mb, runtime settings, "
+            "default budget and frontier were measured on a Jetson"
+        )
+    if profile.device_class == "cloud" and (model is not None or release is not None):
+        return (
+            f"profile: {profile.name!r} is a cloud GPU profile and this host is a Jetson "
+            f"({model or release}): its memory_mb, runtime settings, default budget and frontier were "
+            "measured on another device"
+        )
+    return None

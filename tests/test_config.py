@@ -289,10 +289,80 @@ def test_a_profile_for_another_device_is_warned(caplog, profile, device, warned)
     # was: accepted without a word (found by helper 36); still accepted: a laptop may try a robot's config
     import logging
 
+    from edgevlm.profile import jetson_host
+
+    if profile == "h100" and warned is None and jetson_host() != (None, None):
+        pytest.skip("on a Jetson a cloud profile is warned (test_a_jetson_profile_on_a_host_that_is_not_...)")
     with caplog.at_level(logging.WARNING, logger="edgevlm.config"):
         cfg = parse_daemon_config({"profile": profile, "model": {"device": device}})
     assert cfg.profile == profile
     assert [r.getMessage() for r in caplog.records if r.name == "edgevlm.config"] == ([warned] if warned else [])
+
+
+
+def _host(root: Path, *, model: bytes | None = None, release: str | None = None) -> Path:
+    """A host tree for :func:`edgevlm.profile.jetson_host`: its device-tree model and L4T release file."""
+    if model is not None:
+        (root / "proc/device-tree").mkdir(parents=True)
+        (root / "proc/device-tree/model").write_bytes(model)
+    if release is not None:
+        (root / "etc").mkdir(parents=True)
+        (root / "etc/nv_tegra_release").write_text(release)
+    return root
+
+
+def test_a_jetson_profile_on_a_host_that_is_not_a_jetson_is_warned(tmp_path) -> None:
+    """Found by a new user: a Jetson profile (its memory size, runtime settings, budget and frontier measured
+    on an Orin) on a CUDA server was taken without a word; only a profile for another device than
+    model.device was warned. The same rule now names the profile and what the host is; a cloud profile on a
+    Jetson is warned alike. The shipped profile files, host trees as the doctor reads them (``root``)."""
+    from edgevlm.profile import load_profile, profile_mismatch
+
+    nx, h100 = load_profile("jetson-orin-nx-16gb"), load_profile("h100")
+    server = _host(tmp_path / "server")
+    pi = _host(tmp_path / "pi", model=b"Raspberry Pi 4 Model B Rev 1.4\0")
+    release = "# R36 (release), REVISION: 4.3, GCID: 38968081, BOARD: generic, EABI: aarch64\n"
+    orin = _host(tmp_path / "orin", model=b"NVIDIA Jetson AGX Orin Developer Kit\0", release=release)
+    l4t_only = _host(tmp_path / "container", release="# R35 (release), REVISION: 5.0, GCID: 1\n")
+    not_a_jetson = ("profile: 'jetson-orin-nx-16gb' is a Jetson profile and this host is not a Jetson (no "
+                    "/proc/device-tree/model naming one, no /etc/nv_tegra_release): its memory_mb, runtime "
+                    "settings, default budget and frontier were measured on a Jetson")  # fmt: skip
+    assert profile_mismatch(nx, "cuda", root=server) == not_a_jetson
+    assert profile_mismatch(nx, "cuda:0", root=pi) == not_a_jetson
+    assert profile_mismatch(nx, "cuda", root=orin) is None
+    assert profile_mismatch(nx, "cuda", root=l4t_only) is None  # a container without the device tree
+    assert profile_mismatch(nx, "cpu", root=server).startswith(  # the device rule first: one warning
+        "profile: 'jetson-orin-nx-16gb' is a cuda profile and model.device is 'cpu': its GPU runtime")
+    assert profile_mismatch(h100, "cuda", root=orin) == (
+        "profile: 'h100' is a cloud GPU profile and this host is a Jetson (NVIDIA Jetson AGX Orin Developer "
+        "Kit): its memory_mb, runtime settings, default budget and frontier were measured on another device")
+    assert profile_mismatch(h100, "cuda", root=l4t_only).startswith(
+        "profile: 'h100' is a cloud GPU profile and this host is a Jetson (# R35 (release), REVISION: 5.0")
+    assert profile_mismatch(h100, "cuda", root=server) is None
+    assert profile_mismatch(load_profile("cpu"), "cpu", root=orin) is None
+
+
+def test_serve_check_config_warns_of_a_jetson_profile_off_a_jetson_once(tmp_path) -> None:
+    """The real CLI on this host (not a Jetson): ``serve --check-config`` passes and logs the warning once."""
+    import subprocess
+    import sys
+
+    from edgevlm.profile import jetson_host
+
+    if jetson_host() != (None, None):
+        pytest.skip("this host is a Jetson")
+    cfg = tmp_path / "edgevlm.yaml"
+    cfg.write_text("profile: jetson-agx-orin-64gb\nmodel: {device: cuda}\nmetrics: {listen: null}\n")
+    run = subprocess.run([sys.executable, "-m", "edgevlm.cli", "serve", "--check-config", str(cfg)],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert run.returncode in (0, 2), run.stderr[-2000:]  # 2: no CUDA on this machine (preflight's own line)
+    warned = [ln for ln in run.stderr.splitlines() if "is a Jetson profile" in ln]
+    assert len(warned) == 1, run.stderr
+    assert warned[0].endswith(
+        "profile: 'jetson-agx-orin-64gb' is a Jetson profile and this host is not a Jetson (no "
+        "/proc/device-tree/model naming one, no /etc/nv_tegra_release): its memory_mb, runtime settings, "
+        "default budget and frontier were measured on a Jetson"
+    )
 
 
 def test_serve_ray_refuses_a_target_its_replicas_can_never_reach(tmp_path) -> None:
