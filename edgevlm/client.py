@@ -45,6 +45,7 @@ import numpy as np
 
 from edgevlm.errors import (
     BrokerUnreachableError,
+    ClientClosedError,
     DeadlineExceededError,
     EdgeVLMError,
     InternalError,
@@ -478,10 +479,10 @@ class Client:
             DeadlineExceededError, InternalError: the daemon's wire error, or a local check.
             BrokerUnreachableError: (a ``ConnectionError``) no answer within ``timeout_s`` and the
                 broker is not connected; the message names the cause.
-            ConnectionError: the client was closed while waiting.
+            ClientClosedError: (a ``ConnectionError``, not a ``BrokerUnreachableError``) the client was
+                closed before the call or while it waited.
         """
-        if self._closed:
-            raise ConnectionError("the client is closed")
+        self._check_open()
         if (source is None) == (image is None):
             raise InvalidRequestError("give exactly one of source= and image=")
         timeout_s, max_new_tokens, budget_ms, frames, frames_s, temperature, top_p, seed, frame_seq = map(
@@ -524,8 +525,7 @@ class Client:
             :class:`~edgevlm.errors.InvalidRequestError`).
             TypeError: ``payload`` is not bytes (e.g. a dict or str: encode the JSON first).
         """
-        if self._closed:
-            raise ConnectionError("the client is closed")
+        self._check_open()
         if not isinstance(payload, (bytes, bytearray, memoryview)):  # bytes(a dict) fails obscurely
             raise TypeError(f"payload must be the encoded request JSON (bytes), got {type(payload).__name__}")
         self._timeout_ms(timeout_s)  # the same check of timeout_s as ask
@@ -573,8 +573,8 @@ class Client:
             return self._status
 
     def close(self) -> None:
-        """Disconnect and stop the network thread; pending asks raise ``ConnectionError``
-        (idempotent)."""
+        """Disconnect and stop the network thread (idempotent); pending asks, and any later ``ask`` or
+        ``request``, raise :class:`~edgevlm.errors.ClientClosedError` (a ``ConnectionError``)."""
         if self._closed:
             return
         self._closed = True
@@ -582,7 +582,9 @@ class Client:
             pending = list(self._pending.values())
             self._pending.clear()
         for slot in pending:
-            slot.error = ConnectionError("the client was closed while waiting for a response")
+            slot.error = ClientClosedError(
+                "the client was closed while waiting for a response", details={"local": True}
+            )
             slot.event.set()
         try:
             self._client.disconnect()
@@ -597,6 +599,13 @@ class Client:
         self.close()
 
     # ------------------------------------------------------------------ internals
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosedError(
+                "the client is closed (after close() or its with block): make a new Client",
+                details={"local": True},
+            )
+
     @staticmethod
     def _timeout_ms(timeout_s: float | None) -> int:
         if timeout_s is None:

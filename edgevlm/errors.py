@@ -90,6 +90,16 @@ class StreamNotEndedError(EdgeVLMError, RuntimeError):
     code = ErrorCode.INTERNAL
 
 
+class ClientClosedError(EdgeVLMError, ConnectionError):
+    """An SDK :class:`~edgevlm.Client` used after :meth:`~edgevlm.Client.close` (or its ``with`` block), or
+    closed while an ``ask`` waited. A caller mistake, not a network state: it is a ``ConnectionError`` (what
+    the SDK documents for a closed client) but not a :class:`BrokerUnreachableError`, so a loop that waits
+    for the broker to come back does not wait on it for ever (make a new ``Client``). Local: never on the
+    wire (``code`` is ``INTERNAL``)."""
+
+    code = ErrorCode.INTERNAL
+
+
 class ModelLoadError(EdgeVLMError):
     """A model folder or bundle cannot be loaded (missing file, bad config, hash mismatch)."""
 

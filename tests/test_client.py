@@ -15,6 +15,7 @@ from edgevlm.client import Client, encode_png, image_to_bytes
 from edgevlm.errors import (
     BrokerUnreachableError,
     BusyError,
+    ClientClosedError,
     DeadlineExceededError,
     InvalidImageError,
     InvalidRequestError,
@@ -374,12 +375,34 @@ def test_context_manager_closes_the_connection(start_daemon, mosquitto, wait_unt
         paho = client._client
     assert not paho.is_connected()
     assert paho._thread is None  # network thread stopped
-    with pytest.raises(ConnectionError, match="closed"):
+    with pytest.raises(ClientClosedError, match="^the client is closed"):
         client.ask(PROMPT, source="x")
     client.close()  # idempotent
     # the broker writes its log line after it has processed the DISCONNECT: poll, don't race it
     wait_until(lambda: "Client sdk-cm-test disconnected" in mosquitto.log(), timeout_s=10,
                what="the broker logging the disconnect")
+
+
+def test_closed_client_raises_client_closed_not_broker_unreachable(start_daemon, mosquitto) -> None:
+    """ask/request on a closed client raised a bare ConnectionError('the client is closed'), outside the SDK's
+    typed errors; an ask waiting when another thread closed the client the same. Now ClientClosedError: an
+    EdgeVLMError and still the ConnectionError the SDK documents, but not BrokerUnreachableError (the broker is
+    reachable: a loop waiting for it to come back would wait for ever)."""
+    daemon = start_daemon()
+    client = Client(mosquitto.host, mosquitto.port, "dev1")
+    with daemon.scheduler.paused():  # the ask waits for its answer while the client is closed
+        closer = threading.Timer(0.3, client.close)
+        closer.start()
+        with pytest.raises(ClientClosedError) as waiting:
+            client.ask(PROMPT, image=_image(2), timeout_s=30)
+        closer.join()
+    assert str(waiting.value) == "the client was closed while waiting for a response"
+    for call in (lambda: client.ask(PROMPT, source="x"), lambda: client.request(b"{}")):
+        with pytest.raises(ClientClosedError) as info:
+            call()
+        assert str(info.value) == "the client is closed (after close() or its with block): make a new Client"
+        assert isinstance(info.value, ConnectionError) and isinstance(info.value, edgevlm.EdgeVLMError)
+        assert not isinstance(info.value, BrokerUnreachableError)
 
 
 def test_client_survives_broker_restart(start_daemon, mosquitto, tiny_engine, wait_until) -> None:
