@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 
 from edgevlm.daemon.audio_dsp import HOP_MS, N_MELS, WIN_MS
 from edgevlm.errors import EdgeVLMError, InvalidRequestError
-from edgevlm.protocol import is_valid_publish_topic, parse_json_object
+from edgevlm.protocol import is_valid_publish_topic, parse_json_object, response_expiry_s
 from edgevlm.validation import first_error_message
 
 if TYPE_CHECKING:
@@ -82,9 +82,10 @@ def features_response(manager: AudioManager, payload: bytes) -> tuple[dict[str, 
 def make_features_handler(manager: AudioManager, bridge: Any) -> Callable[[Any], None]:
     """An :meth:`MqttBridge.add_handler` handler answering :class:`FeaturesRequest` messages. A
     response over the broker's maximum packet size is replaced by an error saying so."""
-    from edgevlm.daemon.mqtt_bridge import PacketTooLargeError, response_properties
+    from edgevlm.daemon.mqtt_bridge import PacketTooLargeError, message_deadline_ms, response_properties
 
     def handle(msg: Any) -> None:
+        received = time.monotonic()
         if msg.retain:
             return
         props_in = getattr(msg, "properties", None)
@@ -103,7 +104,9 @@ def make_features_handler(manager: AudioManager, bridge: Any) -> Callable[[Any],
             bridge.drop_request("no_reply_address",
                                 "audio: dropping a features request without a Response Topic or reply_to")
             return
-        props = response_properties(corr_data)
+        # answered at once: its Message Expiry Interval (its only deadline), less the time taken here
+        expiry_s = response_expiry_s(message_deadline_ms(msg), time.monotonic() - received)
+        props = response_properties(corr_data, expiry_s)
         payload = json.dumps({k: v for k, v in response.items() if v is not None}).encode()
         try:
             bridge.publish(topic, payload, properties=props)

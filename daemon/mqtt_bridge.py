@@ -37,7 +37,8 @@ with its *Correlation Data* (MQTT v5 section 4.10, request/response).
   CONNECT had Clean Start 0, so a session begun with Clean Start 1 vanishes in a broker restart
   and requests published before the daemon reconnects have no subscriber (PUBACK reason 0x10 "no
   matching subscribers") and are discarded. ``0`` starts a clean session on every connect.
-- Responses are published at ``mqtt.qos``; a PUBACK with a failure reason code (an ACL refusal:
+- Responses are published at ``mqtt.qos``, with the Message Expiry Interval of the time left until
+  the request's deadline (:func:`~edgevlm.protocol.response_expiry_s`; none without a deadline); a PUBACK with a failure reason code (an ACL refusal:
   0x87 "not authorized") is logged as a warning with the topic and counted
   (``response_refused``).
 - Duplicates: a re-sent request (same reply address, Correlation Data and payload) is absorbed
@@ -88,6 +89,7 @@ from edgevlm.protocol import (
     request_subscription,
     request_timeout_ms,
     request_topic,
+    response_expiry_s,
     status_topic,
 )
 
@@ -125,11 +127,13 @@ def publish_packet_size(topic: str, payload: bytes, qos: int, properties: Any = 
 
 
 
-def response_properties(correlation_data: bytes | None) -> Any:
+def response_properties(correlation_data: bytes | None, expiry_s: int | None = None) -> Any:
     """The MQTT v5 PUBLISH properties of a response (the request topic's and the audio features
     topic's): Content Type ``application/json``, Payload Format Indicator 1 (the payload is UTF-8 text,
-    MQTT v5 section 3.3.2.3.2, so a client or bridge may treat it as text) and the request's
-    Correlation Data, byte for byte (none when the request had none)."""
+    MQTT v5 section 3.3.2.3.2, so a client or bridge may treat it as text), the request's
+    Correlation Data, byte for byte (none when the request had none), and the Message Expiry
+    Interval ``expiry_s`` (seconds; :func:`~edgevlm.protocol.response_expiry_s`, the time left until
+    the request's deadline; none when None: the request has no deadline)."""
     from paho.mqtt.packettypes import PacketTypes
     from paho.mqtt.properties import Properties
 
@@ -138,7 +142,20 @@ def response_properties(correlation_data: bytes | None) -> Any:
     props.PayloadFormatIndicator = 1
     if correlation_data is not None:
         props.CorrelationData = bytes(correlation_data)
+    if expiry_s is not None:
+        props.MessageExpiryInterval = expiry_s
     return props
+
+
+def message_deadline_ms(msg: Any) -> int:
+    """The deadline (ms from receipt, :func:`~edgevlm.protocol.request_timeout_ms`) of a message
+    whose own ``timeout_ms`` is not known (an invalid request, a re-send answered from the
+    recent-answers cache, an audio features request): the MQTT v5 Message Expiry Interval it
+    arrived with, or :data:`~edgevlm.protocol.NO_DEADLINE_MS` without one."""
+    props = getattr(msg, "properties", None)
+    expiry_s = getattr(props, "MessageExpiryInterval", None) if props is not None else None
+    return request_timeout_ms(NO_DEADLINE_MS, NO_DEADLINE_MS, expiry_s)
+
 
 class MqttBridge:
     """Connects the scheduler to the broker: a request message is checked (retain flag, Response
@@ -445,7 +462,7 @@ class MqttBridge:
         if response_topic is not None and prop_correlation is not None:
             # the address is in the properties: a re-send is recognised before any JSON is parsed
             if self._duplicate((response_topic, b"D" + bytes(prop_correlation)), digest, response_topic,
-                               prop_correlation):  # fmt: skip
+                               prop_correlation, received, message_deadline_ms(msg)):  # fmt: skip
                 return
             early_key: DedupKey | None = (response_topic, b"D" + bytes(prop_correlation))
         else:
@@ -476,7 +493,8 @@ class MqttBridge:
                 key = (topic, b"D" + bytes(correlation_data))
             elif correlation_id is not None:
                 key = (topic, b"I" + correlation_id.encode())
-            if key is not None and self._duplicate(key, digest, topic, correlation_data):
+            if key is not None and self._duplicate(key, digest, topic, correlation_data, received,
+                                                   message_deadline_ms(msg)):  # fmt: skip
                 return
 
         request: Request | None = None
@@ -487,7 +505,7 @@ class MqttBridge:
             except (InvalidRequestError, InvalidImageError) as err:
                 error = err
         expiry_s = getattr(props, "MessageExpiryInterval", None) if props is not None else None
-        timeout_ms = NO_DEADLINE_MS
+        timeout_ms = message_deadline_ms(msg)  # an invalid request's (its own timeout_ms is not known)
         limit = "timeout_ms"
         if request is not None and error is None:
             asked_ms = request_timeout_ms(request.timeout_ms, self.scheduler.defaults.timeout_ms)
@@ -563,9 +581,11 @@ class MqttBridge:
             else:
                 self._peers[device] = status
 
-    def _duplicate(self, key: DedupKey, digest: bytes, topic: str, correlation_data: bytes | None) -> bool:
+    def _duplicate(self, key: DedupKey, digest: bytes, topic: str, correlation_data: bytes | None,
+                   received: float, timeout_ms: int) -> bool:  # fmt: skip
         """Record a request in the recent-answers cache; for a re-send of one already there, answer
-        it from the cache (or absorb it while it runs) and return True."""
+        it from the cache (or absorb it while it runs) and return True. ``received``/``timeout_ms``:
+        the re-send's receipt and deadline (its Message Expiry Interval), for the cached answer's."""
         seen, cached = self.recent_answers.claim(key, digest)
         if seen == "new":
             return False
@@ -574,7 +594,7 @@ class MqttBridge:
             self.metrics.duplicate_request(seen)
         if cached is not None:  # answered already: the same response again, nothing runs twice
             logger.debug("MQTT: re-sent request on %s answered from the recent-answers cache", topic)
-            self._publish_reply(topic, correlation_data, cached)
+            self._publish_reply(topic, correlation_data, cached, received, timeout_ms)
         else:
             logger.debug("MQTT: re-sent request on %s is already queued or running", topic)
         return True
@@ -600,7 +620,7 @@ class MqttBridge:
             if response.correlation_id is None and correlation_id is not None:
                 response = response.model_copy(update={"correlation_id": correlation_id})
             self._observe(response, received, timeout_ms)
-            response = self._publish_reply(topic, correlation_data, response)
+            response = self._publish_reply(topic, correlation_data, response, received, timeout_ms)
             if dedup is not None:
                 self.recent_answers.settle(dedup[0], dedup[1], response)
 
@@ -612,10 +632,14 @@ class MqttBridge:
         if self.metrics is not None:
             self.metrics.observe_response(response, received, timeout_ms, self.scheduler.queue_size())
 
-    def _publish_reply(self, topic: str, correlation_data: bytes | None, response: Response) -> Response:
+    def _publish_reply(self, topic: str, correlation_data: bytes | None, response: Response, received: float,
+                       timeout_ms: int) -> Response:  # fmt: skip
         """Publish ``response`` (or the error that replaces it when it cannot be serialized or is
-        too large for the broker); returns the response actually sent."""
-        props = response_properties(correlation_data)
+        too large for the broker) with the Message Expiry Interval of the time left until the
+        request's deadline (``timeout_ms`` from ``received``, monotonic s); returns the response
+        actually sent."""
+        expiry_s = response_expiry_s(timeout_ms, time.monotonic() - received)
+        props = response_properties(correlation_data, expiry_s)
         try:
             payload = response.to_bytes()
         except Exception as exc:  # noqa: BLE001 - never leave a request unanswered

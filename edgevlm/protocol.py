@@ -30,6 +30,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 import re
 import time
 from typing import Annotated, Any, Literal
@@ -81,6 +82,23 @@ def request_timeout_ms(timeout_ms: int | None, default_timeout_ms: int, message_
     if message_expiry_s is not None and message_expiry_s >= 0:
         limit = min(limit, max(1, int(message_expiry_s) * 1000))
     return limit
+
+
+MAX_MESSAGE_EXPIRY_S = 4294967295
+"""The largest MQTT v5 Message Expiry Interval (a Four Byte Integer, seconds)."""
+
+
+def response_expiry_s(timeout_ms: int | None, elapsed_s: float) -> int | None:
+    """The MQTT v5 Message Expiry Interval (seconds) of the response to a request whose deadline is
+    ``timeout_ms`` (:func:`request_timeout_ms`, from its receipt), published ``elapsed_s`` seconds after
+    that receipt: the time left until the deadline, in whole seconds rounded up, at least 1 (an answer
+    sent at or after the deadline still goes out, but a broker holding it for a disconnected requester
+    drops it within a second), at most :data:`MAX_MESSAGE_EXPIRY_S`. None when the request has no
+    deadline (:func:`deadline_s`): the response then carries no Message Expiry Interval."""
+    limit = deadline_s(timeout_ms)
+    if limit is None:
+        return None
+    return min(MAX_MESSAGE_EXPIRY_S, max(1, math.ceil(limit - elapsed_s)))
 
 
 DEFAULT_PREFIX = "edgevlm"

@@ -44,9 +44,10 @@ class RecordingClient:
             assert self._cond.wait_for(lambda: mid in self._acked, 10), f"no SUBACK for {topic}"
 
     def publish(self, topic: str, payload: bytes, *, response_topic: str | None = None,
-                correlation: bytes | None = None, retain: bool = False, qos: int = 1) -> None:
+                correlation: bytes | None = None, retain: bool = False, qos: int = 1,
+                expiry_s: int | None = None) -> None:  # fmt: skip
         props = None
-        if response_topic is not None or correlation is not None:
+        if response_topic is not None or correlation is not None or expiry_s is not None:
             from paho.mqtt.packettypes import PacketTypes
             from paho.mqtt.properties import Properties
 
@@ -55,6 +56,8 @@ class RecordingClient:
                 props.ResponseTopic = response_topic
             if correlation is not None:
                 props.CorrelationData = correlation
+            if expiry_s is not None:
+                props.MessageExpiryInterval = expiry_s
         self.client.publish(topic, payload, qos=qos, retain=retain, properties=props).wait_for_publish(10)
 
     def wait_messages(self, topic: str, n: int = 1, timeout_s: float = 30.0) -> list[Any]:

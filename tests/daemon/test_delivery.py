@@ -204,6 +204,51 @@ def test_message_expiry_interval_caps_the_deadline(start_daemon, raw_client, enc
     assert 0.9 < took_s < 3.0
 
 
+def test_response_message_expiry_is_the_time_left_until_the_request_deadline(start_daemon, raw_client,
+                                                                             encode_image) -> None:  # fmt: skip
+    # read on the wire by the requester (mosquitto forwards the interval left, in whole seconds: one
+    # less when its clock's second turns between storing and forwarding)
+    from edgevlm.protocol import NO_DEADLINE_MS
+
+    def expiry(msg: Any) -> int | None:
+        return getattr(msg.properties, "MessageExpiryInterval", None)
+
+    daemon = start_daemon()  # defaults.timeout_ms 60000
+    raw = raw_client()
+    reply = f"test/replies/{uuid.uuid4().hex}"
+    raw.subscribe(reply)
+    # a Message Expiry Interval of 10 s, held 2.3 s in the queue: 7.7 s left, rounded up
+    with daemon.scheduler.paused():
+        _publish(raw, json.dumps(_png_body(encode_image)).encode(), response_topic=reply, correlation=b"mei",
+                 expiry_s=10)  # fmt: skip
+        time.sleep(2.3)
+    msg = raw.wait_messages(reply, 1)[0]
+    assert json.loads(msg.payload)["ok"] is True and expiry(msg) in (7, 8)
+    # timeout_ms alone (no Message Expiry Interval), and the daemon's default deadline
+    _publish(raw, json.dumps(_png_body(encode_image, timeout_ms=20000)).encode(), response_topic=reply,
+             correlation=b"timeout")  # fmt: skip
+    assert expiry(raw.wait_messages(reply, 2)[1]) in (19, 20)
+    default = json.dumps(_png_body(encode_image, 70)).encode()
+    _publish(raw, default, response_topic=reply, correlation=b"default")
+    assert expiry(raw.wait_messages(reply, 3)[2]) in (59, 60)
+    # no deadline at all: no Message Expiry Interval, the broker keeps the answer for as long as it may
+    forever = json.dumps(_png_body(encode_image, 120, timeout_ms=NO_DEADLINE_MS)).encode()
+    _publish(raw, forever, response_topic=reply, correlation=b"forever")
+    msg = raw.wait_messages(reply, 4)[3]
+    assert json.loads(msg.payload)["ok"] is True and expiry(msg) is None
+    # its re-send, answered from the recent-answers cache, has the re-send's own deadline
+    _publish(raw, forever, response_topic=reply, correlation=b"forever", expiry_s=9)
+    msg = raw.wait_messages(reply, 5)[4]
+    assert msg.payload == raw.messages[reply][3].payload and expiry(msg) in (8, 9)
+    assert daemon.counters.get("duplicate_answered") == 1
+    # an invalid request's error: the Message Expiry Interval it arrived with is its only deadline
+    _publish(raw, b"{not json", response_topic=reply, correlation=b"bad", expiry_s=6)
+    msg = raw.wait_messages(reply, 6)[5]
+    assert json.loads(msg.payload)["error"]["code"] == "INVALID_REQUEST" and expiry(msg) in (5, 6)
+    _publish(raw, b"{not json", response_topic=reply, correlation=b"bad2")
+    assert expiry(raw.wait_messages(reply, 7)[6]) is None
+
+
 def test_stopped_daemon_does_not_run_requests_its_clients_gave_up_on(tmp_path: Path, mosquitto, tiny_model_dir,
                                                                      raw_client, encode_image) -> None:  # fmt: skip
     cfg = {"mqtt": {"host": mosquitto.host, "port": mosquitto.port, "device_id": "dev1"},
@@ -389,3 +434,13 @@ def test_recent_answers_settle_keeps_an_answer_and_drops_a_busy_one() -> None:
     assert cache.claim(("t", b"c"), b"d2") == ("new", None)  # the same key, another payload
     cache.settle(("t", b"c"), b"d1", ok)  # the first payload's answer does not land on the second
     assert cache.claim(("t", b"c"), b"d2") == ("in_flight", None)
+
+
+def test_response_expiry_rounds_up_and_never_reaches_zero() -> None:
+    from edgevlm.protocol import MAX_MESSAGE_EXPIRY_S, NO_DEADLINE_MS, response_expiry_s
+
+    assert response_expiry_s(5000, 0.2) == 5  # 4.8 s left
+    assert response_expiry_s(5000, 4.0) == 1
+    assert response_expiry_s(1000, 5.0) == 1  # answered after the deadline: still sent, held for 1 s at most
+    assert response_expiry_s(NO_DEADLINE_MS - 1, 0.0) == MAX_MESSAGE_EXPIRY_S
+    assert response_expiry_s(NO_DEADLINE_MS, 0.0) is None and response_expiry_s(None, 0.0) is None

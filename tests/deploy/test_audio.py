@@ -302,7 +302,8 @@ def test_wav_source_in_the_daemon_publishes_events_and_answers_features(make_dae
     assert r["ok"] is True and r["shape"] == [98, 64] and r["n_mels"] == 64 and r["hop_ms"] == 10.0
     feats = np.frombuffer(base64.b64decode(r["data_b64"]), "<f4").reshape(r["shape"])
     assert np.isfinite(feats).all() and feats.min() >= np.log(1e-10) - 1e-3
-    half = w_ask(w, {"source": "mic", "seconds": 0.5, "dtype": "float16"})
+    # the answer's Message Expiry Interval is the request's (answered at once); none without one
+    half = w_ask(w, {"source": "mic", "seconds": 0.5, "dtype": "float16"}, expiry_s=7)
     assert half["shape"] == [48, 64] and len(base64.b64decode(half["data_b64"])) == 48 * 64 * 2
 
     bad = w_ask(w, {"source": "nope", "seconds": 1})
@@ -368,15 +369,18 @@ def test_features_request_that_cannot_be_answered_is_dropped_and_counted(make_da
     assert r["error"]["code"] == "UNKNOWN_SOURCE"
 
 
-def w_ask(w, payload: dict, corr: bytes = b"\x00corr") -> dict:
+def w_ask(w, payload: dict, corr: bytes = b"\x00corr", expiry_s: int | None = None) -> dict:
     import uuid
 
     topic = f"test/audio/{uuid.uuid4().hex}"
     w.subscribe(topic)
-    w.publish("edgevlm/dev1/audio/request", json.dumps(payload).encode(), response_topic=topic, correlation=corr)
+    w.publish("edgevlm/dev1/audio/request", json.dumps(payload).encode(), response_topic=topic, correlation=corr,
+              expiry_s=expiry_s)  # fmt: skip
     msg = w.wait(topic)[0]
     assert msg.properties.CorrelationData == corr
     assert (msg.properties.ContentType, msg.properties.PayloadFormatIndicator) == ("application/json", 1)
+    got = getattr(msg.properties, "MessageExpiryInterval", None)  # one less if the broker's second turns
+    assert got is None if expiry_s is None else got in (expiry_s - 1, expiry_s)
     return json.loads(msg.payload)
 
 
