@@ -25,11 +25,13 @@ with its *Correlation Data* (MQTT v5 section 4.10, request/response).
   CONNACK, so two daemons with one client id would kick each other off in a tight loop. A
   connection closed less than ``FLAP_S`` after it was made doubles the delay across such
   disconnects up to the cap; a connection that lasts ``FLAP_S`` resets it. Every disconnect is
-  logged with its cause: the DISCONNECT reason the broker sent (0x8E "session taken over", 0x8B
-  "server shutting down", ...) or, with none, that the connection broke (a crashed broker or the
-  network). It is called a takeover by another client with the same client id only for 0x8E or
-  when quick closes repeat (mosquitto before 2.0.12 closes the old connection without 0x8E). A
-  connection attempt that fails logs why (refused, unreachable, TLS certificate verification, ...).
+  logged with its cause (:func:`describe_disconnect`): the DISCONNECT reason the broker sent (0x8E
+  "session taken over", 0x98 "administrative action", ...) or, with none, that the connection broke
+  (a crashed broker or the network). Only 0x8E is logged as a takeover by another client with the
+  same client id; quick closes without any DISCONNECT that repeat are logged naming the client id
+  as the likely cause (mosquitto before 2.0.12 closes a connection taken over that way), and quick
+  closes with another reason with that reason. A connection attempt that fails logs why (refused,
+  unreachable, TLS certificate verification, ...).
 - ``session_expiry_s > 0``: every CONNECT, the first included, has Clean Start 0 and that Session
   Expiry Interval, so the broker keeps the request subscription and queues QoS>=1 requests while
   the daemon is disconnected, crashed or restarting, and the next daemon process resumes the
@@ -105,6 +107,44 @@ def _paho() -> Any:
     import paho.mqtt.client as mqtt
 
     return mqtt
+
+
+def describe_disconnect(reason_code: Any, from_broker: bool, reason_string: str | None, lived_s: float,
+                        quick_in_row: int, client_id: str, device_id: str) -> tuple[int, str]:  # fmt: skip
+    """``(logging level, message)`` for a lost connection, naming its real cause.
+
+    Args:
+        reason_code: paho's reason code (a DISCONNECT reason code when ``from_broker``).
+        from_broker: the broker sent a DISCONNECT packet (else the connection just closed).
+        reason_string: the DISCONNECT's Reason String property, if any.
+        lived_s: seconds the connection lasted after its CONNACK.
+        quick_in_row: connections in a row closed sooner than :data:`FLAP_S` after they were made,
+            this one included (0 when this one lasted longer).
+        client_id, device_id: named when another client with the same client id is the cause.
+
+    Only DISCONNECT 0x8E (Session taken over, MQTT v5 section 3.14.2.1) is called a takeover. A
+    connection closed without a DISCONNECT soon after it was made, a second time in a row or more,
+    names the client id as the likely cause: mosquitto before 2.0.12 closes a connection taken over
+    without sending 0x8E. Any other quick close is logged with its own reason, never as a takeover.
+    """
+    if from_broker:
+        cause = f"the broker sent DISCONNECT: {reason_code}"
+        if reason_string:
+            cause += f" ({reason_string})"
+    else:
+        cause = f"the connection broke without a DISCONNECT from the broker ({reason_code}: the broker " \
+                "stopped or crashed, or the network failed)"  # fmt: skip
+    same_id = f"the same client id {client_id!r} (another daemon with device_id {device_id!r}?)"
+    in_row = f", {quick_in_row} times in a row" if quick_in_row >= 2 else ""
+    if from_broker and getattr(reason_code, "value", None) == SESSION_TAKEN_OVER:
+        return logging.ERROR, f"session taken over by another client with {same_id}{in_row} ({cause})"
+    if not quick_in_row:
+        return logging.WARNING, f"connection lost: {cause}"
+    closed = f"connection closed {lived_s:.1f} s after it was made{in_row}"
+    if quick_in_row >= 2 and not from_broker:
+        return logging.ERROR, (f"{closed}: {cause}; another client with {same_id} would do this "
+                               "(mosquitto before 2.0.12 closes the connection it replaces without a DISCONNECT)")  # fmt: skip
+    return logging.WARNING, f"{closed}: {cause}"
 
 
 class PacketTooLargeError(InternalError):
@@ -229,8 +269,8 @@ class MqttBridge:
         self._retained: dict[str, bytes] = {}
         self._handlers: dict[str, MessageHandler] = {}
         self.max_packet_bytes: int | None = None
-        self.takeovers = 0
-        self.takeover_delays_s: list[float] = []
+        self.quick_closes = 0  # connections in a row closed sooner than FLAP_S after they were made
+        self.backoff_delays_s: list[float] = []  # the reconnect delay after each of them
         self._connected_at = 0.0
         self._connack_seen = False  # a CONNACK (accepting or refusing) came on the current connection
         self._sub_mids: set[int] = set()
@@ -685,8 +725,8 @@ class MqttBridge:
         self.max_packet_bytes = getattr(properties, "MaximumPacketSize", None) if properties else None
         self._connected.set()
         self._connected_at = time.monotonic()
-        if self.takeover_delays_s and self.takeover_delays_s[-1] != self.config.reconnect_min_delay_s:
-            # back to the normal backoff; a further takeover raises it again (see _on_disconnect)
+        if self.backoff_delays_s and self.backoff_delays_s[-1] != self.config.reconnect_min_delay_s:
+            # back to the normal backoff; a further quick close raises it again (see _on_disconnect)
             self._set_delays(self.config.reconnect_min_delay_s, self.config.reconnect_max_delay_s, client)
         self.counters.inc("mqtt_connects")
         logger.info("MQTT: connected%s; subscribing to %s%s",
@@ -747,33 +787,24 @@ class MqttBridge:
         lived_s = time.monotonic() - self._connected_at
         from_broker = bool(getattr(flags, "is_disconnect_packet_from_server", False))
         taken_over = from_broker and getattr(reason_code, "value", None) == SESSION_TAKEN_OVER
-        if from_broker:
-            cause = f"the broker sent DISCONNECT: {reason_code}"
-            if properties is not None and getattr(properties, "ReasonString", None):
-                cause += f" ({properties.ReasonString})"
-        else:
-            cause = f"the connection broke without a DISCONNECT from the broker ({reason_code}: the broker " \
-                    "stopped or crashed, or the network failed)"  # fmt: skip
+        reason_string = getattr(properties, "ReasonString", None) if properties is not None else None
         if taken_over or lived_s < FLAP_S:
-            self.takeovers += 1
-            delay = min(cfg.reconnect_max_delay_s, cfg.reconnect_min_delay_s * 2 ** (self.takeovers - 1))
-            self.takeover_delays_s.append(delay)
+            # two daemons with one client id would kick each other off in a tight loop: back off
+            self.quick_closes += 1
+            delay = min(cfg.reconnect_max_delay_s, cfg.reconnect_min_delay_s * 2 ** (self.quick_closes - 1))
+            self.backoff_delays_s.append(delay)
             self._set_delays(delay, max(delay, cfg.reconnect_max_delay_s), client)
-            if taken_over or self.takeovers >= 2:
-                why = ("session taken over by another client" if taken_over else
-                       f"connection closed {lived_s:.1f} s after it was made, {self.takeovers} times in a row "
-                       f"({cause}); taken over by another client")  # fmt: skip
-                logger.error(
-                    "MQTT: %s with the same client id %r (another daemon with device_id %r?); reconnecting in "
-                    "%.1f s (%d in a row)", why, cfg.effective_client_id, cfg.device_id, delay, self.takeovers,
-                )  # fmt: skip
-            else:
-                logger.warning("MQTT: connection lost %.1f s after it was made: %s; reconnecting in %.1f s",
-                               lived_s, cause, delay)  # fmt: skip
-            self.counters.inc("mqtt_session_taken_over")
+            level, message = describe_disconnect(reason_code, from_broker, reason_string, lived_s, self.quick_closes,
+                                                 cfg.effective_client_id, cfg.device_id)  # fmt: skip
+            logger.log(level, "MQTT: %s; reconnecting in %.1f s", message, delay)
+            self.counters.inc("mqtt_quick_disconnects")
+            if taken_over:
+                self.counters.inc("mqtt_session_taken_over")
         else:
-            self.takeovers = 0
-            logger.warning("MQTT: connection lost: %s; reconnecting", cause)
+            self.quick_closes = 0
+            level, message = describe_disconnect(reason_code, from_broker, reason_string, lived_s, 0,
+                                                 cfg.effective_client_id, cfg.device_id)  # fmt: skip
+            logger.log(level, "MQTT: %s; reconnecting", message)
         if self.on_connection is not None:
             self.on_connection(False, str(reason_code))
 

@@ -192,20 +192,58 @@ def test_decoder_refuses_a_bomb_on_its_own() -> None:
         decode_image(_bomb_png(9000, 9000))  # 81 M pixels > the decoder's own 2^26 limit
 
 
+def _mosquitto_version() -> tuple[int, ...]:
+    import os
+    import re
+
+    exe = os.environ.get("EDGEVLM_MOSQUITTO", "/usr/sbin/mosquitto")
+    out = subprocess.run([exe, "-h"], capture_output=True, text=True, timeout=10).stdout
+    return tuple(int(x) for x in re.search(r"mosquitto version (\d+)\.(\d+)\.(\d+)", out).groups())
+
+
 def test_duplicate_client_id_backs_off_instead_of_fighting(make_daemon, caplog, wait_until) -> None:
     mqtt = {"device_id": "twin", "reconnect_min_delay_s": 0.1, "reconnect_max_delay_s": 0.8}
     with caplog.at_level(logging.ERROR, logger="edgevlm.daemon.mqtt_bridge"):
         a = make_daemon({"mqtt": mqtt})
         b = make_daemon({"mqtt": mqtt}, wait=False)
-        wait_until(lambda: len(a.bridge.takeover_delays_s) >= 4 and len(b.bridge.takeover_delays_s) >= 4,
-                   timeout_s=30, what="four takeovers each")  # fmt: skip
+        wait_until(lambda: len(a.bridge.backoff_delays_s) >= 4 and len(b.bridge.backoff_delays_s) >= 4,
+                   timeout_s=30, what="four quick closes each")  # fmt: skip
     for d in (a, b):
-        delays = d.bridge.takeover_delays_s
+        delays = d.bridge.backoff_delays_s
         assert delays[:4] == [0.1, 0.2, 0.4, 0.8] and set(delays[4:]) <= {0.8}
-        assert d.counters.get("mqtt_session_taken_over") == len(delays)
-    # mosquitto 2.0.11 closes the old connection without DISCONNECT 0x8E: a connection that dies
-    # right after it was made counts as a takeover
-    assert "with the same client id 'edgevlm-daemon-twin' (another daemon with device_id 'twin'?)" in caplog.text
+        assert d.counters.get("mqtt_quick_disconnects") == len(delays)
+    same_id = "the same client id 'edgevlm-daemon-twin' (another daemon with device_id 'twin'?)"
+    if _mosquitto_version() >= (2, 0, 12):  # the broker sends DISCONNECT 0x8E Session taken over
+        assert f"MQTT: session taken over by another client with {same_id}" in caplog.text
+        assert a.counters.get("mqtt_session_taken_over") + b.counters.get("mqtt_session_taken_over") >= 4
+    else:  # it closes the replaced connection without a DISCONNECT: the client id is named, not a takeover
+        assert "times in a row: the connection broke without a DISCONNECT from the broker" in caplog.text
+        assert f"another client with {same_id} would do this (mosquitto before 2.0.12" in caplog.text
+        assert "taken over" not in caplog.text
+        assert a.counters.get("mqtt_session_taken_over") == b.counters.get("mqtt_session_taken_over") == 0
+
+
+def test_describe_disconnect_calls_only_0x8E_a_takeover() -> None:
+    # the 0x8E branch: no broker at hand sends it (mosquitto 2.0.11 closes without a DISCONNECT)
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.reasoncodes import ReasonCode
+
+    from edgevlm.daemon.mqtt_bridge import describe_disconnect
+
+    def rc(value: int) -> ReasonCode:
+        return ReasonCode(PacketTypes.DISCONNECT, identifier=value)
+
+    args = ("edgevlm-daemon-dev1", "dev1")
+    level, msg = describe_disconnect(rc(0x8E), True, None, 0.2, 1, *args)
+    assert (level, msg) == (logging.ERROR, "session taken over by another client with the same client id "
+                            "'edgevlm-daemon-dev1' (another daemon with device_id 'dev1'?) (the broker sent "
+                            "DISCONNECT: Session taken over)")  # fmt: skip
+    level, msg = describe_disconnect(rc(0x98), True, "kicked", 0.2, 3, *args)
+    assert (level, msg) == (logging.WARNING, "connection closed 0.2 s after it was made, 3 times in a row: the "
+                            "broker sent DISCONNECT: Administrative action (kicked)")  # fmt: skip
+    level, msg = describe_disconnect(rc(0x8B), True, None, 42.0, 0, *args)
+    assert level == logging.WARNING
+    assert msg == "connection lost: the broker sent DISCONNECT: Server shutting down"
 
 
 def test_responses_over_the_broker_packet_limit_become_errors(custom_broker, make_daemon, watcher, image_b64,
@@ -312,6 +350,48 @@ def test_tls_certificate_failure_is_named_when_connecting(custom_broker, make_da
         wait_until(lambda: daemon.counters.get("mqtt_connect_failures") >= 1, what="a failed connect")
     assert (f"MQTT: cannot connect to 127.0.0.1:{port}: TLS certificate verification failed: self-signed "
             "certificate in certificate chain (check the CA certificates); retrying") in caplog.text
+
+
+def test_quick_disconnects_for_another_reason_are_logged_with_it_not_as_a_takeover(custom_broker, make_daemon,
+                                                                                     watcher, tmp_path, caplog,
+                                                                                     wait_until) -> None:  # fmt: skip
+    # mosquitto's dynamic security plugin disconnects a client it disables with DISCONNECT 0x98
+    # Administrative action; disabled and enabled again in one go, twice, right after each connect
+    import glob
+
+    ctrl = shutil.which("mosquitto_ctrl")
+    plugin = sorted(glob.glob("/usr/lib/*/mosquitto_dynamic_security.so"))
+    assert ctrl and plugin, "mosquitto_ctrl and mosquitto_dynamic_security.so ship with Debian's mosquitto"
+    dynsec = tmp_path / "dynsec.json"
+    _run(ctrl, "dynsec", "init", str(dynsec), "admin", "admin-pw", cwd=tmp_path)
+    port = custom_broker.start(["allow_anonymous false", f"plugin {plugin[0]}", f"plugin_opt_config_file {dynsec}"],
+                               name="dynsec")  # fmt: skip
+    admin = watcher(port, username="admin", password="admin-pw")
+    admin.subscribe("$CONTROL/dynamic-security/v1/response")
+
+    def control(*commands: dict) -> None:
+        n = admin.count("$CONTROL/dynamic-security/v1/response") + 1
+        admin.publish("$CONTROL/dynamic-security/v1", json.dumps({"commands": list(commands)}).encode())
+        replies = json.loads(admin.wait("$CONTROL/dynamic-security/v1/response", n)[-1].payload)["responses"]
+        assert not [r for r in replies if r.get("error")], replies
+
+    control({"command": "createClient", "username": "dev1", "password": "pw-dev1"},
+            {"command": "setDefaultACLAccess", "acls": [{"acltype": "publishClientSend", "allow": True},
+                                                        {"acltype": "subscribe", "allow": True}]})  # fmt: skip
+    kick = ({"command": "disableClient", "username": "dev1"}, {"command": "enableClient", "username": "dev1"})
+    with caplog.at_level(logging.WARNING, logger="edgevlm.daemon.mqtt_bridge"):
+        daemon = make_daemon({"mqtt": {"port": port, "username": "dev1", "password": "pw-dev1"}})
+        for i in (1, 2):
+            control(*kick)
+            wait_until(lambda i=i: daemon.counters.get("mqtt_disconnects") == i and daemon.wait_ready(0),
+                       timeout_s=15, what=f"kick {i} and the reconnect")  # fmt: skip
+    assert "the broker sent DISCONNECT: Administrative action" in caplog.text
+    again = "s after it was made, 2 times in a row: the broker sent DISCONNECT: Administrative action"
+    assert again in caplog.text
+    assert "taken over" not in caplog.text and "same client id" not in caplog.text
+    assert daemon.counters.get("mqtt_quick_disconnects") == 2
+    assert daemon.counters.get("mqtt_session_taken_over") == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 def test_broker_crash_is_logged_as_a_broken_connection_not_a_takeover(mosquitto, make_daemon, caplog,
