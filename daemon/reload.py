@@ -4,8 +4,10 @@ A reload runs on its own thread while the daemon keeps serving:
 
 1. **Pick** the candidate: with ``watch_dir``, its newest complete entry (a folder holding
    ``manifest.json`` or ``config.json`` whose files have not changed for ``settle_s``); without
-   it, ``model.path`` again (e.g. a ``current`` symlink that was re-pointed). A folder that was
-   rejected is not retried until its files change.
+   it, ``model.path`` as the config file says now (SIGHUP reads the file again: a changed
+   ``model.path`` is loaded, an unchanged one again, e.g. a ``current`` symlink that was
+   re-pointed; a file that no longer loads rejects the reload; other changed settings are named in
+   a warning, they take a restart). A folder that was rejected is not retried until its files change.
 2. **Verify**: a bundle's manifest hashes (:func:`edgevlm.runtime.bundle.verify_bundle`: every
    file's SHA-256 and size); a plain model folder is checked by loading it. Only safetensors and
    JSON are read (the loader refuses pickle checkpoints and never runs remote code).
@@ -191,11 +193,12 @@ class ReloadManager:
                 best = (fp[0], path)
         return best[1] if best else None
 
-    def reload_now(self, path: Path | None, trigger: str = "manual") -> ReloadResult:
-        """Verify, load, test and switch to the engine at ``path`` (None = the demo model);
-        returns the result (also published). Never raises for a bad candidate."""
+    def reload_now(self, path: Path | None, trigger: str = "manual", *, reread: bool = False) -> ReloadResult:
+        """Verify, load, test and switch to the engine at ``path`` (None = the demo model); ``reread``:
+        at ``model.path`` as the config file (:attr:`DaemonConfig.source_file`) says now instead. Returns
+        the result (also published). Never raises for a bad candidate or config file."""
         with self._lock:
-            result = self._reload(path, trigger)
+            result = self._reload(path, trigger, reread=reread)
         self.results.append(result)
         if self.publish is not None:
             try:
@@ -221,10 +224,11 @@ class ReloadManager:
                         logger.info("reload (%s): no new bundle in %s", trigger, self.config.reload.watch_dir)
                     continue
                 path = settled
-            elif path is None:
-                path = self.config.model.path
             try:
-                self.reload_now(path, trigger)
+                if path is None:  # SIGHUP without watch_dir: model.path as the config file says now
+                    self.reload_now(self.config.model.path, trigger, reread=True)
+                else:
+                    self.reload_now(path, trigger)
             except Exception:  # noqa: BLE001 - the reload thread must survive anything
                 logger.exception("reload failed unexpectedly")
 
@@ -258,11 +262,50 @@ class ReloadManager:
         free = available_bytes(self.config.model.device)
         return "side_by_side" if free is None or need <= free else "drain_and_swap"
 
-    def _reload(self, path: Path | None, trigger: str) -> ReloadResult:
+    def _reread_model_path(self, trigger: str) -> Path | None:
+        """``model.path`` as the config file says now (the config's own without a file). A changed one is
+        logged; settings other than ``model.path`` that changed are named in one warning (a reload does not
+        apply them).
+
+        Raises:
+            ConfigError: the file no longer loads (``cannot re-read <file>: <key>: <why>``).
+        """
+        from edgevlm.config import load_daemon_config
+        from edgevlm.errors import ConfigError
+
+        file = self.config.source_file
+        if file is None:
+            return self.config.model.path
+        try:
+            new = load_daemon_config(file)
+        except ConfigError as exc:
+            raise ConfigError(f"cannot re-read {file}: {exc.message}") from None
+        old, now = self.config.model_dump(), new.model_dump()
+        changed = [f"model.{k}" for k in now["model"] if k != "path" and now["model"][k] != old["model"][k]]
+        changed += [k for k in now if k != "model" and now[k] != old[k]]
+        if changed:
+            logger.warning(
+                "reload (%s): %s changed in %s; a reload applies model.path only: restart the service "
+                "(systemctl restart edgevlm) to apply the rest", trigger, ", ".join(changed), file,
+            )  # fmt: skip
+        if new.model.path != self.config.model.path:
+            logger.info("reload (%s): model.path changed in %s: %s -> %s", trigger, file,
+                        self.config.model.path or "demo", new.model.path or "demo")  # fmt: skip
+        return new.model.path
+
+    def _reload(self, path: Path | None, trigger: str, *, reread: bool = False) -> ReloadResult:
         t0 = time.monotonic()
+        configured = path
+        previous = str(self.current_path) if self.current_path is not None else "demo"
+        if reread:
+            try:
+                configured = path = self._reread_model_path(trigger)
+            except Exception as exc:  # noqa: BLE001 - a config file that no longer loads keeps the engine
+                reason = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
+                shown = str(path) if path is not None else "demo"
+                return self._rejected_result(shown, trigger, "", reason, t0, previous)
         path = path.resolve() if path is not None else None
         shown = str(path) if path is not None else "demo"
-        previous = str(self.current_path) if self.current_path is not None else "demo"
         if self.notifier is not None:
             self.notifier.reloading(f"reloading the engine from {shown} ({trigger})")
         strategy = ""
@@ -281,17 +324,24 @@ class ReloadManager:
             reason = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
             if path is not None and path.exists():
                 self._rejected[path] = _fingerprint(path)
-            logger.error("reload (%s) of %s rejected: %s; still serving %s", trigger, shown, reason, previous)
-            if self.notifier is not None:
-                self.notifier.ready(f"reload of {shown} rejected ({reason}); serving {previous}")
-            return ReloadResult(False, shown, trigger, strategy, reason, time.monotonic() - t0, previous)
+            return self._rejected_result(shown, trigger, strategy, reason, t0, previous)
         self.current_path = path
+        if reread:
+            self.config.model.path = configured  # as the file says (a symlink stays a symlink)
         if path is not None:
             self._loaded[path] = _fingerprint(path)
         logger.info("reload (%s): now serving %s (%.1f s)", trigger, shown, time.monotonic() - t0)
         if self.notifier is not None:
             self.notifier.ready(f"serving {shown} (reloaded)")
         return ReloadResult(True, shown, trigger, strategy, None, time.monotonic() - t0, previous)
+
+    def _rejected_result(
+        self, shown: str, trigger: str, strategy: str, reason: str, t0: float, previous: str
+    ) -> ReloadResult:
+        logger.error("reload (%s) of %s rejected: %s; still serving %s", trigger, shown, reason, previous)
+        if self.notifier is not None:
+            self.notifier.ready(f"reload of {shown} rejected ({reason}); serving {previous}")
+        return ReloadResult(False, shown, trigger, strategy, reason, time.monotonic() - t0, previous)
 
     def _swap(self, new: Any, controller: Any) -> Any:
         with self.scheduler.paused():

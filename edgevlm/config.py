@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from edgevlm.config_http import HttpConfig
 from edgevlm.config_mqtt import DefaultsConfig, LimitsConfig, MqttConfig, TlsConfig
@@ -126,6 +126,13 @@ class DaemonConfig(StrictModel):
     http: HttpConfig = Field(default_factory=HttpConfig, description="OpenAI-compatible HTTP API (off by default).")
     ray: RayConfig = Field(default_factory=RayConfig, description="Replicas under Ray Serve (edgevlm serve-ray only).")
     offload: OffloadConfig = Field(default_factory=OffloadConfig, description="Forward to a pool what the edge cannot serve.")
+    _source_file: Path | None = PrivateAttr(None)
+
+    @property
+    def source_file(self) -> Path | None:
+        """The config file this was read from (:func:`load_daemon_config`; a SIGHUP reload reads its
+        ``model.path`` again), None for a config built in code."""
+        return self._source_file
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -304,6 +311,8 @@ def load_daemon_config(path: str | Path) -> DaemonConfig:
     path = Path(path)
     data = read_config_file(path)
     try:
-        return parse_daemon_config(data, base_dir=path.resolve().parent)
+        cfg = parse_daemon_config(data, base_dir=path.resolve().parent)
     except ConfigError as exc:
         raise ConfigError(exc.message, details={"file": str(path)}) from None
+    cfg._source_file = path.resolve()
+    return cfg

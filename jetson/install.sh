@@ -291,5 +291,6 @@ edgevlm is installed.
   2. Check the machine:   sudo -u $SERVICE_USER $VENV/bin/edgevlm doctor --config /etc/edgevlm/config.yaml
   3. Enable and start:    sudo systemctl daemon-reload && sudo systemctl enable --now edgevlm
   4. Follow the logs:     journalctl -u edgevlm -f
-     Reload after edits:  sudo systemctl reload edgevlm
+     New model.path:      sudo systemctl reload edgevlm   (loads it; the old model serves until then)
+     Other edits:         sudo systemctl restart edgevlm
 EOF

@@ -178,6 +178,79 @@ def test_sighup_reloads_a_running_daemon(models, tmp_path, mosquitto, watcher, w
     assert b"received SIGHUP; reloading the engine" in out
 
 
+
+def test_sighup_loads_a_changed_model_path_and_keeps_serving_on_a_bad_one(models, tmp_path, mosquitto, watcher,
+                                                                       image_b64, wait_until,
+                                                                       tiny_model_dir) -> None:  # fmt: skip
+    """Found by a new user: ``systemctl reload`` after editing ``model.path`` in the config file reloaded the
+    old path (the file was not read again; documented, only a re-pointed symlink worked). SIGHUP now reads the
+    file's ``model.path``: a changed one is loaded beside the old engine, which serves until the new one is
+    ready; a folder that does not load, or a file that no longer parses, is rejected in one line and the old
+    engine keeps serving; other changed settings are named in a warning (they take a restart). A real daemon
+    process, SIGHUP, two clients asking throughout: no request fails."""
+    cfg = {"mqtt": {"host": mosquitto.host, "port": mosquitto.port, "device_id": "dev1"},
+           "model": {"path": str(tiny_model_dir)}, "defaults": {"max_new_tokens": 3}, "queue_max_size": 16,
+           "metrics": {"listen": None}, "tegrastats": {"enabled": False}}  # fmt: skip
+    path = tmp_path / "d.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    log = tmp_path / "daemon.log"
+    run = ("import sys; from edgevlm.config import load_daemon_config; from edgevlm.daemon.app import run; "
+           "sys.exit(run(load_daemon_config(sys.argv[1])))")  # fmt: skip
+    w = watcher()
+    w.subscribe("edgevlm/dev1/status")
+    w.subscribe("edgevlm/dev1/reload")
+
+    def reload(n: int) -> dict:
+        proc.send_signal(signal.SIGHUP)
+        return json.loads(w.wait("edgevlm/dev1/reload", n, timeout_s=60)[n - 1].payload)
+
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", run, str(path)], stdout=out, stderr=subprocess.STDOUT)
+    with reaped(proc):
+        w.wait("edgevlm/dev1/status", 1, timeout_s=120)
+        old = w.ask("dev1", {"prompt": PROMPT, "image_b64": image_b64(90), "max_new_tokens": 3})["text"]
+        assert old != models["expected"]["other"]
+        with Load(watcher, image_b64) as load:
+            wait_until(lambda: len(load.responses) >= 3, what="load running")
+            # 1. model.path names a folder that is not there: rejected, the old engine keeps serving
+            missing = tmp_path / "missing"
+            path.write_text(yaml.safe_dump({**cfg, "model": {"path": str(missing)}}))
+            bad = reload(1)
+            assert (bad["ok"], bad["path"], bad["reason"]) == (False, str(missing), f"{missing} is not a folder")
+            n = len(load.responses)
+            wait_until(lambda: len(load.responses) >= n + 3, what="answers after the rejection")
+            assert set(load.texts_since(n)) == {old}
+            # 2. another model folder (and a setting a reload does not apply): loaded, then switched to
+            path.write_text(yaml.safe_dump({**cfg, "model": {"path": str(models["other"])}, "queue_max_size": 8}))
+            good = reload(2)
+            assert good["ok"] is True and good["path"] == str(models["other"].resolve())
+            assert good["previous"] == str(tiny_model_dir.resolve())
+            n = len(load.responses)
+            wait_until(lambda: len(load.responses) >= n + 3, what="answers from the new engine")
+            assert load.texts_since(n + 1)[-2:] == [models["expected"]["other"]] * 2
+            # 3. a config file that no longer parses: rejected, the new engine keeps serving
+            path.write_text("model: {path: [\n")
+            broken = reload(3)
+            assert broken["ok"] is False and broken["path"] == str(models["other"])
+            assert broken["reason"].startswith(f"cannot re-read {path}: $: YAML syntax error")
+            n = len(load.responses)
+            wait_until(lambda: len(load.responses) >= n + 3, what="answers after the broken file")
+            assert set(load.texts_since(n)) == {models["expected"]["other"]}
+        status = wait_until(lambda: [s for s in w.json("edgevlm/dev1/status") if s.get("model") == good["path"]],
+                            what="the online status naming the new model")  # fmt: skip
+        assert status[-1]["state"] == "online"
+        stop(proc)
+    assert proc.returncode == 0
+    assert [r for r in load.responses if not r.get("ok")] == [] and len(load.responses) >= 12
+    lines = log.read_text(errors="replace").splitlines()
+    rejected = [ln for ln in lines if "rejected:" in ln]
+    assert len(rejected) == 2, lines[-40:]
+    assert rejected[0].endswith(f"reload (SIGHUP) of {missing} rejected: {missing} is not a folder; still serving "
+                                f"{tiny_model_dir.resolve()}")  # fmt: skip
+    assert f"reload (SIGHUP): model.path changed in {path}: {tiny_model_dir} -> {models['other']}" in "\n".join(lines)
+    assert any(ln.endswith(f"reload (SIGHUP): queue_max_size changed in {path}; a reload applies model.path only: "
+                           "restart the service (systemctl restart edgevlm) to apply the rest") for ln in lines)
+
 def _png() -> bytes:
     import cv2
 
