@@ -53,7 +53,8 @@ model by ``edgevlm calibrate``; ignored, with a warning, when the weights change
 profile's ``operating_points.frontier`` (the shipped figures for the demo model on that device;
 only when every rung it names is on the model's ladder), else one point per resolution rung
 measured at start-up (accuracy then only ranks rungs, highest resolution first). Points the engine
-cannot run (exit thresholds without exit heads) are dropped with a warning.
+cannot run (exit thresholds without exit heads) are dropped with a warning; a frontier naming an
+``exit_layer`` past the vision encoder's depth is refused (:func:`check_frontier_depth`).
 """
 
 from __future__ import annotations
@@ -400,6 +401,38 @@ def check_frontier_weights(record: Any, path: Any, model_dir: Any) -> None:
             f"weights_fingerprint to use it anyway)")
 
 
+def vision_blocks_of(model_config: Any) -> int | None:
+    """The vision encoder's depth (blocks a full encode runs) of a parsed model config (``Engine.config``, or
+    what ``family.parse_config`` returns at ``--check-config``), or None for a family without early exit
+    (its points with an exit are not runnable: :func:`runnable`)."""
+    geometry = getattr(model_config, "exit_geometry", None)
+    return None if geometry is None else int(geometry.vision_blocks)
+
+
+def check_frontier_depth(points: list[FrontierPoint], where: str, vision_blocks: int | None) -> None:
+    """Every point's ``exit_layer`` (the deepest block an exit may happen after) lies within the vision
+    encoder's ``vision_blocks``: a point past it names no block of this model (a frontier of a deeper model,
+    or a hand edit): the engine would run it silently as if it had no ``exit_layer`` (with an
+    ``exit_threshold``: every exit point consulted, up to full depth) under the name and measured latency of
+    another encoder's exit, and the controller drop it as "cannot run" without one. ``where``: the frontier's
+    source (``controller.frontier: <file>``, ``model.path: <folder>/frontier.json``, ``profile <name>:
+    operating_points``). Not checked when ``vision_blocks`` is None (:func:`vision_blocks_of`). The one rule
+    for ``serve --check-config`` and the start-up, for every frontier the controller takes.
+
+    Raises:
+        ConfigError: ``<where>: frontier[i] ('<name>'): exit_layer K is past the vision encoder's depth (N
+            blocks: exit_layer 1..N)``, naming the first such point.
+    """
+    if vision_blocks is None:
+        return
+    for i, p in enumerate(points):
+        if p.exit_layer is not None and p.exit_layer > vision_blocks:
+            raise ConfigError(
+                f"{where}: frontier[{i}] ({p.name!r}): exit_layer {p.exit_layer} is past the vision encoder's depth "
+                f"({vision_blocks} blocks: exit_layer 1..{vision_blocks})"
+            )
+
+
 def _fits_ladder(profile: Profile, engine: Any) -> bool:
     """Whether a profile's frontier was made for a model like ``engine``: every rung it names is
     on the engine's resolution ladder (a frontier of another model would run it at foreign sizes)."""
@@ -425,25 +458,29 @@ def build_controller(config: Any, engine: Any, *, batched: bool = False) -> Budg
 
     Raises:
         ConfigError: the profile or frontier file is invalid, ``controller.frontier`` was measured on
-            other weights (:func:`check_frontier_weights`), or no frontier point is runnable.
+            other weights (:func:`check_frontier_weights`), a point's ``exit_layer`` is past the vision
+            encoder's depth (:func:`check_frontier_depth`), or no frontier point is runnable.
     """
     cc = config.controller
     if not cc.enabled:
         return None
     profile = resolve_profile(config)
     points: list[FrontierPoint] = []
-    source = ""
+    source = where = ""
     model_dir = getattr(engine, "model_dir", None)
     model_frontier = Path(model_dir) / "frontier.json" if model_dir is not None else None
     if cc.frontier is not None:
         record = load_frontier(cc.frontier)
         check_frontier_weights(record, cc.frontier, model_dir)
-        points, source = record.frontier, str(cc.frontier)
+        points, source, where = record.frontier, str(cc.frontier), f"controller.frontier: {cc.frontier}"
     elif model_frontier is not None and model_frontier.is_file() \
             and _same_weights(record := load_frontier(model_frontier), model_dir):
-        points, source = record.frontier, str(model_frontier)
+        points, source, where = record.frontier, str(model_frontier), f"model.path: {model_frontier}"
     elif profile is not None and profile.operating_points.frontier and _fits_ladder(profile, engine):
         points, source = profile.operating_points.frontier, f"profile {profile.name}"
+        where = f"profile {profile.name}: operating_points"
+    if points:
+        check_frontier_depth(points, where, vision_blocks_of(getattr(engine, "config", None)))
     profiles: list[PointProfile]
     if points:
         ok = [p for p in points if runnable(engine, p)]

@@ -14,7 +14,8 @@ one the daemon starts with. It checks what can be checked without loading the we
   ``size`` and ``do_pan_and_scan``, ...); the tokenizer loads and the chat template compiles
   and renders; ``exits.json`` (when present) is JSON, the ``monitors`` name its labels and classifier
   blocks (:func:`_check_monitors`), and the frontier the controller will read
-  (``controller.frontier``, else the folder's ``frontier.json``) validates; ``model.device`` exists (CUDA available, ``cuda:N`` within the device count); the
+  (``controller.frontier``, else the folder's ``frontier.json``) validates and names no ``exit_layer``
+  past the vision encoder's depth; ``model.device`` exists (CUDA available, ``cuda:N`` within the device count); the
   backend's library imports (onnxruntime, tensorrt). A failure raises ConfigError naming the key:
   the daemon cannot serve without its model.
 - **sources** (:func:`check_sources`): a video file is a file OpenCV decodes a frame from (not a
@@ -95,7 +96,7 @@ def check_model(cfg: DaemonConfig, *, verify_hashes: bool = True) -> None:
         exits = read_json(path / "exits.json", required=False)  # the loader parses it (its schema needs torch)
     except ModelLoadError as exc:
         raise ConfigError(f"model.path: {exc.message}") from None
-    _check_frontier(cfg, path)
+    _check_frontier(cfg, path, model_cfg)
     _check_monitors(cfg, exits if m.backend == "torch" and family.adaptive_vision else None)
 
 
@@ -112,10 +113,18 @@ def _check_monitors(cfg: DaemonConfig, exits: object) -> None:
                    list(exits.get("classifier_blocks") or []) if ok else [])
 
 
-def _check_frontier(cfg: DaemonConfig, model_path: Path) -> None:
+def _check_frontier(cfg: DaemonConfig, model_path: Path, model_cfg: object) -> None:
     """The frontier the controller reads at start-up (:func:`edgevlm.daemon.budget.build_controller`):
-    ``controller.frontier``, else the model folder's ``frontier.json``, must validate, and
-    ``controller.frontier`` must have been measured on this model's weights."""
+    ``controller.frontier``, else the model folder's ``frontier.json``, must validate,
+    ``controller.frontier`` must have been measured on this model's weights, and the frontier the controller
+    takes must name no ``exit_layer`` past the vision encoder's depth (``model_cfg``: the parsed config.json;
+    :func:`edgevlm.daemon.budget.check_frontier_depth`)."""
+    from edgevlm.daemon.budget import (
+        _measured_on,
+        check_frontier_depth,
+        check_frontier_weights,
+        vision_blocks_of,
+    )
     from edgevlm.profile import load_frontier
 
     cc = cfg.controller
@@ -130,9 +139,10 @@ def _check_frontier(cfg: DaemonConfig, model_path: Path) -> None:
     except ConfigError as exc:
         raise ConfigError(f"{key}: {exc.message}") from None
     if cc.frontier is not None:
-        from edgevlm.daemon.budget import check_frontier_weights
-
         check_frontier_weights(record, cc.frontier, model_path)
+    elif not _measured_on(record, model_path):  # the controller does not take it (a warning at start-up)
+        return
+    check_frontier_depth(record.frontier, f"{key}: {path}", vision_blocks_of(model_cfg))
 
 
 def _check_device(device: str) -> None:

@@ -301,6 +301,71 @@ def test_frontier_point_of_zero_ms_is_refused(tmp_path, plain_engine):
     assert bc.service_ms(bc.points[0].point, 4) > 0
 
 
+def test_frontier_exit_layer_past_the_encoder_depth_is_refused(tmp_path, exit_model_dir, exit_engine, capsys):
+    """A frontier point with exit_layer 9 on a 4-block encoder was taken: with an exit_threshold it ran as if it
+    had no exit_layer (every exit point consulted) under its name and measured latency; without one it was dropped
+    as "cannot run". Now serve and --check-config refuse the file, one line naming the point and the encoder's
+    depth; for controller.frontier and for the model's own frontier.json. exit_layer 4 (the last block) loads."""
+    import shutil
+
+    from edgevlm.cli import main
+    from edgevlm.model_folder import weights_fingerprint
+    from edgevlm.runtime import Engine
+
+    good = {
+        "name": "x2",
+        "exit_layer": 2,
+        "exit_threshold": 0.5,
+        "accuracy": 0.8,
+        "vision_ms": 4,
+        "prefill_ms": 5,
+        "tpot_ms": 1,
+    }
+    deep = {**good, "name": "x9", "exit_layer": 9, "accuracy": 0.9, "vision_ms": 5}
+    f = _frontier_file(tmp_path / "frontier.json", [good, deep])
+    cfg = parse_daemon_config({"controller": {"frontier": str(f)}})
+    want = (
+        f"controller.frontier: {f}: frontier[1] ('x9'): exit_layer 9 is past the vision encoder's depth "
+        "(4 blocks: exit_layer 1..4)"
+    )
+    with pytest.raises(ConfigError) as info:
+        build_controller(cfg, exit_engine)
+    assert str(info.value) == want
+    yaml = tmp_path / "daemon.yaml"
+    yaml.write_text(
+        f"mqtt: {{host: 127.0.0.1, port: 1}}\nmetrics: {{listen: null}}\n"
+        f"model: {{path: {exit_model_dir}}}\ncontroller: {{frontier: {f}}}\n"
+    )
+    assert main(["serve", "--check-config", str(yaml)]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"edgevlm: error: {want}"]
+
+    _frontier_file(f, [good, {**deep, "exit_layer": 4}])  # the encoder's last block: within its depth
+    points = build_controller(cfg, exit_engine).points
+    assert sorted((p.name, p.point.exit_layer) for p in points) == [("x2", 2), ("x9", 4)]
+    assert main(["serve", "--check-config", str(yaml)]) == 0
+    capsys.readouterr()
+
+    # the model's own frontier.json (measured on its weights), no controller.frontier
+    model = tmp_path / "model"
+    shutil.copytree(exit_model_dir, model)
+    own = _frontier_file(model / "frontier.json", [good, deep])
+    raw = json.loads(own.read_text())
+    raw["weights_fingerprint"] = weights_fingerprint(model)
+    own.write_text(json.dumps(raw))
+    want = (
+        f"model.path: {own}: frontier[1] ('x9'): exit_layer 9 is past the vision encoder's depth "
+        "(4 blocks: exit_layer 1..4)"
+    )
+    with pytest.raises(ConfigError) as info:
+        build_controller(parse_daemon_config({}), Engine.load(model))
+    assert str(info.value) == want
+    yaml.write_text(
+        f"mqtt: {{host: 127.0.0.1, port: 1}}\nmetrics: {{listen: null}}\nmodel: {{path: {model}}}\n"
+    )
+    assert main(["serve", "--check-config", str(yaml)]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"edgevlm: error: {want}"]
+
+
 def test_profile_frontier_is_used(tmp_path, plain_engine):
     prof = tmp_path / "dev.yaml"
     prof.write_text(
