@@ -314,9 +314,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # The start-up checks, before anything starts; --check-config runs the same ones (the bundle's
     # hashes: here for --check-config, by the model load itself when serving).
     source_problems = preflight(cfg, verify_hashes=args.check_config is not None)
+    from edgevlm.daemon.systemd_unit import stop_timeout_problem
+
+    stop_problem = stop_timeout_problem(cfg)  # the installed unit's TimeoutStopSec= bounds the shutdown
     if args.check_config is not None:
         if source_problems:
             raise ConfigError(source_problems[0])
+        if stop_problem is not None:
+            raise ConfigError(stop_problem)
         names = ", ".join(s.name for s in cfg.sources) or "none"
         print(
             f"{args.check_config}: OK (broker {cfg.mqtt.host}:{cfg.mqtt.port}, device_id {cfg.mqtt.device_id}, "
@@ -327,6 +332,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         logging.getLogger().setLevel(cfg.log_level)
     for problem in source_problems:  # a camera may come later: its source keeps reopening it
         logger.warning("%s; starting anyway, requests for that source fail until it delivers frames", problem)
+    if stop_problem is not None:  # serves; only a stop during a long request loses it
+        logger.warning("%s", stop_problem)
     from edgevlm.daemon.app import run
 
     try:

@@ -187,7 +187,8 @@ class ServiceConfig(StrictModel):
 
     shutdown_timeout_s: float = Field(
         10.0, gt=0, le=3600, description="On SIGTERM, how long the request in flight may run before it is "
-        "answered BUSY and the daemon exits (keep below the unit's TimeoutStopSec=)."
+        "answered BUSY and the daemon exits (s). With up to 5 s for the MQTT goodbye it must fit in the systemd "
+        "unit's TimeoutStopSec= (serve --check-config refuses it otherwise, serve warns)."
     )
     worker_idle_timeout_s: float = Field(
         10.0, gt=0, le=3600, description="An idle inference worker silent for longer counts as hung (s)."
