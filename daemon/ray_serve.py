@@ -20,6 +20,12 @@ Two deployments (Ray Serve's model composition, https://docs.ray.io/en/latest/se
   (``timeout_ms``, else ``defaults.timeout_ms``) ends a request with ``DEADLINE_EXCEEDED``.
 
 Replicas have no cameras: a request naming a ``source`` is ``UNKNOWN_SOURCE``; images come inline.
+
+Settings: the config's ``model``, ``profile``, ``http``, ``defaults``, ``limits``, ``ray`` and ``log_level``
+are read (:data:`READ_SECTIONS`); everything else configures ``edgevlm serve`` (MQTT and its pools,
+cameras, audio, monitors, metrics, the worker's queue and batching, the latency controller, offload,
+hot reload, the watchdog). One config file may serve both commands, so those are not refused: the
+ones the file sets are named in one warning at start (:func:`ignored_settings`).
 """
 
 from __future__ import annotations
@@ -45,6 +51,49 @@ from edgevlm.errors import (
 from edgevlm.protocol import Request, Response, deadline_s, parse_request, request_timeout_ms
 
 logger = logging.getLogger(__name__)
+
+
+READ_SECTIONS = ("model", "profile", "http", "defaults", "limits", "ray", "log_level")
+"""The top-level config keys ``serve-ray`` reads (less :data:`IGNORED_MODEL_KEYS` and ``http.enabled``)."""
+IGNORED_MODEL_KEYS = ("continuous_batching", "prefill_token_budget")
+"""``model`` keys of the daemon's inference worker: a replica answers one request at a time."""
+
+
+def ignored_settings(config: DaemonConfig) -> list[str]:
+    """The settings ``config`` sets that ``serve-ray`` ignores, as key paths in the config's order
+    (``mqtt.pool``, ``sources``, ``model.continuous_batching``, ``http.enabled`` when false: the HTTP API
+    is what serve-ray serves). Only keys the file sets count, not defaults; a section set to nothing
+    (``sources: []``, ``mqtt: {}``) sets nothing."""
+    from pydantic import BaseModel
+
+    names: list[str] = []
+    for key in type(config).model_fields:
+        if key not in config.model_fields_set:
+            continue
+        value = getattr(config, key)
+        if key == "model":
+            names += [f"model.{k}" for k in IGNORED_MODEL_KEYS if k in value.model_fields_set]
+        elif key == "http":
+            if "enabled" in value.model_fields_set and not value.enabled:
+                names.append("http.enabled")
+        elif key in READ_SECTIONS:
+            continue
+        elif isinstance(value, BaseModel):
+            names += [f"{key}.{k}" for k in type(value).model_fields if k in value.model_fields_set]
+        elif value != []:
+            names.append(key)
+    return names
+
+
+def warn_ignored_settings(config: DaemonConfig) -> list[str]:
+    """Log one warning naming :func:`ignored_settings` (nothing when there are none); returns them."""
+    names = ignored_settings(config)
+    if names:
+        source = getattr(config, "_source_file", None)
+        logger.warning("serve-ray: ignoring %s%s: they configure edgevlm serve (serve-ray serves the HTTP API "
+                       "from model, profile, http, defaults, limits and ray only)", ", ".join(names),
+                       f" set in {source}" if source else "")  # fmt: skip
+    return names
 
 
 def _ray() -> Any:
@@ -303,8 +352,10 @@ def app_builder(args: dict[str, str]) -> Any:
     if "config" not in args:
         raise ValueError("pass config=PATH (the daemon YAML)")
     ray = _ray()
+    config = load_daemon_config(args["config"])
+    warn_ignored_settings(config)
     gpus = float(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0.0
-    return build_app(load_daemon_config(args["config"]), cluster_gpus=gpus)
+    return build_app(config, cluster_gpus=gpus)
 
 
 def run(config: DaemonConfig, *, stop_event: threading.Event | None = None, ready: threading.Event | None = None) -> int:
@@ -313,6 +364,7 @@ def run(config: DaemonConfig, *, stop_event: threading.Event | None = None, read
     ray = _ray()
     from ray import serve
 
+    warn_ignored_settings(config)
     if not ray.is_initialized():
         ray.init(address=config.ray.address, include_dashboard=False, log_to_driver=False,
                  configure_logging=False)

@@ -380,3 +380,32 @@ def test_serve_ray_refuses_a_target_its_replicas_can_never_reach(tmp_path) -> No
         "edgevlm: error: ray.target_ongoing_requests: 10 is above max_ongoing_requests 2 (a replica never "
         "reaches it, so autoscaling never adds one)"]
     assert parse_daemon_config({"ray": {"target_ongoing_requests": 2, "max_ongoing_requests": 2}}).ray.max_ongoing_requests == 2
+
+
+def test_serve_ray_names_the_settings_it_ignores(tmp_path, caplog) -> None:
+    """Found by a new user: ``serve-ray`` started without a word on settings only ``edgevlm serve`` reads
+    (``mqtt.pool``: no pool membership). The decision, without starting Ray: the keys the file sets outside
+    what serve-ray reads, in the file's order; defaults and empty sections are not named."""
+    import logging
+
+    from edgevlm.config import load_daemon_config
+    from edgevlm.daemon.ray_serve import ignored_settings, warn_ignored_settings
+
+    cfg = tmp_path / "shared.yaml"
+    cfg.write_text("mqtt: {host: broker.local, device_id: gpu-1, pool: gpus}\nsources: []\nqueue_max_size: 16\n"
+                   "model: {device: cpu, continuous_batching: false, max_batch_size: 4}\nhttp: {enabled: false, "
+                   "port: 8000}\nray: {min_replicas: 1}\ndefaults: {timeout_ms: 5000}\noffload: {pool: cloud}\n")  # fmt: skip
+    config = load_daemon_config(cfg)
+    with caplog.at_level(logging.WARNING, logger="edgevlm.daemon.ray_serve"):
+        assert warn_ignored_settings(config) == ["mqtt.host", "mqtt.device_id", "mqtt.pool", "model.continuous_batching",
+                                                 "queue_max_size", "http.enabled", "offload.pool"]  # fmt: skip
+    assert [r.getMessage() for r in caplog.records] == [
+        "serve-ray: ignoring mqtt.host, mqtt.device_id, mqtt.pool, model.continuous_batching, queue_max_size, "
+        f"http.enabled, offload.pool set in {cfg}: they configure edgevlm serve (serve-ray serves the HTTP API from "
+        "model, profile, http, defaults, limits and ray only)"]  # fmt: skip
+    caplog.clear()
+    only_ray = parse_daemon_config({"model": {"device": "cpu", "max_batch_size": 2}, "http": {"enabled": True},
+                                    "ray": {"max_replicas": 2}, "limits": {}, "log_level": "info"})  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="edgevlm.daemon.ray_serve"):
+        assert warn_ignored_settings(only_ray) == [] and ignored_settings(parse_daemon_config({})) == []
+    assert not caplog.records
