@@ -89,7 +89,7 @@ def warn_ignored_settings(config: DaemonConfig) -> list[str]:
     """Log one warning naming :func:`ignored_settings` (nothing when there are none); returns them."""
     names = ignored_settings(config)
     if names:
-        source = getattr(config, "_source_file", None)
+        source = config.source_file
         logger.warning("serve-ray: ignoring %s%s: they configure edgevlm serve (serve-ray serves the HTTP API "
                        "from model, profile, http, defaults, limits and ray only)", ", ".join(names),
                        f" set in {source}" if source else "")  # fmt: skip
