@@ -70,7 +70,7 @@ from typing import Any
 from edgevlm.errors import ConfigError, DeadlineExceededError
 from edgevlm.profile import FrontierPoint, Profile, load_frontier, load_profile
 from edgevlm.runtime.policy import Controller, Decision, PointProfile
-from edgevlm.types import OperatingPoint, Stats, asks_adaptive_vision
+from edgevlm.types import OperatingPoint, Stats, asks_adaptive_vision, exit_depth_error
 
 logger = logging.getLogger(__name__)
 
@@ -426,11 +426,9 @@ def check_frontier_depth(points: list[FrontierPoint], where: str, vision_blocks:
     if vision_blocks is None:
         return
     for i, p in enumerate(points):
-        if p.exit_layer is not None and p.exit_layer > vision_blocks:
-            raise ConfigError(
-                f"{where}: frontier[{i}] ({p.name!r}): exit_layer {p.exit_layer} is past the vision encoder's depth "
-                f"({vision_blocks} blocks: exit_layer 1..{vision_blocks})"
-            )
+        past = exit_depth_error(p.exit_layer, vision_blocks)
+        if past is not None:
+            raise ConfigError(f"{where}: frontier[{i}] ({p.name!r}): {past}")
 
 
 def _fits_ladder(profile: Profile, engine: Any) -> bool:

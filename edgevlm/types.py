@@ -85,6 +85,17 @@ def asks_adaptive_vision(point: Any) -> bool:
                                   or (point.keep_ratio is not None and point.keep_ratio < 1.0))
 
 
+def exit_depth_error(exit_layer: int | None, vision_blocks: int) -> str | None:
+    """Why ``exit_layer`` names no block of a vision encoder ``vision_blocks`` deep, or None when it does
+    (or is None). ``exit_layer`` counts blocks from 1; ``vision_blocks`` itself is full depth. The one rule
+    for a request's operating point (:func:`edgevlm.runtime.vision.exit_plan`) and a frontier's points
+    (``edgevlm.daemon.budget.check_frontier_depth``)."""
+    if exit_layer is None or exit_layer <= vision_blocks:
+        return None
+    return (f"exit_layer {exit_layer} is past the vision encoder's depth "
+            f"({vision_blocks} blocks: exit_layer 1..{vision_blocks})")
+
+
 class Stats(BaseModel):
     """Per-request measurements. Times in milliseconds, measured on the host clock
     (``time.perf_counter``) around synchronised device work."""

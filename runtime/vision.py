@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgevlm.types import exit_depth_error
+
 if TYPE_CHECKING:
     from edgevlm.runtime.models.blocks.vit_config import ViTGeometry
     from edgevlm.runtime.models.llava.config import LlavaConfig, VisionConfig
@@ -268,20 +270,29 @@ class VisionInfo:
     kept_index: list[list[int]] | None = None
 
 
+class ExitPastDepthError(ValueError):
+    """An ``exit_layer`` past the vision encoder's depth (see :func:`exit_plan`)."""
+
+
 def exit_plan(exit_blocks: list[int], n_blocks: int, exit_layer: int | None,
               exit_threshold: float | None) -> list[tuple[int, float | None]]:
     """The exit points to consult, as ``(block, threshold)``; threshold None = exit unconditionally.
 
     - no ``exit_layer`` and no ``exit_threshold``: ``[]`` (full depth);
-    - ``exit_layer`` k only: ``[(k, None)]`` (k must be an exit point; ``k >= n_blocks`` = full depth);
+    - ``exit_layer`` k only: ``[(k, None)]`` (k must be an exit point; ``k == n_blocks`` = full depth);
     - ``exit_threshold`` t: every exit point ``<= exit_layer`` (all if None), each gated by t.
 
     Raises:
+        ExitPastDepthError: ``exit_layer`` is past the encoder's depth (``> n_blocks``): it was
+            taken as full depth, which runs another operating point than the one asked for.
         ValueError: an exit is asked for but the model has no exit heads, or ``exit_layer`` is
             not one of its exit points.
     """
     if exit_layer is None and exit_threshold is None:
         return []
+    past = exit_depth_error(exit_layer, n_blocks)
+    if past is not None:
+        raise ExitPastDepthError(past)
     if exit_layer is not None and exit_layer >= n_blocks and exit_threshold is None:
         return []
     if not exit_blocks:

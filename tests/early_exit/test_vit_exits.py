@@ -407,8 +407,11 @@ def test_engine_refuses_bad_exit_layers_and_pruned_video(calibrated):
     for k in range(2, n):  # inside the tower but not an exit point
         with pytest.raises(InvalidRequestError, match=f"exit_layer {k} is not an exit point"):
             engine.prepare(_image(), QUESTION, operating_point=OperatingPoint(name="x", exit_layer=k))
-    deep = engine.ask(_image(), QUESTION, max_new_tokens=2, operating_point=OperatingPoint(name="x", exit_layer=n + 3))
-    assert deep.stats.exit_layer is None  # at or past the last block: full depth
+    last = engine.ask(_image(), QUESTION, max_new_tokens=2, operating_point=OperatingPoint(name="x", exit_layer=n))
+    assert last.stats.exit_layer is None  # the last block: full depth
+    with pytest.raises(InvalidRequestError, match=rf"^operating point 'x': exit_layer {n + 3} is past the vision "
+                                                  rf"encoder's depth \({n} blocks: exit_layer 1\.\.{n}\)$"):
+        engine.prepare(_image(), QUESTION, operating_point=OperatingPoint(name="x", exit_layer=n + 3))
     if engine.family.supports_video:
         frames = [_image(seed=s) for s in range(4)]
         with pytest.raises(InvalidRequestError, match="token pruning takes an image, not a video"):

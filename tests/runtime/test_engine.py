@@ -337,3 +337,22 @@ def test_numpy_scalar_knobs_answer_as_python_numbers(engine, image) -> None:
     assert (numpy_.text, numpy_.stats.new_tokens) == (plain.text, plain.stats.new_tokens)
     with pytest.raises(InvalidRequestError, match="max_new_tokens must be a positive integer"):
         engine.ask(image, "hi", max_new_tokens=np.float64(6.0))  # a float is not a token count, NumPy or not
+
+
+@pytest.mark.parametrize("threshold", [None, 0.5])
+def test_exit_layer_past_the_encoder_depth_is_refused_by_name(threshold):
+    """The demo model's encoder has 6 blocks (exits after 2 and 3). An operating point with exit_layer 9 ran
+    silently at full depth (no threshold) or consulting every exit (with one), i.e. another point than the
+    one asked for; now InvalidRequestError naming the depth, the rule frontier points get at start-up.
+    exit_layer 6 (the last block: full depth) still answers."""
+    from edgevlm.runtime import Engine
+
+    engine = _demo_engine(Engine)
+    frame = np.full((48, 64, 3), 90, np.uint8)
+    op = OperatingPoint(name="deep", exit_layer=9, exit_threshold=threshold)
+    with pytest.raises(InvalidRequestError) as err:
+        engine.ask(frame, "what color is it?", max_new_tokens=2, operating_point=op)
+    assert str(err.value) == ("operating point 'deep': exit_layer 9 is past the vision encoder's depth "
+                              "(6 blocks: exit_layer 1..6)")
+    full = OperatingPoint(name="full", exit_layer=6)
+    assert engine.ask(frame, "what color is it?", max_new_tokens=2, operating_point=full).stats.new_tokens >= 1
