@@ -366,7 +366,7 @@ def warm_up(engine: Any, points: list[PointProfile]) -> None:
             logger.warning("controller: warm-up of %s failed: %s: %s", p.name, type(exc).__name__, exc)
 
 
-def _measured_on(record: Any, model_dir: Any) -> bool:
+def measured_on(record: Any, model_dir: Any) -> bool:
     """Whether a frontier record was measured on the weights in ``model_dir`` (unknown = yes: a
     hand-written file has no ``weights_fingerprint``, an engine may have no folder)."""
     if not record.weights_fingerprint or model_dir is None:
@@ -378,7 +378,7 @@ def _measured_on(record: Any, model_dir: Any) -> bool:
 
 def _same_weights(record: Any, model_dir: Any) -> bool:
     """Whether a model's frontier.json was measured on its current weights; a warning when not."""
-    if _measured_on(record, model_dir):
+    if measured_on(record, model_dir):
         return True
     logger.warning("controller: %s/frontier.json was measured on other weights: not used", model_dir)
     return False
@@ -394,7 +394,7 @@ def check_frontier_weights(record: Any, path: Any, model_dir: Any) -> None:
     Raises:
         ConfigError: ``controller.frontier: ...`` naming both models.
     """
-    if not _measured_on(record, model_dir):
+    if not measured_on(record, model_dir):
         raise ConfigError(
             f"controller.frontier: {path} was measured on other weights (its model: {record.model!r}), not on "
             f"{model_dir}'s: measure this model's with `edgevlm calibrate MODEL` (or drop the file's "

@@ -120,9 +120,9 @@ def _check_frontier(cfg: DaemonConfig, model_path: Path, model_cfg: object) -> N
     takes must name no ``exit_layer`` past the vision encoder's depth (``model_cfg``: the parsed config.json;
     :func:`edgevlm.daemon.budget.check_frontier_depth`)."""
     from edgevlm.daemon.budget import (
-        _measured_on,
         check_frontier_depth,
         check_frontier_weights,
+        measured_on,
         vision_blocks_of,
     )
     from edgevlm.profile import load_frontier
@@ -140,7 +140,7 @@ def _check_frontier(cfg: DaemonConfig, model_path: Path, model_cfg: object) -> N
         raise ConfigError(f"{key}: {exc.message}") from None
     if cc.frontier is not None:
         check_frontier_weights(record, cc.frontier, model_path)
-    elif not _measured_on(record, model_path):  # the controller does not take it (a warning at start-up)
+    elif not measured_on(record, model_path):  # the controller does not take it (a warning at start-up)
         return
     check_frontier_depth(record.frontier, f"{key}: {path}", vision_blocks_of(model_cfg))
 
