@@ -153,8 +153,12 @@ def _ignored_setting(src: SourceConfig) -> str | None:
     ``width``/``height`` are used by V4L2 and CSI cameras and by a GStreamer pipeline on either capture
     path (``capture: auto`` picks one at run time; both scale the frames to them: ``opencv_pipeline`` and
     ``subprocess_pipeline`` in :mod:`edgevlm.daemon.capture_gst`); ``fps`` by V4L2 and CSI cameras and to
-    pace a video file."""
+    pace a video file. A V4L2 camera takes ``width`` and ``height`` together (one alone is refused)."""
     kind = src.kind
+    if kind == "v4l2" and (src.width is None) != (src.height is None):
+        key, other = ("width", "height") if src.width is not None else ("height", "width")
+        return (f"{key}: a V4L2 camera is asked for a frame size as width and height together, so {key} "
+                f"alone would be ignored; set {other} too, or remove {key}")
     for key in ("width", "height"):
         if getattr(src, key) is None:
             continue

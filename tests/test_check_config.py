@@ -471,6 +471,12 @@ def test_size_and_rate_a_source_would_ignore_are_refused_naming_the_key(tmp_path
         code, err = _check(_config(tmp_path, sources=f"  - {source}\n"), capsys)
         assert code == 2 and err.startswith(message), (source, err)
     assert _check(_config(tmp_path, sources=f"  - {{name: cam, uri: {video}, fps: 5}}\n"), capsys)[0] == 0
+    # a V4L2 camera is asked for width x height together: one alone was silently not applied
+    for key, other in (("width", "height"), ("height", "width")):
+        with pytest.raises(ValueError, match=rf"{key}: a V4L2 camera is asked for a frame size as width and "
+                                             rf"height together, so {key} alone would be ignored; set {other} too"):
+            SourceConfig(name="usb", uri="/dev/video0", **{key: 640})
+    assert SourceConfig(name="usb", uri=0, width=640, height=480).width == 640
     for capture in ("auto", "opencv", "subprocess"):  # each path scales the pipeline's frames to the size
         assert SourceConfig(name="gst", uri=pipeline, capture=capture, height=24).height == 24
     if shutil.which("gst-launch-1.0") is not None:
