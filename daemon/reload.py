@@ -277,7 +277,7 @@ class ReloadManager:
         if file is None:
             return self.config.model.path
         try:
-            new = load_daemon_config(file)
+            new = load_daemon_config(file, warn=False)  # its warnings were logged at start
         except ConfigError as exc:
             raise ConfigError(f"cannot re-read {file}: {exc.message}") from None
         old, now = self.config.model_dump(), new.model_dump()

@@ -197,10 +197,11 @@ def _check_batching_rows(cfg: DaemonConfig) -> None:
                           f"batches over; {source})")
 
 
-def parse_daemon_config(data: Any, *, base_dir: Path | None = None) -> DaemonConfig:
+def parse_daemon_config(data: Any, *, base_dir: Path | None = None, warn: bool = True) -> DaemonConfig:
     """Validate a config mapping. Relative video-file paths and model paths resolve against
     ``base_dir`` (the config file's folder; default: the working directory); a video file that
-    does not exist is an error.
+    does not exist is an error. ``warn``: log what is allowed but rarely meant (a profile made for
+    another device or host); False when the file is read again (a reload), so it is said once.
 
     Raises:
         ConfigError: one line naming the key path.
@@ -248,7 +249,7 @@ def parse_daemon_config(data: Any, *, base_dir: Path | None = None) -> DaemonCon
         except ConfigError as exc:
             raise ConfigError(f"profile: {exc.message}") from None
         mismatch = profile_mismatch(profile, cfg.model.device)  # allowed, but rarely meant
-        if mismatch is not None:
+        if mismatch is not None and warn:
             logger.warning("%s", mismatch)
     _check_batching_rows(cfg)
     for i, mic in enumerate(cfg.audio):
@@ -300,8 +301,8 @@ def read_config_file(path: str | Path) -> Any:
     return data
 
 
-def load_daemon_config(path: str | Path) -> DaemonConfig:
-    """Read and validate a daemon config YAML file.
+def load_daemon_config(path: str | Path, *, warn: bool = True) -> DaemonConfig:
+    """Read and validate a daemon config YAML file (``warn``: see :func:`parse_daemon_config`).
 
     Raises:
         ConfigError: missing/unreadable file, YAML syntax error (with line and column), or a
@@ -311,7 +312,7 @@ def load_daemon_config(path: str | Path) -> DaemonConfig:
     path = Path(path)
     data = read_config_file(path)
     try:
-        cfg = parse_daemon_config(data, base_dir=path.resolve().parent)
+        cfg = parse_daemon_config(data, base_dir=path.resolve().parent, warn=warn)
     except ConfigError as exc:
         raise ConfigError(exc.message, details={"file": str(path)}) from None
     cfg._source_file = path.resolve()

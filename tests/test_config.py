@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -409,3 +410,22 @@ def test_serve_ray_names_the_settings_it_ignores(tmp_path, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="edgevlm.daemon.ray_serve"):
         assert warn_ignored_settings(only_ray) == [] and ignored_settings(parse_daemon_config({})) == []
     assert not caplog.records
+
+
+def test_a_profile_warning_is_said_at_start_not_again_on_each_reload(tmp_path, caplog) -> None:
+    """Found by helper 43: since SIGHUP reads the config file again (to load a changed model.path), the
+    profile warning of load_daemon_config was logged again on every reload. It is said when the daemon
+    starts; the reload's re-read (ReloadManager, warn=False) reads the same file without it."""
+    from edgevlm.daemon.reload import ReloadManager
+
+    path = tmp_path / "d.yaml"
+    path.write_text("profile: jetson-orin-nx-16gb\nmodel: {device: cpu}\n")
+    with caplog.at_level(logging.WARNING, logger="edgevlm.config"):
+        cfg = load_daemon_config(path)
+    said = [r.getMessage() for r in caplog.records if "jetson-orin-nx-16gb" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("profile: 'jetson-orin-nx-16gb' is a cuda profile"), said
+    caplog.clear()
+    manager = ReloadManager(cfg, None, current_path=None, loader=lambda p: None)
+    with caplog.at_level(logging.INFO):
+        assert manager._reread_model_path("SIGHUP") is None  # the demo model, as configured
+    assert [r.getMessage() for r in caplog.records] == []
