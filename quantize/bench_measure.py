@@ -11,10 +11,12 @@ from __future__ import annotations
 import statistics
 import time
 
-#: the edgevlm implementations ``edgevlm bench`` measures: name -> (decoder weights, ``kv_cache_dtype``)
+#: the edgevlm implementations ``edgevlm bench`` measures: name -> (decoder weights, ``kv_cache_dtype``);
+#: ``w4-head``: W4A16 decoder and ``lm_head`` (what ``edgevlm quantize --lm-head int4`` builds)
 VARIANTS = {
     "edgevlm": ("16bit", None),
     "edgevlm-w4": ("w4", None),
+    "edgevlm-w4-head4": ("w4-head", None),
     "edgevlm-w4-kv4": ("w4", "int4"),
     "edgevlm-w4-kv8": ("w4", "fp8_e4m3"),
 }

@@ -221,6 +221,19 @@ def quantize_decoder_w4(model: LlavaModel, group_size: int = 128) -> int:
     return n
 
 
+def quantize_lm_head_w4(model: LlavaModel, group_size: int = 128) -> bool:
+    """Replace ``lm_head`` by an RTN W4A16 :class:`~edgevlm.runtime.int4.Int4Linear` (in place; a tied head
+    gets its own INT4 copy, the embeddings stay 16-bit), as ``edgevlm quantize --lm-head int4`` does.
+    Returns whether it was replaced (False: ``in_features`` not a multiple of ``group_size``)."""
+    from edgevlm.runtime.int4 import Int4Linear
+
+    head = model.language_model.lm_head
+    if head.in_features % group_size:
+        return False
+    model.language_model.lm_head = Int4Linear.from_linear(head, group_size).to(head.weight.device)
+    return True
+
+
 #: the fused projections of :meth:`Decoder.fuse_projections` (views of the parts' weights)
 _FUSED = ("qkv_proj", "gate_up_proj")
 
@@ -249,7 +262,8 @@ def decoder_weight_bytes(model: LlavaModel) -> int:
     caches = {b.untyped_storage().data_ptr() for layer in dec.layers for b in layer.self_attn.kv_cache.buffers()}
     seen: set[int] = set()
     total = 0
-    tensors = [*dec.layers.parameters(), *dec.layers.buffers(), *dec.norm.parameters(), dec.lm_head.weight]
+    tensors = [*dec.layers.parameters(), *dec.layers.buffers(), *dec.norm.parameters(), *dec.lm_head.parameters(),
+               *dec.lm_head.buffers()]
     for t in tensors:
         ptr = t.untyped_storage().data_ptr()
         if ptr in caches or ptr in seen:

@@ -97,6 +97,7 @@ def run_model(name: str, *, device, dtype, variants: list[str], with_hf: bool, n
         build_models,
         decoder_weight_bytes,
         quantize_decoder_w4,
+        quantize_lm_head_w4,
         shallow_copy_model,
     )
 
@@ -126,7 +127,7 @@ def run_model(name: str, *, device, dtype, variants: list[str], with_hf: bool, n
             logger.exception("transformers on %s failed", name)
             row = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         rows.append({**common, "impl": "transformers", **row})
-    w4 = None
+    w4: dict = {}  # weights kind -> the quantized copy
     cuda = device.type == "cuda"
     if cuda:  # what TorchBackend does on CUDA, done here so that peak memory counts it once
         ours.language_model.fuse_projections()
@@ -134,13 +135,15 @@ def run_model(name: str, *, device, dtype, variants: list[str], with_hf: bool, n
     for variant in variants:
         weights, kv = VARIANTS[variant]
         try:
-            if weights == "w4" and w4 is None:
-                w4 = shallow_copy_model(ours, max_seq_len)
-                quantize_decoder_w4(w4)
+            if weights != "16bit" and weights not in w4:
+                w4[weights] = shallow_copy_model(ours, max_seq_len)
+                quantize_decoder_w4(w4[weights])
+                if weights == "w4-head":
+                    quantize_lm_head_w4(w4[weights])
                 if cuda:
-                    w4.language_model.fuse_projections()
-                    w4.language_model.enable_fused_decode()
-            model = w4 if weights == "w4" else ours
+                    w4[weights].language_model.fuse_projections()
+                    w4[weights].language_model.enable_fused_decode()
+            model = w4.get(weights, ours)
             row = bench_edgevlm(model, cfg, kv_cache_dtype=kv, ids=ids, pixels=pixels, new_tokens=new_tokens,
                                 batch_sizes=batch_sizes, vision_batch=vision_batch, device=device, ceilings=ceilings,
                                 weight_bytes=decoder_weight_bytes(model))

@@ -31,6 +31,8 @@ def test_bench_runs_on_cpu_and_saves_results(tmp_path, capsys):
     assert rows["edgevlm"]["batch_tok_s"]["2"] > 0
     assert rows["edgevlm"]["decode_tok_s_host_fed"] > 0 and rows["edgevlm"]["batch_tok_s_host_fed"]["2"] > 0
     assert rows["edgevlm-w4-kv4"]["kv_bytes_per_token"] * 3 < rows["edgevlm"]["kv_bytes_per_token"]
+    # the INT4 head (quantize --lm-head int4): the step reads fewer bytes than with the 16-bit head
+    assert rows["edgevlm-w4-head4"]["bytes_per_step_mb"] < 0.75 * rows["edgevlm-w4"]["bytes_per_step_mb"]
     assert summary["copy_gbps"] > 0 and summary["versions"]["torch"] == torch.__version__
     saved = list(tmp_path.glob("bench_cpu_*.json"))
     assert len(saved) == 1 and json.loads(saved[0].read_text())["rows"] == summary["rows"]
