@@ -113,13 +113,8 @@ def test_gst_launch_subprocess_delivers_rgb_frames() -> None:
     assert src.state == "stopped"
 
 
-@needs_gst
-def test_gst_launch_subprocess_rescales_to_the_configured_size() -> None:
-    cfg = SourceConfig(name="t", capture="subprocess", width=40, height=30,
-                       uri="videotestsrc pattern=blue ! video/x-raw,width=320,height=240 ! appsink")  # fmt: skip
-    pipeline, w, h = subprocess_pipeline(cfg)
-    assert (w, h) == (40, 30) and pipeline.endswith(
-        "videoconvert ! videoscale ! video/x-raw,format=BGR,width=40,height=30 ! fdsink fd=1 sync=true")
+def assert_one_blue_frame_of_40x30(cfg: SourceConfig) -> None:
+    """The source ``cfg`` (a blue ``videotestsrc`` scaled to 40 x 30) delivers such a frame."""
     src = FrameSource(cfg)
     src.start()
     try:
@@ -127,6 +122,16 @@ def test_gst_launch_subprocess_rescales_to_the_configured_size() -> None:
     finally:
         src.stop()
     assert f.image.shape == (30, 40, 3) and f.image[..., 2].min() > 200  # blue
+
+
+@needs_gst
+def test_gst_launch_subprocess_rescales_to_the_configured_size() -> None:
+    cfg = SourceConfig(name="t", capture="subprocess", width=40, height=30,
+                       uri="videotestsrc pattern=blue ! video/x-raw,width=320,height=240 ! appsink")  # fmt: skip
+    pipeline, w, h = subprocess_pipeline(cfg)
+    assert (w, h) == (40, 30) and pipeline.endswith(
+        "videoconvert ! videoscale ! video/x-raw,format=BGR,width=40,height=30 ! fdsink fd=1 sync=true")
+    assert_one_blue_frame_of_40x30(cfg)
 
 
 def test_opencv_path_scales_a_pipeline_to_the_configured_size_as_gst_launch_does() -> None:
@@ -189,13 +194,7 @@ def test_capture_auto_through_opencv_honours_width_and_height() -> None:
     uri = "videotestsrc pattern=blue is-live=true ! video/x-raw,width=320,height=240 ! appsink"
     cfg = SourceConfig(name="t", width=40, height=30, uri=uri)
     assert capture_path(cfg) == "opencv-gstreamer"
-    src = FrameSource(cfg)
-    src.start()
-    try:
-        (f,) = _collect(src, 1)
-    finally:
-        src.stop()
-    assert f.image.shape == (30, 40, 3) and f.image[..., 2].min() > 200  # blue
+    assert_one_blue_frame_of_40x30(cfg)
 
 
 @needs_gst
