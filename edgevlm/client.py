@@ -533,7 +533,9 @@ class Client:
 
     def wait_online(self, timeout_s: float | None = 10.0) -> bool:
         """Wait until the daemon's retained status says "online" (pool mode: any member's);
-        returns whether it does (False on timeout: no daemon online is not an exception).
+        returns whether it does (False on timeout: no daemon online is not an exception). The
+        status is only known while the client is connected: after a lost broker connection it waits
+        for the reconnect and the status the broker then sends (a status seen before is stale).
 
         Args:
             timeout_s: how long to wait (s); 0 or less checks once; None or ``inf`` waits for ever.
@@ -562,13 +564,15 @@ class Client:
 
     @property
     def pool_members(self) -> dict[str, StatusMessage]:
-        """Pool mode: each member's last retained status (device id -> status), online or not."""
+        """Pool mode: each member's last retained status (device id -> status), online or not, seen on
+        the current broker connection (empty while it is lost)."""
         with self._status_cond:
             return dict(self._members)
 
     @property
     def device_status(self) -> StatusMessage | None:
-        """The daemon's last status seen (retained ``.../status``), or None."""
+        """The daemon's last status seen on the current broker connection (retained ``.../status``),
+        or None: none seen yet, or the connection is lost (what was seen before may be stale)."""
         with self._status_cond:
             return self._status
 
@@ -776,6 +780,11 @@ class Client:
         self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any
     ) -> None:
         self._subscribed.clear()
+        # unknown until the broker sends it again: wait_online must not say a stale "online"
+        with self._status_cond:
+            self._status = None
+            self._members.clear()
+            self._status_cond.notify_all()
         if self._disconnected_at is None:
             self._disconnected_at = time.monotonic()
         from_broker = bool(getattr(flags, "is_disconnect_packet_from_server", False))

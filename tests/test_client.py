@@ -446,6 +446,29 @@ def test_broker_down_is_broker_unreachable_within_the_timeout(start_daemon, mosq
     assert 1.0 <= took < 1.1, took
 
 
+@pytest.mark.parametrize("pool", [None, "gpu"])
+def test_wait_online_is_false_while_the_broker_is_down_not_a_stale_online(start_daemon, mosquitto, wait_until,
+                                                                          pool) -> None:  # fmt: skip
+    """wait_online returned True, and device_status (pool_members) the last "online", while the broker was
+    down: the status seen before the connection was lost, so a robot's health check read a daemon it
+    could not reach as online. The status is known again once the broker sends it on the new connection."""
+    start_daemon(device_id="m1", mqtt={"pool": pool} if pool else None)
+    target = {"pool": pool} if pool else {"device_id": "m1"}
+    with Client(mosquitto.host, mosquitto.port, **target) as client:
+        assert client.wait_online(10) is True and client.device_status.state == "online"
+        assert list(client.pool_members) == (["m1"] if pool else [])
+        mosquitto.stop(kill=True)  # a crash: no last will is sent, the client's last status is "online"
+        wait_until(lambda: not client.connected, timeout_s=10, what="the client to see the broker gone")
+        start = time.monotonic()
+        assert client.wait_online(0.3) is False
+        assert 0.3 <= time.monotonic() - start < 0.5
+        assert client.device_status is None and client.pool_members == {}
+        mosquitto.start(port=mosquitto.port)
+        assert client.wait_online(30) is True  # the daemon's "online" on the new connection
+        assert client.connected and client.device_status.state == "online"
+        assert list(client.pool_members) == (["m1"] if pool else [])
+
+
 def test_unanswered_request_is_resent_until_answered_and_answered_once(start_daemon, mosquitto, tiny_engine) -> None:
     # The daemon holds the request (worker paused) while the client re-sends it every 0.2 s: the
     # copies are absorbed, the engine runs it once, and ask returns one answer.
