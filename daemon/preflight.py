@@ -92,7 +92,7 @@ def check_model(cfg: DaemonConfig, *, verify_hashes: bool = True) -> None:
         family = family_for(raw)
         model_cfg = family.parse_config(raw)  # what the loader parses (torch-free)
         family.read_image_config(path, model_cfg)  # what the processor reads at load (torch-free)
-        VLMTokenizer.from_dir(path, model_cfg.image_token_id)
+        VLMTokenizer.from_dir(path, model_cfg.image_token_id, family=family.name)
         exits = read_json(path / "exits.json", required=False)  # the loader parses it (its schema needs torch)
     except ModelLoadError as exc:
         raise ConfigError(f"model.path: {exc.message}") from None

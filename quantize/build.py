@@ -261,7 +261,7 @@ def _family_calibration_inputs(files: ModelFiles, source: CheckpointReader, opts
 
     cfg = files.config
     samples = load_samples(opts.calib, opts.calib_samples)
-    tok = VLMTokenizer.from_dir(files.model_dir, cfg.image_token_id)
+    tok = VLMTokenizer.from_dir(files.model_dir, cfg.image_token_id, family=files.family.name)
     processor = files.family.make_processor(files)
     rungs = list(ladder) or [None]
     prepared = []
@@ -632,7 +632,7 @@ def _check_tokenizer(files: ModelFiles) -> None:
     from edgevlm.runtime.tokenizer import VLMTokenizer
 
     try:
-        VLMTokenizer.from_dir(files.model_dir, files.config.image_token_id)
+        VLMTokenizer.from_dir(files.model_dir, files.config.image_token_id, family=files.family.name)
     except ModelLoadError as exc:
         raise ModelLoadError(f"{files.model_dir}: {exc.message} (checked before quantizing: a bundle of this "
                              "model could not build a prompt)") from exc

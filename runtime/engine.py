@@ -234,7 +234,7 @@ class Engine:
         if refused is not None:
             raise InvalidRequestError("{}: {}".format(*refused))
         files = read_model_files(path)
-        tokenizer = VLMTokenizer.from_dir(files.model_dir, files.config.image_token_id)
+        tokenizer = VLMTokenizer.from_dir(files.model_dir, files.config.image_token_id, family=files.family.name)
         if max_seq_len is None:
             tc = files.config.text
             max_seq_len = min(tc.max_position_embeddings, DEFAULT_MAX_SEQ_LEN, tc.sliding_window or DEFAULT_MAX_SEQ_LEN)

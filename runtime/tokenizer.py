@@ -10,7 +10,8 @@ per item and the prompt, under the step, time and size limits of :mod:`edgevlm.r
 transformers' ``{% generation %}...{% endgeneration %}`` tag (which marks assistant text for training
 masks, as in the llava-hf templates) renders its body. The family's processor then expands each
 placeholder to its vision tokens (``Processor.expand_prompt``).
-Without a template the LLaVA-1.5 prompt ``"USER: <image>\\n{prompt} ASSISTANT:"`` is used.
+Without a template the LLaVA-1.5 prompt ``"USER: <image>\\n{prompt} ASSISTANT:"`` is used for the llava
+family only; a checkpoint of another family without one is refused (that prompt is not its format).
 
 Streaming uses the prefix/read-offset incremental detokenisation of text-generation-inference:
 text is emitted only once it no longer ends in an incomplete UTF-8 sequence (U+FFFD).
@@ -107,7 +108,13 @@ class VLMTokenizer:
             )
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, image_token_id: int) -> VLMTokenizer:
+    def from_dir(cls, model_dir: str | Path, image_token_id: int, *, family: str = "llava") -> VLMTokenizer:
+        """The tokenizer and chat template of the checkpoint folder ``model_dir``; ``family`` is its
+        registry name (``ModelFamily.name``): only ``"llava"`` may fall back to the LLaVA-1.5 prompt.
+
+        Raises:
+            ModelLoadError: see the class; also no chat template in a folder of another family than llava.
+        """
         from tokenizers import Tokenizer
 
         model_dir = Path(model_dir)
@@ -125,7 +132,14 @@ class VLMTokenizer:
                 tok_cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
             except json.JSONDecodeError as exc:
                 raise ModelLoadError(f"{cfg_path}: not valid JSON ({exc})") from exc
-        return cls(tok, image_token_id, _read_chat_template(model_dir, tok_cfg),
+        template = _read_chat_template(model_dir, tok_cfg)
+        if template is None and family != "llava":
+            raise ModelLoadError(
+                f"model folder {model_dir} has no chat template (chat_template.jinja, chat_template.json or "
+                f"tokenizer_config.json's chat_template): the {family} family needs its checkpoint's own (the "
+                "built-in fallback is LLaVA-1.5's prompt); copy it from the original checkpoint"
+            )
+        return cls(tok, image_token_id, template,
                    _token_str(tok_cfg.get("bos_token")), _token_str(tok_cfg.get("eos_token")))
 
     # ---- chat template -------------------------------------------------------------------------

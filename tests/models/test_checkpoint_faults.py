@@ -1,0 +1,84 @@
+"""A checkpoint folder damaged the way a user damages one (a file left out of a copy, a corrupt weight
+file), met by ``edgevlm quantize``, ``edgevlm ask`` and ``edgevlm serve --check-config``: one line,
+exit 2, no output folder left behind. Real tiny checkpoints written by the family tests' builders."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+cv2 = pytest.importorskip("cv2")
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from edgevlm.cli import main  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def qwen_src(tmp_path_factory) -> Path:
+    from family_support import write_checkpoint
+
+    return write_checkpoint("qwen2_5_vl", tmp_path_factory.mktemp("ckpt") / "qwen2_5_vl")
+
+
+@pytest.fixture(scope="module")
+def image_path(tmp_path_factory) -> Path:
+    y, x = np.mgrid[0:48, 0:64]
+    path = tmp_path_factory.mktemp("img") / "scene.png"
+    assert cv2.imwrite(str(path), np.stack([x * 4, y * 5, np.full_like(x, 120)], -1).astype(np.uint8))
+    return path
+
+
+def _one_line_error(capsys) -> str:
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("edgevlm: error: "), captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+    return lines[0].removeprefix("edgevlm: error: ")
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_a_qwen_checkpoint_without_its_chat_template_is_refused_not_prompted_as_llava(
+    qwen_src, image_path, tmp_path, capsys
+):
+    """Was: the folder loaded with LLaVA-1.5's 'USER: <image>\\n... ASSISTANT:' prompt, without a word,
+    and quantize built a bundle of it: a Qwen model asked in another model's format answers garbage."""
+    src = _copy(qwen_src, tmp_path / "no_template")
+    (src / "chat_template.jinja").unlink()
+    assert "chat_template" not in json.loads((src / "tokenizer_config.json").read_text())
+    out = tmp_path / "bundle"
+    assert main(["quantize", str(src), "--out", str(out), "--method", "rtn"]) == 2
+    message = _one_line_error(capsys)
+    assert message.startswith(
+        f"{src}: model folder {src} has no chat template (chat_template.jinja, "
+        "chat_template.json or tokenizer_config.json's chat_template): the qwen2_5_vl family"
+    )
+    assert not out.exists() and not out.with_name("bundle.partial").exists()
+    assert main(["ask", "--image", str(image_path), "--model", str(src), "what is this?"]) == 2
+    assert f"model folder {src} has no chat template" in _one_line_error(capsys)
+    config = tmp_path / "daemon.yaml"
+    config.write_text(f"mqtt: {{device_id: r1}}\nmodel: {{path: {src}}}\n")
+    assert main(["serve", "--check-config", str(config)]) == 2
+    assert _one_line_error(capsys).startswith(f"model.path: model folder {src} has no chat template")
+    # the same folder with the template in chat_template.json (the hub's other spelling) loads
+    template = (qwen_src / "chat_template.jinja").read_text()
+    (src / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    assert main(["ask", "--image", str(image_path), "--model", str(src), "--max-new-tokens", "2", "q"]) == 0
+    capsys.readouterr()
+
+
+def test_a_llava_checkpoint_without_a_chat_template_keeps_the_llava_prompt(tmp_path):
+    from edgevlm.runtime import Engine
+    from edgevlm.runtime.testing import write_tiny_checkpoint
+
+    engine = Engine.load(write_tiny_checkpoint(tmp_path / "llava", chat_template=None), device="cpu")
+    assert engine.tokenizer.chat_template is None
+    assert engine.tokenizer.render_prompt("hi") == "USER: <image>\nhi ASSISTANT:"
