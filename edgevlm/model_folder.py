@@ -44,6 +44,12 @@ REFUSED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.gguf", "*.h5"
 """Weight-file patterns that are never loaded (pickle-based or not supported)."""
 
 MAX_SAFETENSORS_HEADER_BYTES = 100 * 1024 * 1024
+#: Bits per element of each safetensors dtype (the format's list; sub-byte kinds pack whole bytes).
+SAFETENSORS_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16,
+    "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64, "C64": 64,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}
 """Largest safetensors JSON header accepted (the reference implementation's own limit)."""
 
 LOADED_FILES = (
@@ -244,6 +250,24 @@ def weight_files(model_dir: Path) -> list[Path]:
     raise ModelLoadError(f"model folder {model_dir} has no model.safetensors")
 
 
+def _entry_size_problem(entry: dict, span: int) -> str | None:
+    """What is wrong with a header entry's ``dtype`` and ``shape`` for its ``span`` bytes of data
+    (safetensors' own reader refuses such a file only when a tensor is read), or None."""
+    dtype, shape = entry.get("dtype"), entry.get("shape")
+    bits = SAFETENSORS_DTYPE_BITS.get(dtype) if isinstance(dtype, str) else None
+    if bits is None:
+        return f"has an unknown dtype {dtype!r}"
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        return "has no valid shape"
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel * bits != span * 8:
+        return f"is {dtype} {shape}, {numel * bits // 8} bytes, but its data_offsets span {span} bytes"
+    return None
+
+
 def check_safetensors(path: Path) -> list[str]:
     """Check a safetensors file's header against the file's size, without reading tensor data.
 
@@ -253,7 +277,8 @@ def check_safetensors(path: Path) -> list[str]:
     Raises:
         ModelLoadError: unreadable, shorter than its header, a header that is not a JSON object
             of valid tensor entries, or tensor data that runs past the end of the file (truncated)
-            or leaves bytes unaccounted for; the message names the file.
+            or leaves bytes unaccounted for, a tensor whose dtype and shape do not fill its data span;
+            the message names the file.
     """
     try:
         size = path.stat().st_size
@@ -286,6 +311,9 @@ def check_safetensors(path: Path) -> list[str]:
             or not all(isinstance(v, int) for v in offsets) or not 0 <= offsets[0] <= offsets[1]
         ):
             raise ModelLoadError(f"{path}: corrupt safetensors header (tensor {name!r} has no valid data_offsets)")
+        problem = _entry_size_problem(entry, offsets[1] - offsets[0])
+        if problem:
+            raise ModelLoadError(f"{path}: corrupt safetensors header (tensor {name!r} {problem})")
         end = max(end, offsets[1])
         tensors.append(name)
     data_bytes = size - 8 - n

@@ -328,7 +328,7 @@ class Request(BaseModel):
         "stats.window_frames then says how many the window held (frame.frames: how many were sent).",
     )
     frame_seq: StrictInt | None = Field(
-        None, ge=1,
+        None, ge=1, le=INT64_MAX,
         description="Ask about this frame of ``source`` (the ``frame.seq`` of an earlier answer) instead of the "
         "newest, while the source still holds it (its last 32 frames); an older or future one is refused "
         "INVALID_REQUEST (details: reason frame_gone, oldest_seq, newest_seq). Several questions about one frame "

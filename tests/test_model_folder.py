@@ -59,6 +59,17 @@ def test_good_folder_passes_and_matches_the_reference_reader(tmp_path) -> None:
         (struct.pack("<Q", 8) + b"[1, 2]  ", "corrupt safetensors header (not a JSON object)"),
         (struct.pack("<Q", 24) + b'{"a": {"dtype": "F32"}} ', "corrupt safetensors header (tensor 'a' has no valid "
                                                                "data_offsets)"),
+        # a header whose dtype or shape does not fill the tensor's bytes: safetensors' reader refused it only
+        # when the tensor was read, as an internal error in `edgevlm quantize` (exit 1)
+        (GOOD.replace(b'"F32", "shape": [4, 4]', b'"F64", "shape": [4, 4]'), "corrupt safetensors header (tensor "
+                                                                            "'a' is F64 [4, 4], 128 bytes, but its "
+                                                                            "data_offsets span 64 bytes)"),
+        (GOOD.replace(b'"shape": [4, 4]', b'"shape": [4, 8]'), "corrupt safetensors header (tensor 'a' is F32 "
+                                                              "[4, 8], 128 bytes, but its data_offsets span 64"),
+        (GOOD.replace(b'"F32", "shape": [4, 4]', b'"F99", "shape": [4, 4]'), "corrupt safetensors header (tensor "
+                                                                            "'a' has an unknown dtype 'F99')"),
+        (GOOD.replace(b'"shape": [4, 4]', b'"shape": [-4,4]'), "corrupt safetensors header (tensor 'a' has no "
+                                                               "valid shape)"),
     ],
 )
 def test_damaged_weights_are_named(tmp_path, weights: bytes, message: str) -> None:

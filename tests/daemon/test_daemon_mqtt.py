@@ -174,6 +174,22 @@ def test_bad_timeout_ms_is_invalid_request(start_daemon, raw_client, encode_imag
     assert response["error"]["details"]["path"] == "timeout_ms"
 
 
+@pytest.mark.parametrize("field", ["timeout_ms", "budget_ms", "seed", "frame_seq"])
+def test_an_integer_past_int64_is_refused_naming_its_field(start_daemon, raw_client, field: str) -> None:
+    """frame_seq took any integer (2**63, 10**30): past the README's rule that a value above 2**63 - 1 is
+    refused, it reached the source and was answered 'has not delivered that frame'."""
+    start_daemon()
+    extra = {"temperature": 0.5} if field == "seed" else {}
+    body = {"prompt": PROMPT, "source": "front", **extra, field: 2**63}
+    response, _ = _roundtrip(raw_client(), body)
+    assert response["ok"] is False and response["error"]["code"] == "INVALID_REQUEST"
+    assert response["error"]["details"]["path"] == field
+    assert response["error"]["message"] == f"{field}: Input should be less than or equal to 9223372036854775807"
+    body[field] = 2**63 - 1  # the largest is taken: refused further on, not by the field's type
+    response, _ = _roundtrip(raw_client(), body)
+    assert response["error"].get("details", {}).get("path") != field
+
+
 def test_truncated_jpeg_is_invalid_image(start_daemon, raw_client, encode_image) -> None:
     start_daemon()
     jpeg = encode_image(_scene(), ".jpg")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -82,3 +83,32 @@ def test_a_llava_checkpoint_without_a_chat_template_keeps_the_llava_prompt(tmp_p
     engine = Engine.load(write_tiny_checkpoint(tmp_path / "llava", chat_template=None), device="cpu")
     assert engine.tokenizer.chat_template is None
     assert engine.tokenizer.render_prompt("hi") == "USER: <image>\nhi ASSISTANT:"
+
+
+def test_a_weight_header_whose_dtype_does_not_fit_its_bytes_is_one_line(qwen_src, tmp_path, capsys):
+    """Was: ``edgevlm quantize`` stopped with 'internal error: SafetensorError: ...' (exit 1), and
+    ``serve --check-config`` passed the file that ``serve`` then could not load."""
+    src = _copy(qwen_src, tmp_path / "relabelled")
+    weights = src / "model.safetensors"
+    raw = weights.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    for f32 in (b'"dtype":"F32"', b'"dtype": "F32"'):  # the header as its writer spaced it
+        text = raw[8 : 8 + n].replace(f32, f32.replace(b"F32", b"F64"), 1)
+        if text != raw[8 : 8 + n]:
+            break
+    assert len(text) == n and text != raw[8 : 8 + n]  # same header length: only one dtype changed
+    header, before = json.loads(text), json.loads(raw[8 : 8 + n])
+    name = next(k for k in header if k != "__metadata__" and header[k]["dtype"] != before[k]["dtype"])
+    weights.write_bytes(raw[:8] + text + raw[8 + n :])
+    out = tmp_path / "bundle"
+    assert main(["quantize", str(src), "--out", str(out), "--method", "rtn"]) == 2
+    assert _one_line_error(capsys).startswith(
+        f"{weights}: corrupt safetensors header (tensor {name!r} is F64 "
+    )
+    assert not out.exists() and not out.with_name("bundle.partial").exists()
+    config = tmp_path / "daemon.yaml"
+    config.write_text(f"mqtt: {{device_id: r1}}\nmodel: {{path: {src}}}\n")
+    assert main(["serve", "--check-config", str(config)]) == 2
+    assert _one_line_error(capsys).startswith(
+        f"model.path: {weights}: corrupt safetensors header (tensor {name!r}"
+    )
