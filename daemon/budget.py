@@ -53,7 +53,8 @@ model by ``edgevlm calibrate``; ignored, with a warning, when the weights change
 profile's ``operating_points.frontier`` (the shipped figures for the demo model on that device;
 only when every rung it names is on the model's ladder), else one point per resolution rung
 measured at start-up (accuracy then only ranks rungs, highest resolution first). Points the engine
-cannot run (exit thresholds without exit heads) are dropped with a warning; a frontier naming an
+cannot run (exit thresholds without exit heads, token pruning on a backend that does not prune) are dropped
+with a warning (when none is left of the model's own frontier, the ladder is measured instead); a frontier naming an
 ``exit_layer`` past the vision encoder's depth is refused (:func:`check_frontier_depth`).
 """
 
@@ -457,7 +458,9 @@ def build_controller(config: Any, engine: Any, *, batched: bool = False) -> Budg
     Raises:
         ConfigError: the profile or frontier file is invalid, ``controller.frontier`` was measured on
             other weights (:func:`check_frontier_weights`), a point's ``exit_layer`` is past the vision
-            encoder's depth (:func:`check_frontier_depth`), or no frontier point is runnable.
+            encoder's depth (:func:`check_frontier_depth`), or no point of ``controller.frontier`` is
+            runnable (the model's own ``frontier.json`` or a profile's without one this engine runs is
+            replaced by the resolution ladder measured at start-up, with a warning).
     """
     cc = config.controller
     if not cc.enabled:
@@ -492,8 +495,17 @@ def build_controller(config: Any, engine: Any, *, batched: bool = False) -> Budg
             if solo:
                 logger.info("controller: continuous batching: leaving out the points that encode one image at a "
                             "time (early exit, token pruning): %s", ", ".join(solo))
-        if not ok:
+        if not ok and cc.frontier is None:
+            # the model's own frontier.json (or a profile's) is a starting point, not a setting: measure the
+            # ladder instead (a frontier.json written before it kept the plain points, on a backend that
+            # neither exits nor prunes, held none this engine runs)
+            logger.warning("controller: no operating point of %s can run on this model/backend; measuring "
+                           "the resolution ladder at start-up instead (re-run edgevlm calibrate to store plain "
+                           "points)", source)
+            points = []
+        elif not ok:
             raise ConfigError(f"controller: no operating point of {source} can run on this model")
+    if points:
         from edgevlm.profile import pareto
 
         # the stored frontier also carries the full-depth points' own frontier (for models without exit

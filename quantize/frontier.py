@@ -33,6 +33,7 @@ from pathlib import Path
 
 from edgevlm.atomic_files import write_text_atomic
 from edgevlm.profile import FrontierFile, FrontierPoint, latency_ms, pareto  # noqa: F401  (pareto re-exported)
+from edgevlm.types import asks_adaptive_vision
 
 logger = logging.getLogger(__name__)
 
@@ -124,12 +125,14 @@ def measure_grid(engine, items, *, rungs: list[int], thresholds: list[float | No
 
 def frontier_points(points: list[FrontierPoint]) -> list[FrontierPoint]:
     """What ``frontier.json`` stores: the Pareto frontier of all points, plus that of the points
-    without early exit (what a model or backend without exit heads can still run, e.g. an INT4
-    bundle on ONNX Runtime: without them the controller would lose the top rung when an exit point
-    dominates the full-depth one). Sorted by latency; the controller, sorting by accuracy then
-    cost, prefers the cheaper of two equally accurate points."""
+    without early exit (what a model without exit heads can still run: without them the controller
+    would lose the top rung when an exit point dominates the full-depth one), plus that of the plain
+    points, without early exit or token pruning (what every backend runs, e.g. an INT4 bundle on ONNX
+    Runtime, which neither exits nor prunes). Sorted by latency; the controller, sorting by accuracy
+    then cost, prefers the cheaper of two equally accurate points."""
     full_depth = [p for p in points if p.exit_threshold is None and p.exit_layer is None]
-    keep = {id(p) for p in pareto(points)} | {id(p) for p in pareto(full_depth)}
+    plain = [p for p in points if not asks_adaptive_vision(p)]
+    keep = {id(p) for p in pareto(points)} | {id(p) for p in pareto(full_depth)} | {id(p) for p in pareto(plain)}
     return sorted((p for p in points if id(p) in keep), key=lambda p: (latency_ms(p), -p.accuracy))
 
 

@@ -256,6 +256,27 @@ def test_build_all_points_unrunnable(tmp_path, plain_engine):
         build_controller(cfg, plain_engine)
 
 
+def test_a_model_frontier_with_no_point_this_engine_runs_falls_back_to_the_ladder(tmp_path, plain_model_dir, caplog):
+    """Was: serve refused to start ('no operating point of .../frontier.json can run on this model') while
+    --check-config said OK, e.g. an INT4 bundle served on ONNX Runtime whose frontier.json held only token
+    pruning points. The model's own frontier.json is a starting point, not a setting: the ladder is measured."""
+    import logging
+    import shutil
+
+    from edgevlm.runtime import Engine
+
+    d = tmp_path / "m"
+    shutil.copytree(plain_model_dir, d)
+    _frontier_file(d / "frontier.json", [
+        {"name": "x", "resolution_px": 32, "exit_threshold": 0.5, "accuracy": 0.7, "vision_ms": 5, "prefill_ms": 5,
+         "tpot_ms": 5}])
+    with caplog.at_level(logging.WARNING, logger="edgevlm.daemon.budget"):
+        bc = build_controller(parse_daemon_config({}), Engine.load(d))
+    assert [p.name for p in bc.points] == ["r64", "r32"] and bc.source == "resolution ladder measured at start-up"
+    assert f"no operating point of {d / 'frontier.json'} can run on this model/backend; measuring the resolution " \
+           "ladder" in caplog.text
+
+
 def test_build_from_ladder_and_profile_budget(plain_engine):
     bc = build_controller(parse_daemon_config({}), plain_engine)  # cpu profile, no frontier anywhere
     assert [p.name for p in bc.points] == ["r64", "r32"]

@@ -42,6 +42,17 @@ def test_frontier_keeps_the_full_depth_points_own_frontier():
     assert chosen.point.name == "r384-x0.95"
 
 
+def test_frontier_keeps_the_plain_points_own_frontier():
+    """A token-pruning point as accurate as the plain one and cheaper dominates it, and it is no exit point, so
+    the full-depth frontier kept it alone: a backend that neither exits nor prunes (ONNX Runtime) found no
+    point it runs in frontier.json. The plain points' own frontier is stored too."""
+    pts = [P("r64", 0.9, 100), P("r64-k0.5", 0.9, 60, keep_ratio=0.5), P("r32", 0.5, 40),
+           P("r32-k0.5", 0.5, 20, keep_ratio=0.5), P("r64-x", 0.9, 30, exit_threshold=0.5)]
+    assert [p.name for p in frontier.frontier_points(pts)] == ["r32-k0.5", "r64-x", "r32", "r64-k0.5", "r64"]
+    plain = [p.name for p in frontier.frontier_points(pts) if p.keep_ratio is None and p.exit_threshold is None]
+    assert plain == ["r32", "r64"]
+
+
 def test_point_names():
     assert frontier.point_name(384, None, None, None) == "r384"
     assert frontier.point_name(256, 0.75, 0.5, 16) == "r256-x0.75-k0.5-t16"
