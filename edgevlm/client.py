@@ -56,6 +56,7 @@ from edgevlm.protocol import (
     DEFAULT_PREFIX,
     NO_DEADLINE_MS,
     StatusMessage,
+    default_device_id,
     parse_request,
     parse_response,
     pool_request_topic,
@@ -277,7 +278,9 @@ class Client:
 
     Args:
         host, port: the broker.
-        device_id: the daemon's device id (its ``mqtt.device_id``).
+        device_id: the daemon's device id (its ``mqtt.device_id``); None (the default, without ``pool``):
+            this host's default, the one a daemon on this host whose config gives none takes
+            (:func:`~edgevlm.protocol.default_device_id`: the host name).
         prefix: topic prefix (the daemon's ``mqtt.prefix``).
         username, password: broker credentials.
         tls: use TLS (with ``ca_certs`` / ``certfile`` / ``keyfile``; ``tls_insecure`` skips the
@@ -312,7 +315,7 @@ class Client:
         self,
         host: str = "localhost",
         port: int = 1883,
-        device_id: str = "",
+        device_id: str | None = None,
         *,
         prefix: str = DEFAULT_PREFIX,
         username: str | None = None,
@@ -341,7 +344,9 @@ class Client:
         if isinstance(connect_timeout_s, bool) or not isinstance(connect_timeout_s, (int, float)) \
                 or not 0 < connect_timeout_s < float("inf"):
             raise ValueError(f"connect_timeout_s must be a positive number, got {connect_timeout_s!r}")
-        self.host, self.port, self.device_id, self.prefix, self.qos = host, port, device_id, prefix, qos
+        if device_id is None and pool is None:  # the daemon's own default on this host
+            device_id = default_device_id()
+        self.host, self.port, self.device_id, self.prefix, self.qos = host, port, device_id or "", prefix, qos
         self._connect_timeout_s = connect_timeout_s
         if resend_interval_s is not None and not resend_interval_s > 0:
             raise ValueError(f"resend_interval_s must be > 0 or None, got {resend_interval_s!r}")

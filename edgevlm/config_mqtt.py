@@ -3,8 +3,6 @@ and ``limits`` (see :mod:`edgevlm.config`, which re-exports them)."""
 
 from __future__ import annotations
 
-import re
-import socket
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -16,16 +14,12 @@ from edgevlm.protocol import (
     check_device_id,
     check_pool,
     check_prefix,
+    default_device_id,
 )
 from edgevlm.validation import ConfigPath, StrictModel, check_host
 
 MAX_FRONT_PROCESSES = 64
 """The most front processes ``mqtt.front_processes`` may ask for."""
-
-
-def _default_device_id() -> str:
-    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname()) or "edgevlm"
-    return host[:64]
 
 
 class TlsConfig(StrictModel):
@@ -45,7 +39,7 @@ class MqttConfig(StrictModel):
                       description="Broker TCP port (an integer: 1883.0 and \"1883\" are refused).")
     prefix: str = Field(DEFAULT_PREFIX, description="Topic prefix: topics are <prefix>/<device_id>/...")
     device_id: str = Field(
-        default_factory=_default_device_id,
+        default_factory=default_device_id,
         description="This device's id (one topic level); default: hostname.",
     )
     client_id: str | None = Field(

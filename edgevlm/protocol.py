@@ -156,6 +156,16 @@ def check_device_id(device_id: str) -> str:
     return _check_level(device_id, "device_id")
 
 
+def default_device_id() -> str:
+    """This host's default device id: its host name, every character outside ``[A-Za-z0-9_.-]``
+    replaced by ``-``, at most 64 characters (``edgevlm`` for an empty name). A daemon whose config
+    gives no ``mqtt.device_id`` takes it, and so does a :class:`~edgevlm.client.Client` given none."""
+    import socket
+
+    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname()) or "edgevlm"
+    return host[:64]
+
+
 def request_topic(prefix: str, device_id: str) -> str:
     """``<prefix>/<device_id>/request``: where requests are published."""
     return f"{check_prefix(prefix)}/{check_device_id(device_id)}/request"

@@ -3,6 +3,7 @@ real daemon (tiny real engine) on a real mosquitto broker."""
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -262,6 +263,25 @@ def test_ask_with_array_bytes_and_path(start_daemon, mosquitto, tiny_engine, tmp
             assert answer.text == expected
             assert answer.stats.new_tokens >= 1 and answer.stats.e2e_ms > 0
             assert answer.source is None and answer.frame_ts is None
+
+
+def test_client_without_device_id_asks_the_daemon_that_took_this_hosts_default(start_daemon, mosquitto,
+                                                                                 tiny_engine) -> None:  # fmt: skip
+    """Client(host, port) raised "device_id must be a non-empty topic level of [A-Za-z0-9_.-], got ''" although a
+    daemon whose config gives no mqtt.device_id serves under this host's name: the two defaults are one now."""
+    from edgevlm.config import MqttConfig
+
+    host_default = MqttConfig().device_id  # what a daemon config without mqtt.device_id takes
+    assert host_default == re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:64]
+    start_daemon(device_id=host_default)
+    img = _image(2)
+    with Client(mosquitto.host, mosquitto.port) as client:
+        assert client.device_id == host_default and client.request_topic == f"edgevlm/{host_default}/request"
+        assert client.wait_online(10) and client.device_status.device_id == host_default
+        expected = tiny_engine.ask(img, PROMPT, max_new_tokens=4).text
+        assert client.ask(PROMPT, image=img, timeout_s=30).text == expected
+    with pytest.raises(InvalidRequestError, match=r"^device_id must be a non-empty topic level .*, got ''$"):
+        Client(mosquitto.host, mosquitto.port, "")  # an empty one given is still a mistake, not the default
 
 
 def test_numpy_scalars_and_a_single_stop_string_are_taken(start_daemon, mosquitto, tiny_engine) -> None:
