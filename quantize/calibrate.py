@@ -358,7 +358,7 @@ def _initial_heads(engine, folder: Path, *, other_weights_ok: bool = False,
     return heads.to(engine.backend.device, torch.float32)
 
 
-def _add_to_manifest(bundle_dir: Path, names: list[str], group: AtomicFiles) -> None:
+def add_to_manifest(bundle_dir: Path, names: list[str], group: AtomicFiles) -> None:
     """Stage in ``group`` an engine bundle's ``manifest.json`` that records (or refreshes) ``names`` with
     their SHA-256, read from where ``group`` holds their new content; replaced with them at its commit."""
     from edgevlm.runtime.bundle import MANIFEST_NAME, FileEntry, read_manifest, sha256_file
@@ -520,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
             with AtomicFiles() as group:
                 weights, spec_path = save_exit_heads(heads, out, group=group)
                 if args.out is None and is_bundle(out):
-                    _add_to_manifest(out, written, group)
+                    add_to_manifest(out, written, group)
             say(f"calibrate: wrote {weights} and {spec_path}")
             if not args.no_frontier:
                 from edgevlm.quantize import frontier
@@ -532,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
                                         show=print)
             if args.out is None and is_bundle(out):
                 with AtomicFiles() as group:
-                    _add_to_manifest(out, written, group)
+                    add_to_manifest(out, written, group)
                 say(f"calibrate: added {', '.join(written)} to {out / 'manifest.json'}")
         except (EdgeVLMError, ValueError, OSError) as exc:
             return fail(exc)

@@ -237,7 +237,7 @@ def run(engine, out_dir: str | Path, *, n: int = 90, seed: int = EVAL_SEED, prof
     )
     write_text_atomic(out / FRONTIER_JSON, record.model_dump_json(indent=2) + "\n")  # a daemon may be reading it
     plot(points, front, out / FRONTIER_PNG, title=f"operating points ({record.device}, n={n})")
-    show(f"Pareto frontier of {len(points)} grid points, with the full-depth points' own "
+    show(f"Pareto frontier of {len(points)} grid points, with the full-depth and the plain points' own "
          f"({record.device}, {n} eval items):")
     show(format_table(front))
     return [FRONTIER_JSON, FRONTIER_PNG]
@@ -283,8 +283,16 @@ def main(argv: list[str] | None = None) -> int:
             grid["keep_ratios"] = args.keep_ratios
         if args.caps is not None:
             grid["caps"] = args.caps
-        run(engine, args.out or engine.model_dir, n=args.n, seed=args.seed, grid=grid,
-            progress=lambda m: print(m, file=sys.stderr, flush=True), show=print)
+        written = run(engine, args.out or engine.model_dir, n=args.n, seed=args.seed, grid=grid,
+                      progress=lambda m: print(m, file=sys.stderr, flush=True), show=print)
+        from edgevlm.runtime.bundle import is_bundle
+
+        if args.out is None and is_bundle(engine.model_dir):  # a bundle loads no file its manifest lacks
+            from edgevlm.atomic_files import AtomicFiles
+            from edgevlm.quantize.calibrate import add_to_manifest
+
+            with AtomicFiles() as group:
+                add_to_manifest(Path(engine.model_dir), written, group)
     except (EdgeVLMError, ValueError, OSError) as exc:
         from edgevlm.cli_args import fail
 

@@ -279,3 +279,31 @@ def _device_id(cfg: Path) -> str:
     from edgevlm.config import load_daemon_config
 
     return load_daemon_config(cfg).mqtt.device_id
+
+
+def test_a_frontier_measured_on_a_bundle_keeps_it_loadable_and_serves_onnx(bundle, tmp_path, capsys):
+    """`python -m edgevlm.quantize.frontier BUNDLE` (what the daemon's log suggests) wrote frontier.json
+    without listing it in manifest.json, so the bundle no longer loaded ('frontier.json is not listed in
+    manifest.json'). And the stored frontier could hold only token-pruning points, none of which the ONNX
+    backend runs. Now the manifest lists it, and the ONNX engine's controller takes the plain points."""
+    import shutil
+
+    from edgevlm.config import parse_daemon_config
+    from edgevlm.daemon.budget import build_controller
+    from edgevlm.profile import load_frontier
+    from edgevlm.quantize import frontier
+    from edgevlm.runtime import Engine
+    from edgevlm.runtime.bundle import read_manifest, verify_bundle
+
+    b = tmp_path / "b"
+    shutil.copytree(bundle, b)
+    assert frontier.main([str(b), "--n", "2", "--rungs", "64", "32", "--keep-ratios", "1.0", "0.25", "--caps"]) == 0
+    capsys.readouterr()
+    assert {"frontier.json", "frontier.png"} <= {e.path for e in read_manifest(b).files}
+    verify_bundle(b)  # every hash, the new files' included
+    record = load_frontier(b / "frontier.json")
+    plain = {p.name for p in record.frontier if p.keep_ratio is None}
+    assert plain and plain <= {"r64", "r32"}  # the plain points' own frontier is stored
+    engine = Engine.load(b, backend="onnx")
+    bc = build_controller(parse_daemon_config({}), engine)
+    assert bc.source == str(b / "frontier.json") and {p.name for p in bc.points} <= plain

@@ -25,12 +25,12 @@ def onnx_bundle(tmp_path_factory, exit_model_dir):
     bundle = tmp_path_factory.mktemp("onnx") / "bundle"
     build_bundle(exit_model_dir, bundle, BuildOptions(method="rtn", onnx=True, calib=None))
     from edgevlm.atomic_files import AtomicFiles
-    from edgevlm.quantize.calibrate import _add_to_manifest
+    from edgevlm.quantize.calibrate import add_to_manifest
 
     for name in ("exits.json", "exits.safetensors"):
         shutil.copy(exit_model_dir / name, bundle / name)
     with AtomicFiles() as group:  # a file the manifest does not list is refused
-        _add_to_manifest(bundle, ["exits.json", "exits.safetensors"], group)
+        add_to_manifest(bundle, ["exits.json", "exits.safetensors"], group)
     return bundle
 
 
