@@ -436,8 +436,8 @@ def build_bundle(model_dir: str | Path, out_dir: str | Path, opts: BuildOptions 
         ModelLoadError: the model folder is missing, invalid, or already a bundle; its tokenizer or
             chat template does not load (checked first); the ONNX graphs do not match PyTorch.
         ConfigError: bad options (``vision="int4"`` for a family other than llava), ``out_dir``
-            exists and is not empty (without ``overwrite``), an unknown profile, or unusable
-            calibration data.
+            exists and is not empty (without ``overwrite``; with it, when it is not an engine bundle),
+            ``out_dir`` is or holds the model folder, an unknown profile, or unusable calibration data.
     """
     opts = opts or BuildOptions()
     _check_options(opts)
@@ -449,11 +449,18 @@ def build_bundle(model_dir: str | Path, out_dir: str | Path, opts: BuildOptions 
     _check_tokenizer(files)  # before any quantization work: a bundle whose prompt cannot be built cannot answer
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"--out {out_dir} is a file, not a folder (choose another --out)")
-    if out_dir.exists() and any(out_dir.iterdir()) and not opts.overwrite:
-        raise ConfigError(f"output folder {out_dir} exists and is not empty (choose another --out, or --overwrite "
-                          "to replace it)")
     if out_dir == model_dir or model_dir in out_dir.parents:
         raise ConfigError(f"output folder {out_dir} must not be inside the model folder")
+    if out_dir in model_dir.parents:
+        raise ConfigError(f"output folder {out_dir} holds the model folder {model_dir} (choose another --out)")
+    held = sorted(p.name for p in out_dir.iterdir()) if out_dir.exists() else []
+    if held and not opts.overwrite:
+        raise ConfigError(f"output folder {out_dir} exists and is not empty (choose another --out, or --overwrite "
+                          "to replace it)")
+    if held and not is_bundle(out_dir):  # --overwrite deletes the folder: only ever an earlier bundle
+        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        raise ConfigError(f"--overwrite replaces an engine bundle, and output folder {out_dir} is not one (no "
+                          f"manifest.json; it holds {shown}): choose another --out")
     cfg = files.config
     if opts.vision == "int4" and not files.family.int4_vision:
         raise ConfigError(f"--vision int4 is not supported for the {files.family.name} family (its vision encoder "

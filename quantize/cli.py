@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "bundle (about +0.5 byte per INT4 weight)")
     p.add_argument("--no-onnx", action="store_true", help="skip the ONNX export")
     p.add_argument("--no-tensorrt", action="store_true", help="skip the TensorRT build")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty BUNDLE_DIR")
+    p.add_argument("--overwrite", action="store_true", help="replace BUNDLE_DIR when it holds an engine bundle (a folder that is not one is refused)")
     p.add_argument("--json", action="store_true", help="also print the summary as one JSON line")
     return p
 

@@ -307,3 +307,31 @@ def test_a_frontier_measured_on_a_bundle_keeps_it_loadable_and_serves_onnx(bundl
     engine = Engine.load(b, backend="onnx")
     bc = build_controller(parse_daemon_config({}), engine)
     assert bc.source == str(b / "frontier.json") and {p.name for p in bc.points} <= plain
+
+
+def test_quantize_overwrite_replaces_a_bundle_only_never_other_files(tiny_src, bundle, tmp_path, capsys):
+    """Was: --overwrite deleted whatever --out named: `--out proj --overwrite` for the model in proj/model
+    deleted the source checkpoint and every other file in proj; a folder of anything else went the same way."""
+    import shutil
+
+    proj = tmp_path / "proj"
+    shutil.copytree(tiny_src, proj / "model")
+    (proj / "notes.txt").write_text("keep me")
+    assert main(["quantize", str(proj / "model"), "--out", str(proj), "--overwrite", "--method", "rtn"]) == 2
+    assert _one_line_error(capsys) == f"output folder {proj} holds the model folder {proj / 'model'} (choose another --out)"
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in ("a.txt", "b.txt", "c.txt", "d.txt"):
+        (other / name).write_text(name)
+    assert main(["quantize", str(tiny_src), "--out", str(other), "--overwrite", "--method", "rtn"]) == 2
+    assert _one_line_error(capsys) == (f"--overwrite replaces an engine bundle, and output folder {other} is not one "
+                                       "(no manifest.json; it holds a.txt, b.txt, c.txt and 1 more): choose another --out")
+    assert sorted(p.name for p in other.iterdir()) == ["a.txt", "b.txt", "c.txt", "d.txt"]
+    assert (proj / "notes.txt").read_text() == "keep me" and (proj / "model" / "config.json").is_file()
+    # an earlier bundle is what --overwrite replaces
+    old = tmp_path / "old"
+    shutil.copytree(bundle, old)
+    (old / "stale.txt").write_text("from the old build")
+    assert main(["quantize", str(tiny_src), "--out", str(old), "--overwrite", "--method", "rtn", "--no-onnx"]) == 0
+    capsys.readouterr()
+    assert (old / "manifest.json").is_file() and not (old / "stale.txt").exists() and not (old / "onnx").exists()
