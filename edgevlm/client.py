@@ -641,8 +641,10 @@ class Client:
                 if deadline is not None and now >= deadline:
                     break
                 wait_s = None if deadline is None else deadline - now
-                if self.resend_interval_s is not None and slot.sends:
-                    due = slot.last_sent + self._resend_after_s(slot) - now
+                if self.resend_interval_s is not None:
+                    # not sent yet (no broker connection): _on_subscribe sends it, and its re-sends are
+                    # timed from then, so look again within an interval rather than sleep to the deadline
+                    due = slot.last_sent + self._resend_after_s(slot) - now if slot.sends else self.resend_interval_s
                     wait_s = due if wait_s is None else min(wait_s, due)
                 if slot.event.wait(None if wait_s is None else max(0.0, min(wait_s, threading.TIMEOUT_MAX))):
                     break

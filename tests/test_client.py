@@ -508,6 +508,31 @@ def test_unanswered_request_is_resent_until_answered_and_answered_once(start_dae
     assert daemon.counters.get("responses_ok") == 1
 
 
+def test_a_request_asked_while_the_broker_is_down_is_resent_periodically_once_sent(start_daemon, mosquitto,
+                                                                                     tiny_engine, wait_until) -> None:  # fmt: skip
+    """An ask made while the broker was down was sent on the reconnect and then never again: its wait slept to the
+    deadline, so a first copy lost (a daemon not yet back on a restarted broker) ended in DeadlineExceededError
+    although the daemon was online again. Here the worker holds the request: the periodic copies reach it."""
+    daemon = start_daemon()
+    img = _image(9)
+    with Client(mosquitto.host, mosquitto.port, "dev1", resend_interval_s=0.2) as client:
+        assert client.wait_online(10)
+        got: list[object] = []
+        with daemon.scheduler.paused():
+            mosquitto.stop(kill=True)
+            wait_until(lambda: not client.connected, timeout_s=10, what="the client to see the broker gone")
+            t = threading.Thread(target=lambda: got.append(client.ask(PROMPT, image=img, timeout_s=30)))
+            t.start()
+            mosquitto.start(port=mosquitto.port)
+            wait_until(lambda: daemon.scheduler.queue_size() == 1, timeout_s=15, what="the first copy queued")
+            # 0.2, 0.4, 0.8 s after it: 3 copies, absorbed while it waits (at most 1 from the reconnect itself)
+            copies = lambda: daemon.counters.get("duplicate_in_flight")  # noqa: E731
+            wait_until(lambda: copies() >= 4, timeout_s=5, what="periodic copies")
+        t.join(30)
+        assert [a.text for a in got] == [tiny_engine.ask(img, PROMPT, max_new_tokens=4).text]  # type: ignore[attr-defined]
+    assert daemon.counters.get("responses_ok") == 1
+
+
 def test_answer_lost_in_a_broker_restart_is_recovered_by_the_resend(start_daemon, mosquitto, tiny_engine,
                                                                      wait_until) -> None:  # fmt: skip
     # The answer is published while the client is still reconnecting (nobody subscribed): lost on
