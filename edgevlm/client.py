@@ -819,7 +819,7 @@ class Client:
         request_quick_ack(client)
         try:
             if msg.topic == self.status_topic or (self.pool is not None and msg.topic.endswith("/status")):
-                self._on_status(msg.payload, msg.topic)
+                self._on_status(msg.payload, msg.topic, retained=bool(msg.retain))
                 return
             props = getattr(msg, "properties", None)
             correlation = getattr(props, "CorrelationData", None) if props is not None else None
@@ -843,7 +843,7 @@ class Client:
         except Exception:  # noqa: BLE001 - never kill paho's network thread
             logger.exception("edgevlm client: error while handling a message")
 
-    def _on_status(self, payload: bytes, topic: str = "") -> None:
+    def _on_status(self, payload: bytes, topic: str = "", *, retained: bool = False) -> None:
         if not payload:
             status = None  # retained status cleared
         else:
@@ -863,7 +863,9 @@ class Client:
                 status = online[0] if online else next(iter(self._members.values()), None)
             previous, self._status = self._status, status
             self._status_cond.notify_all()
-        if (status is not None and status.state == "online" and previous is not None
-                and previous.state == "offline" and self._subscribed.is_set()):  # fmt: skip
-            # the daemon restarted (its last will said offline): what it held in memory is gone
+        if (status is not None and status.state == "online" and self._subscribed.is_set()
+                and (previous.state == "offline" if previous is not None else not retained)):  # fmt: skip
+            # the daemon restarted (its last will said offline): what it held in memory is gone; or, status
+            # unknown since our reconnect, it says online live (not the retained one): it has just connected,
+            # after our copies went out on the reconnect, when it was not subscribed to receive them
             self._resend_all()

@@ -533,6 +533,32 @@ def test_a_request_asked_while_the_broker_is_down_is_resent_periodically_once_se
     assert daemon.counters.get("responses_ok") == 1
 
 
+def test_a_request_sent_before_the_daemon_is_back_on_a_restarted_broker_is_resent_when_it_says_online(
+    start_daemon, mosquitto, tiny_engine, wait_until
+) -> None:
+    """The broker restarts; the client is back first and sends the request, which no daemon is subscribed to
+    receive. The daemon's "online" when it is back (live, not the retained one) now sends it again; it was
+    taken for no news (the client's last status was an "online" from before the restart), so with the
+    periodic copies off the ask waited to its deadline."""
+    daemon = start_daemon(mqtt={"reconnect_min_delay_s": 3.0, "reconnect_max_delay_s": 3.0})  # client: 1 s
+    img = _image(10)
+    with Client(mosquitto.host, mosquitto.port, "dev1", resend_interval_s=None) as client:
+        assert client.wait_online(10)
+        got: list[object] = []
+        mosquitto.stop(kill=True)
+        wait_until(lambda: not client.connected, timeout_s=10, what="the client to see the broker gone")
+        start = time.monotonic()
+        t = threading.Thread(target=lambda: got.append(client.ask(PROMPT, image=img, timeout_s=15)))
+        t.start()
+        mosquitto.start(port=mosquitto.port)
+        wait_until(lambda: client.connected, timeout_s=10, what="the client back")
+        assert not daemon.bridge.wait_ready(0)  # its copy went out with no daemon subscribed
+        t.join(20)
+        assert [a.text for a in got] == [tiny_engine.ask(img, PROMPT, max_new_tokens=4).text]  # type: ignore[attr-defined]
+        assert time.monotonic() - start < 10 and client.resends == 1
+    assert daemon.counters.get("responses_ok") == 1
+
+
 def test_answer_lost_in_a_broker_restart_is_recovered_by_the_resend(start_daemon, mosquitto, tiny_engine,
                                                                      wait_until) -> None:  # fmt: skip
     # The answer is published while the client is still reconnecting (nobody subscribed): lost on
