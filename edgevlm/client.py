@@ -470,10 +470,10 @@ class Client:
             top_p: nucleus sampling mass in (0, 1], with ``temperature`` > 0.
             stop: up to 4 non-empty strings (or one string); the answer ends before the first of them.
             seed: sampling seed, an integer in ``[0, 2**63 - 1]``, with ``temperature`` > 0.
-
-        Numbers may be NumPy scalars (``np.int64``, ``np.float32``; :func:`edgevlm.types.plain_scalar`).
             frame_seq: ask about this frame of ``source`` (an earlier answer's ``frame_seq``) while the
                 daemon still holds it (the source's last 32 frames): several questions about one frame.
+
+        Numbers may be NumPy scalars (``np.int64``, ``np.float32``; :func:`edgevlm.types.plain_scalar`).
 
         Returns:
             The :class:`~edgevlm.types.Answer`, with ``frame_ts``/``source``/``frame_pos_ms``/``frame_seq``
