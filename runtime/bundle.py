@@ -238,7 +238,8 @@ def is_bundle(model_dir: str | Path) -> bool:
 
 
 def read_manifest(bundle_dir: str | Path) -> BundleManifest:
-    """Parse ``manifest.json`` (no hash check). Raises ModelLoadError if missing, not JSON, or invalid."""
+    """Parse ``manifest.json`` (no hash check). Raises ModelLoadError if missing, not JSON, invalid, of another
+    ``format_version``, or storing its INT4 tensors in another ``int4_layout`` than :data:`INT4_LAYOUT`."""
     path = Path(bundle_dir) / MANIFEST_NAME
     if not path.is_file():
         raise ModelLoadError(f"{bundle_dir} is not an engine bundle (no {MANIFEST_NAME})")
@@ -250,6 +251,13 @@ def read_manifest(bundle_dir: str | Path) -> BundleManifest:
         raise ModelLoadError(
             f"{path}: bundle format_version {raw.get('format_version')!r} is not supported by this edgevlm "
             f"(supports {BUNDLE_FORMAT_VERSION}); rebuild the bundle with this version's `edgevlm quantize`"
+        )
+    layout = raw.get("int4_layout") if isinstance(raw, dict) else None
+    if layout is not None and layout != INT4_LAYOUT:  # tensors this runtime would misread, without a word
+        name = str(layout).split(":", 1)[0][:80]
+        raise ModelLoadError(
+            f"{path}: INT4 layout {name!r} is not the one this edgevlm reads ({INT4_LAYOUT.split(':', 1)[0]}); "
+            "rebuild the bundle with this version's `edgevlm quantize`"
         )
     try:
         return BundleManifest.model_validate(raw)

@@ -183,6 +183,14 @@ def test_bad_manifests_are_refused(rtn_bundle, tmp_path):
     (dst / MANIFEST_NAME).write_text(json.dumps({**raw, "method": "gptq"}))
     with pytest.raises(ModelLoadError, match="method"):
         verify_bundle(dst)
+    # another INT4 layout (a bundle of another edgevlm): loaded without a word, its nibbles misread
+    from edgevlm.runtime import Engine
+
+    (dst / MANIFEST_NAME).write_text(json.dumps({**raw, "int4_layout": "canonical-v2: qweight int32 (out, in/8)"}))
+    with pytest.raises(ModelLoadError) as err:
+        Engine.load(dst)
+    assert str(err.value) == (f"{dst / MANIFEST_NAME}: INT4 layout 'canonical-v2' is not the one this edgevlm reads "
+                              "(canonical-v1); rebuild the bundle with this version's `edgevlm quantize`")
     (dst / MANIFEST_NAME).write_text("{not json")
     with pytest.raises(ModelLoadError, match="not valid JSON"):
         verify_bundle(dst)
