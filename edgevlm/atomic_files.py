@@ -8,7 +8,8 @@ the manifest did not hold: a bundle that no longer loads. :class:`AtomicFiles` w
 group to a temporary name beside its target, flushes them to disk, then renames each onto its target
 (``os.replace``: POSIX ``rename(2)`` is atomic for a reader) with SIGINT and SIGTERM held back until
 the last rename is done (then delivered as usual). What is left: a crash of the machine between two
-renames (microseconds apart), which no interrupt can cause.
+renames (microseconds apart), which no interrupt can cause. :func:`replace_folder` does the same for a
+whole folder (``edgevlm quantize --overwrite`` putting a new bundle in the place of the old).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import threading
 from collections.abc import Iterator
@@ -106,6 +108,33 @@ def write_text_atomic(target: str | Path, text: str) -> None:
     a part (:class:`AtomicFiles` with one file). Raises OSError."""
     with AtomicFiles() as group:
         group.write_text(target, text)
+
+
+def replace_folder(staged: str | Path, target: str | Path) -> None:
+    """Put the finished folder ``staged`` in the place of ``target`` (which may not exist), so that
+    ``target`` holds the old folder or the new one, whole, at every moment a failure can stop it: the
+    old folder is renamed aside (a temporary name in the same parent), ``staged`` renamed onto
+    ``target``, then the old one deleted; a failed second rename puts the old folder back. SIGINT and
+    SIGTERM are held during the renames (as in :class:`AtomicFiles`). The parent must be one file system.
+
+    Raises:
+        OSError: a rename failed (``target`` is then as it was before the call).
+    """
+    staged, target = Path(staged), Path(target)
+    aside = target.with_name(_TEMP_PREFIX + target.name + ".old")
+    shutil.rmtree(aside, ignore_errors=True)  # a leftover of a machine crash between the renames
+    with _interrupts_held():
+        moved = target.exists()
+        if moved:
+            os.replace(target, aside)
+        try:
+            os.replace(staged, target)
+        except BaseException:
+            if moved:
+                os.replace(aside, target)
+            raise
+        _fsync_dir(target.parent)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -35,7 +35,8 @@ whose template does not compile is refused before any quantization work.
 
 Peak RAM is one block in float32, the calibration activations, the vision tower (AWQ) and one
 output shard (``max_shard_mb``), not the model. Everything is written into ``<out>.partial`` and
-renamed at the end, so a failed build never leaves a half-written bundle behind.
+renamed at the end, so a failed build never leaves a half-written bundle behind, and an earlier bundle
+replaced with ``--overwrite`` stays whole until the new one is in place (:func:`edgevlm.atomic_files.replace_folder`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from edgevlm.atomic_files import replace_folder
 from edgevlm.errors import ConfigError, ModelLoadError
 from edgevlm.quantize import awq
 from edgevlm.quantize.api import apply_awq
@@ -544,9 +546,7 @@ def build_bundle(model_dir: str | Path, out_dir: str | Path, opts: BuildOptions 
             manifest = _check_onnx(partial, manifest)
             progress("check", 1, 1)
         _apply_umask_modes(partial)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        partial.rename(out_dir)
+        replace_folder(partial, out_dir)  # an earlier bundle (--overwrite) stays whole until the new one is in
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise

@@ -109,3 +109,45 @@ def test_save_exit_heads_replaces_both_files_or_neither(tmp_path: Path) -> None:
     assert '"exit_blocks": [\n    1,\n    2\n  ]' in spec.read_text()
     assert weights.stat().st_mode & 0o777 == 0o644
     assert _leftovers(model_dir) == []
+
+
+def _folder(path: Path, **files: str) -> Path:
+    path.mkdir()
+    for name, text in files.items():
+        (path / name).write_text(text)
+    return path
+
+
+def test_replace_folder_swaps_a_whole_folder_and_leaves_nothing_aside(tmp_path: Path) -> None:
+    """``edgevlm quantize --overwrite`` deleted the earlier bundle, then renamed the new one in: a failure
+    between the two left neither. ``replace_folder`` moves the old one aside first and deletes it last."""
+    from edgevlm.atomic_files import replace_folder
+
+    target = _folder(tmp_path / "bundle", **{"manifest.json": "old", "old-only.txt": "x"})
+    replace_folder(_folder(tmp_path / "bundle.partial", **{"manifest.json": "new"}), target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle"]
+    assert sorted(p.name for p in target.iterdir()) == ["manifest.json"]
+    assert (target / "manifest.json").read_text() == "new"
+    replace_folder(_folder(tmp_path / "fresh.partial", a="1"), tmp_path / "fresh")  # no earlier folder
+    assert (tmp_path / "fresh" / "a").read_text() == "1" and not (tmp_path / "fresh.partial").exists()
+
+
+def test_replace_folder_puts_the_old_folder_back_when_the_new_cannot_move_in(tmp_path: Path, monkeypatch) -> None:
+    """The fault injected: the rename of the new folder onto the target fails (as on a full or read-only
+    file system); the earlier bundle is back in place, whole, and the error is raised."""
+    from edgevlm.atomic_files import replace_folder
+
+    target = _folder(tmp_path / "bundle", **{"manifest.json": "old"})
+    staged = _folder(tmp_path / "bundle.partial", **{"manifest.json": "new"})
+    real = os.replace
+
+    def failing(src, dst):
+        if Path(src) == staged:
+            raise OSError(28, "No space left on device")
+        return real(src, dst)
+
+    monkeypatch.setattr(atomic_files.os, "replace", failing)
+    with pytest.raises(OSError, match="No space left on device"):
+        replace_folder(staged, target)
+    assert (target / "manifest.json").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle", "bundle.partial"]
