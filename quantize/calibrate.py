@@ -528,11 +528,13 @@ def main(argv: list[str] | None = None) -> int:
                 engine.backend.model.attach_exit_heads(load_exit_heads(out, engine.config, device=engine.backend.device,
                                                                        dtype=engine.backend.dtype,
                                                                        weights_dir=engine.model_dir))
-                written += frontier.run(engine, out, n=args.frontier_n, profile=args.profile, progress=say,
-                                        show=print)
+                with AtomicFiles() as group:  # frontier.json / .png and the manifest listing them, together
+                    measured = frontier.run(engine, out, n=args.frontier_n, profile=args.profile, progress=say,
+                                            show=print, group=group)
+                    if args.out is None and is_bundle(out):
+                        add_to_manifest(out, measured, group)
+                written += measured
             if args.out is None and is_bundle(out):
-                with AtomicFiles() as group:
-                    add_to_manifest(out, written, group)
                 say(f"calibrate: added {', '.join(written)} to {out / 'manifest.json'}")
         except (EdgeVLMError, ValueError, OSError) as exc:
             return fail(exc)

@@ -22,6 +22,7 @@ list) and ``frontier.png`` (accuracy against latency, every point grey, the fron
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import logging
 import platform
@@ -31,7 +32,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from edgevlm.atomic_files import write_text_atomic
+from edgevlm.atomic_files import AtomicFiles
 from edgevlm.profile import FrontierFile, FrontierPoint, latency_ms, pareto  # noqa: F401  (pareto re-exported)
 from edgevlm.types import asks_adaptive_vision
 
@@ -215,9 +216,11 @@ def grid_from_profile(engine, profile: str | None) -> dict[str, list]:
 
 def run(engine, out_dir: str | Path, *, n: int = 90, seed: int = EVAL_SEED, profile: str | None = None,
         grid: dict[str, list] | None = None, progress: Callable[[str], None] = logger.info,
-        show: Callable[[str], None] = logger.info) -> list[str]:
+        show: Callable[[str], None] = logger.info, group: AtomicFiles | None = None) -> list[str]:
     """Measure the grid, hand the frontier table to ``show`` (the CLIs pass ``print``: stdout),
-    write ``frontier.json`` and ``frontier.png`` into ``out_dir``. Returns the file names written."""
+    write ``frontier.json`` and ``frontier.png`` into ``out_dir``, replaced together (a daemon may be
+    reading them). ``group``: stage them in it instead, for the caller to commit with other files (a
+    bundle's ``manifest.json`` listing them). Returns the file names written."""
     from edgevlm.runtime.demo import scenes
     from edgevlm.runtime.exits import weights_fingerprint
 
@@ -235,8 +238,9 @@ def run(engine, out_dir: str | Path, *, n: int = 90, seed: int = EVAL_SEED, prof
         host=host_description(engine), eval_items=n, eval_seed=seed, grid=grid, points=points, frontier=front,
         weights_fingerprint=weights_fingerprint(engine.model_dir),
     )
-    write_text_atomic(out / FRONTIER_JSON, record.model_dump_json(indent=2) + "\n")  # a daemon may be reading it
-    plot(points, front, out / FRONTIER_PNG, title=f"operating points ({record.device}, n={n})")
+    with contextlib.nullcontext(group) if group is not None else AtomicFiles() as files:
+        files.write_text(out / FRONTIER_JSON, record.model_dump_json(indent=2) + "\n")
+        plot(points, front, files.path(out / FRONTIER_PNG), title=f"operating points ({record.device}, n={n})")
     show(f"Pareto frontier of {len(points)} grid points, with the full-depth and the plain points' own "
          f"({record.device}, {n} eval items):")
     show(format_table(front))
@@ -283,15 +287,16 @@ def main(argv: list[str] | None = None) -> int:
             grid["keep_ratios"] = args.keep_ratios
         if args.caps is not None:
             grid["caps"] = args.caps
-        written = run(engine, args.out or engine.model_dir, n=args.n, seed=args.seed, grid=grid,
-                      progress=lambda m: print(m, file=sys.stderr, flush=True), show=print)
         from edgevlm.runtime.bundle import is_bundle
 
-        if args.out is None and is_bundle(engine.model_dir):  # a bundle loads no file its manifest lacks
-            from edgevlm.atomic_files import AtomicFiles
-            from edgevlm.quantize.calibrate import add_to_manifest
+        # in a bundle, frontier.json / .png and the manifest listing them are replaced together: an interrupt
+        # leaves the old three or the new three (a bundle loads no file its manifest lacks or mis-hashes)
+        with AtomicFiles() as group:
+            written = run(engine, args.out or engine.model_dir, n=args.n, seed=args.seed, grid=grid,
+                          progress=lambda m: print(m, file=sys.stderr, flush=True), show=print, group=group)
+            if args.out is None and is_bundle(engine.model_dir):
+                from edgevlm.quantize.calibrate import add_to_manifest
 
-            with AtomicFiles() as group:
                 add_to_manifest(Path(engine.model_dir), written, group)
     except (EdgeVLMError, ValueError, OSError) as exc:
         from edgevlm.cli_args import fail

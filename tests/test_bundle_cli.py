@@ -309,6 +309,32 @@ def test_a_frontier_measured_on_a_bundle_keeps_it_loadable_and_serves_onnx(bundl
     assert bc.source == str(b / "frontier.json") and {p.name for p in bc.points} <= plain
 
 
+def test_an_interrupt_before_the_manifest_lists_a_new_frontier_leaves_the_bundle_as_it_was(bundle, tmp_path,
+                                                                                           monkeypatch, capsys):
+    """frontier.json was written, then the manifest updated in a second step: an interrupt (Ctrl-C, SIGTERM)
+    between the two left a frontier.json the manifest did not list, and the bundle no longer loaded. Now the
+    two files and the manifest are replaced together; the fault injected: the interrupt arrives while the
+    manifest is being staged."""
+    import shutil
+
+    from edgevlm.quantize import calibrate, frontier
+    from edgevlm.runtime.bundle import verify_bundle
+
+    b = tmp_path / "b"
+    shutil.copytree(bundle, b)
+    before = sorted(p.name for p in b.iterdir())
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(calibrate, "add_to_manifest", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        frontier.main([str(b), "--n", "2", "--rungs", "32", "--caps"])
+    capsys.readouterr()
+    assert sorted(p.name for p in b.iterdir()) == before  # no frontier.json, no temporary file
+    verify_bundle(b)
+
+
 def test_quantize_overwrite_replaces_a_bundle_only_never_other_files(tiny_src, bundle, tmp_path, capsys):
     """Was: --overwrite deleted whatever --out named: `--out proj --overwrite` for the model in proj/model
     deleted the source checkpoint and every other file in proj; a folder of anything else went the same way."""
