@@ -55,7 +55,9 @@ only when every rung it names is on the model's ladder), else one point per reso
 measured at start-up (accuracy then only ranks rungs, highest resolution first). Points the engine
 cannot run (exit thresholds without exit heads, token pruning on a backend that does not prune) are dropped
 with a warning (when none is left of the model's own frontier, the ladder is measured instead); a frontier naming an
-``exit_layer`` past the vision encoder's depth is refused (:func:`check_frontier_depth`).
+``exit_layer`` past the vision encoder's depth is refused (:func:`check_frontier_depth`). Per request, the choice
+and the refit pass over the points its frames cannot take (:meth:`BudgetController.points_for`: a video, several
+frames to Qwen2.5-VL / Qwen3-VL, is never pruned; several images are neither pruned nor exited early).
 """
 
 from __future__ import annotations
@@ -63,15 +65,15 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edgevlm.errors import ConfigError, DeadlineExceededError
+from edgevlm.errors import ConfigError, DeadlineExceededError, InvalidRequestError
 from edgevlm.profile import FrontierPoint, Profile, load_frontier, load_profile
 from edgevlm.runtime.policy import Controller, Decision, PointProfile
-from edgevlm.types import OperatingPoint, Stats, asks_adaptive_vision, exit_depth_error
+from edgevlm.types import OperatingPoint, Stats, asks_adaptive_vision, exit_depth_error, vision_items_error
 
 logger = logging.getLogger(__name__)
 
@@ -188,12 +190,34 @@ class BudgetController:
             return b, b
         return min(self.default_budget_ms, timeout), timeout
 
+    def points_for(self, kinds: Sequence[str] = ("image",)) -> list[PointProfile]:
+        """The points a request whose vision items are ``kinds`` (``Engine.vision_kinds``: one image,
+        one video, several images) can run at: :func:`runnable`'s rule for a request of that kind
+        (:func:`~edgevlm.types.vision_items_error`; every point here is runnable by the engine: see
+        :func:`build_controller`), best first.
+
+        Raises:
+            InvalidRequestError: none is (a frontier of token-pruning points only, and a video):
+                ``no operating point of the latency controller (...) can run this request: ...``.
+        """
+        ok = [p for p in self.points if vision_items_error(p.point, kinds) is None]
+        if not ok:
+            names = [p.name for p in self.points]
+            reason = vision_items_error(self.points[0].point, kinds)
+            raise InvalidRequestError(
+                f"no operating point of the latency controller ({', '.join(names)}) can run this request: "
+                f"{reason} (give the controller's frontier a point without early exit or token pruning)",
+                details={"reason": "no_operating_point", "points": names, "vision_kinds": list(kinds)})
+        return ok
+
     def choose(self, budget_ms: float, *, max_new_tokens: int, queue_wait_ms: float,
                deadline_ms: float | None = None, requested_budget_ms: float | None = None,
-               deadline_limit: str = "timeout_ms") -> Choice:
+               deadline_limit: str = "timeout_ms", kinds: Sequence[str] = ("image",)) -> Choice:
         """The most accurate point predicted to finish within ``budget_ms`` (predictions scaled by
         the slowdown hint, plus the overhead); when none does, the cheapest point as long as its
-        mean prediction is within ``deadline_ms`` (default: ``budget_ms``).
+        mean prediction is within ``deadline_ms`` (default: ``budget_ms``). Only the points the
+        request can run count (:meth:`points_for` its vision items ``kinds``: a video is never
+        pruned, several images neither pruned nor exited early).
 
         ``budget_ms`` and ``deadline_ms`` are what :meth:`budget_for` returns; ``requested_budget_ms``
         is the request's own ``budget_ms`` (None when it gave none). Without ``deadline_ms`` the
@@ -210,16 +234,19 @@ class BudgetController:
                 the response stats' ``budget_ms``), ``queue_wait_ms``, ``slowdown_hint``,
                 ``slowdown``, ``budget_ms`` only when the request gave one, and ``timeout_ms`` and
                 ``limit`` (``deadline_limit``) only when the deadline was the limit.
+            InvalidRequestError: no point can run the request (:meth:`points_for`).
         """
         h, extra = self._hint, self._overhead_ms
+        points = self.points_for(kinds)
+        only = None if len(points) == len(self.points) else {p.name for p in points}
         deadline = budget_ms if deadline_ms is None else deadline_ms
         if deadline_ms is None and requested_budget_ms is None:
             requested_budget_ms = budget_ms
         try:
             d = self.controller.choose((budget_ms - extra) / h, max_new_tokens=max_new_tokens,
-                                       queue_wait_ms=queue_wait_ms / h)
+                                       queue_wait_ms=queue_wait_ms / h, only=only)
         except DeadlineExceededError:
-            point = min(self.points, key=lambda p: self.service_ms(p.point, max_new_tokens)).point
+            point = min(points, key=lambda p: self.service_ms(p.point, max_new_tokens)).point
             service = self.service_ms(point, max_new_tokens)
             cheapest = service + queue_wait_ms
             if cheapest <= deadline:
@@ -258,19 +285,26 @@ class BudgetController:
         return self.controller.predict_ms(point.name, n, tail=tail) * self._hint + self._overhead_ms
 
     def refit(self, choice: Choice, remaining_ms: float, *, max_new_tokens: int,
-              too_long: Collection[OperatingPoint] = ()) -> tuple[OperatingPoint, float] | None:
+              too_long: Collection[OperatingPoint] = (), kinds: Sequence[str] = ("image",)
+              ) -> tuple[OperatingPoint, float] | None:
         """At dequeue: keep the chosen point if it still fits ``remaining_ms`` (with the controller's
         headroom), else the most accurate cheaper point that does, else the cheapest. Returns the
         point and its predicted service time. Does not move the controller's hysteresis state.
+        Only the points a request of vision items ``kinds`` can run count (:meth:`points_for`).
 
         ``too_long``: points at which the request's prompt did not fit the KV cache; they are passed
         over, and so is every point with as many vision tokens (the same rung and keep ratio: see
-        :func:`same_vision_tokens`). None when that leaves no point."""
+        :func:`same_vision_tokens`). None when that leaves no point.
+
+        Raises:
+            InvalidRequestError: no point can run the request (:meth:`points_for`).
+        """
         limit = remaining_ms * self.controller.headroom
-        names = [p.name for p in self.points]
+        points = self.points_for(kinds)
+        names = [p.name for p in points]
         start = names.index(choice.point.name) if choice.point.name in names else 0
         best: tuple[OperatingPoint, float] | None = None
-        for p in self.points[start:]:
+        for p in points[start:]:
             if any(same_vision_tokens(p.point, t) for t in too_long):
                 continue
             ms = self.service_ms(p.point, max_new_tokens, tail=True)
@@ -323,7 +357,9 @@ def resolve_profile(config: Any) -> Profile | None:
 
 def runnable(engine: Any, p: FrontierPoint) -> bool:
     """Whether ``engine`` can run point ``p`` (exits need exit heads at the asked layer, a keep
-    ratio below 1 a backend that prunes tokens)."""
+    ratio below 1 a backend that prunes tokens) for a request of one image; for each request the
+    controller also passes over the points its vision items cannot take (a video is never pruned,
+    several images neither pruned nor exited early: :meth:`BudgetController.points_for`)."""
     backend = getattr(engine, "backend", None)
     if p.keep_ratio is not None and p.keep_ratio < 1.0 and backend is not None \
             and not getattr(backend, "supports_pruning", False):

@@ -6,6 +6,7 @@ puts on the wire; ``OperatingPoint`` is the set of knobs one inference call runs
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -83,6 +84,22 @@ def asks_adaptive_vision(point: Any) -> bool:
     then the image is encoded one request at a time, outside the batched vision encoder."""
     return point is not None and (point.exit_layer is not None or point.exit_threshold is not None
                                   or (point.keep_ratio is not None and point.keep_ratio < 1.0))
+
+
+def vision_items_error(point: Any, kinds: Sequence[str]) -> str | None:
+    """Why ``point`` (as in :func:`asks_adaptive_vision`) cannot encode the vision items ``kinds`` of a
+    request (``"image"`` / ``"video"`` per item, as the engine makes them: ``Engine.vision_kinds``), or
+    None when it can: early exit and token pruning take one item, and token pruning an image (a video's
+    frames are merged in time before the projector; early exit takes one decision for the clip). The one
+    rule for the engine (its refusal) and the daemon's latency controller (the points it considers for a
+    request: ``edgevlm.daemon.budget.runnable``)."""
+    if not asks_adaptive_vision(point):
+        return None
+    if len(kinds) > 1:
+        return "early exit and token pruning take one image"
+    if "video" in kinds and point.keep_ratio is not None and point.keep_ratio < 1.0:
+        return "token pruning takes an image, not a video"
+    return None
 
 
 def exit_depth_error(exit_layer: int | None, vision_blocks: int) -> str | None:

@@ -39,7 +39,15 @@ from edgevlm.runtime.preprocess import CLIP_MEAN, CLIP_STD, preprocess
 from edgevlm.runtime.sampling import SamplingParams, TextAssembler, make_generator, select_token
 from edgevlm.runtime.tokenizer import IncrementalDecoder, VLMTokenizer
 from edgevlm.runtime.vision_cache import VisionCache, VisionTrunk, content_key
-from edgevlm.types import MAX_RESOLUTION_PX, Answer, OperatingPoint, Stats, asks_adaptive_vision, plain_scalar
+from edgevlm.types import (
+    MAX_RESOLUTION_PX,
+    Answer,
+    OperatingPoint,
+    Stats,
+    asks_adaptive_vision,
+    plain_scalar,
+    vision_items_error,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -342,8 +350,9 @@ class Engine:
             vision = self.processor.prepare([], resolution_px=op.resolution_px, video=video,
                                             video_timestamps_s=video_ts)
         preprocess_ms = _ms(t0, time.perf_counter())
-        if len(vision.tokens_per_item) > 1 and asks_adaptive_vision(op):
-            raise InvalidRequestError(f"operating point {op.name!r}: early exit and token pruning take one image")
+        refusal = vision_items_error(op, vision.kinds)  # several items, or a video pruned
+        if refusal is not None:
+            raise InvalidRequestError(f"operating point {op.name!r}: {refusal}")
         n_vision = self._adaptive_vision_tokens(vision, op)
         in_prompt = vision if n_vision == vision.num_tokens else replace(vision, tokens_per_item=[n_vision])
         ids = self._prompt_ids(prompt, in_prompt)
@@ -450,8 +459,6 @@ class Engine:
             return n_vision
         if not getattr(self.backend, "supports_pruning", False):
             raise InvalidRequestError(f"backend {self.backend_name!r} does not support token pruning (keep_ratio)")
-        if "video" in vision.kinds:
-            raise InvalidRequestError(f"operating point {op.name!r}: token pruning takes an image, not a video")
         has_cls = int(self.config.exit_geometry.cls_feature)
         if has_cls or vision.token_groups is None:
             return pruned_count(n_vision - has_cls, op.keep_ratio) + has_cls
@@ -494,6 +501,15 @@ class Engine:
         family, else the family's ``max_images`` (1: a single image only)."""
         return MAX_VIDEO_FRAMES if self.family.supports_video else max(1, int(self.family.max_images))
 
+    def vision_kinds(self, frames: int) -> list[str]:
+        """The vision items this model makes of ``frames`` frames (>= 1), ``"image"`` / ``"video"`` per
+        item (``VisionInput.kinds``): one frame is one image; several are one video for a video-capable
+        family, else as many images (:meth:`ask`). What :func:`~edgevlm.types.vision_items_error` takes:
+        the points a request can run at (the daemon's controller chooses among those)."""
+        if frames > 1 and self.family.supports_video:
+            return ["video"]
+        return ["image"] * max(1, frames)
+
     def _vision_items(self, image, timestamps_s) -> tuple[list[np.ndarray], list[np.ndarray] | None,
                                                           list[float] | None]:
         """``(images, video frames | None, video timestamps | None)`` for the processor (see :meth:`ask`)."""
@@ -524,9 +540,7 @@ class Engine:
             ts = [float(t) for t in timestamps_s]
             if any(b <= a for a, b in zip(ts, ts[1:], strict=False)):
                 raise InvalidRequestError("frame_timestamps_s must increase")
-        if len(frames) == 1:
-            return frames, None, None
-        if self.family.supports_video:
+        if self.vision_kinds(len(frames)) == ["video"]:
             return [], frames, ts
         return frames, None, None
 

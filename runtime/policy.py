@@ -57,7 +57,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from edgevlm.errors import DeadlineExceededError
@@ -208,12 +208,20 @@ class Controller:
             return ms + max(0.0, queue_wait_ms)
 
     # -- choice -------------------------------------------------------------------------------
-    def choose(self, budget_ms: float, *, max_new_tokens: int, queue_wait_ms: float = 0.0) -> Decision:
+    def choose(self, budget_ms: float, *, max_new_tokens: int, queue_wait_ms: float = 0.0,
+               only: Collection[str] | None = None) -> Decision:
         """Pick the most accurate point at or below the ceiling predicted to finish in budget.
 
-        ``max_new_tokens`` is the request's cap (each point may cap lower). Raises
-        :class:`DeadlineExceededError` (details: ``cheapest_predicted_ms``) when no point fits.
+        ``max_new_tokens`` is the request's cap (each point may cap lower). ``only``: the names of the
+        points this request can run (None = all; a video cannot be pruned): the others are passed over,
+        and a ceiling on one of them is not stepped down for it (the ceiling moves on what fits the
+        budget, as for any request). Raises :class:`DeadlineExceededError` (details:
+        ``cheapest_predicted_ms``, of the points in ``only``) when none of those fits, and ValueError
+        when ``only`` names none of the points.
         """
+        allowed = [only is None or p.name in only for p in self.points]
+        if not any(allowed):
+            raise ValueError(f"only: names none of the operating points {[p.name for p in self.points]}")
         with self._lock:
             preds = []
             tail = self._tail()
@@ -222,9 +230,10 @@ class Controller:
                 preds.append(self._service_ms(p.name, n) * tail + max(0.0, queue_wait_ms))
             limit = budget_ms * self.headroom
             fits = [i for i, ms in enumerate(preds) if ms <= limit]
-            alternatives = {p.name: round(ms, 2) for p, ms in zip(self.points, preds, strict=True)}
-            if not fits:
-                cheapest = min(preds)
+            runs = [i for i in fits if allowed[i]]  # what fits and this request can run
+            alternatives = {p.name: round(ms, 2) for p, ms, ok in zip(self.points, preds, allowed, strict=True) if ok}
+            if not runs:
+                cheapest = min(ms for ms, ok in zip(preds, allowed, strict=True) if ok)
                 self._room_streak = 0
                 if self._refusing_since is None:
                     self._refusing_since = self._clock()
@@ -235,7 +244,7 @@ class Controller:
                 )
             if self._ceiling > 0 and self._ceiling_budget_ms is not None \
                     and budget_ms > self._ceiling_budget_ms * LOOSER_BUDGET:
-                point, predicted_ms = self._lifted(fits[0], preds, limit, queue_wait_ms, max_new_tokens, tail)
+                point, predicted_ms = self._lifted(runs[0], preds, limit, queue_wait_ms, max_new_tokens, tail)
                 return Decision(point=point, predicted_ms=predicted_ms, budget_ms=budget_ms,
                                 ceiling=self.points[self._ceiling].name, slowdown=self._current_slowdown(),
                                 alternatives=alternatives)
@@ -249,11 +258,12 @@ class Controller:
                     logger.info("controller: ceiling up to %s", self.points[self._ceiling].name)
             else:
                 self._room_streak = 0
-            chosen = next((i for i in fits if i >= self._ceiling), fits[-1])
-            if chosen > self._ceiling:  # overload: step the ceiling down at once
-                logger.info("controller: ceiling %s -> %s", self.points[self._ceiling].name, self.points[chosen].name)
-                self._ceiling, self._room_streak = chosen, 0
+            lowered = next((i for i in fits if i >= self._ceiling), fits[-1])  # all points: budget evidence
+            if lowered > self._ceiling:  # overload: step the ceiling down at once
+                logger.info("controller: ceiling %s -> %s", self.points[self._ceiling].name, self.points[lowered].name)
+                self._ceiling, self._room_streak = lowered, 0
                 self._ceiling_budget_ms = budget_ms
+            chosen = next((i for i in runs if i >= self._ceiling), runs[-1])
             point, predicted_ms = self._lifted(chosen, preds, limit, queue_wait_ms, max_new_tokens, tail)
             return Decision(
                 point=point,

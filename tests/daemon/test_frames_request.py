@@ -359,3 +359,79 @@ def test_the_sdk_asks_again_about_an_answers_frame(start_daemon, mosquitto, make
         again = client.ask("how many?", source="cam", frame_seq=first.frame_seq, timeout_s=30)
         assert (again.frame_seq, again.frame_ts, again.frame_pos_ms) == (first.frame_seq, first.frame_ts,
                                                                          first.frame_pos_ms)
+
+
+# ---- the latency controller's choice for several frames (a video is never pruned)
+
+
+def _frontier(tmp_path, *points: dict) -> str:
+    """A hand-written frontier.json (no weights_fingerprint: used on any model) of ``points``."""
+    record = {"created_utc": "2026-01-01T00:00:00Z", "model": "tiny-qwen2.5-vl", "device": "cpu float32 torch",
+              "eval_items": 1, "eval_seed": 0, "points": list(points), "frontier": list(points)}
+    path = tmp_path / "frontier.json"
+    path.write_text(json.dumps(record))
+    return str(path)
+
+
+# figures (ms) that no run on this machine moves across the 5 s budget: "full" never fits it, the pruning point
+# (more accurate than "r112") always does
+FULL = {"name": "full", "accuracy": 1.0, "vision_ms": 1e7, "prefill_ms": 10.0, "tpot_ms": 1.0}
+PRUNED = {"name": "native-k0.25", "keep_ratio": 0.25, "accuracy": 0.9, "vision_ms": 500.0, "prefill_ms": 10.0,
+          "tpot_ms": 1.0}
+SMALL = {"name": "r112", "resolution_px": 112, "accuracy": 0.5, "vision_ms": 50.0, "prefill_ms": 10.0, "tpot_ms": 1.0}
+
+
+def test_a_video_request_runs_at_a_point_without_token_pruning(start_daemon, qwen_engine, make_video, raw_client,
+                                                               tmp_path, wait_until):
+    """Found by a new user: under a budget whose best point prunes vision tokens, a ``frames`` request to
+    Qwen2.5-VL (one video) got INVALID_REQUEST "operating point 'native-k0.25': token pruning takes an image,
+    not a video": the controller's own choice. A video now runs at the best point it can (here r112), an
+    image (or one frame) still at the pruning point, under the same budget; the refit at dequeue (batched
+    admission too) passes over the pruning point for a video as well."""
+    path = make_video(n_frames=60, fps=10.0, size=(112, 84))
+    daemon = start_daemon(engine=qwen_engine, sources=[{"name": "cam", "uri": str(path)}],
+                          defaults={"max_new_tokens": 2, "timeout_ms": 60000},
+                          controller={"frontier": _frontier(tmp_path, FULL, PRUNED, SMALL)})
+    ctl = daemon.scheduler.controller
+    assert [p.name for p in ctl.points] == ["full", "native-k0.25", "r112"]
+    wait_until(lambda: (f := daemon.sources.get("cam").latest()) is not None and f.seq >= 4, 20, "4 frames")
+    raw = raw_client()
+    ask = {"prompt": PROMPT, "source": "cam", "budget_ms": 5000}
+
+    one = _roundtrip(raw, ask)  # one frame: an image
+    assert one["ok"] and one["stats"]["operating_point"] == "native-k0.25", one
+    assert one["stats"]["vision_tokens"] < qwen_engine.ask(_decoded(path)[0], PROMPT, max_new_tokens=1).stats.vision_tokens
+    for extra in ({"frames": 3}, {"frames_s": 0.5}):
+        video = _roundtrip(raw, {**ask, **extra})
+        assert video["ok"], video
+        assert video["stats"]["operating_point"] == "r112" and video["frame"]["frames"] >= 2, video
+    assert _roundtrip(raw, {**ask, "frames": 1})["stats"]["operating_point"] == "native-k0.25"  # one frame: an image
+    assert _roundtrip(raw, ask)["stats"]["operating_point"] == "native-k0.25"  # the video left the ceiling alone
+
+    # the refit at dequeue, from the pruning point an image was given
+    chosen = ctl.choose(5000, max_new_tokens=2, queue_wait_ms=0.0)
+    assert chosen.point.name == "native-k0.25"
+    assert ctl.refit(chosen, 5000, max_new_tokens=2)[0].name == "native-k0.25"
+    assert ctl.refit(chosen, 5000, max_new_tokens=2, kinds=qwen_engine.vision_kinds(3))[0].name == "r112"
+
+
+def test_a_video_request_to_a_frontier_of_pruning_points_only_is_invalid_request(start_daemon, qwen_engine,
+                                                                                   make_video, raw_client, tmp_path,
+                                                                                   wait_until):
+    """No point of the controller can run a video: INVALID_REQUEST naming the points and why (not the
+    engine's refusal of a point the controller chose); an image is answered as before."""
+    path = make_video(n_frames=60, fps=10.0, size=(112, 84))
+    daemon = start_daemon(engine=qwen_engine, sources=[{"name": "cam", "uri": str(path)}],
+                          defaults={"max_new_tokens": 2, "timeout_ms": 60000},
+                          controller={"frontier": _frontier(tmp_path, PRUNED)})
+    wait_until(lambda: (f := daemon.sources.get("cam").latest()) is not None and f.seq >= 4, 20, "4 frames")
+    raw = raw_client()
+    video = _roundtrip(raw, {"prompt": PROMPT, "source": "cam", "frames": 3, "budget_ms": 5000})
+    assert not video["ok"] and video["error"]["code"] == "INVALID_REQUEST", video
+    assert video["error"]["message"] == (
+        "no operating point of the latency controller (native-k0.25) can run this request: token pruning takes an "
+        "image, not a video (give the controller's frontier a point without early exit or token pruning)")
+    assert video["error"]["details"] == {"reason": "no_operating_point", "points": ["native-k0.25"],
+                                         "vision_kinds": ["video"]}
+    image = _roundtrip(raw, {"prompt": PROMPT, "source": "cam", "budget_ms": 5000})
+    assert image["ok"] and image["stats"]["operating_point"] == "native-k0.25", image
