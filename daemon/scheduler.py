@@ -608,8 +608,9 @@ class Scheduler:
         ahead += sum(q.choice.service_ms for q in self._queue if q.choice is not None)
         return ahead / rows
 
-    def _choose(self, job: Job) -> DeadlineExceededError | None:
-        """Pick the job's operating point (``_cond`` held). Returns the refusal, or None."""
+    def _choose(self, job: Job) -> EdgeVLMError | None:
+        """Pick the job's operating point (``_cond`` held). Returns the refusal (DeadlineExceededError; an
+        InvalidRequestError when no point can run its frames), or None."""
         ctl = self.controller
         if ctl is None:
             return None
@@ -622,11 +623,25 @@ class Scheduler:
         try:
             job.choice = ctl.choose(budget, max_new_tokens=planned_tokens,
                                     queue_wait_ms=self._predicted_wait_locked(now), deadline_ms=deadline,
-                                    requested_budget_ms=req.budget_ms, deadline_limit=job.deadline_limit)
+                                    requested_budget_ms=req.budget_ms, deadline_limit=job.deadline_limit,
+                                    kinds=self._vision_kinds(req))
         except DeadlineExceededError as err:
             self.counters.inc("deadline_refused")
             return err
+        except InvalidRequestError as err:  # no point of the controller can run its frames
+            return err
         return None
+
+    def _vision_kinds(self, req: Request) -> list[str]:
+        """The vision items the engine makes of the request's frames (``Engine.vision_kinds``), for the
+        controller to pass over the points they cannot take: an inline image or one source frame is one
+        image; ``frames: N`` N frames (up to the model's limit: more is refused anyway), ``frames_s``
+        several (its window's count is known when it runs; one frame then is one image)."""
+        count = req.frames if req.frames is not None else 2 if req.frames_s is not None else 1
+        vision_kinds = getattr(self._engine, "vision_kinds", None)
+        if count == 1 or vision_kinds is None:
+            return ["image"]
+        return vision_kinds(max(1, min(count, int(getattr(self._engine, "max_frames", count)))))
 
     # ------------------------------------------------------------------ worker side
     def _run(self) -> None:
@@ -789,7 +804,7 @@ class Scheduler:
         elapsed_ms = (time.monotonic() - job.received_monotonic) * 1000.0
         planned_tokens = ctl.expected_tokens(job.request.prompt, max_new_tokens)
         fit = ctl.refit(job.choice, job.choice.budget_ms - elapsed_ms, max_new_tokens=planned_tokens,
-                        too_long=[p for p, _ in job.too_long])
+                        too_long=[p for p, _ in job.too_long], kinds=self._vision_kinds(job.request))
         if fit is None:
             return None
         point, service_ms = fit
