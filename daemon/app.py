@@ -46,7 +46,7 @@ from edgevlm.daemon.metrics_common import EventCounters
 from edgevlm.daemon.mqtt_bridge import MqttBridge
 from edgevlm.daemon.scheduler import Scheduler, StartupCancelled, default_prepare_threads
 from edgevlm.daemon.sources import FrameSource, SourceManager
-from edgevlm.errors import BusyError, EdgeVLMError
+from edgevlm.errors import EdgeVLMError, shutting_down_error
 from edgevlm.protocol import (
     StatusMessage,
     audio_request_topic,
@@ -566,15 +566,13 @@ class Daemon:
             self.telemetry.stop()
         self.watchdog.stop()
         self.scheduler.stop(timeout_s=bound_s)
-        failed = self.bridge.fail_outstanding(
-            BusyError(f"the daemon is shutting down; the request did not finish within {bound_s} s")
-        )
+        unfinished = shutting_down_error(
+            f"the daemon is shutting down; the request did not finish within {bound_s} s")
+        failed = self.bridge.fail_outstanding(unfinished)
         if self.http is not None:
-            failed += self.http.fail_outstanding(
-                BusyError(f"the daemon is shutting down; the request did not finish within {bound_s} s"))
+            failed += self.http.fail_outstanding(unfinished)
         if self.fronts is not None:
-            failed += self.fronts.fail_outstanding(
-                BusyError(f"the daemon is shutting down; the request did not finish within {bound_s} s"))
+            failed += self.fronts.fail_outstanding(unfinished)
             self.fronts.stop()
         if failed:
             logger.warning("shutdown: %d request(s) in flight answered BUSY", failed)

@@ -33,7 +33,7 @@ from typing import Any
 from edgevlm.config import DaemonConfig, DefaultsConfig
 from edgevlm.daemon.front_link import FrontLink, LinkClosed
 from edgevlm.daemon.metrics_common import EventCounters
-from edgevlm.errors import BusyError, EdgeVLMError, InternalError
+from edgevlm.errors import EdgeVLMError, InternalError, shutting_down_error
 from edgevlm.protocol import Request, Response, StatusMessage
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class LinkedSubmitter:
         try:
             self._decoders.submit(self._decode_and_forward, job)
         except RuntimeError:  # shutting down
-            self._refuse(job, BusyError("the daemon is shutting down"))
+            self._refuse(job, shutting_down_error())
         return True
 
     def _decode_and_forward(self, job: Any) -> None:
@@ -160,7 +160,7 @@ class LinkedSubmitter:
         except LinkClosed:
             with self._lock:
                 self._pending.pop(job_id, None)
-            self._refuse(job, BusyError("the daemon is shutting down"))
+            self._refuse(job, shutting_down_error())
 
     def deliver(self, job_id: int, payload: Any) -> None:
         """Publish the daemon's response (JSON bytes) for ``job_id`` through its reply function."""
@@ -280,7 +280,7 @@ class Front:
         self._stop.set()
         self.bridge.stop_accepting()
         self.submitter.stop()
-        failed = self.bridge.fail_outstanding(BusyError(message))
+        failed = self.bridge.fail_outstanding(shutting_down_error(message))
         if failed:
             logger.warning("front %d: %d request(s) in flight answered BUSY", self.index, failed)
         flusher.join(1.0)  # before the last flush: two flushes at once would send one delta twice

@@ -71,11 +71,11 @@ from edgevlm.daemon.delivery import RECEIVE_MAXIMUM, DedupKey, ReceiptClock, Rec
 from edgevlm.daemon.metrics_common import EventCounters
 from edgevlm.daemon.scheduler import Job, Scheduler
 from edgevlm.errors import (
-    BusyError,
     EdgeVLMError,
     InternalError,
     InvalidImageError,
     InvalidRequestError,
+    shutting_down_error,
 )
 from edgevlm.protocol import (
     NO_DEADLINE_MS,
@@ -558,7 +558,7 @@ class MqttBridge:
         reply = self._make_reply(topic, correlation_data, correlation_id, received, timeout_ms,
                                  None if key is None else (key, digest))  # fmt: skip
         if error is None and not self._accepting:
-            error = BusyError("the daemon is shutting down")
+            error = shutting_down_error()
         if error is not None:
             self.counters.inc("requests_received")
             self.counters.inc(f"errors_{error.code.value}")

@@ -47,12 +47,12 @@ from edgevlm.config import DaemonConfig, HttpConfig
 from edgevlm.daemon.admission import check_inline_image
 from edgevlm.daemon.scheduler import Job, Scheduler, request_timeout_ms
 from edgevlm.errors import (
-    BusyError,
     EdgeVLMError,
     ErrorCode,
     InternalError,
     InvalidImageError,
     InvalidRequestError,
+    shutting_down_error,
 )
 from edgevlm.protocol import (
     MAX_NEW_TOKENS_LIMIT,
@@ -521,7 +521,7 @@ class OpenAIServer:
         req, stream, include_usage = parsed
         if not self._accepting:
             self._count(ErrorCode.BUSY)
-            return error_response(BusyError("the daemon is shutting down"))
+            return error_response(shutting_down_error())
         return await (self._stream(req, include_usage) if stream else self._complete(req))
 
     def _submit(self, req: Request, on_event: Callable[[str, Any], None], streaming: bool) -> None:

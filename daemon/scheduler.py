@@ -84,6 +84,7 @@ from edgevlm.config import DefaultsConfig
 from edgevlm.daemon.metrics_common import EventCounters
 from edgevlm.daemon.sources import CapturedFrame, SourceManager, evenly_spaced
 from edgevlm.errors import (
+    QUEUE_FULL,
     BusyError,
     ConfigError,
     DeadlineExceededError,
@@ -92,6 +93,7 @@ from edgevlm.errors import (
     InvalidRequestError,
     ModelLoadError,
     PromptTooLongError,
+    shutting_down_error,
 )
 from edgevlm.protocol import NO_DEADLINE_MS, Frame, Request, Response, deadline_s, request_timeout_ms  # noqa: F401 (the rule, re-exported)
 from edgevlm.types import Answer
@@ -392,7 +394,7 @@ class Scheduler:
             if job.prepared is not None:
                 job.prepared.cancel()
             self._reply(
-                job, Response.failure(BusyError("the daemon is shutting down"), job.request.correlation_id)
+                job, Response.failure(shutting_down_error(), job.request.correlation_id)
             )
         if self._expiry_thread is not None:
             self._expiry_thread.join(2.0)
@@ -491,11 +493,11 @@ class Scheduler:
             return False
         with self._cond:
             if self._stopping:
-                full: EdgeVLMError | None = BusyError("the daemon is shutting down")
+                full: EdgeVLMError | None = shutting_down_error()
             elif len(self._queue) >= self.queue_max_size:
                 full = BusyError(
                     f"queue full ({self.queue_max_size} waiting); retry later",
-                    details={"queue_max_size": self.queue_max_size},
+                    details={"reason": QUEUE_FULL, "queue_max_size": self.queue_max_size},
                 )
             else:
                 full = self._choose(job)  # DeadlineExceededError when no point fits, else None

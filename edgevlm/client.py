@@ -17,6 +17,10 @@ the daemon answers a repeat from its recent-answers cache (or ignores it while t
 and the first answer is returned, later copies are dropped: exactly one answer per ``ask``. Every
 copy carries the MQTT v5 *Message Expiry Interval* of the time left (whole seconds, rounded up), so
 a broker or daemon that holds it longer drops it instead of running it after the caller gave up.
+A daemon that stops cleanly (SIGTERM, a restart) answers what it still holds ``BUSY`` with
+``details.reason`` ``"shutting_down"``: that answer is not delivered, the request is kept and re-sent when
+the daemon says "online" again (as after a crash), until its deadline; a full queue's ``BUSY``
+(``"queue_full"``) is raised at once. In pool mode every ``BUSY`` is retried on the pool.
 
 ``ask`` returns or raises within ``timeout_s`` (to a few ms): no answer by then raises
 :class:`~edgevlm.errors.DeadlineExceededError` when the broker is connected, and
@@ -44,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from edgevlm.errors import (
+    SHUTTING_DOWN,
     BrokerUnreachableError,
     ClientClosedError,
     DeadlineExceededError,
@@ -221,13 +226,19 @@ def describe_connect_error(exc: BaseException | None) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _is_busy(payload: bytes) -> bool:
-    """Whether a response payload is a ``BUSY`` error (read leniently: anything else is not)."""
+def _busy_reason(payload: bytes) -> str | None:
+    """None when a response payload is not a ``BUSY`` error, else its ``details.reason`` (``"shutting_down"``,
+    ``"queue_full"``; ``""`` when it gives none, as a daemon before it did). Read leniently: anything else is
+    not BUSY."""
     try:
         error = json.loads(payload).get("error") or {}
     except (ValueError, AttributeError):
-        return False
-    return isinstance(error, dict) and error.get("code") == "BUSY"
+        return None
+    if not isinstance(error, dict) or error.get("code") != "BUSY":
+        return None
+    details = error.get("details")
+    reason = details.get("reason") if isinstance(details, dict) else None
+    return reason if isinstance(reason, str) else ""
 
 
 @dataclass
@@ -242,6 +253,7 @@ class _Pending:
     error: BaseException | None = None
     sends: int = 0
     last_sent: float = 0.0
+    shutting_down: bool = False  # the daemon answered BUSY "shutting_down": kept for the daemon back online
 
 
 def tls_files_problem(ca_certs: str | None, certfile: str | None, keyfile: str | None) -> tuple[str, str] | None:
@@ -354,6 +366,7 @@ class Client:
         self.resends = 0  # requests published again (reconnects and re-send intervals)
         self.duplicates_dropped = 0  # answers to a request already answered (or given up on)
         self.busy_retries = 0  # pool mode: BUSY answers not delivered, the request sent to the pool again
+        self.shutdown_busy_held = 0  # device mode: BUSY "shutting_down" kept, re-sent when back online
         self._disconnected_at: float | None = None
         self._disconnect_cause = ""
         token = secrets.token_hex(8)
@@ -481,7 +494,9 @@ class Client:
 
         Raises:
             InvalidRequestError, InvalidImageError, UnknownSourceError, BusyError,
-            DeadlineExceededError, InternalError: the daemon's wire error, or a local check.
+            DeadlineExceededError, InternalError: the daemon's wire error, or a local check. BusyError:
+                a full queue (``details["reason"]`` ``"queue_full"``); a daemon shutting down is waited
+                for (the request is re-sent when it is back online), then DeadlineExceededError.
             BrokerUnreachableError: (a ``ConnectionError``) no answer within ``timeout_s`` and the
                 broker is not connected; the message names the cause.
             ClientClosedError: (a ``ConnectionError``, not a ``BrokerUnreachableError``) the client was
@@ -686,10 +701,14 @@ class Client:
                 f"{self.host}:{self.port} is unreachable{how_long} ({cause})",
                 details={"timeout_s": timeout_s, "local": True, "sends": slot.sends},
             )
+        state = self._status.state if self._status else "unknown"
+        stopped = "; it answered BUSY: shutting down, and was not back online in time" \
+            if slot.shutting_down else ""  # fmt: skip
         return DeadlineExceededError(
             f"no response from {self._target} within {timeout_s} s "
-            f"(daemon status: {self._status.state if self._status else 'unknown'}; request sent {slot.sends} time(s))",
-            details={"timeout_s": timeout_s, "local": True, "sends": slot.sends},
+            f"(daemon status: {state}; request sent {slot.sends} time(s){stopped})",
+            details={"timeout_s": timeout_s, "local": True, "sends": slot.sends,
+                     "shutting_down": slot.shutting_down},
         )
 
     def _send(self, slot: _Pending, *, resend: bool = False) -> None:
@@ -826,12 +845,20 @@ class Client:
             with self._lock:
                 slot = self._pending.get(bytes(correlation)) if correlation is not None else None
                 first = slot is not None and not slot.event.is_set()
-                if first and self.pool is not None and _is_busy(msg.payload) and (
+                busy = _busy_reason(msg.payload) if first else None
+                if busy is not None and self.pool is not None and (
                         slot.deadline is None or time.monotonic() + POOL_BUSY_RETRY_S < slot.deadline):
                     self.busy_retries += 1  # another member may have room: try the pool again
                     retry = threading.Timer(POOL_BUSY_RETRY_S, self._send, (slot,), {"resend": True})
                     retry.daemon = True
                     retry.start()
+                    return
+                if busy == SHUTTING_DOWN and self.pool is None:
+                    # a clean stop (SIGTERM, a restart): the daemon's "offline" follows, and its "online"
+                    # when it is back re-sends the request (_on_status), as after a crash; else the deadline
+                    # ends the wait
+                    self.shutdown_busy_held += 1
+                    slot.shutting_down = True
                     return
                 if first:
                     slot.response = bytes(msg.payload)

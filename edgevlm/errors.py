@@ -63,7 +63,26 @@ class UnknownSourceError(EdgeVLMError, KeyError):
 
 
 class BusyError(EdgeVLMError):
+    """``BUSY``: the daemon cannot take the request now. ``details.reason`` tells why: ``queue_full``
+    (:data:`QUEUE_FULL`: retry later, the SDK raises it at once) or ``shutting_down`` (:data:`SHUTTING_DOWN`:
+    the daemon is stopping; the SDK keeps the request and re-sends it when the daemon is back online)."""
+
     code = ErrorCode.BUSY
+
+
+QUEUE_FULL = "queue_full"
+"""``details.reason`` of a ``BUSY`` answered because the request queue is full (``queue_max_size``)."""
+
+SHUTTING_DOWN = "shutting_down"
+"""``details.reason`` of a ``BUSY`` answered because the daemon is stopping (SIGTERM, ``systemctl restart``):
+a queued request, a request that arrives while it stops, or one still running after
+``service.shutdown_timeout_s``."""
+
+
+def shutting_down_error(message: str = "the daemon is shutting down") -> BusyError:
+    """The ``BUSY`` error of a daemon that is stopping (``details.reason`` :data:`SHUTTING_DOWN`): the one
+    place every part of the daemon (MQTT bridge, scheduler, fronts, HTTP API) builds it."""
+    return BusyError(message, details={"reason": SHUTTING_DOWN})
 
 
 class DeadlineExceededError(EdgeVLMError, TimeoutError):

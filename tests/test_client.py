@@ -607,6 +607,118 @@ def test_request_held_by_a_daemon_that_died_is_resent_when_it_is_back_online(sta
     assert second.counters.get("responses_ok") == 1
 
 
+# the daemon as a process whose requests are slow: it says when one is taken (QUEUED <queue size>) and when
+# one starts (RUNNING), then runs it after SLOW_S, so a second one waits in the queue while the first runs
+SLOW_S = 1.5
+RUN_SLOW_REQUESTS = (
+    "import sys, time; from edgevlm.daemon.scheduler import Scheduler; submit, generate = Scheduler.submit, "
+    "Scheduler._generate; Scheduler.submit = lambda self, job: (taken := submit(self, job), print('QUEUED' "
+    "if taken else 'REFUSED', self.queue_size(), flush=True))[0]; "
+    "Scheduler._generate = lambda self, job, started: "
+    f"(print('RUNNING', flush=True), time.sleep({SLOW_S}), generate(self, job, started))[2]; "
+    "from edgevlm.config import load_daemon_config; from edgevlm.daemon.app import run; "
+    "sys.exit(run(load_daemon_config(sys.argv[1])))"
+)
+
+
+def test_a_request_queued_when_the_daemon_gets_sigterm_is_resent_to_the_restarted_daemon(
+    start_daemon, mosquitto, tiny_engine, tiny_model_dir, tmp_path, wait_until
+) -> None:
+    """``systemctl restart edgevlm``: the daemon answers what is still queued BUSY "shutting down"; the SDK
+    raised that BusyError, while after a ``kill -9`` it re-sends the request to the restarted daemon: a clean
+    restart was worse for clients than a crash. Now the BUSY says ``details.reason`` ``shutting_down`` and the
+    SDK keeps the request, re-sent when the next daemon's status says "online"."""
+    import subprocess
+    import sys
+
+    import yaml
+    from process_support import reaped, stop
+
+    cfg = {"mqtt": {"host": mosquitto.host, "port": mosquitto.port, "device_id": "dev1"},
+           "model": {"path": str(tiny_model_dir), "device": "cpu", "dtype": "float32"},
+           "defaults": {"max_new_tokens": 4, "timeout_ms": 60000}}  # fmt: skip
+    (tmp_path / "daemon.yaml").write_text(yaml.safe_dump(cfg))
+    images = [_image(20), _image(21)]
+    expected = [tiny_engine.ask(im, PROMPT, max_new_tokens=4).text for im in images]
+    got: dict[int, object] = {}
+
+    def ask(i: int) -> None:
+        try:
+            got[i] = client.ask(PROMPT, image=images[i], timeout_s=30).text
+        except Exception as exc:  # noqa: BLE001 - asserted below
+            got[i] = exc
+
+    proc = subprocess.Popen([sys.executable, "-c", RUN_SLOW_REQUESTS, str(tmp_path / "daemon.yaml")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    with reaped(proc), Client(mosquitto.host, mosquitto.port, "dev1", resend_interval_s=None) as client:
+        lines: list[bytes] = []
+
+        def read_until(marker: bytes) -> None:
+            while not lines or not lines[-1].startswith(marker):
+                lines.append(proc.stdout.readline())
+                assert lines[-1], b"".join(lines).decode(errors="replace")
+
+        assert client.wait_online(60)
+        running = threading.Thread(target=ask, args=(0,))
+        running.start()
+        read_until(b"RUNNING")
+        queued = threading.Thread(target=ask, args=(1,))
+        queued.start()
+        read_until(b"QUEUED 1")  # waits behind the running one
+        out, _ = stop(proc)
+        assert proc.returncode == 0, out.decode(errors="replace")
+        running.join(10)
+        assert got == {0: expected[0]}  # the running one finished within service.shutdown_timeout_s
+        wait_until(lambda: client.device_status is not None and client.device_status.state == "offline",
+                   what="the daemon's offline")  # fmt: skip
+        assert queued.is_alive() and client.shutdown_busy_held == 1  # BUSY shutting_down (before it), kept
+        restarted = start_daemon(device_id="dev1")
+        queued.join(20)
+        assert got == {0: expected[0], 1: expected[1]}  # not a BusyError
+        assert client.resends == 1  # re-sent once, on the restarted daemon's "online"
+    assert restarted.counters.get("responses_ok") == 1
+
+
+def test_a_busy_shutting_down_is_kept_to_the_deadline_and_a_full_queue_busy_raised_at_once(
+    start_daemon, mosquitto
+) -> None:
+    """A full queue's BUSY (``details.reason`` ``queue_full``) still raises BusyError at once; a request the
+    daemon answers BUSY ``shutting_down`` waits for it to be back online, and when it is not back by the
+    deadline, the DeadlineExceededError says so."""
+    daemon = start_daemon(queue_max_size=1)
+    img = _image(22)
+    with Client(mosquitto.host, mosquitto.port, "dev1", resend_interval_s=None) as client:
+        got: list[object] = []
+        with daemon.scheduler.paused():
+            asked = lambda: got.append(_raised(client.ask, PROMPT, image=img, timeout_s=2))  # noqa: E731
+            waiter = threading.Thread(target=asked)
+            waiter.start()
+            while daemon.scheduler.queue_size() < 1:
+                assert waiter.is_alive()
+                waiter.join(0.005)
+            start = time.monotonic()
+            with pytest.raises(BusyError, match="^queue full") as info:
+                client.ask(PROMPT, image=img, timeout_s=10)
+            assert time.monotonic() - start < 1.0
+            assert info.value.details == {"reason": "queue_full", "queue_max_size": 1}
+            daemon.stop()  # answers the queued one BUSY shutting_down
+            waiter.join(5)
+        assert client.shutdown_busy_held == 1
+        [err] = got
+        assert isinstance(err, DeadlineExceededError), err
+        assert str(err) == ("no response from device 'dev1' within 2 s (daemon status: offline; request "
+                            "sent 1 time(s); it answered BUSY: shutting down, and was not back online in time)")
+        assert err.details["shutting_down"] is True
+
+
+def _raised(fn, *args, **kwargs) -> object:
+    """``fn(*args, **kwargs)``, or the exception it raised."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the caller asserts it
+        return exc
+
+
 def test_wait_online_timeout_nan_none_and_inf_neither_hang_nor_crash(mosquitto) -> None:
     """wait_online(float("nan")) waited for ever on a daemon that was not online (NaN <= 0 is False, and the
     condition's wait(nan) never returns), wait_online(float("inf")) raised OverflowError and wait_online(None)

@@ -291,7 +291,8 @@ def test_full_queue_answers_busy(start_daemon, raw_client, tiny_engine, encode_i
         assert daemon.scheduler.queue_size() == 2
     for msg in busy:
         body = json.loads(msg.payload)
-        assert body["error"]["code"] == "BUSY" and body["error"]["details"] == {"queue_max_size": 2}
+        assert body["error"]["code"] == "BUSY"
+        assert body["error"]["details"] == {"reason": "queue_full", "queue_max_size": 2}
     assert sorted(m.properties.CorrelationData for m in busy) == [b"\x02", b"\x03"]
     done = raw.wait_messages("q/replies", 4)[2:]
     assert sorted(m.properties.CorrelationData for m in done) == [b"\x00", b"\x01"]

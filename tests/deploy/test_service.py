@@ -100,9 +100,10 @@ def test_shutdown_answers_in_flight_and_queued_requests_within_the_bound(
     daemon.stop()  # returns although "a" never finishes
 
     a, b = (json.loads(w.wait(f"resp/{n}")[0].payload) for n in ("a", "b"))
-    assert b["error"]["code"] == "BUSY" and b["error"]["message"] == "the daemon is shutting down"
-    assert a["error"]["code"] == "BUSY"
-    assert a["error"]["message"] == "the daemon is shutting down; the request did not finish within 0.3 s"
+    assert b["error"] == {"code": "BUSY", "message": "the daemon is shutting down",
+                          "details": {"reason": "shutting_down"}}  # the SDK re-sends it to the next daemon
+    assert a["error"] == {"code": "BUSY", "details": {"reason": "shutting_down"},
+                          "message": "the daemon is shutting down; the request did not finish within 0.3 s"}
     assert [m.properties.CorrelationData for m in (w.wait("resp/a")[0], w.wait("resp/b")[0])] == [b"a", b"b"]
     status = w.wait("edgevlm/dev1/status", 2)
     assert [json.loads(m.payload)["state"] for m in status] == ["online", "offline"]
@@ -118,7 +119,8 @@ def test_no_new_requests_once_stopping(make_daemon, watcher, image_b64) -> None:
     assert w.ask("dev1", {"prompt": "q", "image_b64": image_b64()})["ok"] is True
     daemon.bridge.stop_accepting()
     r = w.ask("dev1", {"prompt": "q", "image_b64": image_b64()})
-    assert r["error"] == {"code": "BUSY", "message": "the daemon is shutting down", "details": {}}
+    assert r["error"] == {"code": "BUSY", "message": "the daemon is shutting down",
+                          "details": {"reason": "shutting_down"}}
 
 
 def test_metrics_endpoint_telemetry_and_source_state(make_daemon, watcher, make_video, image_b64,
