@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_support import one_line_error
 
 cv2 = pytest.importorskip("cv2")
 pytest.importorskip("torch")
@@ -53,14 +54,6 @@ def image_path(tmp_path_factory) -> Path:
     return path
 
 
-def _one_line_error(capsys) -> str:
-    captured = capsys.readouterr()
-    lines = captured.err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("edgevlm: error: "), captured.err
-    assert "Traceback" not in captured.err and captured.out == ""
-    return lines[0].removeprefix("edgevlm: error: ")
-
-
 # ------------------------------------------------------------------------------ quantize
 
 
@@ -78,22 +71,22 @@ def test_bundle_files_get_umask_modes(bundle):
 def test_quantize_missing_folder_is_reported_before_calibration(tmp_path, capsys):
     missing = tmp_path / "nonexistent"
     assert main(["quantize", str(missing), "--out", str(tmp_path / "x")]) == 2  # AWQ, the default
-    assert _one_line_error(capsys) == f"model folder {missing} does not exist"
+    assert one_line_error(capsys) == f"model folder {missing} does not exist"
     image = tmp_path / "scene.jpg"
     image.write_bytes(b"\xff\xd8")
     assert main(["quantize", str(image), "--out", str(tmp_path / "x")]) == 2
-    assert _one_line_error(capsys) == f"{image} is not a folder (expected a model folder with config.json)"
+    assert one_line_error(capsys) == f"{image} is not a folder (expected a model folder with config.json)"
     assert not (tmp_path / "x").exists()
 
 
 def test_quantize_bundle_input_is_reported_before_calibration(bundle, tmp_path, capsys):
     assert main(["quantize", str(bundle), "--out", str(tmp_path / "x")]) == 2  # AWQ without --calib
-    assert _one_line_error(capsys) == f"{bundle} is already an engine bundle; quantize the 16-bit source model"
+    assert one_line_error(capsys) == f"{bundle} is already an engine bundle; quantize the 16-bit source model"
 
 
 def test_quantize_awq_without_calib_still_says_so(tiny_src, tmp_path, capsys):
     assert main(["quantize", str(tiny_src), "--out", str(tmp_path / "x")]) == 2
-    assert _one_line_error(capsys).startswith("AWQ needs calibration data: --calib DIR")
+    assert one_line_error(capsys).startswith("AWQ needs calibration data: --calib DIR")
 
 
 def test_quantize_names_an_unsupported_family_before_the_options(tmp_path, tiny_src, capsys):
@@ -104,7 +97,7 @@ def test_quantize_names_an_unsupported_family_before_the_options(tmp_path, tiny_
     shutil.copytree(tiny_src, src)
     (src / "config.json").write_text(json.dumps({"model_type": "paligemma"}))
     assert main(["quantize", str(src), "--out", str(tmp_path / "b")]) == 2  # awq without --calib, too
-    assert _one_line_error(capsys).startswith("config.json: model_type 'paligemma' is not supported; supported: llava")
+    assert one_line_error(capsys).startswith("config.json: model_type 'paligemma' is not supported; supported: llava")
 
 
 def test_quantize_checks_the_output_folder_before_any_work(tmp_path, tiny_src, capsys):
@@ -130,10 +123,10 @@ def test_quantize_checks_the_chat_template_before_any_work(tmp_path, capsys):
     # a template that compiles but cannot render a user turn, and a broken tokenizer.json, too
     write_tiny_checkpoint(src, chat_template="{{ raise_exception('no') }}")
     assert main(["quantize", str(src), "--out", str(out), "--method", "rtn"]) == 2
-    assert "chat template cannot render a user turn" in _one_line_error(capsys)
+    assert "chat template cannot render a user turn" in one_line_error(capsys)
     (src / "tokenizer.json").write_text("{")
     assert main(["quantize", str(src), "--out", str(out), "--method", "rtn"]) == 2
-    assert "tokenizer.json: cannot load tokenizer" in _one_line_error(capsys)
+    assert "tokenizer.json: cannot load tokenizer" in one_line_error(capsys)
 
 
 def test_quantize_summary_counts_every_file_and_writes_its_own_readme(tmp_path, capsys):
@@ -175,7 +168,7 @@ def test_ask_backend_runs_the_bundle(bundle, image_path, backend, capsys):
 def test_ask_onnx_backend_on_a_checkpoint_folder(tiny_src, image_path, capsys):
     code = main(["ask", "--image", str(image_path), "--model", str(tiny_src), "--backend", "onnx", QUESTION])
     assert code == 2
-    assert _one_line_error(capsys) == (f"{tiny_src} is not an engine bundle: the onnx backend runs bundles built "
+    assert one_line_error(capsys) == (f"{tiny_src} is not an engine bundle: the onnx backend runs bundles built "
                                        "by `edgevlm quantize` (ONNX artifacts in onnx/)")
 
 
@@ -183,12 +176,12 @@ def test_ask_unknown_backend(image_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["ask", "--image", str(image_path), "--backend", "onnxruntime", QUESTION])
     assert exc.value.code == 2
-    assert _one_line_error(capsys).startswith("argument --backend: invalid choice: 'onnxruntime'")
+    assert one_line_error(capsys).startswith("argument --backend: invalid choice: 'onnxruntime'")
 
 
 def test_ask_model_that_is_a_file(image_path, capsys):
     assert main(["ask", "--image", str(image_path), "--model", str(image_path), QUESTION]) == 2
-    assert _one_line_error(capsys) == f"{image_path} is not a folder (expected a model folder with config.json)"
+    assert one_line_error(capsys) == f"{image_path} is not a folder (expected a model folder with config.json)"
 
 
 @pytest.mark.parametrize("resolution", [1, 7, 15])
@@ -196,7 +189,7 @@ def test_ask_resolution_below_the_patch_size(tiny_src, image_path, resolution, c
     code = main(["ask", "--image", str(image_path), "--model", str(tiny_src), "--resolution", str(resolution),
                  QUESTION])
     assert code == 2
-    assert _one_line_error(capsys) == (f"--resolution {resolution} px is below the model's patch size (16 px): "
+    assert one_line_error(capsys) == (f"--resolution {resolution} px is below the model's patch size (16 px): "
                                        "use at least 16 (the model's resolution ladder: 32, 64 px)")
 
 
@@ -205,7 +198,7 @@ def test_ask_resolution_above_the_largest_is_refused_before_any_allocation(tiny_
     code = main(["ask", "--image", str(image_path), "--model", str(tiny_src), "--resolution", str(resolution),
                  QUESTION])
     assert code == 2
-    assert _one_line_error(capsys) == f"--resolution {resolution} px is above the largest input resolution, 8192 px"
+    assert one_line_error(capsys) == f"--resolution {resolution} px is above the largest input resolution, 8192 px"
 
 
 def test_ask_resolution_at_the_patch_size_runs(tiny_src, image_path, capsys):
@@ -244,12 +237,12 @@ NULL_PATH = ("model.backend: '{b}' runs engine bundles only, and model.path is n
 ])
 def test_bundle_backend_without_a_bundle_is_refused(tmp_path, mode, model, message, capsys):
     assert main(["serve", mode, str(_config(tmp_path, model))]) == 2
-    assert _one_line_error(capsys) == message
+    assert one_line_error(capsys) == message
 
 
 def test_check_config_onnx_on_a_checkpoint_folder(tiny_src, tmp_path, capsys):
     assert main(["serve", "--check-config", str(_config(tmp_path, f"  path: {tiny_src}\n  backend: onnx\n"))]) == 2
-    assert _one_line_error(capsys) == (
+    assert one_line_error(capsys) == (
         f"model.path: {tiny_src} is not an engine bundle (no manifest.json): backend 'onnx' runs bundles built by "
         "`edgevlm quantize`; use backend 'torch' for a checkpoint folder")
 
@@ -261,10 +254,10 @@ def test_check_config_onnx_on_a_bundle_without_onnx(bundle, tmp_path, capsys):
     shutil.copytree(bundle, no_onnx)
     shutil.rmtree(no_onnx / "onnx")
     assert main(["serve", "--check-config", str(_config(tmp_path, f"  path: {no_onnx}\n  backend: onnx\n"))]) == 2
-    assert _one_line_error(capsys) == f"model.path: bundle {no_onnx} has no onnx/vision.onnx, which backend 'onnx' needs"
+    assert one_line_error(capsys) == f"model.path: bundle {no_onnx} has no onnx/vision.onnx, which backend 'onnx' needs"
     assert main(["serve", "--check-config",
                  str(_config(tmp_path, f"  path: {bundle}\n  backend: tensorrt\n  device: cuda\n"))]) == 2
-    assert _one_line_error(capsys) == (f"model.path: bundle {bundle} has no tensorrt/vision.engine, which backend "
+    assert one_line_error(capsys) == (f"model.path: bundle {bundle} has no tensorrt/vision.engine, which backend "
                                        "'tensorrt' needs")
 
 
@@ -344,13 +337,13 @@ def test_quantize_overwrite_replaces_a_bundle_only_never_other_files(tiny_src, b
     shutil.copytree(tiny_src, proj / "model")
     (proj / "notes.txt").write_text("keep me")
     assert main(["quantize", str(proj / "model"), "--out", str(proj), "--overwrite", "--method", "rtn"]) == 2
-    assert _one_line_error(capsys) == f"output folder {proj} holds the model folder {proj / 'model'} (choose another --out)"
+    assert one_line_error(capsys) == f"output folder {proj} holds the model folder {proj / 'model'} (choose another --out)"
     other = tmp_path / "other"
     other.mkdir()
     for name in ("a.txt", "b.txt", "c.txt", "d.txt"):
         (other / name).write_text(name)
     assert main(["quantize", str(tiny_src), "--out", str(other), "--overwrite", "--method", "rtn"]) == 2
-    assert _one_line_error(capsys) == (f"--overwrite replaces an engine bundle, and output folder {other} is not one "
+    assert one_line_error(capsys) == (f"--overwrite replaces an engine bundle, and output folder {other} is not one "
                                        "(no manifest.json; it holds a.txt, b.txt, c.txt and 1 more): choose another --out")
     assert sorted(p.name for p in other.iterdir()) == ["a.txt", "b.txt", "c.txt", "d.txt"]
     assert (proj / "notes.txt").read_text() == "keep me" and (proj / "model" / "config.json").is_file()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_support import one_line_error
 
 cv2 = pytest.importorskip("cv2")
 pytest.importorskip("torch")
@@ -34,14 +35,6 @@ def image_path(tmp_path_factory) -> Path:
     return path
 
 
-def _one_line_error(capsys) -> str:
-    captured = capsys.readouterr()
-    lines = captured.err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("edgevlm: error: "), captured.err
-    assert "Traceback" not in captured.err and captured.out == ""
-    return lines[0].removeprefix("edgevlm: error: ")
-
-
 def _copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
@@ -57,18 +50,18 @@ def test_a_qwen_checkpoint_without_its_chat_template_is_refused_not_prompted_as_
     assert "chat_template" not in json.loads((src / "tokenizer_config.json").read_text())
     out = tmp_path / "bundle"
     assert main(["quantize", str(src), "--out", str(out), "--method", "rtn"]) == 2
-    message = _one_line_error(capsys)
+    message = one_line_error(capsys)
     assert message.startswith(
         f"{src}: model folder {src} has no chat template (chat_template.jinja, "
         "chat_template.json or tokenizer_config.json's chat_template): the qwen2_5_vl family"
     )
     assert not out.exists() and not out.with_name("bundle.partial").exists()
     assert main(["ask", "--image", str(image_path), "--model", str(src), "what is this?"]) == 2
-    assert f"model folder {src} has no chat template" in _one_line_error(capsys)
+    assert f"model folder {src} has no chat template" in one_line_error(capsys)
     config = tmp_path / "daemon.yaml"
     config.write_text(f"mqtt: {{device_id: r1}}\nmodel: {{path: {src}}}\n")
     assert main(["serve", "--check-config", str(config)]) == 2
-    assert _one_line_error(capsys).startswith(f"model.path: model folder {src} has no chat template")
+    assert one_line_error(capsys).startswith(f"model.path: model folder {src} has no chat template")
     # the same folder with the template in chat_template.json (the hub's other spelling) loads
     template = (qwen_src / "chat_template.jinja").read_text()
     (src / "chat_template.json").write_text(json.dumps({"chat_template": template}))
@@ -102,13 +95,13 @@ def test_a_weight_header_whose_dtype_does_not_fit_its_bytes_is_one_line(qwen_src
     weights.write_bytes(raw[:8] + text + raw[8 + n :])
     out = tmp_path / "bundle"
     assert main(["quantize", str(src), "--out", str(out), "--method", "rtn"]) == 2
-    assert _one_line_error(capsys).startswith(
+    assert one_line_error(capsys).startswith(
         f"{weights}: corrupt safetensors header (tensor {name!r} is F64 "
     )
     assert not out.exists() and not out.with_name("bundle.partial").exists()
     config = tmp_path / "daemon.yaml"
     config.write_text(f"mqtt: {{device_id: r1}}\nmodel: {{path: {src}}}\n")
     assert main(["serve", "--check-config", str(config)]) == 2
-    assert _one_line_error(capsys).startswith(
+    assert one_line_error(capsys).startswith(
         f"model.path: {weights}: corrupt safetensors header (tensor {name!r}"
     )
