@@ -113,14 +113,20 @@ def test_gst_launch_subprocess_delivers_rgb_frames() -> None:
     assert src.state == "stopped"
 
 
-def assert_one_blue_frame_of_40x30(cfg: SourceConfig) -> None:
-    """The source ``cfg`` (a blue ``videotestsrc`` scaled to 40 x 30) delivers such a frame."""
+def _one_frame(cfg: SourceConfig):
+    """The first frame the source ``cfg`` delivers (started and stopped here)."""
     src = FrameSource(cfg)
     src.start()
     try:
         (f,) = _collect(src, 1)
     finally:
         src.stop()
+    return f
+
+
+def assert_one_blue_frame_of_40x30(cfg: SourceConfig) -> None:
+    """The source ``cfg`` (a blue ``videotestsrc`` scaled to 40 x 30) delivers such a frame."""
+    f = _one_frame(cfg)
     assert f.image.shape == (30, 40, 3) and f.image[..., 2].min() > 200  # blue
 
 
@@ -519,12 +525,7 @@ def test_csi_pipeline_is_built_from_fields() -> None:
 def test_csi_source_reads_through_the_subprocess_path(fake_gst, wait_until) -> None:
     cfg = SourceConfig(name="csi0", csi={"sensor_id": 2}, width=16, height=12, fps=15, capture="subprocess",
                        gst_launch=str(fake_gst))  # fmt: skip
-    src = FrameSource(cfg)
-    src.start()
-    try:
-        (f,) = _collect(src, 1)
-    finally:
-        src.stop()
+    f = _one_frame(cfg)
     assert f.image.shape == (12, 16, 3) and f.image[0, 0].tolist() == [255, 0, 0]  # BGR (0,0,255) -> red
     args = fake_gst.runs()[0]
     assert args[:3] == ["-q", "nvarguscamerasrc", "sensor-id=2"]
